@@ -1,0 +1,26 @@
+# Quick start: `make demo` and `make test` each bootstrap .venv on a fresh machine.
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.kvtier-installed
+
+.PHONY: demo test bench-tree bench-transfer clean-venv
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	VENV=$(VENV) bash scripts/bootstrap.sh
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/single_process.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench-tree: $(STAMP)
+	$(PY) -m kvtier bench gen-trace --out /tmp/kvtier-trace.jsonl
+	$(PY) -m kvtier bench tree --trace /tmp/kvtier-trace.jsonl --page-size 64 --capacity 131072 --json
+
+bench-transfer: $(STAMP)
+	$(PY) -m kvtier bench transfer --json
+
+clean-venv:
+	rm -rf $(VENV)

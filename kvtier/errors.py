@@ -1,0 +1,37 @@
+"""Errors a caller can trigger. Each message says what to change.
+
+A cache miss is a value, never an exception; `assert` guards internal invariants only.
+"""
+
+
+class KvtierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvtierError, ValueError):
+    """A setting is invalid or conflicts with another one."""
+
+
+class InvalidTokensError(KvtierError, ValueError):
+    """Token ids that cannot be hashed or stored (empty, negative, beyond uint32, wrong type)."""
+
+
+class HostMemoryError(KvtierError, MemoryError):
+    """The host lacks the memory asked for the L2 pool."""
+
+
+class AllocatorError(KvtierError, RuntimeError):
+    """A page was freed twice, freed while not allocated, or is out of range."""
+
+
+class TransferError(KvtierError, RuntimeError):
+    """A copy between tiers failed or was given mismatched page lists."""
+
+
+class ClosedError(KvtierError, RuntimeError):
+    """The component was used after close()."""
+
+
+class CacheUsageError(KvtierError, ValueError):
+    """The cache was called in a way that breaks its contract (unlock without lock, page
+    lists of the wrong length): a bug in the caller, reported instead of corrupting state."""

@@ -1,0 +1,128 @@
+"""Page keys: a SHA-256 chain over page-aligned token runs, seeded by the namespace.
+
+`h_i = sha256(h_{i-1} || tokens of page i as little-endian uint32)`; with no seed the first
+page has no prior digest, which gives the same chain as SGLang (tokens [1,2,3,4] ->
+cf97adee...733b72). A namespace seed (model, tenant salt, layout fingerprint) makes the chain
+of one namespace unreachable from another: two tenants never share a key.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvtier.errors import ConfigError, InvalidTokensError
+
+UINT32_MAX = 2**32 - 1
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
+
+
+def tokens_to_array(tokens: Sequence[int]) -> np.ndarray:
+    """Token ids as a little-endian uint32 array; raises on anything that is not one."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        if hasattr(tokens, "tolist"):  # torch tensors
+            tokens = tokens.tolist()
+        try:
+            arr = np.asarray(tokens)
+        except (TypeError, ValueError) as exc:
+            raise InvalidTokensError(f"token ids must be a flat sequence of ints: {exc}") from exc
+    if arr.ndim != 1:
+        raise InvalidTokensError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > UINT32_MAX):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise InvalidTokensError(f"token id {bad} is outside uint32 [0, {UINT32_MAX}]")
+    return arr.astype("<u4", copy=False)
+
+
+def page_hashes(
+    tokens: Sequence[int], page_size: int, seed: bytes | None = None, prior: str | None = None
+) -> list[str]:
+    """Hex digests of every full page of `tokens` (a trailing partial page has no key).
+
+    `seed` starts the chain of a namespace; `prior` continues a chain from an earlier digest.
+    """
+    if page_size < 1:
+        raise ConfigError(f"page_size must be >= 1, got {page_size}")
+    arr = tokens_to_array(tokens)
+    raw = arr.tobytes()
+    step = page_size * 4
+    prev = bytes.fromhex(prior) if prior is not None else seed
+    out: list[str] = []
+    for start in range(0, (len(arr) // page_size) * step, step):
+        h = hashlib.sha256()
+        if prev is not None:
+            h.update(prev)
+        h.update(raw[start : start + step])
+        prev = h.digest()
+        out.append(h.hexdigest())
+    return out
+
+
+def _check_part(label: str, value: str, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"namespace {label} must be a string, got {type(value).__name__}")
+    if allow_empty and value == "":
+        return value
+    if not _NAME_RE.match(value) or ".." in value:
+        raise ConfigError(
+            f"namespace {label} {value!r} is not allowed: use 1-128 characters from "
+            "letters, digits, '.', '_', '-', '/', starting with a letter or digit, no '..'"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class KeyNamespace:
+    """Who may share pages: same model, same tenant salt, same byte layout."""
+
+    model: str
+    tenant_salt: str = ""
+    layout_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        _check_part("model", self.model)
+        _check_part("tenant salt", self.tenant_salt, allow_empty=True)
+        _check_part("layout fingerprint", self.layout_fingerprint, allow_empty=True)
+
+    @property
+    def seed(self) -> bytes:
+        """The digest that starts every chain of this namespace."""
+        h = hashlib.sha256(b"kvtier-namespace-v1")
+        for part in (self.model, self.tenant_salt, self.layout_fingerprint):
+            data = part.encode()
+            h.update(len(data).to_bytes(4, "little"))  # length-prefixed: no ambiguity
+            h.update(data)
+        return h.digest()
+
+    @property
+    def name(self) -> str:
+        """A filesystem- and key-safe name: model with '/' as '-', plus a short seed digest."""
+        return f"{self.model.replace('/', '-')}-{self.seed.hex()[:16]}"
+
+    def page_hashes(self, tokens: Sequence[int], page_size: int) -> list[str]:
+        return page_hashes(tokens, page_size, seed=self.seed)
+
+
+def layout_fingerprint(spec: object, layout: object, format_version: int = 1) -> str:
+    """A short digest of everything that decides the bytes of a stored page.
+
+    The reference names objects without the layout, so changing it reads bytes in the wrong
+    order; kvtier puts this fingerprint in the namespace instead.
+    """
+    parts = [
+        f"v{format_version}",
+        str(layout),
+        str(getattr(spec, "dtype")),
+        str(getattr(spec, "num_layers")),
+        str(getattr(spec, "num_kv_heads")),
+        str(getattr(spec, "head_dim")),
+        str(getattr(spec, "page_size")),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -1,0 +1,83 @@
+"""The enums behind every policy and layout knob. Compare members, never strings."""
+from __future__ import annotations
+
+import enum
+
+
+class _Choice(str, enum.Enum):
+    """A str-valued enum whose values are the reference's CLI spellings."""
+
+    @classmethod
+    def parse(cls, value: "str | _Choice", flag: str) -> "_Choice":
+        from kvtier.errors import ConfigError
+
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower().replace("-", "_"))
+            except ValueError:
+                pass
+        choices = ", ".join(m.value for m in cls)
+        raise ConfigError(f"{flag}: {value!r} is not one of: {choices}")
+
+    def __str__(self) -> str:  # logs and CLI show the plain spelling
+        return self.value
+
+
+class WritePolicy(_Choice):
+    """When L1 pages are copied to L2 (and on to L3)."""
+
+    WRITE_THROUGH = "write_through"  # back up on first insert (hit threshold 1)
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # back up once hit twice
+    WRITE_BACK = "write_back"  # copy only when evicted from L1
+
+
+class IoBackend(_Choice):
+    """How L1<->L2 copies run."""
+
+    KERNEL = "kernel"  # batched index copies (gather/scatter) over the pool tensors
+    DIRECT = "direct"  # contiguous per-page runs copied straight between pools
+
+
+class MemLayout(_Choice):
+    """Byte order of the L2 host pool."""
+
+    LAYER_FIRST = "layer_first"  # (2, L, tokens, H, D)
+    PAGE_FIRST = "page_first"  # (2, tokens, L, H, D)
+    PAGE_FIRST_DIRECT = "page_first_direct"  # (2, pages, L, page_size, H, D)
+
+    @property
+    def is_page_major(self) -> bool:
+        return self is not MemLayout.LAYER_FIRST
+
+
+class PrefetchPolicy(_Choice):
+    """How long admission waits for L3->L2 prefetches."""
+
+    BEST_EFFORT = "best_effort"  # use whatever arrived by the time the request is scheduled
+    WAIT_COMPLETE = "wait_complete"  # wait until the whole prefetch completes
+    TIMEOUT = "timeout"  # wait up to a length-dependent timeout
+
+
+class StorageBackendKind(_Choice):
+    """L3 storage backends kvtier ships."""
+
+    FILE = "file"
+    MOONCAKE = "mooncake"
+    NIXL = "nixl"
+    SIMULATED = "simulated"  # deterministic bandwidth/latency model for GPU-free tests
+
+
+class HostMode(_Choice):
+    """What the L2 host pool is for."""
+
+    CACHE = "cache"  # L2 is a cache tier of its own (hits are loaded back from it)
+    STORAGE_ONLY = "storage_only"  # L2 only stages pages between L1 and L3
+
+
+class HitPolicy(_Choice):
+    """Which pages of a prefix a storage pool must hold for the prefix to count."""
+
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"

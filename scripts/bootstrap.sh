@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Creates .venv and installs kvtier with its dev dependencies. Safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+# Mooncake's transfer engine links against libibverbs even for TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "bootstrap: installing Debian libibverbs1 (needed by Mooncake)"
+        (apt-get install -y -q libibverbs1 >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }) \
+            || echo "bootstrap: warning: could not install libibverbs1; the mooncake backend will be unavailable"
+    else
+        echo "bootstrap: warning: libibverbs1 is missing; install it (apt-get install libibverbs1) for the mooncake backend"
+    fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null 2>&1 || true
+# torch first and exactly: where no GPU is present pip takes the CPU build from the local
+# wheel directory; on a CUDA host the same pin takes the CUDA build from PyPI.
+if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo "bootstrap: GPU found; installing torch==2.13.0 (CUDA build)"
+    else
+        echo "bootstrap: no GPU; installing torch==2.13.0 (CPU build)"
+    fi
+    $PIP install -q torch==2.13.0
+fi
+$PIP install -q -e '.[dev]'
+echo "bootstrap: $VENV ready"

@@ -1,0 +1,457 @@
+"""HiRadixTree: page-aligned token prefixes and the tier (L1/L2) of every page.
+
+Runs without Ray and without a GPU: it only does bookkeeping of page ids. The pools hold the
+bytes; the cache facade moves them. Sizes are maintained on every change, and eviction order
+comes from LRU queues of candidates, so no operation walks the whole tree.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+from kvtier.errors import CacheUsageError
+from kvtier.tiers.allocator import PageAllocator
+from kvtier.tiers.tree_node import LruQueue, TreeNode
+from kvtier.tiers.tree_types import EvictResult, InsertResult, LoadBackPlan, MatchResult, TreeStats
+
+# Called for an L1 page run that is about to be evicted and has no L2 copy (write_back
+# policy): returns the L2 page ids now holding a copy, or None to drop the run instead.
+WriteBackFn = Callable[[TreeNode], "list[int] | None"]
+
+
+def _as_key(tokens: Sequence[int]) -> tuple:
+    if isinstance(tokens, tuple):
+        return tokens
+    if hasattr(tokens, "tolist"):
+        return tuple(tokens.tolist())
+    return tuple(tokens)
+
+
+class HiRadixTree:
+    """A radix tree over whole pages of tokens; nodes know their L1 and L2 page ids."""
+
+    def __init__(
+        self,
+        page_size: int,
+        device_allocator: PageAllocator,
+        host_allocator: PageAllocator | None = None,
+        write_back: WriteBackFn | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise CacheUsageError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.device_allocator = device_allocator
+        self.host_allocator = host_allocator
+        self.write_back = write_back
+        self._ids = itertools.count(1)
+        self._clock = 0
+        self.root = TreeNode(0, (), None)
+        self.root.value, self.root.host_value, self.root.lock_ref = [], [], 1  # never evicted
+        self.device_lru = LruQueue("in_device_lru", TreeNode.is_device_candidate)
+        self.host_lru = LruQueue("in_host_lru", TreeNode.is_host_candidate)
+        self._device_evictable = self._device_protected = 0
+        self._host_evictable = self._host_protected = 0
+        self._num_nodes = 1
+
+    # ---- sizes -------------------------------------------------------------------------
+    def stats(self) -> TreeStats:
+        return TreeStats(
+            self._device_evictable, self._device_protected,
+            self._host_evictable, self._host_protected, self._num_nodes,
+        )
+
+    @property
+    def evictable_size(self) -> int:
+        """Tokens in L1 that eviction could free now."""
+        return self._device_evictable * self.page_size
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens in L1 held by locks."""
+        return self._device_protected * self.page_size
+
+    def _account(self, node: TreeNode, sign: int) -> None:
+        """Add (+1) or remove (-1) `node`'s pages from the size that matches its state."""
+        if node.value is not None:
+            if node.lock_ref:
+                self._device_protected += sign * len(node.value)
+            else:
+                self._device_evictable += sign * len(node.value)
+        elif node.host_value is not None:
+            if node.host_ref:
+                self._host_protected += sign * len(node.host_value)
+            else:
+                self._host_evictable += sign * len(node.host_value)
+
+    def _refresh(self, node: TreeNode) -> None:
+        self.device_lru.refresh(node)
+        self.host_lru.refresh(node)
+
+    # ---- lookup ------------------------------------------------------------------------
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """The longest stored page-aligned prefix of `tokens`, split at its end."""
+        key = _as_key(tokens)
+        p = self.page_size
+        end = len(key) // p * p
+        self._clock += 1
+        clock = self._clock
+        node = last_device = last_host = self.root
+        device: list[int] = []
+        host_hit = 0
+        pos = 0
+        while pos < end:
+            child = node.children.get(key[pos : pos + p])
+            if child is None:
+                break
+            span = len(child.key)
+            if pos + span > end or key[pos : pos + span] != child.key:
+                child = self._split(child, self._common_pages(child.key, key, pos, end))
+                span = len(child.key)
+            child.last_access = clock
+            child.hit_count += 1
+            if child.value is not None:
+                device.extend(child.value)
+                last_device = child
+            else:
+                host_hit += span
+            if child.host_value is not None:
+                last_host = child
+            pos += span
+            node = child
+        return MatchResult(device, last_device, last_host, host_hit, p)
+
+    def _common_pages(self, node_key: tuple, key: tuple, pos: int, end: int) -> int:
+        """Whole pages that `node_key` shares with `key[pos:end]` (at least the first)."""
+        p = self.page_size
+        limit = min(len(node_key), end - pos)
+        n = p
+        while n < limit and node_key[n : n + p] == key[pos + n : pos + n + p]:
+            n += p
+        return n // p
+
+    def _split(self, child: TreeNode, pages: int) -> TreeNode:
+        """Cut `child` after `pages` pages; returns the new upper node."""
+        cut = pages * self.page_size
+        upper = TreeNode(next(self._ids), child.key[:cut], child.parent)
+        child.parent.children[child.key[: self.page_size]] = upper
+        child.key = child.key[cut:]
+        if child.value is not None:
+            upper.value, child.value = child.value[:pages], child.value[pages:]
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:pages], child.host_value[pages:]
+        upper.lock_ref, upper.host_ref = child.lock_ref, child.host_ref  # path counts
+        upper.hit_count, upper.last_access = child.hit_count, child.last_access
+        upper.children[child.key[: self.page_size]] = child
+        upper.device_children = 1 if child.value is not None else 0
+        child.parent = upper
+        self._num_nodes += 1
+        return upper
+
+    # ---- insertion -----------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> InsertResult:
+        """Store L1 pages for the page-aligned part of `tokens`.
+
+        `device_pages` has one id per page of `tokens`, a trailing partial page included. Pages
+        the tree already holds in L1 stay; the caller's copies come back in `unused_pages`.
+        A run that was evicted to L2 takes the caller's freshly computed pages back into L1.
+        """
+        key, full, unused = self._check_pages(tokens, device_pages)
+        p = self.page_size
+        self._clock += 1
+        node, i, prefix = self.root, 0, 0
+        while i < full:
+            child = node.children.get(key[i * p : (i + 1) * p])
+            if child is None:
+                break
+            child = self._walk_into(child, key, i, full)
+            pages = len(child.key) // p
+            seg = device_pages[i : i + pages]
+            if child.value is None:
+                self._account(child, -1)
+                child.value = list(seg)
+                self._account(child, +1)
+                node.device_children += 1
+                self._refresh(node)
+                self._refresh(child)
+            else:
+                unused.extend(a for a, b in zip(seg, child.value) if a != b)
+                prefix += pages
+            i += pages
+            node = child
+        if i < full:
+            node = self._add_child(node, key[i * p : full * p], device_pages[i:full], None)
+        return InsertResult(unused, prefix, full - i, node)
+
+    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int]) -> InsertResult:
+        """Store L2-only pages (arriving from L3) for the page-aligned part of `tokens`.
+
+        A new L2-only run hangs only below the root or a node that is itself in L2, so every
+        L2-only prefix is complete in L2; pages that cannot be placed come back unused.
+        """
+        key, full, unused = self._check_pages(tokens, host_pages)
+        p = self.page_size
+        self._clock += 1
+        node, i, prefix = self.root, 0, 0
+        while i < full:
+            child = node.children.get(key[i * p : (i + 1) * p])
+            if child is None:
+                break
+            child = self._walk_into(child, key, i, full)
+            pages = len(child.key) // p
+            seg = host_pages[i : i + pages]
+            if child.host_value is None:
+                self._account(child, -1)
+                child.host_value = list(seg)
+                self._account(child, +1)
+            else:
+                unused.extend(a for a, b in zip(seg, child.host_value) if a != b)
+                prefix += pages
+            i += pages
+            node = child
+        if i < full:
+            if node is self.root or node.host_value is not None:
+                node = self._add_child(node, key[i * p : full * p], None, host_pages[i:full])
+            else:
+                unused.extend(host_pages[i:full])
+                full = i
+        return InsertResult(unused, prefix, full - i, node)
+
+    def _check_pages(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple:
+        key = _as_key(tokens)
+        full, rest = divmod(len(key), self.page_size)
+        if len(pages) != full + (1 if rest else 0):
+            raise CacheUsageError(
+                f"{len(key)} tokens need {full + (1 if rest else 0)} page ids "
+                f"(page size {self.page_size}), got {len(pages)}"
+            )
+        return key, full, list(pages[full:])
+
+    def _walk_into(self, child: TreeNode, key: tuple, i: int, full: int) -> TreeNode:
+        p = self.page_size
+        pos, end, span = i * p, full * p, len(child.key)
+        if pos + span > end or key[pos : pos + span] != child.key:
+            child = self._split(child, self._common_pages(child.key, key, pos, end))
+        child.last_access = self._clock
+        return child
+
+    def _add_child(self, parent: TreeNode, key: tuple, value, host_value) -> TreeNode:
+        node = TreeNode(next(self._ids), key, parent)
+        node.value = list(value) if value is not None else None
+        node.host_value = list(host_value) if host_value is not None else None
+        node.last_access = self._clock
+        parent.children[key[: self.page_size]] = node
+        if value is not None:
+            parent.device_children += 1
+        self._num_nodes += 1
+        self._account(node, +1)
+        self._refresh(parent)
+        self._refresh(node)
+        return node
+
+    def set_backup(self, node: TreeNode, host_pages: Sequence[int]) -> None:
+        """Record that `node`'s L1 pages now have L2 copies at `host_pages`."""
+        if node.value is None or node.host_value is not None or len(host_pages) != len(node.value):
+            raise CacheUsageError(f"set_backup needs an L1-only node and {node.num_pages} pages: {node}")
+        node.host_value = list(host_pages)
+
+    # ---- protection ----------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        """Protect the L1 pages from `node` to the root against eviction."""
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._account(node, -1)
+                node.lock_ref = 1
+                self._account(node, +1)
+                self.device_lru.discard(node)
+            else:
+                node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`."""
+        if node.parent is not None and node.lock_ref <= 0:
+            raise CacheUsageError(f"unlock of a node that is not locked: {node}")
+        while node.parent is not None:
+            if node.lock_ref == 1:
+                self._account(node, -1)
+                node.lock_ref = 0
+                self._account(node, +1)
+                self.device_lru.refresh(node)
+            else:
+                node.lock_ref -= 1
+            node = node.parent
+
+    def protect_host(self, node: TreeNode) -> None:
+        """Protect the L2 pages from `node` to the root (loads, backups in flight)."""
+        while node.parent is not None:
+            if node.host_ref == 0:
+                self._account(node, -1)
+                node.host_ref = 1
+                self._account(node, +1)
+                self.host_lru.discard(node)
+            else:
+                node.host_ref += 1
+            node = node.parent
+
+    def release_host(self, node: TreeNode) -> None:
+        """Undo one `protect_host(node)`."""
+        if node.parent is not None and node.host_ref <= 0:
+            raise CacheUsageError(f"release_host of a node that is not protected: {node}")
+        while node.parent is not None:
+            if node.host_ref == 1:
+                self._account(node, -1)
+                node.host_ref = 0
+                self._account(node, +1)
+                self.host_lru.refresh(node)
+            else:
+                node.host_ref -= 1
+            node = node.parent
+
+    # ---- eviction ------------------------------------------------------------------------
+    def evict_device(self, num_pages: int) -> EvictResult:
+        """Free at least `num_pages` L1 pages from least recently used unlocked leaves.
+
+        A run with an L2 copy is demoted (stays matchable from L2); one without is written back
+        first when `write_back` is set and succeeds, else dropped with whatever hangs below it.
+        """
+        freed = demoted = dropped = written = 0
+        skipped: list[TreeNode] = []
+        while freed < num_pages:
+            node = self.device_lru.pop()
+            if node is None:
+                break
+            pages = len(node.value)
+            if node.host_value is None and self.write_back is not None:
+                host_pages = self.write_back(node)
+                if host_pages is not None:
+                    node.host_value = list(host_pages)
+                    written += pages
+            if node.host_value is not None:
+                self._demote(node)
+                demoted += pages
+            elif node.host_ref:  # an L2 run below it is in use: cannot drop the prefix now
+                skipped.append(node)
+                continue
+            else:
+                self._drop_subtree(node)
+                dropped += pages
+            freed += pages
+        for node in skipped:
+            self.device_lru.refresh(node)
+        return EvictResult(freed, demoted, dropped, written)
+
+    def _demote(self, node: TreeNode) -> None:
+        self._account(node, -1)
+        self.device_allocator.free(node.value)
+        node.value = None
+        self._account(node, +1)
+        node.parent.device_children -= 1
+        self._refresh(node.parent)
+        self.host_lru.refresh(node)
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Remove `node` (in L1, no L2 copy) and its L2-only descendants from every tier."""
+        stack = list(node.children.values())
+        while stack:
+            below = stack.pop()
+            stack.extend(below.children.values())
+            self._forget(below)
+        self._forget(node)
+        parent = node.parent
+        del parent.children[node.key[: self.page_size]]
+        parent.device_children -= 1
+        self._refresh(parent)
+
+    def _forget(self, node: TreeNode) -> None:
+        """Free `node`'s pages in both tiers and take it out of the queues."""
+        self._account(node, -1)
+        if node.value is not None:
+            self.device_allocator.free(node.value)
+            node.value = None
+        if node.host_value is not None:
+            self.host_allocator.free(node.host_value)
+            node.host_value = None
+        self.device_lru.discard(node)
+        self.host_lru.discard(node)
+        self._num_nodes -= 1
+
+    def evict_host(self, num_pages: int) -> EvictResult:
+        """Free at least `num_pages` L2 pages from unprotected runs already evicted from L1."""
+        freed = 0
+        while freed < num_pages:
+            node = self.host_lru.pop()
+            if node is None:
+                break
+            freed += len(node.host_value)
+            self._forget(node)
+            parent = node.parent
+            del parent.children[node.key[: self.page_size]]
+            self.host_lru.refresh(parent)
+        return EvictResult(freed, dropped_pages=freed)
+
+    # ---- load-back -----------------------------------------------------------------------
+    def plan_load_back(
+        self, node: TreeNode, threshold_tokens: int = 0, max_pages: int | None = None
+    ) -> LoadBackPlan | None:
+        """Give the L2-only runs from `node` up to its deepest L1 ancestor fresh L1 pages.
+
+        All or nothing: None when the span is shorter than `threshold_tokens` (recomputing is
+        cheaper), longer than `max_pages` (memory quota), or L1 cannot free enough pages.
+        The nodes are in L1 as soon as this returns; the caller copies the bytes and makes
+        readers wait per layer.
+        """
+        nodes: list[TreeNode] = []
+        while node.value is None:
+            nodes.append(node)
+            node = node.parent
+        if not nodes:
+            return None
+        nodes.reverse()
+        total = sum(len(n.host_value) for n in nodes)
+        if total * self.page_size < threshold_tokens or (max_pages is not None and total > max_pages):
+            return None
+        pages = self.device_allocator.alloc(total)
+        if pages is None:
+            self.lock(node)  # the anchor must survive the eviction we trigger
+            self.protect_host(nodes[-1])  # and so must the L2 pages we are about to load
+            try:
+                self.evict_device(total - self.device_allocator.num_free)
+            finally:
+                self.release_host(nodes[-1])
+                self.unlock(node)
+            pages = self.device_allocator.alloc(total)
+            if pages is None:
+                return None
+        host_pages: list[int] = []
+        start = 0
+        for n in nodes:
+            count = len(n.host_value)
+            self._account(n, -1)
+            n.value = pages[start : start + count]
+            self._account(n, +1)
+            n.parent.device_children += 1
+            self._refresh(n.parent)
+            self._refresh(n)
+            host_pages.extend(n.host_value)
+            start += count
+        return LoadBackPlan(nodes, host_pages, pages, total * self.page_size)
+
+    # ---- whole tree ----------------------------------------------------------------------
+    def nodes(self) -> list[TreeNode]:
+        """Every node but the root (walks the tree: for tests and debugging only)."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def clear(self) -> None:
+        """Drop every unlocked page; raises when something is still locked or protected."""
+        held = [n for n in self.nodes() if n.lock_ref or n.host_ref]
+        if held:
+            raise CacheUsageError(f"clear() with {len(held)} locked or protected nodes, e.g. {held[0]}")
+        for node in self.nodes():
+            self._forget(node)
+        self.root.children.clear()
+        self.root.device_children = 0
