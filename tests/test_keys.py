@@ -1,0 +1,57 @@
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import ConfigError, InvalidTokensError
+from kvtier.keys import KeyNamespace, layout_fingerprint, page_hashes
+from kvtier.kv_spec import KVSpec
+from kvtier.policies import MemLayout
+
+VECTOR = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
+
+
+def test_reference_vector():
+    assert page_hashes([1, 2, 3, 4], 4) == [VECTOR]
+    assert page_hashes(np.array([1, 2, 3, 4]), 4) == [VECTOR]
+    assert page_hashes(torch.tensor([1, 2, 3, 4]), 4) == [VECTOR]
+
+
+def test_chain_and_partial_page():
+    two = page_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(two) == 2 and two[0] == VECTOR
+    assert page_hashes([5, 6, 7, 8], 4, prior=VECTOR) == [two[1]]
+    assert page_hashes([5, 6, 7, 8], 4) != [two[1]]  # position in the chain matters
+
+
+@pytest.mark.parametrize("bad", [[-1, 2, 3, 4], [2**32, 1, 2, 3], [1.5, 2, 3, 4], [[1, 2]], ["a"]])
+def test_tokens_outside_uint32_raise(bad):
+    with pytest.raises(InvalidTokensError):
+        page_hashes(bad, 1)
+
+
+def test_boundary_tokens_are_fine():
+    assert len(page_hashes([0, 2**32 - 1], 1)) == 2
+
+
+def test_namespaces_separate_tenants_models_and_layouts():
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4)
+    fp1 = layout_fingerprint(spec, MemLayout.PAGE_FIRST)
+    fp2 = layout_fingerprint(spec, MemLayout.LAYER_FIRST)
+    assert fp1 != fp2
+    a = KeyNamespace("smollm2", "tenant-a", fp1)
+    b = KeyNamespace("smollm2", "tenant-b", fp1)
+    c = KeyNamespace("smollm2", "tenant-a", fp2)
+    hashes = {ns.page_hashes([1, 2, 3, 4], 4)[0] for ns in (a, b, c)}
+    assert len(hashes) == 3 and VECTOR not in hashes
+    assert a.page_hashes([1, 2, 3, 4], 4) == KeyNamespace("smollm2", "tenant-a", fp1).page_hashes([1, 2, 3, 4], 4)
+
+
+@pytest.mark.parametrize("model", ["", "../etc", "a/../b", "x y", "a\x00b", "-lead", "m" * 200])
+def test_namespace_parts_cannot_escape(model):
+    with pytest.raises(ConfigError):
+        KeyNamespace(model)
+
+
+def test_namespace_name_is_path_safe():
+    ns = KeyNamespace("HuggingFaceTB/SmolLM2-135M-Instruct", "t1")
+    assert "/" not in ns.name and ns.name.startswith("HuggingFaceTB-SmolLM2")
