@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 from kvtier.errors import CacheUsageError
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.tree_node import LruQueue, TreeNode
-from kvtier.tiers.tree_types import EvictResult, InsertResult, LoadBackPlan, MatchResult, TreeStats
+from kvtier.tiers.tree_types import (EvictResult, InsertResult, LoadBackPlan, LoadRefusal,
+                                     MatchResult, TreeStats)
 
 # Called for an L1 page run that is about to be evicted and has no L2 copy (write_back
 # policy): returns the L2 page ids now holding a copy, or None to drop the run instead.
@@ -392,11 +393,12 @@ class HiRadixTree:
     # ---- load-back -----------------------------------------------------------------------
     def plan_load_back(
         self, node: TreeNode, threshold_tokens: int = 0, max_pages: int | None = None
-    ) -> LoadBackPlan | None:
+    ) -> LoadBackPlan | LoadRefusal:
         """Give the L2-only runs from `node` up to its deepest L1 ancestor fresh L1 pages.
 
-        All or nothing: None when the span is shorter than `threshold_tokens` (recomputing is
-        cheaper), longer than `max_pages` (memory quota), or L1 cannot free enough pages.
+        All or nothing: a LoadRefusal when the span is shorter than `threshold_tokens`
+        (recomputing is cheaper), longer than `max_pages` (memory quota), or L1 cannot free
+        enough pages; nothing changes then.
         The nodes are in L1 as soon as this returns; the caller copies the bytes and makes
         readers wait per layer.
         """
@@ -405,11 +407,13 @@ class HiRadixTree:
             nodes.append(node)
             node = node.parent
         if not nodes:
-            return None
+            return LoadRefusal.NOTHING_TO_LOAD
         nodes.reverse()
         total = sum(len(n.host_value) for n in nodes)
-        if total * self.page_size < threshold_tokens or (max_pages is not None and total > max_pages):
-            return None
+        if total * self.page_size < threshold_tokens:
+            return LoadRefusal.BELOW_THRESHOLD
+        if max_pages is not None and total > max_pages:
+            return LoadRefusal.OVER_QUOTA
         pages = self.device_allocator.alloc(total)
         if pages is None:
             self.lock(node)  # the anchor must survive the eviction we trigger
@@ -421,7 +425,7 @@ class HiRadixTree:
                 self.unlock(node)
             pages = self.device_allocator.alloc(total)
             if pages is None:
-                return None
+                return LoadRefusal.DEVICE_CAPACITY
         host_pages: list[int] = []
         start = 0
         for n in nodes:

@@ -1,6 +1,7 @@
 """Results the HiRadixTree hands back: named, typed, never bare tuples."""
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 from kvtier.tiers.tree_node import TreeNode
@@ -51,6 +52,15 @@ class EvictResult(NamedTuple):
     demoted_pages: int = 0  # L1 copy freed, L2 copy kept
     dropped_pages: int = 0  # gone from every tier
     written_back_pages: int = 0  # copied to L2 on eviction (write_back policy)
+
+
+class LoadRefusal(enum.Enum):
+    """Why an L2 hit is recomputed instead of loaded back (the reference's unfulfilled reasons)."""
+
+    NOTHING_TO_LOAD = "nothing_to_load"
+    BELOW_THRESHOLD = "below_threshold"  # shorter than the load-back threshold
+    OVER_QUOTA = "over_quota"  # longer than the caller's memory quota
+    DEVICE_CAPACITY = "device_capacity"  # L1 could not free enough pages
 
 
 class LoadBackPlan(NamedTuple):

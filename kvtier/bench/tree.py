@@ -106,17 +106,53 @@ def replay(trace: Trace, page_size: int, capacity_tokens: int, depth: int) -> di
     }
 
 
+def match_scaling(page_size: int, sizes: tuple[int, ...] = (1_000, 10_000, 40_000),
+                  prompt_pages: tuple[int, ...] = (4, 16, 64), probes: int = 300) -> list[dict]:
+    """Mean match µs for prompts of several page counts against trees of several sizes.
+
+    Each stored prefix shares a first page with many others (a wide node) and branches later,
+    so a lookup walks real splits. Match cost should follow the prompt, not the tree.
+    """
+    import random
+
+    rng = random.Random(0)
+    out = []
+    for size in sizes:
+        tree = HiRadixTree(page_size, PageAllocator(size * 2 + 1))
+        stored = []
+        for i in range(size):
+            head = [i % 64] * page_size  # 64 shared first pages
+            body = [rng.randrange(1 << 20) for _ in range(page_size)]
+            tokens = head + body
+            tree.insert(tokens, tree.device_allocator.alloc(2))
+            stored.append(tokens)
+        for pages in prompt_pages:
+            prompts = [rng.choice(stored) + [rng.randrange(1 << 20) for _ in range((pages - 2) * page_size)]
+                       for _ in range(probes)]
+            t0 = time.perf_counter_ns()
+            for prompt in prompts:
+                tree.match_prefix(prompt)
+            mean_us = (time.perf_counter_ns() - t0) / probes / 1000
+            out.append({"tree_nodes": tree.stats().num_nodes, "prompt_pages": pages,
+                        "match_us": round(mean_us, 3)})
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (JSON Lines; see `bench gen-trace`)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--capacity", type=int, default=131072, help="L1 capacity in token slots")
     p.add_argument("--depth", type=int, default=8, help="requests in flight before one completes")
+    p.add_argument("--scaling", action="store_true",
+                   help="also time matches against trees of 1k-40k prefixes (adds ~5 s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def main(ns: argparse.Namespace) -> int:
     trace = read_trace(ns.trace)
     result = replay(trace, ns.page_size, ns.capacity, ns.depth)
+    if ns.scaling:
+        result["match_scaling"] = match_scaling(ns.page_size)
     if ns.json:
         print(json.dumps(result))
     else:

@@ -4,6 +4,7 @@ import pytest
 from kvtier.errors import AllocatorError, CacheUsageError
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.tree_types import LoadRefusal
 
 
 def make(page=4, dev=16, host=32):
@@ -118,11 +119,11 @@ def test_load_back_threshold_quota_and_all_or_nothing():
     tree.set_backup(node, host.alloc(3))
     tree.evict_device(3)
     m = tree.match_prefix([5] * 12)
-    assert tree.plan_load_back(m.last_host_node, threshold_tokens=16) is None  # too short
-    assert tree.plan_load_back(m.last_host_node, max_pages=2) is None  # over quota
+    assert tree.plan_load_back(m.last_host_node, threshold_tokens=16) is LoadRefusal.BELOW_THRESHOLD
+    assert tree.plan_load_back(m.last_host_node, max_pages=2) is LoadRefusal.OVER_QUOTA
     blocker = serve(tree, dev, [6] * 16).last_node
     tree.lock(blocker)  # L1 full and locked: nothing can be freed
-    assert tree.plan_load_back(m.last_host_node) is None
+    assert tree.plan_load_back(m.last_host_node) is LoadRefusal.DEVICE_CAPACITY
     assert node.value is None  # all or nothing: nothing changed
     tree.unlock(blocker)
     plan = tree.plan_load_back(m.last_host_node)  # evicts the blocker, then loads

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.tree_types import LoadRefusal
 
 PAGE = 2
 DEVICE_PAGES = 20
@@ -142,7 +143,7 @@ class TreeMachine(RuleBasedStateMachine):
     def load_back(self, tokens, threshold, quota):
         m = self.tree.match_prefix(tokens)
         plan = self.tree.plan_load_back(m.last_host_node, threshold, quota)
-        if plan is None:
+        if isinstance(plan, LoadRefusal):
             return
         assert plan.num_tokens >= threshold
         assert quota is None or len(plan.device_pages) <= quota

@@ -1,0 +1,53 @@
+"""The `kvtier` command line: demo and benchmarks."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvtier.bench.trace import TraceShape
+
+
+def _gen_trace(ns: argparse.Namespace) -> int:
+    from kvtier.bench.trace import write_trace
+
+    shape = TraceShape(**{k: getattr(ns, k) for k in TraceShape.__dataclass_fields__})
+    n = write_trace(ns.out, shape)
+    print(f"wrote {n} requests to {ns.out}")
+    return 0
+
+
+def _add_gen_trace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True)
+    for name, f in TraceShape.__dataclass_fields__.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=f.default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvtier.bench import transfer, tree
+
+    parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    t = bench.add_parser("tree", help="replay a trace through the HiRadixTree")
+    tree.add_arguments(t)
+    t.set_defaults(func=tree.main)
+    x = bench.add_parser("transfer", help="L1<->L2 copy bandwidth per host layout")
+    transfer.add_arguments(x)
+    x.set_defaults(func=transfer.main)
+    g = bench.add_parser("gen-trace", help="write a synthetic multi-turn trace")
+    _add_gen_trace(g)
+    g.set_defaults(func=_gen_trace)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

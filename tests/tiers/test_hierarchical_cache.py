@@ -1,0 +1,114 @@
+"""The facade end to end: random requests through L1/L2, every hit checked byte for byte."""
+import random
+
+import pytest
+import torch
+
+from kvtier.config import HiCacheConfig
+from kvtier.kv_spec import KVSpec
+from kvtier.policies import IoBackend, MemLayout, WritePolicy
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
+
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
+
+
+def make_cache(policy=WritePolicy.WRITE_THROUGH, layout=MemLayout.PAGE_FIRST,
+               io=IoBackend.KERNEL, device_pages=24, ratio=3.0, threshold=4):
+    config = HiCacheConfig(page_size=SPEC.page_size, write_policy=policy, mem_layout=layout,
+                           io_backend=io, hicache_ratio=ratio, load_back_threshold_tokens=threshold)
+    return HierarchicalCache(config, SPEC, device_pages, device="cpu")
+
+
+def serve(cache, tokens):
+    lookup = cache.lookup(tokens)
+    need = -(-len(tokens) // SPEC.page_size) - len(lookup.device_pages)
+    fresh = cache.allocate(need)
+    if fresh is None:
+        cache.abort(lookup)
+        return None
+    for layer in range(SPEC.num_layers):
+        cache.wait_layer(layer)
+    assert prefix_kv_matches(cache.device_pool.kv, SPEC, tokens[: lookup.cached_len],
+                             lookup.device_pages), "a hit returned KV that differs from recompute"
+    write_prefix_kv(cache.device_pool.kv, SPEC, tokens, fresh, first_page=len(lookup.device_pages))
+    cache.finish(lookup, tokens, lookup.device_pages + fresh)
+    return lookup.lengths()
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_random_workload_hits_are_exact_and_nothing_leaks(policy, layout):
+    rng = random.Random(f"{policy}-{layout}")
+    docs = [[rng.randrange(50) for _ in range(rng.randrange(8, 40))] for _ in range(6)]
+    totals = {"prefix": 0, "loaded": 0}
+    with make_cache(policy, layout) as cache:
+        for _ in range(60):
+            tokens = rng.choice(docs) + [rng.randrange(50) for _ in range(rng.randrange(0, 9))]
+            lengths = serve(cache, tokens)
+            if lengths is not None:
+                assert lengths.prefix_len + lengths.host_loaded_length + lengths.extend_len == len(tokens)
+                totals["prefix"] += lengths.prefix_len
+                totals["loaded"] += lengths.host_loaded_length
+        cache.flush()
+        stats = cache.tree.stats()
+        assert stats.device_protected_pages == 0 and stats.host_protected_pages == 0
+        tree_device = sum(len(n.value) for n in cache.tree.nodes() if n.value is not None)
+        tree_host = sum(len(n.host_value) for n in cache.tree.nodes() if n.host_value is not None)
+        assert cache.device_pool.allocator.num_used == tree_device  # no leaked L1 page
+        assert cache.host_pool.allocator.num_used == tree_host  # no leaked L2 page
+    assert totals["prefix"] > 0
+    if policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
+        assert totals["loaded"] > 0, "the workload never exercised load-back"
+
+
+def test_l2_hit_is_loaded_back_with_both_io_backends():
+    for io in IoBackend:
+        with make_cache(io=io, device_pages=12) as cache:
+            a, b = list(range(40)), list(range(100, 140))
+            serve(cache, a)
+            serve(cache, b)  # evicts a to L2
+            lengths = serve(cache, a)
+            assert lengths.host_loaded_length == 40 and lengths.extend_len == 0
+
+
+def test_selective_policy_backs_up_on_second_hit_only():
+    with make_cache(WritePolicy.WRITE_THROUGH_SELECTIVE) as cache:
+        doc = list(range(16))
+        serve(cache, doc)
+        cache.flush()
+        assert cache.counters.backed_up_tokens == 0
+        serve(cache, doc + [1])
+        serve(cache, doc + [2])
+        cache.flush()
+        assert cache.counters.backed_up_tokens == 16
+
+
+def test_threshold_and_quota_refusals_are_counted_and_recomputed():
+    with make_cache(device_pages=12, threshold=64) as cache:
+        a, b = list(range(40)), list(range(100, 140))
+        serve(cache, a)
+        serve(cache, b)
+        lengths = serve(cache, a)
+        assert lengths.host_hit_length == 40 and lengths.host_loaded_length == 0
+        assert lengths.extend_len == 40
+        assert cache.counters.unloaded_below_threshold_tokens == 40
+
+
+def test_empty_prompt_and_exhausted_capacity_are_results():
+    with make_cache(device_pages=4) as cache:
+        assert serve(cache, []).extend_len == 0
+        assert serve(cache, list(range(100))) is None  # 25 pages never fit in 4
+        assert cache.device_pool.allocator.num_used == 0
+        assert serve(cache, list(range(8))).extend_len == 8  # still serving
+
+
+def test_abort_releases_everything():
+    with make_cache() as cache:
+        serve(cache, list(range(16)))
+        lookup = cache.lookup(list(range(24)))
+        fresh = cache.allocate(2)
+        cache.abort(lookup, fresh)
+        cache.flush()
+        assert cache.tree.stats().device_protected_pages == 0
+        assert cache.device_pool.allocator.num_used == 4

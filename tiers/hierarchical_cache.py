@@ -1,0 +1,202 @@
+"""HierarchicalCache: one rank's L1/L2 cache behind a small request-level facade.
+
+It owns the pools, the tree and the controller, applies the write policy, plans load-back
+and keeps the counters. Callers see `lookup -> allocate -> (compute) -> finish`, never the
+tree's internals.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from kvtier.config import HiCacheConfig
+from kvtier.errors import CacheUsageError
+from kvtier.kv_spec import KVSpec
+from kvtier.policies import HostMode, WritePolicy
+from kvtier.tiers.cache_types import CacheCounters, CacheLookup
+from kvtier.tiers.controller import CacheController
+from kvtier.tiers.device_pool import DevicePool
+from kvtier.tiers.host_pool import HostPool
+from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.tree_node import TreeNode
+from kvtier.tiers.tree_types import LoadBackPlan, LoadRefusal
+
+log = logging.getLogger(__name__)
+
+
+class HierarchicalCache:
+    """L1 + L2 for one TP rank. Single-threaded use; the controller does the copying."""
+
+    def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
+                 device: torch.device | str | None = None) -> None:
+        config = config.normalize()
+        if spec.page_size != config.page_size:
+            raise CacheUsageError(
+                f"the KV spec has page size {spec.page_size} but the config says "
+                f"{config.page_size}; build both from the same --page-size")
+        self.config = config
+        self.spec = spec
+        self.device_pool = DevicePool(spec, device_pages, device)
+        size_gb = config.hicache_size_gb if config.hicache_size_gb > 0 else None
+        self.host_pool = HostPool.for_device(self.device_pool, config.mem_layout,
+                                             ratio=config.hicache_ratio or 0.0, size_gb=size_gb)
+        self.controller = CacheController(self.device_pool, self.host_pool, config.io_backend)
+        self.tree = HiRadixTree(
+            spec.page_size, self.device_pool.allocator, self.host_pool.allocator,
+            write_back=self._write_back if config.write_policy is WritePolicy.WRITE_BACK else None,
+        )
+        self.counters = CacheCounters()
+        self._backups: dict[int, TreeNode] = {}  # write op id -> node locked until it lands
+        log.info("hierarchical cache: %s; L1 %d pages, L2 %d pages", config.describe(),
+                 self.device_pool.num_pages, self.host_pool.num_pages)
+
+    # ---- request path --------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int], max_load_pages: int | None = None) -> CacheLookup:
+        """Match `tokens`, load back what L2 holds (within `max_load_pages`), lock the result."""
+        self.poll()
+        p = self.spec.page_size
+        m = self.tree.match_prefix(tokens)
+        node, pages = m.last_device_node, list(m.device_indices)
+        load = loaded_node = None
+        loaded = 0
+        if m.host_hit_length and self.config.host_mode is HostMode.CACHE:
+            plan = self._plan_load_back(m.last_host_node, max_load_pages)
+            if isinstance(plan, LoadRefusal):
+                name = f"unloaded_{plan.value}_tokens"
+                setattr(self.counters, name, getattr(self.counters, name) + m.host_hit_length)
+            else:
+                loaded_node = node = plan.nodes[-1]
+                self.tree.protect_host(loaded_node)
+                load = self.controller.load(plan.host_pages, plan.device_pages)
+                pages += plan.device_pages
+                loaded = plan.num_tokens
+                self.counters.loaded_back_tokens += loaded
+        self.tree.lock(node)
+        self.counters.lookups += 1
+        self.counters.device_hit_tokens += len(m.device_indices) * p
+        self.counters.host_hit_tokens += m.host_hit_length
+        threshold = self.config.write_through_hit_threshold
+        if threshold is not None and threshold > 1:
+            self._back_up_path(node, threshold)
+        return CacheLookup(len(tokens), pages, node, len(m.device_indices) * p,
+                           m.host_hit_length, loaded, load, loaded_node)
+
+    def _plan_load_back(self, node: TreeNode, max_pages: int | None) -> LoadBackPlan | LoadRefusal:
+        plan = self.tree.plan_load_back(node, self.config.load_back_threshold_tokens, max_pages)
+        if plan is LoadRefusal.DEVICE_CAPACITY and self._backups:
+            self.flush()  # L1 runs held only by copies in flight become evictable
+            plan = self.tree.plan_load_back(node, self.config.load_back_threshold_tokens, max_pages)
+        return plan
+
+    def allocate(self, num_pages: int) -> list[int] | None:
+        """`num_pages` fresh L1 pages, evicting as needed; None when L1 cannot make room."""
+        alloc = self.device_pool.allocator
+        pages = alloc.alloc(num_pages)
+        if pages is None:
+            self.poll()
+            self.evict_device(num_pages - alloc.num_free)
+            pages = alloc.alloc(num_pages)
+        if pages is None and self._backups:  # runs held only by copies still in flight
+            self.flush()
+            self.evict_device(num_pages - alloc.num_free)
+            pages = alloc.alloc(num_pages)
+        return pages
+
+    def finish(self, lookup: CacheLookup, tokens: Sequence[int], pages: Sequence[int]) -> TreeNode:
+        """Store the request's KV pages (`pages` cover all of `tokens`), release the lookup."""
+        res = self.tree.insert(tokens, pages)
+        self.device_pool.allocator.free(res.unused_pages)
+        self._release(lookup)
+        if self.config.write_through_hit_threshold == 1:
+            self._back_up_path(res.last_node, 1)
+        return res.last_node
+
+    def abort(self, lookup: CacheLookup, new_pages: Sequence[int] = ()) -> None:
+        """Give back everything a request held: its fresh pages and its locks."""
+        self.device_pool.allocator.free(new_pages)
+        self._release(lookup)
+
+    def _release(self, lookup: CacheLookup) -> None:
+        if lookup.load is not None:
+            lookup.load.wait()
+            self.tree.release_host(lookup.loaded_node)
+        self.tree.unlock(lookup.node)
+
+    # ---- write policy --------------------------------------------------------------------
+    def _back_up_path(self, node: TreeNode, min_hits: int) -> None:
+        """Copy to L2 every L1-only node on the path that reached `min_hits` (root first)."""
+        path = [n for n in node.path_to_root() if n.host_value is None and n.value is not None]
+        for n in reversed(path):
+            if min_hits > 1 and n.hit_count < min_hits:
+                continue
+            host_pages = self._alloc_host(len(n.value))
+            if host_pages is None:
+                self.counters.dropped_backup_tokens += len(n.key)
+                return
+            op = self.controller.write(n.value, host_pages)
+            self.tree.set_backup(n, host_pages)
+            self.tree.lock(n)  # the L1 pages must not change until the copy lands
+            self._backups[op] = n
+            self.counters.backed_up_tokens += len(n.key)
+
+    def _write_back(self, node: TreeNode) -> list[int] | None:
+        """write_back policy: copy an evicted L1 run to L2 before its pages are freed."""
+        host_pages = self._alloc_host(len(node.value))
+        if host_pages is None:
+            self.counters.dropped_backup_tokens += len(node.key)
+            return None
+        self.controller.write(node.value, host_pages)
+        self.controller.wait_writes()
+        self.counters.written_back_tokens += len(node.key)
+        return host_pages
+
+    def _alloc_host(self, num_pages: int) -> list[int] | None:
+        alloc = self.host_pool.allocator
+        pages = alloc.alloc(num_pages)
+        if pages is None:
+            freed = self.tree.evict_host(num_pages - alloc.num_free).freed_pages
+            self.counters.evicted_host_tokens += freed * self.spec.page_size
+            pages = alloc.alloc(num_pages)
+        return pages
+
+    def _count_device_eviction(self, result) -> None:
+        self.counters.evicted_device_tokens += result.freed_pages * self.spec.page_size
+
+    # ---- housekeeping --------------------------------------------------------------------
+    def poll(self) -> int:
+        """Unlock runs whose L2 copies have landed; returns how many landed."""
+        done = 0
+        for op in self.controller.poll_writes():
+            node = self._backups.pop(op, None)
+            if node is not None:
+                self.tree.unlock(node)
+                done += 1
+        return done
+
+    def flush(self) -> None:
+        """Wait for every queued copy and settle its bookkeeping."""
+        self.controller.wait_writes()
+        self.poll()
+
+    def evict_device(self, num_pages: int):
+        """Free L1 pages now (demoting backed-up runs to L2)."""
+        result = self.tree.evict_device(num_pages)
+        self._count_device_eviction(result)
+        return result
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until every load submitted so far has landed `layer` (call before attention)."""
+        self.controller.wait_layer(layer)
+
+    def close(self) -> None:
+        self.controller.close()
+        self.host_pool.close()
+        self.device_pool.close()
+
+    def __enter__(self) -> "HierarchicalCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

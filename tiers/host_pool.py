@@ -1,0 +1,171 @@
+"""The L2 pool: one rank's KV pages in host memory, in one of three byte orders (MemLayout)."""
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+
+import torch
+
+from kvtier.errors import AllocatorError, ClosedError, ConfigError, HostMemoryError, TransferError
+from kvtier.kv_spec import KVSpec
+from kvtier.policies import MemLayout
+from kvtier.tiers.allocator import PageAllocator
+from kvtier.tiers.device_pool import DevicePool
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+GB = 10**9  # --hicache-size is in GB per rank, as in the reference
+DEFAULT_RATIO = 2.0
+MIN_FREE_BYTES = 1 * GiB  # keep at least this much, or 10% of what is available, for the rest
+MIN_FREE_FRACTION = 0.10
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where the kernel does not report it."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(nbytes: int) -> None:
+    """Raise HostMemoryError when `nbytes` would eat into the margin of free host memory."""
+    available = available_host_bytes()
+    if available is None:
+        log.warning("cannot read MemAvailable; allocating the L2 pool unchecked")
+        return
+    usable = available - max(MIN_FREE_BYTES, int(available * MIN_FREE_FRACTION))
+    if nbytes > usable:
+        raise HostMemoryError(
+            f"asked {nbytes / GiB:.2f} GiB for the L2 pool but only {max(usable, 0) / GiB:.2f} GiB "
+            f"available ({available / GiB:.2f} GiB free minus a safety margin); "
+            "lower --hicache-ratio/--hicache-size"
+        )
+
+
+def _shape(spec: KVSpec, num_pages: int, layout: MemLayout) -> tuple[int, ...]:
+    L, P, H, D = spec.num_layers, spec.page_size, spec.num_kv_heads, spec.head_dim
+    if layout is MemLayout.LAYER_FIRST:
+        return (2, L, num_pages * P, H, D)
+    if layout is MemLayout.PAGE_FIRST:
+        return (2, num_pages * P, L, H, D)
+    return (2, num_pages, L, P, H, D)
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """Uninitialized on purpose: pages are only ever written whole before they are read.
+
+    Pinned memory (CUDA) is page-aligned already; torch's CPU allocator aligns to 64 B only, so
+    without CUDA the pool is an anonymous mmap: 4 KiB-aligned, so O_DIRECT reads and writes can
+    target page parts in place. The tensor keeps the mapping alive; it unmaps with the last view.
+    """
+    if pinned:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class HostPool:
+    """`kv` in the layout's shape; pinned when CUDA is present (the CPU build cannot pin)."""
+
+    def __init__(self, spec: KVSpec, num_pages: int, layout: MemLayout = MemLayout.PAGE_FIRST) -> None:
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ConfigError(f"the host pool needs a positive page count, got {num_pages!r}")
+        self.spec = spec
+        self.num_pages = num_pages
+        self.layout = MemLayout.parse(layout, "--hicache-mem-layout")
+        check_host_memory(num_pages * spec.page_bytes)
+        self.pinned = torch.cuda.is_available()
+        self._kv: torch.Tensor | None = _allocate(_shape(spec, num_pages, self.layout), spec.dtype, self.pinned)
+        self.allocator = PageAllocator(num_pages)
+        log.info(
+            "L2 pool: %d pages, %.2f GiB, layout %s, pinned=%s",
+            num_pages, self.nbytes / GiB, self.layout, self.pinned,
+        )
+
+    @classmethod
+    def for_device(
+        cls,
+        device_pool: DevicePool,
+        layout: MemLayout = MemLayout.PAGE_FIRST,
+        ratio: float = DEFAULT_RATIO,
+        size_gb: float | None = None,
+    ) -> "HostPool":
+        """Size L2 as `ratio` x the L1 pool, or as `size_gb` GB per rank (which wins when set)."""
+        spec = device_pool.spec
+        if size_gb is not None:
+            if size_gb <= 0:
+                raise ConfigError(f"--hicache-size must be positive GB per rank, got {size_gb}")
+            num_pages = int(size_gb * GB) // spec.page_bytes
+            source = f"--hicache-size {size_gb} GB"
+        else:
+            if ratio <= 0:
+                raise ConfigError(f"--hicache-ratio must be positive, got {ratio}")
+            num_pages = int(device_pool.num_pages * ratio)
+            source = f"--hicache-ratio {ratio}"
+        if num_pages < 1:
+            raise ConfigError(
+                f"{source} gives no whole page of {spec.page_bytes} bytes; raise it"
+            )
+        if num_pages < device_pool.num_pages:
+            log.warning("L2 (%d pages) is smaller than L1 (%d pages): %s", num_pages, device_pool.num_pages, source)
+        return cls(spec, num_pages, layout)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        if self._kv is None:
+            raise ClosedError("the host pool is closed; create a new HostPool")
+        return self._kv
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.spec.page_bytes
+
+    def data_ptr(self) -> int:
+        """Start of the pool's memory, for registration with storage engines."""
+        return self.kv.data_ptr()
+
+    def layer_page_view(self) -> torch.Tensor:
+        """(2, L, num_pages, page_size, H, D) over the same memory: the view page copies index."""
+        kv, spec = self.kv, self.spec
+        L, P, H, D = spec.num_layers, spec.page_size, spec.num_kv_heads, spec.head_dim
+        if self.layout is MemLayout.LAYER_FIRST:
+            return kv.view(2, L, self.num_pages, P, H, D)
+        if self.layout is MemLayout.PAGE_FIRST:
+            return kv.view(2, self.num_pages, P, L, H, D).permute(0, 3, 1, 2, 4, 5)
+        return kv.permute(0, 2, 1, 3, 4, 5)
+
+    def page_part_view(self, page: int, part: int) -> torch.Tensor:
+        """K (part 0) or V (part 1) of one page over all layers: one contiguous uint8 run.
+
+        This is one storage object; backends read and write it in place (zero copy).
+        """
+        if not self.layout.is_page_major:
+            raise ConfigError(
+                "layer_first scatters a page over one run per layer, so it has no single page "
+                "object; use --hicache-mem-layout page_first or page_first_direct"
+            )
+        if part not in (0, 1):
+            raise TransferError(f"part must be 0 (K) or 1 (V), got {part!r}")
+        if not 0 <= page < self.num_pages:
+            raise AllocatorError(f"page {page} is outside the host pool (0..{self.num_pages - 1})")
+        kv, P = self.kv, self.spec.page_size
+        run = kv[part, page * P : (page + 1) * P] if self.layout is MemLayout.PAGE_FIRST else kv[part, page]
+        assert run.is_contiguous()
+        return run.view(-1).view(torch.uint8)
+
+    def close(self) -> None:
+        self._kv = None
+
+    def __enter__(self) -> "HostPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
