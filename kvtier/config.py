@@ -224,10 +224,13 @@ class HiCacheConfig:
         changes: dict[str, Any] = {}
         notes: list[str] = []
         layout, io = self.mem_layout, self.io_backend
-        if self.storage_backend is StorageBackendKind.MOONCAKE and layout is MemLayout.LAYER_FIRST:
+        if self.storage_backend is not None and layout is MemLayout.LAYER_FIRST:
+            # The reference does this for Mooncake only; every kvtier backend moves a page part
+            # as one contiguous zero-copy object, which layer_first cannot provide.
             layout = changes["mem_layout"] = MemLayout.PAGE_FIRST
-            notes.append("--hicache-mem-layout layer_first -> page_first: the mooncake backend "
-                         "stores each page as one contiguous object")
+            notes.append(f"--hicache-mem-layout layer_first -> page_first: the "
+                         f"{self.storage_backend} backend stores each page part as one "
+                         "contiguous object")
         if layout is MemLayout.PAGE_FIRST and io is IoBackend.DIRECT:
             layout = changes["mem_layout"] = MemLayout.PAGE_FIRST_DIRECT
             notes.append("--hicache-mem-layout page_first -> page_first_direct: "

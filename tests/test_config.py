@@ -93,6 +93,8 @@ RULES = [
      dict(mem_layout=MemLayout.PAGE_FIRST_DIRECT), "page_first -> page_first_direct"),
     (dict(storage_backend="mooncake", mem_layout="layer_first"),
      dict(mem_layout=MemLayout.PAGE_FIRST), "layer_first -> page_first"),
+    (dict(storage_backend="file", mem_layout="layer_first"),
+     dict(mem_layout=MemLayout.PAGE_FIRST), "the file backend stores each page part"),
     (dict(page_size=512), dict(prefetch_threshold_tokens=512), "256 -> 512"),
     (dict(hicache_size_gb=8), dict(hicache_ratio=0.0), "--hicache-size 8 GB overrides"),
 ]
