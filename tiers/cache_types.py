@@ -41,7 +41,9 @@ class CacheLookup(NamedTuple):
         return self.prefix_len + self.host_loaded_length
 
     def lengths(self, storage_hit_length: int = 0) -> RequestLengths:
-        extend = max(0, self.num_tokens - self.cached_len - storage_hit_length)
+        """The five lengths; `storage_hit_length` is what this request's L3 prefetch brought
+        into L2 (those pages are part of the L2 hit and loaded back with it)."""
+        extend = max(0, self.num_tokens - self.cached_len)
         return RequestLengths(self.prefix_len, self.host_hit_length, self.host_loaded_length,
                               storage_hit_length, extend)
 

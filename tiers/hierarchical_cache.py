@@ -11,8 +11,10 @@ from typing import Sequence
 
 import torch
 
+from kvtier.backends.base import KV_POOL, StorageBackend
 from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError
+from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import HostMode, WritePolicy
 from kvtier.tiers.cache_types import CacheCounters, CacheLookup
@@ -20,6 +22,7 @@ from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.storage_tier import PrefetchTicket, StorageTier
 from kvtier.tiers.tree_node import TreeNode
 from kvtier.tiers.tree_types import LoadBackPlan, LoadRefusal
 
@@ -30,7 +33,8 @@ class HierarchicalCache:
     """L1 + L2 for one TP rank. Single-threaded use; the controller does the copying."""
 
     def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, model: str = "kvtier-model",
+                 tenant_salt: str = "", storage: StorageBackend | None = None) -> None:
         config = config.normalize()
         if spec.page_size != config.page_size:
             raise CacheUsageError(
@@ -49,6 +53,12 @@ class HierarchicalCache:
         )
         self.counters = CacheCounters()
         self._backups: dict[int, TreeNode] = {}  # write op id -> node locked until it lands
+        self._written_back: list[TreeNode] = []  # L2 copies made on eviction, for L3 backup
+        self.namespace = KeyNamespace(model, tenant_salt, layout_fingerprint(spec, config.mem_layout))
+        self.storage: StorageTier | None = None
+        self._tickets: list[PrefetchTicket] = []
+        if storage is not None:
+            self.attach_storage(storage)
         log.info("hierarchical cache: %s; L1 %d pages, L2 %d pages", config.describe(),
                  self.device_pool.num_pages, self.host_pool.num_pages)
 
@@ -150,6 +160,8 @@ class HierarchicalCache:
         self.controller.write(node.value, host_pages)
         self.controller.wait_writes()
         self.counters.written_back_tokens += len(node.key)
+        if self.storage is not None:
+            self._written_back.append(node)  # to L3 once the tree has recorded the copy
         return host_pages
 
     def _alloc_host(self, num_pages: int) -> list[int] | None:
@@ -172,8 +184,17 @@ class HierarchicalCache:
             node = self._backups.pop(op, None)
             if node is not None:
                 self.tree.unlock(node)
+                self._back_up_to_storage(node)
                 done += 1
+        while self._written_back:
+            self._back_up_to_storage(self._written_back.pop())
+        if self.storage is not None:
+            self.storage.poll()
         return done
+
+    def _back_up_to_storage(self, node: TreeNode) -> None:
+        if self.storage is not None and node.host_value is not None and node.parent is not None:
+            self.storage.backup(node)
 
     def flush(self) -> None:
         """Wait for every queued copy and settle its bookkeeping."""
@@ -190,7 +211,56 @@ class HierarchicalCache:
         """Block until every load submitted so far has landed `layer` (call before attention)."""
         self.controller.wait_layer(layer)
 
+    # ---- L3 --------------------------------------------------------------------------------
+    def attach_storage(self, backend: StorageBackend) -> None:
+        """Use `backend` as L3 (takes ownership: detach closes it)."""
+        if self.storage is not None:
+            raise CacheUsageError("an L3 backend is already attached; detach it first")
+        backend.register_pool(KV_POOL, self.host_pool)
+        self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
+                                   self.namespace, self._alloc_host)
+        log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
+
+    def detach_storage(self) -> None:
+        """Stop using L3: open prefetches are dropped, queued backups finish, nothing leaks."""
+        if self.storage is None:
+            return
+        self.flush()
+        for ticket in list(self._tickets):
+            self.abort_prefetch(ticket)
+        self.storage.close()
+        self.storage = None
+
+    def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
+        """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching)."""
+        if self.storage is None:
+            return None
+        self.poll()
+        m = self.tree.match_prefix(tokens, touch=False)
+        anchor = m.last_host_node  # L3 pages can only hang below a node that is in L2
+        local = sum(len(n.key) for n in anchor.path_to_root()) // self.spec.page_size
+        ticket = self.storage.prefetch(tokens, local, anchor)
+        if ticket is not None:
+            self._tickets.append(ticket)
+        return ticket
+
+    def prefetch_ready(self, ticket: PrefetchTicket) -> bool:
+        return ticket.finished or self.storage is None or self.storage.ready(ticket)
+
+    def finish_prefetch(self, ticket: PrefetchTicket) -> int:
+        """Insert what landed into L2; returns the storage hit length (tokens)."""
+        if ticket.finished or self.storage is None:
+            return 0
+        self._tickets.remove(ticket)
+        return self.storage.finish(ticket)
+
+    def abort_prefetch(self, ticket: PrefetchTicket) -> None:
+        if not ticket.finished and self.storage is not None:
+            self._tickets.remove(ticket)
+            self.storage.abort(ticket)
+
     def close(self) -> None:
+        self.detach_storage()
         self.controller.close()
         self.host_pool.close()
         self.device_pool.close()

@@ -89,8 +89,11 @@ class HiRadixTree:
         self.host_lru.refresh(node)
 
     # ---- lookup ------------------------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        """The longest stored page-aligned prefix of `tokens`, split at its end."""
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
+        """The longest stored page-aligned prefix of `tokens`, split at its end.
+
+        `touch=False` looks without counting a hit or refreshing LRU order (a probe).
+        """
         key = _as_key(tokens)
         p = self.page_size
         end = len(key) // p * p
@@ -108,8 +111,9 @@ class HiRadixTree:
             if pos + span > end or key[pos : pos + span] != child.key:
                 child = self._split(child, self._common_pages(child.key, key, pos, end))
                 span = len(child.key)
-            child.last_access = clock
-            child.hit_count += 1
+            if touch:
+                child.last_access = clock
+                child.hit_count += 1
             if child.value is not None:
                 device.extend(child.value)
                 last_device = child
@@ -183,13 +187,22 @@ class HiRadixTree:
             node = self._add_child(node, key[i * p : full * p], device_pages[i:full], None)
         return InsertResult(unused, prefix, full - i, node)
 
-    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int]) -> InsertResult:
+    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int],
+                    skip_pages: int = 0) -> InsertResult:
         """Store L2-only pages (arriving from L3) for the page-aligned part of `tokens`.
 
-        A new L2-only run hangs only below the root or a node that is itself in L2, so every
-        L2-only prefix is complete in L2; pages that cannot be placed come back unused.
+        `host_pages` covers pages `skip_pages`.. of `tokens`; the first `skip_pages` pages
+        must already be stored (any tier), else nothing can be placed. A new L2-only run hangs
+        only below the root or a node that is itself in L2, so every L2-only prefix is complete
+        in L2. Pages that cannot be placed, or duplicate stored ones, come back unused.
         """
-        key, full, unused = self._check_pages(tokens, host_pages)
+        key = _as_key(tokens)
+        full, rest = divmod(len(key), self.page_size)
+        if len(host_pages) != full + (1 if rest else 0) - skip_pages or skip_pages > full:
+            raise CacheUsageError(
+                f"{len(key)} tokens from page {skip_pages} need "
+                f"{full + (1 if rest else 0) - skip_pages} page ids, got {len(host_pages)}")
+        unused = list(host_pages[full - skip_pages:])
         p = self.page_size
         self._clock += 1
         node, i, prefix = self.root, 0, 0
@@ -198,24 +211,31 @@ class HiRadixTree:
             if child is None:
                 break
             child = self._walk_into(child, key, i, full)
+            if i < skip_pages < i + len(child.key) // p:
+                child = self._split(child, skip_pages - i)  # own pages start at the boundary
             pages = len(child.key) // p
-            seg = host_pages[i : i + pages]
-            if child.host_value is None:
-                self._account(child, -1)
-                child.host_value = list(seg)
-                self._account(child, +1)
-            else:
-                unused.extend(a for a, b in zip(seg, child.host_value) if a != b)
-                prefix += pages
+            if i >= skip_pages:
+                seg = host_pages[i - skip_pages : i - skip_pages + pages]
+                if child.host_value is None:
+                    self._account(child, -1)
+                    child.host_value = list(seg)
+                    self._account(child, +1)
+                else:
+                    unused.extend(a for a, b in zip(seg, child.host_value) if a != b)
+            prefix += pages
             i += pages
             node = child
-        if i < full:
+        placed = 0
+        if i < skip_pages:  # the prefix the pages continue is gone
+            unused.extend(host_pages[: full - skip_pages])
+        elif i < full:
+            own = host_pages[i - skip_pages : full - skip_pages]
             if node is self.root or node.host_value is not None:
-                node = self._add_child(node, key[i * p : full * p], None, host_pages[i:full])
+                node = self._add_child(node, key[i * p : full * p], None, own)
+                placed = full - i
             else:
-                unused.extend(host_pages[i:full])
-                full = i
-        return InsertResult(unused, prefix, full - i, node)
+                unused.extend(own)
+        return InsertResult(unused, min(prefix, full), placed, node)
 
     def _check_pages(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple:
         key = _as_key(tokens)

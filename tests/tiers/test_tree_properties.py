@@ -164,6 +164,21 @@ class TreeMachine(RuleBasedStateMachine):
         res = self.tree.insert_host(tokens, pages)
         self.host.free(res.unused_pages)
 
+    @rule(tokens=seqs, skip=st.integers(0, 6))
+    def insert_from_l3_after_local_hit(self, tokens, skip):
+        """L3 pages continuing a prefix the tree holds (or held: then they are refused)."""
+        full = len(tokens) // PAGE
+        skip = min(skip, full)
+        n = -(-len(tokens) // PAGE) - skip
+        pages = self.host.alloc(n)
+        if pages is None:
+            return
+        for i, page in enumerate(pages):
+            self.host_content[page] = prefix_key(tokens, skip + i)
+        res = self.tree.insert_host(tokens, pages, skip_pages=skip)
+        assert set(res.unused_pages) <= set(pages)
+        self.host.free(res.unused_pages)
+
     # -- invariants -----------------------------------------------------------------------
     @invariant()
     def locked_paths_stay_in_l1(self):

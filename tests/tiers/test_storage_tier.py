@@ -1,0 +1,151 @@
+"""L3 through the cache facade: backup L2->L3, prefetch L3->L2 under each policy, detach."""
+import random
+import uuid
+
+import pytest
+import torch
+
+from kvtier.backends.base import StorageTarget
+from kvtier.backends.registry import create_backend
+from kvtier.config import HiCacheConfig
+from kvtier.kv_spec import KVSpec
+from kvtier.policies import PrefetchPolicy, WritePolicy
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
+from kvtier.tiers.storage_worker import OpState
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
+
+
+def make(seed, policy=WritePolicy.WRITE_THROUGH, prefetch=PrefetchPolicy.WAIT_COMPLETE,
+         device_pages=32, threshold=8, **sim):
+    config = HiCacheConfig(page_size=4, write_policy=policy, prefetch_policy=prefetch,
+                           hicache_ratio=2.0, prefetch_threshold_tokens=threshold,
+                           load_back_threshold_tokens=4, storage_batch_pages=3,
+                           storage_backend="simulated")
+    cache = HierarchicalCache(config, SPEC, device_pages, device="cpu", model="m")
+    backend = create_backend("simulated", StorageTarget(cache.namespace),
+                             {"seed": seed, **sim})
+    cache.attach_storage(backend)
+    return cache
+
+
+def serve(cache, tokens):
+    """Prefetch (policy wait), lookup + load-back, compute the rest, store; five lengths."""
+    ticket = cache.prefetch(tokens)
+    storage_hit = 0
+    if ticket is not None:
+        while not cache.prefetch_ready(ticket):
+            ticket.op._settled.wait(0.01)
+        storage_hit = cache.finish_prefetch(ticket)
+    lookup = cache.lookup(tokens)
+    fresh = cache.allocate(-(-len(tokens) // 4) - len(lookup.device_pages))
+    for layer in range(SPEC.num_layers):
+        cache.wait_layer(layer)
+    assert prefix_kv_matches(cache.device_pool.kv, SPEC, tokens[: lookup.cached_len], lookup.device_pages)
+    write_prefix_kv(cache.device_pool.kv, SPEC, tokens, fresh, first_page=len(lookup.device_pages))
+    cache.finish(lookup, tokens, lookup.device_pages + fresh)
+    return lookup.lengths(storage_hit)
+
+
+def settle(cache):
+    cache.flush()
+    cache.storage.drain()
+    cache.flush()
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_instance_b_reuses_what_instance_a_computed(policy):
+    seed = random.getrandbits(48)
+    doc = list(range(100, 140))
+    with make(seed, policy) as a:
+        serve(a, doc)
+        if policy is not WritePolicy.WRITE_THROUGH:
+            serve(a, doc + [1])  # a second hit (selective) / nothing yet (write_back)
+            serve(a, doc + [2])
+            a.evict_device(10_000) if policy is WritePolicy.WRITE_BACK else None
+        settle(a)
+        assert a.storage.counters.backed_up_tokens >= 40
+    with make(seed, policy) as b:  # a fresh instance: empty L1 and L2, same namespace
+        lengths = serve(b, doc + [7, 7])
+        assert lengths.storage_hit_length == 40
+        assert lengths.host_loaded_length == 40 and lengths.extend_len == 2
+        assert b.storage.counters.prefetched_tokens == 40
+
+
+def test_prefix_below_threshold_is_not_fetched():
+    seed = random.getrandbits(48)
+    with make(seed, threshold=64) as a:
+        serve(a, list(range(40)))
+        settle(a)
+    with make(seed, threshold=64) as b:
+        assert b.prefetch(list(range(40))) is None
+        assert b.storage.counters.unfulfilled_below_threshold_tokens == 40
+
+
+def test_best_effort_takes_what_landed_and_frees_the_rest():
+    seed = random.getrandbits(48)
+    doc = list(range(200, 296))  # 24 pages, batches of 3
+    with make(seed, device_pages=64) as a:
+        serve(a, doc)
+        settle(a)
+    with make(seed, prefetch=PrefetchPolicy.BEST_EFFORT, device_pages=64) as b:
+        ticket = b.prefetch(doc)
+        assert b.prefetch_ready(ticket)  # best effort never waits
+        got = b.finish_prefetch(ticket)
+        assert got % 12 == 0 and 0 <= got <= 96  # whole batches only
+        b.flush()
+        used = b.host_pool.allocator.num_used
+        held = sum(len(n.host_value) for n in b.tree.nodes() if n.host_value is not None)
+        assert used == held  # pages that did not land were freed
+        assert serve(b, doc).extend_len == 96 - got
+
+
+def test_timeout_policy_ends_the_wait():
+    seed = random.getrandbits(48)
+    doc = list(range(300, 340))
+    with make(seed) as a:
+        serve(a, doc)
+        settle(a)
+    with make(seed, prefetch=PrefetchPolicy.TIMEOUT) as b:
+        ticket = b.prefetch(doc)
+        assert ticket.timeout_s == pytest.approx(2.0 + 0.1 * 40 / 1024)
+        assert b.storage.ready(ticket, now_s=ticket.op.submitted_s + 3.0)
+        b.finish_prefetch(ticket)
+
+
+def test_abort_and_detach_leak_nothing():
+    seed = random.getrandbits(48)
+    doc = list(range(400, 440))
+    with make(seed) as a:
+        serve(a, doc)
+        settle(a)
+    b = make(seed)
+    t1 = b.prefetch(doc)
+    b.abort_prefetch(t1)
+    assert b.host_pool.allocator.num_used == 0
+    t2 = b.prefetch(doc)
+    b.detach_storage()  # drops the open prefetch
+    assert t2.finished and b.host_pool.allocator.num_used == 0
+    assert b.finish_prefetch(t2) == 0
+    assert serve(b, doc).extend_len == 40  # serving goes on without L3
+    b.close()
+
+
+def test_tenants_never_hit_each_other():
+    seed = random.getrandbits(48)
+    doc = list(range(500, 540))
+    config = HiCacheConfig(page_size=4, prefetch_threshold_tokens=8, storage_backend="simulated",
+                           prefetch_policy="wait_complete")
+    caches = []
+    for tenant in ("alice", "bob"):
+        c = HierarchicalCache(config, SPEC, 32, device="cpu", model="m", tenant_salt=tenant)
+        c.attach_storage(create_backend("simulated", StorageTarget(c.namespace), {"seed": seed}))
+        caches.append(c)
+    alice, bob = caches
+    serve(alice, doc)
+    settle(alice)
+    assert bob.prefetch(doc) is None
+    assert serve(bob, doc).extend_len == 40
+    for c in caches:
+        c.close()

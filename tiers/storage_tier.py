@@ -1,0 +1,208 @@
+"""The L3 side of one rank's cache: query, prefetch (L3->L2) under a policy, backup (L2->L3).
+
+Prefetch: after the local match, the pages past the local hit are looked up in L3; if enough
+are there (the prefetch threshold), L2 pages are allocated for exactly that many (capped by
+the prefetch capacity) and fetched in batches. When the policy says the request may go, the
+pages that landed are inserted into the tree as L2-only nodes, the rest freed. Backup: once an
+L1->L2 copy lands, the node's L2 pages are written to L3 while protected from L2 eviction.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.backends.base import StorageBackend
+from kvtier.config import HiCacheConfig
+from kvtier.keys import KeyNamespace
+from kvtier.policies import PrefetchPolicy
+from kvtier.tiers.allocator import PageAllocator
+from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.storage_worker import OpState, StorageOp, StorageWorker
+from kvtier.tiers.tree_node import TreeNode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefetchTicket:
+    """One request's L3 prefetch: give it back to `finish` or `abort` exactly once."""
+
+    tokens: tuple
+    start_page: int  # index of the first L3 page within `tokens`
+    storage_hit_pages: int  # what L3 said it holds past the local hit
+    op: StorageOp
+    anchor: TreeNode  # protected in L2 until the pages are inserted below it
+    timeout_s: float
+    finished: bool = False
+
+    @property
+    def done_pages(self) -> int:
+        return self.op.done_pages
+
+
+@dataclass
+class StorageCounters:
+    queried_tokens: int = 0
+    storage_hit_tokens: int = 0  # L3 said present
+    prefetched_tokens: int = 0  # landed and inserted
+    prefetch_wait_s: float = 0.0
+    unfulfilled_below_threshold_tokens: int = 0
+    unfulfilled_host_capacity_tokens: int = 0
+    unfulfilled_storage_transfer_tokens: int = 0  # asked for, not landed in time or failed
+    backed_up_tokens: int = 0
+    backup_failed_tokens: int = 0
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+def node_tokens(node: TreeNode) -> tuple:
+    """The whole token prefix a node ends (walks to the root)."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    return tuple(t for part in reversed(parts) for t in part)
+
+
+class StorageTier:
+    """L3 for one rank: owns the storage worker, borrows the tree and the L2 allocator."""
+
+    def __init__(self, backend: StorageBackend, tree: HiRadixTree, host_allocator: PageAllocator,
+                 config: HiCacheConfig, namespace: KeyNamespace, alloc_host) -> None:
+        self.backend = backend
+        self.tree = tree
+        self.host_allocator = host_allocator
+        self.config = config
+        self.namespace = namespace
+        self.page_size = config.page_size
+        self._alloc_host = alloc_host  # callable(n) -> pages | None, evicting L2 as needed
+        self.worker = StorageWorker(backend, config.storage_batch_pages)
+        self.counters = StorageCounters()
+        self._prefetch_capacity = max(1, int(config.prefetch_capacity_ratio * host_allocator.num_pages))
+        self._inflight_pages = 0
+        self._tickets: set[int] = set()
+
+    # ---- prefetch ------------------------------------------------------------------------
+    def page_keys(self, tokens: Sequence[int]) -> list[str]:
+        return self.namespace.page_hashes(tokens, self.page_size)
+
+    def prefetch(self, tokens: Sequence[int], local_pages: int, anchor: TreeNode) -> PrefetchTicket | None:
+        """Start fetching what L3 holds past the `local_pages` already in L1/L2, or None."""
+        p, threshold = self.page_size, self.config.prefetch_threshold_tokens
+        tokens = tuple(tokens)
+        keys = self.page_keys(tokens)[local_pages:]
+        if not keys:
+            return None
+        self.counters.queried_tokens += len(keys) * p
+        if len(keys) * p < threshold:
+            self.counters.unfulfilled_below_threshold_tokens += len(keys) * p
+            return None
+        hit = self.backend.exists(keys).usable_pages
+        self.counters.storage_hit_tokens += hit * p
+        if hit == 0:
+            return None
+        if hit * p < threshold:
+            self.counters.unfulfilled_below_threshold_tokens += hit * p
+            return None
+        room = self._prefetch_capacity - self._inflight_pages
+        take = min(hit, room)
+        host_pages = self._alloc_host(take) if take * p >= threshold else None
+        if host_pages is None:
+            self.counters.unfulfilled_host_capacity_tokens += hit * p
+            return None
+        self.counters.unfulfilled_host_capacity_tokens += (hit - take) * p
+        self._inflight_pages += take
+        self.tree.protect_host(anchor)
+        op = self.worker.prefetch(keys[:take], host_pages)
+        self._tickets.add(op.id)
+        timeout = self.config.prefetch_timeout_s(take * p)
+        return PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout)
+
+    def ready(self, ticket: PrefetchTicket, now_s: float | None = None) -> bool:
+        """May the request stop waiting for its prefetch (per the prefetch policy)?"""
+        if ticket.op.state.finished:
+            return True
+        policy = self.config.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return False
+        now = time.monotonic() if now_s is None else now_s
+        return now - ticket.op.submitted_s >= ticket.timeout_s
+
+    def wait(self, ticket: PrefetchTicket, poll_s: float = 0.001) -> None:
+        """Block until `ready` (a helper for callers without a scheduler loop)."""
+        while not self.ready(ticket):
+            ticket.op._settled.wait(poll_s)
+
+    def finish(self, ticket: PrefetchTicket) -> int:
+        """Stop the prefetch, insert what landed as L2-only nodes; returns tokens inserted."""
+        self._end(ticket)
+        op = ticket.op
+        done = op.done_pages
+        end_page = ticket.start_page + done
+        landed = op.host_pages[:done]
+        res = self.tree.insert_host(ticket.tokens[: end_page * self.page_size], landed,
+                                    skip_pages=ticket.start_page)
+        self.host_allocator.free(list(res.unused_pages) + op.host_pages[done:])
+        self.tree.release_host(ticket.anchor)
+        # pages of the prefix the tree now holds (any tier) past the local hit
+        usable = max(0, min(res.prefix_pages + res.new_pages, end_page) - ticket.start_page)
+        self.counters.prefetched_tokens += usable * self.page_size
+        self.counters.unfulfilled_storage_transfer_tokens += (op.num_pages - done) * self.page_size
+        self.counters.prefetch_wait_s += (op.finished_s or time.monotonic()) - op.submitted_s
+        return usable * self.page_size
+
+    def abort(self, ticket: PrefetchTicket) -> None:
+        """Drop a prefetch (request aborted): nothing is inserted, every page is freed."""
+        self._end(ticket)
+        self.host_allocator.free(ticket.op.host_pages)
+        self.tree.release_host(ticket.anchor)
+
+    def _end(self, ticket: PrefetchTicket) -> None:
+        if ticket.finished:
+            raise RuntimeError("a prefetch ticket was finished twice")
+        ticket.finished = True
+        self.worker.cancel(ticket.op)
+        if not self.worker.settle(ticket.op):
+            raise TimeoutError("the storage worker did not release a prefetch in 30 s")
+        self._inflight_pages -= ticket.op.num_pages
+        self._tickets.discard(ticket.op.id)
+
+    # ---- backup --------------------------------------------------------------------------
+    def backup(self, node: TreeNode) -> StorageOp | None:
+        """Write `node`'s L2 pages to L3 (protected from L2 eviction until written)."""
+        if node.host_value is None:
+            return None
+        tokens = node_tokens(node)
+        first = (len(tokens) - len(node.key)) // self.page_size
+        keys = self.page_keys(tokens)[first:]
+        self.tree.protect_host(node)
+        return self.worker.backup(keys, list(node.host_value), node)
+
+    def poll(self) -> int:
+        """Release nodes whose backups ended; returns how many ended."""
+        ended = self.worker.finished_backups()
+        for op in ended:
+            self.tree.release_host(op.payload)
+            self.counters.backed_up_tokens += op.done_pages * self.page_size
+            self.counters.backup_failed_tokens += (op.num_pages - op.done_pages) * self.page_size
+        return len(ended)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait until queued backups have ended (tests, detach, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self.worker.pending() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        self.poll()
+
+    def close(self, drain: bool = True) -> None:
+        """Finish (or cancel) queued work, release every protection, close the backend."""
+        if drain:
+            self.drain()
+        self.worker.close()
+        self.poll()
+        self.backend.close()

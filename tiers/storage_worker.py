@@ -1,0 +1,188 @@
+"""The storage worker: one thread that runs L3 prefetches (L3->L2) and backups (L2->L3).
+
+Operations go in batches (the config's `storage_batch_pages`, 128 by default) with progress
+published after each batch, so a waiting request can take the pages that already landed.
+Prefetches go before backups and take turns batch by batch. A cancelled prefetch stops at the
+next batch boundary; `settle` waits until the worker no longer touches its host pages, which
+is what makes freeing them safe.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Sequence
+
+from kvtier.backends.base import KV_POOL, StorageBackend
+from kvtier.errors import ClosedError
+
+log = logging.getLogger(__name__)
+
+
+class OpState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (OpState.DONE, OpState.FAILED, OpState.CANCELLED)
+
+
+class StorageOp:
+    """A batch job over `keys` <-> `host_pages`; `done_pages` leading pages have succeeded."""
+
+    def __init__(self, op_id: int, keys: Sequence[str], host_pages: Sequence[int], payload: object):
+        self.id = op_id
+        self.keys = list(keys)
+        self.host_pages = list(host_pages)
+        self.payload = payload
+        self.done_pages = 0
+        self.next_page = 0
+        self.state = OpState.QUEUED
+        self.error: BaseException | None = None
+        self.cancel_requested = False
+        self.submitted_s = time.monotonic()
+        self.finished_s: float | None = None
+        self._settled = threading.Event()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def settled(self) -> bool:
+        return self._settled.is_set()
+
+    def _finish(self, state: OpState) -> None:
+        self.state = state
+        self.finished_s = time.monotonic()
+        self._settled.set()
+
+
+class StorageWorker:
+    """Runs storage ops on a thread; the backend is only ever called from that thread."""
+
+    def __init__(self, backend: StorageBackend, batch_pages: int = 128, pool: str = KV_POOL):
+        self.backend = backend
+        self.batch_pages = batch_pages
+        self.pool = pool
+        self._ids = itertools.count(1)
+        self._prefetches: deque[StorageOp] = deque()
+        self._backups: deque[StorageOp] = deque()
+        self._finished_backups: deque[StorageOp] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
+        self._thread.start()
+
+    # ---- submission ----------------------------------------------------------------------
+    def prefetch(self, keys: Sequence[str], host_pages: Sequence[int], payload: object = None) -> StorageOp:
+        return self._submit(self._prefetches, keys, host_pages, payload)
+
+    def backup(self, keys: Sequence[str], host_pages: Sequence[int], payload: object = None) -> StorageOp:
+        return self._submit(self._backups, keys, host_pages, payload)
+
+    def _submit(self, queue: deque, keys, host_pages, payload) -> StorageOp:
+        with self._cv:
+            if self._closed:
+                raise ClosedError("the storage worker is closed; attach the backend again")
+            op = StorageOp(next(self._ids), keys, host_pages, payload)
+            queue.append(op)
+            self._cv.notify()
+        return op
+
+    def cancel(self, op: StorageOp) -> None:
+        """Stop `op` at its next batch boundary (pages already done stay done)."""
+        with self._cv:
+            op.cancel_requested = True
+            if op.state is OpState.QUEUED:
+                if op in self._prefetches:
+                    self._prefetches.remove(op)
+                elif op in self._backups:
+                    self._backups.remove(op)
+                    self._finished_backups.append(op)
+                op._finish(OpState.CANCELLED)
+            self._cv.notify()
+
+    def settle(self, op: StorageOp, timeout_s: float = 30.0) -> bool:
+        """Wait until the worker is done with `op`'s host pages; False on timeout."""
+        return op._settled.wait(timeout_s)
+
+    def finished_backups(self) -> list[StorageOp]:
+        """Backups that ended since the last call, in the order they ended."""
+        with self._cv:
+            out = list(self._finished_backups)
+            self._finished_backups.clear()
+        return out
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._prefetches) + len(self._backups)
+
+    # ---- the thread ----------------------------------------------------------------------
+    def _next(self) -> tuple[StorageOp, bool] | None:
+        with self._cv:
+            while not self._closed and not self._prefetches and not self._backups:
+                self._cv.wait()
+            if self._prefetches:
+                return self._prefetches.popleft(), True
+            if self._backups:
+                return self._backups.popleft(), False
+            return None  # closed and drained
+
+    def _run(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            op, is_prefetch = item
+            self._step(op, is_prefetch)
+            with self._cv:
+                if not op.state.finished:  # more batches: take turns with the others
+                    (self._prefetches if is_prefetch else self._backups).append(op)
+                elif not is_prefetch:
+                    self._finished_backups.append(op)
+
+    def _step(self, op: StorageOp, is_prefetch: bool) -> None:
+        if op.cancel_requested:
+            op._finish(OpState.CANCELLED)
+            return
+        op.state = OpState.RUNNING
+        start, stop = op.next_page, min(op.next_page + self.batch_pages, op.num_pages)
+        keys, pages = op.keys[start:stop], op.host_pages[start:stop]
+        try:
+            move = self.backend.get_into if is_prefetch else self.backend.set_from
+            result = move(self.pool, keys, pages)
+        except Exception as exc:  # a backend failure is a miss for this op, never a crash
+            log.warning("storage %s of %d pages failed: %s", "prefetch" if is_prefetch else "backup",
+                        len(keys), exc)
+            op.error = exc
+            op._finish(OpState.FAILED)
+            return
+        good = result.leading_ok
+        op.done_pages += good
+        op.next_page = stop
+        if good < len(keys) or stop == op.num_pages:
+            op._finish(OpState.DONE)  # a miss ends a prefix: later pages are unusable
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel queued work, let the running batch finish, stop the thread."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            for queue in (self._prefetches, self._backups):
+                for op in queue:
+                    op.cancel_requested = True
+                    op._finish(OpState.CANCELLED)
+                    if queue is self._backups:
+                        self._finished_backups.append(op)
+                queue.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
