@@ -21,6 +21,7 @@ from kvtier.tiers.cache_types import CacheCounters, CacheLookup
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_pool import HostPool
+from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.storage_tier import PrefetchTicket, StorageTier
 from kvtier.tiers.tree_node import TreeNode
@@ -94,10 +95,10 @@ class HierarchicalCache:
                            m.host_hit_length, loaded, load, loaded_node)
 
     def _plan_load_back(self, node: TreeNode, max_pages: int | None) -> LoadBackPlan | LoadRefusal:
-        plan = self.tree.plan_load_back(node, self.config.load_back_threshold_tokens, max_pages)
+        plan = plan_load_back(self.tree, node, self.config.load_back_threshold_tokens, max_pages)
         if plan is LoadRefusal.DEVICE_CAPACITY and self._backups:
             self.flush()  # L1 runs held only by copies in flight become evictable
-            plan = self.tree.plan_load_back(node, self.config.load_back_threshold_tokens, max_pages)
+            plan = plan_load_back(self.tree, node, self.config.load_back_threshold_tokens, max_pages)
         return plan
 
     def allocate(self, num_pages: int) -> list[int] | None:

@@ -12,8 +12,7 @@ from typing import Callable, Sequence
 from kvtier.errors import CacheUsageError
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.tree_node import LruQueue, TreeNode
-from kvtier.tiers.tree_types import (EvictResult, InsertResult, LoadBackPlan, LoadRefusal,
-                                     MatchResult, TreeStats)
+from kvtier.tiers.tree_types import EvictResult, InsertResult, MatchResult, TreeStats
 
 # Called for an L1 page run that is about to be evicted and has no L2 copy (write_back
 # policy): returns the L2 page ids now holding a copy, or None to drop the run instead.
@@ -278,54 +277,34 @@ class HiRadixTree:
     # ---- protection ----------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         """Protect the L1 pages from `node` to the root against eviction."""
-        while node.parent is not None:
-            if node.lock_ref == 0:
-                self._account(node, -1)
-                node.lock_ref = 1
-                self._account(node, +1)
-                self.device_lru.discard(node)
-            else:
-                node.lock_ref += 1
-            node = node.parent
+        self._add_ref(node, "lock_ref", 1)
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`."""
-        if node.parent is not None and node.lock_ref <= 0:
-            raise CacheUsageError(f"unlock of a node that is not locked: {node}")
-        while node.parent is not None:
-            if node.lock_ref == 1:
-                self._account(node, -1)
-                node.lock_ref = 0
-                self._account(node, +1)
-                self.device_lru.refresh(node)
-            else:
-                node.lock_ref -= 1
-            node = node.parent
+        self._add_ref(node, "lock_ref", -1)
 
     def protect_host(self, node: TreeNode) -> None:
         """Protect the L2 pages from `node` to the root (loads, backups in flight)."""
-        while node.parent is not None:
-            if node.host_ref == 0:
-                self._account(node, -1)
-                node.host_ref = 1
-                self._account(node, +1)
-                self.host_lru.discard(node)
-            else:
-                node.host_ref += 1
-            node = node.parent
+        self._add_ref(node, "host_ref", 1)
 
     def release_host(self, node: TreeNode) -> None:
         """Undo one `protect_host(node)`."""
-        if node.parent is not None and node.host_ref <= 0:
-            raise CacheUsageError(f"release_host of a node that is not protected: {node}")
+        self._add_ref(node, "host_ref", -1)
+
+    def _add_ref(self, node: TreeNode, field: str, delta: int) -> None:
+        """Change a path count; crossing zero moves the node between sized buckets."""
+        if node.parent is not None and getattr(node, field) + delta < 0:
+            raise CacheUsageError(f"{field} of a node would go below zero (release without "
+                                  f"a matching lock/protect): {node}")
         while node.parent is not None:
-            if node.host_ref == 1:
+            before = getattr(node, field)
+            if before == 0 or before + delta == 0:
                 self._account(node, -1)
-                node.host_ref = 0
+                setattr(node, field, before + delta)
                 self._account(node, +1)
-                self.host_lru.refresh(node)
+                self._refresh(node)
             else:
-                node.host_ref -= 1
+                setattr(node, field, before + delta)
             node = node.parent
 
     # ---- eviction ------------------------------------------------------------------------
@@ -411,42 +390,8 @@ class HiRadixTree:
         return EvictResult(freed, dropped_pages=freed)
 
     # ---- load-back -----------------------------------------------------------------------
-    def plan_load_back(
-        self, node: TreeNode, threshold_tokens: int = 0, max_pages: int | None = None
-    ) -> LoadBackPlan | LoadRefusal:
-        """Give the L2-only runs from `node` up to its deepest L1 ancestor fresh L1 pages.
-
-        All or nothing: a LoadRefusal when the span is shorter than `threshold_tokens`
-        (recomputing is cheaper), longer than `max_pages` (memory quota), or L1 cannot free
-        enough pages; nothing changes then.
-        The nodes are in L1 as soon as this returns; the caller copies the bytes and makes
-        readers wait per layer.
-        """
-        nodes: list[TreeNode] = []
-        while node.value is None:
-            nodes.append(node)
-            node = node.parent
-        if not nodes:
-            return LoadRefusal.NOTHING_TO_LOAD
-        nodes.reverse()
-        total = sum(len(n.host_value) for n in nodes)
-        if total * self.page_size < threshold_tokens:
-            return LoadRefusal.BELOW_THRESHOLD
-        if max_pages is not None and total > max_pages:
-            return LoadRefusal.OVER_QUOTA
-        pages = self.device_allocator.alloc(total)
-        if pages is None:
-            self.lock(node)  # the anchor must survive the eviction we trigger
-            self.protect_host(nodes[-1])  # and so must the L2 pages we are about to load
-            try:
-                self.evict_device(total - self.device_allocator.num_free)
-            finally:
-                self.release_host(nodes[-1])
-                self.unlock(node)
-            pages = self.device_allocator.alloc(total)
-            if pages is None:
-                return LoadRefusal.DEVICE_CAPACITY
-        host_pages: list[int] = []
+    def restore_to_device(self, nodes: list[TreeNode], pages: list[int]) -> None:
+        """Give L2-only `nodes` (a path, root side first) the L1 `pages`, in order."""
         start = 0
         for n in nodes:
             count = len(n.host_value)
@@ -456,9 +401,7 @@ class HiRadixTree:
             n.parent.device_children += 1
             self._refresh(n.parent)
             self._refresh(n)
-            host_pages.extend(n.host_value)
             start += count
-        return LoadBackPlan(nodes, host_pages, pages, total * self.page_size)
 
     # ---- whole tree ----------------------------------------------------------------------
     def nodes(self) -> list[TreeNode]:

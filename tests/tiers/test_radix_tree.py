@@ -3,6 +3,7 @@ import pytest
 
 from kvtier.errors import AllocatorError, CacheUsageError
 from kvtier.tiers.allocator import PageAllocator
+from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.tree_types import LoadRefusal
 
@@ -119,14 +120,14 @@ def test_load_back_threshold_quota_and_all_or_nothing():
     tree.set_backup(node, host.alloc(3))
     tree.evict_device(3)
     m = tree.match_prefix([5] * 12)
-    assert tree.plan_load_back(m.last_host_node, threshold_tokens=16) is LoadRefusal.BELOW_THRESHOLD
-    assert tree.plan_load_back(m.last_host_node, max_pages=2) is LoadRefusal.OVER_QUOTA
+    assert plan_load_back(tree, m.last_host_node, threshold_tokens=16) is LoadRefusal.BELOW_THRESHOLD
+    assert plan_load_back(tree, m.last_host_node, max_pages=2) is LoadRefusal.OVER_QUOTA
     blocker = serve(tree, dev, [6] * 16).last_node
     tree.lock(blocker)  # L1 full and locked: nothing can be freed
-    assert tree.plan_load_back(m.last_host_node) is LoadRefusal.DEVICE_CAPACITY
+    assert plan_load_back(tree, m.last_host_node) is LoadRefusal.DEVICE_CAPACITY
     assert node.value is None  # all or nothing: nothing changed
     tree.unlock(blocker)
-    plan = tree.plan_load_back(m.last_host_node)  # evicts the blocker, then loads
+    plan = plan_load_back(tree, m.last_host_node)  # evicts the blocker, then loads
     assert plan.num_tokens == 12 and len(plan.device_pages) == 3
     assert tree.match_prefix([5] * 12).device_hit_length == 12
 

@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.tiers.allocator import PageAllocator
+from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.tree_types import LoadRefusal
 
@@ -142,7 +143,7 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(tokens=seqs, threshold=st.sampled_from([0, 2, 6]), quota=st.sampled_from([None, 1, 3]))
     def load_back(self, tokens, threshold, quota):
         m = self.tree.match_prefix(tokens)
-        plan = self.tree.plan_load_back(m.last_host_node, threshold, quota)
+        plan = plan_load_back(self.tree, m.last_host_node, threshold, quota)
         if isinstance(plan, LoadRefusal):
             return
         assert plan.num_tokens >= threshold
