@@ -24,7 +24,7 @@ def _add_gen_trace(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.bench import transfer, tree
+    from kvtier.bench import storage, transfer, tree
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     x = bench.add_parser("transfer", help="L1<->L2 copy bandwidth per host layout")
     transfer.add_arguments(x)
     x.set_defaults(func=transfer.main)
+    s = bench.add_parser("storage", help="L3 backend write/read GB/s next to the raw library")
+    storage.add_arguments(s)
+    s.set_defaults(func=storage.main)
     g = bench.add_parser("gen-trace", help="write a synthetic multi-turn trace")
     _add_gen_trace(g)
     g.set_defaults(func=_gen_trace)

@@ -11,7 +11,8 @@ from typing import Sequence
 
 import torch
 
-from kvtier.backends.base import KV_POOL, StorageBackend
+from kvtier.backends.base import KV_POOL, StorageBackend, StorageTarget
+from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError
 from kvtier.keys import KeyNamespace, layout_fingerprint
@@ -35,7 +36,8 @@ class HierarchicalCache:
 
     def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
                  device: torch.device | str | None = None, model: str = "kvtier-model",
-                 tenant_salt: str = "", storage: StorageBackend | None = None) -> None:
+                 tenant_salt: str = "", storage: StorageBackend | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         config = config.normalize()
         if spec.page_size != config.page_size:
             raise CacheUsageError(
@@ -58,6 +60,9 @@ class HierarchicalCache:
         self.namespace = KeyNamespace(model, tenant_salt, layout_fingerprint(spec, config.mem_layout))
         self.storage: StorageTier | None = None
         self._tickets: list[PrefetchTicket] = []
+        if storage is None and config.storage_backend is not None:
+            target = StorageTarget(self.namespace, tp_rank, tp_size)
+            storage = create_backend(config.storage_backend, target, config.storage_options)
         if storage is not None:
             self.attach_storage(storage)
         log.info("hierarchical cache: %s; L1 %d pages, L2 %d pages", config.describe(),

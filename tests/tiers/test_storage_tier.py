@@ -5,8 +5,6 @@ import uuid
 import pytest
 import torch
 
-from kvtier.backends.base import StorageTarget
-from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import PrefetchPolicy, WritePolicy
@@ -22,12 +20,8 @@ def make(seed, policy=WritePolicy.WRITE_THROUGH, prefetch=PrefetchPolicy.WAIT_CO
     config = HiCacheConfig(page_size=4, write_policy=policy, prefetch_policy=prefetch,
                            hicache_ratio=2.0, prefetch_threshold_tokens=threshold,
                            load_back_threshold_tokens=4, storage_batch_pages=3,
-                           storage_backend="simulated")
-    cache = HierarchicalCache(config, SPEC, device_pages, device="cpu", model="m")
-    backend = create_backend("simulated", StorageTarget(cache.namespace),
-                             {"seed": seed, **sim})
-    cache.attach_storage(backend)
-    return cache
+                           storage_backend="simulated", storage_options={"seed": seed, **sim})
+    return HierarchicalCache(config, SPEC, device_pages, device="cpu", model="m")
 
 
 def serve(cache, tokens):
@@ -136,12 +130,9 @@ def test_tenants_never_hit_each_other():
     seed = random.getrandbits(48)
     doc = list(range(500, 540))
     config = HiCacheConfig(page_size=4, prefetch_threshold_tokens=8, storage_backend="simulated",
-                           prefetch_policy="wait_complete")
-    caches = []
-    for tenant in ("alice", "bob"):
-        c = HierarchicalCache(config, SPEC, 32, device="cpu", model="m", tenant_salt=tenant)
-        c.attach_storage(create_backend("simulated", StorageTarget(c.namespace), {"seed": seed}))
-        caches.append(c)
+                           prefetch_policy="wait_complete", storage_options={"seed": seed})
+    caches = [HierarchicalCache(config, SPEC, 32, device="cpu", model="m", tenant_salt=tenant)
+              for tenant in ("alice", "bob")]
     alice, bob = caches
     serve(alice, doc)
     settle(alice)
