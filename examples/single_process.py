@@ -1,4 +1,4 @@
-"""kvtier in one process: fill L1, evict to L2, load back, and show the five lengths.
+"""kvtier in one process: fill L1, evict to L2, load back, reuse from L3; the five lengths.
 
 Run with `make demo` (or `.venv/bin/python examples/single_process.py`). The KV written for a
 page is a deterministic function of its prefix (kvtier.tiers.reference_kv), so every hit is
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import tempfile
+import time
 
 import torch
 
@@ -19,8 +21,14 @@ from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
 
 
 def serve(cache: HierarchicalCache, tokens: list[int]) -> tuple:
-    """One request: lookup (+ load-back), compute the rest, store it; returns lengths, check."""
+    """One request: L3 prefetch, lookup (+ load-back), compute the rest, store it."""
     spec = cache.spec
+    storage_hit = 0
+    ticket = cache.prefetch(tokens)
+    if ticket is not None:  # a scheduler would serve other requests while this waits
+        while not cache.prefetch_ready(ticket):
+            time.sleep(0.001)
+        storage_hit = cache.finish_prefetch(ticket)
     lookup = cache.lookup(tokens)
     total_pages = -(-len(tokens) // spec.page_size)
     fresh = cache.allocate(total_pages - len(lookup.device_pages))
@@ -33,7 +41,7 @@ def serve(cache: HierarchicalCache, tokens: list[int]) -> tuple:
                                   lookup.device_pages)
     write_prefix_kv(cache.device_pool.kv, spec, tokens, fresh, first_page=len(lookup.device_pages))
     cache.finish(lookup, tokens, lookup.device_pages + fresh)
-    return lookup.lengths(), cached_ok
+    return lookup.lengths(storage_hit), cached_ok
 
 
 def main() -> int:
@@ -42,11 +50,18 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--write-policy", default="write_through")
     ap.add_argument("--mem-layout", default="page_first")
+    ap.add_argument("--l3-dir", default=None, help="file L3 root (default: a temporary dir)")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-l3-") as tmp:
+        return run(args, args.l3_dir or tmp)
 
+
+def run(args: argparse.Namespace, l3_dir: str) -> int:
     config = HiCacheConfig.from_dict({
         "page_size": args.page_size, "hicache_ratio": 4.0, "load_back_threshold_tokens": 16,
         "write_policy": args.write_policy, "mem_layout": args.mem_layout,
+        "storage_backend": "file", "storage_options": {"root_dir": l3_dir},
+        "prefetch_policy": "wait_complete", "prefetch_threshold_tokens": 64,
     }).normalize()
     spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, page_size=args.page_size,
                   dtype=torch.float32)
@@ -62,24 +77,35 @@ def main() -> int:
         ("doc A + question 4 (L1 hit again)", doc_a + question()),
     ]
     print(f"config: {config.describe()}")
-    print(f"L1 {args.device_pages} pages x {args.page_size} tokens; KV {spec.page_bytes} B/page\n")
+    print(f"L1 {args.device_pages} pages x {args.page_size} tokens; KV {spec.page_bytes} B/page; "
+          f"L3: file backend in {l3_dir}\n")
     header = f"{'request':<42} {'prefix':>6} {'host_hit':>8} {'loaded':>6} {'storage':>7} {'extend':>6}  bytes"
     print(header)
     print("-" * len(header))
     all_ok = True
-    with HierarchicalCache(config, spec, args.device_pages) as cache:
+
+    def row(name: str, cache: HierarchicalCache, tokens: list[int]) -> None:
+        nonlocal all_ok
+        lengths, ok = serve(cache, tokens)
+        all_ok &= ok
+        print(f"{name:<42} {lengths.prefix_len:>6} {lengths.host_hit_length:>8} "
+              f"{lengths.host_loaded_length:>6} {lengths.storage_hit_length:>7} "
+              f"{lengths.extend_len:>6}  {'match' if ok else 'MISMATCH'}")
+
+    with HierarchicalCache(config, spec, args.device_pages, model="demo") as cache:
         for name, tokens in steps:
-            lengths, ok = serve(cache, tokens)
-            all_ok &= ok
-            print(f"{name:<42} {lengths.prefix_len:>6} {lengths.host_hit_length:>8} "
-                  f"{lengths.host_loaded_length:>6} {lengths.storage_hit_length:>7} "
-                  f"{lengths.extend_len:>6}  {'match' if ok else 'MISMATCH'}")
+            row(name, cache, tokens)
         cache.flush()
+        cache.storage.drain()  # instance A's L2 -> L3 backups land
         stats = cache.tree.stats()
-        print(f"\ntree: {stats.num_nodes} nodes; L1 evictable {stats.device_evictable_pages} "
-              f"pages, L2-only {stats.host_evictable_pages} pages")
-        print("counters:", cache.counters.snapshot())
-        print("transfers:", cache.controller.stats())
+        print(f"\ninstance A tree: {stats.num_nodes} nodes; L1 evictable "
+              f"{stats.device_evictable_pages} pages, L2-only {stats.host_evictable_pages} pages")
+        print("instance A cache:", cache.counters.snapshot())
+        print("instance A L3:", cache.storage.counters.snapshot())
+        print("instance A copies:", cache.controller.stats(), "\n")
+    with HierarchicalCache(config, spec, args.device_pages, model="demo") as other:
+        row("instance B: doc A + question 5 (L3 hit)", other, doc_a + question())
+        print("\ninstance B L3:", other.storage.counters.snapshot())
     print("\nevery cached prefix matched a recomputation byte for byte" if all_ok
           else "\nMISMATCH: a cached prefix differs from its recomputation")
     return 0 if all_ok else 1

@@ -145,6 +145,7 @@ class HiRadixTree:
             upper.host_value, child.host_value = child.host_value[:pages], child.host_value[pages:]
         upper.lock_ref, upper.host_ref = child.lock_ref, child.host_ref  # path counts
         upper.hit_count, upper.last_access = child.hit_count, child.last_access
+        upper.storage_op = child.storage_op
         upper.children[child.key[: self.page_size]] = child
         upper.device_children = 1 if child.value is not None else 0
         child.parent = upper

@@ -20,7 +20,7 @@ from kvtier.policies import PrefetchPolicy
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.storage_worker import OpState, StorageOp, StorageWorker
-from kvtier.tiers.tree_node import TreeNode
+from kvtier.tiers.tree_node import NOT_STORED, STORED, TreeNode
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,8 @@ class StorageTier:
                                     skip_pages=ticket.start_page)
         self.host_allocator.free(list(res.unused_pages) + op.host_pages[done:])
         self.tree.release_host(ticket.anchor)
+        if done:
+            self.mark_stored(res.last_node, ticket.start_page)
         # pages of the prefix the tree now holds (any tier) past the local hit
         usable = max(0, min(res.prefix_pages + res.new_pages, end_page) - ticket.start_page)
         self.counters.prefetched_tokens += usable * self.page_size
@@ -174,23 +176,53 @@ class StorageTier:
 
     # ---- backup --------------------------------------------------------------------------
     def backup(self, node: TreeNode) -> StorageOp | None:
-        """Write `node`'s L2 pages to L3 (protected from L2 eviction until written)."""
-        if node.host_value is None:
+        """Write the L2 pages of `node` and of its ancestors not yet in L3 (one op).
+
+        The path is protected from L2 eviction until the op ends. Nodes remember the op, and
+        a split copies that, so a run split while being written is still marked when done.
+        """
+        path = list(node.path_to_root())[::-1]  # root side first
+        todo = [n for n in path if n.host_value is not None and n.storage_op == NOT_STORED]
+        if not todo:
             return None
         tokens = node_tokens(node)
-        first = (len(tokens) - len(node.key)) // self.page_size
-        keys = self.page_keys(tokens)[first:]
+        all_keys = self.page_keys(tokens)
+        keys, pages, start = [], [], 0
+        for n in path:
+            count = len(n.key) // self.page_size
+            if n in todo:
+                keys += all_keys[start : start + count]
+                pages += n.host_value
+            start += count
         self.tree.protect_host(node)
-        return self.worker.backup(keys, list(node.host_value), node)
+        op = self.worker.backup(keys, pages, node)
+        for n in todo:
+            n.storage_op = op.id
+        return op
 
     def poll(self) -> int:
-        """Release nodes whose backups ended; returns how many ended."""
+        """Release nodes whose backups ended and record what reached L3."""
         ended = self.worker.finished_backups()
         for op in ended:
-            self.tree.release_host(op.payload)
+            node = op.payload
+            complete = op.done_pages == op.num_pages
+            for n in node.path_to_root():
+                if n.storage_op == op.id:
+                    n.storage_op = STORED if complete else NOT_STORED
+            self.tree.release_host(node)
             self.counters.backed_up_tokens += op.done_pages * self.page_size
             self.counters.backup_failed_tokens += (op.num_pages - op.done_pages) * self.page_size
         return len(ended)
+
+    def mark_stored(self, node: TreeNode, first_page: int) -> None:
+        """Pages from `first_page` on the path to `node` came from L3: no backup needed."""
+        end = sum(len(n.key) for n in node.path_to_root()) // self.page_size
+        for n in node.path_to_root():
+            end -= len(n.key) // self.page_size
+            if end < first_page:
+                break
+            if n.storage_op == NOT_STORED:
+                n.storage_op = STORED
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until queued backups have ended (tests, detach, shutdown)."""

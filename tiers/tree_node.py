@@ -5,6 +5,10 @@ import heapq
 from typing import Callable, Iterator
 
 
+NOT_STORED = 0
+STORED = -1
+
+
 class TreeNode:
     """A run of whole pages of one prefix, and where those pages live.
 
@@ -17,6 +21,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "parent", "children", "value", "host_value", "lock_ref", "host_ref",
         "hit_count", "last_access", "device_children", "in_device_lru", "in_host_lru",
+        "storage_op",
     )
 
     def __init__(self, node_id: int, key: tuple, parent: "TreeNode | None") -> None:
@@ -33,6 +38,8 @@ class TreeNode:
         self.device_children = 0  # children whose value is not None
         self.in_device_lru = False
         self.in_host_lru = False
+        # L3 state of the pages: NOT_STORED, STORED, or the id (> 0) of the backup writing them
+        self.storage_op = NOT_STORED
 
     @property
     def on_device(self) -> bool:

@@ -140,3 +140,15 @@ def test_tenants_never_hit_each_other():
     assert serve(bob, doc).extend_len == 40
     for c in caches:
         c.close()
+
+
+def test_a_run_split_while_backing_up_still_reaches_l3_whole():
+    seed = random.getrandbits(48)
+    doc = list(range(600, 640))
+    with make(seed) as a:
+        serve(a, doc + [1, 1, 1, 1])  # one node of 11 pages, its L2 copy in flight
+        serve(a, doc + [2, 2, 2, 2])  # splits that node at page 10 before the copy is acked
+        settle(a)
+        assert all(n.storage_op == -1 for n in a.tree.nodes() if n.host_value is not None)
+    with make(seed) as b:
+        assert serve(b, doc + [3]).storage_hit_length == 40
