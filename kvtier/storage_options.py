@@ -169,6 +169,10 @@ class MooncakeOptions(_Options):
     local_hostname: str = "127.0.0.1"
     global_segment_size_bytes: int = 256 * MiB
     local_buffer_size_bytes: int = 64 * MiB
+    # xxh3 of every page part in a small checksum object, verified after each read. Off by
+    # default: hashing costs ~40% of Mooncake's local throughput here (sizes are checked always).
+    verify_checksums: bool = False
+    start_timeout_s: float = 15.0  # bound on starting the master and connecting to it
 
     def __post_init__(self) -> None:
         if self.master_address is not None:
@@ -183,6 +187,9 @@ class MooncakeOptions(_Options):
                   allow_slash=False)
         for name in ("global_segment_size_bytes", "local_buffer_size_bytes"):
             check_int(getattr(self, name), self._where(name), 0, MAX_BYTES)
+        check_bool(self.verify_checksums, self._where("verify_checksums"))
+        self._set("start_timeout_s", check_float(self.start_timeout_s,
+                                                 self._where("start_timeout_s"), 0.1, 600.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,6 +189,7 @@ def test_keys_must_be_page_hashes(harness):
         b.get_into("nope", keys(1), [0])
 
 
+@pytest.mark.takes_down
 def test_backend_down_at_run_time_is_a_miss(harness):
     b = harness.backend()
     b.register_pool(KV_POOL, harness.pool())

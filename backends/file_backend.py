@@ -1,0 +1,262 @@
+"""The embedded default L3: one file per page part under `root_dir/<object_name>`.
+
+Reads and writes go straight between the registered host pool and the page cache (readv /
+writev on the pool's memory, no intermediate bytes); every object carries its own name and
+an xxh3 checksum (file_object), so torn, foreign or rotten files are misses that get removed.
+Several processes may share one root: objects appear atomically and are never replaced.
+With `max_size_bytes` the backend evicts whole pages, least recently used first (file_index).
+
+Why a few I/O threads: `os.readv`/`os.writev` and xxh3 release the GIL, so while one page's
+bytes are being checksummed another's are being copied by the kernel. The calling thread
+alone touches the index and the counters; workers only move bytes and report outcomes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, TypeVar
+
+from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
+                                  TransferResult)
+from kvtier.backends.file_index import ObjectIndex, page_siblings
+from kvtier.backends.file_object import (ReadOutcome, ReadStatus, WriteOutcome, WriteStatus,
+                                         object_bytes, read_object, write_object)
+from kvtier.backends.file_pool import PoolFiles
+from kvtier.backends.file_root import FileRoot
+from kvtier.errors import ConfigError
+from kvtier.policies import HitPolicy, StorageBackendKind
+from kvtier.storage_options import FileOptions
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IO_THREADS = 2  # overlap one page's checksum with another's copy; 1 = no threads
+_Job = tuple[list[str], list[str], list[memoryview]]  # names, paths, page views of one page
+_T = TypeVar("_T")
+
+
+class FileBackend(StorageBackend):
+    kind = StorageBackendKind.FILE
+    capabilities = Capabilities(zero_copy=True, shared=True, persistent=True, verified=True,
+                                bounded=True)
+
+    def __init__(self, options: FileOptions, target: StorageTarget,
+                 io_threads: int = DEFAULT_IO_THREADS) -> None:
+        super().__init__(target)
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ConfigError(f"file backend: io_threads must be an int >= 1, got {io_threads!r}")
+        self.options = options
+        self.root = FileRoot(options.root_dir)  # StorageUnavailable here, at attach
+        self._files: dict[str, PoolFiles] = {}
+        self._cap_warned = False
+        self.index, report = ObjectIndex.scan(self.root.path)
+        self.counters.extra.update(root_dir=self.root.path, scan_objects=report.objects,
+                                   scan_s=round(report.seconds, 4))
+        log.info("file backend at %s: %d objects, %.1f MiB found in %.3f s (%d stale temp files "
+                 "removed)", self.root.path, report.objects, report.stored_bytes / 2**20,
+                 report.seconds, report.stale_tmp_removed)
+        self._make_room(0, frozenset())
+        self._sync_stored()
+        self._io_threads = io_threads
+        self._workers: ThreadPoolExecutor | None = None
+        self._workers_pid = 0  # threads do not survive fork: a forked child starts its own
+
+    # ---- the interface -------------------------------------------------------------------
+    def _register(self, reg: PoolRegistration) -> None:
+        self._files[reg.name] = PoolFiles(self.root.path, self.target, reg)
+
+    def names(self, reg: PoolRegistration, key: str) -> list[str]:
+        return self._files[reg.name].names(key)
+
+    def _present(self, reg: PoolRegistration, keys: list[str]) -> list[bool]:
+        pf = self._files[reg.name]
+        if not self.root.inside(pf.rel_dir):
+            return [False] * len(keys)
+        # ALL_PAGES only counts leading pages: after the first gap the rest cannot matter.
+        stop_at_gap = reg.hit_policy is HitPolicy.ALL_PAGES
+        out: list[bool] = []
+        for key in keys:
+            if stop_at_gap and out and not out[-1]:
+                out.append(False)
+            else:
+                out.append(all(_is_file(path) for path in pf.paths(key)))
+        return out
+
+    def _get(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
+        pf = self._files[reg.name]
+        if not self.root.inside(pf.rel_dir):
+            return TransferResult([False] * len(keys), 0)
+        jobs = [(pf.names(k), pf.paths(k), [pf.view(p, i) for i in range(len(pf.suffixes))])
+                for k, p in zip(keys, host_pages)]
+        ok, moved = [], 0
+        for (names, _, views), outcomes in zip(jobs, self._map(_read_page, jobs)):
+            good = self._note_reads(names, outcomes) and len(outcomes) == len(names)
+            ok.append(good)
+            moved += sum(len(v) for v in views) if good else 0
+        self._sync_stored()
+        return TransferResult(ok, moved)
+
+    def _set(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
+        pf = self._files[reg.name]
+        ok = [False] * len(keys)
+        if not self.root.inside(pf.rel_dir) or not self.root.ensure_dir(pf.rel_dir):
+            return TransferResult(ok, 0)
+        jobs, where = self._plan_writes(pf, keys, host_pages, ok)
+        size = object_bytes(pf.part_bytes)
+        jobs = jobs[:self._admit([len(j[0]) * size for j in jobs],
+                                 frozenset(n for k in keys for n in pf.names(k)))]
+        results = self._map(self._write_page, jobs)
+        retry = [n for n, res in enumerate(results) if res[-1].status is WriteStatus.NO_DIR]
+        if retry:  # the directory vanished under us: create it again, write those pages again
+            self.root.forget_dir(pf.rel_dir)
+            if self.root.ensure_dir(pf.rel_dir):
+                for n in retry:
+                    results[n] = self._write_page(jobs[n])
+        moved = 0
+        for i, job, outcomes in zip(where, jobs, results):
+            ok[i], nbytes = self._note_writes(job, outcomes)
+            moved += nbytes
+        self._sync_stored()
+        return TransferResult(ok, moved)
+
+    def _delete(self, reg: PoolRegistration, keys: list[str]) -> int:
+        removed = sum(any([self._unlink(name) for name in self.names(reg, key)]) for key in keys)
+        self._sync_stored()
+        return removed
+
+    def _close(self) -> None:
+        """Stop the I/O threads and drop the pool views (files are closed after each call)."""
+        if self._workers is not None and self._workers_pid == os.getpid():
+            self._workers.shutdown(wait=True)
+        self._workers = None
+        for pf in self._files.values():
+            pf.close()
+
+    # ---- per page: workers move bytes, the calling thread records outcomes ---------------
+    def _plan_writes(self, pf: PoolFiles, keys: list[str], host_pages: list[int],
+                     ok: list[bool]) -> tuple[list[_Job], list[int]]:
+        """One job per page with missing parts; pages already complete are marked ok."""
+        jobs, where = [], []
+        for i, (key, page) in enumerate(zip(keys, host_pages)):
+            names, paths = pf.names(key), pf.paths(key)
+            missing = [j for j, path in enumerate(paths) if not _is_file(path)]
+            if not missing:  # a page's bytes never change: keep what is stored
+                self.counters.write_skipped_existing += 1
+                for name in names:
+                    self.index.add(name, object_bytes(pf.part_bytes))
+                ok[i] = True
+                continue
+            jobs.append(([names[j] for j in missing], [paths[j] for j in missing],
+                         [pf.view(page, j) for j in missing]))
+            where.append(i)
+        return jobs, where
+
+    def _write_page(self, job: _Job) -> list[WriteOutcome]:
+        out = []
+        for name, path, view in zip(*job):
+            out.append(write_object(path, name.encode(), view, self.options.fsync))
+            if out[-1].status in (WriteStatus.FAILED, WriteStatus.NO_DIR):
+                break
+        return out
+
+    def _note_writes(self, job: _Job, outcomes: list[WriteOutcome]) -> tuple[bool, int]:
+        moved = 0
+        for name, view, outcome in zip(job[0], job[2], outcomes):
+            if outcome.status in (WriteStatus.WRITTEN, WriteStatus.EXISTED):
+                self.index.add(name, outcome.file_bytes)
+                moved += len(view) if outcome.status is WriteStatus.WRITTEN else 0
+            else:
+                log.warning("file backend: cannot store %s (%s)", name, outcome.reason)
+                return False, moved
+        return len(outcomes) == len(job[0]), moved
+
+    def _note_reads(self, names: list[str], outcomes: list[ReadOutcome]) -> bool:
+        for name, outcome in zip(names, outcomes):
+            if outcome.status is ReadStatus.OK:
+                self.index.add(name, outcome.file_bytes)  # known or learned; now most recent
+            elif outcome.status is ReadStatus.CORRUPT:
+                self.counters.corrupt_objects += 1
+                self.index.discard(name)
+                log.warning("file backend: removed bad object %s (%s)", name, outcome.reason)
+            elif outcome.status is ReadStatus.ERROR:
+                log.warning("file backend: cannot read %s (%s); a miss", name, outcome.reason)
+        return all(o.status is ReadStatus.OK for o in outcomes)
+
+    def _map(self, fn: Callable[[_Job], _T], jobs: list[_Job]) -> list[_T]:
+        """`fn` over the jobs on the I/O threads; returns only when every job has finished, so
+        no worker touches the borrowed pages after the call (even when one job raised)."""
+        if self._io_threads < 2 or len(jobs) < 2:
+            return [fn(job) for job in jobs]
+        if self._workers is None or self._workers_pid != os.getpid():
+            self._workers = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-file")
+            self._workers_pid = os.getpid()
+        futures = [self._workers.submit(fn, job) for job in jobs]
+        wait(futures)
+        return [f.result() for f in futures]
+
+    # ---- capacity ------------------------------------------------------------------------
+    def _admit(self, incoming: list[int], protect: frozenset[str]) -> int:
+        """How many leading page writes fit `max_size_bytes`, after evicting room for them."""
+        cap, total, n = self.options.max_size_bytes, 0, 0
+        while n < len(incoming) and (not cap or total + incoming[n] <= cap):
+            total, n = total + incoming[n], n + 1
+        if n < len(incoming) and not self._cap_warned:
+            self._cap_warned = True
+            log.warning("file backend: %d of %d page writes exceed max_size_bytes=%d and are "
+                        "dropped: raise max_size_bytes", len(incoming) - n, len(incoming), cap)
+        self._make_room(total, protect)
+        return n
+
+    def _make_room(self, incoming: int, protect: frozenset[str]) -> None:
+        """Evict least recently used pages (all parts, all ranks) until `incoming` bytes fit."""
+        cap = self.options.max_size_bytes
+        spins = len(self.index)  # each protected object is passed over at most once
+        while cap and self.index.total_bytes + incoming > cap and spins >= 0:
+            name = self.index.oldest()
+            if name is None:
+                return  # what is left belongs to processes we do not know of
+            siblings = page_siblings(name)
+            if protect.intersection(siblings):  # a page this call is writing or keeping
+                self.index.touch(name)
+                spins -= 1
+                continue
+            for sibling in siblings:
+                self._unlink(sibling)
+            self.counters.evicted_pages += 1
+
+    def _unlink(self, name: str) -> bool:
+        """Remove one object file if present; True when it was there."""
+        self.index.discard(name)
+        path = self.root.object_path(name)
+        if path is None:
+            return False
+        try:
+            os.unlink(path)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            log.warning("file backend: cannot remove %s (%s)", name, exc.strerror or exc)
+            return False
+
+    def _sync_stored(self) -> None:
+        self.counters.stored_bytes = self.index.total_bytes
+
+
+def _read_page(job: _Job) -> list[ReadOutcome]:
+    """Read every part of one page (worker thread); stops at the first part that fails."""
+    out = []
+    for name, path, view in zip(*job):
+        out.append(read_object(path, name.encode(), view))
+        if out[-1].status is not ReadStatus.OK:
+            break
+    return out
+
+
+def _is_file(path: str) -> bool:
+    """Cheap presence check (one lstat, no read): a regular file under the object name."""
+    try:
+        return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False

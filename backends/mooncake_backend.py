@@ -1,0 +1,380 @@
+"""The `mooncake` L3 backend: page parts as Mooncake Store objects, moved zero-copy.
+
+- The master is either given (`master_address`) or started here on loopback and stopped
+  at close (backends/mooncake_master.py).
+- Each host pool is registered with the client ONCE; every batch is then ONE
+  `batch_put_from` / `batch_get_into` over per-object pointers into the pool.
+- Writes ask `batch_is_exist` first and put only the missing objects (a page's bytes never
+  change under its key). A page is ok only when every one of its objects is.
+- Reads always check sizes (Mooncake returns the bytes it copied); with `verify_checksums`
+  each page also has a checksum object (xxh3_64 per part) checked after the copy. A wrong
+  size or checksum is a miss, counted in `corrupt_objects`, and the page's objects go.
+- A dead master makes calls misses/failures, never exceptions or hangs: the client's
+  cached health flag gates each batch, and after a failed RPC (Mooncake's own timeout,
+  up to ~4 s) calls are misses without asking for RPC_BACKOFF_S.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import xxhash
+
+from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
+                                  StorageUnavailable, TransferResult)
+from kvtier.backends.mooncake_master import MooncakeMaster, free_port, port_open
+from kvtier.errors import CacheUsageError
+from kvtier.policies import StorageBackendKind
+from kvtier.storage_options import MooncakeOptions
+
+log = logging.getLogger(__name__)
+# Mooncake writes every INFO line to stderr; keep its warnings and errors unless told otherwise.
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
+OK, BUFFER_TOO_SMALL = 0, -600
+RPC_ERRORS = (-900, -901)  # RPC_FAIL, RPC_TIMEOUT: the master did not answer
+RPC_BACKOFF_S = 2.0
+SUM_SUFFIX = "sum"  # `<...>_<rank>_<size>_sum` beside `_k` / `_v`
+SUM_BYTES = 8  # one little-endian xxh3_64 per part
+
+
+# Mooncake ErrorCode values this backend meets (mooncake-store/include/types.h).
+_ERRORS = {-1: "internal error", -200: "no space left (puts past ~90% of the segments fail)",
+           -600: "invalid parameters, or a buffer too small for the object",
+           -704: "object not found", -706: "object has a lease", -800: "transfer failed",
+           -900: "RPC to the master failed", -901: "RPC to the master timed out"}
+DEFAULT_METADATA = "P2PHANDSHAKE"  # no metadata server needed (see mooncake_master.py)
+
+
+def describe(rc: int) -> str:
+    return f"code {rc} ({_ERRORS.get(rc, 'see ErrorCode in Mooncake types.h')})"
+
+
+def _client_name(local_hostname: str) -> str:
+    """`host:port` with a free port: one setup attempt instead of Mooncake's 20 (~90 s)."""
+    if ":" in local_hostname:  # host:port given (or an IPv6 literal: left to Mooncake)
+        return local_hostname
+    try:
+        return f"{local_hostname}:{free_port(local_hostname)}"
+    except OSError as exc:
+        raise StorageUnavailable(f"storage_options local_hostname {local_hostname!r} is not an "
+                                 f"address of this machine ({exc}); use 127.0.0.1 or this "
+                                 "machine's IP") from exc
+
+
+def connect(options: MooncakeOptions, master_address: str) -> Any:
+    """A set-up MooncakeDistributedStore client, or StorageUnavailable saying what to check."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise StorageUnavailable(
+            f"mooncake.store cannot be imported ({exc}); install mooncake-transfer-engine "
+            "(`make` does; on Debian also apt-get install libibverbs1)") from exc
+    host, _, port = master_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise StorageUnavailable(f"storage_options master_address {master_address!r} must be "
+                                 "host:port (the master's --rpc_address and --rpc_port)")
+    if not port_open(host, int(port), timeout_s=min(2.0, options.start_timeout_s)):
+        raise StorageUnavailable(
+            f"cannot reach the Mooncake master at {master_address}: check that mooncake_master "
+            "runs there with that --rpc_address/--rpc_port, or leave master_address unset so "
+            "kvtier starts its own on 127.0.0.1")
+    metadata = options.metadata_server or DEFAULT_METADATA
+    store = MooncakeDistributedStore()
+    rc = store.setup(_client_name(options.local_hostname), metadata,
+                     options.global_segment_size_bytes, options.local_buffer_size_bytes,
+                     options.protocol.value, options.device_name, master_address)
+    if rc != OK:
+        close_client(store)
+        raise StorageUnavailable(
+            f"Mooncake client setup against master {master_address} failed: {describe(rc)}. "
+            f"Check that metadata_server {metadata!r} is what that master's clients use "
+            "(P2PHANDSHAKE, or http://host:port/metadata for a master with an HTTP metadata "
+            "server), that local_hostname is an address of this machine, and that "
+            "global_segment_size_bytes fits in free memory")
+    return store
+
+
+def close_client(store: Any) -> None:
+    """Close a client: ~1 s, a few more when the master is gone (bounded by Mooncake's RPC
+    timeouts; its close holds the GIL, so a background thread would not help)."""
+    try:
+        store.close()
+    except Exception as exc:  # noqa: BLE001 - nothing left to do with a client that won't close
+        log.warning("mooncake client close failed: %s", exc)
+
+
+class _PoolMap:
+    """Object names and byte addresses of one registered pool's page parts, precomputed.
+
+    Why: a torch view and a validated name per object cost ~20 us, 7-15% of a batch's time
+    at memory speed. Names are `head + key + tail` (keys are checked by the base class);
+    addresses are affine in (page, part) for page-major pools, which is verified here
+    against `page_part_view` (a pool where it is not falls back to views).
+    """
+
+    def __init__(self, target: StorageTarget, reg: PoolRegistration, sums: np.ndarray | None):
+        dummy = "0" * 64
+        self.heads, self.tails = [], []
+        for part in range(reg.num_parts):
+            name = target.object_name(reg.name, dummy, part)
+            at = name.rfind(dummy)
+            self.heads.append(name[:at])
+            self.tails.append(name[at + 64:])
+        self.sum_tail = f"{self.tails[0].rsplit('_', 1)[0]}_{SUM_SUFFIX}"
+        self.sums, self.sum_bytes = sums, reg.num_parts * SUM_BYTES
+        self.pool, self.num_parts, self.num_pages = reg.pool, reg.num_parts, reg.pool.num_pages
+        view = reg.pool.page_part_view
+        self.base, self.part_bytes = view(0, 0).data_ptr(), view(0, 0).numel()
+        self.part_stride = view(0, 1).data_ptr() - self.base if self.num_parts > 1 else 0
+        self.page_stride = view(1, 0).data_ptr() - self.base if self.num_pages > 1 else 0
+        self.affine = self._check_affine()
+
+    def _check_affine(self) -> bool:
+        """Do sample pages match the affine map, and does it stay inside the pool's memory?"""
+        last, view = self.num_pages - 1, self.pool.page_part_view
+        samples = {0, min(1, last), last // 2, last}
+        matches = all(self._affine_ptr(p, q) == view(p, q).data_ptr()
+                      and view(p, q).numel() == self.part_bytes
+                      for p in samples for q in range(self.num_parts))
+        start, end = self.pool.data_ptr(), self.pool.data_ptr() + self.pool.nbytes
+        inside = all(start <= self._affine_ptr(p, q) <= end - self.part_bytes
+                     for p in (0, last) for q in (0, self.num_parts - 1))
+        if not (matches and inside):
+            log.info("mooncake backend: pool addresses are not affine; using page views")
+        return matches and inside
+
+    def _affine_ptr(self, page: int, part: int) -> int:
+        return self.base + page * self.page_stride + part * self.part_stride
+
+    def names(self, key: str, with_sum: bool) -> list[str]:
+        names = [h + key + t for h, t in zip(self.heads, self.tails)]
+        return names + [self.heads[0] + key + self.sum_tail] if with_sum else names
+
+    def batch(self, keys: list[str], pages: list[int]) -> "_Batch":
+        """Every object of every page, page by page: its parts, then its checksum object."""
+        if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
+            raise CacheUsageError(f"host pages must be in 0..{self.num_pages - 1}, got "
+                                  f"{min(pages)}..{max(pages)}")
+        b = _Batch([], [], [], [])
+        for slot, (key, page) in enumerate(zip(keys, pages)):
+            for part in range(self.num_parts):
+                b.slots.append(slot)
+                b.names.append(self.heads[part] + key + self.tails[part])
+                b.ptrs.append(self._affine_ptr(page, part) if self.affine
+                              else self.pool.page_part_view(page, part).data_ptr())
+                b.sizes.append(self.part_bytes)
+            if self.sums is not None:
+                b.slots.append(slot)
+                b.names.append(self.heads[0] + key + self.sum_tail)
+                b.ptrs.append(self.sums.ctypes.data + page * self.sum_bytes)
+                b.sizes.append(self.sum_bytes)
+        return b
+
+
+class _Batch(NamedTuple):
+    """Parallel lists, as the batch calls take them: object i belongs to page slots[i]."""
+
+    slots: list[int]
+    names: list[str]
+    ptrs: list[int]
+    sizes: list[int]
+
+    def pick(self, indices: list[int]) -> "_Batch":
+        return _Batch(*([column[i] for i in indices] for column in self))
+
+
+class MooncakeBackend(StorageBackend):
+    kind = StorageBackendKind.MOONCAKE
+    capabilities = Capabilities(zero_copy=True, shared=True, persistent=False, verified=False,
+                                bounded=True)
+
+    def __init__(self, options: MooncakeOptions, target: StorageTarget) -> None:
+        super().__init__(target)
+        self.options = options
+        self.verify = options.verify_checksums
+        self.capabilities = dataclasses.replace(type(self).capabilities, verified=self.verify)
+        self.master: MooncakeMaster | None = None
+        self._maps: dict[str, _PoolMap] = {}
+        self._down = False  # logged once per outage
+        self._backoff_until = 0.0
+        try:
+            address = options.master_address
+            if address is None:
+                self.master = MooncakeMaster(options.start_timeout_s)
+                address = self.master.address
+            self.store = connect(options, address)
+        except BaseException:
+            if self.master is not None:
+                self.master.stop()
+            raise
+        self.master_address = address
+
+    # ---- registration --------------------------------------------------------------------
+    def _register(self, reg: PoolRegistration) -> None:
+        self._register_buffer(reg.pool.data_ptr(), reg.pool.nbytes, f"host pool {reg.name!r}")
+        sums = None
+        if self.verify:
+            # Checksum objects are zero-copy too: slot (page, part) of a registered array.
+            sums = np.zeros(reg.pool.num_pages * reg.num_parts, dtype="<u8")
+            self._register_buffer(sums.ctypes.data, sums.nbytes, f"checksums of {reg.name!r}")
+        self._maps[reg.name] = _PoolMap(self.target, reg, sums)
+
+    def _register_buffer(self, ptr: int, nbytes: int, what: str) -> None:
+        rc = self.store.register_buffer(ptr, nbytes)
+        if rc != OK:
+            raise StorageUnavailable(
+                f"Mooncake could not register the {what} ({nbytes} bytes): {describe(rc)}; "
+                "with rdma, check the device name and the locked-memory limit (ulimit -l)")
+
+    def _names(self, reg: PoolRegistration, keys: list[str]) -> list[str]:
+        m = self._maps[reg.name]
+        return [n for k in keys for n in m.names(k, self.verify)]
+
+    # ---- calls into the client -----------------------------------------------------------
+    def _usable(self) -> bool:
+        """False while the master is gone (our own process exited, or the client's pings fail)."""
+        if self.master is not None and not self.master.alive():
+            why = (f"the master this backend started exited (code {self.master.proc.returncode}); "
+                   "every L3 lookup is a miss: re-attach the backend to start a new one")
+        elif time.monotonic() < self._backoff_until:
+            why = f"the master at {self.master_address} failed an RPC; L3 misses for now"
+        elif self.store.health_check() != OK:  # a cached flag: ~0.3 us
+            why = f"the master at {self.master_address} does not answer; L3 misses for now"
+        else:
+            if self._down:
+                log.warning("mooncake backend: the master at %s answers again",
+                            self.master_address)
+            self._down = False
+            return True
+        if not self._down:
+            log.error("mooncake backend: %s", why)
+        self._down = True
+        return False
+
+    def _call(self, fn: Callable[..., list[int]], n: int, *args: Any) -> list[int]:
+        """One batch call; a client exception becomes a failure of every object, not a crash."""
+        try:
+            out = list(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - the engine's errors are misses here
+            log.warning("mooncake %s failed: %s", getattr(fn, "__name__", fn), exc)
+            return [-1] * n
+        if out and all(rc in RPC_ERRORS for rc in out):
+            # Each call to a dead master waits ~4 s for its RPC to time out: pause instead,
+            # until the back-off ends and the client's own pings say the master is back.
+            self._backoff_until = time.monotonic() + RPC_BACKOFF_S
+        return out if len(out) == n else [-1] * n
+
+    # ---- the interface -------------------------------------------------------------------
+    def _per_page(self, reg: PoolRegistration) -> int:
+        return reg.num_parts + (1 if self.verify else 0)
+
+    def _present(self, reg: PoolRegistration, keys: list[str]) -> list[bool]:
+        if not keys or not self._usable():
+            return [False] * len(keys)
+        names, n = self._names(reg, keys), self._per_page(reg)
+        found = self._call(self.store.batch_is_exist, len(names), names)
+        return [all(f == 1 for f in found[i:i + n]) for i in range(0, len(names), n)]
+
+    def _set(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
+        if not keys or not self._usable():
+            return TransferResult([False] * len(keys), 0)
+        b = self._maps[reg.name].batch(keys, host_pages)
+        found = self._call(self.store.batch_is_exist, len(b.names), b.names)
+        todo = b.pick([i for i, f in enumerate(found) if f != 1])
+        need = sorted(set(todo.slots))
+        self.counters.write_skipped_existing += len(keys) - len(need)
+        if self.verify:
+            self._fill_sums(reg, [host_pages[slot] for slot in need])
+        rcs = (self._call(self.store.batch_put_from, len(todo.names), todo.names, todo.ptrs,
+                          todo.sizes) if todo.names else [])
+        ok, moved = [True] * len(keys), [0] * len(keys)
+        for slot, name, size, rc in zip(todo.slots, todo.names, todo.sizes, rcs):
+            if rc != OK:
+                ok[slot] = False
+            elif not name.endswith(SUM_SUFFIX):
+                moved[slot] += size
+        failed = [rc for rc in rcs if rc != OK]
+        if failed:
+            log.warning("mooncake backend: %d of %d objects not stored, first %s", len(failed),
+                        len(rcs), describe(failed[0]))
+        return TransferResult(ok, sum(m for m, good in zip(moved, ok) if good))
+
+    def _get(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
+        if not keys or not self._usable():
+            return TransferResult([False] * len(keys), 0)
+        b = self._maps[reg.name].batch(keys, host_pages)
+        rcs = self._call(self.store.batch_get_into, len(b.names), b.names, b.ptrs, b.sizes)
+        ok = [True] * len(keys)
+        bad: dict[int, int] = {}  # slot -> corrupt objects found
+        for slot, name, size, rc in zip(b.slots, b.names, b.sizes, rcs):
+            if rc != size:
+                ok[slot] = False
+                if self._wrong_size(name, size, rc):
+                    bad[slot] = bad.get(slot, 0) + 1
+        if self.verify:
+            for slot in [s for s, good in enumerate(ok) if good]:
+                mismatched = self._check_sums(reg, host_pages[slot])
+                if mismatched:
+                    ok[slot] = False
+                    bad[slot] = mismatched
+        if bad:
+            self._drop_corrupt(reg, [keys[s] for s in bad], sum(bad.values()))
+        part_bytes = self._maps[reg.name].part_bytes * reg.num_parts
+        return TransferResult(ok, part_bytes * sum(ok))
+
+    def _delete(self, reg: PoolRegistration, keys: list[str]) -> int:
+        if not keys or not self._usable():
+            return 0
+        names, n = self._names(reg, keys), self._per_page(reg)
+        # force: Mooncake leases every object it has answered `exists`/`get` for (10 s by
+        # default); kvtier's own page leases (the L3 namespace) decide what may be deleted.
+        rcs = self._call(self.store.batch_remove, len(names), names, True)
+        return sum(any(rc == OK for rc in rcs[i:i + n]) for i in range(0, len(names), n))
+
+    # ---- verification --------------------------------------------------------------------
+    def _wrong_size(self, name: str, size: int, rc: int) -> bool:
+        """Is this failed read an object of the wrong size (rather than absent or unreachable)?"""
+        if rc >= 0:  # Mooncake copied an object shorter than the buffer
+            return True
+        if rc == BUFFER_TOO_SMALL:  # longer than the buffer: confirm before dropping it
+            actual = self._call(lambda: [self.store.get_size(name)], 1)[0]
+            return actual >= 0 and actual != size
+        return False
+
+    def _part_sums(self, reg: PoolRegistration, page: int) -> list[int]:
+        return [xxhash.xxh3_64_intdigest(reg.pool.page_part_view(page, part).numpy())
+                for part in range(reg.num_parts)]
+
+    def _fill_sums(self, reg: PoolRegistration, pages: list[int]) -> None:
+        sums, n = self._maps[reg.name].sums, reg.num_parts
+        for page in pages:
+            sums[page * n:(page + 1) * n] = self._part_sums(reg, page)
+
+    def _check_sums(self, reg: PoolRegistration, page: int) -> int:
+        """How many parts of `page` (just read) differ from the checksums read beside them."""
+        n = reg.num_parts
+        stored = self._maps[reg.name].sums[page * n:(page + 1) * n]
+        return sum(int(s) != h for s, h in zip(stored, self._part_sums(reg, page)))
+
+    def _drop_corrupt(self, reg: PoolRegistration, keys: list[str], objects: int) -> None:
+        self.counters.corrupt_objects += objects
+        log.warning("mooncake backend: %d corrupt object(s) in %d page(s) of %r; removing them",
+                    objects, len(keys), reg.name)
+        # force: the bytes are wrong for every reader, lease or not (readers verify too).
+        names = self._names(reg, keys)
+        self._call(self.store.batch_remove, len(names), names, True)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def _close(self) -> None:
+        close_client(self.store)
+        if self.master is not None:
+            self.master.stop()
+
+    def __repr__(self) -> str:
+        own = self.master is not None
+        return f"MooncakeBackend(master={self.master_address}, own={own}, verify={self.verify})"

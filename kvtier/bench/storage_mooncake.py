@@ -1,0 +1,121 @@
+"""Mooncake backend against raw Mooncake Store calls on the same bytes, measured in one run.
+
+Raw = `batch_put_from` / `batch_get_into` of every page part, pointers computed up front, on
+the backend's own client and its registered host pool (same buffer, same sizes, same
+segment). kvtier = `MooncakeBackend.set_from` / `get_into` of the same pages in one batch
+(existence check, pointers and size checks included). One client holds the only segment, so
+both sides move bytes within this process. Each round writes fresh objects, reads them
+back and removes them, alternating which side goes first; best of `repeats` after a warm-up
+round that faults the segment in. A second backend with `verify_checksums` then measures the
+same way what checksums cost. `*_ratio` = kvtier GB/s / raw GB/s; the target is >= 0.8.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Callable
+
+import torch
+
+from kvtier.backends.base import KV_POOL, StorageTarget, TransferResult
+from kvtier.backends.mooncake_backend import MooncakeBackend
+from kvtier.backends.mooncake_master import MooncakeMaster
+from kvtier.errors import KvtierError
+from kvtier.keys import KeyNamespace
+from kvtier.kv_spec import KVSpec
+from kvtier.storage_options import MiB, MooncakeOptions
+from kvtier.tiers.host_pool import HostPool
+
+# SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 64 tokens x bf16 = 737,280 B per part.
+SPEC = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, page_size=64, dtype=torch.bfloat16)
+EXISTS_KEYS = 1000
+FILL = 0.8  # puts past ~90% of the segment fail with -200: keep one side's objects under this
+
+
+def measure(pages: int, repeats: int = 5) -> dict:
+    """Write/read GB/s of raw Mooncake calls and of the backend, their ratios, exists latency."""
+    if pages < 1 or repeats < 1:
+        raise KvtierError(f"measure needs pages >= 1 and repeats >= 1, got {pages}, {repeats}")
+    segment = -(-int(pages * SPEC.page_bytes / FILL) // MiB) * MiB + 64 * MiB
+    keys = [hashlib.sha256(f"bench-page-{i}".encode()).hexdigest() for i in range(pages)]
+    with MooncakeMaster() as master, HostPool(SPEC, 2 * pages) as pool:
+        flat = pool.kv.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(0)))
+        base = dict(master_address=master.address, global_segment_size_bytes=segment,
+                    local_buffer_size_bytes=0)
+        plain = _measure_backend(MooncakeOptions(**base), pool, keys, repeats)
+        checked = _measure_backend(MooncakeOptions(**base, verify_checksums=True), pool, keys,
+                                   repeats)
+    total = pages * SPEC.page_bytes
+    out = _figures(plain, total, "")
+    out["exists_1000_ms"] = round(plain["exists"] * 1e3, 3)
+    out.update(page_bytes=SPEC.page_bytes, pages=pages)
+    out.update(_figures(checked, total, "verified_"))
+    return out
+
+
+def _figures(best: dict[str, float], total: int, prefix: str) -> dict:
+    g = {k: total / best[k] / 1e9 for k in ("raw_w", "raw_r", "kv_w", "kv_r")}
+    out = {f"{prefix}write_gbps": round(g["kv_w"], 3), f"{prefix}read_gbps": round(g["kv_r"], 3)}
+    if not prefix:
+        out.update(raw_write_gbps=round(g["raw_w"], 3), raw_read_gbps=round(g["raw_r"], 3))
+    out.update({f"{prefix}write_ratio": round(g["kv_w"] / g["raw_w"], 3),
+                f"{prefix}read_ratio": round(g["kv_r"] / g["raw_r"], 3)})
+    return out
+
+
+def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
+                     repeats: int) -> dict[str, float]:
+    """Best seconds of raw/kvtier writes and reads (pages 0..n-1 -> n..2n-1) and of exists."""
+    n = len(keys)
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    ns = KeyNamespace("bench/storage-mooncake", "", "bench")
+    with MooncakeBackend(options, StorageTarget(ns)) as backend:
+        backend.register_pool(KV_POOL, pool)
+        store = backend.store  # the same client and registered pool: only the path differs
+        names = [f"bench-raw/{i}_{part}" for i in range(n) for part in (0, 1)]
+        sizes = [SPEC.page_part_bytes] * len(names)
+        put_ptrs = [pool.page_part_view(p, part).data_ptr() for p in src for part in (0, 1)]
+        get_ptrs = [pool.page_part_view(p, part).data_ptr() for p in dst for part in (0, 1)]
+        ops: dict[str, Callable[[], object]] = {
+            "raw_w": lambda: _raw(store.batch_put_from(names, put_ptrs, sizes), sizes, 0),
+            "raw_r": lambda: _raw(store.batch_get_into(names, get_ptrs, sizes), sizes, None),
+            "kv_w": lambda: _check(backend.set_from(KV_POOL, keys, src)),
+            "kv_r": lambda: _check(backend.get_into(KV_POOL, keys, dst)),
+        }
+        probe = [keys[i % n] for i in range(EXISTS_KEYS)]
+        best = {k: float("inf") for k in (*ops, "exists")}
+        for rnd in range(repeats + 1):  # round 0 warms the segment up and is not counted
+            spent = {}
+            for side in (("raw", "kv") if rnd % 2 == 0 else ("kv", "raw")):
+                for phase in ("_w", "_r"):
+                    spent[side + phase] = _timed(ops[side + phase])
+                if side == "kv":
+                    spent["exists"] = _timed(lambda: backend.exists(probe))
+                    backend.delete(keys)
+                else:
+                    store.batch_remove(names, True)
+            if rnd:
+                best = {k: min(best[k], spent[k]) for k in best}
+        if not all(torch.equal(pool.page_part_view(s, 0), pool.page_part_view(d, 0))
+                   for s, d in zip(src, dst)):
+            raise KvtierError("mooncake bench: pages read back differ from the pages written")
+    return best
+
+
+def _raw(rcs: list[int], sizes: list[int], want: int | None) -> None:
+    expected = sizes if want is None else [want] * len(sizes)
+    if list(rcs) != expected:
+        raise KvtierError(f"mooncake bench: raw call failed: {sorted(set(rcs))[:5]}")
+
+
+def _check(result: TransferResult) -> None:
+    if not all(result.ok):
+        raise KvtierError(f"mooncake bench: {result.ok.count(False)} pages failed; see the log")
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -1,0 +1,257 @@
+"""The mooncake backend against a real mooncake_master on 127.0.0.1 (module-scoped)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # before mooncake loads: INFO floods stderr
+pytest.importorskip("mooncake.store")
+
+from kvtier.backends.base import KV_POOL, PagePart, StorageTarget, StorageUnavailable  # noqa: E402
+from kvtier.backends.mooncake_backend import MooncakeBackend  # noqa: E402
+from kvtier.backends.mooncake_master import MooncakeMaster, free_port, port_open  # noqa: E402
+from kvtier.keys import KeyNamespace, page_hashes  # noqa: E402
+from kvtier.kv_spec import KVSpec  # noqa: E402
+from kvtier.storage_options import MiB, MooncakeOptions  # noqa: E402
+from kvtier.tiers.host_pool import HostPool  # noqa: E402
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
+SMALL = dict(global_segment_size_bytes=16 * MiB, local_buffer_size_bytes=0)
+_COUNTER = iter(range(1_000_000))
+
+
+@pytest.fixture(scope="module")
+def master():
+    with MooncakeMaster() as m:
+        yield m
+
+
+def make(master, verify=False, model=None) -> MooncakeBackend:
+    opts = MooncakeOptions(master_address=master.address, verify_checksums=verify, **SMALL)
+    ns = KeyNamespace(model or f"mc-test-{next(_COUNTER)}", "t", "fp")
+    return MooncakeBackend(opts, StorageTarget(ns))
+
+
+def filled_pool(pages=16, seed=0) -> HostPool:
+    pool = HostPool(SPEC, pages)
+    gen = torch.Generator().manual_seed(seed)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(pool.kv.dtype))
+    return pool
+
+
+def keys(n, salt=0):
+    return page_hashes(list(range(salt, salt + 4 * n)), 4)
+
+
+def same(pool, a, b) -> bool:
+    return all(torch.equal(pool.page_part_view(a, p), pool.page_part_view(b, p)) for p in (0, 1))
+
+
+def listening(pid: int) -> list[str]:
+    """Addresses the process listens on (TCP, v4 and v6), from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                    addr_hex, port_hex = cols[1].split(":")
+                    raw = bytes.fromhex(addr_hex)
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.append(f"{socket.inet_ntop(family, raw)}:{int(port_hex, 16)}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def pair(master):
+    """A writer and a reader backend over one master, each with its own pool.
+
+    Shared by the tests below (a client's close takes ~1 s): each test uses its own keys and
+    looks at counter deltas.
+    """
+    w = make(master)
+    r = make(master, model=w.target.namespace.model)
+    src, dst = filled_pool(seed=1), filled_pool(seed=2)
+    w.register_pool(KV_POOL, src)
+    r.register_pool(KV_POOL, dst)
+    yield w, r, src, dst
+    w.close()
+    r.close()
+
+
+def test_round_trip_is_byte_exact_across_clients(pair):
+    w, r, src, dst = pair
+    ks = keys(4)
+    assert w.set_from(KV_POOL, ks, [3, 1, 4, 0]).ok == [True] * 4
+    assert r.exists(ks).usable_pages == 4
+    res = r.get_into(KV_POOL, ks, [10, 11, 12, 13])
+    assert res.ok == [True] * 4 and res.bytes_moved == 4 * SPEC.page_bytes
+    for s, d in zip([3, 1, 4, 0], [10, 11, 12, 13]):
+        assert all(torch.equal(src.page_part_view(s, p), dst.page_part_view(d, p)) for p in (0, 1))
+    assert w.capabilities.zero_copy and not w.capabilities.verified
+
+
+def test_existing_objects_are_skipped_never_overwritten(pair):
+    w, _, src, _ = pair
+    k = keys(1, salt=50)
+    original = src.page_part_view(0, 0).clone()
+    assert w.set_from(KV_POOL, k, [0]).ok == [True]
+    skipped = w.stats().write_skipped_existing
+    src.page_part_view(0, 0).fill_(7)
+    res = w.set_from(KV_POOL, k, [0])
+    assert res.ok == [True] and res.bytes_moved == 0
+    assert w.stats().write_skipped_existing == skipped + 1
+    assert w.get_into(KV_POOL, k, [5]).ok == [True]
+    assert torch.equal(src.page_part_view(5, 0), original)
+    src.page_part_view(0, 0).copy_(original)
+
+
+def test_missing_part_hides_the_page(pair):
+    w, r, _, _ = pair
+    ks = keys(3, salt=100)
+    corrupt = r.stats().corrupt_objects
+    w.set_from(KV_POOL, ks, [0, 1, 2])
+    assert w.store.remove(w.target.object_name(KV_POOL, ks[1], PagePart.V), True) == 0
+    assert r.exists(ks).usable_pages == 1
+    assert r.get_into(KV_POOL, ks, [5, 6, 7]).ok == [True, False, True]
+    assert r.stats().corrupt_objects == corrupt  # absent is a miss, not corruption
+
+
+@pytest.mark.parametrize("factor", [0.5, 2])
+def test_wrong_size_object_is_a_miss_and_removed(pair, factor):
+    w, r, src, _ = pair
+    ks = keys(2, salt=200 + int(factor * 10))
+    corrupt = r.stats().corrupt_objects
+    w.set_from(KV_POOL, ks, [0, 1])
+    name = w.target.object_name(KV_POOL, ks[1], PagePart.K)
+    assert w.store.remove(name, True) == 0
+    size = int(SPEC.page_part_bytes * factor)  # page_first: K of pages 0 and 1 are adjacent
+    assert w.store.batch_put_from([name], [src.page_part_view(0, 0).data_ptr()], [size]) == [0]
+    assert r.get_into(KV_POOL, ks, [8, 9]).ok == [True, False]
+    assert r.stats().corrupt_objects == corrupt + 1
+    assert r.store.is_exist(name) == 0
+    assert r.exists(ks).usable_pages == 1
+
+
+def test_checksums_turn_corrupt_bytes_into_a_miss(master):
+    with make(master, verify=True) as b:
+        pool = filled_pool()
+        b.register_pool(KV_POOL, pool)
+        assert b.capabilities.verified
+        ks = keys(3, salt=300)
+        assert b.set_from(KV_POOL, ks, [0, 1, 2]).ok == [True] * 3
+        assert b.get_into(KV_POOL, ks, [8, 9, 10]).ok == [True] * 3
+        assert same(pool, 0, 8) and same(pool, 2, 10)
+        name = b.target.object_name(KV_POOL, ks[1], PagePart.V)
+        b.store.remove(name, True)  # same size, another page's bytes: only a checksum sees it
+        view = pool.page_part_view(5, 1)
+        assert b.store.batch_put_from([name], [view.data_ptr()], [view.numel()]) == [0]
+        res = b.get_into(KV_POOL, ks, [11, 12, 13])
+        assert res.ok == [True, False, True] and res.leading_ok == 1
+        assert b.stats().corrupt_objects == 1
+        assert b.exists(ks).usable_pages == 1  # the page's objects were dropped
+
+
+def test_delete(pair):
+    w, r, _, _ = pair
+    ks = keys(3, salt=400)
+    w.set_from(KV_POOL, ks, [0, 1, 2])
+    assert r.exists(ks).usable_pages == 3  # leases the objects in Mooncake: delete still works
+    assert w.delete(ks[1:2]) == 1
+    assert w.exists(ks).usable_pages == 1
+    assert w.delete(ks[1:2]) == 0
+
+
+def test_host_pages_outside_the_pool_are_refused(pair):
+    from kvtier.errors import CacheUsageError
+    w, _, _, _ = pair
+    with pytest.raises(CacheUsageError):
+        w.set_from(KV_POOL, keys(1), [16])
+
+
+def test_unreachable_master_fails_fast_with_advice():
+    opts = MooncakeOptions(master_address=f"127.0.0.1:{free_port()}", **SMALL)
+    start = time.monotonic()
+    with pytest.raises(StorageUnavailable, match="cannot reach the Mooncake master"):
+        MooncakeBackend(opts, StorageTarget(KeyNamespace("x", "t", "fp")))
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("binary, why", [("/nonexistent/mooncake_master", "not an executable"),
+                                         ("/bin/false", "exited with code 1")])
+def test_master_that_cannot_start_is_storage_unavailable(binary, why):
+    with pytest.raises(StorageUnavailable, match=why):
+        MooncakeMaster(start_timeout_s=5, binary=binary)
+
+
+def test_own_master_listens_on_loopback_and_stops_at_close():
+    b = MooncakeBackend(MooncakeOptions(**SMALL), StorageTarget(KeyNamespace("own", "t", "fp")))
+    master = b.master
+    addrs = listening(master.pid)
+    assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
+    assert b.store.get_hostname().startswith("127.0.0.1:")  # what peers are told to dial
+    b.register_pool(KV_POOL, filled_pool())
+    assert b.set_from(KV_POOL, keys(1), [0]).ok == [True]
+    b.close()
+    assert not master.alive() and master.proc.returncode is not None
+    assert not port_open("127.0.0.1", master.rpc_port)
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", master.rpc_port))
+    assert not os.path.exists(master.log_dir)
+
+
+def test_master_death_turns_calls_into_misses():
+    b = MooncakeBackend(MooncakeOptions(**SMALL), StorageTarget(KeyNamespace("dies", "t", "fp")))
+    pool = filled_pool()
+    b.register_pool(KV_POOL, pool)
+    ks = keys(2, salt=500)
+    assert b.set_from(KV_POOL, ks, [0, 1]).ok == [True, True]
+    os.kill(b.master.pid, signal.SIGKILL)
+    b.master.proc.wait(5)
+    start = time.monotonic()
+    assert b.exists(ks).usable_pages == 0
+    assert b.get_into(KV_POOL, ks, [2, 3]).ok == [False, False]
+    assert b.set_from(KV_POOL, keys(1, salt=600), [4]).ok == [False]
+    assert b.delete(ks) == 0
+    b.close()
+    assert time.monotonic() - start < 5
+
+
+def test_remote_master_death_is_bounded(master):
+    with MooncakeMaster() as doomed:
+        b = make(doomed)
+        b.register_pool(KV_POOL, filled_pool())
+        ks = keys(1, salt=700)
+        assert b.set_from(KV_POOL, ks, [0]).ok == [True]
+        doomed.proc.kill()
+        doomed.proc.wait(5)
+        start = time.monotonic()
+        for _ in range(3):  # misses from the first call on; one failed RPC pauses the rest
+            assert b.get_into(KV_POOL, ks, [1]).ok == [False]
+            assert b.set_from(KV_POOL, keys(1, salt=800), [2]).ok == [False]
+            assert b.exists(ks).usable_pages == 0
+        assert time.monotonic() - start < 6
+        b.close()
+        assert time.monotonic() - start < 15
+
+
+def test_bench_measure_reports_every_field():
+    from kvtier.bench.storage_mooncake import measure
+    out = measure(2, repeats=1)
+    for field in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
+                  "read_ratio", "exists_1000_ms", "verified_read_ratio"):
+        assert out[field] > 0
+    assert out["page_bytes"] == 2 * 737_280 and out["pages"] == 2
