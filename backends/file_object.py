@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import os
 import secrets
 import struct
@@ -72,6 +73,17 @@ def encode_header(name: bytes, payload_len: int, checksum: int) -> bytes:
         raise ValueError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
     fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, len(name), payload_len, checksum)
     return fixed + name + bytes(HEADER_BYTES - len(fixed) - len(name))
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_prefix(name_len: int, payload_len: int) -> bytes:
+    """The header bytes before the checksum (one per pool and name length: cached)."""
+    return encode_header(bytes(name_len), payload_len, 0)[:_CHECKSUM_AT]
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(n: int) -> bytes:
+    return bytes(n)
 
 
 def _problem(header: bytearray, got: int, name: bytes, payload_len: int) -> str:
@@ -178,9 +190,9 @@ def read_object(path: str, name: bytes, out: memoryview) -> ReadOutcome:
                 got += _readv_fully(fd, _advance(bufs, got), size - got)
         except OSError as exc:
             return ReadOutcome(ReadStatus.ERROR, 0, f"{exc.strerror or exc}")
-        want = encode_header(name, len(out), 0)  # everything but the checksum is known
-        if (got == size and header[:_CHECKSUM_AT] == want[:_CHECKSUM_AT]
-                and header[_CHECKSUM_AT + 8:] == want[_CHECKSUM_AT + 8:]):
+        end = _FIXED.size + len(name)  # everything but the checksum is known in advance:
+        if (got == size and header[:_CHECKSUM_AT] == _fixed_prefix(len(name), len(out))
+                and header[_FIXED.size:end] == name and header[end:] == _zeros(HEADER_BYTES - end)):
             stored = int.from_bytes(header[_CHECKSUM_AT:_CHECKSUM_AT + 8], "little")
             if xxhash.xxh3_64_intdigest(out) == stored:
                 return ReadOutcome(ReadStatus.OK, size)
