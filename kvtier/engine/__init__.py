@@ -1,0 +1,23 @@
+"""The reference engine: a paged Llama-style model (SmolLM2-135M-Instruct) over kvtier's L1 pool.
+
+    model, tok = load_smollm2_model(torch.float32, "cpu")
+    out = generate(model, [tok.encode_chat([{"role": "user", "content": "Hi"}])],
+                   SamplingParams(max_new_tokens=16, stop_token_ids=tok.stop_token_ids))
+"""
+from kvtier.engine.batch import SeqChunk
+from kvtier.engine.generate import Generation, generate
+from kvtier.engine.loader import load_smollm2_model, load_tiny_model
+from kvtier.engine.model import PagedLlama
+from kvtier.engine.model_config import ModelConfig, tiny_config
+from kvtier.engine.parallel import TensorParallel
+from kvtier.engine.runner import ModelRunner, chunk_bounds
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.tokenizer import Tokenizer, apply_chat_template
+from kvtier.engine.weights import ensure_converted, load_smollm2, model_dir, random_state_dict
+
+__all__ = [
+    "Generation", "ModelConfig", "ModelRunner", "PagedLlama", "Sampler", "SamplingParams",
+    "SeqChunk", "TensorParallel", "Tokenizer", "apply_chat_template", "chunk_bounds",
+    "ensure_converted", "generate", "load_smollm2", "load_smollm2_model", "load_tiny_model",
+    "model_dir", "random_state_dict", "tiny_config",
+]

@@ -1,0 +1,74 @@
+"""Grouped-query attention over the paged L1 pool.
+
+New tokens' K/V are written into their pool slots first; then every sequence reads all of
+its keys, cached and new alike, back from the pool through its page table. Reading the new
+keys from the pool too (rather than from the fresh tensors) makes a chunk's inputs the same
+whether its prefix was computed a moment ago or came from a cache hit: the basis of the
+bit-identical hit invariant, also when the pool's dtype is narrower than the model's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.engine.batch import ForwardBatch
+from kvtier.engine.layers import Rotary, empty_weight
+from kvtier.engine.model_config import ModelConfig
+from kvtier.engine.parallel import TensorParallel
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Store `new` (T, H, D) at flat token slots of `cache` (num_pages, page_size, H, D)."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+
+
+def read_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of a sequence, (H, length, D), gathered by its page table."""
+    gathered = cache.index_select(0, pages)  # (n, page_size, H, D)
+    return gathered.view(-1, *cache.shape[2:])[:length].transpose(0, 1)
+
+
+class PagedAttention(nn.Module):
+    """q/k/v (fused, column-parallel), rotary, paged SDPA, o_proj (row-parallel + all-reduce)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = tp.local_heads(config)
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv = empty_weight(self.q_size + 2 * self.kv_size, config.hidden_size,
+                          dtype=dtype, device=device)
+        self.o = empty_weight(config.hidden_size, self.q_size, dtype=dtype, device=device)
+
+    def load(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
+        """Take this rank's heads of full HF weights."""
+        rows = self.tp.rows
+        self.qkv.copy_(torch.cat([rows(q), rows(k), rows(v)]))
+        self.o.copy_(self.tp.cols(o))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, Hq, D), k and v (T, Hkv, D), rotary applied to q and k."""
+        q, k, v = F.linear(x, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = Rotary.apply(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = Rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Write k/v into the pool, attend per sequence, project out: (T, hidden)."""
+        write_kv(k_cache, batch.slots, k)
+        write_kv(v_cache, batch.slots, v)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        for view in batch.views:  # sequences differ in length: one SDPA each
+            keys = read_kv(k_cache, view.pages, view.kv_len).to(q.dtype)
+            values = read_kv(v_cache, view.pages, view.kv_len).to(q.dtype)
+            query = q[view.rows].transpose(0, 1)  # (Hq, T, D)
+            o = F.scaled_dot_product_attention(query[None], keys[None], values[None],
+                                               attn_mask=view.mask, enable_gqa=True)
+            out[view.rows] = o[0].transpose(0, 1)
+        return self.tp.all_reduce(F.linear(out.view(q.shape[0], self.q_size), self.o))

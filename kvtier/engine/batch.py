@@ -1,0 +1,86 @@
+"""What one forward computes: new tokens of one or more sequences and where their KV lives."""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from kvtier.errors import CacheUsageError
+
+
+class SeqChunk(NamedTuple):
+    """`num_tokens` new tokens at positions start_pos.. of one sequence.
+
+    `page_table[i]` is the L1 page holding positions [i*page_size, (i+1)*page_size); it must
+    cover every position up to start_pos + num_tokens. Positions before start_pos are read
+    from the pool (computed earlier, or a cache hit); the new tokens' KV is written there.
+    """
+
+    page_table: Sequence[int]
+    start_pos: int
+    num_tokens: int
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+class SeqView(NamedTuple):
+    """One sequence's share of a ForwardBatch, on the model's device."""
+
+    rows: slice               # its rows among the batch's new tokens
+    kv_len: int               # keys attention reads: positions [0, kv_len)
+    pages: torch.Tensor       # int64 page ids covering [0, kv_len)
+    mask: torch.Tensor | None  # (num_tokens, kv_len) bool, None when one token sees all keys
+
+
+class ForwardBatch:
+    """Index tensors built once per forward and shared by every layer."""
+
+    def __init__(self, seqs: Sequence[SeqChunk], page_size: int, num_pages: int,
+                 device: torch.device) -> None:
+        if not seqs:
+            raise CacheUsageError("a forward needs at least one sequence")
+        positions: list[int] = []
+        slots: list[int] = []
+        views: list[SeqView] = []
+        row = 0
+        for seq in seqs:
+            self._check(seq, page_size, num_pages)
+            n_pages = -(-seq.end_pos // page_size)
+            pos = range(seq.start_pos, seq.end_pos)
+            positions.extend(pos)
+            slots.extend(seq.page_table[p // page_size] * page_size + p % page_size for p in pos)
+            pages = torch.tensor(list(seq.page_table[:n_pages]), dtype=torch.int64, device=device)
+            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages,
+                                 _causal_mask(seq, device)))
+            row += seq.num_tokens
+        self.seqs = tuple(seqs)
+        self.views = tuple(views)
+        self.num_tokens = row
+        self.positions = torch.tensor(positions, dtype=torch.int64, device=device)
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.last_rows = torch.tensor([v.rows.stop - 1 for v in views], dtype=torch.int64,
+                                      device=device)
+
+    @staticmethod
+    def _check(seq: SeqChunk, page_size: int, num_pages: int) -> None:
+        if seq.num_tokens < 1 or seq.start_pos < 0:
+            raise CacheUsageError(f"a sequence chunk needs start_pos >= 0 and num_tokens >= 1, "
+                                  f"got start_pos={seq.start_pos}, num_tokens={seq.num_tokens}")
+        needed = -(-seq.end_pos // page_size)
+        if len(seq.page_table) < needed:
+            raise CacheUsageError(f"page table has {len(seq.page_table)} pages but positions up "
+                                  f"to {seq.end_pos} need {needed}; allocate pages first")
+        bad = [p for p in seq.page_table[:needed] if not 0 <= p < num_pages]
+        if bad:
+            raise CacheUsageError(f"page ids {bad[:4]} are outside the pool's {num_pages} pages")
+
+
+def _causal_mask(seq: SeqChunk, device: torch.device) -> torch.Tensor | None:
+    """Query i (position start_pos+i) sees keys 0..start_pos+i: causal, offset by the prefix."""
+    if seq.num_tokens == 1:
+        return None  # the one new token is the last key: it sees everything
+    keys = torch.arange(seq.end_pos, device=device)
+    queries = torch.arange(seq.start_pos, seq.end_pos, device=device)
+    return keys[None, :] <= queries[:, None]

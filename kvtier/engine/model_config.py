@@ -1,0 +1,98 @@
+"""The architecture of a Llama-style model: one frozen record, read from GGUF metadata or JSON."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of the whole (unsharded) model; TP shards derive from it."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    max_position: int = 2048
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "vocab_size", "max_position"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ModelConfig.{f} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of "
+                              f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+        """Build from `to_dict()` output; unknown keys are an error (a stale or foreign file)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config keys {unknown}; delete the converted "
+                              f"model cache so it is rebuilt")
+        return cls(**data)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], has_output_weight: bool) -> "ModelConfig":
+        """Read a llama-architecture GGUF's `llama.*` keys (values already decoded)."""
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ConfigError(f"GGUF architecture {arch!r} is not supported; only 'llama' is")
+
+        def key(name: str, default: Any = None) -> Any:
+            value = meta.get(f"llama.{name}", default)
+            if value is None:
+                raise ConfigError(f"GGUF metadata lacks llama.{name}; the file is incomplete")
+            return value
+
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        return cls(
+            hidden_size=hidden,
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=int(key("rope.dimension_count", hidden // heads)),
+            intermediate_size=int(key("feed_forward_length")),
+            vocab_size=int(vocab),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            # GGUF drops output.weight when the LM head is the embedding matrix.
+            tie_word_embeddings=not has_output_weight,
+            max_position=int(key("context_length")),
+            name=str(meta.get("general.name", "llama")),
+        )
+
+
+def tiny_config(vocab_size: int = 256, num_layers: int = 2) -> ModelConfig:
+    """SmolLM2's architecture in miniature: 8 query / 4 KV heads so TP 2 and 4 can split it."""
+    return ModelConfig(hidden_size=64, num_layers=num_layers, num_heads=8, num_kv_heads=4,
+                       head_dim=8, intermediate_size=128, vocab_size=vocab_size,
+                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                       max_position=4096, name="tiny")

