@@ -6,6 +6,7 @@ import logging
 import sys
 
 from kvtier.bench.trace import TraceShape
+from kvtier.errors import KvtierError
 
 
 def _gen_trace(ns: argparse.Namespace) -> int:
@@ -49,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except KvtierError as error:  # a clear message, not a traceback, for what users can fix
+        print(f"kvtier: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

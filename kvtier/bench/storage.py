@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import tempfile
+
+from kvtier.bench import emit
 
 _MEASURE = {
     "file": "kvtier.bench.storage_file",
@@ -33,9 +34,5 @@ def run(backend: str, pages: int, root_dir: str | None = None) -> dict:
 
 def main(ns: argparse.Namespace) -> int:
     result = run(ns.backend, ns.pages, ns.root_dir)
-    if ns.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>16}: {value}")
+    emit(result, ns.json)
     return 0

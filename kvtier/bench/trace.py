@@ -50,7 +50,12 @@ def read_trace(path: str | Path) -> Trace:
     header: dict | None = None
     segments: dict[int, tuple[int, ...]] = {}
     requests: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}; write one with "
+                         "`kvtier bench gen-trace --out FILE`") from exc
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.bench import emit
 from kvtier.bench.trace import Trace, read_trace
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
@@ -153,9 +153,5 @@ def main(ns: argparse.Namespace) -> int:
     result = replay(trace, ns.page_size, ns.capacity, ns.depth)
     if ns.scaling:
         result["match_scaling"] = match_scaling(ns.page_size)
-    if ns.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>16}: {value}")
+    emit(result, ns.json)
     return 0
