@@ -25,7 +25,7 @@ def _add_gen_trace(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.bench import storage, transfer, tree
+    from kvtier.bench import prefix, storage, transfer, tree
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = bench.add_parser("storage", help="L3 backend write/read GB/s next to the raw library")
     storage.add_arguments(s)
     s.set_defaults(func=storage.main)
+    pf = bench.add_parser("prefix", help="SmolLM2 TTFT: cold vs L1, L2 and L3 hits")
+    prefix.add_arguments(pf)
+    pf.set_defaults(func=prefix.main)
     g = bench.add_parser("gen-trace", help="write a synthetic multi-turn trace")
     _add_gen_trace(g)
     g.set_defaults(func=_gen_trace)

@@ -5,17 +5,21 @@
                    SamplingParams(max_new_tokens=16, stop_token_ids=tok.stop_token_ids))
 """
 from kvtier.engine.batch import SeqChunk
+from kvtier.engine.engine import Engine
 from kvtier.engine.generate import Generation, generate
 from kvtier.engine.loader import load_smollm2_model, load_tiny_model
 from kvtier.engine.model import PagedLlama
 from kvtier.engine.model_config import ModelConfig, tiny_config
 from kvtier.engine.parallel import TensorParallel
+from kvtier.engine.request import CachedTokens, FinishReason, Output, RequestState
 from kvtier.engine.runner import ModelRunner, chunk_bounds
 from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.scheduler import Scheduler, StepStats
 from kvtier.engine.tokenizer import Tokenizer, apply_chat_template
 from kvtier.engine.weights import ensure_converted, load_smollm2, model_dir, random_state_dict
 
 __all__ = [
+    "CachedTokens", "Engine", "FinishReason", "Output", "RequestState", "Scheduler", "StepStats",
     "Generation", "ModelConfig", "ModelRunner", "PagedLlama", "Sampler", "SamplingParams",
     "SeqChunk", "TensorParallel", "Tokenizer", "apply_chat_template", "chunk_bounds",
     "ensure_converted", "generate", "load_smollm2", "load_smollm2_model", "load_tiny_model",

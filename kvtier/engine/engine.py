@@ -1,0 +1,161 @@
+"""Engine: the model, the hierarchical cache and the scheduler behind one small facade.
+
+    config = HiCacheConfig(page_size=64)
+    with Engine.smollm2(config, device_pages=256) as engine:
+        (out,) = engine.generate(["The capital of France is"], SamplingParams(max_new_tokens=8))
+        print(out.text, out.ttft_s, out.lengths.describe(), out.cached)
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from typing import Sequence
+
+import torch
+
+from kvtier.config import HiCacheConfig
+from kvtier.engine.loader import load_smollm2_model
+from kvtier.engine.model import PagedLlama
+from kvtier.engine.request import Output, Request
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.scheduler import Scheduler, StepStats
+from kvtier.engine.tokenizer import Tokenizer
+from kvtier.errors import ClosedError, ConfigError
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+SMOLLM2_NAMESPACE = "SmolLM2-135M-Instruct"  # the L3 key namespace's model part
+IDLE_WAIT_S = 0.0005  # a step that could do nothing waits on an L3 prefetch: don't spin hot
+
+
+class Engine:
+    """Requests in, outputs out: `add_request` + `step`, or `generate` for a whole batch.
+
+    `chunk_tokens` (a multiple of the page size, default the page size) sets the prefill
+    grid; larger chunks run faster, and a hit is reused only down to the grid. `token_budget`
+    bounds the load-back and prefill tokens of one step. The engine closes `cache` only when
+    it created it (`Engine.smollm2`) or `owns_cache` says so.
+    """
+
+    def __init__(self, model: PagedLlama, cache: HierarchicalCache, chunk_tokens: int | None = None,
+                 token_budget: int = 8192, max_load_pages: int | None = None,
+                 tokenizer: Tokenizer | None = None, owns_cache: bool = False) -> None:
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.runner = ModelRunner(model, cache.device_pool, chunk_tokens,
+                                  before_layer=cache.wait_layer)
+        self.scheduler = Scheduler(cache, self.runner, token_budget, max_load_pages)
+        self._owns_cache = owns_cache
+        self._ids = itertools.count()
+        self._done: dict[int, Output] = {}  # finished inside generate(), not yet returned
+        self._closed = False
+
+    @classmethod
+    def smollm2(cls, config: HiCacheConfig, device_pages: int = 256,
+                dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                chunk_tokens: int | None = None, token_budget: int = 8192,
+                tenant_salt: str = "", cache_dir: str | os.PathLike | None = None) -> "Engine":
+        """SmolLM2-135M-Instruct over a new HierarchicalCache built from `config` (its page
+        size, tiers and L3 backend) with the model's KV geometry; CUDA when present."""
+        model, tokenizer = load_smollm2_model(dtype, device, cache_dir=cache_dir)
+        cache = HierarchicalCache(config, model.kv_spec(config.page_size), device_pages,
+                                  device=model.device, model=SMOLLM2_NAMESPACE,
+                                  tenant_salt=tenant_salt)
+        try:
+            return cls(model, cache, chunk_tokens, token_budget, tokenizer=tokenizer,
+                       owns_cache=True)
+        except Exception:
+            cache.close()
+            raise
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, sampling: SamplingParams = SamplingParams()) -> int:
+        """Queue a prompt (text needs a tokenizer; token ids are used as given); its id."""
+        if self._closed:
+            raise ClosedError("the engine is closed; create a new Engine")
+        tokens = tuple(self._encode(prompt))
+        if not tokens:
+            raise ConfigError("an empty prompt has no token to compute; give at least one")
+        req = Request(next(self._ids), tokens, sampling, self.model.device)
+        self.scheduler.add(req)
+        return req.id
+
+    def step(self) -> list[Output]:
+        """One scheduling step; the outputs of requests that finished in it (and of requests
+        added with `add_request` that finished during a `generate` call)."""
+        held, self._done = list(self._done.values()), {}
+        return held + self._step()
+
+    def _step(self) -> list[Output]:
+        return [self._output(r) for r in self.scheduler.step()]
+
+    def abort(self, request_id: int) -> Output | None:
+        """Stop a request wherever it is (waiting, prefetching, prefilling, decoding) and
+        release all it holds; its output so far, or None if it is unknown or already done."""
+        req = self.scheduler.abort(request_id)
+        return None if req is None else self._output(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def last_step(self) -> StepStats:
+        return self.scheduler.last_step
+
+    def generate(self, prompts: Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+                 ) -> list[Output]:
+        """Run `prompts` to completion (batched continuously); outputs in prompt order."""
+        params = list(sampling) if isinstance(sampling, Sequence) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give "
+                              f"one, or one per prompt")
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        pending = set(ids)
+        while pending & self._unreturned():
+            for out in self._step():
+                self._done[out.request_id] = out
+            if self.last_step.idle:
+                time.sleep(IDLE_WAIT_S)
+        return [self._done.pop(i) for i in ids]
+
+    def _unreturned(self) -> set[int]:
+        return {r.id for r in self.scheduler.waiting + self.scheduler.running}
+
+    # ---- text ------------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("a text prompt needs a tokenizer: pass tokenizer= to Engine, "
+                                  "or give token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _output(self, req: Request) -> Output:
+        text = self.tokenizer.decode(req.output) if self.tokenizer is not None else None
+        out = req.to_output(text)
+        log.debug("request %d finished (%s): %d tokens, ttft %s s, %s", req.id,
+                  out.finish_reason.value, len(out.tokens), out.ttft_s, out.lengths.describe())
+        return out
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort what is unfinished (releasing its pages), then close the cache if owned."""
+        if self._closed:
+            return
+        for req_id in sorted(self._unreturned()):
+            self.scheduler.abort(req_id)
+        self._closed = True
+        if self._owns_cache:
+            self.cache.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
