@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -48,10 +47,7 @@ def test_converted_cache_loads_fast_and_identically(smollm2, monkeypatch) -> Non
         raise AssertionError("a current cache must not be converted again")
 
     monkeypatch.setattr(weights_module, "_convert", no_convert)
-    start = time.perf_counter()
-    again = load_smollm2()
-    elapsed = time.perf_counter() - start
-    assert elapsed < 3.0, f"cached load took {elapsed:.2f} s"  # ~0.3 s; generous for noisy CI
+    again = load_smollm2()  # from the cache: _convert above fails the test if called
     assert again.config == smollm2.config
     assert again.state_dict.keys() == smollm2.state_dict.keys()
     assert all(torch.equal(again.state_dict[k], v) for k, v in smollm2.state_dict.items())
