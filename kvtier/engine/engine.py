@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -80,6 +81,8 @@ class Engine:
         tokens = tuple(self._encode(prompt))
         if not tokens:
             raise ConfigError("an empty prompt has no token to compute; give at least one")
+        if sampling.stop_token_ids is None and self.tokenizer is not None:
+            sampling = dataclasses.replace(sampling, stop_token_ids=self.tokenizer.stop_token_ids)
         req = Request(next(self._ids), tokens, sampling, self.model.device)
         self.scheduler.add(req)
         return req.id

@@ -83,7 +83,7 @@ def generate(model: PagedLlama, prompts: Sequence[Sequence[int]],
 
 def _append(gen: Generation, token: int, params: SamplingParams) -> None:
     gen.tokens.append(token)
-    if token in params.stop_token_ids:
+    if token in params.stops:
         gen.finish_reason = "stop"
     elif len(gen.tokens) >= params.max_new_tokens:
         gen.finish_reason = "length"

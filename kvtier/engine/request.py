@@ -102,7 +102,7 @@ class Request:
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
         self.output.append(token)
-        if token in self.params.stop_token_ids:
+        if token in self.params.stops:
             self.finish_reason = FinishReason.STOP
         elif len(self.output) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH

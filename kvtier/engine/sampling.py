@@ -15,7 +15,8 @@ class SamplingParams:
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
+    # None: the model's own stop tokens (the Engine fills in EOS and <|im_end|>); (): none
+    stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -25,7 +26,13 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """The token ids that end generation (none when left to a model without a tokenizer)."""
+        return self.stop_token_ids or ()
 
     @property
     def greedy(self) -> bool:
