@@ -18,7 +18,7 @@ import abc
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple, Protocol, Sequence
+from typing import Iterable, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from kvtier.policies import HitPolicy, StorageBackendKind
 KV_POOL = "kv"
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _POOL_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_OBJECT_RE = re.compile(r"^([0-9a-f]{64})_(\d{1,4})_(\d{1,4})_([kv])$")  # object_name's last part
 
 
 class StorageUnavailable(KvtierError, RuntimeError):
@@ -105,6 +106,7 @@ class Capabilities:
     verified: bool  # every read is checked against a stored checksum
     bounded: bool  # enforces a capacity with eviction
     max_batch_pages: int = 128
+    listable: bool = False  # list_pages works (the L3 directory can be rebuilt from storage)
 
 
 class PoolRegistration(NamedTuple):
@@ -154,6 +156,21 @@ class BackendStats:
     deleted_pages: int = 0
     stored_bytes: int = 0  # current, where the backend can tell
     extra: dict = field(default_factory=dict)
+
+
+def page_ranks(basenames: Iterable[str], tp_size: int,
+               num_parts: int = len(PagePart)) -> dict[str, set[int]]:
+    """Group object basenames (`<hash>_<rank>_<size>_<k|v>`) of one namespace/pool into
+    page hash -> TP ranks whose every part is among them. Objects of another TP size and
+    names that are not objects are ignored; pages keep the order they first appear in."""
+    want = {PagePart(p).suffix for p in range(num_parts)}
+    parts: dict[str, dict[int, set[str]]] = {}
+    for base in basenames:
+        m = _OBJECT_RE.match(base)
+        if m and int(m.group(3)) == tp_size and int(m.group(2)) < tp_size:
+            parts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(m.group(4))
+    out = {h: {r for r, found in ranks.items() if want <= found} for h, ranks in parts.items()}
+    return {h: ranks for h, ranks in out.items() if ranks}
 
 
 def leading_present(present: Sequence[bool], policy: HitPolicy, window_pages: int = 1) -> int:
@@ -250,6 +267,23 @@ class StorageBackend(abc.ABC):
         self.counters.deleted_pages += removed
         return removed
 
+    def list_pages(self, pool: str = KV_POOL) -> dict[str, set[int]]:
+        """Every page of this target's namespace in `pool`: page hash -> the TP ranks (of this
+        target's tp_size) whose parts are ALL present, oldest first where the backend can tell.
+
+        An admin call (the L3 namespace rebuilds its page directory with it): it needs no
+        registered pool, and its cost grows with the objects stored. Only backends whose
+        `capabilities.listable` is True implement it; the others raise NotImplementedError.
+        """
+        self._check_open()
+        check_pool_name(pool)
+        if not self.capabilities.listable:
+            raise NotImplementedError(
+                f"the {self.kind} backend cannot list its pages; the L3 directory of a "
+                "namespace on it starts empty after a restart")
+        reg = self.pools.get(pool)
+        return self._list_pages(pool, reg.num_parts if reg else len(PagePart))
+
     def stats(self) -> BackendStats:
         return self.counters
 
@@ -298,6 +332,10 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def _delete(self, reg: PoolRegistration, keys: list[str]) -> int:
         ...
+
+    def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
+        """Listable backends: page hash -> complete ranks (see list_pages, page_ranks)."""
+        raise NotImplementedError
 
     def _close(self) -> None:
         """Release engine resources (stop a master this backend started)."""

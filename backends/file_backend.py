@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, TypeVar
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  TransferResult)
+                                  TransferResult, page_ranks)
 from kvtier.backends.file_index import ObjectIndex, page_siblings
 from kvtier.backends.file_object import (ReadOutcome, ReadStatus, WriteOutcome, WriteStatus,
                                          object_bytes, read_object, write_object)
@@ -39,7 +39,7 @@ _T = TypeVar("_T")
 class FileBackend(StorageBackend):
     kind = StorageBackendKind.FILE
     capabilities = Capabilities(zero_copy=True, shared=True, persistent=True, verified=True,
-                                bounded=True)
+                                bounded=True, listable=True)
 
     def __init__(self, options: FileOptions, target: StorageTarget,
                  io_threads: int = DEFAULT_IO_THREADS) -> None:
@@ -121,6 +121,13 @@ class FileBackend(StorageBackend):
         removed = sum(any([self._unlink(name) for name in self.names(reg, key)]) for key in keys)
         self._sync_stored()
         return removed
+
+    def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
+        rel_dir = f"{self.target.namespace.name}/{pool}"
+        if not self.root.inside(rel_dir):
+            return {}
+        return page_ranks(object_basenames(os.path.join(self.root.path, rel_dir)),
+                          self.target.tp_size, num_parts)
 
     def _close(self) -> None:
         """Stop the I/O threads and drop the pool views (files are closed after each call)."""
@@ -263,6 +270,30 @@ def _read_page(job: _Job) -> list[ReadOutcome]:
         if out[-1].status is not ReadStatus.OK:
             break
     return out
+
+
+def object_basenames(directory: str) -> list[str]:
+    """Names of the regular files in `directory`, least recently used first.
+
+    Why a fresh scan and not the index: the index is this process's view, and a listing
+    must also see what other processes sharing the root have written."""
+    found = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((max(st.st_atime_ns, st.st_mtime_ns), entry.name))
+                except OSError:
+                    continue  # removed while we listed
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("file backend: cannot list %s (%s); its pages are not listed", directory,
+                    exc.strerror or exc)
+        return []
+    return [name for _, name in sorted(found)]
 
 
 def _run_all(fn: Callable[[_Job], _T], jobs: list[_Job]) -> list[_T]:

@@ -22,7 +22,8 @@ import numpy as np
 import xxhash
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  StorageUnavailable, TransferResult)
+                                  StorageUnavailable, TransferResult, page_ranks)
+from kvtier.backends.file_backend import object_basenames
 from kvtier.backends.file_pool import PoolFiles
 from kvtier.backends.nixl_agent import PosixAgent, TransferTimeout
 from kvtier.backends.nixl_object import (HEADER_BYTES, TempFiles, check_header, encode_header,
@@ -55,7 +56,7 @@ class _Part(NamedTuple):
 class NixlBackend(StorageBackend):
     kind = StorageBackendKind.NIXL
     capabilities = Capabilities(zero_copy=True, shared=True, persistent=True, verified=True,
-                                bounded=True)
+                                bounded=True, listable=True)
     # A request may take timeout_base_s + bytes / timeout_min_bytes_per_s before the
     # backend gives up on the storage (a hung disk must not hang the cache forever).
     timeout_base_s = 10.0
@@ -119,6 +120,13 @@ class NixlBackend(StorageBackend):
         removed = sum(any([self.store.unlink(n) for n in self.names(reg, key)]) for key in keys)
         self.store.make_room(0, frozenset())  # updates stored_bytes
         return removed
+
+    def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
+        rel_dir = f"{self.target.namespace.name}/{pool}"  # the file backend's layout
+        if not self.store.dir_ok(rel_dir):
+            return {}
+        return page_ranks(object_basenames(os.path.join(self.root, rel_dir)),
+                          self.target.tp_size, num_parts)
 
     def _close(self) -> None:
         self.agent.close()

@@ -11,7 +11,7 @@ import threading
 import xxhash
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  TransferResult)
+                                  TransferResult, page_ranks)
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import SimulatedOptions
 
@@ -22,7 +22,7 @@ _LOCK = threading.Lock()
 class SimulatedBackend(StorageBackend):
     kind = StorageBackendKind.SIMULATED
     capabilities = Capabilities(zero_copy=False, shared=True, persistent=False, verified=True,
-                                bounded=True)
+                                bounded=True, listable=True)
 
     def __init__(self, options: SimulatedOptions, target: StorageTarget) -> None:
         super().__init__(target)
@@ -95,6 +95,12 @@ class SimulatedBackend(StorageBackend):
                 hit = [self._store.pop(n, None) is not None for n in self.names(reg, key)]
                 removed += any(hit)
         return removed
+
+    def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
+        prefix = f"{self.target.namespace.name}/{pool}/"
+        with _LOCK:  # insertion order: oldest first
+            bases = [n[len(prefix):] for n in self._store if n.startswith(prefix)]
+        return page_ranks(bases, self.target.tp_size, num_parts)
 
     def corrupt(self, name: str, data: bytes) -> None:
         """Test hook: replace an object's bytes, keeping its old checksum (bit rot)."""

@@ -1,0 +1,177 @@
+"""The L3 namespace actor (one per cluster, named and detached) and the clients that call it.
+
+Every Ray call for it lives here: `get_or_create_namespace_actor` creates or finds the actor,
+`NamespaceClient` does each `.remote()` + bounded `ray.get`, and `FakeNamespaceClient` has
+the same methods over a local `NamespaceService`, for tests of code that uses the client
+without Ray. Arguments and results cross the boundary as msgpack records (kvtier.messages)
+or plain str/int/list; page bytes never do: ranks move them with their own backend clients.
+
+The actor: name "kvtier-l3" in Ray namespace "kvtier", lifetime detached, restarted without
+limit (`max_restarts=-1`); a restart re-registers the namespaces persisted under its
+`state_dir` and rebuilds their directories (see namespace_service). It asks for no CPU
+(`num_cpus=0`): it is mostly idle and must never wait behind rank actors for a slot.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from typing import Any, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from kvtier.backends.base import StorageUnavailable
+from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
+                             NamespaceInfo, NamespaceSpec, StoredReport)
+from kvtier.actors.namespace_service import NamespaceService
+from kvtier.tiers.page_directory import PageDirectory
+
+log = logging.getLogger(__name__)
+
+ACTOR_NAME = "kvtier-l3"
+RAY_NAMESPACE = "kvtier"
+CALL_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 60.0
+_RETRY_S = 0.2
+
+
+class NamespaceUnavailable(StorageUnavailable):
+    """The namespace actor did not answer in time (down, restarting): treat L3 as a miss."""
+
+
+def default_state_dir(name: str = ACTOR_NAME) -> str:
+    return os.path.join(tempfile.gettempdir(), f"kvtier-l3-state-{name}")
+
+
+class _Client:
+    """The typed methods; subclasses say how one call reaches the service."""
+
+    def _call(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def register(self, spec: NamespaceSpec) -> NamespaceInfo:
+        """Register a namespace (idempotent); ranks open their backends from the result."""
+        return NamespaceInfo.from_msgpack(self._call("register", spec.to_msgpack()))
+
+    def info(self, ns: str) -> NamespaceInfo:
+        return NamespaceInfo.from_msgpack(self._call("info", ns))
+
+    def namespaces(self) -> list[str]:
+        return list(self._call("namespaces"))
+
+    def report_stored(self, ns: str, hashes: Sequence[str], tp_rank: int) -> list[str]:
+        """This rank stored its part of `hashes`; returns the pages now published."""
+        return list(self._call("report_stored",
+                               StoredReport(ns, tp_rank, tuple(hashes)).to_msgpack()))
+
+    def lookup(self, ns: str, hashes: Sequence[str], lease_ttl_s: float = 0.0) -> LookupResult:
+        req = LookupRequest(ns, tuple(hashes), float(lease_ttl_s))
+        return LookupResult.from_msgpack(self._call("lookup", req.to_msgpack()))
+
+    def lease(self, ns: str, hashes: Sequence[str], ttl_s: float) -> LeaseGrant:
+        req = LookupRequest(ns, tuple(hashes), float(ttl_s))
+        return LeaseGrant.from_msgpack(self._call("lease", req.to_msgpack()))
+
+    def release(self, lease_id: str) -> bool:
+        return bool(self._call("release", lease_id))
+
+    def rebuild(self, ns: str) -> int:
+        return int(self._call("rebuild", ns))
+
+    def stats(self, ns: str) -> DirectoryStats:
+        return DirectoryStats.from_msgpack(self._call("stats", ns))
+
+    def ping(self) -> str:
+        """The service's incarnation id: it changes when the actor restarts."""
+        return str(self._call("ping"))
+
+
+class NamespaceClient(_Client):
+    """A handle on the namespace actor; every call waits at most `timeout_s`.
+
+    Picklable (it holds an actor handle), so it can be passed to rank actors.
+    """
+
+    def __init__(self, handle: Any, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not ray.is_initialized():  # a call would quietly start a new local cluster
+            raise NamespaceUnavailable(f"Ray is not running in this process; cannot call the L3 "
+                                       f"namespace actor's {method}: connect to the cluster first")
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
+        except GetTimeoutError as exc:
+            raise NamespaceUnavailable(
+                f"the L3 namespace actor did not answer {method} within {timeout_s:.1f} s; "
+                "treat L3 as a miss and retry later (is the actor restarting?)") from exc
+        except RayActorError as exc:
+            raise NamespaceUnavailable(
+                f"the L3 namespace actor failed during {method} ({type(exc).__name__}); it is "
+                "restarted automatically: treat L3 as a miss and retry") from exc
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """Ping until the actor answers (after creation or a restart); its incarnation id."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return str(self._call("ping", timeout_s=max(0.1, min(left, self.timeout_s))))
+            except NamespaceUnavailable:
+                if time.monotonic() + _RETRY_S >= deadline:
+                    raise
+                time.sleep(_RETRY_S)
+
+    def shutdown(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Stop the actor for good: close its clients and masters, then kill it (no restart).
+        Its persisted namespaces stay in its state_dir for a later actor."""
+        try:
+            self._call("close", timeout_s=timeout_s)
+        except NamespaceUnavailable as exc:
+            log.warning("namespace actor did not close cleanly (%s); killing it", exc)
+        if ray.is_initialized():
+            ray.kill(self.handle, no_restart=True)
+
+
+def get_or_create_namespace_actor(name: str = ACTOR_NAME, state_dir: str | None = None, *,
+                                  timeout_s: float = CALL_TIMEOUT_S,
+                                  ready_timeout_s: float = READY_TIMEOUT_S) -> NamespaceClient:
+    """The cluster's namespace actor `name`, created if it does not exist yet (race-free).
+
+    `state_dir` (default: a directory under the system temp dir named after the actor) must
+    be on the node where the actor runs; an existing actor keeps the one it was created with.
+    """
+    remote_cls = ray.remote(NamespaceService)
+    handle = remote_cls.options(
+        name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
+        max_restarts=-1, max_task_retries=0, num_cpus=0,
+    ).remote(state_dir or default_state_dir(name))
+    client = NamespaceClient(handle, timeout_s)
+    client.wait_ready(ready_timeout_s)
+    return client
+
+
+class FakeNamespaceClient(_Client):
+    """The client's interface over an in-process service (no Ray): same records, same bytes."""
+
+    def __init__(self, state_dir: str | None = None,
+                 directory: PageDirectory | None = None) -> None:
+        self.service = NamespaceService(state_dir, directory)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return getattr(self.service, method)(*args)
+
+    def shutdown(self) -> None:
+        self.service.close()
+
+    close = shutdown
+
+    def __enter__(self) -> "FakeNamespaceClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

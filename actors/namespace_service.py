@@ -1,0 +1,271 @@
+"""The body of the L3 namespace actor, without Ray: directory, persisted specs, Mooncake masters.
+
+Methods take and return msgpack bytes of kvtier.messages records (or plain str/int/list),
+so the Ray actor (actors/namespace_actor.py) and the fake client serve the same object.
+
+State that survives an actor restart: `<state_dir>/namespaces.json` lists every registered
+NamespaceSpec, the epoch of each, and the pid/port of each Mooncake master this actor
+started. A new incarnation re-registers each spec and rebuilds its directory from the
+backend's listing (file, nixl, simulated). A Mooncake namespace starts empty (Mooncake cannot
+list, and its objects lived in segments the old master managed): a master the old
+incarnation left behind is killed, a new one started, and the epoch grows, so ranks know
+from `info()` to re-attach. Leases do not survive: a prefetch whose pages are evicted
+meanwhile reads a miss and recomputes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import tempfile
+import threading
+
+from kvtier.backends.mooncake_master import MooncakeMaster
+from kvtier.errors import KvtierError
+from kvtier.messages import LookupRequest, NamespaceInfo, NamespaceSpec, StoredReport
+from kvtier.policies import StorageBackendKind
+from kvtier.tiers.page_directory import PageDirectory
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "namespaces.json"
+STATE_VERSION = 1
+SUPERVISE_INTERVAL_S = 1.0
+
+
+class NamespaceService:
+    """Namespaces, their page directory and the Mooncake masters started for them."""
+
+    def __init__(self, state_dir: str | None = None, directory: PageDirectory | None = None,
+                 supervise_interval_s: float = SUPERVISE_INTERVAL_S) -> None:
+        self.state_dir = state_dir  # None: nothing persists (tests of code using the client)
+        self.directory = directory if directory is not None else PageDirectory()
+        self.incarnation = secrets.token_hex(4)  # changes on every (re)start
+        self._interval_s = supervise_interval_s
+        self._lock = threading.RLock()  # the supervisor thread vs. calls
+        self._specs: dict[str, NamespaceSpec] = {}
+        self._masters: dict[str, MooncakeMaster] = {}
+        self._epochs: dict[str, int] = {}
+        self._unrestored: list[object] = []  # specs a restart could not open: kept, retried next
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        with self._lock:
+            self._restore()
+
+    # ---- namespaces -----------------------------------------------------------------------
+    def register(self, spec_bytes: bytes) -> bytes:
+        """Register (idempotent) and return NamespaceInfo bytes; a new namespace is rebuilt
+        from its storage, so pages a persistent backend already holds are published."""
+        spec = NamespaceSpec.from_msgpack(spec_bytes)
+        with self._lock:
+            if spec.namespace in self._specs:
+                return self.directory.register(spec).to_msgpack()  # raises if spec differs
+            info = self._open(spec)
+            self.directory.rebuild(spec.namespace)
+            self._specs[spec.namespace] = spec
+            self._unrestored = [raw for raw in self._unrestored
+                                if not (isinstance(raw, dict) and raw.get("model") == spec.model
+                                        and raw.get("tenant_salt", "") == spec.tenant_salt
+                                        and raw.get("layout_fingerprint", "")
+                                        == spec.layout_fingerprint)]
+            self._save()
+            return info.to_msgpack()
+
+    def info(self, ns: str) -> bytes:
+        with self._lock:
+            return self.directory.info(ns).to_msgpack()
+
+    def namespaces(self) -> list[str]:
+        with self._lock:
+            return self.directory.namespaces()
+
+    def rebuild(self, ns: str) -> int:
+        with self._lock:
+            return self.directory.rebuild(ns)
+
+    def stats(self, ns: str) -> bytes:
+        with self._lock:
+            return self.directory.stats(ns).to_msgpack()
+
+    # ---- pages ----------------------------------------------------------------------------
+    def report_stored(self, report_bytes: bytes) -> list[str]:
+        r = StoredReport.from_msgpack(report_bytes)
+        with self._lock:
+            return self.directory.report_stored(r.namespace, r.hashes, r.tp_rank)
+
+    def lookup(self, request_bytes: bytes) -> bytes:
+        q = LookupRequest.from_msgpack(request_bytes)
+        with self._lock:
+            return self.directory.lookup(q.namespace, q.hashes, q.lease_ttl_s).to_msgpack()
+
+    def lease(self, request_bytes: bytes) -> bytes:
+        q = LookupRequest.from_msgpack(request_bytes)
+        with self._lock:
+            return self.directory.lease(q.namespace, q.hashes, q.lease_ttl_s).to_msgpack()
+
+    def release(self, lease_id: str) -> bool:
+        with self._lock:
+            return self.directory.release(str(lease_id))
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def ping(self) -> str:
+        return self.incarnation
+
+    def supervise(self) -> int:
+        """Restart Mooncake masters that died (new ports, new epoch); returns how many."""
+        restarted = 0
+        with self._lock:
+            for ns, master in list(self._masters.items()):
+                if master.alive():
+                    continue
+                log.error("L3 namespace %s: its Mooncake master (pid %d) exited; restarting it",
+                          ns, master.pid)
+                master.stop()
+                try:
+                    new = MooncakeMaster(self._specs[ns].storage_options().start_timeout_s)
+                except KvtierError as exc:
+                    log.error("L3 namespace %s: cannot restart its Mooncake master (%s); "
+                              "retrying in %.1f s", ns, exc, self._interval_s)
+                    continue
+                try:
+                    options = dict(self.directory.info(ns).options, master_address=new.address)
+                    self._epochs[ns] = self.directory.reattach(ns, options).epoch
+                except KvtierError as exc:
+                    new.stop()  # the next round starts another one
+                    log.error("L3 namespace %s: cannot attach to its new Mooncake master (%s)",
+                              ns, exc)
+                    continue
+                self._masters[ns] = new
+                restarted += 1
+            if restarted:
+                self._save()
+        return restarted
+
+    def close(self) -> None:
+        """Stop supervising, close the directory's clients, stop the masters (specs stay)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self._interval_s + 5)
+        with self._lock:
+            self.directory.close()
+            for master in self._masters.values():
+                master.stop()
+            self._masters.clear()
+            self._save()
+
+    def __enter__(self) -> "NamespaceService":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _open(self, spec: NamespaceSpec, epoch: int = 0) -> NamespaceInfo:
+        """Start a master if the namespace needs one of ours, then register the directory."""
+        options = dict(spec.options)
+        master = None
+        if spec.backend is StorageBackendKind.MOONCAKE and options.get("master_address") is None:
+            master = MooncakeMaster(spec.storage_options().start_timeout_s)
+            options["master_address"] = master.address
+            epoch += 1  # new storage: ranks of an earlier epoch must re-attach
+        try:
+            info = self.directory.register(spec, options, epoch)
+        except BaseException:
+            if master is not None:
+                master.stop()
+            raise
+        if master is not None:
+            self._masters[spec.namespace] = master
+            self._start_supervisor()
+        self._epochs[spec.namespace] = info.epoch
+        return info
+
+    def _start_supervisor(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._supervise_loop, daemon=True,
+                                            name="kvtier-l3-supervisor")
+            self._thread.start()
+
+    def _supervise_loop(self) -> None:
+        while not self._stop.wait(self._interval_s):  # bounded: close() sets the event
+            try:
+                self.supervise()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad round
+                log.exception("L3 namespace supervisor round failed")
+
+    def _restore(self) -> None:
+        """Re-register what an earlier incarnation registered (see the module docstring)."""
+        state = _load(self.state_dir)
+        for entry in state.get("masters", {}).values():
+            _kill_stale_master(entry)
+        epochs = state.get("epochs", {})
+        for raw in state.get("namespaces", []):
+            try:
+                spec = NamespaceSpec.from_map(raw)
+                epoch = epochs.get(spec.namespace, 0)
+                self._open(spec, epoch if isinstance(epoch, int) else 0)
+                self._specs[spec.namespace] = spec
+                self.directory.rebuild(spec.namespace)
+            except (KvtierError, ValueError) as exc:
+                self._unrestored.append(raw)
+                log.error("L3 namespace from %s not restored (%s); register it again", STATE_FILE,
+                          exc)
+        if state:
+            log.info("L3 namespace actor restored %d namespaces from %s", len(self._specs),
+                     self.state_dir)
+        self._save()
+
+    def _save(self) -> None:
+        if self.state_dir is None:
+            return
+        state = {"version": STATE_VERSION,
+                 "namespaces": [spec.to_map() for spec in self._specs.values()] + self._unrestored,
+                 "epochs": self._epochs,
+                 "masters": {ns: {"pid": m.pid, "rpc_port": m.rpc_port}
+                             for ns, m in self._masters.items() if m.alive()}}
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".namespaces-", dir=self.state_dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f, indent=1)
+        os.replace(tmp, os.path.join(self.state_dir, STATE_FILE))  # atomic: old or new, never torn
+
+
+def _load(state_dir: str | None) -> dict:
+    if state_dir is None:
+        return {}
+    path = os.path.join(state_dir, STATE_FILE)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.error("cannot read %s (%s); starting with no namespaces: register them again", path,
+                  exc)
+        return {}
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        log.error("%s is not a version-%d state file; starting with no namespaces", path,
+                  STATE_VERSION)
+        return {}
+    return state
+
+
+def _kill_stale_master(entry: object) -> None:
+    """A master the previous incarnation started outlives it (SIGKILL runs no cleanup)."""
+    if not isinstance(entry, dict):
+        return
+    pid, port = entry.get("pid"), entry.get("rpc_port")
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except (OSError, TypeError, ValueError):
+        return  # gone already
+    if any(arg.endswith(b"mooncake_master") for arg in cmdline[:1]) and \
+            f"--rpc_port={port}".encode() in cmdline:
+        log.warning("stopping the Mooncake master (pid %s) of an earlier incarnation", pid)
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass

@@ -1,0 +1,69 @@
+"""Start and stop a local Ray cluster that stays on 127.0.0.1.
+
+Why a helper: Ray 2.60 binds the machine's external interface even when told 127.0.0.1
+unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set before it starts; token auth is on by
+default; the dashboard opens ports nobody here uses; and a plain `ray.init()` joins a stale
+cluster that a killed run left in /tmp/ray/ray_current_cluster (`address="local"` never
+does). Every test, example and the CLI start Ray through `start_local_ray`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keeps every Ray socket on loopback
+NO_AUTH_ENV = {"RAY_AUTH_MODE": "disabled"}  # a single-user local cluster: no token files
+os.environ.update(LOOPBACK_ENV)  # Ray reads it once, when `ray` is first imported
+
+import ray  # noqa: E402
+from ray._private import ray_constants  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+MiB = 1 << 20
+DEFAULT_OBJECT_STORE_BYTES = 128 * MiB  # Ray's minimum is ~75 MiB; pages never go through it
+
+
+def start_local_ray(num_cpus: int = 2, object_store_memory: int = DEFAULT_OBJECT_STORE_BYTES,
+                    *, auth: bool = False, **init_kwargs: Any) -> Any:
+    """A new single-node cluster on 127.0.0.1 (never an existing one), no dashboard.
+
+    `auth=False` sets RAY_AUTH_MODE=disabled (tests, demos); extra keyword arguments go to
+    `ray.init`. Returns Ray's context; stop it with `shutdown_local_ray()`.
+    """
+    if ray.is_initialized():
+        raise RuntimeError("Ray is already initialized in this process; call shutdown_local_ray() "
+                           "first, or use the running cluster")
+    os.environ.update(LOOPBACK_ENV)  # Ray's processes inherit it
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        # `ray` was imported before this module: the flag was read already. Ray's own
+        # services look it up at call time, so set it the way the variable would have.
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    if not auth:
+        os.environ.update(NO_AUTH_ENV)
+    init_kwargs.setdefault("log_to_driver", False)  # actors log to files, not the test output
+    ctx = ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
+                   include_dashboard=False, _node_ip_address=LOOPBACK, **init_kwargs)
+    log.info("local Ray cluster on %s: %d CPUs, session %s", LOOPBACK, num_cpus,
+             ctx.address_info.get("session_dir"))
+    return ctx
+
+
+def shutdown_local_ray() -> None:
+    """Stop the cluster this process started (its detached actors end with it)."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 2, object_store_memory: int = DEFAULT_OBJECT_STORE_BYTES,
+              **kwargs: Any) -> Iterator[Any]:
+    """`with local_ray(2) as ctx:` -- the cluster is shut down however the block exits."""
+    ctx = start_local_ray(num_cpus, object_store_memory, **kwargs)
+    try:
+        yield ctx
+    finally:
+        shutdown_local_ray()

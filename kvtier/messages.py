@@ -1,0 +1,284 @@
+"""Typed records that cross actor boundaries, serialized with msgpack (never pickle).
+
+Why not pickle: a pickled object runs code on load and ties both sides to one class
+layout; these records are plain maps of scalars, checked field by field on decode, so a
+peer of another version or a corrupt payload fails with a clear `MessageError`.
+
+Each record is a frozen dataclass with `to_msgpack()` / `from_msgpack(data)`. The map holds
+a `type` tag and one entry per field; enums travel as their string values, tuples as lists,
+nested records as nested maps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+
+from kvtier.errors import KvtierError
+from kvtier.keys import KeyNamespace
+from kvtier.policies import StorageBackendKind
+from kvtier.storage_options import StorageOptions, check_int, parse_storage_options
+
+MAX_MESSAGE_BYTES = 16 << 20  # a lookup of ~200k page hashes; larger payloads are refused
+MAX_HASHES = 1 << 17
+MAX_TP_SIZE = 1024  # object names carry the TP size in at most 4 digits
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_SCALARS = (str, int, float, bool, type(None))
+R = TypeVar("R", bound="_Record")
+
+
+class MessageError(KvtierError, ValueError):
+    """A payload that is not a valid record of the expected type (wrong field, type, value)."""
+
+
+class _Record:
+    """msgpack encoding and checked decoding for the frozen dataclasses below."""
+
+    __slots__ = ()
+
+    def to_map(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": type(self).__name__}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            out[f.name] = _encode(getattr(self, f.name))
+        return out
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(self.to_map(), use_bin_type=True)
+
+    @classmethod
+    def from_map(cls: type[R], data: Any) -> R:
+        name = cls.__name__
+        if not isinstance(data, dict) or data.get("type") != name:
+            got = data.get("type") if isinstance(data, dict) else type(data).__name__
+            raise MessageError(f"expected a {name} record, got {got!r:.60}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - set(fields) - {"type"})
+        if unknown:
+            raise MessageError(f"{name}: unknown field(s) {unknown}; is the peer another version?")
+        hints = _hints(cls)
+        values = {}
+        for key, f in fields.items():
+            if key in data:
+                values[key] = _decode(data[key], hints[key], f"{name}.{key}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{name}: field {key!r} is missing")
+        try:
+            return cls(**values)
+        except MessageError:
+            raise
+        except ValueError as exc:  # the record's own checks (ConfigError is a ValueError)
+            raise MessageError(f"{name}: {exc}") from exc
+
+    @classmethod
+    def from_msgpack(cls: type[R], data: bytes) -> R:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MessageError(f"{cls.__name__}.from_msgpack takes bytes, got {type(data).__name__}")
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise MessageError(f"{cls.__name__}: {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise MessageError(f"{cls.__name__}: not a msgpack record ({exc})") from exc
+        return cls.from_map(obj)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # resolving string annotations costs ~50 us: once
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, _Record):
+        return value.to_map()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _decode(value: Any, hint: Any, where: str) -> Any:
+    """Check one decoded field against its annotation; returns the field's value."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            choices = ", ".join(str(m.value) for m in hint)
+            raise MessageError(f"{where}: {value!r:.40} is not one of {choices}") from None
+    elif isinstance(hint, type) and issubclass(hint, _Record):
+        return hint.from_map(value)
+    elif origin is tuple:  # tuple[str, ...]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    elif origin is dict:  # storage options: a flat map of scalars
+        if isinstance(value, dict) and all(isinstance(v, _SCALARS) for v in value.values()):
+            return dict(value)
+    else:
+        raise AssertionError(f"{where}: no decoder for {hint}")
+    raise MessageError(f"{where}: expected {getattr(hint, '__name__', hint)}, got "
+                       f"{type(value).__name__} {value!r:.40}")
+
+
+def _check_hashes(hashes: tuple[str, ...], where: str) -> None:
+    if len(hashes) > MAX_HASHES:
+        raise MessageError(f"{where}: {len(hashes)} hashes is over {MAX_HASHES}; split the call")
+    for h in hashes:
+        if not isinstance(h, str) or not _HASH_RE.match(h):
+            raise MessageError(f"{where}: page hashes are 64 lowercase hex digits, got {h!r:.70}")
+
+
+# ---- the records ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NamespaceSpec(_Record):
+    """What a caller registers: who shares pages, where they live, the writers' TP size, a quota.
+
+    `max_pages` and `max_bytes` bound the published pages (0 = unbounded); `max_bytes` needs
+    `page_bytes`, the bytes of one page over every TP rank and part.
+    """
+
+    model: str
+    tenant_salt: str = ""
+    layout_fingerprint: str = ""
+    backend: StorageBackendKind = StorageBackendKind.FILE
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
+    tp_size: int = 1
+    max_pages: int = 0
+    max_bytes: int = 0
+    page_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        KeyNamespace(self.model, self.tenant_salt, self.layout_fingerprint)  # ConfigError if bad
+        object.__setattr__(self, "backend", StorageBackendKind.parse(self.backend, "backend"))
+        check_int(self.tp_size, "NamespaceSpec.tp_size", 1, MAX_TP_SIZE)
+        for name in ("max_pages", "max_bytes", "page_bytes"):
+            check_int(getattr(self, name), f"NamespaceSpec.{name}", 0, 1 << 62)
+        if self.max_bytes and not self.page_bytes:
+            raise MessageError("NamespaceSpec: max_bytes needs page_bytes (bytes of one page over "
+                               "all TP ranks and parts); set it, or use max_pages")
+        self.storage_options()  # validated now, not at the first eviction
+
+    @property
+    def key_namespace(self) -> KeyNamespace:
+        return KeyNamespace(self.model, self.tenant_salt, self.layout_fingerprint)
+
+    @property
+    def namespace(self) -> str:
+        """The namespace's id everywhere: its storage name (digest of model, salt, layout)."""
+        return self.key_namespace.name
+
+    @property
+    def capacity_pages(self) -> int:
+        """The page quota (0 = unbounded): the tighter of max_pages and max_bytes."""
+        caps = [c for c in (self.max_pages, self.max_bytes // max(self.page_bytes, 1)
+                            if self.max_bytes else 0) if c]
+        return max(1, min(caps)) if caps else 0
+
+    def storage_options(self, options: dict[str, Any] | None = None) -> StorageOptions:
+        return parse_storage_options(self.backend, self.options if options is None else options)
+
+
+@dataclass(frozen=True)
+class NamespaceInfo(_Record):
+    """What ranks need to open their own backend clients for a namespace.
+
+    `options` are the spec's, resolved (for a supervised Mooncake master: its address);
+    `epoch` grows whenever they change, so a rank whose backend stops answering can ask
+    again and re-attach when the epoch moved.
+    """
+
+    namespace: str
+    spec: NamespaceSpec
+    options: dict[str, Any] = field(hash=False)
+    epoch: int = 0
+
+    def storage_options(self) -> StorageOptions:
+        return self.spec.storage_options(self.options)
+
+
+@dataclass(frozen=True)
+class StoredReport(_Record):
+    """Rank `tp_rank` of a writer stored its part of these pages."""
+
+    namespace: str
+    tp_rank: int
+    hashes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check_int(self.tp_rank, "StoredReport.tp_rank", 0, MAX_TP_SIZE - 1)
+        _check_hashes(self.hashes, "StoredReport.hashes")
+
+
+@dataclass(frozen=True)
+class LookupRequest(_Record):
+    """How many leading pages of `hashes` are published; with `lease_ttl_s` > 0, lease them."""
+
+    namespace: str
+    hashes: tuple[str, ...]
+    lease_ttl_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_hashes(self.hashes, "LookupRequest.hashes")
+        if not 0.0 <= self.lease_ttl_s <= 86400.0:
+            raise MessageError(f"LookupRequest.lease_ttl_s must be in [0, 86400], got "
+                               f"{self.lease_ttl_s}")
+
+
+@dataclass(frozen=True)
+class LeaseGrant(_Record):
+    """A lease on the first `pages` pages asked for; `lease_id` is "" when nothing was leased."""
+
+    lease_id: str
+    namespace: str
+    pages: int
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class LookupResult(_Record):
+    """Leading published pages, and the lease on them when one was asked for."""
+
+    namespace: str
+    hit_pages: int
+    lease_id: str = ""
+
+
+@dataclass(frozen=True)
+class DirectoryStats(_Record):
+    """Per-namespace counters of the page directory (monotonic, except the gauges)."""
+
+    namespace: str
+    published_pages: int  # gauge
+    pending_pages: int  # gauge: some ranks reported, not all yet
+    capacity_pages: int  # 0 = unbounded
+    leases_active: int  # gauge
+    leases_granted: int
+    leases_expired: int
+    evicted_pages: int
+    expired_pending_pages: int  # writers that never finished a page
+    hit_pages: int
+    miss_pages: int
+    lookups: int
+    rebuilt_pages: int  # published from the backend's listing at the last rebuild
+    delete_failures: int
+    epoch: int

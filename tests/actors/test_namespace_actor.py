@@ -1,0 +1,281 @@
+"""The L3 namespace service (no Ray), then the real actor on a local 2-CPU Ray cluster."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvtier.actors.namespace_actor import (FakeNamespaceClient, NamespaceUnavailable,
+                                           get_or_create_namespace_actor)
+from kvtier.actors.namespace_service import STATE_FILE
+from kvtier.actors.ray_env import LOOPBACK, shutdown_local_ray, start_local_ray
+from kvtier.errors import ConfigError
+from kvtier.kv_spec import KVSpec
+from kvtier.messages import NamespaceSpec
+from kvtier.policies import MemLayout
+from kvtier.tiers.host_pool import HostPool
+from kvtier.tiers.page_store import open_rank_backend
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
+TOKENS = list(range(40))
+
+
+def file_spec(root, tp_size=2, **kw) -> NamespaceSpec:
+    return NamespaceSpec("org/model", "tenant", "fp", "file", {"root_dir": str(root)}, tp_size,
+                         **kw)
+
+
+def store_pages(info, rank: int, pages: list[str]) -> None:
+    """What a rank actor does: write its part of `pages` with its own backend client."""
+    with HostPool(SPEC, len(pages), MemLayout.PAGE_FIRST) as pool, \
+            open_rank_backend(info, rank) as backend:
+        pool.kv.copy_(torch.randn(pool.kv.shape))
+        backend.register_pool("kv", pool)
+        assert all(backend.set_from("kv", pages, list(range(len(pages)))).ok)
+
+
+def pages_of(spec: NamespaceSpec) -> list[str]:
+    return spec.key_namespace.page_hashes(TOKENS, SPEC.page_size)
+
+
+def descendants(pid: int) -> set[int]:
+    """Pids of every process below `pid` (from /proc: no psutil needed)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    found, todo = set(), [pid]
+    while todo:
+        at = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == at and p not in found]
+        found.update(kids)
+        todo += kids
+    return found
+
+
+def listening(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket of `pids` in LISTEN state."""
+    socks = {}  # inode -> (address, port)
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A":  # LISTEN
+                    continue
+                addr, port = cols[1].split(":")
+                socks[cols[9]] = (_ip(addr, v6), int(port, 16))
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # exited
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile (the listdir's own fd, for one)
+            if link.startswith("socket:[") and link[8:-1] in socks:
+                out.append((*socks[link[8:-1]], pid))
+    return out
+
+
+def _ip(hexaddr: str, v6: bool) -> str:
+    raw = bytes.fromhex(hexaddr)
+    words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]  # host-order 32-bit words
+    import ipaddress
+    ip = ipaddress.ip_address(b"".join(words))
+    return str(ip.ipv4_mapped or ip) if v6 else str(ip)
+
+
+# ---- the service through the fake client (no Ray) ----------------------------------------
+
+def test_fake_client_speaks_the_same_records(tmp_path):
+    spec = file_spec(tmp_path / "l3", max_pages=100)
+    client = FakeNamespaceClient()
+    try:
+        info = client.register(spec)
+        assert info.namespace == spec.namespace and client.namespaces() == [spec.namespace]
+        assert client.info(spec.namespace) == info
+        pages = pages_of(spec)
+        for rank in (0, 1):
+            store_pages(info, rank, pages)
+        assert client.report_stored(info.namespace, pages, 0) == []
+        assert client.report_stored(info.namespace, pages, 1) == pages
+        res = client.lookup(info.namespace, pages, lease_ttl_s=5)
+        assert res.hit_pages == len(pages) and res.lease_id
+        assert client.release(res.lease_id)
+        grant = client.lease(info.namespace, pages[:3], ttl_s=5)
+        assert grant.pages == 3
+        stats = client.stats(info.namespace)
+        assert stats.published_pages == len(pages) and stats.leases_granted == 2
+    finally:
+        client.close()
+
+
+def test_registered_namespaces_persist_and_rebuild_from_storage(tmp_path):
+    state, spec = tmp_path / "state", file_spec(tmp_path / "l3")
+    first = FakeNamespaceClient(str(state))
+    info = first.register(spec)
+    pages = pages_of(spec)
+    for rank in (0, 1):
+        store_pages(info, rank, pages)
+    first.report_stored(info.namespace, pages, 0)
+    first.report_stored(info.namespace, pages, 1)
+    first.close()
+    saved = json.loads((state / STATE_FILE).read_text())
+    assert saved["namespaces"][0]["model"] == "org/model"
+    second = FakeNamespaceClient(str(state))  # as after an actor restart
+    try:
+        assert second.namespaces() == [spec.namespace]
+        assert second.lookup(spec.namespace, pages).hit_pages == len(pages)
+        assert second.stats(spec.namespace).rebuilt_pages == len(pages)
+    finally:
+        second.close()
+
+
+def test_a_broken_state_file_starts_empty(tmp_path, caplog):
+    (tmp_path / STATE_FILE).write_text("{not json")
+    client = FakeNamespaceClient(str(tmp_path))
+    assert client.namespaces() == []
+    assert "register them again" in caplog.text
+    client.close()
+
+
+def test_a_dead_mooncake_master_is_restarted_with_a_new_epoch():
+    pytest.importorskip("mooncake.store")
+    spec = NamespaceSpec("org/model", "t", "fp", "mooncake",
+                         {"global_segment_size_bytes": 0, "local_buffer_size_bytes": 0})
+    client = FakeNamespaceClient()
+    try:
+        info = client.register(spec)
+        first = info.options["master_address"]
+        assert first.startswith(f"{LOOPBACK}:") and info.epoch == 1
+        master = client.service._masters[spec.namespace]
+        assert {ip for ip, _, _ in listening({master.pid})} == {LOOPBACK}
+        master.proc.kill()
+        master.proc.wait(5)
+        assert client.service.supervise() == 1
+        again = client.info(spec.namespace)
+        assert again.epoch == 2 and again.options["master_address"] != first
+        assert client.service._masters[spec.namespace].alive()
+    finally:
+        client.close()
+    assert not client.service._masters
+
+
+# ---- the Ray actor -----------------------------------------------------------------------
+
+class RayCluster:
+    """The cluster of this module and the processes it started (GCS, raylet, workers)."""
+
+    def __init__(self) -> None:
+        self.before = descendants(os.getpid())  # e.g. a Mooncake master of another test module
+        self.ctx = start_local_ray(num_cpus=2)
+
+    def pids(self) -> set[int]:
+        return descendants(os.getpid()) - self.before
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = RayCluster()
+    yield cluster
+    shutdown_local_ray()
+
+
+@pytest.fixture(scope="module")
+def actor(ray_cluster, tmp_path_factory):
+    name = f"kvtier-l3-test-{uuid.uuid4().hex[:6]}"
+    client = get_or_create_namespace_actor(name, str(tmp_path_factory.mktemp("l3-state")))
+    yield name, client
+    client.shutdown()  # a no-op when the last test already shut the cluster down
+
+
+def test_start_local_ray_refuses_a_second_cluster(ray_cluster):
+    with pytest.raises(RuntimeError, match="already initialized"):
+        start_local_ray(1)
+
+
+def test_the_actor_is_named_detached_and_shared(actor, tmp_path_factory):
+    import ray
+    import ray._private.state as ray_state  # the GCS table: no dashboard needed
+
+    name, one = actor
+    two = get_or_create_namespace_actor(name)  # a second client finds the same actor
+    assert one.ping() == two.ping()
+    row = next(a for a in ray_state.actors().values() if a["Name"] == name)
+    assert row["IsDetached"] and row["State"] == "ALIVE"
+    assert {"name": name, "namespace": "kvtier"} in ray.util.list_named_actors(all_namespaces=True)
+
+    spec = file_spec(tmp_path_factory.mktemp("l3"))
+    info = one.register(spec)
+    assert two.register(spec) == info
+    with pytest.raises(ConfigError, match="already registered"):  # the actor's own error
+        two.register(file_spec(tmp_path_factory.mktemp("l3"), tp_size=4))
+    pages = pages_of(spec)
+    store_pages(info, 0, pages)
+    store_pages(info, 1, pages)
+    assert one.report_stored(info.namespace, pages, 0) == []
+    assert two.report_stored(info.namespace, pages, 1) == pages  # the same directory
+    assert one.lookup(info.namespace, pages).hit_pages == len(pages)
+
+
+def test_a_killed_actor_comes_back_and_rebuilds_from_the_file_backend(actor):
+    import ray
+
+    name, client = actor
+    ns = client.namespaces()[0]
+    before = client.ping()
+    pages = client.info(ns).spec.key_namespace.page_hashes(TOKENS, SPEC.page_size)
+    ray.kill(client.handle, no_restart=False)
+    deadline = time.monotonic() + 60  # the kill is asynchronous: wait for a new incarnation
+    while client.wait_ready(timeout_s=60) == before:
+        assert time.monotonic() < deadline, "the killed namespace actor did not come back"
+        time.sleep(0.1)
+    assert client.namespaces() == [ns]
+    assert client.lookup(ns, pages).hit_pages == len(pages)
+    assert client.stats(ns).rebuilt_pages == len(pages)
+
+
+def test_ray_listens_on_loopback_only(ray_cluster):
+    # Ray's own processes only: the driver (this process) may hold other tests' sockets.
+    found = listening(ray_cluster.pids())
+    assert len({pid for _, _, pid in found}) >= 3, found  # GCS, raylet, workers, agents
+    assert all(ip in (LOOPBACK, "::1") for ip, _, _ in found), found
+
+
+def test_shutdown_removes_the_actor_and_the_cluster_processes(ray_cluster, actor):
+    import ray
+
+    name, client = actor
+    client.shutdown()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace="kvtier")
+        except ValueError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the namespace actor is still registered 10 s after shutdown")
+    with pytest.raises(NamespaceUnavailable):
+        client.ping()
+    children = ray_cluster.pids()
+    assert children
+    shutdown_local_ray()
+    deadline = time.monotonic() + 15
+    while children & ray_cluster.pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = children & ray_cluster.pids()
+    for pid in left:  # do not leak them into the next test module
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"Ray processes still running after shutdown: {sorted(left)}"

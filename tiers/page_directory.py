@@ -1,0 +1,318 @@
+"""The L3 page directory: which pages of each namespace are complete, leased and kept.
+
+Why a directory in front of the storage: a backend only knows what one rank stored, but a
+page is usable only when EVERY TP rank of its writer stored its part (design invariant 3).
+Ranks report their parts here and lookups answer from published pages only. The directory
+also holds the quota of each namespace, shared by all instances: least recently used pages
+go first, deleted through the namespace's storage, never while a lease protects them.
+
+Plain Python and no Ray: the namespace actor wraps it; tests drive it with a fake clock. Not
+thread-safe: its owner serializes calls. Page bytes never pass through here.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import secrets
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+from kvtier.backends.base import check_page_hash
+from kvtier.errors import CacheUsageError, ConfigError, KvtierError
+from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, NamespaceInfo,
+                             NamespaceSpec)
+from kvtier.tiers.page_store import BackendPageStore, PageStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PENDING_TTL_S = 600.0  # a page some ranks reported but not all: its writer is gone
+DEFAULT_MAX_LEASE_S = 600.0
+StoreFactory = Callable[[NamespaceInfo], PageStore]
+
+
+@dataclass
+class _Counters:
+    leases_granted: int = 0
+    leases_expired: int = 0
+    evicted_pages: int = 0
+    expired_pending_pages: int = 0
+    hit_pages: int = 0
+    miss_pages: int = 0
+    lookups: int = 0
+    rebuilt_pages: int = 0
+    delete_failures: int = 0
+
+
+@dataclass
+class _Namespace:
+    info: NamespaceInfo
+    store: PageStore
+    published: OrderedDict[str, None] = field(default_factory=OrderedDict)  # oldest use first
+    pending: OrderedDict[str, tuple[set[int], float]] = field(default_factory=OrderedDict)
+    leased: Counter[str] = field(default_factory=Counter)  # page -> active leases on it
+    counters: _Counters = field(default_factory=_Counters)
+
+
+class _Lease(NamedTuple):
+    namespace: str
+    hashes: tuple[str, ...]
+    expires_at: float
+
+
+class PageDirectory:
+    """Namespaces, their published pages, leases and quotas (see the module docstring)."""
+
+    def __init__(self, store_factory: StoreFactory = BackendPageStore,
+                 clock: Callable[[], float] = time.monotonic,
+                 pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
+                 max_lease_s: float = DEFAULT_MAX_LEASE_S) -> None:
+        self._store_factory, self._clock = store_factory, clock
+        self.pending_ttl_s, self.max_lease_s = pending_ttl_s, max_lease_s
+        self._ns: dict[str, _Namespace] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, lease id)
+        # Lease ids of an earlier incarnation (an actor restart) must not match new ones.
+        self._lease_prefix, self._lease_seq = secrets.token_hex(4), 0
+
+    # ---- namespaces -----------------------------------------------------------------------
+    def register(self, spec: NamespaceSpec, options: dict | None = None,
+                 epoch: int = 0) -> NamespaceInfo:
+        """Register a namespace (idempotent for the same spec); `options` are the resolved
+        storage options ranks get (default: the spec's). Opens the namespace's storage."""
+        ns = spec.namespace
+        current = self._ns.get(ns)
+        if current is not None:
+            if current.info.spec != spec:
+                raise ConfigError(
+                    f"namespace {ns} is already registered with other settings "
+                    f"({current.info.spec}); register the same spec, or give this one another "
+                    "tenant_salt or layout_fingerprint")
+            return current.info
+        info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch)
+        self._ns[ns] = _Namespace(info, self._store_factory(info))
+        log.info("L3 namespace %s registered: %s backend, TP %d, quota %s pages", ns,
+                 spec.backend, spec.tp_size, spec.capacity_pages or "no")
+        return info
+
+    def reattach(self, ns: str, options: dict) -> NamespaceInfo:
+        """The namespace's storage was replaced (a restarted Mooncake master): new clients,
+        a new epoch, and an empty directory, since what the old storage held is gone."""
+        state = self._get(ns)
+        info = NamespaceInfo(ns, state.info.spec, dict(options), state.info.epoch + 1)
+        store = self._store_factory(info)
+        state.store.close()
+        state.info, state.store = info, store
+        state.published.clear()
+        state.pending.clear()
+        log.warning("L3 namespace %s re-attached to new storage (epoch %d); its directory is "
+                    "empty", ns, info.epoch)
+        return info
+
+    def info(self, ns: str) -> NamespaceInfo:
+        return self._get(ns).info
+
+    def namespaces(self) -> list[str]:
+        return list(self._ns)
+
+    # ---- pages ----------------------------------------------------------------------------
+    def report_stored(self, ns: str, hashes: Sequence[str], tp_rank: int) -> list[str]:
+        """Rank `tp_rank` stored its part of `hashes`; returns the pages this published."""
+        state = self._get(ns)
+        tp_size = state.info.spec.tp_size
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise CacheUsageError(f"tp_rank {tp_rank!r} is outside 0..{tp_size - 1}, the TP size "
+                                  f"namespace {ns} was registered with")
+        now = self._expire()
+        new: list[str] = []
+        for h in map(check_page_hash, hashes):
+            if h in state.published:
+                continue
+            ranks, first = state.pending.get(h, (set(), now))
+            ranks.add(tp_rank)
+            if len(ranks) == tp_size:
+                state.pending.pop(h, None)
+                state.published[h] = None
+                new.append(h)
+            else:
+                state.pending[h] = (ranks, first)
+        self._touch(state, [h for h in hashes if h in state.published])
+        self._enforce_quota(state)
+        return [h for h in new if h in state.published]
+
+    def lookup(self, ns: str, hashes: Sequence[str], lease_ttl_s: float = 0.0) -> LookupResult:
+        """How many leading pages of `hashes` are published; with `lease_ttl_s`, lease them."""
+        state = self._get(ns)
+        now = self._expire()
+        hits = self._leading(state, hashes)
+        c = state.counters
+        c.lookups += 1
+        c.hit_pages += hits
+        c.miss_pages += len(hashes) - hits
+        lease_id = self._grant(state, hashes[:hits], lease_ttl_s, now) if lease_ttl_s else ""
+        return LookupResult(ns, hits, lease_id)
+
+    def lease(self, ns: str, hashes: Sequence[str], ttl_s: float) -> LeaseGrant:
+        """Protect the leading published pages of `hashes` from eviction for `ttl_s`."""
+        state = self._get(ns)
+        now = self._expire()
+        hits = self._leading(state, hashes)
+        return LeaseGrant(self._grant(state, hashes[:hits], ttl_s, now), ns, hits, float(ttl_s))
+
+    def release(self, lease_id: str) -> bool:
+        """End a lease early; False when it is unknown (expired, or from before a restart)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._unlease(lease)
+        return True
+
+    def rebuild(self, ns: str) -> int:
+        """Repopulate from the storage's listing: pages whose parts exist for every rank are
+        published, in the listing's order (least recently used first where the backend can
+        tell); partial ones wait as pending. Returns how many pages are published."""
+        state = self._get(ns)
+        if not state.store.listable:
+            log.warning("L3 namespace %s: the %s backend cannot list its pages; the directory "
+                        "starts empty", ns, state.info.spec.backend)
+            return 0
+        try:
+            listing = state.store.list_pages()
+        except (KvtierError, OSError) as exc:
+            log.error("L3 namespace %s: listing its storage failed (%s); the directory starts "
+                      "empty", ns, exc)
+            return 0
+        now, tp_size = self._clock(), state.info.spec.tp_size
+        state.published.clear()
+        state.pending.clear()
+        for h, ranks in listing.items():
+            if len(ranks) >= tp_size:
+                state.published[h] = None
+            else:
+                state.pending[h] = (set(ranks), now)
+        state.counters.rebuilt_pages = len(state.published)
+        self._enforce_quota(state)
+        log.info("L3 namespace %s rebuilt: %d pages published, %d partial", ns,
+                 len(state.published), len(state.pending))
+        return len(state.published)
+
+    def stats(self, ns: str) -> DirectoryStats:
+        state = self._get(ns)
+        self._expire()
+        active = sum(1 for lease in self._leases.values() if lease.namespace == ns)
+        return DirectoryStats(ns, len(state.published), len(state.pending),
+                              state.info.spec.capacity_pages, active, epoch=state.info.epoch,
+                              **vars(state.counters))
+
+    def close(self) -> None:
+        for state in self._ns.values():
+            state.store.close()
+        self._ns.clear()
+        self._leases.clear()
+        self._expiry.clear()
+
+    def __enter__(self) -> "PageDirectory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _get(self, ns: str) -> _Namespace:
+        try:
+            return self._ns[ns]
+        except KeyError:
+            raise CacheUsageError(f"L3 namespace {ns!r} is not registered; register its "
+                                  "NamespaceSpec first") from None
+
+    def _leading(self, state: _Namespace, hashes: Sequence[str]) -> int:
+        hits = 0
+        for h in hashes:
+            if h not in state.published:
+                break
+            hits += 1
+        self._touch(state, hashes[:hits])
+        return hits
+
+    @staticmethod
+    def _touch(state: _Namespace, hashes: Sequence[str]) -> None:
+        # Why reversed: a chain's later pages are useless without its first ones, so the
+        # first page ends up most recent and a prefix loses its tail first.
+        for h in reversed(hashes):
+            state.published.move_to_end(h)
+
+    def _grant(self, state: _Namespace, hashes: Sequence[str], ttl_s: float, now: float) -> str:
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) \
+                or not 0 < ttl_s <= self.max_lease_s:
+            raise CacheUsageError(f"a lease lasts more than 0 and at most {self.max_lease_s} s, "
+                                  f"got ttl_s={ttl_s!r}; renew long prefetches with a new lease")
+        if not hashes:
+            return ""
+        self._lease_seq += 1
+        lease_id = f"{self._lease_prefix}-{self._lease_seq}"
+        self._leases[lease_id] = _Lease(state.info.namespace, tuple(hashes), now + ttl_s)
+        heapq.heappush(self._expiry, (now + ttl_s, lease_id))
+        state.leased.update(hashes)
+        state.counters.leases_granted += 1
+        return lease_id
+
+    def _unlease(self, lease: _Lease) -> None:
+        state = self._ns.get(lease.namespace)
+        if state is None:
+            return
+        state.leased.subtract(lease.hashes)
+        for h in lease.hashes:
+            if state.leased[h] <= 0:
+                del state.leased[h]
+        self._enforce_quota(state)  # pages it protected may be over the quota
+
+    def _expire(self) -> float:
+        """Lapse expired leases and pending pages whose writer never finished; returns now."""
+        now = self._clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                self._ns[lease.namespace].counters.leases_expired += 1
+                self._unlease(lease)
+        for state in self._ns.values():
+            stale = []
+            for h, (_, first) in state.pending.items():  # oldest first
+                if now - first < self.pending_ttl_s:
+                    break
+                stale.append(h)
+            for h in stale:
+                del state.pending[h]
+            if stale:
+                state.counters.expired_pending_pages += len(stale)
+                self._delete(state, stale)  # orphaned parts of a writer that went away
+        return now
+
+    def _enforce_quota(self, state: _Namespace) -> None:
+        """Evict least recently used unleased pages until the quota holds. A leased page is
+        never evicted: when only leased pages are older, the newest pages go instead."""
+        cap = state.info.spec.capacity_pages
+        excess = len(state.published) - cap
+        if not cap or excess <= 0:
+            return
+        victims = []
+        for h in state.published:
+            if not state.leased.get(h):
+                victims.append(h)
+                if len(victims) == excess:
+                    break
+        for h in victims:  # unpublished first: nobody is told to read a page being deleted
+            del state.published[h]
+        state.counters.evicted_pages += len(victims)
+        self._delete(state, victims)
+
+    def _delete(self, state: _Namespace, hashes: list[str]) -> None:
+        if not hashes:
+            return
+        try:
+            state.store.delete(hashes)
+        except (KvtierError, OSError) as exc:
+            state.counters.delete_failures += len(hashes)
+            log.warning("L3 namespace %s: deleting %d evicted pages failed (%s); their objects "
+                        "stay until the next rebuild", state.info.namespace, len(hashes), exc)
