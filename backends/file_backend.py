@@ -4,7 +4,8 @@ Reads and writes go straight between the registered host pool and the page cache
 writev on the pool's memory, no intermediate bytes); every object carries its own name and
 an xxh3 checksum (file_object), so torn, foreign or rotten files are misses that get removed.
 Several processes may share one root: objects appear atomically and are never replaced.
-With `max_size_bytes` the backend evicts whole pages, least recently used first (file_index).
+With `max_size_bytes` the backend evicts whole pages, least recently used first: the root,
+its LRU index and the bound are file_store's, shared with the nixl backend.
 
 Why a few I/O threads: `os.readv`/`os.writev` and xxh3 release the GIL, so while one page's
 bytes are being checksummed another's are being copied by the kernel. The calling thread
@@ -14,17 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, TypeVar
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  TransferResult, page_ranks)
-from kvtier.backends.file_index import ObjectIndex, page_siblings
+                                  TransferResult)
 from kvtier.backends.file_object import (ReadOutcome, ReadStatus, WriteOutcome, WriteStatus,
                                          object_bytes, read_object, write_object)
 from kvtier.backends.file_pool import PoolFiles
-from kvtier.backends.file_root import FileRoot
+from kvtier.backends.file_store import FileStore, is_file
 from kvtier.errors import ConfigError
 from kvtier.policies import HitPolicy, StorageBackendKind
 from kvtier.storage_options import FileOptions
@@ -47,17 +46,10 @@ class FileBackend(StorageBackend):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ConfigError(f"file backend: io_threads must be an int >= 1, got {io_threads!r}")
         self.options = options
-        self.root = FileRoot(options.root_dir)  # StorageUnavailable here, at attach
+        # the root, its LRU index and the byte bound; StorageUnavailable here, at attach
+        self.store = FileStore(options.root_dir, options.max_size_bytes, self.counters)
+        self.root, self.index = self.store.root, self.store.index
         self._files: dict[str, PoolFiles] = {}
-        self._cap_warned = False
-        self.index, report = ObjectIndex.scan(self.root.path)
-        self.counters.extra.update(root_dir=self.root.path, scan_objects=report.objects,
-                                   scan_s=round(report.seconds, 4))
-        log.info("file backend at %s: %d objects, %.1f MiB found in %.3f s (%d stale temp files "
-                 "removed)", self.root.path, report.objects, report.stored_bytes / 2**20,
-                 report.seconds, report.stale_tmp_removed)
-        self._make_room(0, frozenset())
-        self._sync_stored()
         self._io_threads = io_threads
         self._workers: ThreadPoolExecutor | None = None
         self._workers_pid = 0  # threads do not survive fork: a forked child starts its own
@@ -70,18 +62,9 @@ class FileBackend(StorageBackend):
         return self._files[reg.name].names(key)
 
     def _present(self, reg: PoolRegistration, keys: list[str]) -> list[bool]:
-        pf = self._files[reg.name]
-        if not self.root.inside(pf.rel_dir):
-            return [False] * len(keys)
         # ALL_PAGES only counts leading pages: after the first gap the rest cannot matter.
-        stop_at_gap = reg.hit_policy is HitPolicy.ALL_PAGES
-        out: list[bool] = []
-        for key in keys:
-            if stop_at_gap and out and not out[-1]:
-                out.append(False)
-            else:
-                out.append(all(_is_file(path) for path in pf.paths(key)))
-        return out
+        return self.store.present(self._files[reg.name], keys,
+                                  reg.hit_policy is HitPolicy.ALL_PAGES)
 
     def _get(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
         pf = self._files[reg.name]
@@ -91,7 +74,7 @@ class FileBackend(StorageBackend):
                 for k, p in zip(keys, host_pages)]
         ok = [self._note_reads(names, outcomes)
               for (names, _, _), outcomes in zip(jobs, self._map(_read_page, jobs))]
-        self._sync_stored()
+        self.store.sync_stored()
         return TransferResult(ok, sum(ok) * len(pf.suffixes) * pf.part_bytes)
 
     def _set(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
@@ -101,8 +84,8 @@ class FileBackend(StorageBackend):
             return TransferResult(ok, 0)
         jobs, where = self._plan_writes(pf, keys, host_pages, ok)
         size = object_bytes(pf.part_bytes)
-        jobs = jobs[:self._admit([len(j[0]) * size for j in jobs],
-                                 frozenset(n for k in keys for n in pf.names(k)))]
+        jobs = jobs[:self.store.admit([len(j[0]) * size for j in jobs],
+                                      frozenset(n for k in keys for n in pf.names(k)))]
         results = self._map(self._write_page, jobs)
         retry = [n for n, res in enumerate(results) if res[-1].status is WriteStatus.NO_DIR]
         if retry:  # the directory vanished under us: create it again, write those pages again
@@ -114,20 +97,17 @@ class FileBackend(StorageBackend):
         for i, job, outcomes in zip(where, jobs, results):
             ok[i], nbytes = self._note_writes(job, outcomes)
             moved += nbytes
-        self._sync_stored()
+        self.store.sync_stored()
         return TransferResult(ok, moved)
 
     def _delete(self, reg: PoolRegistration, keys: list[str]) -> int:
-        removed = sum(any([self._unlink(name) for name in self.names(reg, key)]) for key in keys)
-        self._sync_stored()
+        removed = self.store.delete(self.names(reg, key) for key in keys)
+        self.store.sync_stored()
         return removed
 
     def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
-        rel_dir = f"{self.target.namespace.name}/{pool}"
-        if not self.root.inside(rel_dir):
-            return {}
-        return page_ranks(object_basenames(os.path.join(self.root.path, rel_dir)),
-                          self.target.tp_size, num_parts)
+        return self.store.list_pages(f"{self.target.namespace.name}/{pool}",
+                                     self.target.tp_size, num_parts)
 
     def _close(self) -> None:
         """Stop the I/O threads and drop the pool views (files are closed after each call)."""
@@ -144,11 +124,9 @@ class FileBackend(StorageBackend):
         jobs, where = [], []
         for i, (key, page) in enumerate(zip(keys, host_pages)):
             names, paths = pf.names(key), pf.paths(key)
-            missing = [j for j, path in enumerate(paths) if not _is_file(path)]
+            missing = [j for j, path in enumerate(paths) if not is_file(path)]
             if not missing:  # a page's bytes never change: keep what is stored
-                self.counters.write_skipped_existing += 1
-                for name in names:
-                    self.index.add(name, object_bytes(pf.part_bytes))
+                self.store.keep_existing(names, object_bytes(pf.part_bytes))
                 ok[i] = True
                 continue
             jobs.append(([names[j] for j in missing], [paths[j] for j in missing],
@@ -213,54 +191,6 @@ class FileBackend(StorageBackend):
             wait(futures)
         return first + [r for f in futures for r in f.result()]
 
-    # ---- capacity ------------------------------------------------------------------------
-    def _admit(self, incoming: list[int], protect: frozenset[str]) -> int:
-        """How many leading page writes fit `max_size_bytes`, after evicting room for them."""
-        cap, total, n = self.options.max_size_bytes, 0, 0
-        while n < len(incoming) and (not cap or total + incoming[n] <= cap):
-            total, n = total + incoming[n], n + 1
-        if n < len(incoming) and not self._cap_warned:
-            self._cap_warned = True
-            log.warning("file backend: %d of %d page writes exceed max_size_bytes=%d and are "
-                        "dropped: raise max_size_bytes", len(incoming) - n, len(incoming), cap)
-        self._make_room(total, protect)
-        return n
-
-    def _make_room(self, incoming: int, protect: frozenset[str]) -> None:
-        """Evict least recently used pages (all parts, all ranks) until `incoming` bytes fit."""
-        cap = self.options.max_size_bytes
-        spins = len(self.index)  # each protected object is passed over at most once
-        while cap and self.index.total_bytes + incoming > cap and spins >= 0:
-            name = self.index.oldest()
-            if name is None:
-                return  # what is left belongs to processes we do not know of
-            siblings = page_siblings(name)
-            if protect.intersection(siblings):  # a page this call is writing or keeping
-                self.index.touch(name)
-                spins -= 1
-                continue
-            for sibling in siblings:
-                self._unlink(sibling)
-            self.counters.evicted_pages += 1
-
-    def _unlink(self, name: str) -> bool:
-        """Remove one object file if present; True when it was there."""
-        self.index.discard(name)
-        path = self.root.object_path(name)
-        if path is None:
-            return False
-        try:
-            os.unlink(path)
-            return True
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        except OSError as exc:
-            log.warning("file backend: cannot remove %s (%s)", name, exc.strerror or exc)
-            return False
-
-    def _sync_stored(self) -> None:
-        self.counters.stored_bytes = self.index.total_bytes
-
 
 def _read_page(job: _Job) -> list[ReadOutcome]:
     """Read every part of one page (worker thread); stops at the first part that fails."""
@@ -272,37 +202,5 @@ def _read_page(job: _Job) -> list[ReadOutcome]:
     return out
 
 
-def object_basenames(directory: str) -> list[str]:
-    """Names of the regular files in `directory`, least recently used first.
-
-    Why a fresh scan and not the index: the index is this process's view, and a listing
-    must also see what other processes sharing the root have written."""
-    found = []
-    try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_file(follow_symlinks=False):
-                        st = entry.stat(follow_symlinks=False)
-                        found.append((max(st.st_atime_ns, st.st_mtime_ns), entry.name))
-                except OSError:
-                    continue  # removed while we listed
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        log.warning("file backend: cannot list %s (%s); its pages are not listed", directory,
-                    exc.strerror or exc)
-        return []
-    return [name for _, name in sorted(found)]
-
-
 def _run_all(fn: Callable[[_Job], _T], jobs: list[_Job]) -> list[_T]:
     return [fn(job) for job in jobs]
-
-
-def _is_file(path: str) -> bool:
-    """Cheap presence check (one lstat, no read): a regular file under the object name."""
-    try:
-        return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
-    except OSError:
-        return False

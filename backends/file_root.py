@@ -1,4 +1,5 @@
-"""The file backend's root directory: created and probed at attach, the fence around every path.
+"""The L3 root directory (file and nixl backends): created and probed at attach, the fence
+around every path.
 
 Object names are validated where they are made (`StorageTarget.object_name`: no client text,
 no `..`); this is the second fence, at the filesystem: a name never resolves outside the
@@ -21,8 +22,9 @@ DIR_MODE = 0o700  # pages are a tenant's KV: readable by the serving user only
 class FileRoot:
     """`root_dir` made real: checked once, then every object path is built through it."""
 
-    def __init__(self, root_dir: str) -> None:
-        self.path = attach_root(root_dir)
+    def __init__(self, root_dir: str, label: str = "file backend") -> None:
+        self.label = label  # which backend the log lines and errors name
+        self.path = attach_root(root_dir, label)
         self._ready: set[str] = set()  # relative dirs that exist and resolve inside the root
         self._warned: set[str] = set()
 
@@ -34,8 +36,8 @@ class FileRoot:
         if os.path.realpath(full) != os.path.normpath(full):
             if rel_dir not in self._warned:
                 self._warned.add(rel_dir)
-                log.warning("file backend: %s resolves outside %s (a symlink?); its objects are "
-                            "treated as missing: remove the link", full, self.path)
+                log.warning("%s: %s resolves outside %s (a symlink?); its objects are treated "
+                            "as missing: remove the link", self.label, full, self.path)
             return False
         if os.path.isdir(full):
             self._ready.add(rel_dir)
@@ -43,10 +45,8 @@ class FileRoot:
 
     def object_path(self, name: str) -> str | None:
         """Absolute path of object `name`, or None when its directory leads out of the root."""
-        parts = name.split("/")
-        if name.startswith("/") or "\x00" in name or any(p in ("", ".", "..") for p in parts):
-            raise CacheUsageError(f"object name {name!r:.120} would leave root_dir {self.path}")
-        return os.path.join(self.path, name) if self.inside("/".join(parts[:-1])) else None
+        path = object_path(self.path, name)
+        return path if self.inside(name.rpartition("/")[0]) else None
 
     def ensure_dir(self, rel_dir: str) -> bool:
         """Create `root/<namespace>/<pool>` (mode 0700) once; False when that is impossible."""
@@ -60,10 +60,10 @@ class FileRoot:
             except FileExistsError:
                 pass
             except OSError as exc:
-                log.warning("file backend: cannot create %s (%s)", path, exc.strerror or exc)
+                log.warning("%s: cannot create %s (%s)", self.label, path, exc.strerror or exc)
                 return False
         if not os.path.isdir(path) or not self.inside(rel_dir):
-            log.warning("file backend: %s is not a directory inside %s", path, self.path)
+            log.warning("%s: %s is not a directory inside %s", self.label, path, self.path)
             return False
         self._ready.add(rel_dir)
         return True
@@ -73,7 +73,15 @@ class FileRoot:
         self._ready.discard(rel_dir)
 
 
-def attach_root(root_dir: str) -> str:
+def object_path(root: str, name: str) -> str:
+    """`root/name`, refusing names that could leave root (`..`, absolute, empty parts)."""
+    parts = name.split("/")
+    if name.startswith("/") or "\x00" in name or any(p in ("", ".", "..") for p in parts):
+        raise CacheUsageError(f"object name {name!r:.120} would leave root_dir {root}")
+    return os.path.join(root, name)
+
+
+def attach_root(root_dir: str, label: str = "file backend") -> str:
     """Create (0700) and probe `root_dir`; its real path, or StorageUnavailable saying why."""
     root = os.path.abspath(root_dir)
     try:
@@ -84,7 +92,7 @@ def attach_root(root_dir: str) -> str:
         os.unlink(probe)
     except OSError as exc:
         raise StorageUnavailable(
-            f"file backend: root_dir {root_dir!r} cannot be used ({exc.strerror or exc}); "
+            f"{label}: root_dir {root_dir!r} cannot be used ({exc.strerror or exc}); "
             "point storage_options root_dir at a writable directory (or fix its permissions, "
             "or remove the file in its way)") from exc
     return root

@@ -2,8 +2,8 @@
 
 Pages are stored exactly as the `file` backend stores them, through its public pieces:
 names, paths and page views (file_pool.PoolFiles), the header and checksum format
-(file_object via nixl_object), the LRU index over whole pages (file_index). One root_dir
-serves either backend. What differs is the data path:
+(file_object via nixl_object), and the root, its LRU index and byte bound (file_store's
+FileStore, the very class the file backend uses). One root_dir serves either backend. What differs is the data path:
 - the host pool is registered with NIXL once (`register_pool`);
 - each `get_into` / `set_from` batch is ONE NIXL request over zero-copy descriptors
   (pool page part <-> file payload range), instead of one read/write per object;
@@ -22,13 +22,12 @@ import numpy as np
 import xxhash
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  StorageUnavailable, TransferResult, page_ranks)
-from kvtier.backends.file_backend import object_basenames
+                                  StorageUnavailable, TransferResult)
 from kvtier.backends.file_pool import PoolFiles
+from kvtier.backends.file_store import FileStore, is_file
 from kvtier.backends.nixl_agent import PosixAgent, TransferTimeout
 from kvtier.backends.nixl_object import (HEADER_BYTES, TempFiles, check_header, encode_header,
                                          object_bytes)
-from kvtier.backends.nixl_store import ObjectStore, is_file
 from kvtier.errors import CacheUsageError
 from kvtier.policies import HitPolicy, StorageBackendKind
 from kvtier.storage_options import NixlOptions, NixlPlugin
@@ -70,8 +69,9 @@ class NixlBackend(StorageBackend):
                 f"plugin {options.plugin} is not supported here: set storage_options plugin "
                 "to POSIX (or leave it out)")
         self.options = options
-        self.store = ObjectStore(options.root_dir, options.max_size_bytes, self.counters)
-        self.root, self.index = self.store.root, self.store.index
+        self.store = FileStore(options.root_dir, options.max_size_bytes, self.counters,
+                               label="nixl backend")
+        self.root, self.index = self.store.root.path, self.store.index
         self._files: dict[str, PoolFiles] = {}
         self.agent = PosixAgent()
         self._temps = TempFiles(self.root)
@@ -95,17 +95,8 @@ class NixlBackend(StorageBackend):
 
     def _present(self, reg: PoolRegistration, keys: list[str]) -> list[bool]:
         self._check_usable()
-        pf = self._files[reg.name]
-        if not self.store.dir_ok(pf.rel_dir):
-            return [False] * len(keys)
-        stop_at_gap = reg.hit_policy is HitPolicy.ALL_PAGES  # later pages cannot count
-        out: list[bool] = []
-        for key in keys:
-            if stop_at_gap and out and not out[-1]:
-                out.append(False)
-            else:
-                out.append(all(is_file(path) for path in pf.paths(key)))
-        return out
+        return self.store.present(self._files[reg.name], keys,  # ALL_PAGES: later pages
+                                  reg.hit_policy is HitPolicy.ALL_PAGES)  # cannot count
 
     def _get(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
         return self._batched(self._get_batch, reg, keys, host_pages)
@@ -117,16 +108,13 @@ class NixlBackend(StorageBackend):
 
     def _delete(self, reg: PoolRegistration, keys: list[str]) -> int:
         self._check_usable()
-        removed = sum(any([self.store.unlink(n) for n in self.names(reg, key)]) for key in keys)
+        removed = self.store.delete(self.names(reg, key) for key in keys)
         self.store.make_room(0, frozenset())  # updates stored_bytes
         return removed
 
     def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
-        rel_dir = f"{self.target.namespace.name}/{pool}"  # the file backend's layout
-        if not self.store.dir_ok(rel_dir):
-            return {}
-        return page_ranks(object_basenames(os.path.join(self.root, rel_dir)),
-                          self.target.tp_size, num_parts)
+        return self.store.list_pages(f"{self.target.namespace.name}/{pool}",  # file's layout
+                                     self.target.tp_size, num_parts)
 
     def _close(self) -> None:
         self.agent.close()
@@ -143,12 +131,12 @@ class NixlBackend(StorageBackend):
         step = MAX_PAGES_PER_TRANSFER
         for at in range(0, len(keys), step):
             some_keys, some_pages = keys[at:at + step], pages[at:at + step]
-            if self.store.dir_ok(pf.rel_dir):
+            if self.store.root.inside(pf.rel_dir):
                 res = fn(pf, some_keys, some_pages)
             else:  # the pool's directory leads out of root: nothing there is ours
                 res = TransferResult([False] * len(some_keys), 0)
             ok, moved = ok + res.ok, moved + res.bytes_moved
-        self.counters.stored_bytes = self.index.total_bytes
+        self.store.sync_stored()
         return TransferResult(ok, moved)
 
     # ---- reads ---------------------------------------------------------------------------
@@ -228,7 +216,7 @@ class NixlBackend(StorageBackend):
     # ---- writes --------------------------------------------------------------------------
     def _set_batch(self, pf: PoolFiles, keys: list[str], pages: list[int]) -> TransferResult:
         ok, parts = [False] * len(keys), []
-        if not self.store.ensure_dir(pf.rel_dir):
+        if not self.store.root.ensure_dir(pf.rel_dir):
             return TransferResult(ok, 0)
         size = object_bytes(pf.part_bytes)
         todo: list[tuple[int, list[int]]] = []  # (slot, missing parts)
@@ -237,9 +225,7 @@ class NixlBackend(StorageBackend):
             if missing:
                 todo.append((slot, missing))
                 continue
-            self.counters.write_skipped_existing += 1  # a page's bytes never change
-            for name in pf.names(key):
-                self.index.add(name, size)
+            self.store.keep_existing(pf.names(key), size)  # a page's bytes never change
             ok[slot] = True
         protect = frozenset(n for k in keys for n in pf.names(k))
         todo = todo[:self.store.admit([len(m) * size for _, m in todo], protect)]
@@ -265,7 +251,7 @@ class NixlBackend(StorageBackend):
             try:
                 fd, tmp = self._temps.create(paths[j])
             except OSError as exc:
-                self.store.forget_dir(pf.rel_dir)  # gone? re-create it next call
+                self.store.root.forget_dir(pf.rel_dir)  # gone? re-create it next call
                 log.warning("nixl backend: cannot create %s (%s)", names[j], exc.strerror or exc)
                 for p in parts:
                     _close_quietly(p.fd)

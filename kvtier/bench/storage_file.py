@@ -15,13 +15,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import time
-from typing import Callable
 
 import torch
 
 from kvtier.backends.base import KV_POOL, StorageTarget, TransferResult
 from kvtier.backends.file_backend import DEFAULT_IO_THREADS, FileBackend
+from kvtier.bench.storage_measure import bandwidth_report, timed
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import SMOLLM2_135M, KVSpec
@@ -64,20 +63,15 @@ def measure(pages: int, root_dir: str, repeats: int = 5,
                     for n, chunk in enumerate(chunks):  # alternate who goes first, chunk by chunk
                         for side in (("raw", "kv") if (n + rnd) % 2 == 0 else ("kv", "raw")):
                             op = side + phase
-                            best[op][n] = min(best[op][n], _timed(lambda: ops[op](chunk)))
+                            best[op][n] = min(best[op][n], timed(lambda: ops[op](chunk)))
                 probe = [keys[i % pages] for i in range(EXISTS_KEYS)]  # all present: 2000 stats
-                best_exists = min(best_exists, _timed(lambda: _check_exists(kv, probe)))
+                best_exists = min(best_exists, timed(lambda: _check_exists(kv, probe)))
         shutil.rmtree(raw_dir, ignore_errors=True)
         shutil.rmtree(kv_dir, ignore_errors=True)
     total = pages * SPEC.page_bytes
     gbps = {k: total / sum(times) / 1e9 for k, times in best.items()}
     return {
-        "write_gbps": round(gbps["kv_w"], 3),
-        "read_gbps": round(gbps["kv_r"], 3),
-        "raw_write_gbps": round(gbps["raw_w"], 3),
-        "raw_read_gbps": round(gbps["raw_r"], 3),
-        "write_ratio": round(gbps["kv_w"] / gbps["raw_w"], 3),
-        "read_ratio": round(gbps["kv_r"] / gbps["raw_r"], 3),
+        **bandwidth_report(gbps["kv_w"], gbps["kv_r"], gbps["raw_w"], gbps["raw_r"]),
         "exists_1000_ms": round(best_exists * 1e3, 3),
         "page_bytes": SPEC.page_bytes,
         "pages": pages,
@@ -123,9 +117,3 @@ def _fresh(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path, mode=0o700)
     os.sync()
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start

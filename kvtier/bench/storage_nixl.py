@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
-from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +29,7 @@ from kvtier.backends.base import KV_POOL, StorageTarget
 from kvtier.backends.nixl_agent import PLUGIN, POSIX_PARAMS
 from kvtier.backends.nixl_object import HEADER_BYTES, object_bytes
 from kvtier.backends.registry import create_backend
+from kvtier.bench.storage_measure import bandwidth_report, timed
 from kvtier.errors import ConfigError, TransferError
 from kvtier.keys import KeyNamespace, page_hashes
 from kvtier.kv_spec import SMOLLM2_135M, KVSpec
@@ -81,15 +80,15 @@ def measure(pages: int, root_dir: str, repeats: int = 5) -> dict:
             writes = [("write", put), ("raw_write", lambda: raw.run("WRITE", views, raw_files))]
             for label, fn in _alternate(writes, rep):
                 os.sync()  # each write starts with no dirty pages of the previous one
-                best[label] = max(best[label], nbytes / _timed(fn) / 1e9)
+                best[label] = max(best[label], nbytes / timed(fn) / 1e9)
             reads = [("read", get), ("raw_read", lambda: raw.run("READ", landing, files))]
             for label, fn in _alternate(reads, rep):
-                best[label] = max(best[label], nbytes / _timed(fn) / 1e9)
+                best[label] = max(best[label], nbytes / timed(fn) / 1e9)
             _check([torch.equal(pool.page_part_view(s, 1), pool.page_part_view(d, 1))
                     for s, d in zip(src, dst)], "round trip (bytes differ)")
             backend.delete(keys)
             shutil.rmtree(os.path.join(raw_dir, str(rep)))
-        verify_s = min(_timed(lambda: [xxhash.xxh3_64_intdigest(v.numpy()) for v in landing])
+        verify_s = min(timed(lambda: [xxhash.xxh3_64_intdigest(v.numpy()) for v in landing])
                        for _ in range(3))
         exists_ms = _exists_1000_ms(store)
     finally:
@@ -98,12 +97,7 @@ def measure(pages: int, root_dir: str, repeats: int = 5) -> dict:
         pool.close()
         shutil.rmtree(work, ignore_errors=True)
     return {
-        "write_gbps": round(best["write"], 3),
-        "read_gbps": round(best["read"], 3),
-        "raw_write_gbps": round(best["raw_write"], 3),
-        "raw_read_gbps": round(best["raw_read"], 3),
-        "write_ratio": round(best["write"] / best["raw_write"], 3),
-        "read_ratio": round(best["read"] / best["raw_read"], 3),
+        **bandwidth_report(best["write"], best["read"], best["raw_write"], best["raw_read"]),
         "exists_1000_ms": round(exists_ms, 3),
         "verify_ms": round(verify_s * 1e3, 3),
         "page_bytes": SPEC.page_part_bytes,  # one stored object (K or V of one page)
@@ -122,12 +116,6 @@ def _alternate(pair: list, rep: int) -> list:
     return pair if rep % 2 == 0 else pair[::-1]
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _exists_1000_ms(store: str) -> float:
     """One `exists` over 1,000 present pages (every part stat'ed), best of 3."""
     pool = HostPool(_TINY, EXISTS_KEYS)
@@ -136,7 +124,7 @@ def _exists_1000_ms(store: str) -> float:
         backend.register_pool(KV_POOL, pool)
         keys = page_hashes(np.arange(EXISTS_KEYS * 4), 4)
         _check(backend.set_from(KV_POOL, keys, list(range(EXISTS_KEYS))).ok, "write")
-        best = min(_timed(lambda: backend.exists(keys)) for _ in range(3))
+        best = min(timed(lambda: backend.exists(keys)) for _ in range(3))
         _check([backend.exists(keys).usable_pages == EXISTS_KEYS], "exists")
         backend.delete(keys)
         return best * 1e3

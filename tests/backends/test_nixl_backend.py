@@ -228,7 +228,7 @@ def test_missing_posix_plugin_is_storage_unavailable(monkeypatch, root):
 def test_names_cannot_escape_root(open_backend):
     b = open_backend()
     b.register_pool(KV_POOL, make_pool())
-    from kvtier.backends.nixl_store import object_path as _object_path
+    from kvtier.backends.file_root import object_path as _object_path
     for bad in ("../" * 8 + "etc/passwd", "/etc/passwd", "a/../../x", "a//b", "a/./b"):
         with pytest.raises(CacheUsageError):
             _object_path(b.root, bad)
