@@ -100,7 +100,8 @@ def measure(pages: int, root_dir: str, repeats: int = 5) -> dict:
         **bandwidth_report(best["write"], best["read"], best["raw_write"], best["raw_read"]),
         "exists_1000_ms": round(exists_ms, 3),
         "verify_ms": round(verify_s * 1e3, 3),
-        "page_bytes": SPEC.page_part_bytes,  # one stored object (K or V of one page)
+        "page_bytes": SPEC.page_bytes,  # K and V of one page (two stored objects)
+        "object_bytes": SPEC.page_part_bytes,
         "pages": pages,
     }
 
