@@ -302,6 +302,6 @@ def test_bench_measure_runs_small_and_cleans_up(tmp_path):
     out = measure(2, str(tmp_path), repeats=1)
     assert set(out) >= {"write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
                         "read_ratio", "exists_1000_ms", "page_bytes", "pages"}
-    assert out["page_bytes"] == 737_280 and out["pages"] == 2
+    assert out["page_bytes"] == 2 * 737_280 and out["object_bytes"] == 737_280 and out["pages"] == 2
     assert all(out[k] > 0 for k in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps"))
     assert list(tmp_path.iterdir()) == []
