@@ -17,6 +17,16 @@ A prompt enters the tree when its request ends (or is preempted), not right afte
 `cache.finish` unlocks the lookup and frees the partial last page, both of which decode still
 needs. Until then a concurrent request with the same prefix computes it itself, which gives
 the same KV (invariant 1).
+
+TP ranks (one scheduler each, same request stream) differ only in their caches, so admission
+is reserve -> agree -> commit: each rank looks up and allocates for the step's candidates,
+then `agree` (one collective, kvtier.engine.agreement) gives every rank the MIN usable prefix
+and whether every rank reserved; a candidate any rank could not reserve is rolled back on all.
+A rank reserves pages for the whole prompt when it has a hit (freeing the surplus on commit),
+so any agreed prefix shorter than its own can be recomputed into fresh pages; if only its
+own-hit share fits, it says so (`need`) and the slot commits only if the MIN is that long.
+L3 prefetch readiness is agreed in the same round and acted on at the next step's start.
+With `agree=None` (TP=1) none of this changes what a single scheduler does.
 """
 from __future__ import annotations
 
@@ -24,6 +34,8 @@ import logging
 import time
 from typing import NamedTuple
 
+from kvtier.engine.agreement import (SLOT_FAILED, SLOT_RESERVED, SLOT_SKIPPED, Agree,
+                                     AgreementPayload, local_agree)
 from kvtier.engine.request import CachedTokens, FinishReason, Request, RequestState, pages_for
 from kvtier.engine.runner import ModelRunner, chunk_bounds
 from kvtier.errors import ConfigError
@@ -54,6 +66,21 @@ class StepStats(NamedTuple):
         return not (self.budget_tokens or self.decode_tokens or self.admitted or self.finished)
 
 
+class _Reservation(NamedTuple):
+    """One rank's hold on an admission candidate, before the ranks agree."""
+
+    req: Request
+    lookup: CacheLookup
+    fresh: list[int] | None  # None: L1 could not make room
+    usable: int              # this rank's own usable prefix
+    need: int                # the shortest agreed prefix `fresh` covers
+    released: bool = False   # the lookup was already given back (TP=1 NO_MEMORY path)
+
+    @property
+    def status(self) -> int:
+        return SLOT_FAILED if self.fresh is None else SLOT_RESERVED
+
+
 class _Budget:
     def __init__(self, tokens: int) -> None:
         self.left, self.loaded, self.prefill = tokens, 0, 0
@@ -67,7 +94,7 @@ class Scheduler:
     """Drives one HierarchicalCache and one ModelRunner over the requests given to `add`."""
 
     def __init__(self, cache: HierarchicalCache, runner: ModelRunner, token_budget: int = 8192,
-                 max_load_pages: int | None = None) -> None:
+                 max_load_pages: int | None = None, agree: Agree | None = None) -> None:
         if token_budget < runner.chunk_tokens:
             raise ConfigError(f"token_budget ({token_budget}) is below chunk_tokens "
                               f"({runner.chunk_tokens}): no prefill chunk could ever run; raise "
@@ -80,6 +107,12 @@ class Scheduler:
         self.running: list[Request] = []  # prefilling and decoding, admission order
         self.last_step = StepStats(0, 0, 0, 0, 0, 0)
         self._preempted = 0
+        self.agree = agree  # None: one rank, nothing to agree on (TP=1)
+        self.terminate_requested = False  # set locally; the agreed flag aborts everything
+        self.rolled_back = 0  # reservations undone because some rank could not make them
+        self._agreed_ready: set[int] = set()  # request ids whose prefetch all ranks finished
+        self._strikes: dict[int, int] = {}  # request id -> steps refused with nothing running
+        self._decode_short = False  # this step, a rank could not give a decoding sequence a page
 
     @property
     def has_work(self) -> bool:
@@ -98,16 +131,21 @@ class Scheduler:
         """One scheduling step; returns the requests that finished in it."""
         self.cache.poll()
         self._finalize_prefetches()
-        self._preempted, finished = 0, []
+        self._preempted, finished, self._decode_short = 0, [], False
         decoding = self._reserve_decode_pages(finished)
         budget = _Budget(self.token_budget)
         plan = [(r, self._plan_chunks(r, budget)) for r in self.running
                 if r.state is RequestState.PREFILLING]
         admitted = self._admit(budget, plan, finished)
+        if self._decode_short:  # some rank lacks a decode page: all ranks skip decode once
+            self._make_decode_room(finished)
+            decoding = []
+        for req in decoding:  # it got its page on every rank: a past shortage is over
+            self._strikes.pop(req.id, None)
         for req, stop in plan:
             if req.state is RequestState.PREFILLING and stop > req.pos:
                 self._prefill(req, stop, finished)
-        self._decode(decoding, finished)
+        self._decode([r for r in decoding if r.state is RequestState.DECODING], finished)
         self.last_step = StepStats(budget.loaded, budget.prefill, len(decoding), admitted,
                                    self._preempted, len(finished))
         return finished
@@ -122,32 +160,58 @@ class Scheduler:
 
     # ---- waiting ---------------------------------------------------------------------------
     def _finalize_prefetches(self) -> None:
+        agreed, self._agreed_ready = self._agreed_ready, set()
         for req in self.waiting:
-            if req.ticket is not None and self.cache.prefetch_ready(req.ticket):
+            if req.ticket is None:
+                continue
+            if req.id in agreed if self.agree else self.cache.prefetch_ready(req.ticket):
                 req.storage_hit = self.cache.finish_prefetch(req.ticket)
                 req.ticket = None
 
     def _admit(self, budget: _Budget, plan: list[tuple[Request, int]],
                finished: list[Request]) -> int:
-        admitted = 0
-        for req in list(self.waiting):
-            if budget.left <= 0:
+        """Reserve on this rank, agree across ranks (once per step), commit what all reserved."""
+        slots = [r for r in self.waiting if r.ticket is None]
+        held = self._reserve(slots, budget)
+        prefetching = [r for r in self.waiting if r.ticket is not None] if self.agree else []
+        agreed = (self.agree or local_agree)(self._payload(slots, held, prefetching))
+        self._agreed_ready = {r.id for r, ok in zip(prefetching, agreed.ready) if ok}
+        self._decode_short = bool(agreed.decode_short)
+        if agreed.terminate:
+            for res in held:
+                self.cache.abort(res.lookup, res.fresh or [])
+            self._terminate(finished)
+            return 0
+        return self._commit(slots, held, agreed, budget, plan, finished)
+
+    def _reserve(self, slots: list[Request], budget: _Budget) -> list[_Reservation]:
+        """Lookups and L1 pages for the candidates this rank's budget reaches, in order; the
+        scan mirrors what a commit of each would spend, on a copy of the budget."""
+        local = _Budget(budget.left)
+        local.loaded, local.prefill = budget.loaded, budget.prefill
+        held: list[_Reservation] = []
+        for req in slots:
+            if local.left <= 0:
                 break
-            if req.ticket is not None:
-                continue  # its prefetch policy says wait; later arrivals may go meanwhile
             load, first_chunk = self._estimate(req)
-            if budget.used and load + first_chunk > budget.left:
+            if local.used and load + first_chunk > local.left:
                 break  # FCFS: nobody overtakes a request that waits for budget
             quota = self.max_load_pages
-            if budget.used:  # a load this request cannot afford is refused, never over budget
-                affordable = (budget.left - first_chunk) // self.page_size
+            if local.used:  # a load this request cannot afford is refused, never over budget
+                affordable = (local.left - first_chunk) // self.page_size
                 quota = affordable if quota is None else min(quota, affordable)
-            if not self._start(req, quota, budget, finished):
-                break
-            if req.state is RequestState.PREFILLING:
-                admitted += 1
-                plan.append((req, self._plan_chunks(req, budget)))
-        return admitted
+            res = self._reserve_one(req, quota)
+            held.append(res)
+            local.loaded += res.lookup.host_loaded_length  # the copy has started, whatever follows
+            local.left -= res.lookup.host_loaded_length
+            if res.fresh is None:
+                if self.agree or self.running or any(h.fresh is not None for h in held):
+                    break  # L1 is full for now; at TP=1 with nothing running it is NO_MEMORY
+                self.cache.abort(res.lookup)  # unlock now: the next candidate may evict it
+                held[-1] = res._replace(released=True)
+                continue
+            self._plan_chunks(req, local, start=res.usable)
+        return held
 
     def _estimate(self, req: Request) -> tuple[int, int]:
         """(load-back tokens, first chunk tokens) admission would cost. A peek at the tree
@@ -160,40 +224,96 @@ class Scheduler:
         usable = self.runner.usable_prefix(m.device_hit_length + load, n)
         return load, min(n, (usable // self.chunk + 1) * self.chunk) - usable
 
-    def _start(self, req: Request, quota: int | None, budget: _Budget,
-               finished: list[Request]) -> bool:
-        """Lookup, allocate, move to running. False when L1 is full (nothing is kept)."""
+    def _reserve_one(self, req: Request, quota: int | None) -> _Reservation:
         cache, n, p = self.cache, len(req.prompt), self.page_size
         lookup = cache.lookup(req.prompt, max_load_pages=quota)
-        budget.loaded += lookup.host_loaded_length  # the copy has started, whatever follows
-        budget.left -= lookup.host_loaded_length
         usable = self.runner.usable_prefix(lookup.cached_len, n)
         shared = usable // p  # cached pages past `usable` are recomputed into fresh pages:
-        fresh = cache.allocate(pages_for(n, p) - shared)  # never write into a shared page
+        fresh, need = None, usable  # never write into a shared page
+        if self.agree is not None and shared:
+            # Another rank may hit less: with every prompt page fresh, any agreed prefix fits.
+            fresh, need = cache.allocate(pages_for(n, p)), 0
         if fresh is None:
-            cache.abort(lookup)  # what it loaded back stays in L1, owned by the tree
-            if not self.running:  # nothing will ever free more: answer instead of hanging
+            fresh = cache.allocate(pages_for(n, p) - shared)
+        return _Reservation(req, lookup, fresh, usable, need)
+
+    def _payload(self, slots: list[Request], held: list[_Reservation],
+                 prefetching: list[Request]) -> AgreementPayload:
+        skipped = len(slots) - len(held)
+        return AgreementPayload(
+            usable=tuple(r.usable for r in held) + (0,) * skipped,
+            ok=tuple(r.status for r in held) + (SLOT_SKIPPED,) * skipped,
+            need=tuple(r.need for r in held) + (0,) * skipped,
+            loaded=tuple(r.lookup.host_loaded_length for r in held) + (0,) * skipped,
+            ready=tuple(int(self.cache.prefetch_ready(r.ticket)) for r in prefetching),
+            terminate=int(self.terminate_requested), decode_short=int(self._decode_short))
+
+    def _commit(self, slots: list[Request], held: list[_Reservation], agreed: AgreementPayload,
+                budget: _Budget, plan: list[tuple[Request, int]], finished: list[Request]) -> int:
+        """Admit the leading slots every rank reserved; roll back the rest on this rank."""
+        admitted, stopped = 0, False
+        for i, req in enumerate(slots):
+            res = held[i] if i < len(held) else None
+            if not stopped and agreed.committable(i):
+                assert res is not None, "every rank reserved this slot, this one included"
+                self._commit_one(res, agreed.usable[i], agreed.loaded[i], budget)
+                plan.append((req, self._plan_chunks(req, budget)))
+                admitted += 1
+                continue
+            if res is not None and not res.released:
+                self.cache.abort(res.lookup, res.fresh or [])  # loaded pages stay in the tree
+                self.rolled_back += int(res.fresh is not None)
+            if stopped:
+                continue
+            budget.loaded += agreed.loaded[i]  # the copy has started, whatever follows
+            budget.left -= agreed.loaded[i]
+            # A rank could not allocate, or every rank reserved but one only for its own hit.
+            no_room = agreed.ok[i] in (SLOT_FAILED, SLOT_RESERVED)
+            if no_room and not self.running and self._strike(req):
                 log.warning("request %d: L1 (%d pages) cannot hold its %d-token prompt next to "
                             "what is locked; raise device_pages", req.id,
-                            cache.device_pool.num_pages, n)
+                            self.cache.device_pool.num_pages, len(req.prompt))
                 self._finish(req, FinishReason.NO_MEMORY)
                 finished.append(req)
-                return True
-            return False
+                continue  # nothing else is running: the next request may still fit
+            stopped = True  # FCFS: it stays waiting, holding nothing, and nobody overtakes it
+        return admitted
+
+    def _strike(self, req: Request) -> bool:
+        """True when `req` has now been refused with nothing running often enough to give up:
+        at once on one rank; twice across ranks, where a refusal may be one rank's transient."""
+        self._strikes[req.id] = self._strikes.get(req.id, 0) + 1
+        return self._strikes[req.id] >= (2 if self.agree else 1)
+
+    def _commit_one(self, res: _Reservation, usable: int, loaded: int, budget: _Budget) -> None:
+        req, lookup, n, p = res.req, res.lookup, len(res.req.prompt), self.page_size
+        assert res.fresh is not None and usable <= res.usable
+        shared = usable // p
+        keep = pages_for(n, p) - shared
+        self.cache.device_pool.allocator.free(res.fresh[keep:])  # the worst-case surplus
+        budget.loaded += loaded
+        budget.left -= loaded
         req.lookup, req.pages, req.num_shared, req.pos = \
-            lookup, lookup.device_pages[:shared] + fresh, shared, usable
+            lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable
         req.lengths, req.cached = _lengths(lookup, usable, req.storage_hit)
         req.state = RequestState.PREFILLING
+        self._strikes.pop(req.id, None)
         self.waiting.remove(req)
         self.running.append(req)
         log.info("request %d admitted: %s", req.id, req.lengths.describe())
-        return True
+
+    def _terminate(self, finished: list[Request]) -> None:
+        log.warning("a rank asked to terminate: aborting %d requests",
+                    len(self.waiting) + len(self.running))
+        for req in self.waiting + self.running:
+            self._finish(req, FinishReason.ABORTED)
+            finished.append(req)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def _plan_chunks(self, req: Request, budget: _Budget) -> int:
+    def _plan_chunks(self, req: Request, budget: _Budget, start: int | None = None) -> int:
         """How far `req` prefills this step: whole grid chunks while the budget lasts."""
-        stop = req.pos
-        for lo, hi in chunk_bounds(req.pos, len(req.prompt), self.chunk):
+        stop = req.pos if start is None else start
+        for lo, hi in chunk_bounds(stop, len(req.prompt), self.chunk):
             if hi - lo > budget.left:
                 break
             budget.left -= hi - lo
@@ -223,6 +343,9 @@ class Scheduler:
                 page = self.cache.allocate(1)
                 if page is not None:
                     req.pages += page
+                elif self.agree is not None:
+                    self._decode_short = True  # decided by all ranks after the agreement
+                    break
                 elif len(self.running) > 1:
                     self._preempt(self.running[-1])
                 else:
@@ -231,6 +354,18 @@ class Scheduler:
                     self._finish(req, FinishReason.NO_MEMORY)
                     finished.append(req)
         return [r for r in self.running if r.state is RequestState.DECODING]
+
+    def _make_decode_room(self, finished: list[Request]) -> None:
+        """TP ranks: preempt the newest request (pages allocated meanwhile stay with their
+        sequences); a lone request is stopped when the shortage persists for two steps."""
+        if len(self.running) > 1:
+            self._preempt(self.running[-1])
+        elif self.running and self._strike(self.running[0]):
+            req = self.running[0]
+            log.warning("request %d: L1 is full on some rank with nothing left to preempt; "
+                        "stopping it after %d tokens", req.id, len(req.output))
+            self._finish(req, FinishReason.NO_MEMORY)
+            finished.append(req)
 
     def _decode(self, batch: list[Request], finished: list[Request]) -> None:
         if not batch:
@@ -272,6 +407,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:
         self._release(req)
+        self._strikes.pop(req.id, None)
         (self.running if req in self.running else self.waiting).remove(req)
         req.state, req.finish_reason = RequestState.FINISHED, reason
         req.finish_s = time.perf_counter()

@@ -1,0 +1,151 @@
+"""One TP rank of an instance: its model shard, its own L1/L2 cache and an Engine over them.
+
+SPMD: every rank of an instance runs the same Engine on the same request stream, in lockstep.
+Logits are identical on every rank (row-parallel all-reduce, replicated LM head), so sampling
+gives the same tokens everywhere; where the ranks' caches differ, the scheduler's one
+agreement round per step (kvtier.engine.agreement) makes them act alike.
+
+`RankCache` is the logic, usable without Ray (a TP=1 rank runs in-process in tests);
+`create_rank_actor` wraps it in a Ray actor inside a placement-group bundle. The actor's
+methods return plain values and `Output` records.
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple, Sequence
+
+import ray
+import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kvtier.config import HiCacheConfig
+from kvtier.engine.agreement import CollectiveAgreement
+from kvtier.engine.engine import Engine
+from kvtier.engine.model import PagedLlama
+from kvtier.engine.parallel import SINGLE
+from kvtier.engine.request import Output
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.tp_group import destroy_tp, init_tp, rank_device
+from kvtier.engine.tp_worker import WeightSource
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+log = logging.getLogger(__name__)
+
+RANK_NUM_CPUS = 0.5  # fractional: a TP=2 instance fits a 2-CPU Ray next to the driver
+
+
+class RankSettings(NamedTuple):
+    """What every rank of an instance is built from (the same on each; must pickle)."""
+
+    source: WeightSource
+    config: HiCacheConfig
+    device_pages: int = 64
+    dtype: torch.dtype = torch.float32
+    chunk_tokens: int | None = None
+    token_budget: int = 8192
+    timeout_s: float = 60.0  # TP group join and every collective
+
+
+class RankStats(NamedTuple):
+    rank: int
+    size: int
+    num_kv_heads: int
+    steps: int
+    agreement_rounds: int
+    agreement_s: float
+    rolled_back: int
+    free_device_pages: int
+    device_pages: int
+    device_hit_tokens: int
+
+
+class RankCache:
+    """One rank: joins the TP group, builds its shard and cache, and steps its Engine."""
+
+    def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
+        torch.set_num_threads(1)  # ranks share the machine's cores: one thread each
+        self.rank, self.size = rank, size
+        self.tp = SINGLE if size == 1 else init_tp(rank, size, init_method,
+                                                   timeout_s=settings.timeout_s, device_index=0)
+        try:
+            self.engine = self._build(settings)
+        except Exception:
+            destroy_tp()
+            raise
+        self.agreement = CollectiveAgreement(self.tp) if size > 1 else None
+        self.engine.scheduler.agree = self.agreement
+        self.steps = 0
+        self._refusals = 0
+        log.info("rank %d/%d ready: %d KV heads, %d L1 pages", rank, size,
+                 self.engine.cache.spec.num_kv_heads, settings.device_pages)
+
+    def _build(self, s: RankSettings) -> Engine:
+        cfg = s.source.config()
+        model = PagedLlama.from_state_dict(cfg, s.source.state_dict(), s.dtype, rank_device(),
+                                           self.tp)
+        cache = HierarchicalCache(s.config, model.kv_spec(s.config.page_size), s.device_pages,
+                                  device=model.device, model=cfg.name, tp_rank=self.rank,
+                                  tp_size=self.size)
+        return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True)
+
+    # ---- the request stream (every rank gets the same calls, in the same order) ------------
+    def add_request(self, tokens: Sequence[int], sampling: SamplingParams) -> int:
+        return self.engine.add_request([int(t) for t in tokens], sampling)
+
+    def step(self) -> list[Output]:
+        self.steps += 1
+        return self.engine.step()
+
+    def abort(self, request_id: int) -> Output | None:
+        return self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished
+
+    # ---- inspection and fault injection (tests, benchmarks) ----------------------------------
+    def stats(self) -> RankStats:
+        cache, agr = self.engine.cache, self.agreement
+        return RankStats(self.rank, self.size, cache.spec.num_kv_heads, self.steps,
+                         agr.rounds if agr else self.steps, agr.total_s if agr else 0.0,
+                         self.engine.scheduler.rolled_back,
+                         cache.device_pool.allocator.num_free, cache.device_pool.num_pages,
+                         cache.counters.device_hit_tokens)
+
+    def refuse_allocations(self, count: int) -> None:
+        """Make this rank's next `count` L1 allocations fail (a rank-local out-of-memory)."""
+        self._refusals += count
+        if "allocate" in vars(self.engine.cache):
+            return
+        real = self.engine.cache.allocate
+
+        def allocate(num_pages: int) -> list[int] | None:
+            if self._refusals > 0:
+                self._refusals -= 1
+                log.warning("rank %d: refusing an allocation of %d pages (injected)",
+                            self.rank, num_pages)
+                return None
+            return real(num_pages)
+
+        self.engine.cache.allocate = allocate  # type: ignore[method-assign]
+
+    def drop_cache(self) -> int:
+        """Evict every unlocked page of L1 and L2 on this rank only; L1 pages free after."""
+        cache = self.engine.cache
+        cache.flush()
+        cache.evict_device(cache.device_pool.num_pages)
+        cache.tree.evict_host(cache.host_pool.num_pages)
+        return cache.device_pool.allocator.num_free
+
+    def close(self) -> None:
+        self.engine.close()
+        destroy_tp()
+
+
+def create_rank_actor(rank: int, size: int, init_method: str, settings: RankSettings,
+                      placement_group: object, num_cpus: float = RANK_NUM_CPUS) -> object:
+    """A Ray actor running `RankCache` in bundle `rank` of `placement_group`."""
+    actor_cls = ray.remote(RankCache).options(
+        num_cpus=num_cpus, max_concurrency=1, name=None,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group, placement_group_bundle_index=rank))
+    return actor_cls.remote(rank, size, init_method, settings)
