@@ -18,15 +18,8 @@ A prompt enters the tree when its request ends (or is preempted), not right afte
 needs. Until then a concurrent request with the same prefix computes it itself, which gives
 the same KV (invariant 1).
 
-TP ranks (one scheduler each, same request stream) differ only in their caches, so admission
-is reserve -> agree -> commit: each rank looks up and allocates for the step's candidates,
-then `agree` (one collective, kvtier.engine.agreement) gives every rank the MIN usable prefix
-and whether every rank reserved; a candidate any rank could not reserve is rolled back on all.
-A rank reserves pages for the whole prompt when it has a hit (freeing the surplus on commit),
-so any agreed prefix shorter than its own can be recomputed into fresh pages; if only its
-own-hit share fits, it says so (`need`) and the slot commits only if the MIN is that long.
-L3 prefetch readiness is agreed in the same round and acted on at the next step's start.
-With `agree=None` (TP=1) none of this changes what a single scheduler does.
+Step 4's admission (TP ranks: reserve -> agree -> commit, one collective per step) is
+kvtier.engine.admission; this module is the step loop around it and owns the queues.
 """
 from __future__ import annotations
 
@@ -34,12 +27,11 @@ import logging
 import time
 from typing import NamedTuple
 
-from kvtier.engine.agreement import (SLOT_FAILED, SLOT_RESERVED, SLOT_SKIPPED, Agree,
-                                     AgreementPayload, local_agree)
-from kvtier.engine.request import CachedTokens, FinishReason, Request, RequestState, pages_for
-from kvtier.engine.runner import ModelRunner, chunk_bounds
+from kvtier.engine.admission import Admission, Budget
+from kvtier.engine.agreement import Agree
+from kvtier.engine.request import FinishReason, Request, RequestState, pages_for
+from kvtier.engine.runner import ModelRunner
 from kvtier.errors import ConfigError
-from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
@@ -66,30 +58,6 @@ class StepStats(NamedTuple):
         return not (self.budget_tokens or self.decode_tokens or self.admitted or self.finished)
 
 
-class _Reservation(NamedTuple):
-    """One rank's hold on an admission candidate, before the ranks agree."""
-
-    req: Request
-    lookup: CacheLookup
-    fresh: list[int] | None  # None: L1 could not make room
-    usable: int              # this rank's own usable prefix
-    need: int                # the shortest agreed prefix `fresh` covers
-    released: bool = False   # the lookup was already given back (TP=1 NO_MEMORY path)
-
-    @property
-    def status(self) -> int:
-        return SLOT_FAILED if self.fresh is None else SLOT_RESERVED
-
-
-class _Budget:
-    def __init__(self, tokens: int) -> None:
-        self.left, self.loaded, self.prefill = tokens, 0, 0
-
-    @property
-    def used(self) -> int:
-        return self.loaded + self.prefill
-
-
 class Scheduler:
     """Drives one HierarchicalCache and one ModelRunner over the requests given to `add`."""
 
@@ -102,17 +70,36 @@ class Scheduler:
         self.cache, self.runner = cache, runner
         self.page_size, self.chunk = runner.page_size, runner.chunk_tokens
         self.token_budget = token_budget
-        self.max_load_pages = max_load_pages  # memory quota for one request's load-back
+        self.admission = Admission(cache, runner, max_load_pages, agree)
         self.waiting: list[Request] = []  # arrival order
         self.running: list[Request] = []  # prefilling and decoding, admission order
         self.last_step = StepStats(0, 0, 0, 0, 0, 0)
         self._preempted = 0
-        self.agree = agree  # None: one rank, nothing to agree on (TP=1)
         self.terminate_requested = False  # set locally; the agreed flag aborts everything
-        self.rolled_back = 0  # reservations undone because some rank could not make them
-        self._agreed_ready: set[int] = set()  # request ids whose prefetch all ranks finished
-        self._strikes: dict[int, int] = {}  # request id -> steps refused with nothing running
+        self._agreed_ready: frozenset[int] = frozenset()  # ids whose prefetch all ranks finished
         self._decode_short = False  # this step, a rank could not give a decoding sequence a page
+
+    # Admission holds these; they stay readable (and `agree` settable: a rank actor sets it
+    # after the Engine is built) here, as before admission had its own module.
+    @property
+    def agree(self) -> Agree | None:
+        return self.admission.agree
+
+    @agree.setter
+    def agree(self, agree: Agree | None) -> None:
+        self.admission.agree = agree
+
+    @property
+    def max_load_pages(self) -> int | None:
+        return self.admission.max_load_pages
+
+    @max_load_pages.setter
+    def max_load_pages(self, pages: int | None) -> None:
+        self.admission.max_load_pages = pages
+
+    @property
+    def rolled_back(self) -> int:
+        return self.admission.rolled_back
 
     @property
     def has_work(self) -> bool:
@@ -133,15 +120,15 @@ class Scheduler:
         self._finalize_prefetches()
         self._preempted, finished, self._decode_short = 0, [], False
         decoding = self._reserve_decode_pages(finished)
-        budget = _Budget(self.token_budget)
-        plan = [(r, self._plan_chunks(r, budget)) for r in self.running
+        budget = Budget(self.token_budget, self.chunk)
+        plan = [(r, budget.plan_chunks(r)) for r in self.running
                 if r.state is RequestState.PREFILLING]
         admitted = self._admit(budget, plan, finished)
         if self._decode_short:  # some rank lacks a decode page: all ranks skip decode once
             self._make_decode_room(finished)
             decoding = []
         for req in decoding:  # it got its page on every rank: a past shortage is over
-            self._strikes.pop(req.id, None)
+            self.admission.forgive(req)
         for req, stop in plan:
             if req.state is RequestState.PREFILLING and stop > req.pos:
                 self._prefill(req, stop, finished)
@@ -160,7 +147,7 @@ class Scheduler:
 
     # ---- waiting ---------------------------------------------------------------------------
     def _finalize_prefetches(self) -> None:
-        agreed, self._agreed_ready = self._agreed_ready, set()
+        agreed, self._agreed_ready = self._agreed_ready, frozenset()
         for req in self.waiting:
             if req.ticket is None:
                 continue
@@ -168,139 +155,24 @@ class Scheduler:
                 req.storage_hit = self.cache.finish_prefetch(req.ticket)
                 req.ticket = None
 
-    def _admit(self, budget: _Budget, plan: list[tuple[Request, int]],
+    def _admit(self, budget: Budget, plan: list[tuple[Request, int]],
                finished: list[Request]) -> int:
-        """Reserve on this rank, agree across ranks (once per step), commit what all reserved."""
-        slots = [r for r in self.waiting if r.ticket is None]
-        held = self._reserve(slots, budget)
-        prefetching = [r for r in self.waiting if r.ticket is not None] if self.agree else []
-        agreed = (self.agree or local_agree)(self._payload(slots, held, prefetching))
-        self._agreed_ready = {r.id for r, ok in zip(prefetching, agreed.ready) if ok}
-        self._decode_short = bool(agreed.decode_short)
-        if agreed.terminate:
-            for res in held:
-                self.cache.abort(res.lookup, res.fresh or [])
+        """Run admission, then move what it decided between the queues (which this owns)."""
+        result = self.admission.admit(self.waiting, bool(self.running), budget,
+                                      terminate=self.terminate_requested,
+                                      decode_short=self._decode_short)
+        self._agreed_ready, self._decode_short = result.ready, result.decode_short
+        if result.terminate:
             self._terminate(finished)
             return 0
-        return self._commit(slots, held, agreed, budget, plan, finished)
-
-    def _reserve(self, slots: list[Request], budget: _Budget) -> list[_Reservation]:
-        """Lookups and L1 pages for the candidates this rank's budget reaches, in order; the
-        scan mirrors what a commit of each would spend, on a copy of the budget."""
-        local = _Budget(budget.left)
-        local.loaded, local.prefill = budget.loaded, budget.prefill
-        held: list[_Reservation] = []
-        for req in slots:
-            if local.left <= 0:
-                break
-            load, first_chunk = self._estimate(req)
-            if local.used and load + first_chunk > local.left:
-                break  # FCFS: nobody overtakes a request that waits for budget
-            quota = self.max_load_pages
-            if local.used:  # a load this request cannot afford is refused, never over budget
-                affordable = (local.left - first_chunk) // self.page_size
-                quota = affordable if quota is None else min(quota, affordable)
-            res = self._reserve_one(req, quota)
-            held.append(res)
-            local.loaded += res.lookup.host_loaded_length  # the copy has started, whatever follows
-            local.left -= res.lookup.host_loaded_length
-            if res.fresh is None:
-                if self.agree or self.running or any(h.fresh is not None for h in held):
-                    break  # L1 is full for now; at TP=1 with nothing running it is NO_MEMORY
-                self.cache.abort(res.lookup)  # unlock now: the next candidate may evict it
-                held[-1] = res._replace(released=True)
-                continue
-            self._plan_chunks(req, local, start=res.usable)
-        return held
-
-    def _estimate(self, req: Request) -> tuple[int, int]:
-        """(load-back tokens, first chunk tokens) admission would cost. A peek at the tree
-        (no lock, no LRU touch), because `lookup` commits: it locks and starts the load."""
-        m = self.cache.tree.match_prefix(req.prompt, touch=False)
-        load = m.host_hit_length
-        if load < self.cache.config.load_back_threshold_tokens:
-            load = 0
-        n = len(req.prompt)
-        usable = self.runner.usable_prefix(m.device_hit_length + load, n)
-        return load, min(n, (usable // self.chunk + 1) * self.chunk) - usable
-
-    def _reserve_one(self, req: Request, quota: int | None) -> _Reservation:
-        cache, n, p = self.cache, len(req.prompt), self.page_size
-        lookup = cache.lookup(req.prompt, max_load_pages=quota)
-        usable = self.runner.usable_prefix(lookup.cached_len, n)
-        shared = usable // p  # cached pages past `usable` are recomputed into fresh pages:
-        fresh, need = None, usable  # never write into a shared page
-        if self.agree is not None and shared:
-            # Another rank may hit less: with every prompt page fresh, any agreed prefix fits.
-            fresh, need = cache.allocate(pages_for(n, p)), 0
-        if fresh is None:
-            fresh = cache.allocate(pages_for(n, p) - shared)
-        return _Reservation(req, lookup, fresh, usable, need)
-
-    def _payload(self, slots: list[Request], held: list[_Reservation],
-                 prefetching: list[Request]) -> AgreementPayload:
-        skipped = len(slots) - len(held)
-        return AgreementPayload(
-            usable=tuple(r.usable for r in held) + (0,) * skipped,
-            ok=tuple(r.status for r in held) + (SLOT_SKIPPED,) * skipped,
-            need=tuple(r.need for r in held) + (0,) * skipped,
-            loaded=tuple(r.lookup.host_loaded_length for r in held) + (0,) * skipped,
-            ready=tuple(int(self.cache.prefetch_ready(r.ticket)) for r in prefetching),
-            terminate=int(self.terminate_requested), decode_short=int(self._decode_short))
-
-    def _commit(self, slots: list[Request], held: list[_Reservation], agreed: AgreementPayload,
-                budget: _Budget, plan: list[tuple[Request, int]], finished: list[Request]) -> int:
-        """Admit the leading slots every rank reserved; roll back the rest on this rank."""
-        admitted, stopped = 0, False
-        for i, req in enumerate(slots):
-            res = held[i] if i < len(held) else None
-            if not stopped and agreed.committable(i):
-                assert res is not None, "every rank reserved this slot, this one included"
-                self._commit_one(res, agreed.usable[i], agreed.loaded[i], budget)
-                plan.append((req, self._plan_chunks(req, budget)))
-                admitted += 1
-                continue
-            if res is not None and not res.released:
-                self.cache.abort(res.lookup, res.fresh or [])  # loaded pages stay in the tree
-                self.rolled_back += int(res.fresh is not None)
-            if stopped:
-                continue
-            budget.loaded += agreed.loaded[i]  # the copy has started, whatever follows
-            budget.left -= agreed.loaded[i]
-            # A rank could not allocate, or every rank reserved but one only for its own hit.
-            no_room = agreed.ok[i] in (SLOT_FAILED, SLOT_RESERVED)
-            if no_room and not self.running and self._strike(req):
-                log.warning("request %d: L1 (%d pages) cannot hold its %d-token prompt next to "
-                            "what is locked; raise device_pages", req.id,
-                            self.cache.device_pool.num_pages, len(req.prompt))
-                self._finish(req, FinishReason.NO_MEMORY)
-                finished.append(req)
-                continue  # nothing else is running: the next request may still fit
-            stopped = True  # FCFS: it stays waiting, holding nothing, and nobody overtakes it
-        return admitted
-
-    def _strike(self, req: Request) -> bool:
-        """True when `req` has now been refused with nothing running often enough to give up:
-        at once on one rank; twice across ranks, where a refusal may be one rank's transient."""
-        self._strikes[req.id] = self._strikes.get(req.id, 0) + 1
-        return self._strikes[req.id] >= (2 if self.agree else 1)
-
-    def _commit_one(self, res: _Reservation, usable: int, loaded: int, budget: _Budget) -> None:
-        req, lookup, n, p = res.req, res.lookup, len(res.req.prompt), self.page_size
-        assert res.fresh is not None and usable <= res.usable
-        shared = usable // p
-        keep = pages_for(n, p) - shared
-        self.cache.device_pool.allocator.free(res.fresh[keep:])  # the worst-case surplus
-        budget.loaded += loaded
-        budget.left -= loaded
-        req.lookup, req.pages, req.num_shared, req.pos = \
-            lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable
-        req.lengths, req.cached = _lengths(lookup, usable, req.storage_hit)
-        req.state = RequestState.PREFILLING
-        self._strikes.pop(req.id, None)
-        self.waiting.remove(req)
-        self.running.append(req)
-        log.info("request %d admitted: %s", req.id, req.lengths.describe())
+        for req, stop in result.admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+            plan.append((req, stop))
+        for req in result.refused:
+            self._finish(req, FinishReason.NO_MEMORY)
+            finished.append(req)
+        return len(result.admitted)
 
     def _terminate(self, finished: list[Request]) -> None:
         log.warning("a rank asked to terminate: aborting %d requests",
@@ -310,17 +182,6 @@ class Scheduler:
             finished.append(req)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def _plan_chunks(self, req: Request, budget: _Budget, start: int | None = None) -> int:
-        """How far `req` prefills this step: whole grid chunks while the budget lasts."""
-        stop = req.pos if start is None else start
-        for lo, hi in chunk_bounds(stop, len(req.prompt), self.chunk):
-            if hi - lo > budget.left:
-                break
-            budget.left -= hi - lo
-            budget.prefill += hi - lo
-            stop = hi
-        return stop
-
     def _prefill(self, req: Request, stop: int, finished: list[Request]) -> None:
         # One sequence per forward: a matmul's rows depend on how many run together, so
         # batching two prompts' chunks would break bit-identity with a cold run (invariant 1).
@@ -360,7 +221,7 @@ class Scheduler:
         sequences); a lone request is stopped when the shortage persists for two steps."""
         if len(self.running) > 1:
             self._preempt(self.running[-1])
-        elif self.running and self._strike(self.running[0]):
+        elif self.running and self.admission.strike(self.running[0]):
             req = self.running[0]
             log.warning("request %d: L1 is full on some rank with nothing left to preempt; "
                         "stopping it after %d tokens", req.id, len(req.output))
@@ -407,21 +268,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:
         self._release(req)
-        self._strikes.pop(req.id, None)
+        self.admission.forgive(req)
         (self.running if req in self.running else self.waiting).remove(req)
         req.state, req.finish_reason = RequestState.FINISHED, reason
         req.finish_s = time.perf_counter()
-
-
-def _lengths(lookup: CacheLookup, usable: int,
-             storage_hit: int) -> tuple[RequestLengths, CachedTokens]:
-    """The five lengths of what the request uses. A hit past `usable` (off the chunk grid) is
-    recomputed, so prefix + loaded + extend == prompt length; L3 pages are the tail of the
-    load-back span (they hang below what L1/L2 held when the prefetch started)."""
-    device = min(lookup.prefix_len, usable)
-    loaded = usable - device
-    storage_start = max(lookup.prefix_len, lookup.cached_len - storage_hit)
-    storage = min(loaded, max(0, usable - storage_start))
-    lengths = RequestLengths(device, lookup.host_hit_length, loaded, storage,
-                             lookup.num_tokens - usable)
-    return lengths, CachedTokens(device, loaded - storage, storage)

@@ -1,0 +1,262 @@
+"""Admission: which waiting requests start this step, under the token budget and L1's room.
+
+The scan goes in arrival order: lookup (match + load-back within the memory quota), usable
+prefix, pages for the rest. Load-back and prefill tokens both count against the step's
+`Budget`; the scan stops when the budget or L1 runs out, and the request stays waiting
+holding nothing (FCFS: nobody overtakes it).
+
+TP ranks (one scheduler each, same request stream) differ only in their caches, so admission
+is reserve -> agree -> commit: each rank looks up and allocates for the step's candidates,
+then `agree` (one collective, kvtier.engine.agreement) gives every rank the MIN usable prefix
+and whether every rank reserved; a candidate any rank could not reserve is rolled back on all.
+A rank reserves pages for the whole prompt when it has a hit (freeing the surplus on commit),
+so any agreed prefix shorter than its own can be recomputed into fresh pages; if only its
+own-hit share fits, it says so (`need`) and the slot commits only if the MIN is that long.
+L3 prefetch readiness is agreed in the same round and acted on at the next step's start.
+With `agree=None` (TP=1) none of this changes what a single scheduler does.
+
+`Admission` only decides and commits reservations into requests; moving them between the
+scheduler's queues, finishing refused ones and aborting on `terminate` stay with the
+`Scheduler`, which owns the queues.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import NamedTuple, Sequence
+
+from kvtier.engine.agreement import (SLOT_FAILED, SLOT_RESERVED, SLOT_SKIPPED, Agree,
+                                     AgreementPayload, local_agree)
+from kvtier.engine.request import CachedTokens, Request, RequestState, pages_for
+from kvtier.engine.runner import ModelRunner, chunk_bounds
+from kvtier.tiers.cache_types import CacheLookup, RequestLengths
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Budget:
+    """One step's token budget: what is `left`, and what load-back and prefill took of it."""
+
+    left: int
+    chunk: int  # the prefill grid: the budget is spent in whole chunks
+    loaded: int = 0
+    prefill: int = 0
+
+    @property
+    def used(self) -> int:
+        return self.loaded + self.prefill
+
+    def charge_load(self, tokens: int) -> None:
+        self.loaded += tokens
+        self.left -= tokens
+
+    def plan_chunks(self, req: Request, start: int | None = None) -> int:
+        """How far `req` prefills this step: whole grid chunks while the budget lasts."""
+        stop = req.pos if start is None else start
+        for lo, hi in chunk_bounds(stop, len(req.prompt), self.chunk):
+            if hi - lo > self.left:
+                break
+            self.left -= hi - lo
+            self.prefill += hi - lo
+            stop = hi
+        return stop
+
+
+class Admitted(NamedTuple):
+    """A request committed this step (now PREFILLING) and how far it prefills in it."""
+
+    req: Request
+    stop: int
+
+
+class AdmissionResult(NamedTuple):
+    """What one step's admission decided, for the scheduler to act on."""
+
+    admitted: tuple[Admitted, ...]  # in commit order; still in the waiting queue
+    refused: tuple[Request, ...]    # to finish with NO_MEMORY; still in the waiting queue
+    ready: frozenset[int]           # request ids whose L3 prefetch every rank finished
+    decode_short: bool              # some rank lacks a decoding sequence's page
+    terminate: bool                 # some rank asked to stop: abort every request
+
+
+class _Reservation(NamedTuple):
+    """One rank's hold on an admission candidate, before the ranks agree."""
+
+    req: Request
+    lookup: CacheLookup
+    fresh: list[int] | None  # None: L1 could not make room
+    usable: int              # this rank's own usable prefix
+    need: int                # the shortest agreed prefix `fresh` covers
+    released: bool = False   # the lookup was already given back (TP=1 NO_MEMORY path)
+
+    @property
+    def status(self) -> int:
+        return SLOT_FAILED if self.fresh is None else SLOT_RESERVED
+
+
+class Admission:
+    """Reserve -> agree -> commit over the waiting requests of one HierarchicalCache."""
+
+    def __init__(self, cache: HierarchicalCache, runner: ModelRunner,
+                 max_load_pages: int | None = None, agree: Agree | None = None) -> None:
+        self.cache, self.runner = cache, runner
+        self.page_size, self.chunk = runner.page_size, runner.chunk_tokens
+        self.max_load_pages = max_load_pages  # memory quota for one request's load-back
+        self.agree = agree  # None: one rank, nothing to agree on (TP=1)
+        self.rolled_back = 0  # reservations undone because some rank could not make them
+        self._strikes: dict[int, int] = {}  # request id -> steps refused with nothing running
+
+    def admit(self, waiting: Sequence[Request], busy: bool, budget: Budget, *,
+              terminate: bool = False, decode_short: bool = False) -> AdmissionResult:
+        """Reserve on this rank, agree across ranks (once per step), commit what all reserved.
+        `busy`: something is running, so a refusal is L1 being full for now, not for good."""
+        slots = [r for r in waiting if r.ticket is None]
+        held = self._reserve(slots, busy, budget)
+        prefetching = [r for r in waiting if r.ticket is not None] if self.agree else []
+        agreed = (self.agree or local_agree)(
+            self._payload(slots, held, prefetching, terminate, decode_short))
+        ready = frozenset(r.id for r, ok in zip(prefetching, agreed.ready) if ok)
+        if agreed.terminate:
+            for res in held:
+                self.cache.abort(res.lookup, res.fresh or [])
+            return AdmissionResult((), (), ready, bool(agreed.decode_short), True)
+        admitted, refused = self._commit(slots, held, agreed, busy, budget)
+        return AdmissionResult(admitted, refused, ready, bool(agreed.decode_short), False)
+
+    def strike(self, req: Request) -> bool:
+        """True when `req` has now been refused with nothing running often enough to give up:
+        at once on one rank; twice across ranks, where a refusal may be one rank's transient.
+        The scheduler counts a lone request's decode-page shortages here too: same rule."""
+        self._strikes[req.id] = self._strikes.get(req.id, 0) + 1
+        return self._strikes[req.id] >= (2 if self.agree else 1)
+
+    def forgive(self, req: Request) -> None:
+        """`req` got what it asked for (or is gone): its past refusals no longer count."""
+        self._strikes.pop(req.id, None)
+
+    # ---- reserve ---------------------------------------------------------------------------
+    def _reserve(self, slots: list[Request], busy: bool, budget: Budget) -> list[_Reservation]:
+        """Lookups and L1 pages for the candidates this rank's budget reaches, in order; the
+        scan mirrors what a commit of each would spend, on a copy of the budget."""
+        local = dataclasses.replace(budget)
+        held: list[_Reservation] = []
+        for req in slots:
+            if local.left <= 0:
+                break
+            load, first_chunk = self._estimate(req)
+            if local.used and load + first_chunk > local.left:
+                break  # FCFS: nobody overtakes a request that waits for budget
+            quota = self.max_load_pages
+            if local.used:  # a load this request cannot afford is refused, never over budget
+                affordable = (local.left - first_chunk) // self.page_size
+                quota = affordable if quota is None else min(quota, affordable)
+            res = self._reserve_one(req, quota)
+            held.append(res)
+            # The copy has started, whatever follows.
+            local.charge_load(res.lookup.host_loaded_length)
+            if res.fresh is None:
+                if self.agree or busy or any(h.fresh is not None for h in held):
+                    break  # L1 is full for now; at TP=1 with nothing running it is NO_MEMORY
+                self.cache.abort(res.lookup)  # unlock now: the next candidate may evict it
+                held[-1] = res._replace(released=True)
+                continue
+            local.plan_chunks(req, start=res.usable)
+        return held
+
+    def _estimate(self, req: Request) -> tuple[int, int]:
+        """(load-back tokens, first chunk tokens) admission would cost. A peek at the tree
+        (no lock, no LRU touch), because `lookup` commits: it locks and starts the load."""
+        m = self.cache.tree.match_prefix(req.prompt, touch=False)
+        load = m.host_hit_length
+        if load < self.cache.config.load_back_threshold_tokens:
+            load = 0
+        n = len(req.prompt)
+        usable = self.runner.usable_prefix(m.device_hit_length + load, n)
+        return load, min(n, (usable // self.chunk + 1) * self.chunk) - usable
+
+    def _reserve_one(self, req: Request, quota: int | None) -> _Reservation:
+        cache, n, p = self.cache, len(req.prompt), self.page_size
+        lookup = cache.lookup(req.prompt, max_load_pages=quota)
+        usable = self.runner.usable_prefix(lookup.cached_len, n)
+        shared = usable // p  # cached pages past `usable` are recomputed into fresh pages:
+        fresh, need = None, usable  # never write into a shared page
+        if self.agree is not None and shared:
+            # Another rank may hit less: with every prompt page fresh, any agreed prefix fits.
+            fresh, need = cache.allocate(pages_for(n, p)), 0
+        if fresh is None:
+            fresh = cache.allocate(pages_for(n, p) - shared)
+        return _Reservation(req, lookup, fresh, usable, need)
+
+    def _payload(self, slots: list[Request], held: list[_Reservation],
+                 prefetching: list[Request], terminate: bool,
+                 decode_short: bool) -> AgreementPayload:
+        skipped = len(slots) - len(held)
+        return AgreementPayload(
+            usable=tuple(r.usable for r in held) + (0,) * skipped,
+            ok=tuple(r.status for r in held) + (SLOT_SKIPPED,) * skipped,
+            need=tuple(r.need for r in held) + (0,) * skipped,
+            loaded=tuple(r.lookup.host_loaded_length for r in held) + (0,) * skipped,
+            ready=tuple(int(self.cache.prefetch_ready(r.ticket)) for r in prefetching),
+            terminate=int(terminate), decode_short=int(decode_short))
+
+    # ---- commit ----------------------------------------------------------------------------
+    def _commit(self, slots: list[Request], held: list[_Reservation], agreed: AgreementPayload,
+                busy: bool, budget: Budget) -> tuple[tuple[Admitted, ...], tuple[Request, ...]]:
+        """Admit the leading slots every rank reserved; roll back the rest on this rank."""
+        admitted: list[Admitted] = []
+        refused: list[Request] = []
+        stopped = False
+        for i, req in enumerate(slots):
+            res = held[i] if i < len(held) else None
+            if not stopped and agreed.committable(i):
+                assert res is not None, "every rank reserved this slot, this one included"
+                self._commit_one(res, agreed.usable[i], agreed.loaded[i], budget)
+                admitted.append(Admitted(req, budget.plan_chunks(req)))
+                continue
+            if res is not None and not res.released:
+                self.cache.abort(res.lookup, res.fresh or [])  # loaded pages stay in the tree
+                self.rolled_back += int(res.fresh is not None)
+            if stopped:
+                continue
+            budget.charge_load(agreed.loaded[i])  # the copy has started, whatever follows
+            # A rank could not allocate, or every rank reserved but one only for its own hit.
+            no_room = agreed.ok[i] in (SLOT_FAILED, SLOT_RESERVED)
+            # What this step admitted is running too: the queues move only after the scan.
+            if no_room and not (busy or admitted) and self.strike(req):
+                log.warning("request %d: L1 (%d pages) cannot hold its %d-token prompt next to "
+                            "what is locked; raise device_pages", req.id,
+                            self.cache.device_pool.num_pages, len(req.prompt))
+                refused.append(req)
+                continue  # nothing else is running: the next request may still fit
+            stopped = True  # FCFS: it stays waiting, holding nothing, and nobody overtakes it
+        return tuple(admitted), tuple(refused)
+
+    def _commit_one(self, res: _Reservation, usable: int, loaded: int, budget: Budget) -> None:
+        req, lookup, n, p = res.req, res.lookup, len(res.req.prompt), self.page_size
+        assert res.fresh is not None and usable <= res.usable
+        shared = usable // p
+        keep = pages_for(n, p) - shared
+        self.cache.device_pool.allocator.free(res.fresh[keep:])  # the worst-case surplus
+        budget.charge_load(loaded)
+        req.lookup, req.pages, req.num_shared, req.pos = \
+            lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable
+        req.lengths, req.cached = _lengths(lookup, usable, req.storage_hit)
+        req.state = RequestState.PREFILLING
+        self.forgive(req)
+        log.info("request %d admitted: %s", req.id, req.lengths.describe())
+
+
+def _lengths(lookup: CacheLookup, usable: int,
+             storage_hit: int) -> tuple[RequestLengths, CachedTokens]:
+    """The five lengths of what the request uses. A hit past `usable` (off the chunk grid) is
+    recomputed, so prefix + loaded + extend == prompt length; L3 pages are the tail of the
+    load-back span (they hang below what L1/L2 held when the prefetch started)."""
+    device = min(lookup.prefix_len, usable)
+    loaded = usable - device
+    storage_start = max(lookup.prefix_len, lookup.cached_len - storage_hit)
+    storage = min(loaded, max(0, usable - storage_start))
+    lengths = RequestLengths(device, lookup.host_hit_length, loaded, storage,
+                             lookup.num_tokens - usable)
+    return lengths, CachedTokens(device, loaded - storage, storage)
