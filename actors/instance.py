@@ -125,6 +125,18 @@ class Instance:
     def stats(self) -> list[RankStats]:
         return self._all("stats")
 
+    def quiesce(self) -> None:
+        """Every rank waits for its queued L1<->L2 copies and L2->L3 backups."""
+        self._all("quiesce")
+
+    def evict_device(self) -> list[int]:
+        """Flush L1 on every rank (pages backed up in L2 stay there); free L1 pages per rank."""
+        return self._all("evict_device")
+
+    def drop_cache(self) -> list[int]:
+        """Evict every unlocked L1 and L2 page on every rank (L3 is untouched)."""
+        return self._all("drop_cache")
+
     def rank_call(self, rank: int, method: str, *args: Any) -> Any:
         """Call one rank only (fault injection, per-rank cache surgery in tests)."""
         return self._get(getattr(self.ranks[rank], method).remote(*args), self.step_timeout_s,

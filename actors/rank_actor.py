@@ -12,6 +12,7 @@ methods return plain values and `Output` records.
 from __future__ import annotations
 
 import logging
+import re
 from typing import NamedTuple, Sequence
 
 import ray
@@ -27,7 +28,10 @@ from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp, rank_device
 from kvtier.engine.tp_worker import WeightSource
+from kvtier.errors import ConfigError
+from kvtier.messages import NamespaceInfo
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
+from kvtier.tiers.page_store import open_rank_backend
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class RankSettings(NamedTuple):
     chunk_tokens: int | None = None
     token_budget: int = 8192
     timeout_s: float = 60.0  # TP group join and every collective
+    l3: NamespaceInfo | None = None  # an L3 namespace (from the namespace actor's register):
+    # each rank opens its own backend client from it; None keeps config.storage_backend
 
 
 class RankStats(NamedTuple):
@@ -83,10 +89,41 @@ class RankCache:
         cfg = s.source.config()
         model = PagedLlama.from_state_dict(cfg, s.source.state_dict(), s.dtype, rank_device(),
                                            self.tp)
-        cache = HierarchicalCache(s.config, model.kv_spec(s.config.page_size), s.device_pages,
-                                  device=model.device, model=cfg.name, tp_rank=self.rank,
-                                  tp_size=self.size)
+        spec = model.kv_spec(s.config.page_size)
+        if s.l3 is None:
+            cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,
+                                      model=_key_model(cfg.name), tp_rank=self.rank,
+                                      tp_size=self.size)
+        else:
+            cache = self._l3_cache(s, spec, model.device)
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True)
+
+    def _l3_cache(self, s: RankSettings, spec, device) -> HierarchicalCache:
+        """A cache whose L3 is this rank's own client of the namespace `s.l3`."""
+        info = s.l3
+        assert info is not None
+        if s.config.storage_backend is not None:
+            raise ConfigError("RankSettings: give either config.storage_backend or l3 (a "
+                              "registered namespace), not both")
+        if info.spec.tp_size != self.size:
+            raise ConfigError(f"L3 namespace {info.namespace} was registered for TP size "
+                              f"{info.spec.tp_size}, but this instance has {self.size}; "
+                              f"register it with tp_size={self.size}")
+        backend = open_rank_backend(info, self.rank)
+        try:
+            cache = HierarchicalCache(s.config, spec, s.device_pages, device=device,
+                                      model=info.spec.model, tenant_salt=info.spec.tenant_salt,
+                                      storage=backend, tp_rank=self.rank, tp_size=self.size)
+        except BaseException:
+            backend.close()
+            raise
+        if cache.namespace != info.spec.key_namespace:
+            cache.close()
+            raise ConfigError(f"L3 namespace {info.namespace} has layout fingerprint "
+                              f"{info.spec.layout_fingerprint!r} but this rank's pages are "
+                              f"{cache.namespace.layout_fingerprint!r}; register the namespace "
+                              f"with that fingerprint (kvtier.keys.layout_fingerprint)")
+        return cache
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams) -> int:
@@ -136,9 +173,30 @@ class RankCache:
         cache.tree.evict_host(cache.host_pool.num_pages)
         return cache.device_pool.allocator.num_free
 
+    def quiesce(self) -> None:
+        """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request)."""
+        cache = self.engine.cache
+        cache.flush()
+        if cache.storage is not None:
+            cache.storage.drain()
+
+    def evict_device(self) -> int:
+        """Evict every unlocked L1 page on this rank (backed-up runs stay in L2); free L1
+        pages after."""
+        cache = self.engine.cache
+        cache.flush()
+        cache.evict_device(cache.device_pool.num_pages)
+        return cache.device_pool.allocator.num_free
+
     def close(self) -> None:
         self.engine.close()
         destroy_tp()
+
+
+def _key_model(name: str) -> str:
+    """A model name usable in an L3 key namespace (a checkpoint's display name may hold
+    spaces: 'Smollm2 135M ...')."""
+    return re.sub(r"[^A-Za-z0-9._/-]+", "-", name).strip("-./") or "model"
 
 
 def create_rank_actor(rank: int, size: int, init_method: str, settings: RankSettings,

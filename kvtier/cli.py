@@ -25,11 +25,16 @@ def _add_gen_trace(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvtier import demo
     from kvtier.bench import prefix, storage, transfer, tree
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="two SmolLM2 instances on local Ray share a document "
+                                    "through L1, L2 and L3")
+    demo.add_arguments(d)
+    d.set_defaults(func=demo.main)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     t = bench.add_parser("tree", help="replay a trace through the HiRadixTree")
     tree.add_arguments(t)

@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
-def _document(tokenizer, num_tokens: int) -> list[int]:
+def document_tokens(tokenizer, num_tokens: int) -> list[int]:
+    """A synthetic sensor log of exactly `num_tokens` tokens (also the demo's document)."""
     lines, ids = [], []
     while len(ids) < num_tokens:
         lines += [f"Record {i}: the sensor in room {i % 17} read {(i * 37) % 101} degrees at "
@@ -90,7 +91,7 @@ def run(params: PrefixBenchParams = PrefixBenchParams()) -> dict:
         load_s = time.perf_counter() - t0
         with engine:
             tok = engine.tokenizer
-            prompt = _document(tok, doc_len) + tok.encode(QUESTION)
+            prompt = document_tokens(tok, doc_len) + tok.encode(QUESTION)
             greedy = SamplingParams(max_new_tokens=params.new_tokens)
             # Warm-up on other tokens with the same chunk shapes (a full chunk, then one of the
             # question's length): first-call kernel setup must inflate neither cold nor hits.

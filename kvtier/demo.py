@@ -1,0 +1,270 @@
+"""`kvtier demo`: two SmolLM2 instances on a local Ray cluster share a long document's KV.
+
+What it runs (one process drives everything; every instance is TP=1, one rank actor):
+  * a local Ray cluster on 127.0.0.1 and the L3 namespace actor with one namespace whose
+    storage (`file`: a temp dir; `nixl`: its POSIX plugin in the temp dir; `mooncake`: a
+    master the actor starts) every rank opens with its own client;
+  * a cold instance without L3: each prompt once with its L1/L2 dropped first, for the
+    reference answers and the cold TTFT;
+  * instance A answers questions about the document (the first computes it, the next hits
+    L1); instance B gets the same document and another question and hits it in L3; A, after
+    its L1 is flushed, asks that question again and hits L2.
+Every cached answer must equal its cold answer (greedy). The prompts are the document of
+`kvtier bench prefix` cut to whole prefill chunks plus a question, so a hit computes only
+the question. Each timed request starts with its instance quiescent (copies and backups of
+the previous one landed), as in the prefix benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, NamedTuple
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+L3_BACKENDS = ("file", "mooncake", "nixl")
+QUESTIONS = ("what did the sensor in room 3 read in record 12?",
+             "at what time was record 40 taken?",
+             "what did the sensor in room 5 read in record 22?")
+# (instance, question index, the tier its document prefix should come from)
+PLAN = (("A", 0, "compute"), ("A", 1, "L1"), ("B", 2, "L3"), ("A", 2, "L2"))
+
+
+class DemoParams(NamedTuple):
+    l3: str = "file"
+    tokens: int = 2000  # document tokens, rounded to whole prefill chunks
+    new_tokens: int = 24  # greedy tokens per answer
+    page_size: int = 64
+    chunk_tokens: int = 512
+    progress: bool = True  # a tqdm bar on stderr
+
+
+class Row(NamedTuple):
+    instance: str
+    question: int
+    expected: str
+    out: Any  # kvtier.engine.Output of the cached run
+    cold: Any  # Output of the cold run of the same prompt
+    text: str = ""  # the answer, decoded
+
+    @property
+    def tier(self) -> str:
+        c = self.out.cached
+        hits = {"L1": c.device, "L2": c.host, "L3": c.storage}
+        best = max(hits, key=hits.get)
+        return best if hits[best] else "compute"
+
+    @property
+    def identical(self) -> bool:
+        return self.out.tokens == self.cold.tokens
+
+    @property
+    def ratio(self) -> float:
+        return self.out.ttft_s / self.cold.ttft_s
+
+    def to_json(self) -> dict:
+        return {"instance": self.instance, "question": self.question, "tier": self.tier,
+                "expected_tier": self.expected, "lengths": self.out.lengths._asdict(),
+                "cached": self.out.cached._asdict(), "ttft_s": round(self.out.ttft_s, 4),
+                "ttft_cold_s": round(self.cold.ttft_s, 4), "ratio": round(self.ratio, 4),
+                "identical": self.identical, "answer": self.text}
+
+
+def _l3_options(backend: str, root: str) -> dict:
+    if backend == "mooncake":
+        return {}  # the namespace actor starts a master and fills in its address
+    return {"root_dir": root}
+
+
+def _namespace_spec(params: DemoParams, config, root: str):
+    """The namespace both instances write and read (a fresh tenant salt per run)."""
+    from kvtier.engine.engine import SMOLLM2_NAMESPACE
+    from kvtier.engine.tp_worker import SmolLM2Weights
+    from kvtier.keys import layout_fingerprint
+    from kvtier.kv_spec import KVSpec
+    from kvtier.messages import NamespaceSpec
+    import torch
+
+    cfg = SmolLM2Weights().config()
+    spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, page_size=params.page_size, dtype=torch.bfloat16)
+    fingerprint = layout_fingerprint(spec, config.normalize().mem_layout)
+    return NamespaceSpec(SMOLLM2_NAMESPACE, f"demo-{uuid.uuid4().hex[:8]}", fingerprint,
+                         params.l3, _l3_options(params.l3, root), tp_size=1)
+
+
+def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
+    """Run the demo; the JSON-able summary and one Row per request."""
+    if params.l3 not in L3_BACKENDS:
+        raise ConfigError(f"--l3 must be one of {', '.join(L3_BACKENDS)}, got {params.l3!r}")
+    if params.chunk_tokens % params.page_size:
+        raise ConfigError(f"chunk_tokens ({params.chunk_tokens}) must be a multiple of the page "
+                          f"size ({params.page_size})")
+    from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray  # sets Ray's env first
+    from kvtier.actors.instance import Instance
+    from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+    from kvtier.actors.rank_actor import RankSettings
+    from kvtier.bench.prefix import document_tokens
+    from kvtier.config import HiCacheConfig
+    from kvtier.engine.request import pages_for
+    from kvtier.engine.sampling import SamplingParams
+    from kvtier.engine.tokenizer import Tokenizer
+    from kvtier.engine.tp_worker import SmolLM2Weights
+    from kvtier.engine.weights import ensure_converted
+    import torch
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    chunk = params.chunk_tokens
+    doc_len = max(chunk, round(params.tokens / chunk) * chunk)
+    tok = Tokenizer.from_files(ensure_converted())
+    doc = document_tokens(tok, doc_len)
+    prompts = [doc + tok.encode(f"\n\nQuestion: {q} Answer:") for q in QUESTIONS]
+    greedy = SamplingParams(max_new_tokens=params.new_tokens, stop_token_ids=tok.stop_token_ids)
+    longest = max(len(p) for p in prompts)
+    warmup = tok.encode("Warm-up. " * chunk)[: chunk + longest - doc_len]
+    config = HiCacheConfig(page_size=params.page_size, prefetch_policy="wait_complete")
+    settings = RankSettings(SmolLM2Weights(), config,
+                            device_pages=2 * pages_for(longest + params.new_tokens + chunk,
+                                                       params.page_size),
+                            dtype=torch.bfloat16, chunk_tokens=chunk,
+                            token_budget=max(8192, 2 * longest))
+    bar = tqdm(total=9 + len(QUESTIONS) + len(PLAN), desc="kvtier demo",
+               unit="step", file=sys.stderr, disable=not params.progress, leave=False)
+
+    def stage(name: str) -> None:
+        bar.set_postfix_str(name)
+        log.info("demo: %s", name)
+
+    instances: dict[str, Instance] = {}
+    client = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+            stage("starting Ray")
+            start_local_ray(num_cpus=2)
+            try:
+                bar.update()
+                stage(f"L3 namespace actor ({params.l3})")
+                client = get_or_create_namespace_actor(f"kvtier-demo-{uuid.uuid4().hex[:8]}",
+                                                       f"{tmp}/state")
+                info = client.register(_namespace_spec(params, config, f"{tmp}/l3"))
+                bar.update()
+                for name, l3 in (("cold", None), ("A", info), ("B", info)):
+                    stage(f"instance {name}")
+                    instances[name] = Instance(settings._replace(l3=l3), tp_size=1)
+                    bar.update()
+                for name, inst in instances.items():
+                    stage(f"warm-up {name}")
+                    inst.generate([warmup], greedy)
+                    inst.quiesce()
+                    bar.update()
+                cold = []
+                for i, prompt in enumerate(prompts):
+                    stage(f"cold run of question {i + 1}")
+                    instances["cold"].drop_cache()
+                    instances["cold"].quiesce()
+                    cold.append(instances["cold"].generate([prompt], greedy)[0])
+                    bar.update()
+                rows = []
+                for name, q, expected in PLAN:
+                    stage(f"{name}: question {q + 1} (expect {expected})")
+                    inst = instances[name]
+                    if expected == "L3":
+                        instances["A"].quiesce()  # A's L2 -> L3 backups have landed
+                    if expected == "L2":
+                        inst.evict_device()
+                    inst.quiesce()
+                    out = inst.generate([prompts[q]], greedy)[0]
+                    rows.append(Row(name, q + 1, expected, out, cold[q], tok.decode(out.tokens)))
+                    bar.update()
+                stats = {n: i.stats() for n, i in instances.items()}
+                stage("shutting down")
+            finally:
+                for inst in instances.values():
+                    inst.close()
+                if client is not None:
+                    client.shutdown()
+                shutdown_local_ray()
+            bar.update()
+    finally:
+        bar.close()
+    return _summary(params, rows, stats, doc_len, prompts, time.perf_counter() - t_start), rows
+
+
+def _summary(params: DemoParams, rows: list[Row], stats: dict, doc_len: int, prompts: list,
+             runtime_s: float) -> dict:
+    by_tier = {r.tier: r for r in rows}
+    colds = {r.question: r.cold.ttft_s for r in rows}
+    result: dict[str, Any] = {
+        "identical": all(r.identical for r in rows),
+        "ttft_cold_s": round(statistics.mean(colds.values()), 4),
+        "ttft_l1_ratio": round(by_tier["L1"].ratio, 4) if "L1" in by_tier else None,
+        "ttft_l2_ratio": round(by_tier["L2"].ratio, 4) if "L2" in by_tier else None,
+        "ttft_l3_cross_instance_ratio": round(by_tier["L3"].ratio, 4) if "L3" in by_tier
+        else None,
+        "tiers_as_expected": all(r.tier == r.expected for r in rows),
+    }
+    ranks = [s for per in stats.values() for s in per]
+    if any(s.size > 1 for s in ranks):
+        multi = [s for s in ranks if s.size > 1]
+        rounds, steps = sum(s.agreement_rounds for s in multi), sum(s.steps for s in multi)
+        result["collectives_per_step"] = round(rounds / max(steps, 1), 3)
+        result["agreement_us_mean"] = round(1e6 * sum(s.agreement_s for s in multi)
+                                            / max(rounds, 1), 1)
+    else:
+        result["agreement_note"] = ("TP=1 instances run no agreement collective: "
+                                    "agreement_us_p50/p99 and collectives_per_step omitted")
+    result.update({
+        "l3": params.l3, "tp_size": 1, "document_tokens": doc_len,
+        "prompt_tokens": [len(p) for p in prompts], "new_tokens": params.new_tokens,
+        "page_size": params.page_size, "chunk_tokens": params.chunk_tokens, "dtype": "bf16",
+        "steps": {n: sum(s.steps for s in per) for n, per in stats.items()},
+        "requests": [r.to_json() for r in rows], "runtime_s": round(runtime_s, 1),
+    })
+    return result
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (f"{'request':<14}{'tier':<9}{'prefix':>7}{'L2 hit':>7}{'L2 load':>8}{'L3 hit':>7}"
+            f"{'extend':>7}  {'cached L1/L2/L3':<16}{'TTFT s':>8}{'cold s':>8}{'ratio':>7}"
+            f"  same")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        n, c = r.out.lengths, r.out.cached
+        tier = r.tier if r.tier == r.expected else f"{r.tier}!"
+        lines.append(f"{r.instance + ': q' + str(r.question):<14}{tier:<9}{n.prefix_len:>7}"
+                     f"{n.host_hit_length:>7}{n.host_loaded_length:>8}{n.storage_hit_length:>7}"
+                     f"{n.extend_len:>7}  {f'{c.device}/{c.host}/{c.storage}':<16}"
+                     f"{r.out.ttft_s:>8.3f}{r.cold.ttft_s:>8.3f}{r.ratio:>7.3f}  "
+                     f"{'yes' if r.identical else 'NO'}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--l3", choices=L3_BACKENDS, default="file",
+                   help="L3 backend of the shared namespace (default file, in a temp dir)")
+    p.add_argument("--tokens", type=int, default=2000,
+                   help="document length, rounded to whole 512-token chunks (default 2000)")
+    p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
+    p.add_argument("--json-only", action="store_true",
+                   help="print only the final JSON line (no table, no progress bar)")
+
+
+def main(ns: argparse.Namespace) -> int:
+    params = DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json_only)
+    result, rows = run(params)
+    if not ns.json_only:
+        print(format_table(rows))
+        print("questions: " + " | ".join(f"q{i + 1}: {q}" for i, q in enumerate(QUESTIONS)))
+        for r in rows:
+            print(f"{r.instance} q{r.question} answer: {r.text!r}")
+    print(json.dumps(result))
+    return 0 if result["identical"] else 1

@@ -1,0 +1,33 @@
+"""`kvtier demo` on a short document: every tier hits as planned, answers equal the cold ones,
+the JSON line has the contract's keys, and nothing is left running. No timing asserts."""
+from __future__ import annotations
+
+import json
+
+import ray
+
+from kvtier import cli
+from kvtier.demo import PLAN, DemoParams, format_table, run
+
+CONTRACT = {"identical", "ttft_cold_s", "ttft_l2_ratio", "ttft_l3_cross_instance_ratio"}
+
+
+def test_demo_hits_every_tier_with_cold_answers() -> None:
+    result, rows = run(DemoParams(tokens=600, new_tokens=6, progress=False))
+    assert not ray.is_initialized()  # Ray, its actors and the temp dir are gone
+    assert CONTRACT <= set(result)
+    assert result["identical"] is True
+    assert result["tiers_as_expected"] is True
+    assert [(r.instance, r.tier) for r in rows] == [(n, t) for n, _, t in PLAN]
+    assert all(r.out.tokens == r.cold.tokens and r.out.tokens for r in rows)
+    l3 = next(r for r in rows if r.tier == "L3")
+    assert l3.out.cached.storage == result["document_tokens"] == 512
+    assert l3.out.lengths.extend_len == len(l3.out.prompt) - 512
+    assert json.loads(json.dumps(result)) == result
+    assert "ratio" in format_table(rows).splitlines()[0]
+
+
+def test_demo_cli_parses() -> None:
+    ns = cli.build_parser().parse_args(["demo", "--l3", "nixl", "--tokens", "600",
+                                        "--json-only"])
+    assert (ns.l3, ns.tokens, ns.json_only) == ("nixl", 600, True)
