@@ -3,13 +3,16 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test bench-tree bench-transfer clean-venv
+.PHONY: demo demo-single test bench-tree bench-transfer bench-storage bench-prefix clean-venv
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) -m kvtier demo
+
+demo-single: $(STAMP)
 	$(PY) examples/single_process.py
 
 test: $(STAMP)
@@ -21,6 +24,12 @@ bench-tree: $(STAMP)
 
 bench-transfer: $(STAMP)
 	$(PY) -m kvtier bench transfer --json
+
+bench-storage: $(STAMP)
+	for b in file mooncake nixl; do $(PY) -m kvtier bench storage --backend $$b --json || exit 1; done
+
+bench-prefix: $(STAMP)
+	$(PY) -m kvtier bench prefix --json
 
 clean-venv:
 	rm -rf $(VENV)
