@@ -24,6 +24,13 @@ def _add_gen_trace(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=f.default)
 
 
+def _command(sub, name: str, module, help_text: str) -> None:
+    """A subcommand whose module has `add_arguments(parser)` and `main(ns) -> int`."""
+    p = sub.add_parser(name, help=help_text)
+    module.add_arguments(p)
+    p.set_defaults(func=module.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import demo
     from kvtier.bench import prefix, storage, transfer, tree
@@ -31,23 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="two SmolLM2 instances on local Ray share a document "
-                                    "through L1, L2 and L3")
-    demo.add_arguments(d)
-    d.set_defaults(func=demo.main)
+    _command(sub, "demo", demo, "two SmolLM2 instances on local Ray share a document through "
+             "L1, L2 and L3")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    t = bench.add_parser("tree", help="replay a trace through the HiRadixTree")
-    tree.add_arguments(t)
-    t.set_defaults(func=tree.main)
-    x = bench.add_parser("transfer", help="L1<->L2 copy bandwidth per host layout")
-    transfer.add_arguments(x)
-    x.set_defaults(func=transfer.main)
-    s = bench.add_parser("storage", help="L3 backend write/read GB/s next to the raw library")
-    storage.add_arguments(s)
-    s.set_defaults(func=storage.main)
-    pf = bench.add_parser("prefix", help="SmolLM2 TTFT: cold vs L1, L2 and L3 hits")
-    prefix.add_arguments(pf)
-    pf.set_defaults(func=prefix.main)
+    _command(bench, "tree", tree, "replay a trace through the HiRadixTree")
+    _command(bench, "transfer", transfer, "L1<->L2 copy bandwidth per host layout")
+    _command(bench, "storage", storage, "L3 backend write/read GB/s next to the raw library")
+    _command(bench, "prefix", prefix, "SmolLM2 TTFT: cold vs L1, L2 and L3 hits")
     g = bench.add_parser("gen-trace", help="write a synthetic multi-turn trace")
     _add_gen_trace(g)
     g.set_defaults(func=_gen_trace)

@@ -164,25 +164,20 @@ class HiRadixTree:
         p = self.page_size
         self._clock += 1
         node, i, prefix = self.root, 0, 0
-        while i < full:
-            child = node.children.get(key[i * p : (i + 1) * p])
-            if child is None:
-                break
-            child = self._walk_into(child, key, i, full)
+        for parent, child, i in self._stored_path(key, full):
             pages = len(child.key) // p
             seg = device_pages[i : i + pages]
             if child.value is None:
                 self._account(child, -1)
                 child.value = list(seg)
                 self._account(child, +1)
-                node.device_children += 1
-                self._refresh(node)
+                parent.device_children += 1
+                self._refresh(parent)
                 self._refresh(child)
             else:
                 unused.extend(a for a, b in zip(seg, child.value) if a != b)
                 prefix += pages
-            i += pages
-            node = child
+            node, i = child, i + pages
         if i < full:
             node = self._add_child(node, key[i * p : full * p], device_pages[i:full], None)
         return InsertResult(unused, prefix, full - i, node)
@@ -206,13 +201,7 @@ class HiRadixTree:
         p = self.page_size
         self._clock += 1
         node, i, prefix = self.root, 0, 0
-        while i < full:
-            child = node.children.get(key[i * p : (i + 1) * p])
-            if child is None:
-                break
-            child = self._walk_into(child, key, i, full)
-            if i < skip_pages < i + len(child.key) // p:
-                child = self._split(child, skip_pages - i)  # own pages start at the boundary
+        for _, child, i in self._stored_path(key, full, skip_pages):
             pages = len(child.key) // p
             if i >= skip_pages:
                 seg = host_pages[i - skip_pages : i - skip_pages + pages]
@@ -223,8 +212,7 @@ class HiRadixTree:
                 else:
                     unused.extend(a for a, b in zip(seg, child.host_value) if a != b)
             prefix += pages
-            i += pages
-            node = child
+            node, i = child, i + pages
         placed = 0
         if i < skip_pages:  # the prefix the pages continue is gone
             unused.extend(host_pages[: full - skip_pages])
@@ -247,13 +235,24 @@ class HiRadixTree:
             )
         return key, full, list(pages[full:])
 
-    def _walk_into(self, child: TreeNode, key: tuple, i: int, full: int) -> TreeNode:
+    def _stored_path(self, key: tuple, full: int, skip: int = 0):
+        """Stored nodes along `key[:full pages]`, root side first, as (parent, node, first
+        page); a node is split where the key, or the `skip` boundary, ends inside it."""
         p = self.page_size
-        pos, end, span = i * p, full * p, len(child.key)
-        if pos + span > end or key[pos : pos + span] != child.key:
-            child = self._split(child, self._common_pages(child.key, key, pos, end))
-        child.last_access = self._clock
-        return child
+        node, i = self.root, 0
+        while i < full:
+            child = node.children.get(key[i * p : (i + 1) * p])
+            if child is None:
+                return
+            pos, end, span = i * p, full * p, len(child.key)
+            if pos + span > end or key[pos : pos + span] != child.key:
+                child = self._split(child, self._common_pages(child.key, key, pos, end))
+            if i < skip < i + len(child.key) // p:
+                child = self._split(child, skip - i)  # the caller's own pages start at skip
+            child.last_access = self._clock
+            yield node, child, i
+            i += len(child.key) // p
+            node = child
 
     def _add_child(self, parent: TreeNode, key: tuple, value, host_value) -> TreeNode:
         node = TreeNode(next(self._ids), key, parent)
