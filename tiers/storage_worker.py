@@ -78,6 +78,7 @@ class StorageWorker:
         self._finished_backups: deque[StorageOp] = deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._running = 0  # ops the thread has taken off a queue and is stepping now
         self._thread = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
         self._thread.start()
 
@@ -122,8 +123,9 @@ class StorageWorker:
         return out
 
     def pending(self) -> int:
+        """Ops queued or being stepped (0: every backup that ended is in finished_backups)."""
         with self._cv:
-            return len(self._prefetches) + len(self._backups)
+            return len(self._prefetches) + len(self._backups) + self._running
 
     # ---- the thread ----------------------------------------------------------------------
     def _next(self) -> tuple[StorageOp, bool] | None:
@@ -131,8 +133,10 @@ class StorageWorker:
             while not self._closed and not self._prefetches and not self._backups:
                 self._cv.wait()
             if self._prefetches:
+                self._running += 1
                 return self._prefetches.popleft(), True
             if self._backups:
+                self._running += 1
                 return self._backups.popleft(), False
             return None  # closed and drained
 
@@ -144,6 +148,7 @@ class StorageWorker:
             op, is_prefetch = item
             self._step(op, is_prefetch)
             with self._cv:
+                self._running -= 1
                 if not op.state.finished:  # more batches: take turns with the others
                     (self._prefetches if is_prefetch else self._backups).append(op)
                 elif not is_prefetch:
