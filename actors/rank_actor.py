@@ -50,6 +50,8 @@ class RankSettings(NamedTuple):
     timeout_s: float = 60.0  # TP group join and every collective
     l3: NamespaceInfo | None = None  # an L3 namespace (from the namespace actor's register):
     # each rank opens its own backend client from it; None keeps config.storage_backend
+    l3_actor: str | None = "kvtier-l3"  # with l3: the namespace actor (by name) whose page
+    # directory gates L3 hits and hears what each rank stored; None: ask the backend only
 
 
 class RankStats(NamedTuple):
@@ -109,11 +111,13 @@ class RankCache:
             raise ConfigError(f"L3 namespace {info.namespace} was registered for TP size "
                               f"{info.spec.tp_size}, but this instance has {self.size}; "
                               f"register it with tp_size={self.size}")
+        directory = None if s.l3_actor is None else _directory_client(s.l3_actor)
         backend = open_rank_backend(info, self.rank)
         try:
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=device,
                                       model=info.spec.model, tenant_salt=info.spec.tenant_salt,
-                                      storage=backend, tp_rank=self.rank, tp_size=self.size)
+                                      storage=backend, tp_rank=self.rank, tp_size=self.size,
+                                      directory=directory)
         except BaseException:
             backend.close()
             raise
@@ -191,6 +195,18 @@ class RankCache:
     def close(self) -> None:
         self.engine.close()
         destroy_tp()
+
+
+def _directory_client(actor_name: str):
+    """A client of the namespace actor `actor_name` (its page directory), found by name."""
+    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+    try:
+        handle = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
+    except ValueError as exc:
+        raise ConfigError(f"RankSettings.l3_actor: no L3 namespace actor named {actor_name!r} "
+                          f"in Ray namespace {RAY_NAMESPACE!r} (create it with "
+                          "get_or_create_namespace_actor), or set l3_actor=None") from exc
+    return NamespaceClient(handle)
 
 
 def _key_model(name: str) -> str:

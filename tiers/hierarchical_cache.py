@@ -24,7 +24,7 @@ from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
-from kvtier.tiers.storage_tier import PrefetchTicket, StorageTier
+from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier
 from kvtier.tiers.tree_node import TreeNode
 from kvtier.tiers.tree_types import LoadBackPlan, LoadRefusal
 
@@ -37,7 +37,10 @@ class HierarchicalCache:
     def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
                  device: torch.device | str | None = None, model: str = "kvtier-model",
                  tenant_salt: str = "", storage: StorageBackend | None = None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1,
+                 directory: PageDirectoryClient | None = None) -> None:
+        """`directory`: the L3 namespace's page directory; with it, L3 hits are the pages it
+        has published and this rank reports what its backups wrote (None: ask the backend)."""
         config = config.normalize()
         if spec.page_size != config.page_size:
             raise CacheUsageError(
@@ -59,6 +62,8 @@ class HierarchicalCache:
         self._written_back: list[TreeNode] = []  # L2 copies made on eviction, for L3 backup
         self.namespace = KeyNamespace(model, tenant_salt, layout_fingerprint(spec, config.mem_layout))
         self.storage: StorageTier | None = None
+        self.directory = directory
+        self.tp_rank = tp_rank
         self._tickets: list[PrefetchTicket] = []
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, tp_rank, tp_size)
@@ -224,7 +229,8 @@ class HierarchicalCache:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
         backend.register_pool(KV_POOL, self.host_pool)
         self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
-                                   self.namespace, self._alloc_host)
+                                   self.namespace, self._alloc_host,
+                                   directory=self.directory, tp_rank=self.tp_rank)
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
 
     def detach_storage(self) -> None:

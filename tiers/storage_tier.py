@@ -5,13 +5,19 @@ are there (the prefetch threshold), L2 pages are allocated for exactly that many
 the prefetch capacity) and fetched in batches. When the policy says the request may go, the
 pages that landed are inserted into the tree as L2-only nodes, the rest freed. Backup: once an
 L1->L2 copy lands, the node's L2 pages are written to L3 while protected from L2 eviction.
+
+With a page directory (`directory`, the L3 namespace's: design invariant 3), a page is an L3
+hit only when the directory has published it (every TP rank of its writer stored its part):
+the prefetch asks the directory, under a lease held until the prefetch ends, instead of the
+backend; and each rank reports the pages its backups fully wrote. A directory call that fails
+makes that request an L3 miss (counted in `directory_errors`), never an error.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from kvtier.backends.base import StorageBackend
 from kvtier.config import HiCacheConfig
@@ -25,6 +31,29 @@ from kvtier.tiers.tree_node import NOT_STORED, STORED, TreeNode
 log = logging.getLogger(__name__)
 
 
+DIRECTORY_LEASE_S = 60.0  # a lease covering one prefetch; released when the prefetch ends
+
+
+class DirectoryLookup(Protocol):
+    """What a directory lookup answers (kvtier.messages.LookupResult is one)."""
+
+    hit_pages: int  # leading pages published
+    lease_id: str  # "" when nothing was leased
+
+
+class PageDirectoryClient(Protocol):
+    """The L3 page directory as a rank sees it: `kvtier.tiers.page_directory.PageDirectory`
+    (in-process) and the namespace actor's clients (`NamespaceClient`,
+    `FakeNamespaceClient`) all have these methods. Calls may raise (down, timed out)."""
+
+    def report_stored(self, ns: str, hashes: Sequence[str], tp_rank: int) -> Sequence[str]: ...
+
+    def lookup(self, ns: str, hashes: Sequence[str],
+               lease_ttl_s: float = 0.0) -> DirectoryLookup: ...
+
+    def release(self, lease_id: str) -> bool: ...
+
+
 @dataclass
 class PrefetchTicket:
     """One request's L3 prefetch: give it back to `finish` or `abort` exactly once."""
@@ -36,6 +65,7 @@ class PrefetchTicket:
     anchor: TreeNode  # protected in L2 until the pages are inserted below it
     timeout_s: float
     finished: bool = False
+    lease_id: str = ""  # the directory's lease on the pages being fetched ("" = none)
 
     @property
     def done_pages(self) -> int:
@@ -53,6 +83,8 @@ class StorageCounters:
     unfulfilled_storage_transfer_tokens: int = 0  # asked for, not landed in time or failed
     backed_up_tokens: int = 0
     backup_failed_tokens: int = 0
+    directory_errors: int = 0  # directory calls that failed (lookups count as L3 misses)
+    directory_reported_pages: int = 0  # pages this rank reported stored to the directory
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -71,7 +103,9 @@ class StorageTier:
     """L3 for one rank: owns the storage worker, borrows the tree and the L2 allocator."""
 
     def __init__(self, backend: StorageBackend, tree: HiRadixTree, host_allocator: PageAllocator,
-                 config: HiCacheConfig, namespace: KeyNamespace, alloc_host) -> None:
+                 config: HiCacheConfig, namespace: KeyNamespace, alloc_host,
+                 directory: PageDirectoryClient | None = None, tp_rank: int = 0,
+                 lease_ttl_s: float = DIRECTORY_LEASE_S) -> None:
         self.backend = backend
         self.tree = tree
         self.host_allocator = host_allocator
@@ -84,6 +118,9 @@ class StorageTier:
         self._prefetch_capacity = max(1, int(config.prefetch_capacity_ratio * host_allocator.num_pages))
         self._inflight_pages = 0
         self._tickets: set[int] = set()
+        self.directory = directory  # None: the backend's exists() says what L3 holds
+        self.tp_rank = tp_rank
+        self.lease_ttl_s = lease_ttl_s
 
     # ---- prefetch ------------------------------------------------------------------------
     def page_keys(self, tokens: Sequence[int]) -> list[str]:
@@ -100,18 +137,24 @@ class StorageTier:
         if len(keys) * p < threshold:
             self.counters.unfulfilled_below_threshold_tokens += len(keys) * p
             return None
-        hit = self.backend.exists(keys).usable_pages
+        if self.directory is None:
+            hit, lease_id = self.backend.exists(keys).usable_pages, ""
+        else:
+            hit, lease_id = self._directory_lookup(keys)
         self.counters.storage_hit_tokens += hit * p
         if hit == 0:
+            self._release(lease_id)
             return None
         if hit * p < threshold:
             self.counters.unfulfilled_below_threshold_tokens += hit * p
+            self._release(lease_id)
             return None
         room = self._prefetch_capacity - self._inflight_pages
         take = min(hit, room)
         host_pages = self._alloc_host(take) if take * p >= threshold else None
         if host_pages is None:
             self.counters.unfulfilled_host_capacity_tokens += hit * p
+            self._release(lease_id)
             return None
         self.counters.unfulfilled_host_capacity_tokens += (hit - take) * p
         self._inflight_pages += take
@@ -119,7 +162,36 @@ class StorageTier:
         op = self.worker.prefetch(keys[:take], host_pages)
         self._tickets.add(op.id)
         timeout = self.config.prefetch_timeout_s(take * p)
-        return PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout)
+        return PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id)
+
+    def _directory_lookup(self, keys: list[str]) -> tuple[int, str]:
+        """(published leading pages, lease id) from the directory; (0, "") when it fails."""
+        assert self.directory is not None
+        try:
+            res = self.directory.lookup(self.namespace.name, keys, self.lease_ttl_s)
+            hit, lease_id = int(res.hit_pages), str(res.lease_id or "")
+        except Exception as exc:  # noqa: BLE001 - any directory failure is an L3 miss
+            self.counters.directory_errors += 1
+            log.warning("L3 directory lookup failed (%s: %s); treating it as a miss",
+                        type(exc).__name__, exc)
+            return 0, ""
+        if not 0 <= hit <= len(keys):
+            self.counters.directory_errors += 1
+            log.warning("L3 directory answered %d hit pages for %d asked; treating it as a miss",
+                        hit, len(keys))
+            self._release(lease_id)
+            return 0, ""
+        return hit, lease_id
+
+    def _release(self, lease_id: str) -> None:
+        if not lease_id or self.directory is None:
+            return
+        try:
+            self.directory.release(lease_id)
+        except Exception as exc:  # noqa: BLE001 - the lease lapses at its TTL anyway
+            self.counters.directory_errors += 1
+            log.warning("releasing L3 directory lease %s failed (%s: %s); it lapses at its TTL",
+                        lease_id, type(exc).__name__, exc)
 
     def ready(self, ticket: PrefetchTicket, now_s: float | None = None) -> bool:
         """May the request stop waiting for its prefetch (per the prefetch policy)?"""
@@ -169,10 +241,11 @@ class StorageTier:
             raise RuntimeError("a prefetch ticket was finished twice")
         ticket.finished = True
         self.worker.cancel(ticket.op)
-        if not self.worker.settle(ticket.op):
+        if not self.worker.settle(ticket.op):  # its lease lapses at its TTL
             raise TimeoutError("the storage worker did not release a prefetch in 30 s")
         self._inflight_pages -= ticket.op.num_pages
         self._tickets.discard(ticket.op.id)
+        self._release(ticket.lease_id)  # the pages are read: eviction may take them again
 
     # ---- backup --------------------------------------------------------------------------
     def backup(self, node: TreeNode) -> StorageOp | None:
@@ -203,7 +276,9 @@ class StorageTier:
     def poll(self) -> int:
         """Release nodes whose backups ended and record what reached L3."""
         ended = self.worker.finished_backups()
+        stored: list[str] = []
         for op in ended:
+            stored += op.keys[: op.done_pages]  # leading pages fully written by this rank
             node = op.payload
             complete = op.done_pages == op.num_pages
             for n in node.path_to_root():
@@ -212,7 +287,22 @@ class StorageTier:
             self.tree.release_host(node)
             self.counters.backed_up_tokens += op.done_pages * self.page_size
             self.counters.backup_failed_tokens += (op.num_pages - op.done_pages) * self.page_size
+        if stored and self.directory is not None:
+            self._report(stored)
         return len(ended)
+
+    def _report(self, keys: list[str]) -> None:
+        """Tell the directory this rank's part of `keys` is written (it publishes a page once
+        every rank has). On failure the pages stay unpublished: readers see a miss."""
+        assert self.directory is not None
+        try:
+            self.directory.report_stored(self.namespace.name, keys, self.tp_rank)
+        except Exception as exc:  # noqa: BLE001 - an unpublished page is only a missed hit
+            self.counters.directory_errors += 1
+            log.warning("reporting %d stored pages to the L3 directory failed (%s: %s); they "
+                        "stay unpublished", len(keys), type(exc).__name__, exc)
+            return
+        self.counters.directory_reported_pages += len(keys)
 
     def mark_stored(self, node: TreeNode, first_page: int) -> None:
         """Pages from `first_page` on the path to `node` came from L3: no backup needed."""
