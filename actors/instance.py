@@ -42,12 +42,16 @@ class Instance:
     def __init__(self, settings: RankSettings, tp_size: int = 2,
                  num_cpus_per_rank: float = RANK_NUM_CPUS, strategy: str = "PACK",
                  ready_timeout_s: float = READY_TIMEOUT_S,
-                 step_timeout_s: float = STEP_TIMEOUT_S) -> None:
+                 step_timeout_s: float = STEP_TIMEOUT_S,
+                 resources: dict[str, float] | None = None) -> None:
+        """`resources`: custom Ray resources each rank's bundle also asks for (e.g.
+        `{"kvtier_instance": 1}`): the ranks land only on nodes that offer them."""
         if tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
         settings.source.config()  # a bad source fails here, not inside every actor
         self.size, self.step_timeout_s = tp_size, step_timeout_s
-        self._pg = placement_group([{"CPU": num_cpus_per_rank}] * tp_size, strategy=strategy)
+        bundle = {"CPU": num_cpus_per_rank, **(resources or {})}
+        self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         self.ranks: list[Any] = []
         try:
             self._get(self._pg.ready(), ready_timeout_s, "placing the rank bundles")

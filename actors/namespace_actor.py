@@ -139,16 +139,19 @@ class NamespaceClient(_Client):
 
 def get_or_create_namespace_actor(name: str = ACTOR_NAME, state_dir: str | None = None, *,
                                   timeout_s: float = CALL_TIMEOUT_S,
-                                  ready_timeout_s: float = READY_TIMEOUT_S) -> NamespaceClient:
+                                  ready_timeout_s: float = READY_TIMEOUT_S,
+                                  resources: dict[str, float] | None = None) -> NamespaceClient:
     """The cluster's namespace actor `name`, created if it does not exist yet (race-free).
 
     `state_dir` (default: a directory under the system temp dir named after the actor) must
     be on the node where the actor runs; an existing actor keeps the one it was created with.
+    `resources` (e.g. `{"kvtier_head": 1}`, offered only by the head node in cluster.yaml) pins
+    a newly created actor to the nodes that offer them.
     """
     remote_cls = ray.remote(NamespaceService)
     handle = remote_cls.options(
         name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
-        max_restarts=-1, max_task_retries=0, num_cpus=0,
+        max_restarts=-1, max_task_retries=0, num_cpus=0, resources=resources or {},
     ).remote(state_dir or default_state_dir(name))
     client = NamespaceClient(handle, timeout_s)
     client.wait_ready(ready_timeout_s)

@@ -27,6 +27,19 @@ MiB = 1 << 20
 DEFAULT_OBJECT_STORE_BYTES = 128 * MiB  # Ray's minimum is ~75 MiB; pages never go through it
 
 
+def pin_to_loopback(*, auth: bool = False) -> None:
+    """Keep every Ray process this one starts on 127.0.0.1 (and, unless `auth`, without
+    token auth). `start_local_ray` calls it; call it yourself before starting nodes another
+    way (`ray.cluster_utils.Cluster` in the multi-node test)."""
+    os.environ.update(LOOPBACK_ENV)  # Ray's processes inherit it
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        # `ray` was imported before this module: the flag was read already. Ray's own
+        # services look it up at call time, so set it the way the variable would have.
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    if not auth:
+        os.environ.update(NO_AUTH_ENV)
+
+
 def start_local_ray(num_cpus: int = 2, object_store_memory: int = DEFAULT_OBJECT_STORE_BYTES,
                     *, auth: bool = False, **init_kwargs: Any) -> Any:
     """A new single-node cluster on 127.0.0.1 (never an existing one), no dashboard.
@@ -37,13 +50,7 @@ def start_local_ray(num_cpus: int = 2, object_store_memory: int = DEFAULT_OBJECT
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process; call shutdown_local_ray() "
                            "first, or use the running cluster")
-    os.environ.update(LOOPBACK_ENV)  # Ray's processes inherit it
-    if ray_constants.ENABLE_RAY_CLUSTER:
-        # `ray` was imported before this module: the flag was read already. Ray's own
-        # services look it up at call time, so set it the way the variable would have.
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    if not auth:
-        os.environ.update(NO_AUTH_ENV)
+    pin_to_loopback(auth=auth)
     init_kwargs.setdefault("log_to_driver", False)  # actors log to files, not the test output
     ctx = ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
                    include_dashboard=False, _node_ip_address=LOOPBACK, **init_kwargs)

@@ -88,17 +88,27 @@ def _namespace_spec(params: DemoParams, config, root: str):
     """The namespace both instances write and read (a fresh tenant salt per run)."""
     from kvtier.engine.engine import SMOLLM2_NAMESPACE
     from kvtier.engine.tp_worker import SmolLM2Weights
+    import torch
+
+    return namespace_spec(SmolLM2Weights(), config, params.l3, root, SMOLLM2_NAMESPACE,
+                          f"demo-{uuid.uuid4().hex[:8]}", dtype=torch.bfloat16,
+                          page_size=params.page_size)
+
+
+def namespace_spec(source, config, backend: str, root: str, model: str, tenant_salt: str, *,
+                   dtype, page_size: int, tp_size: int = 1):
+    """A NamespaceSpec whose layout fingerprint matches the pages ranks built from `source`
+    (a WeightSource), `config` and `dtype` write; `root` holds file/nixl pages."""
     from kvtier.keys import layout_fingerprint
     from kvtier.kv_spec import KVSpec
     from kvtier.messages import NamespaceSpec
-    import torch
 
-    cfg = SmolLM2Weights().config()
+    cfg = source.config()
     spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                  head_dim=cfg.head_dim, page_size=params.page_size, dtype=torch.bfloat16)
+                  head_dim=cfg.head_dim, page_size=page_size, dtype=dtype)
     fingerprint = layout_fingerprint(spec, config.normalize().mem_layout)
-    return NamespaceSpec(SMOLLM2_NAMESPACE, f"demo-{uuid.uuid4().hex[:8]}", fingerprint,
-                         params.l3, _l3_options(params.l3, root), tp_size=1)
+    return NamespaceSpec(model, tenant_salt, fingerprint, backend, _l3_options(backend, root),
+                         tp_size=tp_size)
 
 
 def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
@@ -153,13 +163,14 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
             try:
                 bar.update()
                 stage(f"L3 namespace actor ({params.l3})")
-                client = get_or_create_namespace_actor(f"kvtier-demo-{uuid.uuid4().hex[:8]}",
-                                                       f"{tmp}/state")
+                actor_name = f"kvtier-demo-{uuid.uuid4().hex[:8]}"
+                client = get_or_create_namespace_actor(actor_name, f"{tmp}/state")
                 info = client.register(_namespace_spec(params, config, f"{tmp}/l3"))
                 bar.update()
                 for name, l3 in (("cold", None), ("A", info), ("B", info)):
                     stage(f"instance {name}")
-                    instances[name] = Instance(settings._replace(l3=l3), tp_size=1)
+                    instances[name] = Instance(settings._replace(l3=l3, l3_actor=actor_name),
+                                               tp_size=1)
                     bar.update()
                 for name, inst in instances.items():
                     stage(f"warm-up {name}")

@@ -1,0 +1,175 @@
+"""A real two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`, all on 127.0.0.1):
+the namespace actor on the head (custom resource `kvtier_head`), instance A's rank actor on the
+head node and instance B's on the worker node (their own custom resources), one `file` L3
+namespace in tmp_path that both nodes reach (one machine: one filesystem). B hits in L3 the
+pages A wrote and answers with the same greedy tokens as A's cold run."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import random
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvtier.actors.ray_env import LOOPBACK, pin_to_loopback  # sets Ray's env before Ray starts
+
+import ray  # noqa: E402  (after ray_env: it pins Ray to loopback at import)
+import ray._private.state as ray_state  # noqa: E402  (the GCS tables: no dashboard needed)
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from kvtier.actors.instance import Instance  # noqa: E402
+from kvtier.actors.namespace_actor import get_or_create_namespace_actor  # noqa: E402
+from kvtier.actors.rank_actor import RankCache, RankSettings  # noqa: E402
+from kvtier.config import HiCacheConfig  # noqa: E402
+from kvtier.demo import namespace_spec  # noqa: E402
+from kvtier.engine.sampling import SamplingParams  # noqa: E402
+from kvtier.engine.tp_worker import TinyWeights  # noqa: E402
+
+PAGE = 16
+MiB = 1 << 20
+HEAD_RES, NODE1_RES, NODE2_RES = "kvtier_head", "kvtier_node1", "kvtier_node2"
+CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",
+                       prefetch_threshold_tokens=PAGE)
+SETTINGS = RankSettings(TinyWeights(seed=5), CONFIG, device_pages=32, dtype=torch.float32,
+                        chunk_tokens=PAGE, timeout_s=30.0)
+GREEDY = SamplingParams(max_new_tokens=6)
+_rng = random.Random(7)
+PROMPT = [_rng.randrange(1, 256) for _ in range(4 * PAGE + 6)]  # four full pages and a tail
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _descendants(pid: int) -> set[int]:
+    parent = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    found, todo = set(), [pid]
+    while todo:
+        at = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == at and p not in found]
+        found.update(kids)
+        todo += kids
+    return found
+
+
+def _listen_addresses(pids: set[int]) -> set[str]:
+    """The IP of every TCP socket in LISTEN state held by `pids`."""
+    socks = {}
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A":
+                    raw = bytes.fromhex(cols[1].split(":")[0])
+                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
+                                                       for i in range(0, len(raw), 4)))
+                    socks[cols[9]] = str(getattr(ip, "ipv4_mapped", None) or ip)
+    out = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in socks:
+                out.add(socks[link[8:-1]])
+    return out
+
+
+def _node_args(resources: dict[str, float]) -> dict:
+    return {"num_cpus": 1, "resources": resources, "node_ip_address": LOOPBACK,
+            "include_dashboard": False, "object_store_memory": 96 * MiB}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    assert not ray.is_initialized(), "another test module left Ray running in this process"
+    pin_to_loopback()
+    before = _descendants(os.getpid())
+    c = Cluster(initialize_head=True, head_node_args=_node_args({HEAD_RES: 1, NODE1_RES: 1}))
+    try:
+        worker = c.add_node(**_node_args({NODE2_RES: 1}))
+        ray.init(address=c.address, log_to_driver=False, _node_ip_address=LOOPBACK)
+        c.wait_for_nodes(timeout=60)
+        c.node_ids = {NODE1_RES: c.head_node.node_id, NODE2_RES: worker.node_id}
+        c.pids = lambda: _descendants(os.getpid()) - before
+        yield c
+    finally:
+        started = _descendants(os.getpid()) - before
+        ray.shutdown()
+        c.shutdown()
+        deadline = time.monotonic() + 15
+        while started & _descendants(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in started & _descendants(os.getpid()):  # leak nothing into later modules
+            os.kill(pid, signal.SIGKILL)
+
+
+def _node_of(actor) -> str:
+    row = ray_state.actors(actor._actor_id.hex())
+    return row["Address"]["NodeID"]
+
+
+def test_two_nodes_share_l3_pages_across_instances(cluster, tmp_path) -> None:
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+    assert {n["NodeManagerAddress"] for n in nodes.values()} == {LOOPBACK}
+    assert nodes[cluster.node_ids[NODE2_RES]]["Resources"].get(NODE2_RES) == 1
+
+    actor_name = f"kvtier-l3-2n-{uuid.uuid4().hex[:6]}"
+    client = get_or_create_namespace_actor(actor_name,
+                                           str(tmp_path / "state"), ready_timeout_s=60,
+                                           resources={HEAD_RES: 1})
+    instances = []
+    try:
+        assert _node_of(client.handle) == cluster.head_node.node_id
+        info = client.register(namespace_spec(
+            SETTINGS.source, CONFIG, "file", str(tmp_path / "l3"), "tiny", "two-nodes",
+            dtype=SETTINGS.dtype, page_size=PAGE))
+        settings = SETTINGS._replace(l3=info)
+        if "l3_actor" in RankSettings._fields:  # ranks consult this actor's page directory
+            settings = settings._replace(l3_actor=actor_name)
+        a = Instance(settings, tp_size=1, resources={NODE1_RES: 1}, ready_timeout_s=60,
+                     step_timeout_s=30)
+        instances.append(a)
+        b = Instance(settings, tp_size=1, resources={NODE2_RES: 1}, ready_timeout_s=60,
+                     step_timeout_s=30)
+        instances.append(b)
+        assert _node_of(a.ranks[0]) == cluster.node_ids[NODE1_RES]
+        assert _node_of(b.ranks[0]) == cluster.node_ids[NODE2_RES]
+
+        cold = a.generate([PROMPT], GREEDY)[0]
+        assert cold.cached.storage == 0 and cold.tokens
+        a.quiesce()  # A's L2 -> L3 backups have landed and are published
+        published = client.stats(info.namespace)
+        hit = b.generate([PROMPT], GREEDY)[0]
+        assert hit.cached.storage == 4 * PAGE, (hit.cached, published)
+        assert hit.cached.device == hit.cached.host == 0
+        assert hit.tokens == cold.tokens
+
+        # Every Ray process of both nodes (GCS, raylets, workers, agents) listens on loopback.
+        found = _listen_addresses(cluster.pids())
+        assert found and found <= {LOOPBACK, "::1"}, found
+    finally:
+        for inst in instances:
+            inst.close()
+        client.shutdown()
+
+    # A single in-process engine without L3 gives the same tokens (no Ray involved).
+    ref = RankCache(0, 1, "", SETTINGS)
+    try:
+        assert ref.engine.generate([PROMPT], GREEDY)[0].tokens == cold.tokens
+    finally:
+        ref.close()
