@@ -20,6 +20,7 @@ from kvtier.messages import NamespaceSpec
 from kvtier.policies import MemLayout
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.page_store import open_rank_backend
+from kvtier.netcheck import descendants, listening
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
 TOKENS = list(range(40))
@@ -41,59 +42,6 @@ def store_pages(info, rank: int, pages: list[str]) -> None:
 
 def pages_of(spec: NamespaceSpec) -> list[str]:
     return spec.key_namespace.page_hashes(TOKENS, SPEC.page_size)
-
-
-def descendants(pid: int) -> set[int]:
-    """Pids of every process below `pid` (from /proc: no psutil needed)."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (ValueError, OSError, IndexError):
-            continue
-    found, todo = set(), [pid]
-    while todo:
-        at = todo.pop()
-        kids = [p for p, pp in parent.items() if pp == at and p not in found]
-        found.update(kids)
-        todo += kids
-    return found
-
-
-def listening(pids: set[int]) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of every TCP socket of `pids` in LISTEN state."""
-    socks = {}  # inode -> (address, port)
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] != "0A":  # LISTEN
-                    continue
-                addr, port = cols[1].split(":")
-                socks[cols[9]] = (_ip(addr, v6), int(port, 16))
-    out = []
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue  # exited
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue  # closed meanwhile (the listdir's own fd, for one)
-            if link.startswith("socket:[") and link[8:-1] in socks:
-                out.append((*socks[link[8:-1]], pid))
-    return out
-
-
-def _ip(hexaddr: str, v6: bool) -> str:
-    raw = bytes.fromhex(hexaddr)
-    words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]  # host-order 32-bit words
-    import ipaddress
-    ip = ipaddress.ip_address(b"".join(words))
-    return str(ip.ipv4_mapped or ip) if v6 else str(ip)
 
 
 # ---- the service through the fake client (no Ray) ----------------------------------------

@@ -5,7 +5,6 @@ namespace in tmp_path that both nodes reach (one machine: one filesystem). B hit
 pages A wrote and answers with the same greedy tokens as A's cold run."""
 from __future__ import annotations
 
-import ipaddress
 import os
 import random
 import signal
@@ -28,6 +27,7 @@ from kvtier.config import HiCacheConfig  # noqa: E402
 from kvtier.demo import namespace_spec  # noqa: E402
 from kvtier.engine.sampling import SamplingParams  # noqa: E402
 from kvtier.engine.tp_worker import TinyWeights  # noqa: E402
+from kvtier.netcheck import descendants, listening
 
 PAGE = 16
 MiB = 1 << 20
@@ -43,51 +43,6 @@ PROMPT = [_rng.randrange(1, 256) for _ in range(4 * PAGE + 6)]  # four full page
 pytestmark = pytest.mark.timeout(180)
 
 
-def _descendants(pid: int) -> set[int]:
-    parent = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (ValueError, OSError, IndexError):
-            continue
-    found, todo = set(), [pid]
-    while todo:
-        at = todo.pop()
-        kids = [p for p, pp in parent.items() if pp == at and p not in found]
-        found.update(kids)
-        todo += kids
-    return found
-
-
-def _listen_addresses(pids: set[int]) -> set[str]:
-    """The IP of every TCP socket in LISTEN state held by `pids`."""
-    socks = {}
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A":
-                    raw = bytes.fromhex(cols[1].split(":")[0])
-                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
-                                                       for i in range(0, len(raw), 4)))
-                    socks[cols[9]] = str(getattr(ip, "ipv4_mapped", None) or ip)
-    out = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in socks:
-                out.add(socks[link[8:-1]])
-    return out
-
-
 def _node_args(resources: dict[str, float]) -> dict:
     return {"num_cpus": 1, "resources": resources, "node_ip_address": LOOPBACK,
             "include_dashboard": False, "object_store_memory": 96 * MiB}
@@ -97,23 +52,23 @@ def _node_args(resources: dict[str, float]) -> dict:
 def cluster():
     assert not ray.is_initialized(), "another test module left Ray running in this process"
     pin_to_loopback()
-    before = _descendants(os.getpid())
+    before = descendants(os.getpid())
     c = Cluster(initialize_head=True, head_node_args=_node_args({HEAD_RES: 1, NODE1_RES: 1}))
     try:
         worker = c.add_node(**_node_args({NODE2_RES: 1}))
         ray.init(address=c.address, log_to_driver=False, _node_ip_address=LOOPBACK)
         c.wait_for_nodes(timeout=60)
         c.node_ids = {NODE1_RES: c.head_node.node_id, NODE2_RES: worker.node_id}
-        c.pids = lambda: _descendants(os.getpid()) - before
+        c.pids = lambda: descendants(os.getpid()) - before
         yield c
     finally:
-        started = _descendants(os.getpid()) - before
+        started = descendants(os.getpid()) - before
         ray.shutdown()
         c.shutdown()
         deadline = time.monotonic() + 15
-        while started & _descendants(os.getpid()) and time.monotonic() < deadline:
+        while started & descendants(os.getpid()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in started & _descendants(os.getpid()):  # leak nothing into later modules
+        for pid in started & descendants(os.getpid()):  # leak nothing into later modules
             os.kill(pid, signal.SIGKILL)
 
 
@@ -160,7 +115,7 @@ def test_two_nodes_share_l3_pages_across_instances(cluster, tmp_path) -> None:
         assert hit.tokens == cold.tokens
 
         # Every Ray process of both nodes (GCS, raylets, workers, agents) listens on loopback.
-        found = _listen_addresses(cluster.pids())
+        found = {l.host for l in listening(cluster.pids())}
         assert found and found <= {LOOPBACK, "::1"}, found
     finally:
         for inst in instances:

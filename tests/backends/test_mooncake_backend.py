@@ -19,6 +19,7 @@ from kvtier.keys import KeyNamespace, page_hashes  # noqa: E402
 from kvtier.kv_spec import KVSpec  # noqa: E402
 from kvtier.storage_options import MiB, MooncakeOptions  # noqa: E402
 from kvtier.tiers.host_pool import HostPool  # noqa: E402
+from kvtier.netcheck import listening
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
 SMALL = dict(global_segment_size_bytes=16 * MiB, local_buffer_size_bytes=0)
@@ -50,29 +51,6 @@ def keys(n, salt=0):
 
 def same(pool, a, b) -> bool:
     return all(torch.equal(pool.page_part_view(a, p), pool.page_part_view(b, p)) for p in (0, 1))
-
-
-def listening(pid: int) -> list[str]:
-    """Addresses the process listens on (TCP, v4 and v6), from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for row in f.readlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
-                    addr_hex, port_hex = cols[1].split(":")
-                    raw = bytes.fromhex(addr_hex)
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                    found.append(f"{socket.inet_ntop(family, raw)}:{int(port_hex, 16)}")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +178,7 @@ def test_master_that_cannot_start_is_storage_unavailable(binary, why):
 def test_own_master_listens_on_loopback_and_stops_at_close():
     b = MooncakeBackend(MooncakeOptions(**SMALL), StorageTarget(KeyNamespace("own", "t", "fp")))
     master = b.master
-    addrs = listening(master.pid)
+    addrs = [f"{l.host}:{l.port}" for l in listening([master.pid])]
     assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
     assert b.store.get_hostname().startswith("127.0.0.1:")  # what peers are told to dial
     b.register_pool(KV_POOL, filled_pool())

@@ -20,6 +20,7 @@ from kvtier.engine.tp_group import (TPRunError, destroy_tp, init_tp, loopback_in
                                     run_tp)
 from kvtier.engine.tp_worker import RankGeneration, TinyWeights, generate_on_rank, tp_generate
 from kvtier.errors import ConfigError
+from kvtier.netcheck import listening
 
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
            for n in (9, 30)]
@@ -27,38 +28,11 @@ PARAMS = SamplingParams(max_new_tokens=8)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def listening_sockets() -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket this process listens on, from /proc."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
-                continue
-            addr, port = cols[1].split(":")
-            raw = bytes.fromhex(addr)
-            if table == "tcp":
-                host = ".".join(str(b) for b in reversed(raw))
-            else:  # four little-endian 32-bit words
-                words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                host = words.hex()
-            found.append((host, int(port, 16)))
-    return found
-
-
 def _generate_both_dtypes(tp: TensorParallel, source: TinyWeights
                           ) -> tuple[dict[str, RankGeneration], list[tuple[str, int]]]:
     """One launch for both dtypes (process start-up dominates) plus what the rank listens on."""
     out = {str(dtype): generate_on_rank(tp, source, PROMPTS, PARAMS, dtype) for dtype in DTYPES}
-    return out, listening_sockets()
+    return out, [(l.host, l.port) for l in listening([os.getpid()])]
 
 
 def _fail_on_rank_1(tp: TensorParallel) -> int:
