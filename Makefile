@@ -3,7 +3,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo demo-single test bench-tree bench-transfer bench-storage bench-prefix clean-venv
+.PHONY: demo demo-single test bench-tree bench-transfer bench-storage bench-prefix bench-instances clean-venv
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -30,6 +30,9 @@ bench-storage: $(STAMP)
 
 bench-prefix: $(STAMP)
 	$(PY) -m kvtier bench prefix --json
+
+bench-instances: $(STAMP)
+	$(PY) -m kvtier bench instances --json
 
 clean-venv:
 	rm -rf $(VENV)

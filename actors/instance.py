@@ -11,12 +11,13 @@ all-reduces). Ranks must produce the same outputs; rank 0's are returned.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.rank_actor import RANK_NUM_CPUS, RankSettings, RankStats, create_rank_actor
@@ -29,55 +30,100 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 60.0
+MAX_RESTARTS = 3  # rank-set replacements in a row without a completed step
 IDLE_WAIT_S = 0.0005
 
 
 class InstanceError(KvtierError, RuntimeError):
-    """A rank actor failed, timed out, or answered differently from rank 0."""
+    """The instance cannot go on: its ranks diverged, or kept failing after restarts."""
+
+
+class RankFailure(InstanceError):
+    """A rank actor died, failed a call or did not answer in time (the instance recovers)."""
+
+
+class _Pending(NamedTuple):
+    """A request the instance has not returned yet: enough to run it again from its prompt."""
+
+    tokens: tuple[int, ...]
+    sampling: SamplingParams
 
 
 class Instance:
-    """`tp_size` RankCache actors over one request stream; `generate` or `add_request`+`step`."""
+    """`tp_size` RankCache actors over one request stream; `generate` or `add_request`+`step`.
+
+    Faults: when a rank dies, hangs past `step_timeout_s` or fails a call, the TP group is
+    broken for every rank (a collective cannot re-admit one member), so the instance kills
+    all its ranks, starts a fresh set in the same placement-group bundles, and adds every
+    request it has not returned yet again, from its prompt: they are recomputed (hitting L3
+    where the namespace has their pages) and answered, none lost; a seeded sampler restarts
+    with its seed, so the answers are the ones the first run would have given. Request ids
+    are the instance's own and survive a restart. After `max_restarts` restarts in a row
+    with no step completed between them, the instance gives up with an InstanceError.
+    """
 
     def __init__(self, settings: RankSettings, tp_size: int = 2,
                  num_cpus_per_rank: float = RANK_NUM_CPUS, strategy: str = "PACK",
                  ready_timeout_s: float = READY_TIMEOUT_S,
                  step_timeout_s: float = STEP_TIMEOUT_S,
-                 resources: dict[str, float] | None = None) -> None:
+                 resources: dict[str, float] | None = None,
+                 max_restarts: int = MAX_RESTARTS) -> None:
         """`resources`: custom Ray resources each rank's bundle also asks for (e.g.
         `{"kvtier_instance": 1}`): the ranks land only on nodes that offer them."""
         if tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
+        if max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
         settings.source.config()  # a bad source fails here, not inside every actor
         self.size, self.step_timeout_s = tp_size, step_timeout_s
+        self.ready_timeout_s, self.max_restarts = ready_timeout_s, max_restarts
+        self._settings, self._num_cpus = settings, num_cpus_per_rank
+        self.restarts = 0  # rank sets replaced after a fault, over the instance's life
+        self._failures_in_a_row = 0
+        self._next_id = 0
+        self._pending: dict[int, _Pending] = {}  # instance id -> request, in arrival order
+        self._rank_id: dict[int, int] = {}  # instance id -> the current ranks' request id
+        self._instance_id: dict[int, int] = {}  # the reverse
+        self._done: dict[int, Output] = {}
+        self.call_s = 0.0  # driver time inside step calls (for the actor-call overhead)
         bundle = {"CPU": num_cpus_per_rank, **(resources or {})}
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         self.ranks: list[Any] = []
         try:
             self._get(self._pg.ready(), ready_timeout_s, "placing the rank bundles")
-            init_method = loopback_init_method()
-            self.ranks = [create_rank_actor(r, tp_size, init_method, settings, self._pg,
-                                            num_cpus_per_rank) for r in range(tp_size)]
-            self._get([a.has_unfinished.remote() for a in self.ranks], ready_timeout_s,
-                      "starting the rank actors")
+            self._start_ranks()
         except BaseException:
             self.close()
             raise
-        self._done: dict[int, Output] = {}
         log.info("instance ready: TP=%d (%s)", tp_size, strategy)
 
+    def _start_ranks(self) -> None:
+        init_method = loopback_init_method()
+        self.ranks = [create_rank_actor(r, self.size, init_method, self._settings, self._pg,
+                                        self._num_cpus) for r in range(self.size)]
+        self._get([a.has_unfinished.remote() for a in self.ranks], self.ready_timeout_s,
+                  "starting the rank actors")
+
     def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
+        """Wait for `refs`, failing as soon as any one fails (a dead rank must not leave the
+        driver waiting for its peers' collective timeout)."""
+        single = not isinstance(refs, list)
+        waiting = [refs] if single else list(refs)
+        deadline = time.monotonic() + timeout_s
         try:
-            return ray.get(refs, timeout=timeout_s)
-        except GetTimeoutError as exc:
-            raise InstanceError(f"{what} took over {timeout_s} s: a rank is stuck or the "
-                                f"cluster lacks {self.size} bundles' CPUs; check `ray status`"
-                                ) from exc
+            while waiting:
+                ready, waiting = ray.wait(waiting, num_returns=1,
+                                          timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise RankFailure(f"{what} took over {timeout_s} s: a rank is stuck or "
+                                      f"the cluster lacks {self.size} bundles' CPUs; check "
+                                      f"`ray status`")
+                ray.get(ready)  # raises now if that rank failed
+            return ray.get(refs)
         except RayActorError as exc:
-            raise InstanceError(f"a rank actor died while {what}: {exc}") from exc
-        except RayTaskError as exc:  # a collective that timed out lands here too
-            raise InstanceError(f"a rank failed while {what} (the instance is unusable now; "
-                                f"close it and start another): {exc}") from exc
+            raise RankFailure(f"a rank actor died while {what}: {exc}") from exc
+        except RayTaskError as exc:  # a collective that lost its peer lands here too
+            raise RankFailure(f"a rank failed while {what}: {exc}") from exc
 
     def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         refs = [getattr(a, method).remote(*args) for a in self.ranks]
@@ -86,31 +132,89 @@ class Instance:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()
                     ) -> int:
-        ids = self._all("add_request", [int(t) for t in tokens], sampling)
+        """Queue a request on every rank; its id (the instance's, stable across restarts)."""
+        req_id, self._next_id = self._next_id, self._next_id + 1
+        self._pending[req_id] = _Pending(tuple(int(t) for t in tokens), sampling)
+        try:
+            self._submit(req_id)
+        except RankFailure as exc:
+            self._recover(exc)  # re-adds every pending request, this one too
+        return req_id
+
+    def _submit(self, req_id: int) -> None:
+        req = self._pending[req_id]
+        ids = self._all("add_request", list(req.tokens), req.sampling)
         if len(set(ids)) != 1:
             raise InstanceError(f"ranks gave request ids {ids}: their streams are out of step")
-        return ids[0]
+        self._rank_id[req_id], self._instance_id[ids[0]] = ids[0], req_id
 
     def step(self) -> list[Output]:
-        """One lockstep step on every rank; rank 0's finished outputs (checked against all)."""
-        per_rank = self._all("step")
+        """One lockstep step on every rank; rank 0's finished outputs (checked against all).
+        A rank fault replaces the ranks and re-adds pending requests; that step returns []."""
+        start = time.perf_counter()
+        try:
+            per_rank = self._all("step")
+        except RankFailure as exc:
+            self._recover(exc)
+            return []
+        finally:
+            self.call_s += time.perf_counter() - start
+        self._failures_in_a_row = 0
         for rank, outs in enumerate(per_rank[1:], start=1):
             got = [(o.request_id, o.tokens, o.finish_reason) for o in outs]
             want = [(o.request_id, o.tokens, o.finish_reason) for o in per_rank[0]]
             if got != want:
                 raise InstanceError(f"rank {rank} finished {got} but rank 0 {want}: the ranks "
                                     f"diverged (a bug in agreement); restart the instance")
-        return per_rank[0]
+        return [self._finish(o) for o in per_rank[0]]
+
+    def _finish(self, out: Output) -> Output:
+        req_id = self._instance_id.pop(out.request_id)
+        del self._rank_id[req_id], self._pending[req_id]
+        return dataclasses.replace(out, request_id=req_id)
+
+    def _recover(self, cause: RankFailure) -> None:
+        """Replace every rank and queue the pending requests again, in arrival order."""
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row > self.max_restarts:
+            raise InstanceError(f"{cause}; the ranks failed {self._failures_in_a_row} times "
+                                f"in a row, giving up (max_restarts={self.max_restarts})"
+                                ) from cause
+        log.warning("%s; replacing all %d ranks and recomputing %d pending requests",
+                    cause, self.size, len(self._pending))
+        self._kill_ranks()
+        self._rank_id.clear()
+        self._instance_id.clear()
+        self.restarts += 1
+        try:
+            self._start_ranks()
+            for req_id in list(self._pending):
+                self._submit(req_id)
+        except RankFailure as exc:
+            self._recover(exc)
 
     def abort(self, request_id: int) -> Output | None:
-        return self._all("abort", request_id)[0]
+        if request_id not in self._pending:
+            return None
+        try:
+            out = self._all("abort", self._rank_id[request_id])[0]
+        except RankFailure as exc:
+            del self._pending[request_id]  # not re-added by the recovery: it is aborted
+            self._recover(exc)
+            return None
+        if out is None:  # the ranks had finished it already; it comes out of the next step
+            return None
+        return self._finish(out)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams = SamplingParams(), max_steps: int = 100_000
                  ) -> list[Output]:
         """Run token prompts to completion on all ranks; rank 0's outputs in prompt order."""
-        ids = [self.add_request(p, sampling) for p in prompts]
-        pending = set(ids)
+        return self.wait([self.add_request(p, sampling) for p in prompts], max_steps)
+
+    def wait(self, ids: Sequence[int], max_steps: int = 100_000) -> list[Output]:
+        """Step until the requests `ids` have finished; their outputs in that order."""
+        pending = set(ids) - set(self._done)
         for _ in range(max_steps):
             if not pending:
                 break
@@ -124,6 +228,15 @@ class Instance:
             raise InstanceError(f"requests {sorted(pending)} unfinished after {max_steps} "
                                 f"steps; raise max_steps")
         return [self._done.pop(i) for i in ids]
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_submitted(self) -> int:
+        """Requests added over the instance's life."""
+        return self._next_id
 
     # ---- inspection and faults (tests, benchmarks) ------------------------------------------
     def stats(self) -> list[RankStats]:
@@ -146,16 +259,23 @@ class Instance:
         return self._get(getattr(self.ranks[rank], method).remote(*args), self.step_timeout_s,
                          f"calling {method} on rank {rank}")
 
+    def kill_rank(self, rank: int) -> None:
+        """Kill one rank's process (fault injection): the next call notices and recovers."""
+        ray.kill(self.ranks[rank], no_restart=True)
+
     # ---- lifetime --------------------------------------------------------------------------
+    def _kill_ranks(self) -> None:
+        for actor in self.ranks:
+            ray.kill(actor, no_restart=True)
+        self.ranks = []
+
     def close(self) -> None:
         if self.ranks:
             try:
                 self._all("close", timeout_s=10.0)
-            except InstanceError as exc:
+            except (RankFailure, InstanceError) as exc:
                 log.warning("closing the ranks: %s; killing them", exc)
-            for actor in self.ranks:
-                ray.kill(actor)
-            self.ranks = []
+            self._kill_ranks()
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

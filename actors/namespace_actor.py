@@ -35,6 +35,7 @@ RAY_NAMESPACE = "kvtier"
 CALL_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 60.0
 _RETRY_S = 0.2
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.5, 5.0
 
 
 class NamespaceUnavailable(StorageUnavailable):
@@ -97,22 +98,50 @@ class NamespaceClient(_Client):
     def __init__(self, handle: Any, timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.handle = handle
         self.timeout_s = timeout_s
+        self._backoff_s = 0.0
+        self._down_until = 0.0  # monotonic time before which calls fail without trying
+
+    def __getstate__(self) -> dict:
+        return {"handle": self.handle, "timeout_s": self.timeout_s}  # no back-off state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["handle"], state["timeout_s"])
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """One bounded call. After a failure, calls fail at once for a back-off (0.5 s,
+        doubling to 5 s): while the actor restarts, a rank's every lookup and report would
+        otherwise wait out the full timeout in the middle of a scheduling step."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if not ray.is_initialized():  # a call would quietly start a new local cluster
             raise NamespaceUnavailable(f"Ray is not running in this process; cannot call the L3 "
                                        f"namespace actor's {method}: connect to the cluster first")
+        left = self._down_until - time.monotonic()
+        if left > 0 and method != "ping":
+            raise NamespaceUnavailable(f"the L3 namespace actor failed a call recently; not "
+                                       f"calling {method} for another {left:.1f} s (L3 misses)")
         try:
-            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
+            result = ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
         except GetTimeoutError as exc:
+            self._failed()
             raise NamespaceUnavailable(
                 f"the L3 namespace actor did not answer {method} within {timeout_s:.1f} s; "
                 "treat L3 as a miss and retry later (is the actor restarting?)") from exc
         except RayActorError as exc:
+            self._failed()
             raise NamespaceUnavailable(
                 f"the L3 namespace actor failed during {method} ({type(exc).__name__}); it is "
                 "restarted automatically: treat L3 as a miss and retry") from exc
+        self._backoff_s, self._down_until = 0.0, 0.0
+        return result
+
+    def _failed(self) -> None:
+        self._backoff_s = min(max(2 * self._backoff_s, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
+        self._down_until = time.monotonic() + self._backoff_s
+
+    def kill(self) -> None:
+        """Kill the actor's process (fault injection); Ray restarts it, and it rebuilds its
+        directories from the backends."""
+        ray.kill(self.handle, no_restart=False)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str:
         """Ping until the actor answers (after creation or a restart); its incarnation id."""

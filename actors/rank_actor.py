@@ -12,7 +12,9 @@ methods return plain values and `Output` records.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import time
 from typing import NamedTuple, Sequence
 
 import ray
@@ -65,6 +67,8 @@ class RankStats(NamedTuple):
     free_device_pages: int
     device_pages: int
     device_hit_tokens: int
+    step_s: float = 0.0  # time inside `step` on this rank (the driver's share is the rest)
+    agreement_recent_s: tuple[float, ...] = ()  # the latest rounds' times, for percentiles
 
 
 class RankCache:
@@ -83,7 +87,9 @@ class RankCache:
         self.agreement = CollectiveAgreement(self.tp) if size > 1 else None
         self.engine.scheduler.agree = self.agreement
         self.steps = 0
+        self.step_s = 0.0
         self._refusals = 0
+        self._crash_at: int | None = None
         log.info("rank %d/%d ready: %d KV heads, %d L1 pages", rank, size,
                  self.engine.cache.spec.num_kv_heads, settings.device_pages)
 
@@ -134,8 +140,15 @@ class RankCache:
         return self.engine.add_request([int(t) for t in tokens], sampling)
 
     def step(self) -> list[Output]:
+        if self._crash_at is not None and self.steps >= self._crash_at:
+            log.error("rank %d: crashing at step %d (injected)", self.rank, self.steps)
+            os._exit(1)  # the process dies mid-request, its peers inside a collective
+        start = time.perf_counter()
         self.steps += 1
-        return self.engine.step()
+        try:
+            return self.engine.step()
+        finally:
+            self.step_s += time.perf_counter() - start
 
     def abort(self, request_id: int) -> Output | None:
         return self.engine.abort(request_id)
@@ -150,7 +163,13 @@ class RankCache:
                          agr.rounds if agr else self.steps, agr.total_s if agr else 0.0,
                          self.engine.scheduler.rolled_back,
                          cache.device_pool.allocator.num_free, cache.device_pool.num_pages,
-                         cache.counters.device_hit_tokens)
+                         cache.counters.device_hit_tokens, self.step_s,
+                         tuple(agr.times_s) if agr else ())
+
+    def crash_after(self, steps: int) -> None:
+        """Kill this rank's process at the start of its `steps`-th next step (fault
+        injection: it dies with requests in flight while its peers wait in a collective)."""
+        self._crash_at = self.steps + steps
 
     def refuse_allocations(self, count: int) -> None:
         """Make this rank's next `count` L1 allocations fail (a rank-local out-of-memory)."""

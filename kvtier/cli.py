@@ -33,7 +33,7 @@ def _command(sub, name: str, module, help_text: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import demo
-    from kvtier.bench import prefix, storage, transfer, tree
+    from kvtier.bench import instances, prefix, storage, transfer, tree
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(bench, "transfer", transfer, "L1<->L2 copy bandwidth per host layout")
     _command(bench, "storage", storage, "L3 backend write/read GB/s next to the raw library")
     _command(bench, "prefix", prefix, "SmolLM2 TTFT: cold vs L1, L2 and L3 hits")
+    _command(bench, "instances", instances, "the demo's two instances at TP=3: TTFT per tier, "
+             "agreement time per step, actor-call overhead")
     g = bench.add_parser("gen-trace", help="write a synthetic multi-turn trace")
     _add_gen_trace(g)
     g.set_defaults(func=_gen_trace)

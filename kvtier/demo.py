@@ -1,6 +1,7 @@
 """`kvtier demo`: two SmolLM2 instances on a local Ray cluster share a long document's KV.
 
-What it runs (one process drives everything; every instance is TP=1, one rank actor):
+What it runs (one process drives everything; every instance is TP=3 by default, three rank
+actors that agree on hit lengths with one MIN collective per scheduling step; `--tp 1`):
   * a local Ray cluster on 127.0.0.1 and the L3 namespace actor with one namespace whose
     storage (`file`: a temp dir; `nixl`: its POSIX plugin in the temp dir; `mooncake`: a
     master the actor starts) every rank opens with its own client;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import tempfile
@@ -45,6 +47,7 @@ class DemoParams(NamedTuple):
     page_size: int = 64
     chunk_tokens: int = 512
     progress: bool = True  # a tqdm bar on stderr
+    tp_size: int = 3  # ranks per instance; SmolLM2-135M has 3 KV heads: 1 or 3
 
 
 class Row(NamedTuple):
@@ -92,19 +95,22 @@ def _namespace_spec(params: DemoParams, config, root: str):
 
     return namespace_spec(SmolLM2Weights(), config, params.l3, root, SMOLLM2_NAMESPACE,
                           f"demo-{uuid.uuid4().hex[:8]}", dtype=torch.bfloat16,
-                          page_size=params.page_size)
+                          page_size=params.page_size, tp_size=params.tp_size)
 
 
 def namespace_spec(source, config, backend: str, root: str, model: str, tenant_salt: str, *,
                    dtype, page_size: int, tp_size: int = 1):
     """A NamespaceSpec whose layout fingerprint matches the pages ranks built from `source`
-    (a WeightSource), `config` and `dtype` write; `root` holds file/nixl pages."""
+    (a WeightSource), `config` and `dtype` write (each rank's page holds its share of the KV
+    heads); `root` holds file/nixl pages."""
     from kvtier.keys import layout_fingerprint
     from kvtier.kv_spec import KVSpec
     from kvtier.messages import NamespaceSpec
 
     cfg = source.config()
-    spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+    if cfg.num_kv_heads % tp_size:
+        raise ConfigError(f"{cfg.num_kv_heads} KV heads do not split over TP size {tp_size}")
+    spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads // tp_size,
                   head_dim=cfg.head_dim, page_size=page_size, dtype=dtype)
     fingerprint = layout_fingerprint(spec, config.normalize().mem_layout)
     return NamespaceSpec(model, tenant_salt, fingerprint, backend, _l3_options(backend, root),
@@ -115,13 +121,16 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
     """Run the demo; the JSON-able summary and one Row per request."""
     if params.l3 not in L3_BACKENDS:
         raise ConfigError(f"--l3 must be one of {', '.join(L3_BACKENDS)}, got {params.l3!r}")
+    if params.tp_size not in (1, 3):
+        raise ConfigError(f"--tp must be 1 or 3 (SmolLM2-135M has 3 KV heads), got "
+                          f"{params.tp_size}")
     if params.chunk_tokens % params.page_size:
         raise ConfigError(f"chunk_tokens ({params.chunk_tokens}) must be a multiple of the page "
                           f"size ({params.page_size})")
     from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray  # sets Ray's env first
     from kvtier.actors.instance import Instance
     from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-    from kvtier.actors.rank_actor import RankSettings
+    from kvtier.actors.rank_actor import RANK_NUM_CPUS, RankSettings
     from kvtier.bench.prefix import document_tokens
     from kvtier.config import HiCacheConfig
     from kvtier.engine.request import pages_for
@@ -159,7 +168,8 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
     try:
         with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
             stage("starting Ray")
-            start_local_ray(num_cpus=2)
+            # Ranks ask for half a CPU each; the machine's cores are shared by whatever runs.
+            start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
             try:
                 bar.update()
                 stage(f"L3 namespace actor ({params.l3})")
@@ -170,7 +180,7 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
                 for name, l3 in (("cold", None), ("A", info), ("B", info)):
                     stage(f"instance {name}")
                     instances[name] = Instance(settings._replace(l3=l3, l3_actor=actor_name),
-                                               tp_size=1)
+                                               tp_size=params.tp_size)
                     bar.update()
                 for name, inst in instances.items():
                     stage(f"warm-up {name}")
@@ -197,6 +207,7 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
                     rows.append(Row(name, q + 1, expected, out, cold[q], tok.decode(out.tokens)))
                     bar.update()
                 stats = {n: i.stats() for n, i in instances.items()}
+                calls = {n: (i.call_s, i.num_submitted) for n, i in instances.items()}
                 stage("shutting down")
             finally:
                 for inst in instances.values():
@@ -207,11 +218,12 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
             bar.update()
     finally:
         bar.close()
-    return _summary(params, rows, stats, doc_len, prompts, time.perf_counter() - t_start), rows
+    return _summary(params, rows, stats, calls, doc_len, prompts,
+                    time.perf_counter() - t_start), rows
 
 
-def _summary(params: DemoParams, rows: list[Row], stats: dict, doc_len: int, prompts: list,
-             runtime_s: float) -> dict:
+def _summary(params: DemoParams, rows: list[Row], stats: dict, calls: dict, doc_len: int,
+             prompts: list, runtime_s: float) -> dict:
     by_tier = {r.tier: r for r in rows}
     colds = {r.question: r.cold.ttft_s for r in rows}
     result: dict[str, Any] = {
@@ -223,24 +235,51 @@ def _summary(params: DemoParams, rows: list[Row], stats: dict, doc_len: int, pro
         else None,
         "tiers_as_expected": all(r.tier == r.expected for r in rows),
     }
-    ranks = [s for per in stats.values() for s in per]
-    if any(s.size > 1 for s in ranks):
-        multi = [s for s in ranks if s.size > 1]
-        rounds, steps = sum(s.agreement_rounds for s in multi), sum(s.steps for s in multi)
-        result["collectives_per_step"] = round(rounds / max(steps, 1), 3)
-        result["agreement_us_mean"] = round(1e6 * sum(s.agreement_s for s in multi)
-                                            / max(rounds, 1), 1)
-    else:
-        result["agreement_note"] = ("TP=1 instances run no agreement collective: "
-                                    "agreement_us_p50/p99 and collectives_per_step omitted")
+    result.update(agreement_figures([s for per in stats.values() for s in per]))
+    result.update(call_overhead(stats, calls))
     result.update({
-        "l3": params.l3, "tp_size": 1, "document_tokens": doc_len,
+        "l3": params.l3, "tp_size": params.tp_size, "document_tokens": doc_len,
         "prompt_tokens": [len(p) for p in prompts], "new_tokens": params.new_tokens,
         "page_size": params.page_size, "chunk_tokens": params.chunk_tokens, "dtype": "bf16",
         "steps": {n: sum(s.steps for s in per) for n, per in stats.items()},
         "requests": [r.to_json() for r in rows], "runtime_s": round(runtime_s, 1),
     })
     return result
+
+
+def agreement_figures(ranks: list) -> dict:
+    """One agreement round per step, its time per round (every rank's recent rounds pooled).
+    TP=1 ranks agree with themselves, without a collective: they count none."""
+    multi = [s for s in ranks if s.size > 1]
+    if not multi:
+        return {"collectives_per_step": 0.0, "agreement_us_p50": None, "agreement_us_p99": None,
+                "agreement_note": "TP=1: ranks agree locally, no collective runs"}
+    rounds, steps = sum(s.agreement_rounds for s in multi), sum(s.steps for s in multi)
+    times = sorted(t for s in multi for t in s.agreement_recent_s)
+    return {"collectives_per_step": round(rounds / max(steps, 1), 3),
+            "agreement_us_p50": round(1e6 * _quantile(times, 0.50), 1),
+            "agreement_us_p99": round(1e6 * _quantile(times, 0.99), 1),
+            "agreement_us_mean": round(1e6 * sum(s.agreement_s for s in multi)
+                                       / max(rounds, 1), 1)}
+
+
+def call_overhead(stats: dict, calls: dict) -> dict:
+    """The driver's time in step calls that no rank spent stepping (Ray calls, transfers of
+    the outputs, lockstep waits), per step and per request, summed over the instances."""
+    extra_s = steps = requests = 0
+    for name, ranks in stats.items():
+        call_s, submitted = calls[name]
+        extra_s += max(0.0, call_s - max(s.step_s for s in ranks))
+        steps += ranks[0].steps
+        requests += submitted
+    return {"actor_call_overhead_us_per_step": round(1e6 * extra_s / max(steps, 1), 1),
+            "actor_call_overhead_ms_per_request": round(1e3 * extra_s / max(requests, 1), 2)}
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def format_table(rows: list[Row]) -> str:
@@ -265,12 +304,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length, rounded to whole 512-token chunks (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
+    p.add_argument("--tp", type=int, choices=(1, 3), default=3,
+                   help="TP ranks per instance (SmolLM2-135M has 3 KV heads: 1 or 3)")
     p.add_argument("--json-only", action="store_true",
                    help="print only the final JSON line (no table, no progress bar)")
 
 
 def main(ns: argparse.Namespace) -> int:
-    params = DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json_only)
+    params = DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json_only,
+                        tp_size=ns.tp)
     result, rows = run(params)
     if not ns.json_only:
         print(format_table(rows))

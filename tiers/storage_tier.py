@@ -31,6 +31,7 @@ from kvtier.tiers.tree_node import NOT_STORED, STORED, TreeNode
 log = logging.getLogger(__name__)
 
 
+MAX_UNREPORTED_PAGES = 1 << 16  # kept for a retried report; older ones wait for a rebuild
 DIRECTORY_LEASE_S = 60.0  # a lease covering one prefetch; released when the prefetch ends
 
 
@@ -119,6 +120,7 @@ class StorageTier:
         self._inflight_pages = 0
         self._tickets: set[int] = set()
         self.directory = directory  # None: the backend's exists() says what L3 holds
+        self._unreported: list[str] = []  # stored pages whose report to the directory failed
         self.tp_rank = tp_rank
         self.lease_ttl_s = lease_ttl_s
 
@@ -287,20 +289,26 @@ class StorageTier:
             self.tree.release_host(node)
             self.counters.backed_up_tokens += op.done_pages * self.page_size
             self.counters.backup_failed_tokens += (op.num_pages - op.done_pages) * self.page_size
-        if stored and self.directory is not None:
+        if (stored or self._unreported) and self.directory is not None:
             self._report(stored)
         return len(ended)
 
     def _report(self, keys: list[str]) -> None:
-        """Tell the directory this rank's part of `keys` is written (it publishes a page once
-        every rank has). On failure the pages stay unpublished: readers see a miss."""
+        """Tell the directory this rank's part of `keys` (and of any earlier report that
+        failed) is written; it publishes a page once every rank has. On failure the pages
+        wait, unpublished (readers see a miss), for the next poll to report them again; a
+        restarted directory also finds them when it rebuilds from the backend."""
         assert self.directory is not None
+        keys = self._unreported + keys
+        self._unreported = []
         try:
             self.directory.report_stored(self.namespace.name, keys, self.tp_rank)
         except Exception as exc:  # noqa: BLE001 - an unpublished page is only a missed hit
             self.counters.directory_errors += 1
+            self._unreported = keys[-MAX_UNREPORTED_PAGES:]
             log.warning("reporting %d stored pages to the L3 directory failed (%s: %s); they "
-                        "stay unpublished", len(keys), type(exc).__name__, exc)
+                        "stay unpublished until a later report gets through", len(keys),
+                        type(exc).__name__, exc)
             return
         self.counters.directory_reported_pages += len(keys)
 

@@ -9,11 +9,12 @@ import ray
 from kvtier import cli
 from kvtier.demo import PLAN, DemoParams, format_table, run
 
-CONTRACT = {"identical", "ttft_cold_s", "ttft_l2_ratio", "ttft_l3_cross_instance_ratio"}
+CONTRACT = {"identical", "ttft_cold_s", "ttft_l2_ratio", "ttft_l3_cross_instance_ratio",
+            "agreement_us_p50", "agreement_us_p99", "collectives_per_step"}
 
 
 def test_demo_hits_every_tier_with_cold_answers() -> None:
-    result, rows = run(DemoParams(tokens=600, new_tokens=6, progress=False))
+    result, rows = run(DemoParams(tokens=600, new_tokens=6, progress=False, tp_size=3))
     assert not ray.is_initialized()  # Ray, its actors and the temp dir are gone
     assert CONTRACT <= set(result)
     assert result["identical"] is True
@@ -23,6 +24,8 @@ def test_demo_hits_every_tier_with_cold_answers() -> None:
     l3 = next(r for r in rows if r.tier == "L3")
     assert l3.out.cached.storage == result["document_tokens"] == 512
     assert l3.out.lengths.extend_len == len(l3.out.prompt) - 512
+    assert result["collectives_per_step"] == 1.0  # one agreement round per scheduling step
+    assert result["agreement_us_p50"] <= result["agreement_us_p99"]
     assert json.loads(json.dumps(result)) == result
     assert "ratio" in format_table(rows).splitlines()[0]
 
@@ -30,4 +33,6 @@ def test_demo_hits_every_tier_with_cold_answers() -> None:
 def test_demo_cli_parses() -> None:
     ns = cli.build_parser().parse_args(["demo", "--l3", "nixl", "--tokens", "600",
                                         "--json-only"])
-    assert (ns.l3, ns.tokens, ns.json_only) == ("nixl", 600, True)
+    assert (ns.l3, ns.tokens, ns.json_only, ns.tp) == ("nixl", 600, True, 3)
+    ns = cli.build_parser().parse_args(["bench", "instances", "--json", "--tp", "1"])
+    assert (ns.json, ns.tp, ns.l3) == (True, 1, "file")

@@ -9,7 +9,6 @@ import torch
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.rank_actor import RankCache, RankSettings
-from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray
 from kvtier.config import HiCacheConfig
 from kvtier.engine.agreement import (SLOT_FAILED, SLOT_RESERVED, SLOT_SKIPPED, AgreementPayload,
                                      local_agree, pack, unpack)
@@ -52,13 +51,9 @@ def reference() -> dict[str, list[tuple[int, ...]]]:
 
 
 @pytest.fixture(scope="module")
-def instance():
-    start_local_ray(num_cpus=2)
-    try:
-        with Instance(SETTINGS, tp_size=2, ready_timeout_s=90.0, step_timeout_s=30.0) as inst:
-            yield inst
-    finally:
-        shutdown_local_ray()
+def instance(instance_factory):
+    with instance_factory(SETTINGS, tp_size=2) as inst:
+        yield inst
 
 
 def test_payload_packs_min_and_max_into_one_tensor() -> None:

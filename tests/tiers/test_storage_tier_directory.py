@@ -187,3 +187,39 @@ def test_tenants_are_isolated(directory):
             assert directory.stats(ns_b).published_pages == 0
         with make(seed, directory, 0, "a") as c:
             assert serve(c, DOC + [7]).storage_hit_length == 40
+
+
+class FlakyDirectory:
+    """A real directory behind a switch: while `down`, every call fails."""
+
+    def __init__(self, directory):
+        self.directory, self.down = directory, False
+
+    def __getattr__(self, name):
+        real = getattr(self.directory, name)
+
+        def call(*args, **kwargs):
+            if self.down:
+                raise TimeoutError("the L3 namespace actor did not answer")
+            return real(*args, **kwargs)
+        return call
+
+
+def test_reports_that_failed_are_sent_again_when_the_directory_is_back(directory):
+    seed = random.getrandbits(48)
+    flaky = FlakyDirectory(directory)
+    with make(seed, flaky, 0) as r0, make(seed, directory, 1) as r1:
+        ns = register(directory, r0)
+        serve(r1, DOC)
+        settle(r1)
+        flaky.down = True
+        serve(r0, DOC)
+        settle(r0)  # rank 0's report fails: its pages wait, unpublished
+        assert r0.storage.counters.directory_errors >= 1
+        assert directory.stats(ns).published_pages == 0
+        flaky.down = False
+        serve(r0, DOC[:8] + [9] * 8)  # any later poll reports again, the old pages first
+        settle(r0)
+        assert directory.stats(ns).published_pages == 10
+        with make(seed, directory, 0) as c:
+            assert serve(c, DOC + [7]).storage_hit_length == 40

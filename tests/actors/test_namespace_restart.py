@@ -1,0 +1,101 @@
+"""The L3 namespace actor killed while two instances serve: requests in flight finish with
+the right answers (L3 lookups and reports fail fast and count as misses meanwhile); Ray
+restarts the actor, it rebuilds its directory from the file backend, and the instances hit
+L3 again, including pages written while it was down."""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvtier.actors.instance import Instance
+from kvtier.actors.namespace_actor import _BACKOFF_MAX_S, get_or_create_namespace_actor
+from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray
+from kvtier.config import HiCacheConfig
+from kvtier.demo import namespace_spec
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.tp_worker import TinyWeights
+
+PAGE = 16
+CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",
+                       prefetch_threshold_tokens=PAGE)
+SETTINGS = RankSettings(TinyWeights(seed=21), CONFIG, device_pages=48, dtype=torch.float32,
+                        chunk_tokens=PAGE, timeout_s=30.0)
+GREEDY = SamplingParams(max_new_tokens=5)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 256) for _ in range(n)]
+
+
+PROMPTS = [tokens(s, 4 * PAGE + 3) for s in range(4)]  # four pages and a tail each
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[int, ...]]:
+    rank = RankCache(0, 1, "", SETTINGS)
+    try:
+        return [o.tokens for o in rank.engine.generate(PROMPTS, GREEDY)]
+    finally:
+        rank.close()
+
+
+def test_instances_keep_serving_through_a_namespace_actor_restart(tmp_path, reference):
+    start_local_ray(num_cpus=2)
+    name = f"kvtier-l3-restart-{uuid.uuid4().hex[:6]}"
+    client = get_or_create_namespace_actor(name, str(tmp_path / "state"))
+    instances: list[Instance] = []
+    try:
+        info = client.register(namespace_spec(SETTINGS.source, CONFIG, "file",
+                                              str(tmp_path / "l3"), "tiny", "restart",
+                                              dtype=SETTINGS.dtype, page_size=PAGE))
+        settings = SETTINGS._replace(l3=info, l3_actor=name)
+        a, b = (Instance(settings, tp_size=1, ready_timeout_s=90, step_timeout_s=30)
+                for _ in range(2))
+        instances += [a, b]
+        assert a.generate([PROMPTS[0]], GREEDY)[0].tokens == reference[0]
+        a.quiesce()
+
+        # Under load: both instances have requests in flight when the actor dies.
+        before = client.ping()
+        ids_a = [a.add_request(PROMPTS[1], GREEDY)]
+        ids_b = [b.add_request(PROMPTS[0], GREEDY)]
+        a.step()
+        b.step()
+        client.kill()
+        ids_a.append(a.add_request(PROMPTS[2], GREEDY))
+        outs_a, outs_b = a.wait(ids_a), b.wait(ids_b)
+        assert [o.tokens for o in outs_a] == [reference[1], reference[2]]
+        assert outs_b[0].tokens == reference[0]
+        a.quiesce()  # A's backups of prompts 1 and 2 land; their reports may fail
+
+        deadline = time.monotonic() + 60
+        while client.wait_ready(timeout_s=60) == before:
+            assert time.monotonic() < deadline, "the namespace actor did not come back"
+            time.sleep(0.1)
+        time.sleep(_BACKOFF_MAX_S + 0.5)  # the ranks' clients end their back-off
+        stats = client.stats(info.namespace)
+        assert stats.published_pages >= 3 * 4, stats  # rebuilt from the files, or reported
+
+        # B hits in L3 what A wrote before and while the actor was down.
+        for i in (1, 2):
+            out = b.generate([PROMPTS[i]], GREEDY)[0]
+            assert out.cached.storage == 4 * PAGE, (i, out.cached, stats)
+            assert out.tokens == reference[i]
+        # and A keeps reporting to the new incarnation: prompt 3 is published once stored.
+        assert a.generate([PROMPTS[3]], GREEDY)[0].tokens == reference[3]
+        a.quiesce()
+        out = b.generate([PROMPTS[3]], GREEDY)[0]
+        assert out.cached.storage == 4 * PAGE and out.tokens == reference[3]
+    finally:
+        for inst in instances:
+            inst.close()
+        client.shutdown()
+        shutdown_local_ray()
