@@ -78,15 +78,19 @@ class _Record:
 
     @classmethod
     def from_msgpack(cls: type[R], data: bytes) -> R:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise MessageError(f"{cls.__name__}.from_msgpack takes bytes, got {type(data).__name__}")
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise MessageError(f"{cls.__name__}: {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
-        try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise MessageError(f"{cls.__name__}: not a msgpack record ({exc})") from exc
-        return cls.from_map(obj)
+        return cls.from_map(unpack_payload(cls.__name__, data))
+
+
+def unpack_payload(name: str, data: bytes) -> Any:
+    """The msgpack object in `data`, a payload for record `name`: bytes, size-capped, valid."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MessageError(f"{name}.from_msgpack takes bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{name}: {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise MessageError(f"{name}: not a msgpack record ({exc})") from exc
 
 
 @functools.cache

@@ -81,3 +81,26 @@ class HitPolicy(_Choice):
 
     ALL_PAGES = "all_pages"
     TRAILING_PAGES = "trailing_pages"
+
+
+# Cache events (what an instance tells the router; `kvtier.serve.cache_events`).
+class CacheTier(enum.Enum):
+    """Where a page is, best first (the order the router prefers)."""
+
+    DEVICE = "device"  # L1
+    HOST = "host"  # L2
+    STORAGE = "storage"  # L3, shared by every instance of a namespace
+
+    @property
+    def rank(self) -> int:
+        """0 for L1, 1 for L2, 2 for L3: lower is a cheaper hit."""
+        return _TIER_RANK[self]
+
+
+_TIER_RANK = {CacheTier.DEVICE: 0, CacheTier.HOST: 1, CacheTier.STORAGE: 2}
+
+
+class CacheEventKind(enum.Enum):
+    STORED = "stored"  # the pages are now in `tier`
+    DEMOTED = "demoted"  # the pages left L1 (tier DEVICE) and are still in L2
+    EVICTED = "evicted"  # the pages are gone from `tier`

@@ -7,7 +7,7 @@ tree's internals.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -17,18 +17,22 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError
 from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import KVSpec
-from kvtier.policies import HostMode, WritePolicy
+from kvtier.policies import CacheEventKind, CacheTier, HostMode, WritePolicy
 from kvtier.tiers.cache_types import CacheCounters, CacheLookup
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
-from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier
+from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier, node_tokens
+from kvtier.tiers.storage_worker import StorageOp
 from kvtier.tiers.tree_node import TreeNode
 from kvtier.tiers.tree_types import LoadBackPlan, LoadRefusal
 
 log = logging.getLogger(__name__)
+
+# fn(kind, tier, page_hashes): pages (the namespace's chain keys, prefix order) changed tier.
+CacheEventListener = Callable[[CacheEventKind, CacheTier, "list[str]"], None]
 
 
 class HierarchicalCache:
@@ -65,6 +69,9 @@ class HierarchicalCache:
         self.directory = directory
         self.tp_rank = tp_rank
         self._tickets: list[PrefetchTicket] = []
+        self._listener: CacheEventListener | None = None
+        self._landing: dict[int, list[str]] = {}  # write op id -> hashes, while listening
+        self._storing: list[StorageOp] = []  # L3 backups whose end is still to be told
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, tp_rank, tp_size)
             storage = create_backend(config.storage_backend, target, config.storage_options)
@@ -160,6 +167,8 @@ class HierarchicalCache:
             self.tree.set_backup(n, host_pages)
             self.tree.lock(n)  # the L1 pages must not change until the copy lands
             self._backups[op] = n
+            if self._listener is not None:  # told when the copy lands; n may split before
+                self._landing[op] = self._node_hashes(n)
             self.counters.backed_up_tokens += len(n.key)
 
     def _write_back(self, node: TreeNode) -> list[int] | None:
@@ -195,17 +204,61 @@ class HierarchicalCache:
             node = self._backups.pop(op, None)
             if node is not None:
                 self.tree.unlock(node)
+                landed = self._landing.pop(op, None)
+                if landed and self._listener is not None:
+                    self._listener(CacheEventKind.STORED, CacheTier.HOST, landed)
                 self._back_up_to_storage(node)
                 done += 1
         while self._written_back:
             self._back_up_to_storage(self._written_back.pop())
         if self.storage is not None:
             self.storage.poll()
+        self._tell_stored()
         return done
 
     def _back_up_to_storage(self, node: TreeNode) -> None:
         if self.storage is not None and node.host_value is not None and node.parent is not None:
-            self.storage.backup(node)
+            op = self.storage.backup(node)
+            if op is not None and self._listener is not None:
+                self._storing.append(op)
+
+    # ---- cache events (for the router) ------------------------------------------------------
+    def set_event_listener(self, fn: CacheEventListener | None) -> None:
+        """Call `fn(kind, tier, page_hashes)` whenever pages enter or leave a tier (None: stop).
+
+        Page hashes are this cache's chain keys (`self.namespace.page_hashes`), the ones a
+        router computes from a request's tokens. L2 entries are told when the copy has landed,
+        L3 ones when this rank's backup has written them (with a page directory, the page is
+        published once every TP rank has). With no listener the tree skips all of this.
+        """
+        self._listener = fn
+        self.tree.listener = self._on_tree_event if fn is not None else None
+        if fn is None:
+            self._landing.clear()
+            self._storing.clear()
+
+    def _on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
+        if self._listener is not None:
+            self._listener(kind, tier, self._node_hashes(node))
+
+    def _node_hashes(self, node: TreeNode) -> list[str]:
+        """The chain keys of `node`'s own pages (hashing walks its whole prefix)."""
+        pages = len(node.key) // self.spec.page_size
+        keys = self.namespace.page_hashes(node_tokens(node), self.spec.page_size)
+        return keys[len(keys) - pages:]
+
+    def _tell_stored(self) -> None:
+        """Tell the listener about L3 backups that ended (their written leading pages)."""
+        if not self._storing:
+            return
+        running: list[StorageOp] = []
+        ended: list[StorageOp] = []
+        for op in self._storing:  # one look at each state: the worker thread may finish it
+            (ended if op.state.finished else running).append(op)
+        self._storing = running
+        for op in ended:
+            if op.done_pages and self._listener is not None:
+                self._listener(CacheEventKind.STORED, CacheTier.STORAGE, op.keys[:op.done_pages])
 
     def flush(self) -> None:
         """Wait for every queued copy and settle its bookkeeping."""
@@ -242,6 +295,7 @@ class HierarchicalCache:
             self.abort_prefetch(ticket)
         self.storage.close()
         self.storage = None
+        self._tell_stored()
 
     def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
         """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching)."""

@@ -10,6 +10,7 @@ import itertools
 from typing import Callable, Sequence
 
 from kvtier.errors import CacheUsageError
+from kvtier.policies import CacheEventKind, CacheTier
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.tree_node import LruQueue, TreeNode
 from kvtier.tiers.tree_types import EvictResult, InsertResult, MatchResult, TreeStats
@@ -17,6 +18,9 @@ from kvtier.tiers.tree_types import EvictResult, InsertResult, MatchResult, Tree
 # Called for an L1 page run that is about to be evicted and has no L2 copy (write_back
 # policy): returns the L2 page ids now holding a copy, or None to drop the run instead.
 WriteBackFn = Callable[[TreeNode], "list[int] | None"]
+# Told when a node's pages enter or leave a tier (`HierarchicalCache.set_event_listener`
+# turns nodes into page hashes); called while the node still has its key and parent.
+TreeListener = Callable[[CacheEventKind, CacheTier, TreeNode], None]
 
 
 def _as_key(tokens: Sequence[int]) -> tuple:
@@ -43,6 +47,7 @@ class HiRadixTree:
         self.device_allocator = device_allocator
         self.host_allocator = host_allocator
         self.write_back = write_back
+        self.listener: TreeListener | None = None  # None: no events, no cost
         self._ids = itertools.count(1)
         self._clock = 0
         self.root = TreeNode(0, (), None)
@@ -82,6 +87,10 @@ class HiRadixTree:
                 self._host_protected += sign * len(node.host_value)
             else:
                 self._host_evictable += sign * len(node.host_value)
+
+    def _emit(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
+        if self.listener is not None:
+            self.listener(kind, tier, node)
 
     def _refresh(self, node: TreeNode) -> None:
         self.device_lru.refresh(node)
@@ -171,6 +180,7 @@ class HiRadixTree:
                 self._account(child, -1)
                 child.value = list(seg)
                 self._account(child, +1)
+                self._emit(CacheEventKind.STORED, CacheTier.DEVICE, child)
                 parent.device_children += 1
                 self._refresh(parent)
                 self._refresh(child)
@@ -209,6 +219,7 @@ class HiRadixTree:
                     self._account(child, -1)
                     child.host_value = list(seg)
                     self._account(child, +1)
+                    self._emit(CacheEventKind.STORED, CacheTier.HOST, child)
                 else:
                     unused.extend(a for a, b in zip(seg, child.host_value) if a != b)
             prefix += pages
@@ -266,6 +277,10 @@ class HiRadixTree:
         self._account(node, +1)
         self._refresh(parent)
         self._refresh(node)
+        if value is not None:
+            self._emit(CacheEventKind.STORED, CacheTier.DEVICE, node)
+        if host_value is not None:
+            self._emit(CacheEventKind.STORED, CacheTier.HOST, node)
         return node
 
     def set_backup(self, node: TreeNode, host_pages: Sequence[int]) -> None:
@@ -326,6 +341,7 @@ class HiRadixTree:
                 if host_pages is not None:
                     node.host_value = list(host_pages)
                     written += pages
+                    self._emit(CacheEventKind.STORED, CacheTier.HOST, node)
             if node.host_value is not None:
                 self._demote(node)
                 demoted += pages
@@ -341,6 +357,7 @@ class HiRadixTree:
         return EvictResult(freed, demoted, dropped, written)
 
     def _demote(self, node: TreeNode) -> None:
+        self._emit(CacheEventKind.DEMOTED, CacheTier.DEVICE, node)
         self._account(node, -1)
         self.device_allocator.free(node.value)
         node.value = None
@@ -364,6 +381,10 @@ class HiRadixTree:
 
     def _forget(self, node: TreeNode) -> None:
         """Free `node`'s pages in both tiers and take it out of the queues."""
+        if node.value is not None:
+            self._emit(CacheEventKind.EVICTED, CacheTier.DEVICE, node)
+        if node.host_value is not None:
+            self._emit(CacheEventKind.EVICTED, CacheTier.HOST, node)
         self._account(node, -1)
         if node.value is not None:
             self.device_allocator.free(node.value)
@@ -398,6 +419,7 @@ class HiRadixTree:
             self._account(n, -1)
             n.value = pages[start : start + count]
             self._account(n, +1)
+            self._emit(CacheEventKind.STORED, CacheTier.DEVICE, n)
             n.parent.device_children += 1
             self._refresh(n.parent)
             self._refresh(n)

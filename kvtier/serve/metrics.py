@@ -1,0 +1,227 @@
+"""Prometheus metrics of a serving deployment, fed from plain snapshots.
+
+The caches keep monotonic counters (`CacheCounters.snapshot()`, `StorageCounters.snapshot()`,
+the controller's `TransferStats`, the backend's `BackendStats`) and ship them as dicts; this
+module turns successive snapshots into Prometheus counter increments. That keeps it free of
+Ray and of the engine: the serve graph polls the instances and hands the dicts over here.
+
+All families live on a private `CollectorRegistry`, so two deployments (or two tests) in one
+process never collide, and every family carries an `instance` label. A snapshot whose counter
+went backwards means the instance restarted: its new value is the increment since then.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Mapping, NamedTuple, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "kvtier_"
+TIERS = ("device", "host", "storage")
+
+# µs-scale: one MIN all-reduce per scheduling step should cost tens of microseconds
+AGREEMENT_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+                       2.5e-2, 0.1, 1.0)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# 1 MB/s .. 100 GB/s: file backends on a slow disk up to RDMA-backed Mooncake
+BANDWIDTH_BUCKETS_BPS = (1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 1e11)
+
+
+class Source(NamedTuple):
+    """One counter family's increment = sum of the deltas of `keys` in one snapshot."""
+
+    family: str
+    labels: tuple[tuple[str, str], ...]
+    keys: tuple[str, ...]
+
+
+def _src(family: str, keys: str | tuple[str, ...], **labels: str) -> Source:
+    keys = (keys,) if isinstance(keys, str) else keys
+    return Source(family, tuple(labels.items()), keys)
+
+
+# CacheCounters.snapshot(), optionally merged with the controller's TransferStats
+CACHE_SOURCES = (
+    _src("lookups", "lookups"),
+    _src("hit_tokens", "device_hit_tokens", tier="device"),
+    _src("hit_tokens", "host_hit_tokens", tier="host"),
+    _src("evicted_tokens", "evicted_device_tokens", tier="device"),
+    _src("evicted_tokens", "evicted_host_tokens", tier="host"),
+    _src("load_back_tokens", "loaded_back_tokens"),
+    _src("load_back_bytes", "load_bytes"),
+    _src("load_back_seconds", "load_s"),
+    # L1 -> L2 copies: write-through backups and write-back on eviction
+    _src("backup_tokens", ("backed_up_tokens", "written_back_tokens")),
+    _src("backup_bytes", "write_bytes"),
+    _src("backup_seconds", "write_s"),
+    _src("dropped_backup_tokens", "dropped_backup_tokens", reason="host_capacity"),
+    _src("load_back_refused_tokens", "unloaded_below_threshold_tokens", reason="below_threshold"),
+    _src("load_back_refused_tokens", "unloaded_over_quota_tokens", reason="over_quota"),
+    _src("load_back_refused_tokens", "unloaded_device_capacity_tokens", reason="device_capacity"),
+)
+
+# StorageCounters.snapshot(), optionally merged with the backend's BackendStats
+STORAGE_SOURCES = (
+    _src("hit_tokens", "storage_hit_tokens", tier="storage"),
+    _src("prefetch_query_tokens", "queried_tokens"),
+    _src("prefetch_hit_tokens", "prefetched_tokens"),
+    _src("prefetch_wait_seconds", "prefetch_wait_s"),
+    _src("prefetch_unfulfilled_tokens", "unfulfilled_below_threshold_tokens",
+         reason="below_threshold"),
+    _src("prefetch_unfulfilled_tokens", "unfulfilled_host_capacity_tokens", reason="host_capacity"),
+    _src("prefetch_unfulfilled_tokens", "unfulfilled_storage_transfer_tokens",
+         reason="storage_transfer"),
+    _src("storage_backup_tokens", "backed_up_tokens"),
+    _src("dropped_backup_tokens", "backup_failed_tokens", reason="storage_write"),
+    _src("storage_read_bytes", "bytes_read"),
+    _src("storage_write_bytes", "bytes_written"),
+    _src("storage_evicted_pages", "evicted_pages"),
+    _src("directory_errors", "directory_errors"),
+)
+
+COUNTERS = {  # family -> (help, extra label names)
+    "cached_tokens": ("Prompt tokens served from cache, by the tier they came from", ("tier",)),
+    "requests": ("Finished requests by finish reason", ("finish_reason",)),
+    "lookups": ("Cache lookups (one per request per rank)", ()),
+    "hit_tokens": ("Tokens the cache found per tier at lookup time", ("tier",)),
+    "evicted_tokens": ("Tokens evicted from a tier", ("tier",)),
+    "load_back_tokens": ("Tokens loaded back L2 -> L1", ()),
+    "load_back_bytes": ("Bytes loaded back L2 -> L1", ()),
+    "load_back_seconds": ("Copy time of L2 -> L1 load-backs", ()),
+    "backup_tokens": ("Tokens copied L1 -> L2 (write-through and write-back)", ()),
+    "backup_bytes": ("Bytes copied L1 -> L2", ()),
+    "backup_seconds": ("Copy time of L1 -> L2 backups", ()),
+    "dropped_backup_tokens": ("Tokens whose backup was dropped, by reason", ("reason",)),
+    "load_back_refused_tokens": ("L2 hits recomputed instead of loaded back, by reason",
+                                 ("reason",)),
+    "prefetch_query_tokens": ("Tokens asked of L3 by prefetches", ()),
+    "prefetch_hit_tokens": ("Tokens prefetched from L3 that landed in L2 and were used", ()),
+    "prefetch_wait_seconds": ("Time from prefetch submission to completion", ()),
+    "prefetch_unfulfilled_tokens": ("L3 tokens not prefetched, by reason", ("reason",)),
+    "storage_backup_tokens": ("Tokens written L2 -> L3", ()),
+    "storage_read_bytes": ("Bytes read from L3", ()),
+    "storage_write_bytes": ("Bytes written to L3", ()),
+    "storage_evicted_pages": ("Pages the L3 backend evicted", ()),
+    "directory_errors": ("Failed calls to the L3 page directory", ()),
+}
+
+HISTOGRAMS = {  # family -> (help, buckets)
+    "ttft_seconds": ("Time to first token", TTFT_BUCKETS_S),
+    "tpot_seconds": ("Time per output token after the first", TPOT_BUCKETS_S),
+    "agreement_seconds": ("One cross-rank agreement round", AGREEMENT_BUCKETS_S),
+    "storage_read_bandwidth_bytes_per_second": ("L3 read bandwidth per transfer or interval",
+                                                BANDWIDTH_BUCKETS_BPS),
+    "storage_write_bandwidth_bytes_per_second": ("L3 write bandwidth per transfer or interval",
+                                                 BANDWIDTH_BUCKETS_BPS),
+}
+
+GAUGES = {
+    "host_used_tokens": "Tokens held in the L2 host pool",
+    "host_total_tokens": "Capacity of the L2 host pool in tokens",
+}
+
+# (bytes key, seconds keys tried in order) for the interval bandwidth of a storage snapshot;
+# prefetch_wait_s includes queueing, so it is only the fallback for reads
+READ_TIMING = ("bytes_read", ("read_s", "prefetch_wait_s"))
+WRITE_TIMING = ("bytes_written", ("write_s", "backup_s"))
+
+
+def counter_deltas(last: Mapping[str, float] | None, now: Mapping[str, float]) -> dict[str, float]:
+    """Increments between two monotonic snapshots of one source.
+
+    If any counter went backwards the source restarted from zero, and then every counter of
+    `now` is its increment: checking keys one by one would miss a counter that grew past its
+    old value again before this snapshot.
+    """
+    now = {k: v for k, v in now.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    last = last or {}
+    if any(v < last.get(k, 0) for k, v in now.items()):
+        last = {}
+    return {k: v - last.get(k, 0) for k, v in now.items()}
+
+
+class ServeMetrics:
+    """The deployment's metrics: observe requests and agreement rounds, feed cache snapshots,
+    render the `/metrics` page."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._counters = {name: Counter(PREFIX + name, doc, ("instance", *labels),
+                                        registry=self.registry)
+                          for name, (doc, labels) in COUNTERS.items()}
+        self._histograms = {name: Histogram(PREFIX + name, doc, ("instance",), buckets=buckets,
+                                            registry=self.registry)
+                            for name, (doc, buckets) in HISTOGRAMS.items()}
+        self._gauges = {name: Gauge(PREFIX + name, doc, ("instance",), registry=self.registry)
+                        for name, doc in GAUGES.items()}
+        self._last: dict[tuple[str, str], dict[str, float]] = {}  # (instance, source) -> snapshot
+        self._lock = threading.Lock()
+
+    # ---- per request ---------------------------------------------------------------------
+    def observe_request(self, instance: str, ttft_s: float, tpot_s: float | None,
+                        cached: Mapping[str, int] | tuple, finish_reason: str) -> None:
+        """One finished request: its latencies, its cached tokens by tier, its finish reason."""
+        self._histograms["ttft_seconds"].labels(instance).observe(ttft_s)
+        if tpot_s is not None:
+            self._histograms["tpot_seconds"].labels(instance).observe(tpot_s)
+        cached = cached._asdict() if hasattr(cached, "_asdict") else cached  # CachedTokens too
+        for tier in TIERS:
+            self._counters["cached_tokens"].labels(instance, tier).inc(max(0, cached.get(tier, 0)))
+        self._counters["requests"].labels(instance, finish_reason).inc()
+
+    def observe_agreement(self, instance: str, seconds_list: Sequence[float]) -> None:
+        """Durations of agreement rounds (the scheduler reports them in batches)."""
+        hist = self._histograms["agreement_seconds"].labels(instance)
+        for seconds in seconds_list:
+            hist.observe(seconds)
+
+    def observe_storage_transfer(self, instance: str, write: bool, nbytes: int,
+                                 seconds: float) -> None:
+        """One L3 transfer's bandwidth, for callers that time each batch themselves."""
+        if nbytes > 0 and seconds > 0:
+            self._bandwidth(instance, write).observe(nbytes / seconds)
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def update_cache(self, instance: str, counters: Mapping[str, float], host_used_tokens: int,
+                     host_total_tokens: int, storage: Mapping[str, float] | None = None) -> None:
+        """Fold one instance's cache snapshot (and its L3 snapshot, if it has L3) into the
+        counters. Missing keys are skipped, so older or partial snapshots still work."""
+        self._gauges["host_used_tokens"].labels(instance).set(host_used_tokens)
+        self._gauges["host_total_tokens"].labels(instance).set(host_total_tokens)
+        self._apply(instance, self._step(instance, "cache", counters), CACHE_SOURCES)
+        if storage is not None:
+            deltas = self._step(instance, "storage", storage)
+            self._apply(instance, deltas, STORAGE_SOURCES)
+            self._observe_interval_bandwidth(instance, deltas)
+
+    def _step(self, instance: str, source: str, snapshot: Mapping[str, float]) -> dict[str, float]:
+        """Deltas since this instance's previous snapshot of `source`; remembers this one."""
+        with self._lock:
+            deltas = counter_deltas(self._last.get((instance, source)), snapshot)
+            self._last[(instance, source)] = dict(snapshot)
+        return deltas
+
+    def _apply(self, instance: str, deltas: Mapping[str, float], sources: Sequence[Source]) -> None:
+        for src in sources:
+            present = [deltas[k] for k in src.keys if k in deltas]
+            if present:  # inc(0) too: the series shows up as soon as the source reports it
+                labels = dict(src.labels, instance=instance)
+                self._counters[src.family].labels(**labels).inc(sum(present))
+
+    def _observe_interval_bandwidth(self, instance: str, deltas: Mapping[str, float]) -> None:
+        """Bandwidth over the interval between two snapshots, when the snapshot has timings."""
+        for write, (bytes_key, seconds_keys) in ((False, READ_TIMING), (True, WRITE_TIMING)):
+            seconds = next((deltas[k] for k in seconds_keys if k in deltas), 0.0)
+            self.observe_storage_transfer(instance, write, deltas.get(bytes_key, 0), seconds)
+
+    def _bandwidth(self, instance: str, write: bool):
+        kind = "write" if write else "read"
+        return self._histograms[f"storage_{kind}_bandwidth_bytes_per_second"].labels(instance)
+
+    # ---- exposition ----------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        """The `/metrics` body and its content type (Prometheus text format)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

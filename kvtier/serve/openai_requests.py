@@ -1,0 +1,335 @@
+"""OpenAI-compatible requests, without the HTTP: parse and validate request bodies into
+frozen request objects; a bad request raises `ApiError`, whose `status` and `to_body()` the
+ingress returns as they are.
+
+Everything here is plain Python so the Ray Serve ingress stays a thin shell and every rule
+is testable without a server. Input is the raw body (bytes, str or a decoded dict).
+Served endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from kvtier.errors import KvtierError
+
+MAX_STOPS = 4  # OpenAI's own limit on `stop`
+TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 in most tokenizers and kernels
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
+# ---------------------------------------------------------------- errors
+
+class ErrorType(str, enum.Enum):
+    """OpenAI's `error.type` values that this server emits."""
+
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    NOT_FOUND = "not_found_error"
+    SERVER = "server_error"
+
+
+class ApiError(KvtierError):
+    """A request the server refuses; `to_body()` is the OpenAI error JSON to send with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 err_type: ErrorType = ErrorType.INVALID_REQUEST, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.err_type, self.code = ErrorType(err_type), code
+
+    def to_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.err_type.value,
+                          "param": self.param, "code": self.code}}
+
+
+def _bad(param: str, what: str) -> ApiError:
+    """A 400 whose message starts with the field, so a client sees what to fix."""
+    return ApiError(400, f"{param}: {what}", param=param)
+
+
+# ---------------------------------------------------------------- request types
+
+class Role(str, enum.Enum):
+    """Chat roles a plain text model can honour (no tools, so no `tool`/`function`)."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+class ChatMessage(NamedTuple):
+    role: Role
+    content: str  # text parts already joined
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """What this server accepts; fixed at startup from the engine's config."""
+
+    model_names: tuple[str, ...]
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions:
+    """Fields shared by both endpoints. Defaults are OpenAI's (temperature 1, top_p 1)."""
+
+    model: str
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stream: bool = False
+    stop: tuple[str, ...] = ()
+    include_usage: bool = False  # stream_options.include_usage: a final usage-only chunk
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionRequest(GenerationOptions):
+    prompt: str | tuple[int, ...]  # text, or token ids to use as they are
+
+    @property
+    def is_token_prompt(self) -> bool:
+        return isinstance(self.prompt, tuple)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatRequest(GenerationOptions):
+    messages: tuple[ChatMessage, ...]
+
+
+# Fields that would change what we return; any value but a harmless one is refused rather than
+# silently ignored (a client asking for logprobs must not get a reply without them).
+_COMMON_UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
+_COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "logprobs": (None, False),
+                           "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+_CHAT_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0),
+                     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                     "function_call": (None, "none"),
+                     "response_format": (None, {"type": "text"})}
+
+
+# ---------------------------------------------------------------- parsing: the body
+
+def _decode_body(body: bytes | str | Mapping, limits: ApiLimits) -> dict:
+    """The body as a dict: size first (413, before any parsing work), then strict JSON."""
+    if isinstance(body, Mapping):
+        return dict(body)
+    size = len(body.encode() if isinstance(body, str) else body)
+    if size > limits.max_body_bytes:
+        raise ApiError(413, f"body: {size} bytes is over this server's limit of "
+                            f"{limits.max_body_bytes} bytes", param=None)
+    try:
+        obj = json.loads(body, parse_constant=_refuse_constant)
+    except ApiError:
+        raise
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise ApiError(400, f"body: not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"body: must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    """Python's json accepts NaN/Infinity; JSON does not, and they poison sampling."""
+    raise ApiError(400, f"body: {name} is not valid JSON; send a finite number")
+
+
+def _check_unsupported(body: dict, table: dict[str, tuple]) -> None:
+    bad = [k for k, harmless in table.items() if k in body and body[k] not in harmless]
+    if bad:
+        raise ApiError(400, f"{', '.join(bad)}: not supported by this server; remove "
+                            f"{'it' if len(bad) == 1 else 'them'} or send the default",
+                       param=bad[0])
+
+
+def _check_model(body: dict, limits: ApiLimits) -> str:
+    served = ", ".join(limits.model_names)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", f"required, a string; served models: {served}")
+    if model not in limits.model_names:
+        raise ApiError(404, f"model: {model!r} is not served here; served models: {served}",
+                       param="model", err_type=ErrorType.NOT_FOUND, code="model_not_found")
+    return model
+
+
+# ---------------------------------------------------------------- parsing: typed fields
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int in Python
+
+
+def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    """An optional integer in [lo, hi]; JSON null means 'use the default'."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or not lo <= v <= hi:
+        raise _bad(name, f"must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float, *,
+           lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+          and (lo < v if lo_open else lo <= v) and v <= hi)
+    if not ok:
+        raise _bad(name, f"must be a number in {bounds}, got {v!r}")
+    return float(v)
+
+
+def _bool(body: Mapping, name: str, param: str | None = None) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(param or name, f"must be true or false, got {v!r}")
+    return v
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise _bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} "
+                           f"non-empty strings, got {v!r}")
+    return tuple(stops)
+
+
+def _include_usage(body: dict) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", f"must be an object like {{\"include_usage\": true}}, "
+                                     f"got {opts!r}")
+    return _bool(opts, "include_usage", "stream_options.include_usage")
+
+
+def _options(body: dict, limits: ApiLimits, default_max: int, max_name: str = "max_tokens"
+             ) -> dict:
+    """The shared fields, checked; a dict to splat into either request type."""
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise _bad("n", f"only 1 completion per request is supported, got {n!r}")
+    return dict(model=_check_model(body, limits),
+                max_tokens=_int(body, max_name, default_max, 1, limits.max_new_tokens),
+                temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                seed=_int(body, "seed", None, SEED_RANGE[0], SEED_RANGE[1] - 1),
+                stream=_bool(body, "stream"), stop=_stops(body),
+                include_usage=_include_usage(body))
+
+
+# ---------------------------------------------------------------- parsing: the endpoints
+
+def parse_completion(body: bytes | str | Mapping, limits: ApiLimits) -> CompletionRequest:
+    """POST /v1/completions. Call `check_prompt_tokens` once the prompt is tokenized."""
+    obj = _decode_body(body, limits)
+    _check_unsupported(obj, _COMPLETION_UNSUPPORTED)
+    options = _options(obj, limits, min(16, limits.max_new_tokens))
+    return CompletionRequest(prompt=_prompt(obj.get("prompt")), **options)
+
+
+def _prompt(v: Any) -> str | tuple[int, ...]:
+    """OpenAI's four prompt shapes minus batching: "text", [ids], ["text"], [[ids]]."""
+    shapes = "a non-empty string or a non-empty list of token ids"
+    if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+        if len(v) != 1:
+            raise _bad("prompt", f"batches are not supported ({len(v)} prompts); send one "
+                                 f"request per prompt")
+        v = v[0]
+    if isinstance(v, str) and v:
+        return v
+    if isinstance(v, list) and v:
+        return _token_ids(v)
+    raise _bad("prompt", f"required, {shapes}, got {v!r:.80}")
+
+
+def _token_ids(ids: list) -> tuple[int, ...]:
+    for i, t in enumerate(ids):
+        if not _is_int(t) or not 0 <= t < TOKEN_ID_LIMIT:
+            raise _bad(f"prompt[{i}]", f"token ids must be integers in [0, {TOKEN_ID_LIMIT}), "
+                                       f"got {t!r}")
+    return tuple(ids)
+
+
+def parse_chat(body: bytes | str | Mapping, limits: ApiLimits) -> ChatRequest:
+    """POST /v1/chat/completions. Without a max, a reply may use up to `max_new_tokens`
+    (OpenAI's chat has no small default, unlike completions' 16)."""
+    obj = _decode_body(body, limits)
+    _check_unsupported(obj, _CHAT_UNSUPPORTED)
+    name = "max_tokens"
+    if obj.get("max_completion_tokens") is not None:  # the newer name of the same limit
+        if obj.get("max_tokens") not in (None, obj["max_completion_tokens"]):
+            raise _bad("max_completion_tokens", "conflicts with max_tokens; send only one")
+        name = "max_completion_tokens"
+    options = _options(obj, limits, limits.max_new_tokens, name)
+    return ChatRequest(messages=_messages(obj.get("messages")), **options)
+
+
+def _messages(v: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(v, list) or not v:
+        raise _bad("messages", f"required, a non-empty list of {{\"role\", \"content\"}} "
+                               f"objects, got {v!r:.80}")
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(v))
+
+
+def _message(m: Any, where: str) -> ChatMessage:
+    if not isinstance(m, dict):
+        raise _bad(where, f"must be an object with role and content, got {m!r:.80}")
+    roles = ", ".join(r.value for r in Role)
+    try:
+        role = Role(m.get("role"))
+    except ValueError:
+        raise _bad(f"{where}.role", f"must be one of {roles}, got {m.get('role')!r}") from None
+    return ChatMessage(role, _content(m.get("content"), f"{where}.content"))
+
+
+def _content(v: Any, where: str) -> str:
+    """A string, or a list of text parts joined (images and audio are not supported)."""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise _bad(where, f"must be a string or a list of text parts, got {v!r:.80}")
+    texts = []
+    for j, part in enumerate(v):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            got = part.get("type") if isinstance(part, dict) else part
+            raise _bad(f"{where}[{j}].type", f"only \"text\" parts are supported, got {got!r:.80}")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{where}[{j}].text", f"must be a string, got {part.get('text')!r:.80}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def check_prompt_tokens(token_ids: list[int] | tuple[int, ...], limits: ApiLimits,
+                        vocab_size: int, param: str = "prompt") -> None:
+    """The checks that need the tokenized prompt (its length, the model's vocabulary)."""
+    n = len(token_ids)
+    if n == 0:
+        raise _bad(param, "the prompt is empty after tokenization; send some text")
+    if n > limits.max_prompt_tokens:
+        raise ApiError(400, f"{param}: the prompt is {n} tokens, over this server's limit of "
+                            f"{limits.max_prompt_tokens} (max_prompt_tokens); shorten it",
+                       param=param, code="context_length_exceeded")
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise _bad(f"{param}[{i}]", f"token id {t} is outside the model's vocabulary "
+                                        f"[0, {vocab_size})")

@@ -1,0 +1,170 @@
+"""ServeMetrics: every family rendered with the prefix, snapshot deltas, restarts, histograms."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.serve.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServeMetrics, counter_deltas
+from kvtier.tiers.cache_types import CacheCounters
+from kvtier.tiers.storage_tier import StorageCounters
+
+
+def families(m: ServeMetrics) -> dict:
+    body, content_type = m.render()
+    assert content_type.startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+def value(m: ServeMetrics, family: str, suffix: str = "", **labels) -> float:
+    """The value of one sample; 0.0 when the series does not exist."""
+    name = "kvtier_" + family
+    fam = families(m).get(name)
+    if fam is None:
+        return 0.0
+    for s in fam.samples:
+        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return 0.0
+
+
+def cache_snapshot(**kw) -> dict:
+    return CacheCounters(**kw).snapshot()
+
+
+def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
+    m = ServeMetrics()
+    m.observe_request("a", 0.2, 0.01, {"device": 64, "host": 32, "storage": 0}, "stop")
+    m.observe_agreement("a", [2e-5])
+    m.observe_storage_transfer("a", True, 1 << 20, 0.01)
+    m.observe_storage_transfer("a", False, 1 << 20, 0.01)
+    transfers = {"load_bytes": 0, "load_s": 0.0, "write_bytes": 0, "write_s": 0.0}
+    backend = {"bytes_read": 0, "bytes_written": 0, "evicted_pages": 0}
+    m.update_cache("a", cache_snapshot(lookups=1) | transfers, 10, 100,
+                   StorageCounters().snapshot() | backend)
+    fams = families(m)
+    expected = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS)
+    assert {f"kvtier_{name}" for name in expected} <= set(fams)
+    assert all(name.startswith("kvtier_") for name in fams)
+    for fam in fams.values():
+        assert fam.samples, fam.name
+        assert all("instance" in s.labels for s in fam.samples), fam.name
+
+
+def test_private_registry_leaves_the_global_one_alone():
+    ServeMetrics()
+    ServeMetrics()  # a second one in the same process does not collide
+    assert not any(n.startswith("kvtier_") for n in REGISTRY._names_to_collectors)
+
+
+def test_request_observations():
+    m = ServeMetrics()
+    m.observe_request("a", 0.1, 0.02, {"device": 64, "host": 32}, "stop")
+    cached = NamedTuple("CachedTokens", [("device", int), ("host", int), ("storage", int)])
+    m.observe_request("a", 0.3, None, cached(0, 0, 128), "length")
+    assert value(m, "cached_tokens", "_total", instance="a", tier="device") == 64
+    assert value(m, "cached_tokens", "_total", instance="a", tier="host") == 32
+    assert value(m, "cached_tokens", "_total", instance="a", tier="storage") == 128
+    assert value(m, "requests", "_total", instance="a", finish_reason="stop") == 1
+    assert value(m, "requests", "_total", instance="a", finish_reason="length") == 1
+    assert value(m, "ttft_seconds", "_count", instance="a") == 2
+    assert abs(value(m, "ttft_seconds", "_sum", instance="a") - 0.4) < 1e-9
+    assert value(m, "tpot_seconds", "_count", instance="a") == 1
+
+
+def test_agreement_histogram_uses_microsecond_buckets():
+    m = ServeMetrics()
+    m.observe_agreement("a", [1.5e-5, 3e-5, 4e-4])
+    assert value(m, "agreement_seconds", "_count", instance="a") == 3
+    assert value(m, "agreement_seconds", "_bucket", instance="a", le="2.5e-05") == 1
+    assert value(m, "agreement_seconds", "_bucket", instance="a", le="0.0005") == 3
+
+
+def test_snapshots_become_increments():
+    m = ServeMetrics()
+    m.update_cache("a", cache_snapshot(lookups=2, device_hit_tokens=64, evicted_host_tokens=16,
+                                       backed_up_tokens=32, written_back_tokens=8), 100, 1000)
+    m.update_cache("a", cache_snapshot(lookups=5, device_hit_tokens=64, evicted_host_tokens=48,
+                                       backed_up_tokens=40, written_back_tokens=8,
+                                       unloaded_over_quota_tokens=7), 200, 1000)
+    assert value(m, "lookups", "_total", instance="a") == 5
+    assert value(m, "hit_tokens", "_total", instance="a", tier="device") == 64
+    assert value(m, "evicted_tokens", "_total", instance="a", tier="host") == 48
+    assert value(m, "backup_tokens", "_total", instance="a") == 48
+    assert value(m, "load_back_refused_tokens", "_total", instance="a", reason="over_quota") == 7
+    assert value(m, "host_used_tokens", instance="a") == 200
+    assert value(m, "host_total_tokens", instance="a") == 1000
+
+
+def test_instances_are_kept_apart():
+    m = ServeMetrics()
+    m.update_cache("a", cache_snapshot(lookups=3), 0, 10)
+    m.update_cache("b", cache_snapshot(lookups=10), 0, 10)
+    m.update_cache("a", cache_snapshot(lookups=4), 0, 10)
+    assert value(m, "lookups", "_total", instance="a") == 4
+    assert value(m, "lookups", "_total", instance="b") == 10
+
+
+def test_a_counter_that_goes_backwards_means_a_restart():
+    m = ServeMetrics()
+    m.update_cache("a", cache_snapshot(lookups=10, device_hit_tokens=100), 0, 10)
+    # restarted: lookups fell to 2; device hits already grew past the old 100 again
+    m.update_cache("a", cache_snapshot(lookups=2, device_hit_tokens=150), 0, 10)
+    assert value(m, "lookups", "_total", instance="a") == 12
+    assert value(m, "hit_tokens", "_total", instance="a", tier="device") == 250
+    m.update_cache("a", cache_snapshot(lookups=3, device_hit_tokens=160), 0, 10)
+    assert value(m, "lookups", "_total", instance="a") == 13
+    assert value(m, "hit_tokens", "_total", instance="a", tier="device") == 260
+
+
+def test_counter_deltas_skip_non_numbers():
+    assert counter_deltas(None, {"a": 3, "extra": {}, "flag": True}) == {"a": 3}
+    assert counter_deltas({"a": 3, "b": 1.0}, {"a": 5, "b": 1.5}) == {"a": 2, "b": 0.5}
+
+
+def test_transfer_stats_feed_bytes_and_seconds():
+    m = ServeMetrics()
+    snap = cache_snapshot(loaded_back_tokens=64) | {"load_bytes": 4096, "load_s": 0.5,
+                                                    "write_bytes": 1024, "write_s": 0.25}
+    m.update_cache("a", snap, 0, 10)
+    assert value(m, "load_back_tokens", "_total", instance="a") == 64
+    assert value(m, "load_back_bytes", "_total", instance="a") == 4096
+    assert value(m, "load_back_seconds", "_total", instance="a") == 0.5
+    assert value(m, "backup_bytes", "_total", instance="a") == 1024
+    assert value(m, "backup_seconds", "_total", instance="a") == 0.25
+
+
+def test_storage_snapshot_prefetch_reasons_drops_and_bandwidth():
+    m = ServeMetrics()
+    first = StorageCounters(prefetched_tokens=64, unfulfilled_host_capacity_tokens=32,
+                            backup_failed_tokens=16, storage_hit_tokens=96).snapshot()
+    m.update_cache("a", cache_snapshot(dropped_backup_tokens=8), 0, 10,
+                   first | {"bytes_read": 0, "bytes_written": 0})
+    second = StorageCounters(prefetched_tokens=128, unfulfilled_host_capacity_tokens=32,
+                             unfulfilled_storage_transfer_tokens=64, backup_failed_tokens=16,
+                             storage_hit_tokens=96, prefetch_wait_s=0.5).snapshot()
+    m.update_cache("a", cache_snapshot(dropped_backup_tokens=8), 0, 10,
+                   second | {"bytes_read": 500_000_000, "bytes_written": 10**9, "write_s": 2.0})
+    assert value(m, "prefetch_hit_tokens", "_total", instance="a") == 128
+    assert value(m, "hit_tokens", "_total", instance="a", tier="storage") == 96
+    assert value(m, "prefetch_unfulfilled_tokens", "_total", instance="a",
+                 reason="host_capacity") == 32
+    assert value(m, "prefetch_unfulfilled_tokens", "_total", instance="a",
+                 reason="storage_transfer") == 64
+    assert value(m, "dropped_backup_tokens", "_total", instance="a", reason="host_capacity") == 8
+    assert value(m, "dropped_backup_tokens", "_total", instance="a", reason="storage_write") == 16
+    # one interval each: 5e8 B / 0.5 s = 1 GB/s read, 1e9 B / 2 s = 500 MB/s write
+    read = "storage_read_bandwidth_bytes_per_second"
+    write = "storage_write_bandwidth_bytes_per_second"
+    assert value(m, read, "_count", instance="a") == 1
+    assert value(m, read, "_sum", instance="a") == 1e9
+    assert value(m, write, "_count", instance="a") == 1
+    assert value(m, write, "_sum", instance="a") == 5e8
+
+
+def test_zero_duration_transfers_are_not_observed():
+    m = ServeMetrics()
+    m.observe_storage_transfer("a", False, 1024, 0.0)
+    m.observe_storage_transfer("a", False, 0, 1.0)
+    assert value(m, "storage_read_bandwidth_bytes_per_second", "_count", instance="a") == 0
