@@ -20,11 +20,13 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from kvtier.actors.rank_actor import RANK_NUM_CPUS, RankSettings, RankStats, create_rank_actor
+from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankSettings, RankStats,
+                                      create_rank_actor)
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.messages import NamespaceInfo
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,12 @@ class InstanceError(KvtierError, RuntimeError):
 
 class RankFailure(InstanceError):
     """A rank actor died, failed a call or did not answer in time (the instance recovers)."""
+
+
+class InstanceStep(NamedTuple):
+    finished: list[Output]  # by instance request id
+    progress: dict[int, tuple[int, ...]]  # running requests whose tokens changed: all so far
+    events: bytes | None  # rank 0's CacheEventBatch (msgpack), when watching
 
 
 class _Pending(NamedTuple):
@@ -86,6 +94,8 @@ class Instance:
         self._instance_id: dict[int, int] = {}  # the reverse
         self._done: dict[int, Output] = {}
         self.call_s = 0.0  # driver time inside step calls (for the actor-call overhead)
+        self._l3: tuple[bytes, str | None] | None = None  # what attach_l3 was given
+        self._watch: str | None = None  # the name watch_cache was given
         bundle = {"CPU": num_cpus_per_rank, **(resources or {})}
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         self.ranks: list[Any] = []
@@ -103,6 +113,10 @@ class Instance:
                                         self._num_cpus) for r in range(self.size)]
         self._get([a.has_unfinished.remote() for a in self.ranks], self.ready_timeout_s,
                   "starting the rank actors")
+        if self._l3 is not None:  # a replacement set gets what the old one was given
+            self._all("attach_l3", *self._l3)
+        if self._watch is not None:
+            self.rank_call(0, "watch_cache", self._watch)
 
     def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
         """Wait for `refs`, failing as soon as any one fails (a dead rank must not leave the
@@ -151,22 +165,31 @@ class Instance:
     def step(self) -> list[Output]:
         """One lockstep step on every rank; rank 0's finished outputs (checked against all).
         A rank fault replaces the ranks and re-adds pending requests; that step returns []."""
+        return self.step_report().finished
+
+    def step_report(self) -> InstanceStep:
+        """`step`, with the tokens of running requests that changed (by instance id: all of
+        each one's tokens so far; after a restart a request starts again from none) and
+        rank 0's cache events when `watch_cache` asked for them."""
         start = time.perf_counter()
         try:
             per_rank = self._all("step")
         except RankFailure as exc:
             self._recover(exc)
-            return []
+            return InstanceStep([], {}, None)
         finally:
             self.call_s += time.perf_counter() - start
         self._failures_in_a_row = 0
-        for rank, outs in enumerate(per_rank[1:], start=1):
-            got = [(o.request_id, o.tokens, o.finish_reason) for o in outs]
-            want = [(o.request_id, o.tokens, o.finish_reason) for o in per_rank[0]]
+        first = per_rank[0]
+        for rank, report in enumerate(per_rank[1:], start=1):
+            got = [(o.request_id, o.tokens, o.finish_reason) for o in report.finished]
+            want = [(o.request_id, o.tokens, o.finish_reason) for o in first.finished]
             if got != want:
                 raise InstanceError(f"rank {rank} finished {got} but rank 0 {want}: the ranks "
                                     f"diverged (a bug in agreement); restart the instance")
-        return [self._finish(o) for o in per_rank[0]]
+        progress = {self._instance_id[i]: toks for i, toks in first.progress.items()
+                    if i in self._instance_id}
+        return InstanceStep([self._finish(o) for o in first.finished], progress, first.events)
 
     def _finish(self, out: Output) -> Output:
         req_id = self._instance_id.pop(out.request_id)
@@ -258,6 +281,33 @@ class Instance:
         """Call one rank only (fault injection, per-rank cache surgery in tests)."""
         return self._get(getattr(self.ranks[rank], method).remote(*args), self.step_timeout_s,
                          f"calling {method} on rank {rank}")
+
+    def describe(self) -> CacheDescription:
+        return self.rank_call(0, "describe")
+
+    def cache_snapshot(self) -> list[dict]:
+        """Every rank's counters and pool use (`RankCache.cache_snapshot`)."""
+        return self._all("cache_snapshot")
+
+    def watch_cache(self, name: str) -> None:
+        """Rank 0 records cache events, returned by `step_report` (kept across restarts)."""
+        self.rank_call(0, "watch_cache", name)
+        self._watch = name
+
+    def drain_events(self) -> bytes | None:
+        """Rank 0's cache events since its last step (maintenance calls evict outside steps)."""
+        return self.rank_call(0, "drain_events") if self._watch is not None else None
+
+    def attach_l3(self, info: NamespaceInfo, l3_actor: str | None) -> str:
+        """Every rank attaches its client of the namespace `info` (kept across restarts)."""
+        args = (info.to_msgpack(), l3_actor)
+        kinds = self._all("attach_l3", *args)
+        self._l3 = args
+        return kinds[0]
+
+    def detach_l3(self) -> None:
+        self._all("detach_l3")
+        self._l3 = None
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank's process (fault injection): the next call notices and recovers."""

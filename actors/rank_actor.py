@@ -11,6 +11,7 @@ methods return plain values and `Output` records.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -54,6 +55,7 @@ class RankSettings(NamedTuple):
     # each rank opens its own backend client from it; None keeps config.storage_backend
     l3_actor: str | None = "kvtier-l3"  # with l3: the namespace actor (by name) whose page
     # directory gates L3 hits and hears what each rank stored; None: ask the backend only
+    tenant_salt: str = ""  # without l3: seeds this cache's page keys (with l3: the namespace's)
 
 
 class RankStats(NamedTuple):
@@ -69,6 +71,24 @@ class RankStats(NamedTuple):
     device_hit_tokens: int
     step_s: float = 0.0  # time inside `step` on this rank (the driver's share is the rest)
     agreement_recent_s: tuple[float, ...] = ()  # the latest rounds' times, for percentiles
+
+
+class StepReport(NamedTuple):
+    finished: list[Output]  # requests that finished in the step (prefill logits dropped)
+    progress: dict[int, tuple[int, ...]]  # rank 0: request id -> tokens so far, changed ones
+    events: bytes | None  # rank 0: a CacheEventBatch (msgpack) when watching, else None
+
+
+class CacheDescription(NamedTuple):
+    """A rank cache's key namespace and sizes (the router hashes prompts with it)."""
+
+    model: str
+    tenant_salt: str
+    layout_fingerprint: str
+    page_size: int
+    device_pages: int
+    host_pages: int
+    storage_backend: str | None
 
 
 class RankCache:
@@ -90,6 +110,9 @@ class RankCache:
         self.step_s = 0.0
         self._refusals = 0
         self._crash_at: int | None = None
+        self._reported: dict[int, int] = {}  # request id -> output tokens reported so far
+        self._events = None  # a CacheEventLog once watch_cache() is called
+        self._snapshot_rounds = 0  # agreement rounds already reported by cache_snapshot
         log.info("rank %d/%d ready: %d KV heads, %d L1 pages", rank, size,
                  self.engine.cache.spec.num_kv_heads, settings.device_pages)
 
@@ -100,8 +123,8 @@ class RankCache:
         spec = model.kv_spec(s.config.page_size)
         if s.l3 is None:
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,
-                                      model=_key_model(cfg.name), tp_rank=self.rank,
-                                      tp_size=self.size)
+                                      model=_key_model(cfg.name), tenant_salt=s.tenant_salt,
+                                      tp_rank=self.rank, tp_size=self.size)
         else:
             cache = self._l3_cache(s, spec, model.device)
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True)
@@ -139,16 +162,107 @@ class RankCache:
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams) -> int:
         return self.engine.add_request([int(t) for t in tokens], sampling)
 
-    def step(self) -> list[Output]:
+    def step(self) -> StepReport:
+        """One scheduling step. Finished outputs travel without their prefill logits (a
+        vocabulary of floats each); rank 0 also reports the tokens of running requests that
+        changed and the cache events since the last step (when `watch_cache` asked)."""
         if self._crash_at is not None and self.steps >= self._crash_at:
             log.error("rank %d: crashing at step %d (injected)", self.rank, self.steps)
             os._exit(1)  # the process dies mid-request, its peers inside a collective
         start = time.perf_counter()
         self.steps += 1
         try:
-            return self.engine.step()
+            finished = [dataclasses.replace(o, prefill_logits=None) for o in self.engine.step()]
         finally:
             self.step_s += time.perf_counter() - start
+        if self.rank != 0:
+            return StepReport(finished, {}, None)
+        batch = self._events.drain() if self._events is not None else None
+        return StepReport(finished, self._progress(),
+                          None if batch is None else batch.to_msgpack())
+
+    def _progress(self) -> dict[int, tuple[int, ...]]:
+        """Running requests whose output changed since the last step: their tokens so far."""
+        changed = {}
+        for req in self.engine.scheduler.running:
+            if len(req.output) != self._reported.get(req.id, 0):
+                changed[req.id] = tuple(req.output)
+                self._reported[req.id] = len(req.output)
+        live = {r.id for r in self.engine.scheduler.running}
+        for req_id in [i for i in self._reported if i not in live]:
+            del self._reported[req_id]
+        return changed
+
+    def drain_events(self) -> bytes | None:
+        """Cache events recorded outside steps (a flush, an eviction on request), msgpack."""
+        batch = self._events.drain() if self._events is not None else None
+        return None if batch is None else batch.to_msgpack()
+
+    def watch_cache(self, instance: str) -> None:
+        """Record this rank's cache events (pages entering and leaving each tier) for the
+        router; they come back with every step. Rank 0 speaks for the instance."""
+        from kvtier.serve.cache_events import CacheEventLog
+        self._events = CacheEventLog(instance)
+        self.engine.cache.set_event_listener(self._events)
+
+    def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
+        """Attach this rank's own client of the registered namespace `info` (a msgpack
+        NamespaceInfo) as L3, the namespace actor `l3_actor`'s directory gating hits; the
+        backend's kind."""
+        ns = NamespaceInfo.from_msgpack(info)
+        cache = self.engine.cache
+        if ns.spec.tp_size != self.size:
+            raise ConfigError(f"L3 namespace {ns.namespace} was registered for TP size "
+                              f"{ns.spec.tp_size}, but this instance has {self.size}")
+        if ns.spec.key_namespace != cache.namespace:
+            raise ConfigError(f"L3 namespace {ns.namespace} keys pages as "
+                              f"{ns.spec.key_namespace}, this cache as {cache.namespace}: "
+                              f"register it with the cache's description (describe())")
+        if cache.storage is not None:
+            raise ConfigError("an L3 backend is attached already; detach it first")
+        cache.directory = None if l3_actor is None else _directory_client(l3_actor)
+        backend = open_rank_backend(ns, self.rank)
+        try:
+            cache.attach_storage(backend)
+        except BaseException:
+            backend.close()
+            raise
+        return backend.kind.value
+
+    def detach_l3(self) -> None:
+        """Stop using L3 (queued backups finish first; nothing leaks)."""
+        cache = self.engine.cache
+        cache.detach_storage()
+        cache.directory = None
+
+    def describe(self) -> CacheDescription:
+        """What a router needs to compute this cache's page keys from tokens."""
+        cache = self.engine.cache
+        ns = cache.namespace
+        return CacheDescription(ns.model, ns.tenant_salt, ns.layout_fingerprint,
+                                cache.spec.page_size, cache.device_pool.num_pages,
+                                cache.host_pool.num_pages,
+                                cache.storage.backend.kind.value if cache.storage else None)
+
+    def cache_snapshot(self) -> dict:
+        """Monotonic counters (cache, L3) and pool use, for metrics."""
+        cache = self.engine.cache
+        page = cache.spec.page_size
+        host = cache.host_pool
+        return {"counters": cache.counters.snapshot(),
+                "storage": cache.storage.counters.snapshot() if cache.storage else None,
+                "host_used_tokens": (host.num_pages - host.allocator.num_free) * page,
+                "host_total_tokens": host.num_pages * page,
+                "agreement_s": self._new_agreement_times()}
+
+    def _new_agreement_times(self) -> tuple[float, ...]:
+        """The agreement rounds' times since the last snapshot (the latest 4096 at most)."""
+        agr = self.agreement
+        if agr is None:
+            return ()
+        new = min(agr.rounds - self._snapshot_rounds, len(agr.times_s))
+        self._snapshot_rounds = agr.rounds
+        return tuple(agr.times_s)[len(agr.times_s) - new:] if new else ()
 
     def abort(self, request_id: int) -> Output | None:
         return self.engine.abort(request_id)

@@ -74,3 +74,30 @@ def local_ray(num_cpus: int = 2, object_store_memory: int = DEFAULT_OBJECT_STORE
         yield ctx
     finally:
         shutdown_local_ray()
+
+
+def keep_serve_replica_on_loopback() -> None:
+    """Bind this Serve replica's inter-deployment gRPC server to 127.0.0.1.
+
+    Why: Ray Serve 2.60 starts that server in every replica on `[::]:0` (all interfaces),
+    after the deployment's `__init__`, although handle calls use it only with
+    `RAY_SERVE_USE_GRPC_BY_DEFAULT=1`. Called from each kvtier deployment's `__init__`, this
+    rewrites the address the replica is about to bind; with that variable set it does
+    nothing (the server must then be reachable from other nodes: keep them on a private
+    network).
+    """
+    if os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1":
+        return
+    from ray.serve._private import replica
+
+    real = replica.add_port_to_grpc_server
+    if getattr(real, "_kvtier_loopback", False):
+        return
+
+    def add_port(server: Any, address: str) -> Any:
+        if address.startswith("[::]:"):
+            address = f"{LOOPBACK}:{address[len('[::]:'):]}"
+        return real(server, address)
+
+    add_port._kvtier_loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = add_port

@@ -33,11 +33,14 @@ def _command(sub, name: str, module, help_text: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import demo
-    from kvtier.bench import instances, prefix, storage, transfer, tree
+    from kvtier.serve import command as serve_command
+    from kvtier.bench import instances, prefix, serve_bench, storage, transfer, tree
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+    _command(sub, "serve", serve_command, "the OpenAI-compatible serve graph (ingress, "
+             "router, instances) on Ray")
     _command(sub, "demo", demo, "two SmolLM2 instances on local Ray share a document through "
              "L1, L2 and L3")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _command(bench, "prefix", prefix, "SmolLM2 TTFT: cold vs L1, L2 and L3 hits")
     _command(bench, "instances", instances, "the demo's two instances at TP=3: TTFT per tier, "
              "agreement time per step, actor-call overhead")
+    _command(bench, "serve", serve_bench, "multi-turn chat load on the serve graph, cache on/off")
     g = bench.add_parser("gen-trace", help="write a synthetic multi-turn trace")
     _add_gen_trace(g)
     g.set_defaults(func=_gen_trace)

@@ -54,12 +54,17 @@ class HierarchicalCache:
         self.spec = spec
         self.device_pool = DevicePool(spec, device_pages, device)
         size_gb = config.hicache_size_gb if config.hicache_size_gb > 0 else None
-        self.host_pool = HostPool.for_device(self.device_pool, config.mem_layout,
-                                             ratio=config.hicache_ratio or 0.0, size_gb=size_gb)
+        # Hierarchy off (--disable-hierarchical-cache): L1 only, the radix cache as in a plain
+        # engine; a one-page L2 that is never used keeps one code path.
+        self.hierarchical = config.enable_hierarchical_cache
+        self.host_pool = (HostPool.for_device(self.device_pool, config.mem_layout,
+                                              ratio=config.hicache_ratio or 0.0, size_gb=size_gb)
+                          if self.hierarchical else HostPool(spec, 1, config.mem_layout))
         self.controller = CacheController(self.device_pool, self.host_pool, config.io_backend)
         self.tree = HiRadixTree(
             spec.page_size, self.device_pool.allocator, self.host_pool.allocator,
-            write_back=self._write_back if config.write_policy is WritePolicy.WRITE_BACK else None,
+            write_back=self._write_back if (self.hierarchical and config.write_policy is
+                                            WritePolicy.WRITE_BACK) else None,
         )
         self.counters = CacheCounters()
         self._backups: dict[int, TreeNode] = {}  # write op id -> node locked until it lands
@@ -155,6 +160,8 @@ class HierarchicalCache:
     # ---- write policy --------------------------------------------------------------------
     def _back_up_path(self, node: TreeNode, min_hits: int) -> None:
         """Copy to L2 every L1-only node on the path that reached `min_hits` (root first)."""
+        if not self.hierarchical:
+            return
         path = [n for n in node.path_to_root() if n.host_value is None and n.value is not None]
         for n in reversed(path):
             if min_hits > 1 and n.hit_count < min_hits:
@@ -278,6 +285,9 @@ class HierarchicalCache:
     # ---- L3 --------------------------------------------------------------------------------
     def attach_storage(self, backend: StorageBackend) -> None:
         """Use `backend` as L3 (takes ownership: detach closes it)."""
+        if not self.hierarchical:
+            raise CacheUsageError("the hierarchical cache is off (L1 only): L3 needs L2 to "
+                                  "stage its pages; enable it to attach a backend")
         if self.storage is not None:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
         backend.register_pool(KV_POOL, self.host_pool)

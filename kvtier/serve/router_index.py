@@ -118,6 +118,19 @@ class PrefixIndex:
             pages.popitem(last=False)
             self.dropped_pages += 1
 
+    def assume(self, instance: str, page_hashes: Sequence[str]) -> None:
+        """`instance` was just given a request over these pages: count them in its L1 now.
+
+        Why: events arrive a poll later, and a conversation's next turn often comes sooner;
+        without this it would be routed as if its prefix were nowhere. Events correct the
+        guess (an eviction, or a prefix that did not fit, removes it)."""
+        inst = self._instances.get(instance)
+        if inst is None:
+            inst = self._instances[instance] = _InstanceIndex(OrderedDict())
+        for h in page_hashes:
+            inst.pages[h] = inst.pages.pop(h, 0) | _DEVICE
+        self._trim(inst.pages, self.max_pages_per_instance)
+
     def forget(self, instance: str) -> None:
         """Drop an instance (gone, or restarted: its seq starts again at 1, its pages are gone)."""
         self._instances.pop(instance, None)
@@ -231,15 +244,16 @@ class Router:
         hits = {name: self.index.score(name, page_hashes) for name in loads}
         costs = {name: self.weights.cost(hits[name], n, loads[name]) for name in loads}
         if not any(h.local_pages for h in hits.values()):
-            name = _two_choices(list(loads), loads, rng)
-            return Choice(name, ChoiceReason.NO_LOCAL_HIT, hits[name], costs[name])
-        best = min(costs.values())
-        near = [name for name in loads if costs[name] <= best + self.weights.tie_margin_pages]
-        if len(near) == 1:
-            name = near[0]
-            return Choice(name, ChoiceReason.BEST_HIT, hits[name], costs[name])
-        name = _two_choices(near, loads, rng)
-        return Choice(name, ChoiceReason.TIE, hits[name], costs[name])
+            name, reason = _two_choices(list(loads), loads, rng), ChoiceReason.NO_LOCAL_HIT
+        else:
+            best = min(costs.values())
+            near = [name for name in loads if costs[name] <= best + self.weights.tie_margin_pages]
+            if len(near) == 1:
+                name, reason = near[0], ChoiceReason.BEST_HIT
+            else:
+                name, reason = _two_choices(near, loads, rng), ChoiceReason.TIE
+        self.index.assume(name, page_hashes)
+        return Choice(name, reason, hits[name], costs[name])
 
 
 def _two_choices(names: list[str], loads: Mapping[str, int], rng: random.Random) -> str:

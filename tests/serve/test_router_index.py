@@ -191,8 +191,8 @@ def test_no_hit_anywhere_falls_back_to_two_choices():
     rng = random.Random(3)
     loads = {"a": 5, "b": 0, "c": 9}
     picked = collections.Counter()
-    for _ in range(60):
-        choice = router.choose(keys(range(32)), loads, rng)
+    for i in range(60):  # a new prefix each time (a routed one counts as held afterwards)
+        choice = router.choose(keys(range(100 * i, 100 * i + 32)), loads, rng)
         assert choice.reason is ChoiceReason.NO_LOCAL_HIT
         picked[choice.instance] += 1
     assert picked["c"] == 0  # the most loaded never wins a pair
@@ -233,3 +233,17 @@ def test_weights_are_validated():
         RouteWeights(per_queued_request=-1)
     with pytest.raises(ConfigError):
         Router().choose(keys(range(8)), {}, random.Random(0))
+
+
+def test_a_routed_prefix_counts_before_its_events_arrive():
+    """The next turn of a conversation, sent before the instance's events reach the router,
+    still goes where the first turn went."""
+    router = Router(PrefixIndex())
+    loads = {"a": 0, "b": 0}
+    first = [f"{i:064x}" for i in range(6)]
+    rng = random.Random(3)
+    home = router.choose(first, loads, rng).instance
+    for _ in range(20):
+        follow_up = first + [f"{i:064x}" for i in range(100, 103)]
+        choice = router.choose(follow_up, loads, rng)
+        assert choice.instance == home and choice.hits.device_pages >= 6

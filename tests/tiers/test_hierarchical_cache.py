@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvtier.config import HiCacheConfig
+from kvtier.errors import CacheUsageError
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import IoBackend, MemLayout, WritePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -112,3 +113,23 @@ def test_abort_releases_everything():
         cache.flush()
         assert cache.tree.stats().device_protected_pages == 0
         assert cache.device_pool.allocator.num_used == 4
+
+
+def test_hierarchy_off_keeps_l1_only():
+    """--disable-hierarchical-cache: L1 hits as usual, nothing is copied to L2, no L3."""
+    cfg = HiCacheConfig(page_size=4, enable_hierarchical_cache=False)
+    with HierarchicalCache(cfg, SPEC, 8, device="cpu") as cache:
+        tokens = list(range(1, 17))
+        look = cache.lookup(tokens)
+        pages = cache.allocate(4)
+        cache.finish(look, tokens, pages)
+        cache.flush()
+        hit = cache.lookup(tokens)
+        assert hit.prefix_len == 16
+        cache.abort(hit)
+        assert cache.counters.backed_up_tokens == 0 and cache.host_pool.num_pages == 1
+        cache.evict_device(8)
+        again = cache.lookup(tokens)
+        assert again.prefix_len == 0 and again.host_hit_length == 0
+        with pytest.raises(CacheUsageError, match="hierarchical cache is off"):
+            cache.attach_storage(object())

@@ -1,0 +1,192 @@
+"""An Instance behind a thread, for a server: requests come and go while the ranks step.
+
+`Instance` is driven by one caller at a time (every call is a lockstep round over its rank
+actors). A server has many concurrent requests, so `InstanceServer` owns the instance in one
+driver thread: callers hand it commands (add a request, cancel one, run a maintenance call
+between steps) and get results through thread-safe callbacks. While any request is pending
+the thread steps; otherwise it sleeps until a command arrives.
+
+Per request the callback receives, in order: `("tokens", all_tokens_so_far)` whenever they
+grow (after a rank restart a request starts again from none, then regrows the same tokens),
+then one `("done", Output)` or `("error", message)`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+from kvtier.actors.instance import Instance, InstanceError
+from kvtier.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[tuple[str, Any]], None]
+MAX_EVENT_BATCHES = 4096  # undrained cache-event batches kept; older ones are dropped
+IDLE_WAIT_S = 0.05
+
+
+class _Add(NamedTuple):
+    key: int
+    tokens: tuple[int, ...]
+    sampling: SamplingParams
+    sink: Sink
+
+
+class _Call(NamedTuple):
+    fn: Callable[[Instance], Any]
+    future: concurrent.futures.Future
+
+
+class ServerPoll(NamedTuple):
+    load: int  # requests queued or running
+    epoch: int  # rank-set restarts so far: a router forgets an instance whose epoch changed
+    events: list[bytes]  # CacheEventBatch msgpack records since the last poll, oldest first
+    broken: str | None  # why the instance stopped serving, or None
+
+
+class InstanceServer:
+    """`instance` driven by a thread; `submit`, `cancel`, `call`, `poll`, `close`."""
+
+    def __init__(self, instance: Instance, name: str) -> None:
+        self.instance, self.name = instance, name
+        instance.watch_cache(name)
+        self._commands: deque = deque()
+        self._wake = threading.Event()
+        self._keys = itertools.count(1)
+        self._sinks: dict[int, Sink] = {}  # instance request id -> its caller
+        self._ids: dict[int, int] = {}  # key -> instance request id
+        self._key_of: dict[int, int] = {}  # instance request id -> key
+        self._cancelled: set[int] = set()
+        self._events: deque[bytes] = deque(maxlen=MAX_EVENT_BATCHES)
+        self._lock = threading.Lock()  # guards _events and the counters read by poll
+        self._load = 0
+        self.broken: str | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- callers (any thread) ---------------------------------------------------------------
+    def submit(self, tokens: list[int], sampling: SamplingParams, sink: Sink) -> int:
+        """Queue a request; its key (for `cancel`)."""
+        if self.broken:
+            raise InstanceError(f"instance {self.name} stopped serving: {self.broken}")
+        key = next(self._keys)
+        with self._lock:
+            self._load += 1
+        self._commands.append(_Add(key, tuple(tokens), sampling, sink))
+        self._wake.set()
+        return key
+
+    def cancel(self, key: int) -> None:
+        """Abort the request `key` (a client went away); its sink hears nothing more."""
+        self._commands.append(("cancel", key))
+        self._wake.set()
+
+    def call(self, fn: Callable[[Instance], Any]) -> concurrent.futures.Future:
+        """Run `fn(instance)` in the driver thread between two steps (maintenance: flush,
+        attach L3, stats); its result as a future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.append(_Call(fn, future))
+        self._wake.set()
+        return future
+
+    def poll(self) -> ServerPoll:
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            return ServerPoll(self._load, self.instance.restarts, events, self.broken)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self.instance.close()
+
+    # ---- the driver thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if self.instance.num_pending == 0:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except Exception as exc:  # noqa: BLE001 - every waiting caller must hear why
+            log.exception("instance %s stopped serving", self.name)
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            cmd = self._commands.popleft()
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Call):
+                if cmd.future.set_running_or_notify_cancel():
+                    try:
+                        cmd.future.set_result(cmd.fn(self.instance))
+                    except Exception as exc:  # noqa: BLE001 - the caller gets it
+                        cmd.future.set_exception(exc)
+                    self._keep_events(self.instance.drain_events())
+            else:
+                self._cancel(cmd[1])
+
+    def _add(self, cmd: _Add) -> None:
+        if cmd.key in self._cancelled:
+            self._cancelled.discard(cmd.key)
+            self._done_one()
+            return
+        req_id = self.instance.add_request(cmd.tokens, cmd.sampling)
+        self._sinks[req_id] = cmd.sink
+        self._ids[cmd.key], self._key_of[req_id] = req_id, cmd.key
+
+    def _cancel(self, key: int) -> None:
+        req_id = self._ids.pop(key, None)
+        if req_id is None:  # not added yet (or finished): drop it when it comes
+            if not any(isinstance(c, _Add) and c.key == key for c in self._commands):
+                return
+            self._cancelled.add(key)
+            return
+        self._key_of.pop(req_id, None)
+        if self._sinks.pop(req_id, None) is not None:
+            self.instance.abort(req_id)
+            self._done_one()
+
+    def _step(self) -> None:
+        report = self.instance.step_report()
+        self._keep_events(report.events)
+        for req_id, tokens in report.progress.items():
+            sink = self._sinks.get(req_id)
+            if sink is not None:
+                sink(("tokens", tokens))
+        for out in report.finished:
+            sink = self._sinks.pop(out.request_id, None)
+            self._ids.pop(self._key_of.pop(out.request_id, -1), None)
+            if sink is not None:
+                sink(("done", out))
+                self._done_one()
+
+    def _keep_events(self, batch: bytes | None) -> None:
+        if batch is not None:
+            with self._lock:
+                self._events.append(batch)
+
+    def _done_one(self) -> None:
+        with self._lock:
+            self._load -= 1
+
+    def _fail_all(self, why: str) -> None:
+        self.broken = why
+        for sink in self._sinks.values():
+            sink(("error", why))
+        self._sinks.clear()
+        while self._commands:
+            cmd = self._commands.popleft()
+            if isinstance(cmd, _Add):
+                cmd.sink(("error", why))
+            elif isinstance(cmd, _Call):
+                cmd.future.set_exception(InstanceError(why))

@@ -1,0 +1,113 @@
+"""The serve graph: HTTP ingress -> router -> N instance deployments, plus the L3 namespace
+actor (created by the first instance that attaches L3), and `kvtier serve`.
+
+    kvtier serve --host 127.0.0.1 --port 8000            # a local Ray cluster, SmolLM2, file L3
+    serve run examples/serve_config.yaml                  # the same graph from a Serve config
+
+`build_app(settings)` returns the Serve application; `app_builder(args)` is the entry point a
+Serve config names (`import_path: kvtier.actors.serve_graph:app_builder`), its `args` being
+`ServeSettings` keys.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+from typing import Any
+
+from kvtier.actors.serve_ingress import Ingress
+from kvtier.actors.serve_instance import InstanceDeployment
+from kvtier.actors.serve_router import RouterDeployment
+from kvtier.policies import StorageBackendKind
+from kvtier.serve.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "kvtier"
+
+
+def resolve(settings: ServeSettings) -> ServeSettings:
+    """Settings every deployment can use as they are: a file/nixl L3 without a directory gets
+    one temporary directory, shared by all instances (they must see each other's pages), and
+the namespace actor a registry beside it."""
+    import dataclasses
+
+    if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL) \
+            and not settings.l3_root:
+        root = tempfile.mkdtemp(prefix="kvtier-serve-l3-")
+        settings = dataclasses.replace(settings, l3_root=root)
+    if settings.storage_backend is not None and not settings.l3_state_dir:
+        state = (os.path.join(settings.l3_root, ".kvtier-l3-state") if settings.l3_root
+                 else tempfile.mkdtemp(prefix="kvtier-serve-l3-state-"))
+        settings = dataclasses.replace(settings, l3_state_dir=state)
+    return settings
+
+
+def build_app(settings: ServeSettings) -> Any:
+    """The bound application: `Ingress(router, instances)`."""
+    s = resolve(settings)
+    values = s.to_mapping()
+    instances = {}
+    for i in range(s.instances):
+        name = f"instance-{i}"
+        instances[name] = InstanceDeployment.options(name=name).bind(name, values)
+    router = RouterDeployment.bind(instances)
+    return Ingress.bind(router, instances, values)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For Serve config files: `args` are ServeSettings keys."""
+    settings = ServeSettings.from_mapping(args or {})
+    if not (args or {}).get("admin_key"):
+        log.warning("no admin_key in the Serve config: the admin endpoints use the random key "
+                    "%s (set admin_key to choose one)", settings.admin_key)
+    return build_app(settings)
+
+
+def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
+          address: str | None = None) -> Any:
+    """Start (or join, with `address`) Ray and Serve and deploy the graph; its handle."""
+    import ray
+    from ray import serve
+
+    from kvtier.actors.ray_env import pin_to_loopback, start_local_ray
+
+    if address is None:
+        start_local_ray(num_cpus=max(2, settings.rank_cpus + 1))
+    else:
+        pin_to_loopback(auth=False)
+        ray.init(address=address, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    return serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def stop() -> None:
+    """Delete the app, stop Serve and the local Ray cluster (and its namespace actor)."""
+    import ray
+    from ray import serve
+
+    from kvtier.actors.ray_env import shutdown_local_ray
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            shutdown_local_ray()
+
+
+def serve_forever(settings: ServeSettings, host: str, port: int, address: str | None) -> None:
+    """`kvtier serve`: deploy, print where it listens and the admin key, wait for Ctrl-C."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        start(settings, host, port, address)
+        print(f"kvtier: serving {settings.served_model_name} on http://{host}:{port}/v1 "
+              f"({settings.instances} instances, TP={settings.tp_size}, L3={settings.l3})",
+              flush=True)
+        print(f"kvtier: admin key: {settings.admin_key}", flush=True)
+        done.wait()
+    finally:
+        stop()

@@ -1,0 +1,297 @@
+"""The HTTP ingress of the serve graph: the OpenAI-compatible API, admin endpoints, metrics.
+
+(No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at
+run time to know which parameter is the `Request`.)
+
+Per request: parse and validate the body (`kvtier.serve.openai_requests`), tokenize (chat
+template for chat), ask the router which instance, stream token ids from that instance and
+turn them into text (`TextStream`: incremental detokenizing, stop strings), and answer in
+OpenAI's shapes with `usage.prompt_tokens_details.cached_tokens` and a `kvtier` field
+(cached tokens by tier, the five lengths). A request without a seed gets one here, so that a
+rank restart, which recomputes the request, reproduces the tokens already streamed.
+"""
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from kvtier.actors.ray_env import keep_serve_replica_on_loopback
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.serve import openai_responses as out
+from kvtier.serve.admin import check_admin_key, parse_admin_body
+from kvtier.serve.metrics import ServeMetrics
+from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
+                                          ErrorType, check_prompt_tokens, parse_chat,
+                                          parse_completion)
+from kvtier.serve.settings import ServeSettings
+from kvtier.serve.text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+api = FastAPI(title="kvtier", docs_url=None, redoc_url=None, openapi_url=None)
+SNAPSHOT_INTERVAL_S = 2.0
+
+
+class _Generation:
+    """One request's run on an instance: its text, token count and final report."""
+
+    def __init__(self, stream: TextStream) -> None:
+        self.stream = stream
+        self.tokens = 0
+        self.final: dict | None = None
+        self.first_token_s: float | None = None
+        self.finish_reason = "length"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, router: Any, instances: dict[str, Any], settings: dict) -> None:
+        from kvtier.engine.tokenizer import Tokenizer
+        from kvtier.engine.weights import ensure_converted
+
+        keep_serve_replica_on_loopback()
+        self.router, self.instances = router, instances
+        self.settings = ServeSettings.from_mapping(settings)
+        s = self.settings
+        self.tokenizer = Tokenizer.from_files(ensure_converted())
+        self.limits = ApiLimits(model_names=(s.served_model_name,),
+                                max_prompt_tokens=s.max_prompt_tokens,
+                                max_new_tokens=s.max_new_tokens, max_body_bytes=s.max_body_bytes)
+        self.metrics = ServeMetrics()
+        self.created = int(time.time())
+        self._snapshots: asyncio.Task | None = None
+        self._seeds = random.SystemRandom()
+
+    # ---- the OpenAI API -----------------------------------------------------------------------
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    @api.get("/v1/models")
+    async def models(self) -> Response:
+        return JSONResponse(out.models_response([self.settings.served_model_name], self.created))
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        status = await self.router.status.remote()
+        broken = {n: i["broken"] for n, i in status["instances"].items() if i["broken"]}
+        code = 503 if len(broken) == len(status["instances"]) else 200
+        return JSONResponse({"status": "ok" if code == 200 else "unavailable",
+                             "instances": len(status["instances"]), "broken": broken},
+                            status_code=code)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        self._ensure_snapshots()
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    # ---- admin (Authorization: Bearer <admin key>) --------------------------------------------
+    @api.post("/admin/flush")
+    async def admin_flush(self, request: Request) -> Response:
+        return await self._admin(request, lambda h, _: h.flush.remote())
+
+    @api.get("/admin/storage")
+    async def admin_storage(self, request: Request) -> Response:
+        return await self._admin(request, lambda h, _: h.storage.remote(), body=False)
+
+    @api.post("/admin/storage/attach")
+    async def admin_attach(self, request: Request) -> Response:
+        """Body: {"backend": "file"|"mooncake"|"nixl", "options": {...}} (options optional)."""
+        return await self._admin(request, lambda h, b: h.attach_l3.remote(b["backend"],
+                                                                           b.get("options")),
+                                 needs=("backend",))
+
+    @api.post("/admin/storage/detach")
+    async def admin_detach(self, request: Request) -> Response:
+        return await self._admin(request, lambda h, _: h.detach_l3.remote())
+
+    @api.get("/admin/router")
+    async def admin_router(self, request: Request) -> Response:
+        if (denied := self._check_admin(request)) is not None:
+            return denied
+        return JSONResponse(await self.router.status.remote())
+
+    # ---- request path ---------------------------------------------------------------------------
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await request.body()
+            req = parse_chat(body, self.limits) if chat else parse_completion(body, self.limits)
+            tokens = self._tokens(req)
+        except ApiError as exc:
+            return JSONResponse(exc.to_body(), status_code=exc.status)
+        sampling = {"max_new_tokens": req.max_tokens, "temperature": req.temperature,
+                    "top_p": req.top_p, "stop_token_ids": self.tokenizer.stop_token_ids,
+                    "seed": req.seed if req.seed is not None else self._seeds.getrandbits(63)}
+        start = time.perf_counter()
+        choice = await self.router.choose.remote(tokens)
+        handle = self.instances[choice["instance"]]
+        stream = handle.options(stream=True).generate.remote(tokens, sampling)
+        gen = _Generation(TextStream(self.tokenizer, req.stop))
+        rid = out.new_request_id(chat)
+        if req.stream:
+            return StreamingResponse(self._sse(req, rid, chat, stream, gen, tokens, start),
+                                     media_type="text/event-stream")
+        try:
+            async for _ in self._run(stream, gen, start):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the client gets a 503 with the reason
+            return self._failed(exc)
+        self._observe(choice["instance"], gen, start)
+        usage, kvtier = self._usage(len(tokens), gen)
+        kvtier["route"] = {"reason": choice["reason"], "expected_pages": choice["hits"]}
+        build = out.chat_response if chat else out.completion_response
+        return JSONResponse(build(rid, req.model, int(time.time()), gen.stream.text,
+                                  gen.finish_reason, usage, kvtier))
+
+    def _tokens(self, req: CompletionRequest | ChatRequest) -> list[int]:
+        if isinstance(req, ChatRequest):
+            messages = [{"role": m.role.value, "content": m.content} for m in req.messages]
+            tokens = self.tokenizer.encode_chat(messages)
+            param = "messages"
+        elif req.is_token_prompt:
+            tokens, param = list(req.prompt), "prompt"
+        else:
+            tokens, param = self.tokenizer.encode(req.prompt), "prompt"
+        check_prompt_tokens(tokens, self.limits, self.tokenizer.vocab_size, param=param)
+        return tokens
+
+    async def _run(self, stream: Any, gen: _Generation, start: float) -> AsyncIterator[str]:
+        """Yield text deltas until the instance finishes or a stop string is hit (then the
+        instance's stream is cancelled, which aborts the request there)."""
+        try:
+            async for item in stream:
+                if item["tokens"] and gen.first_token_s is None:
+                    gen.first_token_s = time.perf_counter() - start
+                gen.tokens += len(item["tokens"])
+                text, stopped = gen.stream.push(item["tokens"])
+                if "finish_reason" in item:
+                    gen.final, gen.finish_reason = item, item["finish_reason"]
+                if text:
+                    yield text
+                if stopped:
+                    gen.finish_reason = "stop"
+                    return
+            rest = gen.stream.finish()
+            if rest:
+                yield rest
+        finally:
+            if gen.final is None:
+                stream.cancel()
+
+    async def _sse(self, req, rid: str, chat: bool, stream: Any, gen: _Generation,
+                   tokens: list[int], start: float) -> AsyncIterator[str]:
+        created = int(time.time())
+        if chat:
+            yield out.sse(out.chat_chunk(rid, req.model, created, first=True,
+                                         include_usage=req.include_usage))
+        try:
+            async for text in self._run(stream, gen, start):
+                chunk = (out.chat_chunk(rid, req.model, created, content=text,
+                                        include_usage=req.include_usage) if chat else
+                         out.completion_chunk(rid, req.model, created, text,
+                                              include_usage=req.include_usage))
+                yield out.sse(chunk)
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in the stream
+            yield out.sse(ApiError(503, f"generation failed: {exc}",
+                                   err_type=ErrorType.SERVER).to_body())
+            yield out.SSE_DONE
+            return
+        final = (out.chat_chunk(rid, req.model, created, finish_reason=gen.finish_reason,
+                                include_usage=req.include_usage) if chat else
+                 out.completion_chunk(rid, req.model, created, finish_reason=gen.finish_reason,
+                                      include_usage=req.include_usage))
+        yield out.sse(final)
+        usage, kvtier = self._usage(len(tokens), gen)
+        if req.include_usage:
+            yield out.sse(out.usage_chunk(rid, req.model, created, usage, chat=chat,
+                                          kvtier=kvtier))
+        yield out.SSE_DONE
+        self._observe(gen.final["instance"] if gen.final else "unknown", gen, start)
+
+    def _usage(self, prompt_tokens: int, gen: _Generation) -> tuple[dict, dict]:
+        final = gen.final or {"cached": {"device": 0, "host": 0, "storage": 0}, "lengths": None}
+        lengths = final["lengths"] or {"prefix_len": 0, "host_hit_length": 0,
+                                       "host_loaded_length": 0, "storage_hit_length": 0,
+                                       "extend_len": prompt_tokens}
+        kvtier = out.kvtier_field(final["cached"], lengths)
+        kvtier["instance"] = final.get("instance")  # which instance served it (routing)
+        return out.usage(prompt_tokens, gen.tokens, final["cached"], lengths), kvtier
+
+    def _observe(self, instance: str, gen: _Generation, start: float) -> None:
+        self._ensure_snapshots()
+        total = time.perf_counter() - start
+        tpot = None
+        if gen.first_token_s is not None and gen.tokens > 1:
+            tpot = (total - gen.first_token_s) / (gen.tokens - 1)
+        cached = gen.final["cached"] if gen.final else {"device": 0, "host": 0, "storage": 0}
+        self.metrics.observe_request(instance, gen.first_token_s or total, tpot, cached,
+                                     gen.finish_reason)
+
+    @staticmethod
+    def _failed(exc: Exception) -> Response:
+        log.warning("a request failed: %s", exc)
+        return JSONResponse(ApiError(503, f"generation failed, retry: {exc}",
+                                     err_type=ErrorType.SERVER).to_body(), status_code=503)
+
+    # ---- admin helpers --------------------------------------------------------------------------
+    def _check_admin(self, request: Request) -> Response | None:
+        try:
+            check_admin_key(request.headers.get("authorization", ""), self.settings.admin_key)
+        except ApiError as err:
+            return JSONResponse(err.to_body(), status_code=err.status,
+                                headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    async def _admin(self, request: Request, call, body: bool = True,
+                     needs: tuple[str, ...] = ()) -> Response:
+        if (denied := self._check_admin(request)) is not None:
+            return denied
+        args: dict = {}
+        if body:
+            try:
+                args = parse_admin_body(await request.body())
+                for name in needs:
+                    if name not in args:
+                        raise ApiError(400, f"{name}: required", param=name)
+            except ApiError as exc:
+                return JSONResponse(exc.to_body(), status_code=exc.status)
+        try:
+            results = await asyncio.gather(*(call(h, args) for h in self.instances.values()))
+        except (ConfigError, KvtierError, ValueError) as exc:
+            return JSONResponse(ApiError(400, str(exc)).to_body(), status_code=400)
+        except Exception as exc:  # noqa: BLE001 - a RayTaskError wraps the instance's error
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, (ConfigError, KvtierError, ValueError)):
+                return JSONResponse(ApiError(400, str(cause)).to_body(), status_code=400)
+            return self._failed(exc)
+        return JSONResponse({"instances": results})
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def _ensure_snapshots(self) -> None:
+        if self._snapshots is None or self._snapshots.done():
+            self._snapshots = asyncio.get_running_loop().create_task(self._snapshot_forever())
+
+    async def _snapshot_forever(self) -> None:
+        while True:
+            for name, handle in self.instances.items():
+                try:
+                    snap = await asyncio.wait_for(handle.snapshot.remote(), 30)
+                except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
+                    log.debug("snapshot of %s failed: %s", name, exc)
+                    continue
+                self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
+                                          snap["host_total_tokens"], snap["storage"])
+                self.metrics.observe_agreement(name, snap["agreement_s"])
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)

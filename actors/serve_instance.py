@@ -1,0 +1,174 @@
+"""The instance deployment of the serve graph: one model replica (its TP rank actors) behind
+an `InstanceServer`, streaming each request's tokens back to the ingress.
+
+One Serve replica per instance (each instance is its own deployment, `instance-<i>`), because
+the router must send a request to the instance that holds its prefix, not to any replica.
+The replica asks Ray for no CPU itself: its rank actors hold the instance's CPUs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+import torch
+from ray import serve
+
+from kvtier.actors.instance import Instance, InstanceError
+from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.ray_env import keep_serve_replica_on_loopback
+from kvtier.actors.rank_actor import RankSettings
+from kvtier.config import HiCacheConfig
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.messages import NamespaceSpec
+from kvtier.serve.settings import DType, ModelChoice, ServeSettings
+from kvtier.storage_options import parse_storage_options
+from kvtier.policies import StorageBackendKind
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 120.0
+
+
+def rank_settings(s: ServeSettings) -> RankSettings:
+    """What every rank of a serving instance is built from."""
+    from kvtier.engine.model_config import tiny_config
+    from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
+
+    smol = SmolLM2Weights()
+    source = smol if s.model is ModelChoice.SMOLLM2 else \
+        TinyWeights(seed=0, model_config=tiny_config(vocab_size=smol.config().vocab_size))
+    config = HiCacheConfig(page_size=s.page_size, enable_hierarchical_cache=s.hierarchical,
+                           hicache_ratio=s.hicache_ratio)
+    dtype = torch.bfloat16 if s.dtype is DType.BF16 else torch.float32
+    return RankSettings(source, config, device_pages=s.device_pages, dtype=dtype,
+                        chunk_tokens=s.chunk_tokens, token_budget=max(8192, 2 * s.chunk_tokens),
+                        l3=None, l3_actor=None, tenant_salt=s.tenant_salt)
+
+
+def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None) -> dict:
+    """The backend options a namespace is registered with (validated); file and nixl keep
+    their pages under the deployment's L3 directory unless the caller names one."""
+    opts = dict(options or {})
+    if kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL) and "root_dir" not in opts:
+        if not s.l3_root:
+            raise ConfigError("the file and nixl backends need a directory: set l3_root or "
+                              "give options.root_dir")
+        opts["root_dir"] = s.l3_root
+    parse_storage_options(kind, opts)  # ConfigError names a bad key or value
+    return opts
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  health_check_period_s=5, graceful_shutdown_timeout_s=20)
+class InstanceDeployment:
+    def __init__(self, name: str, settings: dict) -> None:
+        keep_serve_replica_on_loopback()
+        torch.set_num_threads(1)
+        self.name, self.settings = name, ServeSettings.from_mapping(settings)
+        s = self.settings
+        instance = Instance(rank_settings(s), tp_size=s.tp_size,
+                            num_cpus_per_rank=s.num_cpus_per_rank)
+        self.server = InstanceServer(instance, name)
+        self.l3: dict[str, Any] | None = None
+        if s.storage_backend is not None:
+            self._attach(s.storage_backend, l3_options(s.storage_backend, s, None))
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(self, tokens: list[int], sampling: dict) -> AsyncIterator[dict]:
+        """Stream `{"tokens": [...new ids]}` items, the last one with the finish reason,
+        cached tokens by tier, the five lengths and the instance-side TTFT."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        key = self.server.submit(tokens, SamplingParams(**sampling),
+                                 lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        emitted, finished = 0, False
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "tokens":
+                    if len(value) > emitted:
+                        yield {"tokens": list(value[emitted:])}
+                        emitted = len(value)
+                elif kind == "done":
+                    finished = True
+                    yield {"tokens": list(value.tokens[emitted:]),
+                           "finish_reason": value.finish_reason.value,
+                           "cached": value.cached._asdict(),
+                           "lengths": value.lengths._asdict(),
+                           "ttft_s": value.ttft_s, "instance": self.name}
+                    return
+                else:
+                    finished = True
+                    raise InstanceError(f"instance {self.name}: {value}")
+        finally:
+            if not finished:  # the caller went away (disconnect, stop string): free it
+                self.server.cancel(key)
+
+    # ---- router and operator calls ------------------------------------------------------------
+    async def poll(self) -> dict:
+        return self.server.poll()._asdict()
+
+    async def describe(self) -> dict:
+        desc = await self._call(lambda inst: inst.describe())
+        return {**desc._asdict(), "instance": self.name, "tp_size": self.settings.tp_size}
+
+    async def snapshot(self) -> dict:
+        """Rank 0's counters and pool use (the ranks of an instance mirror each other)."""
+        snaps = await self._call(lambda inst: inst.cache_snapshot())
+        return {**snaps[0], "restarts": self.server.instance.restarts}
+
+    async def flush(self) -> dict:
+        """Drop every unlocked L1 and L2 page (L3 is untouched)."""
+        free = await self._call(lambda inst: inst.drop_cache())
+        return {"instance": self.name, "free_device_pages": free[0]}
+
+    async def attach_l3(self, backend: str, options: dict | None) -> dict:
+        kind = StorageBackendKind.parse(backend, "backend")
+        opts = l3_options(kind, self.settings, options)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self._attach(kind, opts))
+
+    async def detach_l3(self) -> dict:
+        await self._call(lambda inst: inst.detach_l3())
+        self.l3 = None
+        return {"instance": self.name, "l3": None}
+
+    async def storage(self) -> dict:
+        return {"instance": self.name, "l3": self.l3}
+
+    def check_health(self) -> None:
+        if self.server.broken:
+            raise RuntimeError(f"instance {self.name} stopped serving: {self.server.broken}")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+
+    # ---- helpers ------------------------------------------------------------------------------
+    async def _call(self, fn) -> Any:
+        future = self.server.call(fn)
+        return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+
+    def _attach(self, kind: StorageBackendKind, options: dict) -> dict:
+        """Register this instance's namespace with the namespace actor (idempotent: every
+        instance of the deployment registers the same one) and attach it on every rank."""
+        from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+
+        if self.l3 is not None:
+            raise ConfigError(f"instance {self.name} has L3 attached already "
+                              f"({self.l3['backend']}); detach it first")
+        server, s = self.server, self.settings
+        desc = server.call(lambda inst: inst.describe()).result(CALL_TIMEOUT_S)
+        client = get_or_create_namespace_actor(s.l3_actor, s.l3_state_dir or None)
+        info = client.register(NamespaceSpec(desc.model, desc.tenant_salt,
+                                             desc.layout_fingerprint, kind, options,
+                                             tp_size=s.tp_size))
+        server.call(lambda inst: inst.attach_l3(info, s.l3_actor)).result(CALL_TIMEOUT_S)
+        self.l3 = {"backend": kind.value, "namespace": info.namespace,
+                   "options": {k: v for k, v in options.items()}}
+        log.info("instance %s: L3 %s attached (namespace %s)", self.name, kind.value,
+                 info.namespace)
+        return {"instance": self.name, "l3": self.l3}

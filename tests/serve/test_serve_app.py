@@ -1,0 +1,204 @@
+"""The serve graph for real: a local Ray cluster, Serve on 127.0.0.1, two instances of the
+tiny model (random weights over SmolLM2's vocabulary) sharing a file L3, and HTTP requests."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import time
+
+import pytest
+import requests
+
+from kvtier.actors import serve_graph
+from kvtier.netcheck import descendants, listening
+from kvtier.serve.settings import ServeSettings
+
+PORT = 8131
+BASE = f"http://127.0.0.1:{PORT}"
+KEY = "test-admin-key-0123456789"
+SETTINGS = ServeSettings(model="tiny", instances=2, page_size=16, chunk_tokens=64,
+                         device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY)
+MODEL = SETTINGS.served_model_name
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+SYSTEM = ("You are a careful assistant for the kvtier project. Answer briefly and cite the "
+          "record number. " * 4)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def app():
+    before = descendants(os.getpid())
+    serve_graph.start(SETTINGS, port=PORT)
+    try:
+        yield descendants(os.getpid()) - before
+    finally:
+        serve_graph.stop()
+
+
+def chat(messages, **kw) -> dict:
+    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120,
+                      json={"model": MODEL, "messages": messages, "max_tokens": 8,
+                            "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def router_status() -> dict:
+    return requests.get(f"{BASE}/admin/router", headers=ADMIN, timeout=30).json()
+
+
+def wait_indexed(instance: str, pages: int) -> None:
+    """Until the router has heard of `pages` pages on `instance` (events arrive by polling)."""
+    deadline = time.monotonic() + 30
+    while router_status()["instances"][instance]["indexed_pages"] < pages:
+        assert time.monotonic() < deadline, router_status()
+        time.sleep(0.1)
+
+
+def test_models_health_and_loopback(app):
+    models = requests.get(f"{BASE}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    health = requests.get(f"{BASE}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["instances"] == 2
+    found = {l.host for l in listening(app)}
+    assert found and found <= {"127.0.0.1", "::1"}, found
+
+
+def test_completion_and_cached_tokens_rise_on_the_second_turn(app):
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Record 7?"}]
+    first = chat(turn1)
+    assert first["object"] == "chat.completion"
+    answer = first["choices"][0]["message"]["content"]
+    assert first["usage"]["completion_tokens"] == 8
+    assert first["choices"][0]["finish_reason"] == "length"
+    turn2 = turn1 + [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And record 9?"}]
+    wait_indexed(first["kvtier"]["instance"], 1)
+    second = chat(turn2)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > first["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == sum(second["kvtier"]["cached_tokens"].values()) > 0
+    assert second["kvtier"]["instance"] == first["kvtier"]["instance"]  # routed to the holder
+    lengths = second["kvtier"]["lengths"]
+    assert lengths["extend_len"] == second["usage"]["prompt_tokens"] - cached
+
+
+def test_streaming_gives_the_same_text_as_a_plain_request(app):
+    body = {"model": MODEL, "prompt": SYSTEM + " Record 11?", "max_tokens": 10,
+            "temperature": 0}
+    plain = requests.post(f"{BASE}/v1/completions", json=body, timeout=120).json()
+    r = requests.post(f"{BASE}/v1/completions", timeout=120, stream=True,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len(b"data: "):] for line in r.iter_lines() if line]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 10 and "kvtier" in chunks[-1]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def test_chat_streaming_opens_with_the_role(app):
+    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120, stream=True,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 4, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != b"data: [DONE]"]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (b"{not json", 400, "JSON"),
+    (b"[1, 2]", 400, "object"),
+    (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "gpt-9"),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "x " * 6000}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": [1, 2, 10**8]}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400,
+     "temperature"),
+    (json.dumps({"model": MODEL, "prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**6}).encode(), 400,
+     "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (b"{" + b" " * (2 << 20) + b"}", 413, "bytes"),
+])
+def test_bad_requests_get_a_4xx_with_a_message(app, body, status, needle):
+    r = requests.post(f"{BASE}/v1/completions", data=body, timeout=60,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert needle in message, message
+
+
+def test_admin_endpoints_need_the_key(app):
+    for headers in ({}, {"Authorization": "Bearer wrong-key-wrong-key"}, {"Authorization": KEY}):
+        r = requests.post(f"{BASE}/admin/flush", headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+        assert requests.get(f"{BASE}/admin/storage", headers=headers,
+                            timeout=30).status_code == 401
+    flushed = requests.post(f"{BASE}/admin/flush", headers=ADMIN, timeout=60).json()
+    assert len(flushed["instances"]) == 2
+    shown = requests.get(f"{BASE}/admin/storage", headers=ADMIN, timeout=30).json()
+    assert {i["l3"]["backend"] for i in shown["instances"]} == {"file"}
+
+
+def test_admin_detach_and_attach(app):
+    bad = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=30,
+                        json={"backend": "floppy"})
+    assert bad.status_code == 400 and "floppy" in bad.json()["error"]["message"]
+    missing = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=30, json={})
+    assert missing.status_code == 400
+    twice = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=60,
+                          json={"backend": "file"})
+    assert twice.status_code == 400 and "detach it first" in twice.json()["error"]["message"]
+    off = requests.post(f"{BASE}/admin/storage/detach", headers=ADMIN, timeout=60).json()
+    assert [i["l3"] for i in off["instances"]] == [None, None]
+    chat([{"role": "user", "content": "served without L3"}])
+    on = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=60,
+                       json={"backend": "file"})
+    assert on.status_code == 200, on.text
+    assert {i["l3"]["backend"] for i in on.json()["instances"]} == {"file"}
+
+
+def test_32_concurrent_requests_are_all_answered(app):
+    def one(i: int) -> dict:
+        return chat([{"role": "user", "content": f"Question {i}: what is record {i}?"}],
+                    max_tokens=6)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(one, range(32)))
+    assert len(outs) == 32
+    assert all(o["usage"]["completion_tokens"] == 6 for o in outs)
+    assert {o["kvtier"]["instance"] for o in outs} == {"instance-0", "instance-1"}
+
+
+def test_follow_ups_go_to_their_holder_and_load_still_spreads(app):
+    requests.post(f"{BASE}/admin/flush", headers=ADMIN, timeout=60)
+    homes = {}
+    for c in range(4):  # four conversations, each follow-up where its first turn went
+        turn1 = [{"role": "system", "content": f"Conversation {c}. " + SYSTEM},
+                 {"role": "user", "content": "Start."}]
+        first = chat(turn1)
+        wait_indexed(first["kvtier"]["instance"], 1)
+        turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"][
+            "content"]}, {"role": "user", "content": "Go on."}]
+        second = chat(turn2)
+        assert second["kvtier"]["instance"] == first["kvtier"]["instance"], \
+            (second["kvtier"], router_status())
+        homes[c] = first["kvtier"]["instance"]
+
+    # Everyone asks about one shared document at once: the holder fills up and the rest
+    # spill over, so both instances serve (and then both hold the prefix).
+    doc = [{"role": "system", "content": "Shared document. " + SYSTEM}]
+
+    def ask(i: int) -> str:
+        out = chat(doc + [{"role": "user", "content": f"Point {i}?"}], max_tokens=16)
+        return out["kvtier"]["instance"]
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        served = list(pool.map(ask, range(12)))
+    assert set(served) == {"instance-0", "instance-1"}, served

@@ -1,0 +1,67 @@
+"""Serve settings, the admin rules and the text stream, without a server."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.serve.admin import check_admin_key, parse_admin_body
+from kvtier.serve.openai_requests import ApiError
+from kvtier.serve.settings import L3_NONE, ModelChoice, ServeSettings
+from kvtier.serve.text_stream import TextStream
+
+
+def test_settings_validate_and_round_trip():
+    s = ServeSettings(model="tiny", instances=3, page_size=16, chunk_tokens=64)
+    assert s.model is ModelChoice.TINY and len(s.admin_key) >= 16  # a random key by default
+    assert ServeSettings.from_mapping(s.to_mapping()) == s
+    assert s.max_prompt_tokens == 160 * 16 - 256 - 64
+    assert ServeSettings(hierarchical=False).l3 == L3_NONE  # the cache off has no L3
+    with pytest.raises(ConfigError, match="did you mean 'instances'"):
+        ServeSettings.from_mapping({"instancse": 2})
+    with pytest.raises(ConfigError, match="multiple of page_size"):
+        ServeSettings(page_size=64, chunk_tokens=96)
+    with pytest.raises(ConfigError, match="l3"):
+        ServeSettings(l3="floppy")
+    with pytest.raises(ConfigError, match="at least 16"):
+        ServeSettings(admin_key="short")
+    with pytest.raises(ConfigError, match="raise device_pages"):
+        ServeSettings(device_pages=4).max_prompt_tokens
+
+
+def test_admin_key_and_body():
+    check_admin_key("Bearer key-0123456789abcdef", "key-0123456789abcdef")
+    for header in ("", "Bearer nope", "key-0123456789abcdef", "Basic key-0123456789abcdef"):
+        with pytest.raises(ApiError) as err:
+            check_admin_key(header, "key-0123456789abcdef")
+        assert err.value.status == 401
+    assert parse_admin_body(b"") == {}
+    assert parse_admin_body(b'{"backend": "file"}') == {"backend": "file"}
+    for raw, status in ((b"{x", 400), (b"[]", 400), (b'{"backend": 3}', 400),
+                        (b'{"options": 1}', 400), (b" " * (65 << 10), 413)):
+        with pytest.raises(ApiError) as err:
+            parse_admin_body(raw)
+        assert err.value.status == status
+
+
+class ByteTokenizer:
+    """Each token is one UTF-8 byte (a multi-byte character spans tokens, as in BPE)."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_partial_characters_and_cuts_at_stops():
+    data = list("héllo wörld. STOP and more".encode())
+    stream = TextStream(ByteTokenizer(), stops=("STOP",))
+    sent = ""
+    for i in range(0, len(data), 1):
+        text, stopped = stream.push(data[i:i + 1])
+        assert "\ufffd" not in text
+        sent += text
+        if stopped:
+            break
+    sent += stream.finish()
+    assert sent == "héllo wörld. " == stream.text
+    plain = TextStream(ByteTokenizer())
+    assert plain.push(data[:2])[0] == "h"  # the first byte of é waits
+    assert plain.push(data[2:])[0] == "éllo wörld. STOP and more"[0:] and plain.finish() == ""
