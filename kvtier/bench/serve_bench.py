@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="client starts per second, Poisson; 0 = all at once (default 1)")
     p.add_argument("--turn-tokens", type=int, default=200,
                    help="words per user turn, about one token each (default 200)")
+    p.add_argument("--first-turn-tokens", type=int, default=0,
+                   help="words of each conversation's first turn, a document it is about "
+                        "(default 0: --turn-tokens)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument("--instances", type=int, default=1, help="model instances (default 1)")
     p.add_argument("--model", choices=[m.value for m in ModelChoice], default="smollm2")
@@ -99,28 +102,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---- sizing ------------------------------------------------------------------------------
-def estimated_history_tokens(rounds: int, turn_tokens: int, max_tokens: int) -> int:
-    """An upper estimate of the last round's prompt: every user turn, every earlier answer
-    and the chat template's tokens (705 measured for 3 x 200 words, 16-token answers;
-    this says 746)."""
-    per_turn = math.ceil(TOKENS_PER_WORD * turn_tokens) + TEMPLATE_TURN_TOKENS
-    return TEMPLATE_BASE_TOKENS + rounds * per_turn + (rounds - 1) * max_tokens
+def estimated_history_tokens(rounds: int, turn_tokens: int, max_tokens: int,
+                             first_turn_tokens: int = 0) -> int:
+    """An upper estimate of the last round's prompt: every user turn (the first one
+    `first_turn_tokens` words when set), every earlier answer and the chat template's tokens
+    (705 measured for 3 x 200 words, 16-token answers; this says 746)."""
+    words = (first_turn_tokens or turn_tokens) + (rounds - 1) * turn_tokens
+    per_turn_template = TEMPLATE_TURN_TOKENS * rounds
+    return (TEMPLATE_BASE_TOKENS + math.ceil(TOKENS_PER_WORD * words) + per_turn_template
+            + (rounds - 1) * max_tokens)
 
 
 def default_device_pages(rounds: int, turn_tokens: int, max_tokens: int,
-                         page_size: int = PAGE_SIZE, chunk_tokens: int = CHUNK_TOKENS) -> int:
+                         page_size: int = PAGE_SIZE, chunk_tokens: int = CHUNK_TOKENS,
+                         first_turn_tokens: int = 0) -> int:
     """L1 pages per rank: two whole conversations, and never below the smallest L1 whose
     `max_prompt_tokens` admits the last round (prompt + answer + one prefill chunk)."""
-    need = estimated_history_tokens(rounds, turn_tokens, max_tokens) + max_tokens + chunk_tokens
-    floor = max(4, math.ceil(need / page_size))
-    return max(floor, 2 * conversation_pages(rounds, turn_tokens, max_tokens, page_size))
+    history = estimated_history_tokens(rounds, turn_tokens, max_tokens, first_turn_tokens)
+    floor = max(4, math.ceil((history + max_tokens + chunk_tokens) / page_size))
+    return max(floor, 2 * conversation_pages(rounds, turn_tokens, max_tokens, page_size,
+                                             first_turn_tokens))
 
 
 def conversation_pages(rounds: int, turn_tokens: int, max_tokens: int,
-                       page_size: int = PAGE_SIZE) -> int:
+                       page_size: int = PAGE_SIZE, first_turn_tokens: int = 0) -> int:
     """Pages one whole conversation (its last prompt and answer) occupies."""
-    tokens = estimated_history_tokens(rounds, turn_tokens, max_tokens) + max_tokens
-    return math.ceil(tokens / page_size)
+    tokens = estimated_history_tokens(rounds, turn_tokens, max_tokens, first_turn_tokens)
+    return math.ceil((tokens + max_tokens) / page_size)
 
 
 # ---- settings ----------------------------------------------------------------------------
@@ -128,7 +136,8 @@ def device_pages_of(ns: argparse.Namespace) -> int:
     if ns.device_pages is not None:
         return ns.device_pages
     return default_device_pages(ns.rounds, ns.turn_tokens, ns.max_tokens,
-                                chunk_tokens=ns.chunk_tokens)
+                                chunk_tokens=ns.chunk_tokens,
+                                first_turn_tokens=ns.first_turn_tokens)
 
 
 def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = "") -> ServeSettings:
@@ -143,6 +152,7 @@ def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = ""
 
 def load_params(ns: argparse.Namespace) -> LoadParams:
     return LoadParams(clients=ns.clients, rounds=ns.rounds, turn_tokens=ns.turn_tokens,
+                      first_turn_tokens=ns.first_turn_tokens,
                       max_tokens=ns.max_tokens, request_rate=ns.rate, seed=ns.seed,
                       timeout_s=ns.timeout, progress=not ns.json)
 
@@ -150,14 +160,16 @@ def load_params(ns: argparse.Namespace) -> LoadParams:
 def settings_report(ns: argparse.Namespace) -> dict[str, Any]:
     """What the result was measured with (the admin key left out)."""
     s = serve_settings(ns, True)
+    pages = conversation_pages(ns.rounds, ns.turn_tokens, ns.max_tokens,
+                               first_turn_tokens=ns.first_turn_tokens)
     values = {k: v for k, v in s.to_mapping().items() if k not in ("admin_key", "l3_root",
                                                                   "l3_state_dir")}
     return {**values, "clients": ns.clients, "rounds": ns.rounds, "rate": ns.rate,
-            "turn_tokens": ns.turn_tokens, "max_tokens": ns.max_tokens, "seed": ns.seed,
+            "turn_tokens": ns.turn_tokens, "first_turn_tokens": ns.first_turn_tokens,
+            "max_tokens": ns.max_tokens, "seed": ns.seed,
             "port": ns.port, "compare_off": ns.compare_off,
-            "conversation_pages": conversation_pages(ns.rounds, ns.turn_tokens, ns.max_tokens),
-            "all_histories_pages": ns.clients * conversation_pages(ns.rounds, ns.turn_tokens,
-                                                                   ns.max_tokens)}
+            "conversation_pages": pages,
+            "all_histories_pages": ns.clients * pages}
 
 
 # ---- runs --------------------------------------------------------------------------------
@@ -195,6 +207,8 @@ def check(ns: argparse.Namespace) -> None:
     for name in ("clients", "rounds", "turn_tokens", "max_tokens"):
         if getattr(ns, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if ns.first_turn_tokens < 0:
+        raise ConfigError("--first-turn-tokens must be 0 (as --turn-tokens) or more")
     if ns.rate < 0:
         raise ConfigError("--rate must be 0 (all at once) or more")
     serve_settings(ns, True).max_prompt_tokens  # ConfigError: an L1 with no room for a prompt

@@ -1,7 +1,8 @@
 """Multi-turn load against an OpenAI-compatible server: the reference's benchmark shape, scaled.
 
 C clients each hold one conversation of R rounds. A round appends a user turn of about
-`turn_tokens` synthetic words to the history and asks for `max_tokens` more, streamed; the
+`turn_tokens` synthetic words (the first one `first_turn_tokens`, when set: a document the
+conversation is about) to the history and asks for `max_tokens` more, streamed; the
 answer joins the history, so round r+1 resends everything of round r. That is what makes the
 shape a cache benchmark: from round 2 on, most of the prompt is a prefix the server has seen
 (in L1, or in L2/L3 once other conversations pushed it out). Clients start by Poisson arrivals
@@ -45,6 +46,7 @@ class LoadParams(NamedTuple):
     clients: int = 8
     rounds: int = 3
     turn_tokens: int = 128  # words per user turn (about one token each)
+    first_turn_tokens: int = 0  # words of the first turn (a document to talk about); 0: turn_tokens
     max_tokens: int = 16
     request_rate: float = 0.0  # client starts per second; 0 or inf: all at once
     seed: int = 0
@@ -248,8 +250,9 @@ class Conversation:
 
     async def round(self, session: aiohttp.ClientSession, round_: int) -> bool:
         p = self.params
+        words = p.first_turn_tokens if round_ == 0 and p.first_turn_tokens else p.turn_tokens
         self.messages.append({"role": "user",
-                              "content": user_turn(p.seed, self.client, round_, p.turn_tokens)})
+                              "content": user_turn(p.seed, self.client, round_, words)})
         body = request_body(p, self.model, self.messages)
         try:
             res = await asyncio.wait_for(stream_chat(session, self.url, body), p.request_timeout_s)

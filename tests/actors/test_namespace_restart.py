@@ -81,6 +81,7 @@ def test_instances_keep_serving_through_a_namespace_actor_restart(tmp_path, refe
             assert time.monotonic() < deadline, "the namespace actor did not come back"
             time.sleep(0.1)
         time.sleep(_BACKOFF_MAX_S + 0.5)  # the ranks' clients end their back-off
+        a.quiesce()  # A's next poll reports again what the dead actor never heard
         stats = client.stats(info.namespace)
         assert stats.published_pages >= 3 * 4, stats  # rebuilt from the files, or reported
 

@@ -202,3 +202,29 @@ def test_follow_ups_go_to_their_holder_and_load_still_spreads(app):
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         served = list(pool.map(ask, range(12)))
     assert set(served) == {"instance-0", "instance-1"}, served
+
+
+def test_metrics_show_every_family(app):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Metrics?"}])
+    wanted = {"kvtier_cached_tokens", "kvtier_host_used_tokens", "kvtier_host_total_tokens",
+              "kvtier_evicted_tokens", "kvtier_load_back_tokens", "kvtier_backup_tokens",
+              "kvtier_prefetch_hit_tokens", "kvtier_prefetch_unfulfilled_tokens",
+              "kvtier_ttft_seconds", "kvtier_tpot_seconds", "kvtier_agreement_seconds",
+              "kvtier_requests"}
+    deadline = time.monotonic() + 30  # instance snapshots are taken every few seconds
+    while True:
+        text = requests.get(f"{BASE}/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        host = [s for s in families.get("kvtier_host_total_tokens", ()).samples] \
+            if "kvtier_host_total_tokens" in families else []
+        if wanted <= set(families) and host:
+            break
+        assert time.monotonic() < deadline, sorted(wanted - set(families))
+        time.sleep(0.5)
+    ttft = families["kvtier_ttft_seconds"]
+    count = [s.value for s in ttft.samples if s.name.endswith("_count")]
+    assert sum(count) >= 1
+    assert all(f.startswith("kvtier_") for f in families)
+    assert {s.labels["instance"] for s in host} <= {"instance-0", "instance-1"}
