@@ -22,7 +22,8 @@ def parse(*args: str):
 def test_defaults() -> None:
     ns = parse()
     assert ns.func is serve_bench.main
-    assert (ns.clients, ns.rounds, ns.rate, ns.turn_tokens, ns.max_tokens) == (4, 3, 1.0, 200, 16)
+    assert (ns.clients, ns.rounds, ns.rate, ns.turn_tokens, ns.max_tokens) == (4, 3, 0.0, 30, 16)
+    assert ns.first_turn_tokens == 1000
     assert (ns.instances, ns.model, ns.port, ns.seed) == (1, "smollm2", 8100, 0)
     assert ns.device_pages is None and not ns.compare_off and not ns.json
     assert ns.chunk_tokens == 64  # hits are reused up to the chunk grid: one page
@@ -62,16 +63,18 @@ def test_on_and_off_settings_differ_only_in_the_cache() -> None:
 def test_default_l1_admits_the_last_round_but_not_every_history() -> None:
     ns = parse()
     s = serve_bench.serve_settings(ns, True)
-    history = serve_bench.estimated_history_tokens(ns.rounds, ns.turn_tokens, ns.max_tokens)
-    assert history >= 705  # measured with SmolLM2's tokenizer for the default shape
+    history = serve_bench.estimated_history_tokens(ns.rounds, ns.turn_tokens, ns.max_tokens,
+                                                   ns.first_turn_tokens)
+    assert history >= 1185  # measured with SmolLM2's tokenizer for the default shape
     assert s.max_prompt_tokens >= history  # the last round is admitted...
-    per_conversation = serve_bench.conversation_pages(ns.rounds, ns.turn_tokens, ns.max_tokens)
+    per_conversation = serve_bench.conversation_pages(ns.rounds, ns.turn_tokens, ns.max_tokens,
+                                                      first_turn_tokens=ns.first_turn_tokens)
     # ...but L1 holds one or two conversations, far from all four
     assert per_conversation < s.device_pages <= 2 * per_conversation
     assert s.chunk_tokens == s.page_size
     assert s.device_pages < ns.clients * per_conversation
     # and the default follows the shape
-    assert serve_bench.default_device_pages(3, 400, 16) > s.device_pages
+    assert serve_bench.default_device_pages(3, 400, 16, first_turn_tokens=2000) > s.device_pages
 
 
 def test_settings_report_has_no_admin_key() -> None:
