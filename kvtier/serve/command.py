@@ -18,6 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3", default="file", help="file, mooncake, nixl or none")
     p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
     p.add_argument("--device-pages", type=int, default=160, help="L1 pages per rank")
+    p.add_argument("--chunk-tokens", type=int, default=512,
+                   help="prefill chunk (a multiple of 64); a cached prefix is reused in whole "
+                        "chunks, so chat follow-ups reuse more with smaller chunks, which "
+                        "prefill slower (default 512)")
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
     p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
@@ -27,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from(ns: argparse.Namespace) -> ServeSettings:
     return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp,
                          l3=ns.l3 if not ns.no_hierarchical else L3_NONE, l3_root=ns.l3_root,
-                         device_pages=ns.device_pages, hierarchical=not ns.no_hierarchical,
+                         device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
+                         hierarchical=not ns.no_hierarchical,
                          admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens)
 
 
