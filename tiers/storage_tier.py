@@ -25,12 +25,13 @@ from kvtier.keys import KeyNamespace
 from kvtier.policies import PrefetchPolicy
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
-from kvtier.tiers.storage_worker import OpState, StorageOp, StorageWorker
+from kvtier.tiers.storage_worker import StorageOp, StorageWorker
 from kvtier.tiers.tree_node import NOT_STORED, STORED, TreeNode
 
 log = logging.getLogger(__name__)
 
 
+SETTLE_WAIT_S = 0.05  # how long ending a prefetch waits for a backend call in flight
 MAX_UNREPORTED_PAGES = 1 << 16  # kept for a retried report; older ones wait for a rebuild
 DIRECTORY_LEASE_S = 60.0  # a lease covering one prefetch; released when the prefetch ends
 
@@ -118,6 +119,7 @@ class StorageTier:
         self.counters = StorageCounters()
         self._prefetch_capacity = max(1, int(config.prefetch_capacity_ratio * host_allocator.num_pages))
         self._inflight_pages = 0
+        self._orphans: list[tuple[StorageOp, list[int]]] = []  # see _free_when_settled
         self._tickets: set[int] = set()
         self.directory = directory  # None: the backend's exists() says what L3 holds
         self._unreported: list[str] = []  # stored pages whose report to the directory failed
@@ -214,14 +216,15 @@ class StorageTier:
 
     def finish(self, ticket: PrefetchTicket) -> int:
         """Stop the prefetch, insert what landed as L2-only nodes; returns tokens inserted."""
-        self._end(ticket)
+        settled = self._end(ticket)
         op = ticket.op
-        done = op.done_pages
+        done = op.done_pages  # these pages are complete; a hung batch only touches later ones
         end_page = ticket.start_page + done
         landed = op.host_pages[:done]
         res = self.tree.insert_host(ticket.tokens[: end_page * self.page_size], landed,
                                     skip_pages=ticket.start_page)
-        self.host_allocator.free(list(res.unused_pages) + op.host_pages[done:])
+        self.host_allocator.free(list(res.unused_pages))
+        self._free_when_settled(op, op.host_pages[done:], settled)
         self.tree.release_host(ticket.anchor)
         if done:
             self.mark_stored(res.last_node, ticket.start_page)
@@ -234,20 +237,49 @@ class StorageTier:
 
     def abort(self, ticket: PrefetchTicket) -> None:
         """Drop a prefetch (request aborted): nothing is inserted, every page is freed."""
-        self._end(ticket)
-        self.host_allocator.free(ticket.op.host_pages)
+        settled = self._end(ticket)
+        self._free_when_settled(ticket.op, ticket.op.host_pages, settled)
         self.tree.release_host(ticket.anchor)
 
-    def _end(self, ticket: PrefetchTicket) -> None:
+    def _end(self, ticket: PrefetchTicket) -> bool:
+        """Cancel the prefetch; True when the worker no longer touches its host pages.
+
+        A backend call that hangs must not hang the scheduler (the reference's users saw
+        exactly that): after a short wait the request goes on without the pages in flight,
+        which stay allocated until the worker lets go of them (`_free_orphans`)."""
         if ticket.finished:
             raise RuntimeError("a prefetch ticket was finished twice")
         ticket.finished = True
         self.worker.cancel(ticket.op)
-        if not self.worker.settle(ticket.op):  # its lease lapses at its TTL
-            raise TimeoutError("the storage worker did not release a prefetch in 30 s")
+        settled = self.worker.settle(ticket.op, SETTLE_WAIT_S)
         self._inflight_pages -= ticket.op.num_pages
         self._tickets.discard(ticket.op.id)
         self._release(ticket.lease_id)  # the pages are read: eviction may take them again
+        return settled
+
+    def _free_when_settled(self, op: StorageOp, pages: list[int], settled: bool) -> None:
+        if settled:
+            self.host_allocator.free(pages)
+        elif pages:
+            log.warning("an L3 read of %d pages is still running after its request moved on "
+                        "(a slow or hung backend); its L2 pages are freed when it ends",
+                        len(pages))
+            self._orphans.append((op, pages))
+
+    def _free_orphans(self) -> None:
+        """Free the L2 pages of abandoned prefetches whose worker call has returned."""
+        still = []
+        for op, pages in self._orphans:
+            if op.settled:
+                self.host_allocator.free(pages)
+            else:
+                still.append((op, pages))
+        self._orphans = still
+
+    @property
+    def orphaned_pages(self) -> int:
+        """L2 pages held by abandoned prefetches whose backend call has not returned."""
+        return sum(len(pages) for _, pages in self._orphans)
 
     # ---- backup --------------------------------------------------------------------------
     def backup(self, node: TreeNode) -> StorageOp | None:
@@ -277,6 +309,8 @@ class StorageTier:
 
     def poll(self) -> int:
         """Release nodes whose backups ended and record what reached L3."""
+        if self._orphans:
+            self._free_orphans()
         ended = self.worker.finished_backups()
         stored: list[str] = []
         for op in ended:
