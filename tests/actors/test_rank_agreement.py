@@ -126,3 +126,15 @@ def test_rank_local_decode_page_shortage_preempts_on_every_rank(instance, refere
     assert after[0].steps - before[0].steps == after[1].steps - before[1].steps
     free = [instance.rank_call(r, "drop_cache") for r in range(2)]
     assert free == [SETTINGS.device_pages] * 2
+
+
+def test_rank_processes_and_their_collective_listen_on_loopback_only(instance) -> None:
+    """The TP group's gloo rendezvous store and pairs, and every Ray process, on 127.0.0.1."""
+    import os
+
+    from kvtier.netcheck import descendants, listening
+
+    instance.generate([tokens(77, 40)], GREEDY)  # the collective has run
+    found = listening(descendants(os.getpid()))
+    assert found
+    assert {l.host for l in found} <= {"127.0.0.1", "::1"}, found
