@@ -3,7 +3,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo demo-single test bench-tree bench-transfer bench-storage bench-prefix bench-instances clean-venv
+.PHONY: demo demo-single test bench-tree bench-transfer bench-storage bench-prefix bench-instances bench-matrix clean-venv
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -33,6 +33,9 @@ bench-prefix: $(STAMP)
 
 bench-instances: $(STAMP)
 	$(PY) -m kvtier bench instances --json
+
+bench-matrix: $(STAMP)
+	$(PY) -m kvtier bench matrix --quick --out /tmp/kvtier-matrix
 
 clean-venv:
 	rm -rf $(VENV)

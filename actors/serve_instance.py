@@ -18,6 +18,7 @@ from kvtier.actors.instance import Instance, InstanceError
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.rank_actor import RankSettings
+from kvtier.calibration import calibrated_thresholds
 from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
@@ -41,6 +42,8 @@ def rank_settings(s: ServeSettings) -> RankSettings:
         TinyWeights(seed=0, model_config=tiny_config(vocab_size=smol.config().vocab_size))
     config = HiCacheConfig(page_size=s.page_size, enable_hierarchical_cache=s.hierarchical,
                            hicache_ratio=s.hicache_ratio)
+    if s.model is ModelChoice.SMOLLM2:  # load thresholds from this machine's measured
+        config = calibrated_thresholds(config, dtype=s.dtype.value)  # crossover, if cached
     dtype = torch.bfloat16 if s.dtype is DType.BF16 else torch.float32
     return RankSettings(source, config, device_pages=s.device_pages, dtype=dtype,
                         chunk_tokens=s.chunk_tokens, token_budget=max(8192, 2 * s.chunk_tokens),

@@ -122,6 +122,10 @@ class HiCacheConfig:
     storage_options: StorageOptions | None = None  # defaults filled in when a backend is set
     # What the normalize() that produced this config changed; not a knob, not compared.
     adjustments: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # The knobs the user set: `from_dict` (and so the CLI flags and --hicache-config) records
+    # the keys it was given; None when built directly in Python (see `is_explicit`). Lets
+    # automatic tuning (kvtier.calibration) leave the user's choices alone. Not compared.
+    explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -140,6 +144,9 @@ class HiCacheConfig:
         self._set("storage_backend", _parse_backend(self.storage_backend))
         self._set("storage_options", self._checked_options())
         self._set("adjustments", tuple(str(a) for a in self.adjustments))
+        if self.explicit is not None:
+            self._set("explicit", frozenset(check_keys(dict.fromkeys(self.explicit),
+                                                       knob_names(), "explicit")))
         self._check_conflicts()
 
     def _set(self, name: str, value: Any) -> None:
@@ -188,7 +195,8 @@ class HiCacheConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "HiCacheConfig":
         """Build from plain data (a parsed JSON/TOML/YAML object); enums may be strings."""
-        return cls(**check_keys(d, knob_names(), "hicache config"))
+        fields = check_keys(d, knob_names(), "hicache config")
+        return cls(**fields, explicit=frozenset(fields))
 
     @classmethod
     def normalized(cls, **fields: Any) -> "HiCacheConfig":
@@ -251,6 +259,13 @@ class HiCacheConfig:
 
     # ---- derived values -------------------------------------------------------------------
 
+    def is_explicit(self, name: str) -> bool:
+        """Whether the user set knob `name`: listed in `explicit`, or, when that is unknown
+        (None), a value other than the field's default."""
+        if self.explicit is not None:
+            return name in self.explicit
+        return getattr(self, name) != _FIELD_DEFAULTS[name]
+
     @property
     def write_through_hit_threshold(self) -> int | None:
         """Hits before an L1 page is backed up to L2; None for write_back (eviction only)."""
@@ -295,5 +310,9 @@ class HiCacheConfig:
 
 
 def knob_names() -> list[str]:
-    """Names of the settable fields, in declaration order (everything but `adjustments`)."""
-    return [f.name for f in dataclasses.fields(HiCacheConfig) if f.name != "adjustments"]
+    """Names of the settable fields, in declaration order (all but `adjustments`, `explicit`)."""
+    return [f.name for f in dataclasses.fields(HiCacheConfig)
+            if f.name not in ("adjustments", "explicit")]
+
+
+_FIELD_DEFAULTS: Mapping[str, Any] = {f.name: f.default for f in dataclasses.fields(HiCacheConfig)}

@@ -1,0 +1,257 @@
+"""`kvtier bench matrix`: the seed's experiment matrix on SmolLM2 (CPU or CUDA), one process.
+
+Workloads A..E (`matrix_workloads`) x configurations 0..5 (5 once per prefetch timeout), two
+rounds each, every request timed alone with the caches quiescent (queued L1->L2 copies and
+L2->L3 backups landed first, billed to nobody's TTFT). One model is loaded and shared; each
+workload x configuration gets fresh caches (one per instance; D has several, all on ONE
+`file` L3 directory) and a fresh L3 directory.
+
+Between round 1 and round 2:
+- configurations 0, 1, 2 keep their L1 and L2: round 2 hits what round 1 left there;
+- configurations 3, 4, 5 drop, on every instance, all unlocked L1 pages
+  (`cache.evict_device(all)`, after `flush` and `storage.drain`) and then all L2 pages
+  (`cache.tree.evict_host(all)`), as `RankCache.drop_cache` does; L3 is kept, so round 2's
+  reuse comes from L3 (prefetch L3->L2, then load-back L2->L1) under the column's policy.
+
+Before the matrix it measures the tiers' ceilings (`kvtier.bench.limits`) and the reuse
+crossover (`kvtier.bench.crossover`, saved with `kvtier.calibration.save_calibration`);
+`--skip-limits` leaves both out. Results: see `matrix_report` and docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from kvtier.bench.matrix_report import (TierSnapshot, make_cell, markdown_table, snapshot_diff,
+                                        snapshot_sum, write_report)
+from kvtier.bench.matrix_workloads import (FULL, QUICK, MatrixConfig, MatrixSizes, Workload,
+                                           build_workloads, hicache_config, matrix_configs)
+from kvtier.engine import Engine, SamplingParams
+from kvtier.engine.engine import SMOLLM2_NAMESPACE
+from kvtier.errors import ConfigError
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class MatrixParams(NamedTuple):
+    out: str
+    quick: bool = False
+    dtype: str = "bf16"
+    workloads: str = "ABCDE"
+    configs: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
+    skip_limits: bool = False
+    progress: bool = True
+    threads: int | None = None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory for results.json, results.md, PNGs")
+    p.add_argument("--quick", action="store_true",
+                   help="small documents, few requests, two timeouts (~10 min on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print results.json's object, no bars")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--workloads", default="ABCDE", help="subset of ABCDE (default all)")
+    p.add_argument("--configs", default="012345", help="subset of 012345 (default all)")
+    p.add_argument("--skip-limits", action="store_true",
+                   help="do not measure tier ceilings and the crossover")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+# ---- ceilings -------------------------------------------------------------------------------
+def measure_ceilings(l3_dir: str, quick: bool, dtype: str) -> tuple[dict, dict, dict]:
+    """(limits GB/s, crossover tokens by tier, crossover's own JSON); imported here so this
+    module works before those modules exist."""
+    try:
+        from kvtier.bench.crossover import measure_crossover
+        from kvtier.bench.limits import measure_limits
+        from kvtier.calibration import save_calibration
+    except ImportError as error:
+        raise ConfigError(f"cannot measure the tier ceilings ({error}); pass --skip-limits "
+                          "to run the matrix without them") from error
+
+    limits = measure_limits(l3_dir, quick)
+    crossover = measure_crossover(quick, dtype)
+    save_calibration(crossover)
+    tokens = {"host": crossover.host_tokens, "storage": crossover.storage_tokens}
+    return limits.to_json(), tokens, crossover.to_json()
+
+
+# ---- one workload x configuration -----------------------------------------------------------
+class _IoTimer:
+    """Seconds spent inside one backend's get_into / set_from (its worker thread calls them)."""
+
+    def __init__(self, cache: HierarchicalCache) -> None:
+        self.read_s = self.write_s = 0.0
+        if cache.storage is not None:
+            backend = cache.storage.backend
+            backend.get_into = self._timed(backend.get_into, "read_s")
+            backend.set_from = self._timed(backend.set_from, "write_s")
+
+    def _timed(self, fn: Callable, field: str) -> Callable:
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+        return call
+
+
+def _snapshot(cache: HierarchicalCache, timer: _IoTimer) -> TierSnapshot:
+    t = cache.controller.stats()
+    if cache.storage is None:
+        return TierSnapshot(t.write_bytes, t.load_bytes, t.load_s)
+    b = cache.storage.backend.stats()
+    return TierSnapshot(t.write_bytes, t.load_bytes, t.load_s, b.bytes_written, b.bytes_read,
+                        timer.write_s, timer.read_s, cache.storage.counters.prefetch_wait_s)
+
+
+def quiesce(caches: Sequence[HierarchicalCache]) -> None:
+    for cache in caches:
+        cache.flush()
+        if cache.storage is not None:
+            cache.storage.drain()
+
+
+def drop_l1_l2(cache: HierarchicalCache) -> None:
+    """Evict every unlocked L1 page, then every L2 page (L3 stays)."""
+    quiesce([cache])
+    cache.evict_device(cache.device_pool.num_pages)
+    cache.tree.evict_host(cache.host_pool.num_pages)
+
+
+def run_pair(model, tokenizer, workload: Workload, mc: MatrixConfig, sizes: MatrixSizes,
+             l3_dir: str | None, after_request: Callable[[], None] = lambda: None) -> list[dict]:
+    """Both rounds of one workload x configuration on fresh caches; its two cells."""
+    config = hicache_config(mc, sizes.page_size, l3_dir)
+    greedy = SamplingParams(max_new_tokens=sizes.new_tokens)
+    cells = []
+    with contextlib.ExitStack() as stack:
+        engines, timers = [], []
+        for _ in range(workload.instances):
+            cache = HierarchicalCache(config, model.kv_spec(sizes.page_size), workload.device_pages,
+                                      device=model.device, model=SMOLLM2_NAMESPACE)
+            engine = stack.enter_context(Engine(model, cache, sizes.chunk_tokens,
+                                                tokenizer=tokenizer, owns_cache=True))
+            engines.append(engine)
+            timers.append(_IoTimer(cache))
+        caches = [e.cache for e in engines]
+        for round_no, turns in enumerate(workload.rounds, 1):
+            if round_no == 2 and mc.has_l3:
+                for cache in caches:
+                    drop_l1_l2(cache)
+            quiesce(caches)
+            before = snapshot_sum(map(_snapshot, caches, timers))
+            outputs = []
+            for turn in turns:
+                quiesce(caches)
+                (out,) = engines[turn.instance].generate([list(turn.tokens)], greedy)
+                outputs.append(out)
+                after_request()
+            quiesce(caches)
+            moved = snapshot_diff(snapshot_sum(map(_snapshot, caches, timers)), before)
+            cells.append(make_cell(workload.name, mc.config, round_no, outputs, moved,
+                                   caches[0].spec.token_bytes, mc.timeout_s, mc.label))
+            cells[-1]["load_avg_1m"] = round(os.getloadavg()[0], 2)  # the machine is shared
+    return cells
+
+
+def _warm_up(model, tokenizer, sizes: MatrixSizes) -> None:
+    """First-call kernel setup on the chunk shapes the matrix uses, billed to no cell."""
+    cache = HierarchicalCache(hicache_config(MatrixConfig(0, "warm-up"), sizes.page_size, None),
+                              model.kv_spec(sizes.page_size),
+                              2 * (sizes.chunk_tokens // sizes.page_size) + 4, device=model.device)
+    with Engine(model, cache, sizes.chunk_tokens, tokenizer=tokenizer, owns_cache=True) as e:
+        ids = tokenizer.encode("Warm-up. " * sizes.chunk_tokens)
+        e.generate([ids[: sizes.chunk_tokens + 24]], SamplingParams(max_new_tokens=4))
+
+
+# ---- the whole run --------------------------------------------------------------------------
+def machine() -> dict:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 0
+    return {"cores": os.cpu_count(), "ram_gib": round(ram / 2**30, 1),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def run(params: MatrixParams) -> dict:
+    """Measure everything, write the report into `params.out`, return the result."""
+    from kvtier.engine.loader import load_smollm2_model
+    from tqdm import tqdm
+
+    if params.threads:
+        torch.set_num_threads(params.threads)
+    t_start = time.perf_counter()
+    sizes = QUICK if params.quick else FULL
+    phases: dict[str, float] = {}
+    limits: dict = {}
+    crossover_tokens: dict = {"host": None, "storage": None}
+    extra: dict = {"limits_skipped": params.skip_limits}
+    with tempfile.TemporaryDirectory(prefix="kvtier-matrix-") as tmp:
+        if not params.skip_limits:
+            t0 = time.perf_counter()
+            limits, crossover_tokens, extra["crossover"] = measure_ceilings(
+                tmp, params.quick, params.dtype)
+            phases["limits_and_crossover_s"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        model, tok = load_smollm2_model(DTYPES[params.dtype])
+        workloads = [w for w in build_workloads(tok.encode, sizes) if w.name in params.workloads]
+        configs = [c for c in matrix_configs(sizes.timeouts_s) if c.config in params.configs]
+        _warm_up(model, tok, sizes)
+        total = len(configs) * sum(len(t) for w in workloads for t in w.rounds)
+        bar = tqdm(total=total, unit="req", desc="matrix", file=sys.stderr,
+                   disable=not params.progress)
+        cells: list[dict] = []
+        for w in workloads:
+            for mc in configs:
+                bar.set_postfix_str(f"{w.name}/{mc.key}")
+                l3_dir = tempfile.mkdtemp(dir=tmp) if mc.has_l3 else None
+                cells += run_pair(model, tok, w, mc, sizes, l3_dir, lambda: bar.update(1))
+                if l3_dir:
+                    shutil.rmtree(l3_dir, ignore_errors=True)
+        bar.close()
+        phases["matrix_s"] = round(time.perf_counter() - t0, 1)
+    phases["total_s"] = round(time.perf_counter() - t_start, 1)
+    result = {
+        "cells": cells, "limits": limits, "crossover_tokens": crossover_tokens,
+        "machine": machine(), "quick": params.quick,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "sizes": sizes._asdict(), "dtype": params.dtype, "wall_s": phases,
+        "workloads": {w.name: {"title": w.title, "device_pages": w.device_pages,
+                               "instances": w.instances,
+                               "requests_per_round": [len(r) for r in w.rounds]}
+                      for w in workloads},
+        "configs": {c.key: c.label for c in configs}, **extra,
+    }
+    write_report(params.out, result)
+    return result
+
+
+def main(ns: argparse.Namespace) -> int:
+    import json
+
+    params = MatrixParams(ns.out, ns.quick, ns.dtype, ns.workloads.upper(),
+                          tuple(int(c) for c in ns.configs), ns.skip_limits, not ns.json,
+                          ns.threads)
+    result = run(params)
+    if ns.json:
+        with open(os.path.join(ns.out, "results.json"), encoding="utf-8") as fh:
+            print(json.dumps(json.load(fh)))
+    else:
+        print(markdown_table(result["cells"], 2))
+        print(f"wrote {ns.out}/results.json, results.md and 3 PNGs in {result['wall_s']}")
+    return 0
