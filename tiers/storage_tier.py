@@ -86,6 +86,7 @@ class StorageCounters:
     backed_up_tokens: int = 0
     backup_failed_tokens: int = 0
     directory_errors: int = 0  # directory calls that failed (lookups count as L3 misses)
+    lookup_errors: int = 0  # backend lookups that failed (counted as L3 misses)
     directory_reported_pages: int = 0  # pages this rank reported stored to the directory
 
     def snapshot(self) -> dict:
@@ -142,7 +143,7 @@ class StorageTier:
             self.counters.unfulfilled_below_threshold_tokens += len(keys) * p
             return None
         if self.directory is None:
-            hit, lease_id = self.backend.exists(keys).usable_pages, ""
+            hit, lease_id = self._backend_lookup(keys), ""
         else:
             hit, lease_id = self._directory_lookup(keys)
         self.counters.storage_hit_tokens += hit * p
@@ -167,6 +168,16 @@ class StorageTier:
         self._tickets.add(op.id)
         timeout = self.config.prefetch_timeout_s(take * p)
         return PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id)
+
+    def _backend_lookup(self, keys: list[str]) -> int:
+        """Leading pages the backend holds; 0 (a miss, counted) when asking it fails."""
+        try:
+            return self.backend.exists(keys).usable_pages
+        except Exception as exc:  # noqa: BLE001 - a failing L3 is a miss, never a lost request
+            self.counters.lookup_errors += 1
+            log.warning("L3 lookup failed (%s: %s); treating it as a miss",
+                        type(exc).__name__, exc)
+            return 0
 
     def _directory_lookup(self, keys: list[str]) -> tuple[int, str]:
         """(published leading pages, lease id) from the directory; (0, "") when it fails."""

@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
     p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
+    p.add_argument("--tenant-salt", default="",
+                   help="this deployment's tenant: seeds its page keys and L3 namespace")
     p.add_argument("--max-new-tokens", type=int, default=256)
 
 
@@ -33,7 +35,8 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          l3=ns.l3 if not ns.no_hierarchical else L3_NONE, l3_root=ns.l3_root,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          hierarchical=not ns.no_hierarchical,
-                         admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens)
+                         admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
+                         tenant_salt=ns.tenant_salt)
 
 
 def main(ns: argparse.Namespace) -> int:

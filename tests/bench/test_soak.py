@@ -1,0 +1,24 @@
+"""A short soak in `make test`: mixed traffic, random aborts, an L3 fault every half second;
+every request answered or aborted, no wrong answer, no leaked page or lock."""
+from __future__ import annotations
+
+import json
+
+from kvtier import cli
+from kvtier.bench.soak import SoakParams, run
+
+
+def test_a_short_soak_answers_everything_correctly_and_leaks_nothing():
+    result = run(SoakParams(seconds=8.0, fault_every_s=0.5, seed=3))
+    assert result.sent > 0 and result.faults_injected > 0
+    assert result.answered + result.aborted == result.sent
+    assert result.wrong == 0
+    assert result.leaked_pages == 0 and result.leaked_locks == 0
+    assert set(json.loads(json.dumps(result.to_json()))) >= {
+        "sent", "answered", "wrong", "leaked_pages", "leaked_locks", "faults_injected",
+        "rss_growth_mb"}
+
+
+def test_soak_cli_parses():
+    ns = cli.build_parser().parse_args(["bench", "soak", "--minutes", "0.5", "--json"])
+    assert (ns.minutes, ns.json) == (0.5, True)
