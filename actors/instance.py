@@ -113,8 +113,8 @@ class Instance:
                                         self._num_cpus) for r in range(self.size)]
         self._get([a.has_unfinished.remote() for a in self.ranks], self.ready_timeout_s,
                   "starting the rank actors")
-        if self._l3 is not None:  # a replacement set gets what the old one was given
-            self._all("attach_l3", *self._l3)
+        if self._l3 is not None:  # a replacement set gets the namespace as it is now
+            self._all("attach_l3", _current_info(*self._l3), self._l3[1])
         if self._watch is not None:
             self.rank_call(0, "watch_cache", self._watch)
 
@@ -335,3 +335,18 @@ class Instance:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _current_info(info: bytes, l3_actor: str | None) -> bytes:
+    """The namespace's info as its actor knows it now (a restarted Mooncake master has a new
+    address); the saved one when there is no actor or it does not answer."""
+    if l3_actor is None:
+        return info
+    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient, NamespaceUnavailable
+    try:
+        client = NamespaceClient(ray.get_actor(l3_actor, namespace=RAY_NAMESPACE))
+        return client.info(NamespaceInfo.from_msgpack(info).namespace).to_msgpack()
+    except (ValueError, NamespaceUnavailable, KvtierError) as exc:
+        log.warning("namespace actor %s: %s; re-attaching L3 with the saved settings",
+                    l3_actor, exc)
+        return info

@@ -26,7 +26,7 @@ from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier, node_tokens
 from kvtier.tiers.storage_worker import StorageOp
-from kvtier.tiers.tree_node import TreeNode
+from kvtier.tiers.tree_node import NOT_STORED, TreeNode
 from kvtier.tiers.tree_types import LoadBackPlan, LoadRefusal
 
 log = logging.getLogger(__name__)
@@ -295,6 +295,9 @@ class HierarchicalCache:
                                    self.namespace, self._alloc_host,
                                    directory=self.directory, tp_rank=self.tp_rank)
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
+        for node in self.tree.nodes():  # what L2 holds goes to the new backend too
+            if node.host_value is not None:
+                self._back_up_to_storage(node)
 
     def detach_storage(self) -> None:
         """Stop using L3: open prefetches are dropped, queued backups finish, nothing leaks."""
@@ -306,6 +309,8 @@ class HierarchicalCache:
         self.storage.close()
         self.storage = None
         self._tell_stored()
+        for node in self.tree.nodes():  # "in L3" meant that backend: a new one starts empty
+            node.storage_op = NOT_STORED
 
     def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
         """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching)."""

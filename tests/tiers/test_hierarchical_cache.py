@@ -133,3 +133,26 @@ def test_hierarchy_off_keeps_l1_only():
         assert again.prefix_len == 0 and again.host_hit_length == 0
         with pytest.raises(CacheUsageError, match="hierarchical cache is off"):
             cache.attach_storage(object())
+
+
+def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
+    """Pages marked "in L3" were in the old backend; after detach + attach of an empty one,
+    the next backups write them again."""
+    from kvtier.backends.base import StorageTarget
+    from kvtier.backends.registry import create_backend
+
+    cfg = HiCacheConfig(page_size=4, storage_backend="file",
+                        storage_options={"root_dir": str(tmp_path / "old")})
+    with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
+        tokens = list(range(1, 17))
+        look = cache.lookup(tokens)
+        cache.finish(look, tokens, cache.allocate(4))
+        cache.flush()
+        cache.storage.drain()
+        assert all(n.storage_op for n in cache.tree.nodes())  # stored in the old backend
+        cache.detach_storage()
+        cache.attach_storage(create_backend("file", StorageTarget(cache.namespace, 0, 1),
+                                            {"root_dir": str(tmp_path / "new")}))
+        cache.flush()  # attaching queued the L2 pages' backups to the new backend
+        cache.storage.drain()
+        assert cache.storage.backend.exists(cache.storage.page_keys(tokens)).usable_pages == 4
