@@ -131,6 +131,10 @@ class Ingress:
             tokens = self._tokens(req)
         except ApiError as exc:
             return JSONResponse(exc.to_body(), status_code=exc.status)
+        except Exception as exc:  # noqa: BLE001 - a bug, but the client still gets JSON
+            log.exception("a request could not be read")
+            return JSONResponse(ApiError(500, f"the request could not be read: {exc}",
+                                         err_type=ErrorType.SERVER).to_body(), status_code=500)
         sampling = {"max_new_tokens": req.max_tokens, "temperature": req.temperature,
                     "top_p": req.top_p, "stop_token_ids": self.tokenizer.stop_token_ids,
                     "seed": req.seed if req.seed is not None else self._seeds.getrandbits(63)}

@@ -17,7 +17,7 @@ import numpy as np
 from kvtier.errors import ConfigError, InvalidTokensError
 
 UINT32_MAX = 2**32 - 1
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}")  # fullmatch: '$' allows a '\n'
 
 
 def tokens_to_array(tokens: Sequence[int]) -> np.ndarray:
@@ -70,7 +70,7 @@ def _check_part(label: str, value: str, allow_empty: bool = False) -> str:
         raise ConfigError(f"namespace {label} must be a string, got {type(value).__name__}")
     if allow_empty and value == "":
         return value
-    if not _NAME_RE.match(value) or ".." in value:
+    if not _NAME_RE.fullmatch(value) or ".." in value:
         raise ConfigError(
             f"namespace {label} {value!r} is not allowed: use 1-128 characters from "
             "letters, digits, '.', '_', '-', '/', starting with a letter or digit, no '..'"

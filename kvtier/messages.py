@@ -59,7 +59,7 @@ class _Record:
             got = data.get("type") if isinstance(data, dict) else type(data).__name__
             raise MessageError(f"expected a {name} record, got {got!r:.60}")
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - set(fields) - {"type"})
+        unknown = sorted(set(data) - set(fields) - {"type"}, key=str)  # keys may be bytes too
         if unknown:
             raise MessageError(f"{name}: unknown field(s) {unknown}; is the peer another version?")
         hints = _hints(cls)

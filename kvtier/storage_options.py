@@ -127,7 +127,8 @@ class _Options:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "_Options":
         valid = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        return cls(**check_keys(d or {}, valid, cls._where()))
+        # `d or {}` would take 0, False or "" for "no options": only None means the defaults
+        return cls(**check_keys({} if d is None else d, valid, cls._where()))
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]

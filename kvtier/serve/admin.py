@@ -4,7 +4,10 @@ from __future__ import annotations
 import hmac
 import json
 
+from kvtier.errors import ConfigError
+from kvtier.policies import StorageBackendKind
 from kvtier.serve.openai_requests import ApiError, ErrorType
+from kvtier.storage_options import parse_storage_options
 
 MAX_ADMIN_BODY = 64 << 10
 
@@ -12,8 +15,8 @@ MAX_ADMIN_BODY = 64 << 10
 def check_admin_key(authorization: str, admin_key: str) -> None:
     """`Authorization: Bearer <admin key>` or a 401 (compared in constant time)."""
     scheme, _, key = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                             admin_key.encode()):
+    given = key.strip().encode("utf-8", "surrogatepass")  # any str, never an encoding error
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, admin_key.encode()):
         raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin key>' with the "
                             "key kvtier serve printed at start", err_type=ErrorType.AUTHENTICATION)
 
@@ -26,7 +29,7 @@ def parse_admin_body(raw: bytes) -> dict:
         return {}
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ApiError(400, f"the body is not valid JSON ({exc})") from exc
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
@@ -36,4 +39,13 @@ def parse_admin_body(raw: bytes) -> dict:
     if "options" in body and body["options"] is not None and not isinstance(body["options"],
                                                                              dict):
         raise ApiError(400, "options: expected an object", param="options")
+    if "backend" in body:  # checked here, at the edge, not by each instance (same rules)
+        try:
+            kind = StorageBackendKind.parse(body["backend"], "backend")
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), param="backend") from None
+        try:
+            parse_storage_options(kind, body.get("options"))
+        except ConfigError as exc:
+            raise ApiError(400, f"options: {exc}", param="options") from None
     return body

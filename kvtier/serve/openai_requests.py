@@ -200,6 +200,17 @@ def _bool(body: Mapping, name: str, param: str | None = None) -> bool:
     return v
 
 
+def _text(v: str, param: str) -> str:
+    """A string that is valid Unicode text. JSON's `\\ud800` escapes decode to lone surrogates,
+    which no tokenizer can take (it would fail with a 500 after parsing)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, f"not valid Unicode: a lone surrogate {v[exc.start]!r} at "
+                          f"character {exc.start}") from None
+    return v
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     v = body.get("stop")
     if v is None:
@@ -209,7 +220,7 @@ def _stops(body: dict) -> tuple[str, ...]:
             or not all(isinstance(s, str) and s for s in stops)):
         raise _bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} "
                            f"non-empty strings, got {v!r}")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _include_usage(body: dict) -> bool:
@@ -256,7 +267,7 @@ def _prompt(v: Any) -> str | tuple[int, ...]:
                                  f"request per prompt")
         v = v[0]
     if isinstance(v, str) and v:
-        return v
+        return _text(v, "prompt")
     if isinstance(v, list) and v:
         return _token_ids(v)
     raise _bad("prompt", f"required, {shapes}, got {v!r:.80}")
@@ -305,7 +316,7 @@ def _message(m: Any, where: str) -> ChatMessage:
 def _content(v: Any, where: str) -> str:
     """A string, or a list of text parts joined (images and audio are not supported)."""
     if isinstance(v, str):
-        return v
+        return _text(v, where)
     if not isinstance(v, list):
         raise _bad(where, f"must be a string or a list of text parts, got {v!r:.80}")
     texts = []
@@ -315,7 +326,7 @@ def _content(v: Any, where: str) -> str:
             raise _bad(f"{where}[{j}].type", f"only \"text\" parts are supported, got {got!r:.80}")
         if not isinstance(part.get("text"), str):
             raise _bad(f"{where}[{j}].text", f"must be a string, got {part.get('text')!r:.80}")
-        texts.append(part["text"])
+        texts.append(_text(part["text"], f"{where}[{j}].text"))
     return "".join(texts)
 
 

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 from kvtier.errors import ConfigError
 from kvtier.policies import StorageBackendKind, _Choice
-from kvtier.storage_options import check_float, check_int
+from kvtier.keys import KeyNamespace
+from kvtier.storage_options import check_abs_path, check_float, check_int
 
 MAX_INSTANCES = 64
 L3_NONE = "none"
@@ -90,6 +91,10 @@ class ServeSettings:
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > 4096:
                 raise ConfigError(f"{name}: expected a string (at most 4096 characters)")
+        for name in ("l3_root", "l3_state_dir"):  # each actor has its own cwd: no relative dirs
+            if getattr(self, name):
+                check_abs_path(getattr(self, name), name)
+        KeyNamespace("kvtier", self.tenant_salt)  # the salt's rules, checked before any instance
         if self.admin_key and len(self.admin_key) < 16:
             raise ConfigError("admin_key: use at least 16 characters (or leave it empty for a "
                               "random one)")
