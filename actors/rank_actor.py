@@ -249,8 +249,12 @@ class RankCache:
         cache = self.engine.cache
         page = cache.spec.page_size
         host = cache.host_pool
-        return {"counters": cache.counters.snapshot(),
-                "storage": cache.storage.counters.snapshot() if cache.storage else None,
+        storage = None
+        if cache.storage is not None:
+            backend = dataclasses.asdict(cache.storage.backend.stats())
+            backend.pop("extra", None)
+            storage = {**backend, **cache.storage.counters.snapshot()}
+        return {"counters": cache.counters.snapshot(), "storage": storage,
                 "host_used_tokens": (host.num_pages - host.allocator.num_free) * page,
                 "host_total_tokens": host.num_pages * page,
                 "agreement_s": self._new_agreement_times()}

@@ -120,7 +120,9 @@ class InstanceDeployment:
     async def snapshot(self) -> dict:
         """Rank 0's counters and pool use (the ranks of an instance mirror each other)."""
         snaps = await self._call(lambda inst: inst.cache_snapshot())
-        return {**snaps[0], "restarts": self.server.instance.restarts}
+        restarts = self.server.instance.restarts
+        return {**snaps[0], "counters": {**snaps[0]["counters"], "rank_restarts": restarts},
+                "restarts": restarts}
 
     async def flush(self) -> dict:
         """Drop every unlocked L1 and L2 page (L3 is untouched)."""

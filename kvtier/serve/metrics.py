@@ -60,6 +60,7 @@ CACHE_SOURCES = (
     _src("load_back_refused_tokens", "unloaded_below_threshold_tokens", reason="below_threshold"),
     _src("load_back_refused_tokens", "unloaded_over_quota_tokens", reason="over_quota"),
     _src("load_back_refused_tokens", "unloaded_device_capacity_tokens", reason="device_capacity"),
+    _src("rank_restarts", "rank_restarts"),
 )
 
 # StorageCounters.snapshot(), optionally merged with the backend's BackendStats
@@ -79,6 +80,9 @@ STORAGE_SOURCES = (
     _src("storage_write_bytes", "bytes_written"),
     _src("storage_evicted_pages", "evicted_pages"),
     _src("directory_errors", "directory_errors"),
+    _src("storage_errors", "lookup_errors", op="lookup"),
+    _src("storage_errors", "write_failures", op="write"),
+    _src("storage_corrupt_objects", "corrupt_objects"),
 )
 
 COUNTERS = {  # family -> (help, extra label names)
@@ -105,6 +109,11 @@ COUNTERS = {  # family -> (help, extra label names)
     "storage_write_bytes": ("Bytes written to L3", ()),
     "storage_evicted_pages": ("Pages the L3 backend evicted", ()),
     "directory_errors": ("Failed calls to the L3 page directory", ()),
+    "storage_errors": ("Failed L3 backend calls (each a miss or a dropped write), by op",
+                       ("op",)),
+    "storage_corrupt_objects": ("L3 objects that failed their check on read (and were "
+                                "removed)", ()),
+    "rank_restarts": ("Times an instance replaced its rank actors after a fault", ()),
 }
 
 HISTOGRAMS = {  # family -> (help, buckets)

@@ -92,3 +92,17 @@ def test_an_instance_without_restarts_left_says_so(instance):
             instance.generate([PROMPTS[1]], GREEDY)
     finally:
         instance.max_restarts = 3
+
+
+def test_a_rank_dying_during_a_load_back_is_replaced_and_nothing_is_lost(instance, reference):
+    """The prompt's KV is in L2 only; rank 1 dies at the step whose admission loads it back
+    (rank 0 loads, then waits for rank 1 in the agreement)."""
+    instance.max_restarts = 3
+    first = instance.generate([PROMPTS[0]], GREEDY)[0]
+    assert first.tokens == reference[0]
+    instance.evict_device()  # L1 -> L2: the next request is a load-back
+    before = instance.restarts
+    instance.rank_call(1, "crash_after", 0)
+    again = instance.generate([PROMPTS[0]], GREEDY)[0]
+    assert instance.restarts == before + 1
+    assert again.tokens == reference[0]
