@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankSettings, RankStats,
                                       create_rank_actor)
+from kvtier.actors.step_wire import decode_output, decode_report
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
@@ -180,6 +181,7 @@ class Instance:
         finally:
             self.call_s += time.perf_counter() - start
         self._failures_in_a_row = 0
+        per_rank = [decode_report(data) for data in per_rank]
         first = per_rank[0]
         for rank, report in enumerate(per_rank[1:], start=1):
             got = [(o.request_id, o.tokens, o.finish_reason) for o in report.finished]
@@ -220,7 +222,7 @@ class Instance:
         if request_id not in self._pending:
             return None
         try:
-            out = self._all("abort", self._rank_id[request_id])[0]
+            out = decode_output(self._all("abort", self._rank_id[request_id])[0])
         except RankFailure as exc:
             del self._pending[request_id]  # not re-added by the recovery: it is aborted
             self._recover(exc)

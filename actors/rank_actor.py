@@ -7,7 +7,7 @@ agreement round per step (kvtier.engine.agreement) makes them act alike.
 
 `RankCache` is the logic, usable without Ray (a TP=1 rank runs in-process in tests);
 `create_rank_actor` wraps it in a Ray actor inside a placement-group bundle. The actor's
-methods return plain values and `Output` records.
+methods return plain values, and msgpack for steps and aborts (`actors.step_wire`).
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvtier.actors.step_wire import StepReport, encode_output, encode_report
 from kvtier.config import HiCacheConfig
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import PagedLlama
 from kvtier.engine.parallel import SINGLE
-from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp, rank_device
 from kvtier.engine.tp_worker import WeightSource
@@ -71,12 +71,6 @@ class RankStats(NamedTuple):
     device_hit_tokens: int
     step_s: float = 0.0  # time inside `step` on this rank (the driver's share is the rest)
     agreement_recent_s: tuple[float, ...] = ()  # the latest rounds' times, for percentiles
-
-
-class StepReport(NamedTuple):
-    finished: list[Output]  # requests that finished in the step (prefill logits dropped)
-    progress: dict[int, tuple[int, ...]]  # rank 0: request id -> tokens so far, changed ones
-    events: bytes | None  # rank 0: a CacheEventBatch (msgpack) when watching, else None
 
 
 class CacheDescription(NamedTuple):
@@ -162,24 +156,25 @@ class RankCache:
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams) -> int:
         return self.engine.add_request([int(t) for t in tokens], sampling)
 
-    def step(self) -> StepReport:
-        """One scheduling step. Finished outputs travel without their prefill logits (a
-        vocabulary of floats each); rank 0 also reports the tokens of running requests that
-        changed and the cache events since the last step (when `watch_cache` asked)."""
+    def step(self) -> bytes:
+        """One scheduling step: a msgpack `StepReport` (actors.step_wire). Finished outputs
+        travel without their prefill logits; rank 0 also reports the tokens of running
+        requests that changed and the cache events since the last step (when `watch_cache`
+        asked)."""
         if self._crash_at is not None and self.steps >= self._crash_at:
             log.error("rank %d: crashing at step %d (injected)", self.rank, self.steps)
             os._exit(1)  # the process dies mid-request, its peers inside a collective
         start = time.perf_counter()
         self.steps += 1
         try:
-            finished = [dataclasses.replace(o, prefill_logits=None) for o in self.engine.step()]
+            finished = self.engine.step()
         finally:
             self.step_s += time.perf_counter() - start
         if self.rank != 0:
-            return StepReport(finished, {}, None)
+            return encode_report(StepReport(finished, {}, None))
         batch = self._events.drain() if self._events is not None else None
-        return StepReport(finished, self._progress(),
-                          None if batch is None else batch.to_msgpack())
+        return encode_report(StepReport(finished, self._progress(),
+                                        None if batch is None else batch.to_msgpack()))
 
     def _progress(self) -> dict[int, tuple[int, ...]]:
         """Running requests whose output changed since the last step: their tokens so far."""
@@ -268,8 +263,9 @@ class RankCache:
         self._snapshot_rounds = agr.rounds
         return tuple(agr.times_s)[len(agr.times_s) - new:] if new else ()
 
-    def abort(self, request_id: int) -> Output | None:
-        return self.engine.abort(request_id)
+    def abort(self, request_id: int) -> bytes:
+        """The aborted request's output so far (msgpack; nil when it is unknown or done)."""
+        return encode_output(self.engine.abort(request_id))
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished
