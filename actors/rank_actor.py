@@ -124,33 +124,46 @@ class RankCache:
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True)
 
     def _l3_cache(self, s: RankSettings, spec, device) -> HierarchicalCache:
-        """A cache whose L3 is this rank's own client of the namespace `s.l3`."""
+        """A cache keyed like the namespace `s.l3`, with this rank's own client of it as L3."""
         info = s.l3
         assert info is not None
         if s.config.storage_backend is not None:
             raise ConfigError("RankSettings: give either config.storage_backend or l3 (a "
                               "registered namespace), not both")
+        cache = HierarchicalCache(s.config, spec, s.device_pages, device=device,
+                                  model=info.spec.model, tenant_salt=info.spec.tenant_salt,
+                                  tp_rank=self.rank, tp_size=self.size)
+        try:
+            self._attach(cache, info, s.l3_actor)
+        except BaseException:
+            cache.close()
+            raise
+        return cache
+
+    def _attach(self, cache: HierarchicalCache, info: NamespaceInfo,
+                l3_actor: str | None) -> str:
+        """Attach this rank's own client of namespace `info` as the L3 of `cache`, the
+        namespace actor `l3_actor`'s directory gating hits; the backend's kind."""
         if info.spec.tp_size != self.size:
             raise ConfigError(f"L3 namespace {info.namespace} was registered for TP size "
                               f"{info.spec.tp_size}, but this instance has {self.size}; "
                               f"register it with tp_size={self.size}")
-        directory = None if s.l3_actor is None else _directory_client(s.l3_actor)
+        if info.spec.key_namespace != cache.namespace:
+            raise ConfigError(f"L3 namespace {info.namespace} keys pages as "
+                              f"{info.spec.key_namespace} (layout fingerprint "
+                              f"{info.spec.layout_fingerprint!r}), this rank as "
+                              f"{cache.namespace}: register the namespace with the rank's "
+                              f"model, tenant salt and layout fingerprint (describe())")
+        if cache.storage is not None:
+            raise ConfigError("an L3 backend is attached already; detach it first")
+        cache.directory = None if l3_actor is None else _directory_client(l3_actor)
         backend = open_rank_backend(info, self.rank)
         try:
-            cache = HierarchicalCache(s.config, spec, s.device_pages, device=device,
-                                      model=info.spec.model, tenant_salt=info.spec.tenant_salt,
-                                      storage=backend, tp_rank=self.rank, tp_size=self.size,
-                                      directory=directory)
+            cache.attach_storage(backend)
         except BaseException:
             backend.close()
             raise
-        if cache.namespace != info.spec.key_namespace:
-            cache.close()
-            raise ConfigError(f"L3 namespace {info.namespace} has layout fingerprint "
-                              f"{info.spec.layout_fingerprint!r} but this rank's pages are "
-                              f"{cache.namespace.layout_fingerprint!r}; register the namespace "
-                              f"with that fingerprint (kvtier.keys.layout_fingerprint)")
-        return cache
+        return backend.kind.value
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams) -> int:
@@ -201,28 +214,8 @@ class RankCache:
         self.engine.cache.set_event_listener(self._events)
 
     def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
-        """Attach this rank's own client of the registered namespace `info` (a msgpack
-        NamespaceInfo) as L3, the namespace actor `l3_actor`'s directory gating hits; the
-        backend's kind."""
-        ns = NamespaceInfo.from_msgpack(info)
-        cache = self.engine.cache
-        if ns.spec.tp_size != self.size:
-            raise ConfigError(f"L3 namespace {ns.namespace} was registered for TP size "
-                              f"{ns.spec.tp_size}, but this instance has {self.size}")
-        if ns.spec.key_namespace != cache.namespace:
-            raise ConfigError(f"L3 namespace {ns.namespace} keys pages as "
-                              f"{ns.spec.key_namespace}, this cache as {cache.namespace}: "
-                              f"register it with the cache's description (describe())")
-        if cache.storage is not None:
-            raise ConfigError("an L3 backend is attached already; detach it first")
-        cache.directory = None if l3_actor is None else _directory_client(l3_actor)
-        backend = open_rank_backend(ns, self.rank)
-        try:
-            cache.attach_storage(backend)
-        except BaseException:
-            backend.close()
-            raise
-        return backend.kind.value
+        """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3."""
+        return self._attach(self.engine.cache, NamespaceInfo.from_msgpack(info), l3_actor)
 
     def detach_l3(self) -> None:
         """Stop using L3 (queued backups finish first; nothing leaks)."""
