@@ -33,7 +33,7 @@ def _command(sub, name: str, module, help_text: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import demo
-    from kvtier.serve import command as serve_command
+    from kvtier import serve_command
     from kvtier.bench import instances, matrix, prefix, serve_bench, soak, storage, transfer, tree
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")

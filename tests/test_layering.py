@@ -1,0 +1,134 @@
+"""The layout rule and the layering, read from every package module's imports (with `ast`).
+
+Layers, bottom to top: the vocabulary of `kvtier/` <- backends <- tiers <- engine <- serve <-
+actors <- bench and the command line of `kvtier/` (cli, demo, serve_command, __main__). A module
+may import from its own layer or below; only `actors/` may import ray. Tests and examples are
+outside these rules.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# folder -> layer; `kvtier/` is split between the bottom and the top (COMMAND_MODULES)
+LAYERS = {"kvtier": 0, "backends": 1, "tiers": 2, "engine": 3, "serve": 4, "actors": 5,
+          "bench": 6}
+COMMAND_MODULES = {"cli", "demo", "serve_command", "__main__"}
+TOP = 6
+RAY_ALLOWED = {"actors"}
+
+
+def module_layer(dotted: str) -> int | None:
+    """The layer of module `kvtier.X...` (None: not one of ours)."""
+    parts = dotted.split(".")
+    if parts[0] != "kvtier":
+        return None
+    if len(parts) == 1:
+        return 0
+    if parts[1] in LAYERS and parts[1] != "kvtier":
+        return LAYERS[parts[1]]
+    return TOP if parts[1] in COMMAND_MODULES else 0
+
+
+def package_modules() -> list[tuple[pathlib.Path, str]]:
+    """(file, dotted name) of every module the package installs."""
+    out = []
+    for folder in LAYERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [] if folder == "kvtier" else [folder]
+            parts += [p for p in rel.parts if p != "__init__"]
+            out.append((path, ".".join(["kvtier", *parts])))
+    return out
+
+
+def imported(tree: ast.AST, dotted: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module) of every import in the module, lazy ones inside functions included."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                pkg = dotted.split(".")
+                pkg = pkg if is_package else pkg[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            # `from kvtier import demo` imports the module kvtier.demo
+            found += [(node.lineno, f"{base}.{alias.name}" if base == "kvtier" else base)
+                      for alias in node.names]
+    return found
+
+
+def module_violations(tree: ast.AST, dotted: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, what is wrong) for each import of one module that breaks the rules."""
+    layer, folder = module_layer(dotted), (dotted.split(".") + ["kvtier"])[1]
+    folder = folder if folder in LAYERS else "kvtier"
+    bad = []
+    for line, target in imported(tree, dotted, is_package):
+        if target.split(".")[0] == "ray" and folder not in RAY_ALLOWED:
+            bad.append((line, f"imports {target}: only actors/ may import ray"))
+            continue
+        target_layer = module_layer(target)
+        if target_layer is not None and target_layer > layer:
+            bad.append((line, f"imports {target} (layer {target_layer}) from layer {layer}: "
+                              "an upward import"))
+    return bad
+
+
+def violations() -> list[str]:
+    out = []
+    for path, dotted in package_modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        out += [f"{path.relative_to(ROOT)}:{line} {what}"
+                for line, what in module_violations(tree, dotted, path.name == "__init__.py")]
+    return out
+
+
+def test_every_module_imports_only_its_layer_or_below():
+    assert violations() == []
+
+
+def test_no_python_module_left_inside_kvtier_subfolders():
+    """`kvtier.X` lives in `X/`: kvtier/ itself has no subpackages."""
+    nested = [str(p.relative_to(ROOT)) for p in (ROOT / "kvtier").rglob("*.py")
+              if p.parent != ROOT / "kvtier"]
+    assert nested == []
+
+
+def test_every_folder_is_installed_under_its_name():
+    """pyproject maps each `kvtier.X` to the folder `X/`, and nothing else."""
+    import tomllib
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    expected = {"kvtier" if f == "kvtier" else f"kvtier.{f}": f for f in LAYERS}
+    assert tool["package-dir"] == expected
+    assert sorted(tool["packages"]) == sorted(expected)
+
+
+@pytest.mark.parametrize("source, dotted, message", [
+    ("from kvtier.actors.instance import Instance", "kvtier.engine.scheduler", "upward"),
+    ("import ray", "kvtier.tiers.radix_tree", "only actors/"),
+    ("from ray.util import collective", "kvtier.serve.metrics", "only actors/"),
+    ("from kvtier import demo", "kvtier.config", "upward"),
+    ("from ..engine import scheduler", "kvtier.tiers.radix_tree", "upward"),
+    ("from kvtier.bench import soak", "kvtier.actors.instance", "upward"),
+])
+def test_the_checker_catches_what_it_must(source, dotted, message):
+    """The rules applied to snippets (lazy imports inside a function too)."""
+    tree = ast.parse(f"def f():\n    {source}\n")
+    problems = module_violations(tree, dotted, False)
+    assert len(problems) == 1 and message in problems[0][1]
+
+
+@pytest.mark.parametrize("source, dotted", [
+    ("import ray", "kvtier.actors.instance"),
+    ("from kvtier.actors.instance import Instance", "kvtier.demo"),
+    ("from kvtier.tiers.radix_tree import HiRadixTree", "kvtier.engine.admission"),
+    ("from kvtier.serve import metrics", "kvtier.actors.serve_ingress"),
+])
+def test_the_checker_allows_what_it_must(source, dotted):
+    assert module_violations(ast.parse(source), dotted, False) == []
