@@ -20,8 +20,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankSettings, RankStats,
-                                      create_rank_actor)
+from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
+                                      RankStats, create_rank_actor)
 from kvtier.actors.step_wire import decode_output, decode_report
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
@@ -76,9 +76,11 @@ class Instance:
                  ready_timeout_s: float = READY_TIMEOUT_S,
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  resources: dict[str, float] | None = None,
-                 max_restarts: int = MAX_RESTARTS) -> None:
+                 max_restarts: int = MAX_RESTARTS,
+                 rank_class: type[RankCache] = RankCache) -> None:
         """`resources`: custom Ray resources each rank's bundle also asks for (e.g.
-        `{"kvtier_instance": 1}`): the ranks land only on nodes that offer them."""
+        `{"kvtier_instance": 1}`): the ranks land only on nodes that offer them.
+        `rank_class`: what each rank actor runs (tests pass a subclass that injects faults)."""
         if tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
         if max_restarts < 0:
@@ -87,6 +89,7 @@ class Instance:
         self.size, self.step_timeout_s = tp_size, step_timeout_s
         self.ready_timeout_s, self.max_restarts = ready_timeout_s, max_restarts
         self._settings, self._num_cpus = settings, num_cpus_per_rank
+        self._rank_class = rank_class
         self.restarts = 0  # rank sets replaced after a fault, over the instance's life
         self._failures_in_a_row = 0
         self._next_id = 0
@@ -111,7 +114,8 @@ class Instance:
     def _start_ranks(self) -> None:
         init_method = loopback_init_method()
         self.ranks = [create_rank_actor(r, self.size, init_method, self._settings, self._pg,
-                                        self._num_cpus) for r in range(self.size)]
+                                        self._num_cpus, self._rank_class)
+                      for r in range(self.size)]
         self._get([a.has_unfinished.remote() for a in self.ranks], self.ready_timeout_s,
                   "starting the rank actors")
         if self._l3 is not None:  # a replacement set gets the namespace as it is now

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import time
 from typing import NamedTuple, Sequence
@@ -102,8 +101,6 @@ class RankCache:
         self.engine.scheduler.agree = self.agreement
         self.steps = 0
         self.step_s = 0.0
-        self._refusals = 0
-        self._crash_at: int | None = None
         self._reported: dict[int, int] = {}  # request id -> output tokens reported so far
         self._events = None  # a CacheEventLog once watch_cache() is called
         self._snapshot_rounds = 0  # agreement rounds already reported by cache_snapshot
@@ -174,9 +171,6 @@ class RankCache:
         travel without their prefill logits; rank 0 also reports the tokens of running
         requests that changed and the cache events since the last step (when `watch_cache`
         asked)."""
-        if self._crash_at is not None and self.steps >= self._crash_at:
-            log.error("rank %d: crashing at step %d (injected)", self.rank, self.steps)
-            os._exit(1)  # the process dies mid-request, its peers inside a collective
         start = time.perf_counter()
         self.steps += 1
         try:
@@ -228,7 +222,7 @@ class RankCache:
         cache = self.engine.cache
         ns = cache.namespace
         return CacheDescription(ns.model, ns.tenant_salt, ns.layout_fingerprint,
-                                cache.spec.page_size, cache.device_pool.num_pages,
+                                cache.spec.page_size, cache.device_pages,
                                 cache.host_pool.num_pages,
                                 cache.storage.backend.kind.value if cache.storage else None)
 
@@ -236,15 +230,14 @@ class RankCache:
         """Monotonic counters (cache, L3) and pool use, for metrics."""
         cache = self.engine.cache
         page = cache.spec.page_size
-        host = cache.host_pool
         storage = None
         if cache.storage is not None:
             backend = dataclasses.asdict(cache.storage.backend.stats())
             backend.pop("extra", None)
             storage = {**backend, **cache.storage.counters.snapshot()}
         return {"counters": cache.counters.snapshot(), "storage": storage,
-                "host_used_tokens": (host.num_pages - host.allocator.num_free) * page,
-                "host_total_tokens": host.num_pages * page,
+                "host_used_tokens": cache.used_host_pages * page,
+                "host_total_tokens": cache.host_pool.num_pages * page,
                 "agreement_s": self._new_agreement_times()}
 
     def _new_agreement_times(self) -> tuple[float, ...]:
@@ -263,45 +256,21 @@ class RankCache:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished
 
-    # ---- inspection and fault injection (tests, benchmarks) ----------------------------------
+    # ---- inspection (tests, benchmarks; faults are injected by a subclass in the tests) -------
     def stats(self) -> RankStats:
         cache, agr = self.engine.cache, self.agreement
         return RankStats(self.rank, self.size, cache.spec.num_kv_heads, self.steps,
                          agr.rounds if agr else self.steps, agr.total_s if agr else 0.0,
                          self.engine.scheduler.rolled_back,
-                         cache.device_pool.allocator.num_free, cache.device_pool.num_pages,
+                         cache.free_device_pages, cache.device_pages,
                          cache.counters.device_hit_tokens, self.step_s,
                          tuple(agr.times_s) if agr else ())
-
-    def crash_after(self, steps: int) -> None:
-        """Kill this rank's process at the start of its `steps`-th next step (fault
-        injection: it dies with requests in flight while its peers wait in a collective)."""
-        self._crash_at = self.steps + steps
-
-    def refuse_allocations(self, count: int) -> None:
-        """Make this rank's next `count` L1 allocations fail (a rank-local out-of-memory)."""
-        self._refusals += count
-        if "allocate" in vars(self.engine.cache):
-            return
-        real = self.engine.cache.allocate
-
-        def allocate(num_pages: int) -> list[int] | None:
-            if self._refusals > 0:
-                self._refusals -= 1
-                log.warning("rank %d: refusing an allocation of %d pages (injected)",
-                            self.rank, num_pages)
-                return None
-            return real(num_pages)
-
-        self.engine.cache.allocate = allocate  # type: ignore[method-assign]
 
     def drop_cache(self) -> int:
         """Evict every unlocked page of L1 and L2 on this rank only; L1 pages free after."""
         cache = self.engine.cache
-        cache.flush()
-        cache.evict_device(cache.device_pool.num_pages)
-        cache.tree.evict_host(cache.host_pool.num_pages)
-        return cache.device_pool.allocator.num_free
+        cache.drop_unlocked()
+        return cache.free_device_pages
 
     def quiesce(self) -> None:
         """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request)."""
@@ -315,8 +284,8 @@ class RankCache:
         pages after."""
         cache = self.engine.cache
         cache.flush()
-        cache.evict_device(cache.device_pool.num_pages)
-        return cache.device_pool.allocator.num_free
+        cache.evict_device(cache.device_pages)
+        return cache.free_device_pages
 
     def close(self) -> None:
         self.engine.close()
@@ -342,9 +311,11 @@ def _key_model(name: str) -> str:
 
 
 def create_rank_actor(rank: int, size: int, init_method: str, settings: RankSettings,
-                      placement_group: object, num_cpus: float = RANK_NUM_CPUS) -> object:
-    """A Ray actor running `RankCache` in bundle `rank` of `placement_group`."""
-    actor_cls = ray.remote(RankCache).options(
+                      placement_group: object, num_cpus: float = RANK_NUM_CPUS,
+                      rank_class: type[RankCache] = RankCache) -> object:
+    """A Ray actor running `rank_class` (RankCache or a subclass) in bundle `rank` of
+    `placement_group`."""
+    actor_cls = ray.remote(rank_class).options(
         num_cpus=num_cpus, max_concurrency=1, name=None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group, placement_group_bundle_index=rank))

@@ -10,7 +10,7 @@ Between round 1 and round 2:
 - configurations 0, 1, 2 keep their L1 and L2: round 2 hits what round 1 left there;
 - configurations 3, 4, 5 drop, on every instance, all unlocked L1 pages
   (`cache.evict_device(all)`, after `flush` and `storage.drain`) and then all L2 pages
-  (`cache.tree.evict_host(all)`), as `RankCache.drop_cache` does; L3 is kept, so round 2's
+  (`cache.drop_unlocked()`), as `RankCache.drop_cache` does; L3 is kept, so round 2's
   reuse comes from L3 (prefetch L3->L2, then load-back L2->L1) under the column's policy.
 
 Before the matrix it measures the tiers' ceilings (`kvtier.bench.limits`) and the reuse
@@ -126,8 +126,7 @@ def quiesce(caches: Sequence[HierarchicalCache]) -> None:
 def drop_l1_l2(cache: HierarchicalCache) -> None:
     """Evict every unlocked L1 page, then every L2 page (L3 stays)."""
     quiesce([cache])
-    cache.evict_device(cache.device_pool.num_pages)
-    cache.tree.evict_host(cache.host_pool.num_pages)
+    cache.drop_unlocked()
 
 
 def run_pair(model, tokenizer, workload: Workload, mc: MatrixConfig, sizes: MatrixSizes,

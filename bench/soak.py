@@ -112,13 +112,8 @@ def leaks(cache: HierarchicalCache) -> tuple[int, int]:
     cache.flush()
     if cache.storage is not None:
         cache.storage.drain()
-    nodes = cache.tree.nodes()
-    locked = sum(1 for n in nodes if n.lock_ref or n.host_ref)
-    device = {p for n in nodes if n.value is not None for p in n.value}
-    host = {p for n in nodes if n.host_value is not None for p in n.host_value}
-    stray = (len(set(cache.device_pool.allocator.allocated_pages()) - device)
-             + len(set(cache.host_pool.allocator.allocated_pages()) - host))
-    return stray, locked
+    audit = cache.audit()
+    return audit.leaked_pages + audit.orphaned_host_pages, audit.leaked_locks
 
 
 def run(params: SoakParams = SoakParams(), progress: bool = False) -> SoakResult:
@@ -158,9 +153,7 @@ def run(params: SoakParams = SoakParams(), progress: bool = False) -> SoakResult
                         timer.start()
                         releases.append(timer)
                     if rng.random() < 0.5:  # L1 and L2 forget: the next hits come from L3
-                        cache.flush()
-                        cache.evict_device(cache.device_pool.num_pages)
-                        cache.tree.evict_host(cache.host_pool.num_pages)
+                        cache.drop_unlocked()
                     next_fault += params.fault_every_s
                 if prompts and rng.random() < params.abort_share / 4:
                     victim = rng.choice(list(prompts))

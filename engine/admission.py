@@ -168,7 +168,7 @@ class Admission:
     def _estimate(self, req: Request) -> tuple[int, int]:
         """(load-back tokens, first chunk tokens) admission would cost. A peek at the tree
         (no lock, no LRU touch), because `lookup` commits: it locks and starts the load."""
-        m = self.cache.tree.match_prefix(req.prompt, touch=False)
+        m = self.cache.peek(req.prompt)
         load = m.host_hit_length
         if load < self.cache.config.load_back_threshold_tokens:
             load = 0
@@ -227,7 +227,7 @@ class Admission:
             if no_room and not (busy or admitted) and self.strike(req):
                 log.warning("request %d: L1 (%d pages) cannot hold its %d-token prompt next to "
                             "what is locked; raise device_pages", req.id,
-                            self.cache.device_pool.num_pages, len(req.prompt))
+                            self.cache.device_pages, len(req.prompt))
                 refused.append(req)
                 continue  # nothing else is running: the next request may still fit
             stopped = True  # FCFS: it stays waiting, holding nothing, and nobody overtakes it
@@ -238,7 +238,7 @@ class Admission:
         assert res.fresh is not None and usable <= res.usable
         shared = usable // p
         keep = pages_for(n, p) - shared
-        self.cache.device_pool.allocator.free(res.fresh[keep:])  # the worst-case surplus
+        self.cache.release_pages(res.fresh[keep:])  # the worst-case surplus
         budget.charge_load(loaded)
         req.lookup, req.pages, req.num_shared, req.pos = \
             lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable

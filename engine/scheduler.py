@@ -107,9 +107,9 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         need = pages_for(len(req.prompt), self.page_size)
-        if need > self.cache.device_pool.num_pages:
+        if need > self.cache.device_pages:
             raise ConfigError(f"a {len(req.prompt)}-token prompt needs {need} L1 pages but the "
-                              f"device pool has {self.cache.device_pool.num_pages}; raise "
+                              f"device pool has {self.cache.device_pages}; raise "
                               f"device_pages or shorten the prompt")
         req.ticket = self.cache.prefetch(req.prompt)  # L3 -> L2 runs while the request waits
         self.waiting.append(req)
@@ -250,7 +250,7 @@ class Scheduler:
             # prompt's recomputed page) and the partial last page; finish frees those.
             prompt_pages = pages_for(len(req.prompt), self.page_size)
             cache.finish(req.lookup, req.prompt, req.pages[:prompt_pages])
-            cache.device_pool.allocator.free(req.pages[prompt_pages:])
+            cache.release_pages(req.pages[prompt_pages:])
         elif req.state is RequestState.PREFILLING:
             cache.abort(req.lookup, req.own_pages)  # partial KV: never cached
         elif req.ticket is not None:

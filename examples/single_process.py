@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, l3_dir: str) -> int:
             row(name, cache, tokens)
         cache.flush()
         cache.storage.drain()  # instance A's L2 -> L3 backups land
-        stats = cache.tree.stats()
+        stats = cache.tree_stats()
         print(f"\ninstance A tree: {stats.num_nodes} nodes; L1 evictable "
               f"{stats.device_evictable_pages} pages, L2-only {stats.host_evictable_pages} pages")
         print("instance A cache:", cache.counters.snapshot())

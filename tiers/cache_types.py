@@ -48,6 +48,33 @@ class CacheLookup(NamedTuple):
                               storage_hit_length, extend)
 
 
+class PrefixPeek(NamedTuple):
+    """What a lookup would find now (tokens), without locking or loading anything."""
+
+    device_hit_length: int  # in L1
+    host_hit_length: int  # in L2 after the L1 part
+
+
+class CacheAudit(NamedTuple):
+    """What a cache holds outside its tree; all zero once every request has ended and
+    copies have settled (a non-zero figure is a leak)."""
+
+    stray_device_pages: int  # L1 pages allocated that no node holds
+    stray_host_pages: int  # L2 pages allocated that no node (nor a running L3 read) holds
+    orphaned_host_pages: int  # L2 pages held by L3 reads still running after their request
+    locked_nodes: int  # nodes with lock_ref > 0
+    protected_nodes: int  # nodes with host_ref > 0
+    open_prefetches: int  # L3 prefetch tickets not finished or aborted
+
+    @property
+    def leaked_pages(self) -> int:
+        return self.stray_device_pages + self.stray_host_pages
+
+    @property
+    def leaked_locks(self) -> int:
+        return self.locked_nodes + self.protected_nodes
+
+
 @dataclass
 class CacheCounters:
     """Monotonic token counts (the reference's metric families, kvtier's names)."""

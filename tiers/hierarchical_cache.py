@@ -1,8 +1,9 @@
 """HierarchicalCache: one rank's L1/L2 cache behind a small request-level facade.
 
-It owns the pools, the tree and the controller, applies the write policy, plans load-back
-and keeps the counters. Callers see `lookup -> allocate -> (compute) -> finish`, never the
-tree's internals.
+It owns the pools (and their page allocators), the tree and the controller, applies the write
+policy, plans load-back and keeps the counters. Callers see `lookup -> allocate -> (compute) ->
+finish` and a few named methods (peek, release_pages, evict_*, audit); never the tree or an
+allocator. The L3 tier (storage_tier) owns the prefetch tickets; the cache hands them through.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvtier.errors import CacheUsageError
 from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import CacheEventKind, CacheTier, HostMode, WritePolicy
-from kvtier.tiers.cache_types import CacheCounters, CacheLookup
+from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_pool import HostPool
@@ -26,8 +27,8 @@ from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier, node_tokens
 from kvtier.tiers.storage_worker import StorageOp
-from kvtier.tiers.tree_node import NOT_STORED, TreeNode
-from kvtier.tiers.tree_types import LoadBackPlan, LoadRefusal
+from kvtier.tiers.tree_node import TreeNode
+from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, TreeStats
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ class HierarchicalCache:
         self.storage: StorageTier | None = None
         self.directory = directory
         self.tp_rank = tp_rank
-        self._tickets: list[PrefetchTicket] = []
         self._listener: CacheEventListener | None = None
         self._landing: dict[int, list[str]] = {}  # write op id -> hashes, while listening
         self._storing: list[StorageOp] = []  # L3 backups whose end is still to be told
@@ -195,8 +195,7 @@ class HierarchicalCache:
         alloc = self.host_pool.allocator
         pages = alloc.alloc(num_pages)
         if pages is None:
-            freed = self.tree.evict_host(num_pages - alloc.num_free).freed_pages
-            self.counters.evicted_host_tokens += freed * self.spec.page_size
+            self.evict_host(num_pages - alloc.num_free)
             pages = alloc.alloc(num_pages)
         return pages
 
@@ -272,11 +271,63 @@ class HierarchicalCache:
         self.controller.wait_writes()
         self.poll()
 
-    def evict_device(self, num_pages: int):
+    def evict_device(self, num_pages: int) -> EvictResult:
         """Free L1 pages now (demoting backed-up runs to L2)."""
         result = self.tree.evict_device(num_pages)
         self._count_device_eviction(result)
         return result
+
+    def evict_host(self, num_pages: int) -> EvictResult:
+        """Free L2 pages now (runs already out of L1, least recently used first)."""
+        result = self.tree.evict_host(num_pages)
+        self.counters.evicted_host_tokens += result.freed_pages * self.spec.page_size
+        return result
+
+    def drop_unlocked(self) -> None:
+        """Settle copies in flight, then evict every unlocked page of L1 and L2 (L3 stays)."""
+        self.flush()
+        self.evict_device(self.device_pool.num_pages)
+        self.evict_host(self.host_pool.num_pages)
+
+    # ---- what callers may know of the pools and the tree --------------------------------------
+    def peek(self, tokens: Sequence[int]) -> PrefixPeek:
+        """What `lookup` would find, without locking, loading or touching LRU order."""
+        m = self.tree.match_prefix(tokens, touch=False)
+        return PrefixPeek(m.device_hit_length, m.host_hit_length)
+
+    def release_pages(self, pages: Sequence[int]) -> None:
+        """Give back fresh L1 pages from `allocate` that no request or tree node kept."""
+        self.device_pool.allocator.free(pages)
+
+    @property
+    def device_pages(self) -> int:
+        """L1 capacity in pages."""
+        return self.device_pool.num_pages
+
+    @property
+    def free_device_pages(self) -> int:
+        return self.device_pool.allocator.num_free
+
+    @property
+    def used_host_pages(self) -> int:
+        return self.host_pool.num_pages - self.host_pool.allocator.num_free
+
+    def tree_stats(self) -> TreeStats:
+        return self.tree.stats()
+
+    def audit(self) -> CacheAudit:
+        """Pages allocated that no tree node (or L3 read still running) holds, and nodes still
+        locked: all zero once every request has ended and copies have settled."""
+        nodes = self.tree.nodes()
+        device = {p for n in nodes if n.value is not None for p in n.value}
+        host = {p for n in nodes if n.host_value is not None for p in n.host_value}
+        stray_device = len(set(self.device_pool.allocator.allocated_pages()) - device)
+        stray_host = len(set(self.host_pool.allocator.allocated_pages()) - host)
+        orphaned = self.storage.orphaned_pages if self.storage is not None else 0
+        return CacheAudit(stray_device, max(0, stray_host - orphaned), orphaned,
+                          sum(1 for n in nodes if n.lock_ref),
+                          sum(1 for n in nodes if n.host_ref),
+                          self.storage.open_tickets if self.storage is not None else 0)
 
     def wait_layer(self, layer: int) -> None:
         """Block until every load submitted so far has landed `layer` (call before attention)."""
@@ -304,13 +355,10 @@ class HierarchicalCache:
         if self.storage is None:
             return
         self.flush()
-        for ticket in list(self._tickets):
-            self.abort_prefetch(ticket)
-        self.storage.close()
+        self.storage.close()  # aborts its open prefetches first
         self.storage = None
         self._tell_stored()
-        for node in self.tree.nodes():  # "in L3" meant that backend: a new one starts empty
-            node.storage_op = NOT_STORED
+        self.tree.forget_storage()
 
     def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
         """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching)."""
@@ -320,10 +368,7 @@ class HierarchicalCache:
         m = self.tree.match_prefix(tokens, touch=False)
         anchor = m.last_host_node  # L3 pages can only hang below a node that is in L2
         local = sum(len(n.key) for n in anchor.path_to_root()) // self.spec.page_size
-        ticket = self.storage.prefetch(tokens, local, anchor)
-        if ticket is not None:
-            self._tickets.append(ticket)
-        return ticket
+        return self.storage.prefetch(tokens, local, anchor)
 
     def prefetch_ready(self, ticket: PrefetchTicket) -> bool:
         return ticket.finished or self.storage is None or self.storage.ready(ticket)
@@ -332,12 +377,10 @@ class HierarchicalCache:
         """Insert what landed into L2; returns the storage hit length (tokens)."""
         if ticket.finished or self.storage is None:
             return 0
-        self._tickets.remove(ticket)
         return self.storage.finish(ticket)
 
     def abort_prefetch(self, ticket: PrefetchTicket) -> None:
         if not ticket.finished and self.storage is not None:
-            self._tickets.remove(ticket)
             self.storage.abort(ticket)
 
     def close(self) -> None:

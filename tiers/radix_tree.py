@@ -1,8 +1,10 @@
 """HiRadixTree: page-aligned token prefixes and the tier (L1/L2) of every page.
 
 Runs without Ray and without a GPU: it only does bookkeeping of page ids. The pools hold the
-bytes; the cache facade moves them. Sizes are maintained on every change, and eviction order
-comes from LRU queues of candidates, so no operation walks the whole tree.
+bytes; the cache facade moves them. The tree is the one writer of its nodes: the cache and the
+L3 tier change a node (locks, L2 copies, L3 state) only through its methods. Sizes and
+candidate queues live in its ledger (tree_ledger), kept current on every change, and the
+eviction policy (tree_eviction) picks victims from them, so no operation walks the whole tree.
 """
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from typing import Callable, Sequence
 
 from kvtier.errors import CacheUsageError
 from kvtier.policies import CacheEventKind, CacheTier
+from kvtier.tiers import tree_eviction
 from kvtier.tiers.allocator import PageAllocator
-from kvtier.tiers.tree_node import LruQueue, TreeNode
+from kvtier.tiers.tree_ledger import TreeLedger
+from kvtier.tiers.tree_node import NOT_STORED, STORED, TreeNode, as_key
 from kvtier.tiers.tree_types import EvictResult, InsertResult, MatchResult, TreeStats
 
 # Called for an L1 page run that is about to be evicted and has no L2 copy (write_back
@@ -21,14 +25,6 @@ WriteBackFn = Callable[[TreeNode], "list[int] | None"]
 # Told when a node's pages enter or leave a tier (`HierarchicalCache.set_event_listener`
 # turns nodes into page hashes); called while the node still has its key and parent.
 TreeListener = Callable[[CacheEventKind, CacheTier, TreeNode], None]
-
-
-def _as_key(tokens: Sequence[int]) -> tuple:
-    if isinstance(tokens, tuple):
-        return tokens
-    if hasattr(tokens, "tolist"):
-        return tuple(tokens.tolist())
-    return tuple(tokens)
 
 
 class HiRadixTree:
@@ -52,49 +48,26 @@ class HiRadixTree:
         self._clock = 0
         self.root = TreeNode(0, (), None)
         self.root.value, self.root.host_value, self.root.lock_ref = [], [], 1  # never evicted
-        self.device_lru = LruQueue("in_device_lru", TreeNode.is_device_candidate)
-        self.host_lru = LruQueue("in_host_lru", TreeNode.is_host_candidate)
-        self._device_evictable = self._device_protected = 0
-        self._host_evictable = self._host_protected = 0
-        self._num_nodes = 1
+        self.ledger = TreeLedger()
+        self._account, self._refresh = self.ledger.account, self.ledger.refresh
 
     # ---- sizes -------------------------------------------------------------------------
     def stats(self) -> TreeStats:
-        return TreeStats(
-            self._device_evictable, self._device_protected,
-            self._host_evictable, self._host_protected, self._num_nodes,
-        )
+        return self.ledger.stats()
 
     @property
     def evictable_size(self) -> int:
         """Tokens in L1 that eviction could free now."""
-        return self._device_evictable * self.page_size
+        return self.ledger.device_evictable * self.page_size
 
     @property
     def protected_size(self) -> int:
         """Tokens in L1 held by locks."""
-        return self._device_protected * self.page_size
-
-    def _account(self, node: TreeNode, sign: int) -> None:
-        """Add (+1) or remove (-1) `node`'s pages from the size that matches its state."""
-        if node.value is not None:
-            if node.lock_ref:
-                self._device_protected += sign * len(node.value)
-            else:
-                self._device_evictable += sign * len(node.value)
-        elif node.host_value is not None:
-            if node.host_ref:
-                self._host_protected += sign * len(node.host_value)
-            else:
-                self._host_evictable += sign * len(node.host_value)
+        return self.ledger.device_protected * self.page_size
 
     def _emit(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
         if self.listener is not None:
             self.listener(kind, tier, node)
-
-    def _refresh(self, node: TreeNode) -> None:
-        self.device_lru.refresh(node)
-        self.host_lru.refresh(node)
 
     # ---- lookup ------------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
@@ -102,7 +75,7 @@ class HiRadixTree:
 
         `touch=False` looks without counting a hit or refreshing LRU order (a probe).
         """
-        key = _as_key(tokens)
+        key = as_key(tokens)
         p = self.page_size
         end = len(key) // p * p
         self._clock += 1
@@ -158,7 +131,7 @@ class HiRadixTree:
         upper.children[child.key[: self.page_size]] = child
         upper.device_children = 1 if child.value is not None else 0
         child.parent = upper
-        self._num_nodes += 1
+        self.ledger.num_nodes += 1
         return upper
 
     # ---- insertion -----------------------------------------------------------------------
@@ -201,7 +174,7 @@ class HiRadixTree:
         only below the root or a node that is itself in L2, so every L2-only prefix is complete
         in L2. Pages that cannot be placed, or duplicate stored ones, come back unused.
         """
-        key = _as_key(tokens)
+        key = as_key(tokens)
         full, rest = divmod(len(key), self.page_size)
         if len(host_pages) != full + (1 if rest else 0) - skip_pages or skip_pages > full:
             raise CacheUsageError(
@@ -237,7 +210,7 @@ class HiRadixTree:
         return InsertResult(unused, min(prefix, full), placed, node)
 
     def _check_pages(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple:
-        key = _as_key(tokens)
+        key = as_key(tokens)
         full, rest = divmod(len(key), self.page_size)
         if len(pages) != full + (1 if rest else 0):
             raise CacheUsageError(
@@ -273,7 +246,7 @@ class HiRadixTree:
         parent.children[key[: self.page_size]] = node
         if value is not None:
             parent.device_children += 1
-        self._num_nodes += 1
+        self.ledger.num_nodes += 1
         self._account(node, +1)
         self._refresh(parent)
         self._refresh(node)
@@ -292,71 +265,36 @@ class HiRadixTree:
     # ---- protection ----------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         """Protect the L1 pages from `node` to the root against eviction."""
-        self._add_ref(node, "lock_ref", 1)
+        self.ledger.change_ref(node, "lock_ref", 1)
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`."""
-        self._add_ref(node, "lock_ref", -1)
+        self.ledger.change_ref(node, "lock_ref", -1)
 
     def protect_host(self, node: TreeNode) -> None:
         """Protect the L2 pages from `node` to the root (loads, backups in flight)."""
-        self._add_ref(node, "host_ref", 1)
+        self.ledger.change_ref(node, "host_ref", 1)
 
     def release_host(self, node: TreeNode) -> None:
         """Undo one `protect_host(node)`."""
-        self._add_ref(node, "host_ref", -1)
+        self.ledger.change_ref(node, "host_ref", -1)
 
-    def _add_ref(self, node: TreeNode, field: str, delta: int) -> None:
-        """Change a path count; crossing zero moves the node between sized buckets."""
-        if node.parent is not None and getattr(node, field) + delta < 0:
-            raise CacheUsageError(f"{field} of a node would go below zero (release without "
-                                  f"a matching lock/protect): {node}")
-        while node.parent is not None:
-            before = getattr(node, field)
-            if before == 0 or before + delta == 0:
-                self._account(node, -1)
-                setattr(node, field, before + delta)
-                self._account(node, +1)
-                self._refresh(node)
-            else:
-                setattr(node, field, before + delta)
-            node = node.parent
-
-    # ---- eviction ------------------------------------------------------------------------
+    # ---- eviction (the policy is tree_eviction; these are its mechanisms) -----------------
     def evict_device(self, num_pages: int) -> EvictResult:
-        """Free at least `num_pages` L1 pages from least recently used unlocked leaves.
+        """Free at least `num_pages` L1 pages (tree_eviction.evict_device says how)."""
+        return tree_eviction.evict_device(self, num_pages)
 
-        A run with an L2 copy is demoted (stays matchable from L2); one without is written back
-        first when `write_back` is set and succeeds, else dropped with whatever hangs below it.
-        """
-        freed = demoted = dropped = written = 0
-        skipped: list[TreeNode] = []
-        while freed < num_pages:
-            node = self.device_lru.pop()
-            if node is None:
-                break
-            pages = len(node.value)
-            if node.host_value is None and self.write_back is not None:
-                host_pages = self.write_back(node)
-                if host_pages is not None:
-                    node.host_value = list(host_pages)
-                    written += pages
-                    self._emit(CacheEventKind.STORED, CacheTier.HOST, node)
-            if node.host_value is not None:
-                self._demote(node)
-                demoted += pages
-            elif node.host_ref:  # an L2 run below it is in use: cannot drop the prefix now
-                skipped.append(node)
-                continue
-            else:
-                self._drop_subtree(node)
-                dropped += pages
-            freed += pages
-        for node in skipped:
-            self.device_lru.refresh(node)
-        return EvictResult(freed, demoted, dropped, written)
+    def evict_host(self, num_pages: int) -> EvictResult:
+        """Free at least `num_pages` L2 pages of runs already evicted from L1."""
+        return tree_eviction.evict_host(self, num_pages)
 
-    def _demote(self, node: TreeNode) -> None:
+    def record_write_back(self, node: TreeNode, host_pages: list[int]) -> None:
+        """An L1 run about to be evicted was copied to L2 at `host_pages` (write_back)."""
+        node.host_value = list(host_pages)
+        self._emit(CacheEventKind.STORED, CacheTier.HOST, node)
+
+    def demote(self, node: TreeNode) -> None:
+        """Free the L1 pages of a run that has an L2 copy; it stays matchable from L2."""
         self._emit(CacheEventKind.DEMOTED, CacheTier.DEVICE, node)
         self._account(node, -1)
         self.device_allocator.free(node.value)
@@ -364,9 +302,9 @@ class HiRadixTree:
         self._account(node, +1)
         node.parent.device_children -= 1
         self._refresh(node.parent)
-        self.host_lru.refresh(node)
+        self.ledger.host_lru.refresh(node)
 
-    def _drop_subtree(self, node: TreeNode) -> None:
+    def drop_subtree(self, node: TreeNode) -> None:
         """Remove `node` (in L1, no L2 copy) and its L2-only descendants from every tier."""
         stack = list(node.children.values())
         while stack:
@@ -378,6 +316,13 @@ class HiRadixTree:
         del parent.children[node.key[: self.page_size]]
         parent.device_children -= 1
         self._refresh(parent)
+
+    def remove_host_leaf(self, node: TreeNode) -> None:
+        """Remove an L2-only leaf and free its L2 pages."""
+        self._forget(node)
+        parent = node.parent
+        del parent.children[node.key[: self.page_size]]
+        self.ledger.host_lru.refresh(parent)
 
     def _forget(self, node: TreeNode) -> None:
         """Free `node`'s pages in both tiers and take it out of the queues."""
@@ -392,23 +337,36 @@ class HiRadixTree:
         if node.host_value is not None:
             self.host_allocator.free(node.host_value)
             node.host_value = None
-        self.device_lru.discard(node)
-        self.host_lru.discard(node)
-        self._num_nodes -= 1
+        self.ledger.discard(node)
+        self.ledger.num_nodes -= 1
 
-    def evict_host(self, num_pages: int) -> EvictResult:
-        """Free at least `num_pages` L2 pages from unprotected runs already evicted from L1."""
-        freed = 0
-        while freed < num_pages:
-            node = self.host_lru.pop()
-            if node is None:
+    # ---- L3 state (written by the L3 tier through these) -----------------------------------
+    def mark_storing(self, nodes: list[TreeNode], op_id: int) -> None:
+        """`nodes` are being written to L3 by backup `op_id` (a split copies the mark)."""
+        for n in nodes:
+            n.storage_op = op_id
+
+    def end_storing(self, node: TreeNode, op_id: int, complete: bool) -> None:
+        """Backup `op_id` of the path to `node` ended: STORED if it wrote every page, else the
+        nodes may be backed up again."""
+        for n in node.path_to_root():
+            if n.storage_op == op_id:
+                n.storage_op = STORED if complete else NOT_STORED
+
+    def mark_stored(self, node: TreeNode, first_page: int) -> None:
+        """Pages from `first_page` on the path to `node` came from L3: no backup needed."""
+        end = sum(len(n.key) for n in node.path_to_root()) // self.page_size
+        for n in node.path_to_root():
+            end -= len(n.key) // self.page_size
+            if end < first_page:
                 break
-            freed += len(node.host_value)
-            self._forget(node)
-            parent = node.parent
-            del parent.children[node.key[: self.page_size]]
-            self.host_lru.refresh(parent)
-        return EvictResult(freed, dropped_pages=freed)
+            if n.storage_op == NOT_STORED:
+                n.storage_op = STORED
+
+    def forget_storage(self) -> None:
+        """L3 was detached: "in L3" meant that backend, and a new one starts empty."""
+        for node in self.nodes():
+            node.storage_op = NOT_STORED
 
     # ---- load-back -----------------------------------------------------------------------
     def restore_to_device(self, nodes: list[TreeNode], pages: list[int]) -> None:
@@ -427,13 +385,8 @@ class HiRadixTree:
 
     # ---- whole tree ----------------------------------------------------------------------
     def nodes(self) -> list[TreeNode]:
-        """Every node but the root (walks the tree: for tests and debugging only)."""
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
+        """Every node but the root (walks the tree: attach, detach, audits and tests)."""
+        return self.root.descendants()
 
     def clear(self) -> None:
         """Drop every unlocked page; raises when something is still locked or protected."""

@@ -26,7 +26,7 @@ from kvtier.policies import PrefetchPolicy
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.storage_worker import StorageOp, StorageWorker
-from kvtier.tiers.tree_node import NOT_STORED, STORED, TreeNode
+from kvtier.tiers.tree_node import NOT_STORED, TreeNode
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class StorageTier:
         self._prefetch_capacity = max(1, int(config.prefetch_capacity_ratio * host_allocator.num_pages))
         self._inflight_pages = 0
         self._orphans: list[tuple[StorageOp, list[int]]] = []  # see _free_when_settled
-        self._tickets: set[int] = set()
+        self._tickets: dict[int, PrefetchTicket] = {}  # op id -> open ticket: the one registry
         self.directory = directory  # None: the backend's exists() says what L3 holds
         self._unreported: list[str] = []  # stored pages whose report to the directory failed
         self.tp_rank = tp_rank
@@ -165,9 +165,10 @@ class StorageTier:
         self._inflight_pages += take
         self.tree.protect_host(anchor)
         op = self.worker.prefetch(keys[:take], host_pages)
-        self._tickets.add(op.id)
         timeout = self.config.prefetch_timeout_s(take * p)
-        return PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id)
+        ticket = PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id)
+        self._tickets[op.id] = ticket
+        return ticket
 
     def _backend_lookup(self, keys: list[str]) -> int:
         """Leading pages the backend holds; 0 (a miss, counted) when asking it fails."""
@@ -238,13 +239,23 @@ class StorageTier:
         self._free_when_settled(op, op.host_pages[done:], settled)
         self.tree.release_host(ticket.anchor)
         if done:
-            self.mark_stored(res.last_node, ticket.start_page)
+            self.tree.mark_stored(res.last_node, ticket.start_page)
         # pages of the prefix the tree now holds (any tier) past the local hit
         usable = max(0, min(res.prefix_pages + res.new_pages, end_page) - ticket.start_page)
         self.counters.prefetched_tokens += usable * self.page_size
         self.counters.unfulfilled_storage_transfer_tokens += (op.num_pages - done) * self.page_size
         self.counters.prefetch_wait_s += (op.finished_s or time.monotonic()) - op.submitted_s
         return usable * self.page_size
+
+    @property
+    def open_tickets(self) -> int:
+        """Prefetches started and not yet finished or aborted."""
+        return len(self._tickets)
+
+    def abort_all(self) -> None:
+        """Abort every open prefetch (detach, shutdown): nothing inserted, nothing leaks."""
+        for ticket in list(self._tickets.values()):
+            self.abort(ticket)
 
     def abort(self, ticket: PrefetchTicket) -> None:
         """Drop a prefetch (request aborted): nothing is inserted, every page is freed."""
@@ -264,7 +275,7 @@ class StorageTier:
         self.worker.cancel(ticket.op)
         settled = self.worker.settle(ticket.op, SETTLE_WAIT_S)
         self._inflight_pages -= ticket.op.num_pages
-        self._tickets.discard(ticket.op.id)
+        self._tickets.pop(ticket.op.id, None)
         self._release(ticket.lease_id)  # the pages are read: eviction may take them again
         return settled
 
@@ -314,8 +325,7 @@ class StorageTier:
             start += count
         self.tree.protect_host(node)
         op = self.worker.backup(keys, pages, node)
-        for n in todo:
-            n.storage_op = op.id
+        self.tree.mark_storing(todo, op.id)
         return op
 
     def poll(self) -> int:
@@ -327,10 +337,7 @@ class StorageTier:
         for op in ended:
             stored += op.keys[: op.done_pages]  # leading pages fully written by this rank
             node = op.payload
-            complete = op.done_pages == op.num_pages
-            for n in node.path_to_root():
-                if n.storage_op == op.id:
-                    n.storage_op = STORED if complete else NOT_STORED
+            self.tree.end_storing(node, op.id, op.done_pages == op.num_pages)
             self.tree.release_host(node)
             self.counters.backed_up_tokens += op.done_pages * self.page_size
             self.counters.backup_failed_tokens += (op.num_pages - op.done_pages) * self.page_size
@@ -357,16 +364,6 @@ class StorageTier:
             return
         self.counters.directory_reported_pages += len(keys)
 
-    def mark_stored(self, node: TreeNode, first_page: int) -> None:
-        """Pages from `first_page` on the path to `node` came from L3: no backup needed."""
-        end = sum(len(n.key) for n in node.path_to_root()) // self.page_size
-        for n in node.path_to_root():
-            end -= len(n.key) // self.page_size
-            if end < first_page:
-                break
-            if n.storage_op == NOT_STORED:
-                n.storage_op = STORED
-
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until queued backups have ended (tests, detach, shutdown)."""
         deadline = time.monotonic() + timeout_s
@@ -376,6 +373,7 @@ class StorageTier:
 
     def close(self, drain: bool = True) -> None:
         """Finish (or cancel) queued work, release every protection, close the backend."""
+        self.abort_all()
         if drain:
             self.drain()
         self.worker.close()

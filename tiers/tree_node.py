@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 
 NOT_STORED = 0
 STORED = -1
+
+
+def as_key(tokens: Sequence[int]) -> tuple:
+    """Token ids as a node key (a tuple), from a list, tuple or tensor."""
+    if isinstance(tokens, tuple):
+        return tokens
+    if hasattr(tokens, "tolist"):
+        return tuple(tokens.tolist())
+    return tuple(tokens)
 
 
 class TreeNode:
@@ -72,6 +81,15 @@ class TreeNode:
         while node.parent is not None:
             yield node
             node = node.parent
+
+    def descendants(self) -> list["TreeNode"]:
+        """Every node below this one (walks the subtree)."""
+        out, stack = [], list(self.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
 
     def __repr__(self) -> str:
         return (

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from faulty_rank import FaultyRankCache
 from kvtier.actors.instance import Instance
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
@@ -52,7 +53,7 @@ def reference() -> dict[str, list[tuple[int, ...]]]:
 
 @pytest.fixture(scope="module")
 def instance(instance_factory):
-    with instance_factory(SETTINGS, tp_size=2) as inst:
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as inst:
         yield inst
 
 
