@@ -156,3 +156,40 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
         cache.flush()  # attaching queued the L2 pages' backups to the new backend
         cache.storage.drain()
         assert cache.storage.backend.exists(cache.storage.page_keys(tokens)).usable_pages == 4
+
+
+def test_named_methods_answer_without_reaching_into_the_tree():
+    """peek, release_pages, evict_host, drop_unlocked and audit: what admission, rank actors and
+    benches use instead of the tree and the allocators."""
+    tokens = list(range(12))
+    with make_cache(device_pages=8) as cache:
+        assert cache.peek(tokens) == (0, 0) and cache.device_pages == 8
+        serve(cache, tokens)
+        cache.flush()
+        assert cache.peek(tokens) == (12, 0)  # three pages in L1
+        assert cache.peek(tokens).device_hit_length == 12
+        cache.evict_device(cache.device_pages)
+        assert cache.peek(tokens) == (0, 12)  # demoted: the L2 copies stay
+        assert cache.used_host_pages == 3 and cache.free_device_pages == 8
+        spare = cache.allocate(2)
+        assert cache.audit().stray_device_pages == 2  # handed out, held by nobody yet
+        cache.release_pages(spare)
+        before = cache.counters.evicted_host_tokens
+        assert cache.evict_host(1).freed_pages >= 1
+        assert cache.counters.evicted_host_tokens > before
+        serve(cache, tokens)
+        cache.drop_unlocked()
+        assert cache.peek(tokens) == (0, 0) and cache.used_host_pages == 0
+        assert cache.audit() == (0, 0, 0, 0, 0, 0)
+
+
+def test_audit_counts_a_lock_that_was_never_released():
+    tokens = list(range(8))
+    with make_cache() as cache:
+        serve(cache, tokens)
+        lookup = cache.lookup(tokens)  # locked, never finished or aborted
+        cache.flush()
+        audit = cache.audit()
+        assert audit.locked_nodes >= 1 and audit.leaked_locks >= 1 and audit.leaked_pages == 0
+        cache.abort(lookup)
+        assert cache.audit().leaked_locks == 0
