@@ -10,19 +10,14 @@
   each page also has a checksum object (xxh3_64 per part) checked after the copy. A wrong
   size or checksum is a miss, counted in `corrupt_objects`, and the page's objects go.
 - A dead master makes calls misses/failures, never exceptions or hangs, and is counted
-  (`stats().extra`: `master_outages`, `calls_while_master_down`, `rpc_failures`). Mooncake
-  0.3.13's cached health flag stays OK after its master dies and every RPC to a dead master
-  waits ~4.5 s for its timeout (measured), so after one failed RPC calls are misses without
-  asking: for RPC_BACKOFF_S, then for as long as the master's port refuses a TCP connect
-  (answered at once; PROBE_TIMEOUT_S at most). The first call that succeeds ends the outage.
-  A master restarted elsewhere (a new address) needs a new backend: detach and attach.
+  (backends/mooncake_master_guard.py says why and how). A master restarted elsewhere
+  (a new address) needs a new backend: detach and attach.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -31,6 +26,7 @@ import xxhash
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
                                   StorageUnavailable, TransferResult)
 from kvtier.backends.mooncake_master import MooncakeMaster, free_port, port_open
+from kvtier.backends.mooncake_master_guard import OK, MasterGuard
 from kvtier.errors import CacheUsageError
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import MooncakeOptions
@@ -39,10 +35,7 @@ log = logging.getLogger(__name__)
 # Mooncake writes every INFO line to stderr; keep its warnings and errors unless told otherwise.
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
-OK, BUFFER_TOO_SMALL = 0, -600
-RPC_ERRORS = (-900, -901)  # RPC_FAIL, RPC_TIMEOUT: the master did not answer
-RPC_BACKOFF_S = 2.0
-PROBE_TIMEOUT_S = 0.5  # a TCP connect to a master that failed an RPC: is it back?
+BUFFER_TOO_SMALL = -600
 SUM_SUFFIX = "sum"  # `<...>_<rank>_<size>_sum` beside `_k` / `_v`
 SUM_BYTES = 8  # one little-endian xxh3_64 per part
 
@@ -205,9 +198,6 @@ class MooncakeBackend(StorageBackend):
         self.capabilities = dataclasses.replace(type(self).capabilities, verified=self.verify)
         self.master: MooncakeMaster | None = None
         self._maps: dict[str, _PoolMap] = {}
-        self._down = False  # an RPC failed (or our master exited) and none succeeded since
-        self._backoff_until = 0.0
-        self.counters.extra.update(master_outages=0, calls_while_master_down=0, rpc_failures=0)
         try:
             address = options.master_address
             if address is None:
@@ -219,6 +209,8 @@ class MooncakeBackend(StorageBackend):
                 self.master.stop()
             raise
         self.master_address = address
+        self.guard = MasterGuard(address, self.master, self.store.health_check, describe,
+                                 self.counters.extra)
 
     # ---- registration --------------------------------------------------------------------
     def _register(self, reg: PoolRegistration) -> None:
@@ -242,38 +234,6 @@ class MooncakeBackend(StorageBackend):
         return [n for k in keys for n in m.names(k, self.verify)]
 
     # ---- calls into the client -----------------------------------------------------------
-    def _usable(self) -> bool:
-        """May a batch go to the master? False (counted) while it is known to be gone."""
-        why = self._why_down()
-        if why is None:
-            return True
-        self._mark_down(why)
-        self.counters.extra["calls_while_master_down"] += 1
-        return False
-
-    def _why_down(self) -> str | None:
-        if self.master is not None and not self.master.alive():
-            return (f"the master this backend started exited (code {self.master.proc.returncode});"
-                    " every L3 lookup is a miss: re-attach the backend to start a new one")
-        if time.monotonic() < self._backoff_until:
-            return f"the master at {self.master_address} failed an RPC; L3 misses for now"
-        if self._down and not self._master_port_open():
-            self._backoff_until = time.monotonic() + RPC_BACKOFF_S  # probe again after that
-            return f"the master at {self.master_address} refuses connections; L3 misses for now"
-        if self.store.health_check() != OK:  # a cached flag: ~0.3 us
-            return f"the master at {self.master_address} does not answer; L3 misses for now"
-        return None
-
-    def _master_port_open(self) -> bool:
-        host, _, port = self.master_address.rpartition(":")
-        return port_open(host, int(port), timeout_s=PROBE_TIMEOUT_S)
-
-    def _mark_down(self, why: str) -> None:
-        if not self._down:
-            self.counters.extra["master_outages"] += 1
-            log.error("mooncake backend: %s", why)
-        self._down = True
-
     def _call(self, fn: Callable[..., list[int]], n: int, *args: Any) -> list[int]:
         """One batch call; a client exception becomes a failure of every object, not a crash."""
         try:
@@ -281,16 +241,7 @@ class MooncakeBackend(StorageBackend):
         except Exception as exc:  # noqa: BLE001 - the engine's errors are misses here
             log.warning("mooncake %s failed: %s", getattr(fn, "__name__", fn), exc)
             return [-1] * n
-        if out and all(rc in RPC_ERRORS for rc in out):
-            # The next call to a dead master would wait ~4.5 s for its RPC to time out:
-            # calls are misses until the back-off ends and the master's port opens again.
-            self.counters.extra["rpc_failures"] += 1
-            self._backoff_until = time.monotonic() + RPC_BACKOFF_S
-            self._mark_down(f"an RPC to the master at {self.master_address} failed: "
-                            f"{describe(out[0])}; L3 misses for now")
-        elif self._down:
-            log.warning("mooncake backend: the master at %s answers again", self.master_address)
-            self._down = False
+        self.guard.observe(out)
         return out if len(out) == n else [-1] * n
 
     # ---- the interface -------------------------------------------------------------------
@@ -298,18 +249,18 @@ class MooncakeBackend(StorageBackend):
         return reg.num_parts + (1 if self.verify else 0)
 
     def _present(self, reg: PoolRegistration, keys: list[str]) -> list[bool]:
-        if not keys or not self._usable():
+        if not keys or not self.guard.usable():
             return [False] * len(keys)
         names, n = self._names(reg, keys), self._per_page(reg)
         found = self._call(self.store.batch_is_exist, len(names), names)
         return [all(f == 1 for f in found[i:i + n]) for i in range(0, len(names), n)]
 
     def _set(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
-        if not keys or not self._usable():
+        if not keys or not self.guard.usable():
             return TransferResult([False] * len(keys), 0)
         b = self._maps[reg.name].batch(keys, host_pages)
         found = self._call(self.store.batch_is_exist, len(b.names), b.names)
-        if self._down:  # that RPC failed: a put would wait for its own timeout, and fail
+        if self.guard.down:  # that RPC failed: a put would wait for its own timeout, and fail
             return TransferResult([False] * len(keys), 0)
         todo = b.pick([i for i, f in enumerate(found) if f != 1])
         need = sorted(set(todo.slots))
@@ -331,7 +282,7 @@ class MooncakeBackend(StorageBackend):
         return TransferResult(ok, sum(m for m, good in zip(moved, ok) if good))
 
     def _get(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
-        if not keys or not self._usable():
+        if not keys or not self.guard.usable():
             return TransferResult([False] * len(keys), 0)
         b = self._maps[reg.name].batch(keys, host_pages)
         rcs = self._call(self.store.batch_get_into, len(b.names), b.names, b.ptrs, b.sizes)
@@ -354,7 +305,7 @@ class MooncakeBackend(StorageBackend):
         return TransferResult(ok, part_bytes * sum(ok))
 
     def _delete(self, reg: PoolRegistration, keys: list[str]) -> int:
-        if not keys or not self._usable():
+        if not keys or not self.guard.usable():
             return 0
         names, n = self._names(reg, keys), self._per_page(reg)
         # force: Mooncake leases every object it has answered `exists`/`get` for (10 s by

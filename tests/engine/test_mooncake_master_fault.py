@@ -235,8 +235,9 @@ def test_master_killed_mid_run_then_restarted(model, cold):
 def test_a_dead_master_is_asked_once_then_probed(model):
     """Mooncake's health flag stays OK after its master dies and each RPC to it waits ~4.5 s:
     after one failed RPC the backend asks nothing until the master's port opens again."""
-    from kvtier.backends.mooncake_backend import RPC_BACKOFF_S, MooncakeBackend
+    from kvtier.backends.mooncake_backend import MooncakeBackend
     from kvtier.backends.mooncake_master import MooncakeMaster
+    from kvtier.backends.mooncake_master_guard import RPC_BACKOFF_S
     from kvtier.storage_options import MooncakeOptions
     from kvtier.tiers.host_pool import HostPool
 
