@@ -31,7 +31,7 @@ from kvtier.engine.admission import Admission, Budget
 from kvtier.engine.agreement import Agree
 from kvtier.engine.request import FinishReason, Request, RequestState, pages_for
 from kvtier.engine.runner import ModelRunner
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TransferError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
@@ -129,10 +129,13 @@ class Scheduler:
             decoding = []
         for req in decoding:  # it got its page on every rank: a past shortage is over
             self.admission.forgive(req)
-        for req, stop in plan:
-            if req.state is RequestState.PREFILLING and stop > req.pos:
-                self._prefill(req, stop, finished)
-        self._decode([r for r in decoding if r.state is RequestState.DECODING], finished)
+        try:
+            for req, stop in plan:
+                if req.state is RequestState.PREFILLING and stop > req.pos:
+                    self._prefill(req, stop, finished)
+            self._decode([r for r in decoding if r.state is RequestState.DECODING], finished)
+        except TransferError as exc:  # an L2->L1 load failed under this step's forwards
+            self._recompute_after_failed_load(exc)
         self.last_step = StepStats(budget.loaded, budget.prefill, len(decoding), admitted,
                                    self._preempted, len(finished))
         return finished
@@ -194,6 +197,17 @@ class Scheduler:
         if req.append(req.sampler(logits)):
             self._finish(req, req.finish_reason)
             finished.append(req)
+
+    def _recompute_after_failed_load(self, exc: TransferError) -> None:
+        """A load's L1 pages hold partial data. Only requests admitted since it started can
+        use them, and those are still prefilling: they restart from their prompts, and
+        releasing them takes the loaded runs out of L1 (the cache keeps their L2 copies).
+        A forward that was cut short is simply run again next step."""
+        victims = [r for r in self.running if r.state is RequestState.PREFILLING]
+        log.warning("an L2->L1 load failed (%s); recomputing %d prefilling requests", exc,
+                    len(victims))
+        for req in victims:
+            self._preempt(req)
 
     # ---- decode ----------------------------------------------------------------------------
     def _reserve_decode_pages(self, finished: list[Request]) -> list[Request]:

@@ -15,13 +15,14 @@ import torch
 from kvtier.backends.base import KV_POOL, StorageBackend, StorageTarget
 from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
-from kvtier.errors import CacheUsageError
+from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import CacheEventKind, CacheTier, HostMode, WritePolicy
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
+from kvtier.tiers.host_copies import HostCopies
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
@@ -68,14 +69,14 @@ class HierarchicalCache:
                                             WritePolicy.WRITE_BACK) else None,
         )
         self.counters = CacheCounters()
-        self._backups: dict[int, TreeNode] = {}  # write op id -> node locked until it lands
+        self.copies = HostCopies(self.controller, self.tree, self.counters, spec.page_size)
+        self._loading: dict[int, list[TreeNode]] = {}  # load op id -> runs it restores to L1
         self._written_back: list[TreeNode] = []  # L2 copies made on eviction, for L3 backup
         self.namespace = KeyNamespace(model, tenant_salt, layout_fingerprint(spec, config.mem_layout))
         self.storage: StorageTier | None = None
         self.directory = directory
         self.tp_rank = tp_rank
         self._listener: CacheEventListener | None = None
-        self._landing: dict[int, list[str]] = {}  # write op id -> hashes, while listening
         self._storing: list[StorageOp] = []  # L3 backups whose end is still to be told
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, tp_rank, tp_size)
@@ -103,6 +104,7 @@ class HierarchicalCache:
                 loaded_node = node = plan.nodes[-1]
                 self.tree.protect_host(loaded_node)
                 load = self.controller.load(plan.host_pages, plan.device_pages)
+                self._loading[load.op_id] = plan.nodes
                 pages += plan.device_pages
                 loaded = plan.num_tokens
                 self.counters.loaded_back_tokens += loaded
@@ -118,7 +120,7 @@ class HierarchicalCache:
 
     def _plan_load_back(self, node: TreeNode, max_pages: int | None) -> LoadBackPlan | LoadRefusal:
         plan = plan_load_back(self.tree, node, self.config.load_back_threshold_tokens, max_pages)
-        if plan is LoadRefusal.DEVICE_CAPACITY and self._backups:
+        if plan is LoadRefusal.DEVICE_CAPACITY and self.copies:
             self.flush()  # L1 runs held only by copies in flight become evictable
             plan = plan_load_back(self.tree, node, self.config.load_back_threshold_tokens, max_pages)
         return plan
@@ -131,7 +133,7 @@ class HierarchicalCache:
             self.poll()
             self.evict_device(num_pages - alloc.num_free)
             pages = alloc.alloc(num_pages)
-        if pages is None and self._backups:  # runs held only by copies still in flight
+        if pages is None and self.copies:  # runs held only by copies still in flight
             self.flush()
             self.evict_device(num_pages - alloc.num_free)
             pages = alloc.alloc(num_pages)
@@ -153,7 +155,15 @@ class HierarchicalCache:
 
     def _release(self, lookup: CacheLookup) -> None:
         if lookup.load is not None:
-            lookup.load.wait()
+            nodes = self._loading.pop(lookup.load.op_id, [])
+            try:
+                lookup.load.wait()
+            except TransferError as exc:  # the L1 pages hold partial data: nobody may read them
+                log.warning("an L2->L1 load failed (%s); its %d runs leave L1 (their L2 copies "
+                            "stay) and the requests that used them are recomputed", exc,
+                            len(nodes))
+                self.tree.undo_restore(nodes)
+                self.counters.failed_load_tokens += lookup.host_loaded_length
             self.tree.release_host(lookup.loaded_node)
         self.tree.unlock(lookup.node)
 
@@ -170,12 +180,9 @@ class HierarchicalCache:
             if host_pages is None:
                 self.counters.dropped_backup_tokens += len(n.key)
                 return
-            op = self.controller.write(n.value, host_pages)
-            self.tree.set_backup(n, host_pages)
-            self.tree.lock(n)  # the L1 pages must not change until the copy lands
-            self._backups[op] = n
-            if self._listener is not None:  # told when the copy lands; n may split before
-                self._landing[op] = self._node_hashes(n)
+            # told when the copy lands (hashes now: n may split before)
+            self.copies.start(n, host_pages,
+                              self._node_hashes(n) if self._listener is not None else None)
             self.counters.backed_up_tokens += len(n.key)
 
     def _write_back(self, node: TreeNode) -> list[int] | None:
@@ -184,8 +191,10 @@ class HierarchicalCache:
         if host_pages is None:
             self.counters.dropped_backup_tokens += len(node.key)
             return None
-        self.controller.write(node.value, host_pages)
-        self.controller.wait_writes()
+        if not self.copies.copy_now(node.value, host_pages):  # dropped instead of demoted
+            self.host_pool.allocator.free(host_pages)
+            self.counters.failed_backup_tokens += len(node.key)
+            return None
         self.counters.written_back_tokens += len(node.key)
         if self.storage is not None:
             self._written_back.append(node)  # to L3 once the tree has recorded the copy
@@ -199,28 +208,20 @@ class HierarchicalCache:
             pages = alloc.alloc(num_pages)
         return pages
 
-    def _count_device_eviction(self, result) -> None:
-        self.counters.evicted_device_tokens += result.freed_pages * self.spec.page_size
-
     # ---- housekeeping --------------------------------------------------------------------
     def poll(self) -> int:
         """Unlock runs whose L2 copies have landed; returns how many landed."""
-        done = 0
-        for op in self.controller.poll_writes():
-            node = self._backups.pop(op, None)
-            if node is not None:
-                self.tree.unlock(node)
-                landed = self._landing.pop(op, None)
-                if landed and self._listener is not None:
-                    self._listener(CacheEventKind.STORED, CacheTier.HOST, landed)
-                self._back_up_to_storage(node)
-                done += 1
+        landed = self.copies.landed()
+        for copy in landed:
+            if copy.hashes and self._listener is not None:
+                self._listener(CacheEventKind.STORED, CacheTier.HOST, copy.hashes)
+            self._back_up_to_storage(copy.node)
         while self._written_back:
             self._back_up_to_storage(self._written_back.pop())
         if self.storage is not None:
             self.storage.poll()
         self._tell_stored()
-        return done
+        return len(landed)
 
     def _back_up_to_storage(self, node: TreeNode) -> None:
         if self.storage is not None and node.host_value is not None and node.parent is not None:
@@ -240,7 +241,7 @@ class HierarchicalCache:
         self._listener = fn
         self.tree.listener = self._on_tree_event if fn is not None else None
         if fn is None:
-            self._landing.clear()
+            self.copies.clear_hashes()
             self._storing.clear()
 
     def _on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
@@ -267,14 +268,14 @@ class HierarchicalCache:
                 self._listener(CacheEventKind.STORED, CacheTier.STORAGE, op.keys[:op.done_pages])
 
     def flush(self) -> None:
-        """Wait for every queued copy and settle its bookkeeping."""
-        self.controller.wait_writes()
+        """Wait for every queued copy and settle its bookkeeping (failed copies included)."""
+        self.copies.wait()
         self.poll()
 
     def evict_device(self, num_pages: int) -> EvictResult:
         """Free L1 pages now (demoting backed-up runs to L2)."""
         result = self.tree.evict_device(num_pages)
-        self._count_device_eviction(result)
+        self.counters.evicted_device_tokens += result.freed_pages * self.spec.page_size
         return result
 
     def evict_host(self, num_pages: int) -> EvictResult:
@@ -341,6 +342,7 @@ class HierarchicalCache:
                                   "stage its pages; enable it to attach a backend")
         if self.storage is not None:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
+        self.flush()  # back up only L2 copies that have landed (and drop the ones that failed)
         backend.register_pool(KV_POOL, self.host_pool)
         self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
                                    self.namespace, self._alloc_host,
@@ -358,7 +360,7 @@ class HierarchicalCache:
         self.storage.close()  # aborts its open prefetches first
         self.storage = None
         self._tell_stored()
-        self.tree.forget_storage()
+        self.tree.l3.forget_storage()
 
     def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
         """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching)."""

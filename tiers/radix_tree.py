@@ -16,7 +16,8 @@ from kvtier.policies import CacheEventKind, CacheTier
 from kvtier.tiers import tree_eviction
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.tree_ledger import TreeLedger
-from kvtier.tiers.tree_node import NOT_STORED, STORED, TreeNode, as_key
+from kvtier.tiers.tree_l3 import TreeL3Marks
+from kvtier.tiers.tree_node import TreeNode, as_key
 from kvtier.tiers.tree_types import EvictResult, InsertResult, MatchResult, TreeStats
 
 # Called for an L1 page run that is about to be evicted and has no L2 copy (write_back
@@ -49,6 +50,7 @@ class HiRadixTree:
         self.root = TreeNode(0, (), None)
         self.root.value, self.root.host_value, self.root.lock_ref = [], [], 1  # never evicted
         self.ledger = TreeLedger()
+        self.l3 = TreeL3Marks(self)  # the L3 state of each run (the L3 tier writes it here)
         self._account, self._refresh = self.ledger.account, self.ledger.refresh
 
     # ---- sizes -------------------------------------------------------------------------
@@ -262,6 +264,15 @@ class HiRadixTree:
             raise CacheUsageError(f"set_backup needs an L1-only node and {node.num_pages} pages: {node}")
         node.host_value = list(host_pages)
 
+    def drop_backup(self, node: TreeNode, host_pages: Sequence[int]) -> None:
+        """The L1->L2 copy of `node` into `host_pages` failed: forget those L2 pages (on `node`
+        and on runs split off above it since) and free them. The L1 pages stay."""
+        doomed = set(host_pages)
+        for n in node.path_to_root():
+            if n.host_value is not None and doomed.issuperset(n.host_value):
+                n.host_value = None  # in L1 (locked): no size or queue changes
+        self.host_allocator.free(host_pages)
+
     # ---- protection ----------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         """Protect the L1 pages from `node` to the root against eviction."""
@@ -340,34 +351,6 @@ class HiRadixTree:
         self.ledger.discard(node)
         self.ledger.num_nodes -= 1
 
-    # ---- L3 state (written by the L3 tier through these) -----------------------------------
-    def mark_storing(self, nodes: list[TreeNode], op_id: int) -> None:
-        """`nodes` are being written to L3 by backup `op_id` (a split copies the mark)."""
-        for n in nodes:
-            n.storage_op = op_id
-
-    def end_storing(self, node: TreeNode, op_id: int, complete: bool) -> None:
-        """Backup `op_id` of the path to `node` ended: STORED if it wrote every page, else the
-        nodes may be backed up again."""
-        for n in node.path_to_root():
-            if n.storage_op == op_id:
-                n.storage_op = STORED if complete else NOT_STORED
-
-    def mark_stored(self, node: TreeNode, first_page: int) -> None:
-        """Pages from `first_page` on the path to `node` came from L3: no backup needed."""
-        end = sum(len(n.key) for n in node.path_to_root()) // self.page_size
-        for n in node.path_to_root():
-            end -= len(n.key) // self.page_size
-            if end < first_page:
-                break
-            if n.storage_op == NOT_STORED:
-                n.storage_op = STORED
-
-    def forget_storage(self) -> None:
-        """L3 was detached: "in L3" meant that backend, and a new one starts empty."""
-        for node in self.nodes():
-            node.storage_op = NOT_STORED
-
     # ---- load-back -----------------------------------------------------------------------
     def restore_to_device(self, nodes: list[TreeNode], pages: list[int]) -> None:
         """Give L2-only `nodes` (a path, root side first) the L1 `pages`, in order."""
@@ -382,6 +365,13 @@ class HiRadixTree:
             self._refresh(n.parent)
             self._refresh(n)
             start += count
+
+    def undo_restore(self, nodes: list[TreeNode]) -> None:
+        """A load into `nodes`' L1 pages failed: they leave L1 (partial data), their L2 copies
+        stay. Deepest first, so a parent loses its L1 pages after its children."""
+        for n in reversed(nodes):
+            if n.value is not None:
+                self.demote(n)
 
     # ---- whole tree ----------------------------------------------------------------------
     def nodes(self) -> list[TreeNode]:

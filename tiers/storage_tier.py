@@ -239,7 +239,7 @@ class StorageTier:
         self._free_when_settled(op, op.host_pages[done:], settled)
         self.tree.release_host(ticket.anchor)
         if done:
-            self.tree.mark_stored(res.last_node, ticket.start_page)
+            self.tree.l3.mark_stored(res.last_node, ticket.start_page)
         # pages of the prefix the tree now holds (any tier) past the local hit
         usable = max(0, min(res.prefix_pages + res.new_pages, end_page) - ticket.start_page)
         self.counters.prefetched_tokens += usable * self.page_size
@@ -325,7 +325,7 @@ class StorageTier:
             start += count
         self.tree.protect_host(node)
         op = self.worker.backup(keys, pages, node)
-        self.tree.mark_storing(todo, op.id)
+        self.tree.l3.mark_storing(todo, op.id)
         return op
 
     def poll(self) -> int:
@@ -337,7 +337,7 @@ class StorageTier:
         for op in ended:
             stored += op.keys[: op.done_pages]  # leading pages fully written by this rank
             node = op.payload
-            self.tree.end_storing(node, op.id, op.done_pages == op.num_pages)
+            self.tree.l3.end_storing(node, op.id, op.done_pages == op.num_pages)
             self.tree.release_host(node)
             self.counters.backed_up_tokens += op.done_pages * self.page_size
             self.counters.backup_failed_tokens += (op.num_pages - op.done_pages) * self.page_size

@@ -173,15 +173,15 @@ def test_l3_marks_are_written_through_the_tree():
     device = PageAllocator(16)
     tree = HiRadixTree(4, device, PageAllocator(16))
     node = tree.insert(list(range(12)), device.alloc(3)).last_node
-    tree.mark_storing([node], 7)
+    tree.l3.mark_storing([node], 7)
     upper = tree.match_prefix(list(range(4))).last_device_node  # splits the node
     assert upper is not node and upper.storage_op == node.storage_op == 7
-    tree.end_storing(node, 7, complete=False)
+    tree.l3.end_storing(node, 7, complete=False)
     assert upper.storage_op == node.storage_op == NOT_STORED
-    tree.mark_storing([upper, node], 8)
-    tree.end_storing(node, 8, complete=True)
+    tree.l3.mark_storing([upper, node], 8)
+    tree.l3.end_storing(node, 8, complete=True)
     assert upper.storage_op == node.storage_op == STORED
-    tree.forget_storage()
+    tree.l3.forget_storage()
     assert upper.storage_op == node.storage_op == NOT_STORED
-    tree.mark_stored(node, first_page=1)  # pages 1.. came from L3: the upper run did not
+    tree.l3.mark_stored(node, first_page=1)  # pages 1.. came from L3: the upper run did not
     assert upper.storage_op == NOT_STORED and node.storage_op == STORED
