@@ -119,6 +119,22 @@ def namespace_spec(source, config, backend: str, root: str, model: str, tenant_s
 
 def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
     """Run the demo; the JSON-able summary and one Row per request."""
+    _check_params(params)
+    _import_everything()
+    t_start = time.perf_counter()
+    work = _workload(params)
+    progress = _Progress(params)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+            rows, stats, calls = _run_on_local_ray(params, work, tmp, progress)
+            progress.done()
+    finally:
+        progress.close()
+    return _summary(params, rows, stats, calls, work.doc_len, work.prompts,
+                    time.perf_counter() - t_start), rows
+
+
+def _check_params(params: DemoParams) -> None:
     if params.l3 not in L3_BACKENDS:
         raise ConfigError(f"--l3 must be one of {', '.join(L3_BACKENDS)}, got {params.l3!r}")
     if params.tp_size not in (1, 3):
@@ -127,21 +143,34 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
     if params.chunk_tokens % params.page_size:
         raise ConfigError(f"chunk_tokens ({params.chunk_tokens}) must be a multiple of the page "
                           f"size ({params.page_size})")
-    from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray  # sets Ray's env first
-    from kvtier.actors.instance import Instance
-    from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-    from kvtier.actors.rank_actor import RANK_NUM_CPUS, RankSettings
+
+
+def _import_everything() -> None:
+    """Import Ray (its env set first), the actors and with them torch and the engine before
+    the clock starts, so that `runtime_s` counts the demo's work, not imports."""
+    import kvtier.actors.ray_env  # noqa: F401 - sets Ray's env first
+    import kvtier.actors.instance  # noqa: F401
+    import kvtier.actors.namespace_actor  # noqa: F401
+    import kvtier.bench.prefix  # noqa: F401
+
+
+class _Workload(NamedTuple):
+    """The prompts every instance is asked and what each instance's ranks are built from."""
+
+    tok: Any  # kvtier.engine.tokenizer.Tokenizer
+    doc_len: int
+    prompts: list  # the document plus each question, token ids
+    warmup: list  # token ids that take every instance through one long prefill
+    greedy: Any  # kvtier.engine.sampling.SamplingParams
+    settings: Any  # kvtier.actors.rank_actor.RankSettings, without L3
+
+
+def _workload(params: DemoParams) -> _Workload:
     from kvtier.bench.prefix import document_tokens
-    from kvtier.config import HiCacheConfig
-    from kvtier.engine.request import pages_for
     from kvtier.engine.sampling import SamplingParams
     from kvtier.engine.tokenizer import Tokenizer
-    from kvtier.engine.tp_worker import SmolLM2Weights
     from kvtier.engine.weights import ensure_converted
-    import torch
-    from tqdm import tqdm
 
-    t_start = time.perf_counter()
     chunk = params.chunk_tokens
     doc_len = max(chunk, round(params.tokens / chunk) * chunk)
     tok = Tokenizer.from_files(ensure_converted())
@@ -150,76 +179,157 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
     greedy = SamplingParams(max_new_tokens=params.new_tokens, stop_token_ids=tok.stop_token_ids)
     longest = max(len(p) for p in prompts)
     warmup = tok.encode("Warm-up. " * chunk)[: chunk + longest - doc_len]
-    config = HiCacheConfig(page_size=params.page_size, prefetch_policy="wait_complete")
-    settings = RankSettings(SmolLM2Weights(), config,
-                            device_pages=2 * pages_for(longest + params.new_tokens + chunk,
-                                                       params.page_size),
-                            dtype=torch.bfloat16, chunk_tokens=chunk,
-                            token_budget=max(8192, 2 * longest))
-    bar = tqdm(total=9 + len(QUESTIONS) + len(PLAN), desc="kvtier demo",
-               unit="step", file=sys.stderr, disable=not params.progress, leave=False)
+    return _Workload(tok, doc_len, prompts, warmup, greedy, _rank_settings(params, longest))
 
-    def stage(name: str) -> None:
-        bar.set_postfix_str(name)
+
+def _rank_settings(params: DemoParams, longest: int):
+    """Room in L1 for two of the longest requests (prompt, answer and one more chunk)."""
+    from kvtier.actors.rank_actor import RankSettings
+    from kvtier.config import HiCacheConfig
+    from kvtier.engine.request import pages_for
+    from kvtier.engine.tp_worker import SmolLM2Weights
+    import torch
+
+    chunk = params.chunk_tokens
+    config = HiCacheConfig(page_size=params.page_size, prefetch_policy="wait_complete")
+    return RankSettings(SmolLM2Weights(), config,
+                        device_pages=2 * pages_for(longest + params.new_tokens + chunk,
+                                                   params.page_size),
+                        dtype=torch.bfloat16, chunk_tokens=chunk,
+                        token_budget=max(8192, 2 * longest))
+
+
+class _Progress:
+    """The tqdm bar on stderr (one tick per step) and a log line per stage."""
+
+    def __init__(self, params: DemoParams) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=9 + len(QUESTIONS) + len(PLAN), desc="kvtier demo",
+                        unit="step", file=sys.stderr, disable=not params.progress, leave=False)
+
+    def stage(self, name: str) -> None:
+        self.bar.set_postfix_str(name)
         log.info("demo: %s", name)
 
-    instances: dict[str, Instance] = {}
-    client = None
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
-            stage("starting Ray")
-            # Ranks ask for half a CPU each; the machine's cores are shared by whatever runs.
-            start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
-            try:
-                bar.update()
-                stage(f"L3 namespace actor ({params.l3})")
-                actor_name = f"kvtier-demo-{uuid.uuid4().hex[:8]}"
-                client = get_or_create_namespace_actor(actor_name, f"{tmp}/state")
-                info = client.register(_namespace_spec(params, config, f"{tmp}/l3"))
-                bar.update()
-                for name, l3 in (("cold", None), ("A", info), ("B", info)):
-                    stage(f"instance {name}")
-                    instances[name] = Instance(settings._replace(l3=l3, l3_actor=actor_name),
-                                               tp_size=params.tp_size)
-                    bar.update()
-                for name, inst in instances.items():
-                    stage(f"warm-up {name}")
-                    inst.generate([warmup], greedy)
-                    inst.quiesce()
-                    bar.update()
-                cold = []
-                for i, prompt in enumerate(prompts):
-                    stage(f"cold run of question {i + 1}")
-                    instances["cold"].drop_cache()
-                    instances["cold"].quiesce()
-                    cold.append(instances["cold"].generate([prompt], greedy)[0])
-                    bar.update()
-                rows = []
-                for name, q, expected in PLAN:
-                    stage(f"{name}: question {q + 1} (expect {expected})")
-                    inst = instances[name]
-                    if expected == "L3":
-                        instances["A"].quiesce()  # A's L2 -> L3 backups have landed
-                    if expected == "L2":
-                        inst.evict_device()
-                    inst.quiesce()
-                    out = inst.generate([prompts[q]], greedy)[0]
-                    rows.append(Row(name, q + 1, expected, out, cold[q], tok.decode(out.tokens)))
-                    bar.update()
-                stats = {n: i.stats() for n, i in instances.items()}
-                calls = {n: (i.call_s, i.num_submitted) for n, i in instances.items()}
-                stage("shutting down")
-            finally:
-                for inst in instances.values():
-                    inst.close()
-                if client is not None:
-                    client.shutdown()
-                shutdown_local_ray()
-            bar.update()
-    finally:
-        bar.close()
-    return _summary(params, rows, stats, calls, doc_len, prompts,
-                    time.perf_counter() - t_start), rows
+    def done(self) -> None:
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Cluster:
+    """What the demo starts on local Ray: the namespace actor's client and the instances.
+    `close` stops them, then Ray, whatever was started before a failure."""
+
+    def __init__(self) -> None:
+        self.client = None  # kvtier.actors.namespace_actor's client, once created
+        self.instances: dict = {}  # name -> kvtier.actors.instance.Instance
+
+    def __enter__(self) -> "_Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        from kvtier.actors.ray_env import shutdown_local_ray
+
+        for inst in self.instances.values():
+            inst.close()
+        if self.client is not None:
+            self.client.shutdown()
+        shutdown_local_ray()
+
+
+def _run_on_local_ray(params: DemoParams, work: _Workload, tmp: str,
+                      progress: _Progress) -> tuple[list[Row], dict, dict]:
+    """Start Ray, the namespace and the instances; ask every question; stop them all."""
+    _start_ray(params, progress)
+    with _Cluster() as cluster:
+        progress.done()
+        actor_name, info = _start_namespace(cluster, params, work, tmp, progress)
+        _build_instances(cluster, params, work, actor_name, info, progress)
+        _warm_up(cluster.instances, work, progress)
+        cold = _cold_runs(cluster.instances["cold"], work, progress)
+        rows = _tier_scenarios(cluster.instances, work, cold, progress)
+        stats = {n: i.stats() for n, i in cluster.instances.items()}
+        calls = {n: (i.call_s, i.num_submitted) for n, i in cluster.instances.items()}
+        progress.stage("shutting down")
+    return rows, stats, calls
+
+
+def _start_ray(params: DemoParams, progress: _Progress) -> None:
+    from kvtier.actors.rank_actor import RANK_NUM_CPUS
+    from kvtier.actors.ray_env import start_local_ray
+
+    progress.stage("starting Ray")
+    # Ranks ask for half a CPU each; the machine's cores are shared by whatever runs.
+    start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
+
+
+def _start_namespace(cluster: _Cluster, params: DemoParams, work: _Workload, tmp: str,
+                     progress: _Progress) -> tuple[str, Any]:
+    """The L3 namespace actor (its name) and the namespace both instances share."""
+    from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+
+    progress.stage(f"L3 namespace actor ({params.l3})")
+    actor_name = f"kvtier-demo-{uuid.uuid4().hex[:8]}"
+    cluster.client = get_or_create_namespace_actor(actor_name, f"{tmp}/state")
+    info = cluster.client.register(_namespace_spec(params, work.settings.config, f"{tmp}/l3"))
+    progress.done()
+    return actor_name, info
+
+
+def _build_instances(cluster: _Cluster, params: DemoParams, work: _Workload, actor_name: str,
+                     info: Any, progress: _Progress) -> None:
+    """The cold reference without L3, then A and B on the shared namespace."""
+    from kvtier.actors.instance import Instance
+
+    for name, l3 in (("cold", None), ("A", info), ("B", info)):
+        progress.stage(f"instance {name}")
+        cluster.instances[name] = Instance(work.settings._replace(l3=l3, l3_actor=actor_name),
+                                           tp_size=params.tp_size)
+        progress.done()
+
+
+def _warm_up(instances: dict, work: _Workload, progress: _Progress) -> None:
+    for name, inst in instances.items():
+        progress.stage(f"warm-up {name}")
+        inst.generate([work.warmup], work.greedy)
+        inst.quiesce()
+        progress.done()
+
+
+def _cold_runs(cold: Any, work: _Workload, progress: _Progress) -> list:
+    """Each prompt once on the cold instance, its L1/L2 dropped first: the reference Outputs."""
+    outs = []
+    for i, prompt in enumerate(work.prompts):
+        progress.stage(f"cold run of question {i + 1}")
+        cold.drop_cache()
+        cold.quiesce()
+        outs.append(cold.generate([prompt], work.greedy)[0])
+        progress.done()
+    return outs
+
+
+def _tier_scenarios(instances: dict, work: _Workload, cold: list,
+                    progress: _Progress) -> list[Row]:
+    """Each request of PLAN, set up so its document prefix comes from the tier it names."""
+    rows = []
+    for name, q, expected in PLAN:
+        progress.stage(f"{name}: question {q + 1} (expect {expected})")
+        inst = instances[name]
+        if expected == "L3":
+            instances["A"].quiesce()  # A's L2 -> L3 backups have landed
+        if expected == "L2":
+            inst.evict_device()
+        inst.quiesce()
+        out = inst.generate([work.prompts[q]], work.greedy)[0]
+        rows.append(Row(name, q + 1, expected, out, cold[q], work.tok.decode(out.tokens)))
+        progress.done()
+    return rows
 
 
 def _summary(params: DemoParams, rows: list[Row], stats: dict, calls: dict, doc_len: int,
