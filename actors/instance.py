@@ -23,6 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
                                       RankStats, create_rank_actor)
 from kvtier.actors.step_wire import decode_output, decode_report
+from kvtier.engine.agreement import AgreementError
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
@@ -43,6 +44,11 @@ class InstanceError(KvtierError, RuntimeError):
 
 class RankFailure(InstanceError):
     """A rank actor died, failed a call or did not answer in time (the instance recovers)."""
+
+
+class RankDivergence(RankFailure):
+    """The ranks' schedulers fell out of step (their agreement saw different waiting queues,
+    or they finished different requests): recovered like a fault, counted apart."""
 
 
 class InstanceStep(NamedTuple):
@@ -91,6 +97,7 @@ class Instance:
         self._settings, self._num_cpus = settings, num_cpus_per_rank
         self._rank_class = rank_class
         self.restarts = 0  # rank sets replaced after a fault, over the instance's life
+        self.divergences = 0  # of those, the ones caused by ranks out of step
         self._failures_in_a_row = 0
         self._next_id = 0
         self._pending: dict[int, _Pending] = {}  # instance id -> request, in arrival order
@@ -142,6 +149,8 @@ class Instance:
         except RayActorError as exc:
             raise RankFailure(f"a rank actor died while {what}: {exc}") from exc
         except RayTaskError as exc:  # a collective that lost its peer lands here too
+            if isinstance(exc.cause, AgreementError):
+                raise RankDivergence(f"the ranks diverged while {what}: {exc.cause}") from exc
             raise RankFailure(f"a rank failed while {what}: {exc}") from exc
 
     def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
@@ -184,15 +193,15 @@ class Instance:
             return InstanceStep([], {}, None)
         finally:
             self.call_s += time.perf_counter() - start
-        self._failures_in_a_row = 0
         per_rank = [decode_report(data) for data in per_rank]
         first = per_rank[0]
         for rank, report in enumerate(per_rank[1:], start=1):
             got = [(o.request_id, o.tokens, o.finish_reason) for o in report.finished]
             want = [(o.request_id, o.tokens, o.finish_reason) for o in first.finished]
-            if got != want:
-                raise InstanceError(f"rank {rank} finished {got} but rank 0 {want}: the ranks "
-                                    f"diverged (a bug in agreement); restart the instance")
+            if got != want:  # nothing of this step is returned: every request recomputes
+                self._recover(RankDivergence(f"rank {rank} finished {got} but rank 0 {want}"))
+                return InstanceStep([], {}, None)
+        self._failures_in_a_row = 0
         progress = {self._instance_id[i]: toks for i, toks in first.progress.items()
                     if i in self._instance_id}
         return InstanceStep([self._finish(o) for o in first.finished], progress, first.events)
@@ -211,6 +220,7 @@ class Instance:
                                 ) from cause
         log.warning("%s; replacing all %d ranks and recomputing %d pending requests",
                     cause, self.size, len(self._pending))
+        self.divergences += isinstance(cause, RankDivergence)
         self._kill_ranks()
         self._rank_id.clear()
         self._instance_id.clear()

@@ -120,8 +120,10 @@ class InstanceDeployment:
     async def snapshot(self) -> dict:
         """Rank 0's counters and pool use (the ranks of an instance mirror each other)."""
         snaps = await self._call(lambda inst: inst.cache_snapshot())
-        restarts = self.server.instance.restarts
-        return {**snaps[0], "counters": {**snaps[0]["counters"], "rank_restarts": restarts},
+        instance = self.server.instance
+        restarts = instance.restarts
+        return {**snaps[0], "counters": {**snaps[0]["counters"], "rank_restarts": restarts,
+                                         "rank_divergences": instance.divergences},
                 "restarts": restarts}
 
     async def flush(self) -> dict:

@@ -13,6 +13,9 @@ A rank reserves pages for the whole prompt when it has a hit (freeing the surplu
 so any agreed prefix shorter than its own can be recomputed into fresh pages; if only its
 own-hit share fits, it says so (`need`) and the slot commits only if the MIN is that long.
 L3 prefetch readiness is agreed in the same round and acted on at the next step's start.
+Every waiting request (up to the agreement's slot count) takes the same slot on every rank,
+whatever its local L3 result: a request some rank still fetches for is not admitted this step
+(on any rank) but does not stop the scan, and a rank that reserved it rolls back.
 With `agree=None` (TP=1) none of this changes what a single scheduler does.
 
 `Admission` only decides and commits reservations into requests; moving them between the
@@ -25,8 +28,9 @@ import dataclasses
 import logging
 from typing import NamedTuple, Sequence
 
-from kvtier.engine.agreement import (SLOT_FAILED, SLOT_RESERVED, SLOT_SKIPPED, Agree,
-                                     AgreementPayload, local_agree)
+from kvtier.engine.agreement import (AGREEMENT_SLOTS, SLOT_FAILED, SLOT_RESERVED,
+                                     SLOT_SKIPPED, Agree, AgreementPayload, ids_digest,
+                                     local_agree)
 from kvtier.engine.request import CachedTokens, Request, RequestState, pages_for
 from kvtier.engine.runner import ModelRunner, chunk_bounds
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
@@ -112,15 +116,15 @@ class Admission:
               terminate: bool = False, decode_short: bool = False) -> AdmissionResult:
         """Reserve on this rank, agree across ranks (once per step), commit what all reserved.
         `busy`: something is running, so a refusal is L1 being full for now, not for good."""
-        slots = [r for r in waiting if r.ticket is None]
+        slots = list(waiting[:AGREEMENT_SLOTS] if self.agree else waiting)
         held = self._reserve(slots, busy, budget)
-        prefetching = [r for r in waiting if r.ticket is not None] if self.agree else []
-        agreed = (self.agree or local_agree)(
-            self._payload(slots, held, prefetching, terminate, decode_short))
-        ready = frozenset(r.id for r, ok in zip(prefetching, agreed.ready) if ok)
+        agreed = (self.agree or local_agree)(self._payload(slots, held, terminate, decode_short))
+        ready = frozenset(r.id for r, ok in zip(slots, agreed.ready)
+                          if ok and r.ticket is not None)
         if agreed.terminate:
             for res in held:
-                self.cache.abort(res.lookup, res.fresh or [])
+                if res is not None and not res.released:
+                    self.cache.abort(res.lookup, res.fresh or [])
             return AdmissionResult((), (), ready, bool(agreed.decode_short), True)
         admitted, refused = self._commit(slots, held, agreed, busy, budget)
         return AdmissionResult(admitted, refused, ready, bool(agreed.decode_short), False)
@@ -137,12 +141,16 @@ class Admission:
         self._strikes.pop(req.id, None)
 
     # ---- reserve ---------------------------------------------------------------------------
-    def _reserve(self, slots: list[Request], busy: bool, budget: Budget) -> list[_Reservation]:
-        """Lookups and L1 pages for the candidates this rank's budget reaches, in order; the
+    def _reserve(self, slots: list[Request], busy: bool,
+                 budget: Budget) -> list[_Reservation | None]:
+        """Lookups and L1 pages for the candidates this rank's budget reaches, in order (None:
+        not reserved: its L3 prefetch still runs here, or the scan stopped before it); the
         scan mirrors what a commit of each would spend, on a copy of the budget."""
         local = dataclasses.replace(budget)
-        held: list[_Reservation] = []
-        for req in slots:
+        held: list[_Reservation | None] = [None] * len(slots)
+        for i, req in enumerate(slots):
+            if req.ticket is not None:
+                continue  # waits for its prefetch; the requests behind it may go
             if local.left <= 0:
                 break
             load, first_chunk = self._estimate(req)
@@ -152,15 +160,14 @@ class Admission:
             if local.used:  # a load this request cannot afford is refused, never over budget
                 affordable = (local.left - first_chunk) // self.page_size
                 quota = affordable if quota is None else min(quota, affordable)
-            res = self._reserve_one(req, quota)
-            held.append(res)
+            res = held[i] = self._reserve_one(req, quota)
             # The copy has started, whatever follows.
             local.charge_load(res.lookup.host_loaded_length)
             if res.fresh is None:
-                if self.agree or busy or any(h.fresh is not None for h in held):
+                if self.agree or busy or any(h is not None and h.fresh is not None for h in held):
                     break  # L1 is full for now; at TP=1 with nothing running it is NO_MEMORY
                 self.cache.abort(res.lookup)  # unlock now: the next candidate may evict it
-                held[-1] = res._replace(released=True)
+                held[i] = res._replace(released=True)
                 continue
             local.plan_chunks(req, start=res.usable)
         return held
@@ -189,27 +196,35 @@ class Admission:
             fresh = cache.allocate(pages_for(n, p) - shared)
         return _Reservation(req, lookup, fresh, usable, need)
 
-    def _payload(self, slots: list[Request], held: list[_Reservation],
-                 prefetching: list[Request], terminate: bool,
+    def _payload(self, slots: list[Request], held: list[_Reservation | None], terminate: bool,
                  decode_short: bool) -> AgreementPayload:
-        skipped = len(slots) - len(held)
+        mine = [(r.usable, r.status, r.need, r.lookup.host_loaded_length) if r is not None
+                else (0, SLOT_SKIPPED, 0, 0) for r in held]
+        usable, ok, need, loaded = (tuple(col) for col in zip(*mine)) if mine else ((),) * 4
         return AgreementPayload(
-            usable=tuple(r.usable for r in held) + (0,) * skipped,
-            ok=tuple(r.status for r in held) + (SLOT_SKIPPED,) * skipped,
-            need=tuple(r.need for r in held) + (0,) * skipped,
-            loaded=tuple(r.lookup.host_loaded_length for r in held) + (0,) * skipped,
-            ready=tuple(int(self.cache.prefetch_ready(r.ticket)) for r in prefetching),
+            usable, ok, need, loaded,
+            ready=tuple(int(r.ticket is None or self.cache.prefetch_ready(r.ticket))
+                        for r in slots),
+            waiting=tuple(int(r.ticket is not None) for r in slots),
+            count=len(slots), ids=ids_digest([r.id for r in slots]),
             terminate=int(terminate), decode_short=int(decode_short))
 
     # ---- commit ----------------------------------------------------------------------------
-    def _commit(self, slots: list[Request], held: list[_Reservation], agreed: AgreementPayload,
+    def _commit(self, slots: list[Request], held: list[_Reservation | None],
+                agreed: AgreementPayload,
                 busy: bool, budget: Budget) -> tuple[tuple[Admitted, ...], tuple[Request, ...]]:
         """Admit the leading slots every rank reserved; roll back the rest on this rank."""
         admitted: list[Admitted] = []
         refused: list[Request] = []
         stopped = False
         for i, req in enumerate(slots):
-            res = held[i] if i < len(held) else None
+            res = held[i]
+            if agreed.waiting[i]:  # some rank still fetches its L3 pages: not this step,
+                if res is not None and not res.released:  # but nobody behind it waits
+                    self.cache.abort(res.lookup, res.fresh or [])
+                    self.rolled_back += int(res.fresh is not None)
+                budget.charge_load(agreed.loaded[i])
+                continue
             if not stopped and agreed.committable(i):
                 assert res is not None, "every rank reserved this slot, this one included"
                 self._commit_one(res, agreed.usable[i], agreed.loaded[i], budget)

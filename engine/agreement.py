@@ -1,22 +1,28 @@
 """Rank agreement: the one collective a scheduling step runs so that TP ranks never diverge.
 
 Every rank of an instance runs the same scheduler on the same request stream, but each rank's
-cache is its own: hits, allocations and prefetch completions can differ. Once per step each
-rank packs what it found locally into an `AgreementPayload`; `CollectiveAgreement` reduces it
-elementwise over the TP group in ONE `all_reduce(MIN)` of an int64 tensor (MAX fields ride
-in the same tensor negated, since max(x) == -min(-x)), and every rank acts on the result.
-At TP=1 `local_agree` returns the payload as it is.
+cache is its own: hits, allocations, L3 lookups and prefetch completions can differ. Once per
+step each rank packs what it found locally into an `AgreementPayload`; `CollectiveAgreement`
+reduces it elementwise over the TP group in ONE `all_reduce(MIN)` of an int64 tensor (MAX
+fields ride in the same tensor negated, since max(x) == -min(-x)), and every rank acts on the
+result. At TP=1 `local_agree` returns the payload as it is.
 
-Payload shape must match across ranks: slots are indexed by replicated state (the waiting
-queue, in order), so every rank packs the same number of slots.
+Why the shape cannot differ between ranks: the tensor has a fixed length per instance
+(`slots` admission slots, padded), and a slot is a position in the waiting queue, which is
+replicated state; what a rank found locally (a prefetch ticket or none, a failed lookup, no
+room) changes values, never the shape. A header carries the number of waiting requests packed
+and a hash of their ids, reduced both as MIN and as MAX: if the ranks' queues ever differ, the
+same reduced tensor tells every rank at once (`AgreementError`), so they fail together instead
+of hanging in a collective, and the instance rebuilds them.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,24 +33,38 @@ from kvtier.errors import KvtierError
 
 log = logging.getLogger(__name__)
 
+AGREEMENT_SLOTS = 32  # waiting requests considered per step; later ones wait their turn
+_FIELDS = 6  # per slot: usable, ok, need, loaded, ready, waiting
+_HEADER = 6  # count, -count, ids hash, -ids hash, -terminate, -decode_short
+
 
 class AgreementError(KvtierError, RuntimeError):
-    """The ranks packed payloads of different shapes: their schedulers are out of step."""
+    """The ranks packed different waiting queues: their schedulers are out of step."""
+
+
+def ids_digest(ids: Sequence[int]) -> int:
+    """A 62-bit digest of the ordered request ids a rank packed (negatable in int64)."""
+    raw = hashlib.blake2b(b",".join(str(i).encode() for i in ids), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 2
 
 
 @dataclass(frozen=True)
 class AgreementPayload:
     """One step's per-rank facts; after the reduce, what every rank acts on.
 
-    Per admission slot i (a waiting request this step considers, in queue order):
+    Per admission slot i (the i-th waiting request, in queue order):
       usable[i]  MIN  prompt tokens the rank can reuse from its cache (chunk-grid aligned)
       ok[i]      MIN  SLOT_RESERVED (lookup + L1 pages held), SLOT_SKIPPED, SLOT_FAILED
       need[i]    MAX  the smallest usable prefix the rank's reservation can commit with
       loaded[i]  MAX  L2->L1 load-back tokens the rank's lookup started (budget accounting)
-    Per prefetch slot j (a waiting request with an L3 prefetch in flight, in queue order):
-      ready[j]   MIN  1 when the rank's prefetch may be finalized
-    terminate    MAX  1 when any rank asks the instance to stop (every request is aborted)
-    decode_short MAX  1 when a rank could not give a decoding sequence its next page
+      ready[i]   MIN  1 when the rank has no L3 prefetch for it, or may finalize it now
+      waiting[i] MAX  1 when the rank still holds an L3 prefetch ticket for it
+    Header:
+      count      MIN and MAX  waiting requests packed (a difference: the queues differ)
+      ids        MIN and MAX  `ids_digest` of their request ids
+      terminate    MAX  1 when any rank asks the instance to stop (every request is aborted)
+      decode_short MAX  1 when a rank could not give a decoding sequence its next page
+    After a reduce, `count`/`ids` hold the MIN and `count_max`/`ids_max` the MAX.
     """
 
     usable: tuple[int, ...] = ()
@@ -52,24 +72,36 @@ class AgreementPayload:
     need: tuple[int, ...] = ()
     loaded: tuple[int, ...] = ()
     ready: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+    count: int = 0
+    ids: int = 0
     terminate: int = 0
     decode_short: int = 0
+    count_max: int | None = None  # set by a reduce; None: this rank's own (= count)
+    ids_max: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.usable)
-        if not len(self.ok) == len(self.need) == len(self.loaded) == n:
-            raise AgreementError(f"admission fields have lengths {len(self.usable)}, "
-                                 f"{len(self.ok)}, {len(self.need)}, {len(self.loaded)}; "
-                                 f"give one entry per slot in each")
+        lengths = [len(getattr(self, f)) for f in ("ok", "need", "loaded", "ready", "waiting")]
+        if any(k != n for k in lengths):
+            raise AgreementError(f"admission fields have lengths {[n, *lengths]}; give one "
+                                 "entry per slot in each")
 
     @property
     def num_slots(self) -> int:
         return len(self.usable)
 
+    @property
+    def consistent(self) -> bool:
+        """Every rank packed the same waiting queue (always true before a reduce)."""
+        return ((self.count_max is None or self.count_max == self.count)
+                and (self.ids_max is None or self.ids_max == self.ids))
+
     def committable(self, i: int) -> bool:
-        """Slot i may be committed on every rank: all reserved it, with a usable prefix every
-        rank's reservation covers."""
-        return self.ok[i] == SLOT_RESERVED and self.usable[i] >= self.need[i]
+        """Slot i may be committed on every rank: none still waits for its prefetch, all
+        reserved it, with a usable prefix every rank's reservation covers."""
+        return (not self.waiting[i] and self.ok[i] == SLOT_RESERVED
+                and self.usable[i] >= self.need[i])
 
 
 # Admission slot states, ordered so that MIN gives the answer for all ranks: any rank that
@@ -79,28 +111,32 @@ SLOT_FAILED, SLOT_SKIPPED, SLOT_RESERVED = 0, 1, 2
 Agree = Callable[[AgreementPayload], AgreementPayload]
 
 
-def pack(p: AgreementPayload) -> torch.Tensor:
-    """[n_slots, n_ready, usable.., ok.., -need.., -loaded.., ready.., -terminate,
-    -decode_short] as int64.
-    The two counts lead, so a MIN that changes them shows the ranks disagree on the shape."""
-    values = [p.num_slots, len(p.ready), *p.usable, *p.ok, *(-x for x in p.need),
-              *(-x for x in p.loaded), *p.ready, -p.terminate,
-              -p.decode_short]
+def pack(p: AgreementPayload, slots: int = AGREEMENT_SLOTS) -> torch.Tensor:
+    """The header, then `slots` slots of each field (padding: an empty, ready slot), int64."""
+    if p.num_slots > slots:
+        raise AgreementError(f"{p.num_slots} slots packed into a tensor of {slots}")
+    pad = slots - p.num_slots
+    values = [p.count, -p.count, p.ids, -p.ids, -p.terminate, -p.decode_short]
+    for field, sign, fill in (("usable", 1, 0), ("ok", 1, SLOT_SKIPPED), ("need", -1, 0),
+                              ("loaded", -1, 0), ("ready", 1, 1), ("waiting", -1, 0)):
+        values += [sign * x for x in getattr(p, field)] + [sign * fill] * pad
     return torch.tensor(values, dtype=torch.int64)
 
 
-def unpack(t: torch.Tensor) -> AgreementPayload:
+def unpack(t: torch.Tensor, num_slots: int) -> AgreementPayload:
+    """The first `num_slots` slots of a (reduced) tensor, with the header's MIN and MAX."""
     v = t.tolist()
-    n, r = v[0], v[1]
-    body = v[2:]
-    if len(body) != 4 * n + r + 2:
-        raise AgreementError(f"an agreement tensor of {len(v)} values cannot hold {n} slots "
-                             f"and {r} prefetch flags: the ranks packed different shapes")
-    usable, ok = body[:n], body[n:2 * n]
-    need, loaded = [-x for x in body[2 * n:3 * n]], [-x for x in body[3 * n:4 * n]]
-    ready, terminate, short = body[4 * n:4 * n + r], -body[4 * n + r], -body[4 * n + r + 1]
-    return AgreementPayload(tuple(usable), tuple(ok), tuple(need), tuple(loaded), tuple(ready),
-                            terminate, short)
+    slots = (len(v) - _HEADER) // _FIELDS
+    if len(v) != _HEADER + _FIELDS * slots or not 0 <= num_slots <= slots:
+        raise AgreementError(f"an agreement tensor of {len(v)} values cannot hold {num_slots} "
+                             "slots: the ranks packed different shapes")
+    body = v[_HEADER:]
+    cols = [body[k * slots:k * slots + num_slots] for k in range(_FIELDS)]
+    usable, ok, need, loaded, ready, waiting = cols
+    return AgreementPayload(tuple(usable), tuple(ok), tuple(-x for x in need),
+                            tuple(-x for x in loaded), tuple(ready), tuple(-x for x in waiting),
+                            count=v[0], ids=v[2], terminate=-v[4], decode_short=-v[5],
+                            count_max=-v[1], ids_max=-v[3])
 
 
 def local_agree(payload: AgreementPayload) -> AgreementPayload:
@@ -111,26 +147,28 @@ def local_agree(payload: AgreementPayload) -> AgreementPayload:
 class CollectiveAgreement:
     """`agree` over a TP group: one all_reduce(MIN) per call; counts rounds and time spent."""
 
-    def __init__(self, tp: TensorParallel) -> None:
-        self.tp = tp
+    def __init__(self, tp: TensorParallel, slots: int = AGREEMENT_SLOTS) -> None:
+        self.tp, self.slots = tp, slots
         self.rounds = 0
         self.total_s = 0.0
         self.times_s: deque[float] = deque(maxlen=4096)  # recent rounds, for p50/p99
 
     def __call__(self, payload: AgreementPayload) -> AgreementPayload:
-        t = pack(payload)
+        t = pack(payload, self.slots)
         if self.tp.size > 1:
             t = t.to(rank_device())  # NCCL reduces CUDA tensors only; gloo takes CPU ones
         start = time.perf_counter()
         if self.tp.size > 1:
-            before = t[:2].clone()
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
-            if not torch.equal(before, t[:2]):
-                raise AgreementError(f"rank {self.tp.rank} packed {before.tolist()} slots but "
-                                     f"another rank fewer ({t[:2].tolist()}): the schedulers "
-                                     f"are out of step; restart the instance")
         elapsed = time.perf_counter() - start
         self.rounds += 1
         self.total_s += elapsed
         self.times_s.append(elapsed)
-        return unpack(t)
+        agreed = unpack(t.cpu(), payload.num_slots)
+        if not agreed.consistent:  # every rank sees this same tensor: they all stop here
+            raise AgreementError(
+                f"rank {self.tp.rank} packed {payload.count} waiting requests, the ranks "
+                f"between {agreed.count} and {agreed.count_max} (id digests "
+                f"{'match' if agreed.ids == agreed.ids_max else 'differ'}): the schedulers "
+                "are out of step; the instance rebuilds its ranks")
+        return agreed

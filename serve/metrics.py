@@ -61,6 +61,7 @@ CACHE_SOURCES = (
     _src("load_back_refused_tokens", "unloaded_over_quota_tokens", reason="over_quota"),
     _src("load_back_refused_tokens", "unloaded_device_capacity_tokens", reason="device_capacity"),
     _src("rank_restarts", "rank_restarts"),
+    _src("rank_divergences", "rank_divergences"),
 )
 
 # StorageCounters.snapshot(), optionally merged with the backend's BackendStats
@@ -114,6 +115,8 @@ COUNTERS = {  # family -> (help, extra label names)
     "storage_corrupt_objects": ("L3 objects that failed their check on read (and were "
                                 "removed)", ()),
     "rank_restarts": ("Times an instance replaced its rank actors after a fault", ()),
+    "rank_divergences": ("Of those, the times its ranks had fallen out of step (their "
+                         "agreement saw different queues)", ()),
 }
 
 HISTOGRAMS = {  # family -> (help, buckets)

@@ -11,8 +11,6 @@ from faulty_rank import FaultyRankCache
 from kvtier.actors.instance import Instance
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
-from kvtier.engine.agreement import (SLOT_FAILED, SLOT_RESERVED, SLOT_SKIPPED, AgreementPayload,
-                                     local_agree, pack, unpack)
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_worker import TinyWeights
 
@@ -55,18 +53,6 @@ def reference() -> dict[str, list[tuple[int, ...]]]:
 def instance(instance_factory):
     with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as inst:
         yield inst
-
-
-def test_payload_packs_min_and_max_into_one_tensor() -> None:
-    a = AgreementPayload((32, 0), (SLOT_RESERVED, SLOT_SKIPPED), (0, 0), (16, 0), (1,), 0)
-    b = AgreementPayload((16, 48), (SLOT_RESERVED, SLOT_FAILED), (16, 0), (0, 0), (0,), 1)
-    reduced = unpack(torch.minimum(pack(a), pack(b)))  # what all_reduce(MIN) computes
-    assert reduced == AgreementPayload((16, 0), (SLOT_RESERVED, SLOT_FAILED), (16, 0), (16, 0),
-                                       (0,), 1)
-    assert reduced.committable(0) and not reduced.committable(1)
-    assert unpack(pack(a)) == a == local_agree(a)
-    short = AgreementPayload(decode_short=1)
-    assert unpack(torch.minimum(pack(short), pack(AgreementPayload()))).decode_short == 1
 
 
 def test_tp2_matches_tp1_with_one_agreement_per_step(instance, reference) -> None:

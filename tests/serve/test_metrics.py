@@ -42,7 +42,8 @@ def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     transfers = {"load_bytes": 0, "load_s": 0.0, "write_bytes": 0, "write_s": 0.0}
     backend = {"bytes_read": 0, "bytes_written": 0, "evicted_pages": 0, "write_failures": 0,
                "corrupt_objects": 0}
-    m.update_cache("a", cache_snapshot(lookups=1) | transfers | {"rank_restarts": 0}, 10, 100,
+    restarts = {"rank_restarts": 0, "rank_divergences": 0}
+    m.update_cache("a", cache_snapshot(lookups=1) | transfers | restarts, 10, 100,
                    StorageCounters().snapshot() | backend)
     fams = families(m)
     expected = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS)
