@@ -24,7 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvtier.backends.base import StorageUnavailable
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
-                             NamespaceInfo, NamespaceSpec, StoredReport)
+                             MissingReport, NamespaceInfo, NamespaceSpec, StoredReport)
 from kvtier.actors.namespace_service import NamespaceService
 from kvtier.tiers.page_directory import PageDirectory
 
@@ -66,6 +66,11 @@ class _Client:
         """This rank stored its part of `hashes`; returns the pages now published."""
         return list(self._call("report_stored",
                                StoredReport(ns, tp_rank, tuple(hashes)).to_msgpack()))
+
+    def report_missing(self, ns: str, hashes: Sequence[str]) -> int:
+        """A read found these published pages missing or corrupt; returns how many the
+        directory unpublished."""
+        return int(self._call("report_missing", MissingReport(ns, tuple(hashes)).to_msgpack()))
 
     def lookup(self, ns: str, hashes: Sequence[str], lease_ttl_s: float = 0.0) -> LookupResult:
         req = LookupRequest(ns, tuple(hashes), float(lease_ttl_s))
@@ -188,14 +193,25 @@ def get_or_create_namespace_actor(name: str = ACTOR_NAME, state_dir: str | None 
 
 
 class FakeNamespaceClient(_Client):
-    """The client's interface over an in-process service (no Ray): same records, same bytes."""
+    """The client's interface over an in-process service (no Ray): same records, same bytes.
+
+    With `sync_passes` (the default) every call is followed by an eviction pass in the
+    calling thread (after any pass already running), so tests see quota evictions and their
+    deletes done when a call returns; without it they happen on the service's background
+    thread only, as in the actor."""
+
+    sync_passes = True  # a class default: subclasses that build their own service keep it
 
     def __init__(self, state_dir: str | None = None,
-                 directory: PageDirectory | None = None) -> None:
+                 directory: PageDirectory | None = None, sync_passes: bool = True) -> None:
         self.service = NamespaceService(state_dir, directory)
+        self.sync_passes = sync_passes
 
     def _call(self, method: str, *args: Any) -> Any:
-        return getattr(self.service, method)(*args)
+        result = getattr(self.service, method)(*args)
+        if self.sync_passes and method != "close":
+            self.service.run_pass()
+        return result
 
     def shutdown(self) -> None:
         self.service.close()

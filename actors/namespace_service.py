@@ -11,6 +11,10 @@ list, and its objects lived in segments the old master managed): a master the ol
 incarnation left behind is killed, a new one started, and the epoch grows, so ranks know
 from `info()` to re-attach. Leases do not survive: a prefetch whose pages are evicted
 meanwhile reads a miss and recomputes.
+
+Deletes never run under the lock that serializes directory calls: calls only mark what is
+due, and the service's eviction thread (tiers/page_eviction) decides victims under the lock,
+then deletes them outside it, so no lookup or report ever waits on a slow storage.
 """
 from __future__ import annotations
 
@@ -21,25 +25,30 @@ import secrets
 import signal
 import tempfile
 import threading
+from typing import TypeVar
 
 from kvtier.backends.mooncake_master import MooncakeMaster
 from kvtier.errors import KvtierError
-from kvtier.messages import LookupRequest, NamespaceInfo, NamespaceSpec, StoredReport
+from kvtier.messages import (LookupRequest, MissingReport, NamespaceInfo, NamespaceSpec,
+                             StoredReport)
 from kvtier.policies import StorageBackendKind
 from kvtier.tiers.page_directory import PageDirectory
+from kvtier.tiers.page_eviction import PASS_INTERVAL_S, EvictionThread, PassResult
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "namespaces.json"
 STATE_VERSION = 1
 SUPERVISE_INTERVAL_S = 1.0
+_T = TypeVar("_T")
 
 
 class NamespaceService:
     """Namespaces, their page directory and the Mooncake masters started for them."""
 
     def __init__(self, state_dir: str | None = None, directory: PageDirectory | None = None,
-                 supervise_interval_s: float = SUPERVISE_INTERVAL_S) -> None:
+                 supervise_interval_s: float = SUPERVISE_INTERVAL_S,
+                 pass_interval_s: float = PASS_INTERVAL_S) -> None:
         self.state_dir = state_dir  # None: nothing persists (tests of code using the client)
         self.directory = directory if directory is not None else PageDirectory()
         self.incarnation = secrets.token_hex(4)  # changes on every (re)start
@@ -51,8 +60,10 @@ class NamespaceService:
         self._unrestored: list[object] = []  # specs a restart could not open: kept, retried next
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._evictor = EvictionThread(self.directory, self._lock, pass_interval_s)
         with self._lock:
             self._restore()
+            self._poke()
 
     # ---- namespaces -----------------------------------------------------------------------
     def register(self, spec_bytes: bytes) -> bytes:
@@ -64,6 +75,7 @@ class NamespaceService:
                 return self.directory.register(spec).to_msgpack()  # raises if spec differs
             info = self._open(spec)
             self.directory.rebuild(spec.namespace)
+            self._poke()
             self._specs[spec.namespace] = spec
             self._unrestored = [raw for raw in self._unrestored
                                 if not (isinstance(raw, dict) and raw.get("model") == spec.model
@@ -83,31 +95,56 @@ class NamespaceService:
 
     def rebuild(self, ns: str) -> int:
         with self._lock:
-            return self.directory.rebuild(ns)
+            return self._poke(self.directory.rebuild(ns))
 
     def stats(self, ns: str) -> bytes:
         with self._lock:
-            return self.directory.stats(ns).to_msgpack()
+            return self._poke(self.directory.stats(ns).to_msgpack())
 
     # ---- pages ----------------------------------------------------------------------------
     def report_stored(self, report_bytes: bytes) -> list[str]:
         r = StoredReport.from_msgpack(report_bytes)
         with self._lock:
-            return self.directory.report_stored(r.namespace, r.hashes, r.tp_rank)
+            return self._poke(self.directory.report_stored(r.namespace, r.hashes, r.tp_rank))
+
+    def report_missing(self, report_bytes: bytes) -> int:
+        """A rank read published pages that were missing or corrupt: unpublish them."""
+        r = MissingReport.from_msgpack(report_bytes)
+        with self._lock:
+            return self._poke(self.directory.report_missing(r.namespace, r.hashes))
 
     def lookup(self, request_bytes: bytes) -> bytes:
         q = LookupRequest.from_msgpack(request_bytes)
         with self._lock:
-            return self.directory.lookup(q.namespace, q.hashes, q.lease_ttl_s).to_msgpack()
+            return self._poke(
+                self.directory.lookup(q.namespace, q.hashes, q.lease_ttl_s).to_msgpack())
 
     def lease(self, request_bytes: bytes) -> bytes:
         q = LookupRequest.from_msgpack(request_bytes)
         with self._lock:
-            return self.directory.lease(q.namespace, q.hashes, q.lease_ttl_s).to_msgpack()
+            return self._poke(
+                self.directory.lease(q.namespace, q.hashes, q.lease_ttl_s).to_msgpack())
 
     def release(self, lease_id: str) -> bool:
         with self._lock:
-            return self.directory.release(str(lease_id))
+            return self._poke(self.directory.release(str(lease_id)))
+
+    # ---- eviction -------------------------------------------------------------------------
+    def run_pass(self) -> PassResult:
+        """One eviction pass now, in the calling thread (deletes outside the lock): what the
+        background thread does; in-process users call it to converge deterministically."""
+        return self._evictor.run_now()
+
+    def wait_for_pass(self, timeout_s: float = 30.0) -> bool:
+        """Wait until a background pass that starts after this call has finished."""
+        return self._evictor.wait_next_pass(timeout_s)
+
+    def _poke(self, result: _T = None) -> _T:  # type: ignore[assignment]
+        """Wake the eviction thread when the directory has work for it; returns `result`.
+        Called with the lock held, right after each directory call."""
+        if self.directory.pass_due:
+            self._evictor.wake()
+        return result
 
     # ---- lifetime -------------------------------------------------------------------------
     def ping(self) -> str:
@@ -144,10 +181,12 @@ class NamespaceService:
         return restarted
 
     def close(self) -> None:
-        """Stop supervising, close the directory's clients, stop the masters (specs stay)."""
+        """Stop supervising and evicting, close the directory's clients, stop the masters
+        (specs stay). Deletes still queued are dropped: a rebuild lists their objects."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self._interval_s + 5)
+        self._evictor.close()
         with self._lock:
             self.directory.close()
             for master in self._masters.values():

@@ -24,7 +24,8 @@ import msgpack
 from kvtier.errors import KvtierError
 from kvtier.keys import KeyNamespace
 from kvtier.policies import StorageBackendKind
-from kvtier.storage_options import StorageOptions, check_int, parse_storage_options
+from kvtier.storage_options import (FileOptions, NixlOptions, SimulatedOptions, StorageOptions,
+                                    check_int, parse_storage_options)
 
 MAX_MESSAGE_BYTES = 16 << 20  # a lookup of ~200k page hashes; larger payloads are refused
 MAX_HASHES = 1 << 17
@@ -159,6 +160,12 @@ class NamespaceSpec(_Record):
 
     `max_pages` and `max_bytes` bound the published pages (0 = unbounded); `max_bytes` needs
     `page_bytes`, the bytes of one page over every TP rank and part.
+
+    A backend's own bound in `options` (file/nixl `max_size_bytes`, simulated
+    `capacity_pages`) is folded into the namespace's quota, and the ranks' clients are opened
+    without it: each process evicting on its own would delete pages the directory still
+    advertises, so under a namespace only the directory evicts. `max_size_bytes` counts bytes
+    and the quota counts pages, so it needs `page_bytes` too.
     """
 
     model: str
@@ -180,7 +187,12 @@ class NamespaceSpec(_Record):
         if self.max_bytes and not self.page_bytes:
             raise MessageError("NamespaceSpec: max_bytes needs page_bytes (bytes of one page over "
                                "all TP ranks and parts); set it, or use max_pages")
-        self.storage_options()  # validated now, not at the first eviction
+        if self.backend_bound.max_bytes and not self.page_bytes:  # validates the options too
+            raise MessageError(
+                f"NamespaceSpec: options.max_size_bytes={self.backend_bound.max_bytes} becomes "
+                "the namespace's page quota (only the namespace directory evicts), which needs "
+                "page_bytes (bytes of one page over all TP ranks and parts): set page_bytes, "
+                "or drop max_size_bytes and set max_pages")
 
     @property
     def key_namespace(self) -> KeyNamespace:
@@ -191,15 +203,38 @@ class NamespaceSpec(_Record):
         """The namespace's id everywhere: its storage name (digest of model, salt, layout)."""
         return self.key_namespace.name
 
-    @property
+    @functools.cached_property
+    def backend_bound(self) -> "BackendBound":
+        """The bound the backend's own options ask for (folded into `capacity_pages`)."""
+        return backend_bound(self.storage_options())
+
+    @functools.cached_property
     def capacity_pages(self) -> int:
-        """The page quota (0 = unbounded): the tighter of max_pages and max_bytes."""
-        caps = [c for c in (self.max_pages, self.max_bytes // max(self.page_bytes, 1)
-                            if self.max_bytes else 0) if c]
+        """The page quota (0 = unbounded): the tightest of max_pages, max_bytes and the
+        backend's own bound (options.max_size_bytes or capacity_pages)."""
+        pages = max(self.page_bytes, 1)
+        bound = self.backend_bound
+        caps = [c for c in (self.max_pages, self.max_bytes and self.max_bytes // pages,
+                            bound.max_bytes and bound.max_bytes // pages, bound.max_pages) if c]
         return max(1, min(caps)) if caps else 0
 
     def storage_options(self, options: dict[str, Any] | None = None) -> StorageOptions:
         return parse_storage_options(self.backend, self.options if options is None else options)
+
+
+class BackendBound(typing.NamedTuple):
+    """A backend's own eviction bound from its options (0 = none)."""
+
+    max_bytes: int  # file / nixl: max_size_bytes
+    max_pages: int  # simulated: capacity_pages
+
+
+def backend_bound(options: StorageOptions) -> BackendBound:
+    if isinstance(options, (FileOptions, NixlOptions)):
+        return BackendBound(options.max_size_bytes, 0)
+    if isinstance(options, SimulatedOptions):
+        return BackendBound(0, options.capacity_pages)
+    return BackendBound(0, 0)  # Mooncake: its master evicts by itself, out of our hands
 
 
 @dataclass(frozen=True)
@@ -231,6 +266,17 @@ class StoredReport(_Record):
     def __post_init__(self) -> None:
         check_int(self.tp_rank, "StoredReport.tp_rank", 0, MAX_TP_SIZE - 1)
         _check_hashes(self.hashes, "StoredReport.hashes")
+
+
+@dataclass(frozen=True)
+class MissingReport(_Record):
+    """A reader of the namespace found these published pages missing or corrupt in storage."""
+
+    namespace: str
+    hashes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check_hashes(self.hashes, "MissingReport.hashes")
 
 
 @dataclass(frozen=True)
@@ -286,3 +332,5 @@ class DirectoryStats(_Record):
     rebuilt_pages: int  # published from the backend's listing at the last rebuild
     delete_failures: int
     epoch: int
+    vanished_pages: int = 0  # published pages a reader found missing or corrupt (unpublished)
+    doomed_pages: int = 0  # gauge: pages queued for deletion or being deleted

@@ -3,8 +3,16 @@
 Why a directory in front of the storage: a backend only knows what one rank stored, but a
 page is usable only when EVERY TP rank of its writer stored its part (design invariant 3).
 Ranks report their parts here and lookups answer from published pages only. The directory
-also holds the quota of each namespace, shared by all instances: least recently used pages
-go first, deleted through the namespace's storage, never while a lease protects them.
+also holds the quota of each namespace, shared by all instances, and is the namespace's one
+eviction authority (rank clients do not evict on their own, see page_store): least recently
+used pages go first, never while a lease protects them.
+
+Calls never delete anything themselves. `report_stored` and the lease calls only mark a
+namespace as needing a pass; `eviction_pass` unpublishes the victims (quota, unfinished
+pages whose writer is gone) and queues their deletes; `take_deletes` hands them out and
+`deletes_done` takes the outcomes back; between the two the owner runs `store.delete`
+without holding its lock (page_eviction: `run_pass`, and the service's thread). A page a
+reader found missing or corrupt (`report_missing`) is unpublished and its remains queued.
 
 Plain Python and no Ray: the namespace actor wraps it; tests drive it with a fake clock. Not
 thread-safe: its owner serializes calls. Page bytes never pass through here.
@@ -23,6 +31,7 @@ from kvtier.backends.base import check_page_hash
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, NamespaceInfo,
                              NamespaceSpec)
+from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
 from kvtier.tiers.page_store import BackendPageStore, PageStore
 
 log = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ class _Counters:
     lookups: int = 0
     rebuilt_pages: int = 0
     delete_failures: int = 0
+    vanished_pages: int = 0  # published pages a reader found missing or corrupt
 
 
 @dataclass
@@ -53,6 +63,7 @@ class _Namespace:
     pending: OrderedDict[str, tuple[set[int], float]] = field(default_factory=OrderedDict)
     leased: Counter[str] = field(default_factory=Counter)  # page -> active leases on it
     counters: _Counters = field(default_factory=_Counters)
+    needs_pass: bool = False  # the quota may be exceeded: the next eviction pass checks
 
 
 class _Lease(NamedTuple):
@@ -75,6 +86,7 @@ class PageDirectory:
         self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, lease id)
         # Lease ids of an earlier incarnation (an actor restart) must not match new ones.
         self._lease_prefix, self._lease_seq = secrets.token_hex(4), 0
+        self._deletes = DeleteQueue()
 
     # ---- namespaces -----------------------------------------------------------------------
     def register(self, spec: NamespaceSpec, options: dict | None = None,
@@ -92,8 +104,10 @@ class PageDirectory:
             return current.info
         info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch)
         self._ns[ns] = _Namespace(info, self._store_factory(info))
-        log.info("L3 namespace %s registered: %s backend, TP %d, quota %s pages", ns,
-                 spec.backend, spec.tp_size, spec.capacity_pages or "no")
+        log.info("L3 namespace %s registered: %s backend, TP %d, quota %s pages%s", ns,
+                 spec.backend, spec.tp_size, spec.capacity_pages or "no",
+                 " (the backend's own bound, folded in: its clients do not evict)"
+                 if any(spec.backend_bound) else "")
         return info
 
     def reattach(self, ns: str, options: dict) -> NamespaceInfo:
@@ -102,10 +116,11 @@ class PageDirectory:
         state = self._get(ns)
         info = NamespaceInfo(ns, state.info.spec, dict(options), state.info.epoch + 1)
         store = self._store_factory(info)
-        state.store.close()
+        self._deletes.retire(state.store)  # closed once no delete runs on it
         state.info, state.store = info, store
         state.published.clear()
         state.pending.clear()
+        self._deletes.drop_queued(ns)  # they named objects of the storage that is gone
         log.warning("L3 namespace %s re-attached to new storage (epoch %d); its directory is "
                     "empty", ns, info.epoch)
         return info
@@ -127,8 +142,8 @@ class PageDirectory:
         now = self._expire()
         new: list[str] = []
         for h in map(check_page_hash, hashes):
-            if h in state.published:
-                continue
+            if h in state.published or self._deletes.doomed(ns, h):
+                continue  # a doomed page's objects are about to go: ignored until they have
             ranks, first = state.pending.get(h, (set(), now))
             ranks.add(tp_rank)
             if len(ranks) == tp_size:
@@ -138,8 +153,23 @@ class PageDirectory:
             else:
                 state.pending[h] = (ranks, first)
         self._touch(state, [h for h in hashes if h in state.published])
-        self._enforce_quota(state)
-        return [h for h in new if h in state.published]
+        self._check_quota(state)
+        return new
+
+    def report_missing(self, ns: str, hashes: Sequence[str]) -> int:
+        """A reader found these pages missing or corrupt in the storage (deleted behind the
+        directory's back, rotten): unpublish them, queue deletes of what is left of them,
+        count them as vanished. Returns how many were published."""
+        state = self._get(ns)
+        gone = [h for h in dict.fromkeys(map(check_page_hash, hashes)) if h in state.published]
+        for h in gone:
+            del state.published[h]
+        if gone:
+            state.counters.vanished_pages += len(gone)
+            self._deletes.add(ns, gone)
+            log.info("L3 namespace %s: %d published pages were missing or corrupt in the "
+                     "storage; unpublished", ns, len(gone))
+        return len(gone)
 
     def lookup(self, ns: str, hashes: Sequence[str], lease_ttl_s: float = 0.0) -> LookupResult:
         """How many leading pages of `hashes` are published; with `lease_ttl_s`, lease them."""
@@ -187,12 +217,14 @@ class PageDirectory:
         state.published.clear()
         state.pending.clear()
         for h, ranks in listing.items():
+            if self._deletes.doomed(ns, h):
+                continue  # listed, but its delete is queued or running
             if len(ranks) >= tp_size:
                 state.published[h] = None
             else:
                 state.pending[h] = (set(ranks), now)
         state.counters.rebuilt_pages = len(state.published)
-        self._enforce_quota(state)
+        self._check_quota(state)
         log.info("L3 namespace %s rebuilt: %d pages published, %d partial", ns,
                  len(state.published), len(state.pending))
         return len(state.published)
@@ -203,11 +235,48 @@ class PageDirectory:
         active = sum(1 for lease in self._leases.values() if lease.namespace == ns)
         return DirectoryStats(ns, len(state.published), len(state.pending),
                               state.info.spec.capacity_pages, active, epoch=state.info.epoch,
-                              **vars(state.counters))
+                              doomed_pages=self._deletes.count(ns), **vars(state.counters))
+
+    # ---- the eviction pass (page_eviction runs it) -----------------------------------------
+    @property
+    def pass_due(self) -> bool:
+        """Does a namespace need a pass (maybe over its quota), or a delete wait its turn?"""
+        return self._deletes.queued or any(s.needs_pass for s in self._ns.values())
+
+    def eviction_pass(self) -> int:
+        """Lapse expired leases and unfinished pages, evict what each namespace's quota asks
+        for: victims are unpublished now, their deletes queued. Returns pages queued."""
+        before = self._deletes.added
+        self._expire()
+        for state in self._ns.values():
+            if state.needs_pass:
+                state.needs_pass = False
+                self._enforce_quota(state)
+        return self._deletes.added - before
+
+    def take_deletes(self, max_pages: int = DELETE_BATCH_PAGES) -> list[DeleteBatch]:
+        """Queued deletes, at most `max_pages` per namespace, to run outside the lock; give
+        each batch's outcome back to `deletes_done`."""
+        return self._deletes.take(max_pages, lambda ns: self._ns[ns].store)
+
+    def deletes_done(self, outcomes: Sequence[DeleteOutcome]) -> None:
+        """The deletes of these batches ran: their pages may be reported again; failures
+        are counted (their objects stay until a rebuild lists them)."""
+        for outcome in outcomes:
+            batch = self._deletes.done(outcome.batch_id)
+            if batch is None:
+                continue  # from before close()
+            state = self._ns.get(batch.namespace)
+            if outcome.error and state is not None:
+                state.counters.delete_failures += len(batch.hashes)
+                log.warning("L3 namespace %s: deleting %d pages failed (%s); their objects "
+                            "stay until the next rebuild", batch.namespace, len(batch.hashes),
+                            outcome.error)
 
     def close(self) -> None:
         for state in self._ns.values():
-            state.store.close()
+            self._deletes.retire(state.store)
+        self._deletes.clear()  # a store a delete still runs on is left to the process's exit
         self._ns.clear()
         self._leases.clear()
         self._expiry.clear()
@@ -265,10 +334,11 @@ class PageDirectory:
         for h in lease.hashes:
             if state.leased[h] <= 0:
                 del state.leased[h]
-        self._enforce_quota(state)  # pages it protected may be over the quota
+        self._check_quota(state)  # pages it protected may be over the quota
 
     def _expire(self) -> float:
-        """Lapse expired leases and pending pages whose writer never finished; returns now."""
+        """Lapse expired leases and pending pages whose writer never finished (their parts
+        are queued for deletion); returns now."""
         now = self._clock()
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
@@ -286,12 +356,20 @@ class PageDirectory:
                 del state.pending[h]
             if stale:
                 state.counters.expired_pending_pages += len(stale)
-                self._delete(state, stale)  # orphaned parts of a writer that went away
+                self._deletes.add(state.info.namespace, stale)  # a gone writer's parts
         return now
 
+    @staticmethod
+    def _check_quota(state: _Namespace) -> None:
+        """Mark the namespace for the next pass when it is over its quota (cheap: no delete)."""
+        cap = state.info.spec.capacity_pages
+        if cap and len(state.published) > cap:
+            state.needs_pass = True
+
     def _enforce_quota(self, state: _Namespace) -> None:
-        """Evict least recently used unleased pages until the quota holds. A leased page is
-        never evicted: when only leased pages are older, the newest pages go instead."""
+        """Evict least recently used unleased pages until the quota holds (their deletes are
+        queued). A leased page is never evicted: when only leased pages are older, the
+        newest pages go instead."""
         cap = state.info.spec.capacity_pages
         excess = len(state.published) - cap
         if not cap or excess <= 0:
@@ -305,14 +383,4 @@ class PageDirectory:
         for h in victims:  # unpublished first: nobody is told to read a page being deleted
             del state.published[h]
         state.counters.evicted_pages += len(victims)
-        self._delete(state, victims)
-
-    def _delete(self, state: _Namespace, hashes: list[str]) -> None:
-        if not hashes:
-            return
-        try:
-            state.store.delete(hashes)
-        except (KvtierError, OSError) as exc:
-            state.counters.delete_failures += len(hashes)
-            log.warning("L3 namespace %s: deleting %d evicted pages failed (%s); their objects "
-                        "stay until the next rebuild", state.info.namespace, len(hashes), exc)
+        self._deletes.add(state.info.namespace, victims)

@@ -12,6 +12,12 @@ backend's own error; the others at the first delete. (A Mooncake client listens 
 interface for its transfer engine: the actor opens none unless it must delete.) Admin
 clients hold no data and never evict on their own: byte bounds are set to 0 (unbounded) and
 a Mooncake admin client contributes no segment.
+
+Rank clients (`open_rank_backend`) never evict on their own either: under a namespace the
+directory is the one eviction authority (a process evicting by itself would delete every
+rank's parts of pages the directory keeps advertising), so a backend's own bound in the
+options is folded into the namespace's quota (`NamespaceSpec.capacity_pages`) and switched
+off in the clients. A backend opened on its own, outside a namespace, keeps its own bound.
 """
 from __future__ import annotations
 
@@ -30,9 +36,12 @@ from kvtier.storage_options import StorageOptions
 log = logging.getLogger(__name__)
 
 _PLACEHOLDER_PART_BYTES = 64
-# Fields that would make an admin client store or evict anything of its own.
-_ADMIN_OVERRIDES = {StorageBackendKind.FILE: {"max_size_bytes": 0},
+# Fields that would make a client of a namespace evict on its own (the directory's job).
+_NO_OWN_EVICTION = {StorageBackendKind.FILE: {"max_size_bytes": 0},
                     StorageBackendKind.NIXL: {"max_size_bytes": 0},
+                    StorageBackendKind.SIMULATED: {"capacity_pages": 0}}
+# ... and, for admin clients, fields that would make them store anything of their own.
+_ADMIN_OVERRIDES = {**_NO_OWN_EVICTION,
                     StorageBackendKind.MOONCAKE: {"global_segment_size_bytes": 0,
                                                   "local_buffer_size_bytes": 0}}
 
@@ -55,8 +64,10 @@ def rank_target(info: NamespaceInfo, tp_rank: int) -> StorageTarget:
 
 
 def open_rank_backend(info: NamespaceInfo, tp_rank: int) -> StorageBackend:
-    """The backend client a rank uses for a namespace (pages move rank <-> storage directly)."""
-    return create_backend(info.spec.backend, rank_target(info, tp_rank), info.storage_options())
+    """The backend client a rank uses for a namespace (pages move rank <-> storage directly),
+    with the backend's own eviction off: the namespace's directory evicts (module docstring)."""
+    return create_backend(info.spec.backend, rank_target(info, tp_rank),
+                          _with_overrides(info, _NO_OWN_EVICTION))
 
 
 class _PlaceholderPool:
@@ -79,8 +90,13 @@ class _PlaceholderPool:
 
 
 def admin_options(info: NamespaceInfo) -> StorageOptions:
+    return _with_overrides(info, _ADMIN_OVERRIDES)
+
+
+def _with_overrides(info: NamespaceInfo,
+                    table: dict[StorageBackendKind, dict[str, int]]) -> StorageOptions:
     opts = info.storage_options()
-    overrides = _ADMIN_OVERRIDES.get(info.spec.backend, {})
+    overrides = table.get(info.spec.backend, {})
     return dataclasses.replace(opts, **overrides) if overrides else opts  # type: ignore[type-var]
 
 

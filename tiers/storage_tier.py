@@ -25,7 +25,7 @@ from kvtier.keys import KeyNamespace
 from kvtier.policies import PrefetchPolicy
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
-from kvtier.tiers.storage_worker import StorageOp, StorageWorker
+from kvtier.tiers.storage_worker import OpState, StorageOp, StorageWorker
 from kvtier.tiers.tree_node import NOT_STORED, TreeNode
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class PageDirectoryClient(Protocol):
                lease_ttl_s: float = 0.0) -> DirectoryLookup: ...
 
     def release(self, lease_id: str) -> bool: ...
+
+    def report_missing(self, ns: str, hashes: Sequence[str]) -> int: ...
 
 
 @dataclass
@@ -230,6 +232,8 @@ class StorageTier:
         """Stop the prefetch, insert what landed as L2-only nodes; returns tokens inserted."""
         settled = self._end(ticket)
         op = ticket.op
+        if settled and op.state is OpState.DONE and op.missing_keys:
+            self._report_missing(op.missing_keys)
         done = op.done_pages  # these pages are complete; a hung batch only touches later ones
         end_page = ticket.start_page + done
         landed = op.host_pages[:done]
@@ -246,6 +250,20 @@ class StorageTier:
         self.counters.unfulfilled_storage_transfer_tokens += (op.num_pages - done) * self.page_size
         self.counters.prefetch_wait_s += (op.finished_s or time.monotonic()) - op.submitted_s
         return usable * self.page_size
+
+    def _report_missing(self, keys: list[str]) -> None:
+        """The directory published pages the backend read says are missing or corrupt
+        (deleted behind the directory's back): tell it, so it unpublishes them. Only when
+        the read answered (not a cancelled, failed or hung op: those say nothing of the
+        page). A failed report is a missed chance, counted, never an error."""
+        if self.directory is None:
+            return
+        try:
+            self.directory.report_missing(self.namespace.name, keys)
+        except Exception as exc:  # noqa: BLE001 - the next reader that misses reports again
+            self.counters.directory_errors += 1
+            log.warning("reporting %d missing L3 pages to the directory failed (%s: %s)",
+                        len(keys), type(exc).__name__, exc)
 
     @property
     def open_tickets(self) -> int:

@@ -35,7 +35,11 @@ class OpState(enum.Enum):
 
 
 class StorageOp:
-    """A batch job over `keys` <-> `host_pages`; `done_pages` leading pages have succeeded."""
+    """A batch job over `keys` <-> `host_pages`; `done_pages` leading pages have succeeded.
+
+    `missing_keys`: pages a prefetch's backend read answered as not there (absent, torn,
+    corrupt). Unlike a cancelled, failed (raised) or hung op, that is the storage's own word
+    that the page is gone, which the L3 directory wants to hear (StorageTier.finish)."""
 
     def __init__(self, op_id: int, keys: Sequence[str], host_pages: Sequence[int], payload: object):
         self.id = op_id
@@ -43,6 +47,7 @@ class StorageOp:
         self.host_pages = list(host_pages)
         self.payload = payload
         self.done_pages = 0
+        self.missing_keys: list[str] = []
         self.next_page = 0
         self.state = OpState.QUEUED
         self.error: BaseException | None = None
@@ -171,6 +176,8 @@ class StorageWorker:
             op._finish(OpState.FAILED)
             return
         good = result.leading_ok
+        if is_prefetch:
+            op.missing_keys += [k for k, ok in zip(keys, result.ok) if not ok]
         op.done_pages += good
         op.next_page = stop
         if good < len(keys) or stop == op.num_pages:

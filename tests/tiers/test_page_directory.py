@@ -1,4 +1,7 @@
-"""The L3 page directory without Ray: publication, leases, quotas, storage deletes, rebuild."""
+"""The L3 page directory without Ray: publication, leases, quotas, storage deletes, rebuild.
+
+Quota evictions and deletes happen in eviction passes (page_eviction.run_pass), never inside
+a call: tests run a pass where the service's background thread would."""
 from __future__ import annotations
 
 import os
@@ -12,10 +15,12 @@ from kvtier.errors import CacheUsageError, ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import KVSpec
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
-                             MessageError, NamespaceInfo, NamespaceSpec, StoredReport)
+                             MessageError, MissingReport, NamespaceInfo, NamespaceSpec,
+                             StoredReport)
 from kvtier.policies import MemLayout, StorageBackendKind
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.page_directory import PageDirectory
+from kvtier.tiers.page_eviction import run_pass
 from kvtier.tiers.page_store import open_rank_backend
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
@@ -140,11 +145,15 @@ def test_leases_block_eviction_and_expire(directory, clock, stores):
     grant = directory.lease(ns, old + [h(5, "f")], ttl_s=10)
     assert grant.pages == 2 and grant.lease_id
     new = chain("b", 2)
-    assert publish(directory, ns, new) == []  # only leased pages are older: the new ones go
+    assert publish(directory, ns, new) == new  # over the quota until the next pass
+    assert stores[ns].deleted == []  # a call never deletes
+    run_pass(directory)
+    assert directory.lookup(ns, new).hit_pages == 0  # only leased pages are older: new ones go
     assert directory.lookup(ns, old).hit_pages == 2
     assert stores[ns].deleted == [new[1], new[0]]
     clock.now += 11  # the lease lapses
     publish(directory, ns, chain("c", 1))
+    run_pass(directory)
     s = directory.stats(ns)
     assert (s.leases_expired, s.leases_active, s.published_pages) == (1, 0, 2)
     assert directory.lookup(ns, old).hit_pages == 1  # the prefix lost its tail first
@@ -156,10 +165,13 @@ def test_release_lets_eviction_proceed(directory, stores):
     publish(directory, ns, chain("a", 1))
     res = directory.lookup(ns, chain("a", 1), lease_ttl_s=5)
     assert res.hit_pages == 1 and res.lease_id
-    assert publish(directory, ns, chain("b", 1)) == []  # evicted at once: "a" is leased
+    publish(directory, ns, chain("b", 1))
+    run_pass(directory)
+    assert directory.lookup(ns, chain("b", 1)).hit_pages == 0  # evicted: "a" is leased
     assert directory.release(res.lease_id) is True
     assert directory.release(res.lease_id) is False
     assert publish(directory, ns, chain("b", 1)) == chain("b", 1)
+    run_pass(directory)
     assert stores[ns].deleted == chain("b", 1) + chain("a", 1)
     assert directory.lookup(ns, chain("a", 1)).hit_pages == 0
     with pytest.raises(CacheUsageError, match="at most 30"):
@@ -173,6 +185,7 @@ def test_quota_is_lru_across_instances_and_drops_chain_tails_first(directory, st
     publish(directory, ns, b)  # instance B
     assert directory.lookup(ns, a).hit_pages == 2  # A uses its prefix: B's is now older
     publish(directory, ns, chain("c", 1))  # a third instance writes one page
+    run_pass(directory)
     assert stores[ns].deleted == [b[1]]  # B's tail goes first, never its head before it
     assert directory.lookup(ns, b).hit_pages == 1
     assert directory.lookup(ns, a).hit_pages == 2
@@ -192,8 +205,12 @@ def test_pending_pages_of_a_vanished_writer_expire(directory, clock, stores):
     clock.now += 61
     directory.lookup(ns, chain("a", 2))
     s = directory.stats(ns)
-    assert (s.pending_pages, s.expired_pending_pages) == (0, 2)
+    assert (s.pending_pages, s.expired_pending_pages, s.doomed_pages) == (0, 2, 2)
+    assert stores[ns].deleted == []  # queued: deleted by the next pass, not by the lookup
+    assert directory.report_stored(ns, chain("a", 2), 1) == []  # doomed: ignored until gone
+    assert run_pass(directory).deleted == 2
     assert stores[ns].deleted == chain("a", 2)  # the orphaned parts are removed
+    assert directory.stats(ns).doomed_pages == 0
 
 
 def test_rebuild_publishes_complete_pages_and_keeps_partial_ones_pending(clock):
@@ -236,7 +253,8 @@ def test_eviction_deletes_every_ranks_objects_through_the_backend(kind, tmp_path
     info = _fill(kind, options, "t", 2, pages, ranks=[0, 1])
     with PageDirectory(clock=clock) as d:
         ns = d.register(NamespaceSpec("org/model", "t", "fp", kind, options, 2, max_pages=2)).namespace
-        assert d.rebuild(ns) == 2  # three listed, the oldest evicted at once (quota 2)
+        assert d.rebuild(ns) == 3  # three listed, over the quota (2) until the next pass
+        run_pass(d)
         assert d.stats(ns).evicted_pages == 1
         evicted = [p for p in pages if d.lookup(ns, [p]).hit_pages == 0]
         assert len(evicted) == 1
@@ -298,6 +316,7 @@ RECORDS = [
                                                                  "fsync": True}),
     NamespaceInfo("ns", spec(), {"seed": 3, "x": None}, 2),
     StoredReport("ns", 1, tuple(chain("a", 2))),
+    MissingReport("ns", tuple(chain("a", 2))),
     LookupRequest("ns", tuple(chain("b", 3)), 2.5),
     LookupResult("ns", 3, "abc-1"),
     LeaseGrant("abc-1", "ns", 3, 2.5),
