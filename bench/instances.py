@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvtier import demo
+from kvtier import demo, demo_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,6 @@ def main(ns: argparse.Namespace) -> int:
     result, rows = demo.run(params)
     result = {"benchmark": "instances", **result}
     if not ns.json:
-        print(demo.format_table(rows))
+        print(demo_report.format_table(rows))
     print(json.dumps(result))
     return 0 if result["identical"] else 1

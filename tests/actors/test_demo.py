@@ -7,7 +7,8 @@ import json
 import ray
 
 from kvtier import cli
-from kvtier.demo import PLAN, DemoParams, format_table, run
+from kvtier.demo import PLAN, DemoParams, run
+from kvtier.demo_report import format_table
 
 CONTRACT = {"identical", "ttft_cold_s", "ttft_l2_ratio", "ttft_l3_cross_instance_ratio",
             "agreement_us_p50", "agreement_us_p99", "collectives_per_step"}
