@@ -36,6 +36,12 @@ class StorageUnavailable(KvtierError, RuntimeError):
     """The backend cannot be reached or started (raised at attach, not per page)."""
 
 
+class PagesStillInUse(StorageUnavailable):
+    """A backend call gave up while the storage may still read or write the host pages it
+    was given (a transfer that timed out and could not be cancelled): the caller must never
+    reuse those pages (they stay quarantined)."""
+
+
 class PagePart(enum.IntEnum):
     """A page of the KV pool is two objects: its K bytes and its V bytes (all layers)."""
 

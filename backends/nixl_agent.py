@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.backends.base import StorageUnavailable
+from kvtier.backends.base import PagesStillInUse, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ _FAST_POLL_S = 0.0005  # a poll that took longer than this did I/O itself: poll 
 _MAX_SLEEP_S = 0.001
 
 
-class TransferTimeout(StorageUnavailable):
+class TransferTimeout(PagesStillInUse):
     """A NIXL transfer did not finish in time and could not be cancelled."""
 
 

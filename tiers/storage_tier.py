@@ -90,6 +90,7 @@ class StorageCounters:
     directory_errors: int = 0  # directory calls that failed (lookups count as L3 misses)
     lookup_errors: int = 0  # backend lookups that failed (counted as L3 misses)
     directory_reported_pages: int = 0  # pages this rank reported stored to the directory
+    quarantined_pages: int = 0  # L2 pages a gave-up transfer may still touch: never reused
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -315,6 +316,7 @@ class StorageTier:
             else:
                 still.append((op, pages))
         self._orphans = still
+        self.counters.quarantined_pages = sum(len(p) for op, p in still if op.quarantined)
 
     @property
     def orphaned_pages(self) -> int:

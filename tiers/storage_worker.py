@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Sequence
 
-from kvtier.backends.base import KV_POOL, StorageBackend
+from kvtier.backends.base import KV_POOL, PagesStillInUse, StorageBackend
 from kvtier.errors import ClosedError
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,16 @@ class StorageOp:
     def settled(self) -> bool:
         return self._settled.is_set()
 
-    def _finish(self, state: OpState) -> None:
+    @property
+    def quarantined(self) -> bool:
+        """Ended, but the storage may still touch its host pages: they are never freed."""
+        return self.state.finished and not self._settled.is_set()
+
+    def _finish(self, state: OpState, settle: bool = True) -> None:
         self.state = state
         self.finished_s = time.monotonic()
-        self._settled.set()
+        if settle:
+            self._settled.set()
 
 
 class StorageWorker:
@@ -104,17 +110,22 @@ class StorageWorker:
         return op
 
     def cancel(self, op: StorageOp) -> None:
-        """Stop `op` at its next batch boundary (pages already done stay done)."""
+        """Stop `op` at its next batch boundary (pages already done stay done). An op waiting
+        in a queue (never started, or between two batches) ends at once."""
         with self._cv:
             op.cancel_requested = True
             if op.state is OpState.QUEUED:
-                if op in self._prefetches:
-                    self._prefetches.remove(op)
-                elif op in self._backups:
-                    self._backups.remove(op)
-                    self._finished_backups.append(op)
-                op._finish(OpState.CANCELLED)
+                self._cancel_queued(op)
             self._cv.notify()
+
+    def _cancel_queued(self, op: StorageOp) -> None:
+        """Take a QUEUED op out of its queue, CANCELLED (call under the lock)."""
+        if op in self._prefetches:
+            self._prefetches.remove(op)
+        elif op in self._backups:
+            self._backups.remove(op)
+            self._finished_backups.append(op)
+        op._finish(OpState.CANCELLED)
 
     def settle(self, op: StorageOp, timeout_s: float = 30.0) -> bool:
         """Wait until the worker is done with `op`'s host pages; False on timeout."""
@@ -134,16 +145,18 @@ class StorageWorker:
 
     # ---- the thread ----------------------------------------------------------------------
     def _next(self) -> tuple[StorageOp, bool] | None:
+        """The next op to step, RUNNING from the moment it leaves its queue (under the lock,
+        so a cancel either finds it queued and ends it, or finds it running and waits)."""
         with self._cv:
             while not self._closed and not self._prefetches and not self._backups:
                 self._cv.wait()
-            if self._prefetches:
-                self._running += 1
-                return self._prefetches.popleft(), True
-            if self._backups:
-                self._running += 1
-                return self._backups.popleft(), False
-            return None  # closed and drained
+            queue = self._prefetches or self._backups
+            if not queue:
+                return None  # closed and drained
+            op = queue.popleft()
+            op.state = OpState.RUNNING
+            self._running += 1
+            return op, queue is self._prefetches
 
     def _run(self) -> None:
         while True:
@@ -155,20 +168,26 @@ class StorageWorker:
             with self._cv:
                 self._running -= 1
                 if not op.state.finished:  # more batches: take turns with the others
+                    op.state = OpState.QUEUED
                     (self._prefetches if is_prefetch else self._backups).append(op)
+                    if op.cancel_requested:
+                        self._cancel_queued(op)
                 elif not is_prefetch:
                     self._finished_backups.append(op)
 
     def _step(self, op: StorageOp, is_prefetch: bool) -> None:
-        if op.cancel_requested:
-            op._finish(OpState.CANCELLED)
-            return
-        op.state = OpState.RUNNING
         start, stop = op.next_page, min(op.next_page + self.batch_pages, op.num_pages)
         keys, pages = op.keys[start:stop], op.host_pages[start:stop]
         try:
             move = self.backend.get_into if is_prefetch else self.backend.set_from
             result = move(self.pool, keys, pages)
+        except PagesStillInUse as exc:  # the storage may still write into these pages
+            log.error("storage %s of %d pages gave up while the storage may still use its "
+                      "host pages (%s); they are quarantined, never reused",
+                      "prefetch" if is_prefetch else "backup", len(keys), exc)
+            op.error = exc
+            op._finish(OpState.FAILED, settle=False)
+            return
         except Exception as exc:  # a backend failure is a miss for this op, never a crash
             log.warning("storage %s of %d pages failed: %s", "prefetch" if is_prefetch else "backup",
                         len(keys), exc)

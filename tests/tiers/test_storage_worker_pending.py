@@ -1,13 +1,16 @@
-"""StorageWorker.pending() counts the op the thread is stepping: a drain that waits for
-pending() == 0 then sees every ended backup in finished_backups (cross-instance L3 hits rely
-on it: A's quiesce must report its stored pages before B looks them up)."""
+"""StorageWorker's bookkeeping: pending() counts the op the thread is stepping (a drain that
+waits for pending() == 0 then sees every ended backup in finished_backups: cross-instance L3
+hits rely on it); an op waiting between batches is cancelled at once; a transfer that gave up
+while the storage may still use its pages never settles (they stay quarantined)."""
 from __future__ import annotations
 
 import threading
 import time
 
-from kvtier.backends.base import TransferResult
-from kvtier.tiers.storage_worker import StorageWorker
+from kvtier.backends.base import PagesStillInUse, TransferResult
+from kvtier.tiers.storage_worker import OpState, StorageWorker
+
+KEY = "ab" * 32
 
 
 class SlowBackend:
@@ -38,4 +41,62 @@ def test_pending_counts_the_running_op_until_it_is_in_finished_backups() -> None
         assert worker.finished_backups() == [op] and op.done_pages == 2
     finally:
         backend.release.set()
+        worker.close()
+
+
+class _GatedBackend:
+    """A backend stand-in: the first `get_into` returns at once, the second blocks until
+    `release` is set; `gave_up` makes a call raise PagesStillInUse instead."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.gave_up = False
+
+    def get_into(self, pool, keys, pages):
+        self.calls += 1
+        if self.gave_up:
+            raise PagesStillInUse("injected: a transfer timed out and could not be cancelled")
+        if self.calls == 2:
+            self.entered.set()
+            assert self.release.wait(30)
+        return TransferResult([True] * len(keys), 0)
+
+    set_from = get_into
+
+
+def test_an_op_between_two_batches_is_cancelled_at_once():
+    """A prefetch re-queued after its first batch is QUEUED again: cancelling it takes it out
+    of the queue and settles it at once, even while the worker is stuck in another op's call
+    (before, it stayed RUNNING in the queue and its request waited)."""
+    backend = _GatedBackend()
+    worker = StorageWorker(backend, batch_pages=1)
+    try:
+        first = worker.prefetch([KEY] * 2, [0, 1])  # two batches
+        second = worker.prefetch([KEY], [2])  # its call blocks
+        assert backend.entered.wait(30)  # the worker: first's batch 1, then second (stuck)
+        assert first.state is OpState.QUEUED and first.done_pages == 1
+        worker.cancel(first)
+        assert worker.settle(first, timeout_s=5.0), "cancel left a queued op unsettled"
+        assert first.state is OpState.CANCELLED and first.done_pages == 1
+    finally:
+        backend.release.set()
+        worker.close()
+    assert second.state is OpState.DONE
+
+
+def test_a_transfer_that_gave_up_keeps_its_pages_quarantined():
+    """PagesStillInUse (a NIXL timeout): the op fails but never settles, so its host pages
+    are never freed or reused while the storage may still write into them."""
+    backend = _GatedBackend()
+    backend.gave_up = True
+    worker = StorageWorker(backend, batch_pages=4)
+    try:
+        op = worker.prefetch([KEY], [3])
+        deadline = time.monotonic() + 30
+        while not op.state.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert op.state is OpState.FAILED and op.quarantined
+        assert not worker.settle(op, timeout_s=0.1)
+    finally:
         worker.close()
