@@ -170,9 +170,11 @@ class MooncakeOptions(_Options):
     local_hostname: str = "127.0.0.1"
     global_segment_size_bytes: int = 256 * MiB
     local_buffer_size_bytes: int = 64 * MiB
-    # xxh3 of every page part in a small checksum object, verified after each read. Off by
-    # default: hashing costs ~40% of Mooncake's local throughput here (sizes are checked always).
-    verify_checksums: bool = False
+    # xxh3 of every page part in a small checksum object, verified after each read (sizes are
+    # checked always). On by default: a corrupt page must be a miss, never wrong KV. It costs
+    # ~40% of Mooncake's local-segment throughput here (5.0 -> 3.0 GB/s reads), less over TCP;
+    # turn it off only where the store is trusted.
+    verify_checksums: bool = True
     start_timeout_s: float = 15.0  # bound on starting the master and connecting to it
 
     def __post_init__(self) -> None:

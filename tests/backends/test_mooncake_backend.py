@@ -233,3 +233,9 @@ def test_bench_measure_reports_every_field():
                   "read_ratio", "exists_1000_ms", "verified_read_ratio"):
         assert out[field] > 0
     assert out["page_bytes"] == 2 * 737_280 and out["pages"] == 2
+
+
+def test_reads_are_verified_by_default():
+    """A corrupt page must be a miss, never wrong KV: checksums are on unless turned off."""
+    assert MooncakeOptions().verify_checksums is True
+    assert MooncakeOptions(verify_checksums=False).verify_checksums is False
