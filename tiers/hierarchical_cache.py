@@ -8,7 +8,7 @@ allocator. The L3 tier (storage_tier) owns the prefetch tickets; the cache hands
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -18,7 +18,8 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import KVSpec
-from kvtier.policies import CacheEventKind, CacheTier, HostMode, WritePolicy
+from kvtier.policies import HostMode, WritePolicy
+from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
@@ -26,15 +27,12 @@ from kvtier.tiers.host_copies import HostCopies
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
-from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier, node_tokens
-from kvtier.tiers.storage_worker import StorageOp
+from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier
 from kvtier.tiers.tree_node import TreeNode
 from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, TreeStats
 
 log = logging.getLogger(__name__)
 
-# fn(kind, tier, page_hashes): pages (the namespace's chain keys, prefix order) changed tier.
-CacheEventListener = Callable[[CacheEventKind, CacheTier, "list[str]"], None]
 
 
 class HierarchicalCache:
@@ -76,8 +74,7 @@ class HierarchicalCache:
         self.storage: StorageTier | None = None
         self.directory = directory
         self.tp_rank = tp_rank
-        self._listener: CacheEventListener | None = None
-        self._storing: list[StorageOp] = []  # L3 backups whose end is still to be told
+        self.events = CacheEventFeed(self.namespace, spec.page_size)
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, tp_rank, tp_size)
             storage = create_backend(config.storage_backend, target, config.storage_options)
@@ -182,7 +179,7 @@ class HierarchicalCache:
                 return
             # told when the copy lands (hashes now: n may split before)
             self.copies.start(n, host_pages,
-                              self._node_hashes(n) if self._listener is not None else None)
+                              self.events.node_hashes(n) if self.events.active else None)
             self.counters.backed_up_tokens += len(n.key)
 
     def _write_back(self, node: TreeNode) -> list[int] | None:
@@ -213,21 +210,19 @@ class HierarchicalCache:
         """Unlock runs whose L2 copies have landed; returns how many landed."""
         landed = self.copies.landed()
         for copy in landed:
-            if copy.hashes and self._listener is not None:
-                self._listener(CacheEventKind.STORED, CacheTier.HOST, copy.hashes)
+            self.events.host_landed(copy.hashes)
             self._back_up_to_storage(copy.node)
         while self._written_back:
             self._back_up_to_storage(self._written_back.pop())
         if self.storage is not None:
             self.storage.poll()
-        self._tell_stored()
+        self.events.tell_stored()
         return len(landed)
 
     def _back_up_to_storage(self, node: TreeNode) -> None:
         if self.storage is not None and node.host_value is not None and node.parent is not None:
             op = self.storage.backup(node)
-            if op is not None and self._listener is not None:
-                self._storing.append(op)
+            self.events.backup_started(op)
 
     # ---- cache events (for the router) ------------------------------------------------------
     def set_event_listener(self, fn: CacheEventListener | None) -> None:
@@ -238,34 +233,11 @@ class HierarchicalCache:
         L3 ones when this rank's backup has written them (with a page directory, the page is
         published once every TP rank has). With no listener the tree skips all of this.
         """
-        self._listener = fn
-        self.tree.listener = self._on_tree_event if fn is not None else None
+        self.events.listener = fn
+        self.tree.listener = self.events.on_tree_event if fn is not None else None
         if fn is None:
             self.copies.clear_hashes()
-            self._storing.clear()
-
-    def _on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
-        if self._listener is not None:
-            self._listener(kind, tier, self._node_hashes(node))
-
-    def _node_hashes(self, node: TreeNode) -> list[str]:
-        """The chain keys of `node`'s own pages (hashing walks its whole prefix)."""
-        pages = len(node.key) // self.spec.page_size
-        keys = self.namespace.page_hashes(node_tokens(node), self.spec.page_size)
-        return keys[len(keys) - pages:]
-
-    def _tell_stored(self) -> None:
-        """Tell the listener about L3 backups that ended (their written leading pages)."""
-        if not self._storing:
-            return
-        running: list[StorageOp] = []
-        ended: list[StorageOp] = []
-        for op in self._storing:  # one look at each state: the worker thread may finish it
-            (ended if op.state.finished else running).append(op)
-        self._storing = running
-        for op in ended:
-            if op.done_pages and self._listener is not None:
-                self._listener(CacheEventKind.STORED, CacheTier.STORAGE, op.keys[:op.done_pages])
+            self.events.forget()
 
     def flush(self) -> None:
         """Wait for every queued copy and settle its bookkeeping (failed copies included)."""
@@ -359,7 +331,7 @@ class HierarchicalCache:
         self.flush()
         self.storage.close()  # aborts its open prefetches first
         self.storage = None
-        self._tell_stored()
+        self.events.tell_stored()
         self.tree.l3.forget_storage()
 
     def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
