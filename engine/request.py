@@ -10,7 +10,7 @@ import torch
 
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
-from kvtier.tiers.storage_tier import PrefetchTicket
+from kvtier.tiers.storage_types import PrefetchTicket
 
 
 class RequestState(enum.Enum):

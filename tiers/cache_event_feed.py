@@ -12,7 +12,7 @@ from typing import Callable
 
 from kvtier.keys import KeyNamespace
 from kvtier.policies import CacheEventKind, CacheTier
-from kvtier.tiers.storage_tier import node_tokens
+from kvtier.tiers.storage_types import node_tokens
 from kvtier.tiers.storage_worker import StorageOp
 from kvtier.tiers.tree_node import TreeNode
 

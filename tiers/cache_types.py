@@ -90,6 +90,7 @@ class CacheCounters:
     dropped_backup_tokens: int = 0  # no L2 room for a copy
     failed_backup_tokens: int = 0  # L1->L2 copies that failed (kept in L1 only)
     failed_load_tokens: int = 0  # L2->L1 loads that failed (recomputed)
+    unstaged_tokens: int = 0  # storage_only: L2 copies given back once in L1 and L3
     # L2 hits recomputed instead of loaded back, by LoadRefusal reason
     unloaded_below_threshold_tokens: int = 0
     unloaded_over_quota_tokens: int = 0

@@ -27,8 +27,9 @@ from kvtier.tiers.host_copies import HostCopies
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
-from kvtier.tiers.storage_tier import PageDirectoryClient, PrefetchTicket, StorageTier
-from kvtier.tiers.tree_node import TreeNode
+from kvtier.tiers.storage_tier import StorageTier
+from kvtier.tiers.storage_types import PageDirectoryClient, PrefetchTicket
+from kvtier.tiers.tree_node import STORED, TreeNode
 from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, TreeStats
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class HierarchicalCache:
         node, pages = m.last_device_node, list(m.device_indices)
         load = loaded_node = None
         loaded = 0
-        if m.host_hit_length and self.config.host_mode is HostMode.CACHE:
+        if m.host_hit_length:  # in storage_only mode too: L3 pages arrive through L2
             plan = self._plan_load_back(m.last_host_node, max_load_pages)
             if isinstance(plan, LoadRefusal):
                 name = f"unloaded_{plan.value}_tokens"
@@ -161,7 +162,9 @@ class HierarchicalCache:
                             len(nodes))
                 self.tree.undo_restore(nodes)
                 self.counters.failed_load_tokens += lookup.host_loaded_length
+                nodes = []
             self.tree.release_host(lookup.loaded_node)
+            self._unstage(nodes)
         self.tree.unlock(lookup.node)
 
     # ---- write policy --------------------------------------------------------------------
@@ -169,7 +172,9 @@ class HierarchicalCache:
         """Copy to L2 every L1-only node on the path that reached `min_hits` (root first)."""
         if not self.hierarchical:
             return
-        path = [n for n in node.path_to_root() if n.host_value is None and n.value is not None]
+        staging = self.config.host_mode is HostMode.STORAGE_ONLY
+        path = [n for n in node.path_to_root() if n.host_value is None and n.value is not None
+                and not (staging and n.storage_op == STORED)]  # staged only to reach L3
         for n in reversed(path):
             if min_hits > 1 and n.hit_count < min_hits:
                 continue
@@ -216,8 +221,19 @@ class HierarchicalCache:
             self._back_up_to_storage(self._written_back.pop())
         if self.storage is not None:
             self.storage.poll()
+            self._unstage(self.storage.take_stored())
         self.events.tell_stored()
         return len(landed)
+
+    def _unstage(self, nodes: Sequence[TreeNode]) -> None:
+        """storage_only: L2 holds a page only while it moves between L1 and L3. Runs that are
+        in L1 and stored in L3 give their L2 copies back (L2-only runs go by L2 eviction)."""
+        if self.config.host_mode is not HostMode.STORAGE_ONLY:
+            return
+        for node in nodes:
+            for n in node.path_to_root():
+                if self.tree.release_backup(n):
+                    self.counters.unstaged_tokens += len(n.key)
 
     def _back_up_to_storage(self, node: TreeNode) -> None:
         if self.storage is not None and node.host_value is not None and node.parent is not None:

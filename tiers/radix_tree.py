@@ -17,7 +17,7 @@ from kvtier.tiers import tree_eviction
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.tree_ledger import TreeLedger
 from kvtier.tiers.tree_l3 import TreeL3Marks
-from kvtier.tiers.tree_node import TreeNode, as_key
+from kvtier.tiers.tree_node import STORED, TreeNode, as_key
 from kvtier.tiers.tree_types import EvictResult, InsertResult, MatchResult, TreeStats
 
 # Called for an L1 page run that is about to be evicted and has no L2 copy (write_back
@@ -56,16 +56,6 @@ class HiRadixTree:
     # ---- sizes -------------------------------------------------------------------------
     def stats(self) -> TreeStats:
         return self.ledger.stats()
-
-    @property
-    def evictable_size(self) -> int:
-        """Tokens in L1 that eviction could free now."""
-        return self.ledger.device_evictable * self.page_size
-
-    @property
-    def protected_size(self) -> int:
-        """Tokens in L1 held by locks."""
-        return self.ledger.device_protected * self.page_size
 
     def _emit(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
         if self.listener is not None:
@@ -272,6 +262,17 @@ class HiRadixTree:
             if n.host_value is not None and doomed.issuperset(n.host_value):
                 n.host_value = None  # in L1 (locked): no size or queue changes
         self.host_allocator.free(host_pages)
+
+    def release_backup(self, node: TreeNode) -> bool:
+        """Give back the L2 copy of a run that is in L1 and stored in L3, unless something
+        holds it (a load, a backup); True when it was released."""
+        if node.value is None or node.host_value is None or node.host_ref \
+                or node.storage_op != STORED:
+            return False
+        self._emit(CacheEventKind.EVICTED, CacheTier.HOST, node)
+        self.host_allocator.free(node.host_value)
+        node.host_value = None  # in L1: no size or queue changes
+        return True
 
     # ---- protection ----------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:

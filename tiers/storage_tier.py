@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from kvtier.backends.base import StorageBackend
 from kvtier.config import HiCacheConfig
 from kvtier.keys import KeyNamespace
-from kvtier.policies import PrefetchPolicy
+from kvtier.policies import HostMode, PrefetchPolicy
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.storage_worker import OpState, StorageOp, StorageWorker
+from kvtier.tiers.storage_types import (PageDirectoryClient, PrefetchTicket, StorageCounters,
+                                         node_tokens)
 from kvtier.tiers.tree_node import NOT_STORED, TreeNode
 
 log = logging.getLogger(__name__)
@@ -34,75 +35,6 @@ log = logging.getLogger(__name__)
 SETTLE_WAIT_S = 0.05  # how long ending a prefetch waits for a backend call in flight
 MAX_UNREPORTED_PAGES = 1 << 16  # kept for a retried report; older ones wait for a rebuild
 DIRECTORY_LEASE_S = 60.0  # a lease covering one prefetch; released when the prefetch ends
-
-
-class DirectoryLookup(Protocol):
-    """What a directory lookup answers (kvtier.messages.LookupResult is one)."""
-
-    hit_pages: int  # leading pages published
-    lease_id: str  # "" when nothing was leased
-
-
-class PageDirectoryClient(Protocol):
-    """The L3 page directory as a rank sees it: `kvtier.tiers.page_directory.PageDirectory`
-    (in-process) and the namespace actor's clients (`NamespaceClient`,
-    `FakeNamespaceClient`) all have these methods. Calls may raise (down, timed out)."""
-
-    def report_stored(self, ns: str, hashes: Sequence[str], tp_rank: int) -> Sequence[str]: ...
-
-    def lookup(self, ns: str, hashes: Sequence[str],
-               lease_ttl_s: float = 0.0) -> DirectoryLookup: ...
-
-    def release(self, lease_id: str) -> bool: ...
-
-    def report_missing(self, ns: str, hashes: Sequence[str]) -> int: ...
-
-
-@dataclass
-class PrefetchTicket:
-    """One request's L3 prefetch: give it back to `finish` or `abort` exactly once."""
-
-    tokens: tuple
-    start_page: int  # index of the first L3 page within `tokens`
-    storage_hit_pages: int  # what L3 said it holds past the local hit
-    op: StorageOp
-    anchor: TreeNode  # protected in L2 until the pages are inserted below it
-    timeout_s: float
-    finished: bool = False
-    lease_id: str = ""  # the directory's lease on the pages being fetched ("" = none)
-
-    @property
-    def done_pages(self) -> int:
-        return self.op.done_pages
-
-
-@dataclass
-class StorageCounters:
-    queried_tokens: int = 0
-    storage_hit_tokens: int = 0  # L3 said present
-    prefetched_tokens: int = 0  # landed and inserted
-    prefetch_wait_s: float = 0.0
-    unfulfilled_below_threshold_tokens: int = 0
-    unfulfilled_host_capacity_tokens: int = 0
-    unfulfilled_storage_transfer_tokens: int = 0  # asked for, not landed in time or failed
-    backed_up_tokens: int = 0
-    backup_failed_tokens: int = 0
-    directory_errors: int = 0  # directory calls that failed (lookups count as L3 misses)
-    lookup_errors: int = 0  # backend lookups that failed (counted as L3 misses)
-    directory_reported_pages: int = 0  # pages this rank reported stored to the directory
-    quarantined_pages: int = 0  # L2 pages a gave-up transfer may still touch: never reused
-
-    def snapshot(self) -> dict:
-        return dict(self.__dict__)
-
-
-def node_tokens(node: TreeNode) -> tuple:
-    """The whole token prefix a node ends (walks to the root)."""
-    parts = []
-    while node.parent is not None:
-        parts.append(node.key)
-        node = node.parent
-    return tuple(t for part in reversed(parts) for t in part)
 
 
 class StorageTier:
@@ -128,6 +60,9 @@ class StorageTier:
         self.directory = directory  # None: the backend's exists() says what L3 holds
         self._unreported: list[str] = []  # stored pages whose report to the directory failed
         self.tp_rank = tp_rank
+        # storage_only: the cache gives back L2 copies once stored (take_stored)
+        self._keep_stored = config.host_mode is HostMode.STORAGE_ONLY
+        self._stored_nodes: list[TreeNode] = []
         self.lease_ttl_s = lease_ttl_s
 
     # ---- prefetch ------------------------------------------------------------------------
@@ -359,11 +294,18 @@ class StorageTier:
             node = op.payload
             self.tree.l3.end_storing(node, op.id, op.done_pages == op.num_pages)
             self.tree.release_host(node)
+            if self._keep_stored and op.done_pages == op.num_pages:
+                self._stored_nodes.append(node)
             self.counters.backed_up_tokens += op.done_pages * self.page_size
             self.counters.backup_failed_tokens += (op.num_pages - op.done_pages) * self.page_size
         if (stored or self._unreported) and self.directory is not None:
             self._report(stored)
         return len(ended)
+
+    def take_stored(self) -> list[TreeNode]:
+        """Nodes whose backups wrote every page since the last call (storage_only mode)."""
+        nodes, self._stored_nodes = self._stored_nodes, []
+        return nodes
 
     def _report(self, keys: list[str]) -> None:
         """Tell the directory this rank's part of `keys` (and of any earlier report that

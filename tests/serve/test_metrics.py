@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.serve.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServeMetrics, counter_deltas
 from kvtier.tiers.cache_types import CacheCounters
-from kvtier.tiers.storage_tier import StorageCounters
+from kvtier.tiers.storage_types import StorageCounters
 
 
 def families(m: ServeMetrics) -> dict:

@@ -62,10 +62,10 @@ def test_lock_protects_and_unlock_without_lock_raises():
     tree, dev, _ = make(dev=4)
     res = serve(tree, dev, list(range(16)))
     tree.lock(res.last_node)
-    assert tree.protected_size == 16 and tree.evictable_size == 0
+    assert tree.stats().device_protected_pages == 4 and tree.stats().device_evictable_pages == 0
     assert tree.evict_device(4).freed_pages == 0
     tree.unlock(res.last_node)
-    assert tree.evictable_size == 16
+    assert tree.stats().device_evictable_pages == 4
     with pytest.raises(CacheUsageError):
         tree.unlock(res.last_node)
 

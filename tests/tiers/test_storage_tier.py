@@ -7,7 +7,7 @@ import torch
 
 from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
-from kvtier.policies import PrefetchPolicy, WritePolicy
+from kvtier.policies import HostMode, PrefetchPolicy, WritePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
 from kvtier.tiers.storage_worker import OpState
@@ -16,8 +16,9 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch
 
 
 def make(seed, policy=WritePolicy.WRITE_THROUGH, prefetch=PrefetchPolicy.WAIT_COMPLETE,
-         device_pages=32, threshold=8, **sim):
+         device_pages=32, threshold=8, host_mode=HostMode.CACHE, **sim):
     config = HiCacheConfig(page_size=4, write_policy=policy, prefetch_policy=prefetch,
+                           host_mode=host_mode,
                            hicache_ratio=2.0, prefetch_threshold_tokens=threshold,
                            load_back_threshold_tokens=4, storage_batch_pages=3,
                            storage_backend="simulated", storage_options={"seed": seed, **sim})
@@ -152,3 +153,23 @@ def test_a_run_split_while_backing_up_still_reaches_l3_whole():
         assert all(n.storage_op == -1 for n in a.tree.nodes() if n.host_value is not None)
     with make(seed) as b:
         assert serve(b, doc + [3]).storage_hit_length == 40
+
+
+def test_storage_only_stages_l2_and_uses_what_l3_brings():
+    """host_mode=storage_only: L2 holds a page only while it moves between L1 and L3 (given
+    back once stored), and L3 hits still come back through L2 into L1 (they used to be
+    fetched and never loaded back)."""
+    seed = random.getrandbits(48)
+    doc = list(range(300, 340))
+    with make(seed, host_mode=HostMode.STORAGE_ONLY) as cache:
+        serve(cache, doc)
+        settle(cache)
+        assert cache.storage.counters.backed_up_tokens == 40
+        assert cache.used_host_pages == 0 and cache.counters.unstaged_tokens == 40
+        cache.evict_device(cache.device_pages)  # no L2 copy left: the run leaves the tree
+        assert cache.peek(doc) == (0, 0)
+        lengths = serve(cache, doc + [5])  # from L3, through L2, into L1
+        assert lengths.storage_hit_length == 40 and lengths.host_loaded_length == 40
+        settle(cache)
+        assert cache.used_host_pages == 0  # the staged copies went back after the load
+        assert cache.audit().leaked_pages == 0 and cache.audit().leaked_locks == 0
