@@ -91,8 +91,10 @@ class ModelConfig:
 
 
 def tiny_config(vocab_size: int = 256, num_layers: int = 2) -> ModelConfig:
-    """SmolLM2's architecture in miniature: 8 query / 4 KV heads so TP 2 and 4 can split it."""
-    return ModelConfig(hidden_size=64, num_layers=num_layers, num_heads=8, num_kv_heads=4,
-                       head_dim=8, intermediate_size=128, vocab_size=vocab_size,
+    """SmolLM2's architecture in miniature: 12 query / 6 KV heads of 8 dims, hidden 96 and
+    intermediate 192, so TP 1, 2, 3 and 6 all split it (SmolLM2-135M's 3 KV heads allow only
+    TP 1 and 3)."""
+    return ModelConfig(hidden_size=96, num_layers=num_layers, num_heads=12, num_kv_heads=6,
+                       head_dim=8, intermediate_size=192, vocab_size=vocab_size,
                        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                        max_position=4096, name="tiny")

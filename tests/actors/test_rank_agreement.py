@@ -1,4 +1,4 @@
-"""TP=2 rank actors on the tiny model (4 KV heads): lockstep steps, one agreement per step,
+"""TP=2 rank actors on the tiny model (6 KV heads): lockstep steps, one agreement per step,
 rank-local allocation failures and diverged caches give the same tokens as TP=1."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_tp2_matches_tp1_with_one_agreement_per_step(instance, reference) -> Non
     outs = instance.generate(PROMPTS["a"], GREEDY)
     after = instance.stats()
     assert [o.tokens for o in outs] == reference["a"]
-    assert [s.num_kv_heads for s in after] == [2, 2]  # each rank caches its half of 4 heads
+    assert [s.num_kv_heads for s in after] == [3, 3]  # each rank caches its half of 6 heads
     for b, a in zip(before, after):
         steps = a.steps - b.steps
         assert steps > 0 and a.agreement_rounds - b.agreement_rounds == steps

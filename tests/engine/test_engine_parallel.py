@@ -33,12 +33,15 @@ class ThreadAllReduce:
         return reduce
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_sharded_ranks_agree_with_tp1(size: int) -> None:
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (9, 30)]
-    params = SamplingParams(max_new_tokens=8)
-    expected = [g.tokens for g in generate(load_tiny_model(torch.float32, "cpu"), prompts, params)]
+PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (9, 30)]
+PARAMS = SamplingParams(max_new_tokens=8)
+
+
+def threaded_tp_tokens(size: int, dtype: torch.dtype = torch.float32,
+                       prompts: list[list[int]] = PROMPTS,
+                       params: SamplingParams = PARAMS) -> dict[int, list[list[int]]]:
+    """Greedy tokens of the tiny model at TP=`size`, ranks as threads; by rank."""
     reducer = ThreadAllReduce(size)
     results: dict[int, list[list[int]]] = {}
     errors: list[BaseException] = []
@@ -46,8 +49,8 @@ def test_sharded_ranks_agree_with_tp1(size: int) -> None:
     def rank_main(rank: int) -> None:
         try:
             tp = TensorParallel(rank, size, reduce_fn=reducer.for_rank(rank))
-            model = load_tiny_model(torch.float32, "cpu", tp=tp)
-            assert model.kv_spec(16).num_kv_heads == 4 // size  # each rank caches its heads only
+            model = load_tiny_model(dtype, "cpu", tp=tp)
+            assert model.kv_spec(16).num_kv_heads == 6 // size  # each rank caches its heads only
             results[rank] = [g.tokens for g in generate(model, prompts, params)]
         except BaseException as exc:  # surfaced below; a dead rank would hang the others
             errors.append(exc)
@@ -59,7 +62,18 @@ def test_sharded_ranks_agree_with_tp1(size: int) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
-    assert all(results[r] == expected for r in range(size))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens() -> list[list[int]]:
+    return [g.tokens for g in generate(load_tiny_model(torch.float32, "cpu"), PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("size", [2, 6])
+def test_sharded_ranks_agree_with_tp1(size: int, tp1_tokens: list[list[int]]) -> None:
+    results = threaded_tp_tokens(size)
+    assert all(results[r] == tp1_tokens for r in range(size))
 
 
 def test_shards_partition_the_weights() -> None:

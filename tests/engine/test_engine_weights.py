@@ -99,9 +99,12 @@ def test_config_errors_say_what_to_do() -> None:
 
 def test_tiny_config_splits_for_tp() -> None:
     c = tiny_config()
-    assert c.num_kv_heads == 4 and set(weight_shapes(c)) == set(random_state_dict(c))
-    for size in (1, 2, 4):
-        assert TensorParallel(0, size).local_heads(c) == (8 // size, 4 // size)
+    assert c.num_kv_heads == 6 and set(weight_shapes(c)) == set(random_state_dict(c))
+    for size in (1, 2, 3, 6):
+        assert TensorParallel(0, size).local_heads(c) == (12 // size, 6 // size)
+        assert TensorParallel(0, size).local_intermediate(c) * size == c.intermediate_size
+    with pytest.raises(ConfigError, match="TP size 4 does not divide the 6 KV heads"):
+        TensorParallel(0, 4).check(c)
 
 
 def test_cache_without_the_package_is_used(smollm2, monkeypatch) -> None:
