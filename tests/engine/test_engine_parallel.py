@@ -76,6 +76,14 @@ def test_sharded_ranks_agree_with_tp1(size: int, tp1_tokens: list[list[int]]) ->
     assert all(results[r] == tp1_tokens for r in range(size))
 
 
+def test_tp3_threads_match_tp1_in_fp32(tp1_tokens: list[list[int]]) -> None:
+    """TP=3, which SmolLM2-135M needs and the old 4-KV-head tiny model could not split."""
+    results = threaded_tp_tokens(3)
+    assert sorted(results) == [0, 1, 2]
+    assert all(results[r] == tp1_tokens for r in range(3))
+    assert all(len(t) == PARAMS.max_new_tokens for t in tp1_tokens)
+
+
 def test_shards_partition_the_weights() -> None:
     config = tiny_config()
     state = random_state_dict(config)
