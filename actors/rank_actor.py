@@ -22,6 +22,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtier.actors.step_wire import StepReport, encode_output, encode_report
+from kvtier.backends.base import StorageBackend
 from kvtier.config import HiCacheConfig
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.engine import Engine
@@ -34,6 +35,7 @@ from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.page_store import open_rank_backend
+from kvtier.tiers.storage_types import PageDirectoryClient
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +155,23 @@ class RankCache:
                               f"model, tenant salt and layout fingerprint (describe())")
         if cache.storage is not None:
             raise ConfigError("an L3 backend is attached already; detach it first")
-        cache.directory = None if l3_actor is None else _directory_client(l3_actor)
-        backend = open_rank_backend(info, self.rank)
+        cache.directory = None if l3_actor is None else self._directory(l3_actor)
+        backend = self._open_backend(info)
         try:
             cache.attach_storage(backend)
         except BaseException:
             backend.close()
             raise
         return backend.kind.value
+
+    def _open_backend(self, info: NamespaceInfo) -> StorageBackend:
+        """This rank's client of the namespace's storage (a subclass may wrap it)."""
+        return open_rank_backend(info, self.rank)
+
+    def _directory(self, l3_actor: str) -> PageDirectoryClient:
+        """This rank's client of the namespace actor's page directory (a subclass may wrap
+        it)."""
+        return _directory_client(l3_actor)
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams) -> int:
@@ -265,6 +276,12 @@ class RankCache:
                          cache.free_device_pages, cache.device_pages,
                          cache.counters.device_hit_tokens, self.step_s,
                          tuple(agr.times_s) if agr else ())
+
+    def audit(self) -> dict[str, int]:
+        """What this rank's cache holds outside its tree (all zero when nothing leaked), after
+        copies in flight and L3 backups have settled."""
+        self.quiesce()
+        return self.engine.cache.audit()._asdict()
 
     def drop_cache(self) -> int:
         """Evict every unlocked page of L1 and L2 on this rank only; L1 pages free after."""

@@ -2,8 +2,9 @@
 bounded in time and count; every answer is checked, and the pools must come back clean.
 
     kvtier bench soak --minutes 2 --json
+    kvtier bench soak --tp 3 --instances 2 --l3 file --minutes 3 --json   (bench.actor_soak)
 
-One engine (the tiny model by default: random weights, fast enough that the cache, not the
+Without --tp/--instances: one engine (the tiny model by default: random weights, fast enough that the cache, not the
 model, is what runs) over L1, L2 and a `file` L3 behind `FaultyBackend`. Traffic mixes a
 shared system prompt, questions about a few documents, and prompts with no reuse; a share of
 requests is aborted at a random step; every `--fault-every` seconds one fault is armed (an
@@ -193,6 +194,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=100_000)
     p.add_argument("--fault-every", type=float, default=2.0, help="seconds between faults")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=None,
+                   help="run on the actor system: TP ranks per instance (tiny: 1, 2, 3, 6)")
+    p.add_argument("--instances", type=int, default=None,
+                   help="run on the actor system: instances sharing one L3 namespace")
+    p.add_argument("--l3", choices=("file", "mooncake", "nixl"), default="file",
+                   help="the shared L3 backend (actor system)")
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                   help="the model the ranks run (actor system)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -200,9 +209,27 @@ def main(ns: argparse.Namespace) -> int:
     if not 0 < ns.minutes <= 24 * 60:
         from kvtier.errors import ConfigError
         raise ConfigError(f"--minutes must be in (0, 1440], got {ns.minutes}")
+    if ns.tp is not None or ns.instances is not None:
+        return _main_on_actors(ns)
     result = run(SoakParams(seconds=60 * ns.minutes, max_requests=ns.max_requests,
                             fault_every_s=ns.fault_every, seed=ns.seed))
     print(json.dumps({"benchmark": "soak", **result.to_json()}))
     clean = (result.wrong == 0 and result.leaked_pages == 0 and result.leaked_locks == 0
              and result.answered + result.aborted == result.sent)
     return 0 if clean else 1
+
+
+def _main_on_actors(ns: argparse.Namespace) -> int:
+    from kvtier.bench import actor_soak
+    from kvtier.errors import ConfigError
+
+    tp, instances = ns.tp or 1, ns.instances or 1
+    if not 1 <= tp <= 8 or not 1 <= instances <= 8:
+        raise ConfigError(f"--tp and --instances must be 1..8, got {tp} and {instances}")
+    params = actor_soak.ActorSoakParams(
+        tp=tp, instances=instances, l3=ns.l3, model=ns.model, seconds=60 * ns.minutes,
+        max_requests=ns.max_requests, fault_every_s=ns.fault_every, seed=ns.seed)
+    result = actor_soak.run(params)
+    print(json.dumps({"benchmark": "soak", "tp": tp, "instances": instances, "l3": ns.l3,
+                      "model": ns.model, **result._asdict()}))
+    return 0 if result.clean else 1

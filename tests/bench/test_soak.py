@@ -22,3 +22,19 @@ def test_a_short_soak_answers_everything_correctly_and_leaks_nothing():
 def test_soak_cli_parses():
     ns = cli.build_parser().parse_args(["bench", "soak", "--minutes", "0.5", "--json"])
     assert (ns.minutes, ns.json) == (0.5, True)
+
+
+def test_a_short_soak_on_the_actor_system_at_tp3_with_two_instances(capsys):
+    """`kvtier bench soak --tp 3 --instances 2 --model tiny`: two TP=3 instances share a file
+    L3 under faults (L3 errors, hangs, torn and partial reads, corrupt objects, one rank's
+    lookups failing, a rank killed, the namespace actor killed); every answer is the cold one,
+    nothing hangs, nothing leaks on any rank."""
+    rc = cli.main(["bench", "soak", "--tp", "3", "--instances", "2", "--model", "tiny",
+                   "--minutes", "0.25", "--fault-every", "1.0", "--seed", "5", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, result
+    assert result["sent"] > 0 and result["faults_injected"] >= 5
+    assert result["answered"] + result["aborted"] == result["sent"]
+    assert result["wrong"] == 0 and result["hangs"] == 0
+    assert result["leaked_pages"] == 0 and result["leaked_locks"] == 0
+    assert {"divergences", "rank_restarts", "faults_hit"} <= set(result)

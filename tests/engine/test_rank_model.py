@@ -1,0 +1,240 @@
+"""An in-process model of TP=3 ranks: each rank a thread with its own model shard, its own
+HierarchicalCache and its own L3 backend, one MIN collective per step between the threads.
+
+Hypothesis drives random request streams over shared prefixes with rank-local faults (one rank
+drops its L1/L2, one rank's L3 lookups fail, one rank refuses an allocation). After every step
+every rank must hold the same requests in the same states with the same agreed hit lengths;
+every answer must equal the cold answer; at the end no rank leaks a page or a lock.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.backends.base import StorageTarget
+from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
+from kvtier.backends.registry import create_backend
+from kvtier.config import HiCacheConfig
+from kvtier.engine import Engine, SamplingParams, TensorParallel, load_tiny_model
+from kvtier.engine.agreement import AgreementError, pack, unpack
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+SIZE = 3
+PAGE = 16
+PARAMS = SamplingParams(max_new_tokens=3)
+WAIT_S = 60.0  # hang guard only
+PREFIXES = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            for n in (40, 70)]
+SUFFIXES = [[7], [9, 9, 3], list(range(20, 40))]
+
+
+class ThreadCollective:
+    """Sum (the model's all-reduce) and MIN (the agreement) over `size` threads, rank order."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=WAIT_S)
+        self.parts: list[torch.Tensor | None] = [None] * size
+        self.rounds = 0
+
+    def _gather(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.parts[rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.parts)
+        self.barrier.wait()  # nobody overwrites a part before all have read
+        return parts
+
+    def reduce_for(self, rank: int):
+        def reduce(x: torch.Tensor) -> None:
+            parts = self._gather(rank, x)
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+        return reduce
+
+    def agree_for(self, rank: int):
+        def agree(payload):
+            parts = self._gather(rank, pack(payload))
+            if rank == 0:
+                self.rounds += 1
+            agreed = unpack(torch.stack(parts).min(dim=0).values, payload.num_slots)
+            if not agreed.consistent:
+                raise AgreementError("the ranks packed different waiting queues")
+            return agreed
+        return agree
+
+
+def _config() -> HiCacheConfig:
+    return HiCacheConfig.from_dict({
+        "page_size": PAGE, "hicache_ratio": 3.0, "load_back_threshold_tokens": PAGE,
+        "prefetch_policy": "wait_complete", "prefetch_threshold_tokens": PAGE,
+        "storage_batch_pages": 2})
+
+
+class Ranks:
+    """SIZE engines in lockstep over one thread collective."""
+
+    def __init__(self, device_pages: int = 24) -> None:
+        self.coll = ThreadCollective(SIZE)
+        self.engines: list[Engine] = []
+        self.backends: list[FaultyBackend] = []
+        self.refusals = [0] * SIZE
+        for rank in range(SIZE):
+            tp = TensorParallel(rank, SIZE, reduce_fn=self.coll.reduce_for(rank))
+            model = load_tiny_model(torch.float32, "cpu", tp=tp)
+            cache = HierarchicalCache(_config(), model.kv_spec(PAGE), device_pages,
+                                      device="cpu", model="tiny", tp_rank=rank, tp_size=SIZE)
+            backend = FaultyBackend(create_backend(
+                "simulated", StorageTarget(cache.namespace, rank, SIZE), {"seed": rank}),
+                seed=rank)
+            cache.attach_storage(backend)
+            self._gate_allocations(cache, rank)
+            engine = Engine(model, cache, PAGE, owns_cache=True)
+            engine.scheduler.agree = self.coll.agree_for(rank)
+            self.engines.append(engine)
+            self.backends.append(backend)
+
+    def _gate_allocations(self, cache: HierarchicalCache, rank: int) -> None:
+        real = cache.allocate
+
+        def allocate(num_pages: int):
+            if self.refusals[rank] > 0:
+                self.refusals[rank] -= 1
+                return None
+            return real(num_pages)
+
+        cache.allocate = allocate  # a rank-local out-of-memory, on request
+
+    def add(self, tokens: list[int]) -> int:
+        ids = {engine.add_request(tokens, PARAMS) for engine in self.engines}
+        assert len(ids) == 1
+        return ids.pop()
+
+    def step(self) -> list:
+        results: list = [None] * SIZE
+        errors: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            try:
+                results[rank] = self.engines[rank].step()
+            except BaseException as exc:  # surfaced below; a dead rank would hang the others
+                errors.append(exc)
+                self.coll.barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(SIZE)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        if errors:
+            raise errors[0]
+        return results
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+def _state(engine: Engine) -> tuple:
+    """What must be identical on every rank after a step."""
+    sched = engine.scheduler
+    running = tuple((r.id, r.state.name, r.pos, r.num_shared, tuple(r.output))
+                    for r in sched.running)
+    return running, tuple(r.id for r in sched.waiting)
+
+
+_COLD: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def cold_answer(tokens: list[int]) -> tuple[int, ...]:
+    """The answer of fresh ranks with nothing cached (same TP=3 arithmetic)."""
+    key = tuple(tokens)
+    if key not in _COLD:
+        ranks = Ranks(device_pages=32)
+        try:
+            req = ranks.add(tokens)
+            for _ in range(200):
+                for out in ranks.step()[0]:
+                    if out.request_id == req:
+                        _COLD[key] = out.tokens
+                if key in _COLD:
+                    break
+        finally:
+            ranks.close()
+    return _COLD[key]
+
+
+FAULTS = st.sampled_from(["none", "none", "drop", "lookup_fails", "refuse"])
+STREAM = st.lists(st.tuples(st.integers(0, len(PREFIXES) - 1),
+                            st.integers(0, len(SUFFIXES) - 1),
+                            st.integers(0, 2),  # steps before the next request
+                            FAULTS, st.integers(0, SIZE - 1)),
+                  min_size=2, max_size=7)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(STREAM)
+def test_ranks_stay_in_step_under_rank_local_faults(stream):
+    ranks = Ranks()
+    prompts: dict[int, list[int]] = {}
+    answers: dict[int, tuple[int, ...]] = {}
+    try:
+        plan = list(stream)
+        for _ in range(400):
+            if plan:
+                prefix, suffix, pause, fault, rank = plan[0]
+                if pause == 0:
+                    plan.pop(0)
+                    tokens = PREFIXES[prefix] + SUFFIXES[suffix]
+                    prompts[ranks.add(tokens)] = tokens
+                    _inject(ranks, fault, rank)
+                else:
+                    plan[0] = (prefix, suffix, pause - 1, fault, rank)
+            results = ranks.step()
+            states = [_state(engine) for engine in ranks.engines]
+            assert all(s == states[0] for s in states), f"ranks diverged: {states}"
+            finished = [[(o.request_id, o.tokens) for o in res] for res in results]
+            assert all(f == finished[0] for f in finished)
+            answers.update(dict(finished[0]))
+            if not plan and not any(e.has_unfinished for e in ranks.engines):
+                break
+        assert set(answers) == set(prompts), "every request is answered"
+        for req_id, tokens in prompts.items():
+            assert answers[req_id] == cold_answer(tokens), f"request {req_id}: wrong answer"
+        for rank, engine in enumerate(ranks.engines):
+            ranks.backends[rank].release()
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            audit = engine.cache.audit()
+            assert audit.leaked_pages == 0 and audit.leaked_locks == 0, (rank, audit)
+            assert audit.open_prefetches == 0, (rank, audit)
+    finally:
+        ranks.close()
+
+
+def _inject(ranks: Ranks, fault: str, rank: int) -> None:
+    if fault == "drop":
+        ranks.engines[rank].cache.drop_unlocked()  # this rank forgets L1 and L2; L3 stays
+    elif fault == "lookup_fails":
+        ranks.backends[rank].inject(StorageOp.EXISTS, FaultKind.ERROR, times=2)
+    elif fault == "refuse":
+        ranks.refusals[rank] += 1
+
+
+def test_the_model_catches_a_rank_that_skips_a_request():
+    """The header check: a rank whose waiting queue lacks a request stops every rank at once."""
+    ranks = Ranks()
+    try:
+        tokens = PREFIXES[0] + SUFFIXES[0]
+        for engine in ranks.engines[:2]:
+            engine.add_request(tokens, PARAMS)
+        with pytest.raises(AgreementError):
+            ranks.step()
+    finally:
+        ranks.close()
