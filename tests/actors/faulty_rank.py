@@ -12,18 +12,54 @@ import sys
 
 import ray.cloudpickle
 
-from kvtier.actors.rank_actor import RankCache
+from kvtier.bench.soak_rank import FlakyDirectory, SoakRankCache
+from kvtier.messages import LookupResult
 
 log = logging.getLogger(__name__)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class FaultyRankCache(RankCache):
-    """RankCache plus `crash_after` and `refuse_allocations`."""
+class LateDirectory(FlakyDirectory):
+    """A directory client whose next `hide` lookups see nothing published yet, as when the
+    pages are published between this rank's lookup and another rank's."""
+
+    hide = 0
+
+    def lookup(self, ns, hashes, lease_ttl_s: float = 0.0):
+        if self.hide > 0:
+            self.hide -= 1
+            return LookupResult(ns, 0, "")
+        return super().lookup(ns, hashes, lease_ttl_s)
+
+
+class FaultyRankCache(SoakRankCache):
+    """The soak's rank (L3 and directory faults) plus `crash_after`, `refuse_allocations`,
+    `publish_late` and `hold_host_pages`."""
 
     _crash_at: int | None = None
     _refusals: int = 0
+    _held: list | None = None
+
+    def _directory(self, l3_actor: str):
+        self._flaky = LateDirectory(super(SoakRankCache, self)._directory(l3_actor))
+        return self._flaky
+
+    def publish_late(self, lookups: int) -> None:
+        """This rank's next `lookups` directory lookups happen before the pages' publication."""
+        self._flaky.hide += lookups
+
+    def hold_host_pages(self, keep_free: int) -> int:
+        """Take this rank's free L2 pages but `keep_free` (no room for its prefetches);
+        `release_host_pages` gives them back. Returns how many are held."""
+        alloc = self.engine.cache.host_pool.allocator
+        self._held = (self._held or []) + (alloc.alloc(max(0, alloc.num_free - keep_free)) or [])
+        return len(self._held)
+
+    def release_host_pages(self) -> None:
+        if self._held:
+            self.engine.cache.host_pool.allocator.free(self._held)
+        self._held = None
 
     def crash_after(self, steps: int) -> None:
         """Kill this rank's process at the start of its `steps`-th next step (it dies with

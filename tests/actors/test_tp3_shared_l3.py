@@ -1,0 +1,133 @@
+"""TP=3 on Ray with a shared L3: instance A writes documents, instance B reads them while one
+of its ranks sees something the others do not. Each case: B's answers equal the cold answers,
+nothing hangs (bounded by the module's timeout), no rank of any instance leaks a page or lock.
+
+The rank-local faults (through `FaultyRankCache`):
+- one rank's directory lookups fail (the page is a miss there, a hit elsewhere);
+- the directory publishes the pages between one rank's lookup and the others' (deterministic:
+  that rank's lookups are answered as before the publication);
+- one rank is short of L2 room (its prefetch cannot start, the others' can).
+"""
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+import torch
+from faulty_rank import FaultyRankCache
+
+from kvtier.actors.instance import Instance
+from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.rank_actor import RankSettings
+from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray
+from kvtier.config import HiCacheConfig
+from kvtier.demo import namespace_spec
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.tp_worker import TinyWeights
+
+PAGE = 16
+TP = 3
+GREEDY = SamplingParams(max_new_tokens=4)
+SOURCE = TinyWeights(seed=21)
+CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",
+                       prefetch_threshold_tokens=PAGE, load_back_threshold_tokens=PAGE)
+SETTINGS = RankSettings(SOURCE, CONFIG, device_pages=40, dtype=torch.float32, chunk_tokens=PAGE,
+                        timeout_s=60.0)
+PER_RANK_CPUS = 0.2
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 256) for _ in range(n)]
+
+
+DOCS = [_tokens(100 + i, 5 * PAGE) for i in range(3)]
+
+
+def _prompts(case: int) -> list[list[int]]:
+    """Questions about the documents (A asks one, B another)."""
+    return [doc + _tokens(1000 * case + i, 7) for i, doc in enumerate(DOCS)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp3")
+    start_local_ray(num_cpus=2)
+    name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
+    client = get_or_create_namespace_actor(name, str(tmp / "state"))
+    instances = []
+    try:
+        spec = namespace_spec(SOURCE, CONFIG, "file", str(tmp / "l3"), "tiny",
+                              f"t-{uuid.uuid4().hex[:6]}", dtype=torch.float32, page_size=PAGE,
+                              tp_size=TP)
+        info = client.register(spec)
+        for l3, cls in ((None, FaultyRankCache), (info, FaultyRankCache),
+                        (info, FaultyRankCache)):
+            instances.append(Instance(SETTINGS._replace(l3=l3, l3_actor=name if l3 else None),
+                                      tp_size=TP, num_cpus_per_rank=PER_RANK_CPUS,
+                                      ready_timeout_s=120.0, step_timeout_s=60.0,
+                                      rank_class=cls))
+        yield instances  # cold, A, B
+    finally:
+        for inst in instances:
+            inst.close()
+        client.shutdown()
+        shutdown_local_ray()
+
+
+def _cold(cold: Instance, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    out = []
+    for prompt in prompts:
+        cold.drop_cache()
+        out.append(cold.generate([prompt], GREEDY)[0].tokens)
+    return out
+
+
+def _no_leaks(*instances: Instance) -> None:
+    for inst in instances:
+        for rank in range(TP):
+            audit = inst.rank_call(rank, "audit")
+            assert audit["stray_device_pages"] == audit["stray_host_pages"] == 0, audit
+            assert audit["locked_nodes"] == audit["protected_nodes"] == 0, audit
+            assert audit["open_prefetches"] == 0, audit
+
+
+def _case(cluster, case: int, fault, undo=lambda b: None) -> list:
+    cold, a, b = cluster
+    a_prompts, b_prompts = _prompts(case), _prompts(case + 50)
+    expected = _cold(cold, b_prompts)
+    a.generate(a_prompts, GREEDY)  # A writes the documents (and publishes them)
+    a.quiesce()
+    b.drop_cache()  # B's L1 and L2 are empty: the documents can only come from L3
+    fault(b)
+    try:
+        outs = [b.generate([p], GREEDY)[0] for p in b_prompts]
+    finally:
+        undo(b)
+    assert [o.tokens for o in outs] == expected
+    b.quiesce()
+    _no_leaks(a, b)
+    return outs
+
+
+def test_one_ranks_lookups_fail(cluster):
+    _case(cluster, 1, lambda b: b.rank_call(1, "fail_lookups", len(DOCS)),
+          lambda b: b.rank_call(1, "release_hangs"))
+
+
+def test_pages_published_between_two_ranks_lookups(cluster):
+    _case(cluster, 2, lambda b: b.rank_call(0, "publish_late", len(DOCS)))
+
+
+def test_one_rank_short_of_host_room(cluster):
+    _case(cluster, 3, lambda b: b.rank_call(2, "hold_host_pages", 0),
+          lambda b: b.rank_call(2, "release_host_pages"))
+
+
+def test_without_faults_b_hits_what_a_wrote(cluster):
+    """The control: with no fault, B's requests come from L3."""
+    outs = _case(cluster, 4, lambda b: None)
+    assert all(o.cached.storage > 0 for o in outs)
