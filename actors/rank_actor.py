@@ -84,6 +84,7 @@ class CacheDescription(NamedTuple):
     device_pages: int
     host_pages: int
     storage_backend: str | None
+    page_bytes: int = 0  # one page over every TP rank and part (a namespace's byte quota)
 
 
 class RankCache:
@@ -235,7 +236,8 @@ class RankCache:
         return CacheDescription(ns.model, ns.tenant_salt, ns.layout_fingerprint,
                                 cache.spec.page_size, cache.device_pages,
                                 cache.host_pool.num_pages,
-                                cache.storage.backend.kind.value if cache.storage else None)
+                                cache.storage.backend.kind.value if cache.storage else None,
+                                cache.spec.page_bytes * self.size)
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""

@@ -37,13 +37,13 @@ class ActorSoakParams(NamedTuple):
     tp: int = 3
     instances: int = 2
     l3: str = "file"
-    model: str = "tiny"
+    model: str = "smollm2"
     seconds: float = 60.0
     max_requests: int = 100_000
     fault_every_s: float = 2.0
     abort_share: float = 0.1
     in_flight: int = 4  # requests kept in flight per instance
-    deadline_s: float = 120.0  # a request unanswered after this is a hang
+    deadline_s: float = 180.0  # a request unanswered after this is a hang
     seed: int = 0
 
 
