@@ -81,9 +81,13 @@ def _model(name: str, seed: int) -> _Model:
     from kvtier.engine.engine import SMOLLM2_NAMESPACE
     from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
 
+    # fp32 for both: the soak checks the cache, and in bf16 a decode step's logits depend on
+    # which other sequences share its batch (measured: 16 of 40 SmolLM2 answers differed from
+    # a batch-of-one cold run from the second token on, cache or no cache); in fp32 batching
+    # moves only the last bits.
     if name == "tiny":
         return _Model(TinyWeights(seed=seed), 16, torch.float32, "tiny")
-    return _Model(SmolLM2Weights(), 64, torch.bfloat16, SMOLLM2_NAMESPACE)
+    return _Model(SmolLM2Weights(), 64, torch.float32, SMOLLM2_NAMESPACE)
 
 
 def _prompts(rng: random.Random, page: int, vocab: int) -> list[tuple[int, ...]]:
@@ -133,7 +137,7 @@ class _Soak:
                 settings._replace(l3=info, l3_actor=self.actor_name), tp_size=params.tp,
                 num_cpus_per_rank=per_rank, step_timeout_s=60.0, rank_class=SoakRankCache))
         self.flights: list[dict[int, _Flight]] = [{} for _ in self.instances]
-        self.tally = dict(sent=0, answered=0, aborted=0, wrong=0, hangs=0, injected=0,
+        self.tally = dict(sent=0, answered=0, aborted=0, wrong=0, hangs=0, injected=0, hit=0,
                           storage_hit_tokens=0)
         self.releases: list[tuple[float, int, int]] = []  # (when, instance, rank)
 
@@ -243,6 +247,7 @@ class _Soak:
         elif kind == "corrupt":
             armed = self._corrupt()
         elif kind == "kill_rank":
+            self._count_hits(inst)  # a replaced rank's counters go with it
             inst.kill_rank(rank)
             armed = True
         elif kind == "kill_namespace":
@@ -274,6 +279,14 @@ class _Soak:
             return False
         return True
 
+    def _count_hits(self, inst: Any) -> None:
+        """Add the faults `inst`'s ranks have hit so far to the tally (and reset them)."""
+        for rank in range(self.params.tp):
+            try:
+                self.tally["hit"] += inst.rank_call(rank, "take_faults_hit")
+            except Exception as exc:  # noqa: BLE001 - a dead rank's count is lost
+                log.info("counting faults on rank %d: %s", rank, exc)
+
     def _release_due(self, now: float) -> None:
         due = [r for r in self.releases if r[0] <= now]
         self.releases = [r for r in self.releases if r[0] > now]
@@ -285,20 +298,20 @@ class _Soak:
 
     # ---- the end ---------------------------------------------------------------------------
     def _result(self, duration_s: float) -> ActorSoakResult:
-        leaked_pages = leaked_locks = hit = 0
+        leaked_pages = leaked_locks = 0
         for inst in self.instances:
+            self._count_hits(inst)
             for rank in range(self.params.tp):
                 inst.rank_call(rank, "release_hangs")
                 audit = inst.rank_call(rank, "audit")
                 leaked_pages += (audit["stray_device_pages"] + audit["stray_host_pages"]
                                  + audit["orphaned_host_pages"])
                 leaked_locks += audit["locked_nodes"] + audit["protected_nodes"]
-                hit += inst.rank_call(rank, "faults_injected")
         t = self.tally
         return ActorSoakResult(
             t["sent"], t["answered"], t["aborted"], t["wrong"], t["hangs"],
             sum(i.divergences for i in self.instances), sum(i.restarts for i in self.instances),
-            leaked_pages, leaked_locks, t["injected"], hit, t["storage_hit_tokens"],
+            leaked_pages, leaked_locks, t["injected"], t["hit"], t["storage_hit_tokens"],
             round(duration_s, 2))
 
     def close(self) -> None:

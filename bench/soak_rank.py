@@ -43,6 +43,7 @@ class SoakRankCache(RankCache):
 
     _faulty: FaultyBackend | None = None
     _flaky: FlakyDirectory | None = None
+    _reported_hits = 0
 
     def _open_backend(self, info: NamespaceInfo) -> StorageBackend:
         self._faulty = FaultyBackend(super()._open_backend(info), seed=self.rank)
@@ -73,6 +74,9 @@ class SoakRankCache(RankCache):
         if self._flaky is not None:
             self._flaky.fail_lookups = 0
 
-    def faults_injected(self) -> int:
-        backend = self._faulty.faults.total if self._faulty is not None else 0
-        return backend + (self._flaky.injected if self._flaky is not None else 0)
+    def take_faults_hit(self) -> int:
+        """Calls that met an armed fault since the last call (this rank process only)."""
+        total = (self._faulty.faults.total if self._faulty is not None else 0) \
+            + (self._flaky.injected if self._flaky is not None else 0)
+        new, self._reported_hits = total - self._reported_hits, total
+        return new
