@@ -120,7 +120,11 @@ class Instance:
 
     def _start_ranks(self) -> None:
         init_method = loopback_init_method()
-        self.ranks = [create_rank_actor(r, self.size, init_method, self._settings, self._pg,
+        s = self._settings
+        if s.l3 is not None:  # the namespace as it is now (a restarted master moved it)
+            info = _current_info(s.l3.to_msgpack(), s.l3_actor)
+            self._settings = s = s._replace(l3=NamespaceInfo.from_msgpack(info))
+        self.ranks = [create_rank_actor(r, self.size, init_method, s, self._pg,
                                         self._num_cpus, self._rank_class)
                       for r in range(self.size)]
         self._get([a.has_unfinished.remote() for a in self.ranks], self.ready_timeout_s,

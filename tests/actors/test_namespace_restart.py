@@ -100,3 +100,37 @@ def test_instances_keep_serving_through_a_namespace_actor_restart(tmp_path, refe
             inst.close()
         client.shutdown()
         shutdown_local_ray()
+
+
+def test_ranks_replaced_after_the_mooncake_master_moved_attach_where_it_is_now(tmp_path,
+                                                                               reference):
+    """The namespace actor dies and its new incarnation starts a new Mooncake master on a new
+    port (a new epoch); a rank killed afterwards is replaced with ranks that open the namespace
+    as it is now. The soak found this: the replacements opened the old address, failed to
+    start, and the instance gave up."""
+    start_local_ray(num_cpus=2)
+    name = f"kvtier-l3-moved-{uuid.uuid4().hex[:6]}"
+    client = get_or_create_namespace_actor(name, str(tmp_path / "state"))
+    inst = None
+    try:
+        info = client.register(namespace_spec(SETTINGS.source, CONFIG, "mooncake", "", "tiny",
+                                              "moved", dtype=SETTINGS.dtype, page_size=PAGE))
+        inst = Instance(SETTINGS._replace(l3=info, l3_actor=name), tp_size=1,
+                        ready_timeout_s=90, step_timeout_s=30, max_restarts=1)
+        assert inst.generate([PROMPTS[0]], GREEDY)[0].tokens == reference[0]
+        before = client.ping()
+        client.kill()
+        deadline = time.monotonic() + 60
+        while client.wait_ready(timeout_s=60) == before:
+            assert time.monotonic() < deadline, "the namespace actor did not come back"
+            time.sleep(0.1)
+        moved = client.info(info.namespace)
+        assert moved.epoch > info.epoch and moved.options != info.options
+        inst.kill_rank(0)
+        assert inst.generate([PROMPTS[1]], GREEDY)[0].tokens == reference[1]
+        assert inst.restarts == 1
+    finally:
+        if inst is not None:
+            inst.close()
+        client.shutdown()
+        shutdown_local_ray()
