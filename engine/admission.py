@@ -28,7 +28,7 @@ import dataclasses
 import logging
 from typing import NamedTuple, Sequence
 
-from kvtier.engine.agreement import (AGREEMENT_SLOTS, SLOT_FAILED, SLOT_RESERVED,
+from kvtier.engine.agreement import (AGREEMENT_SLOTS, NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
                                      SLOT_SKIPPED, Agree, AgreementPayload, ids_digest,
                                      local_agree)
 from kvtier.engine.request import CachedTokens, Request, RequestState, pages_for
@@ -80,7 +80,8 @@ class AdmissionResult(NamedTuple):
 
     admitted: tuple[Admitted, ...]  # in commit order; still in the waiting queue
     refused: tuple[Request, ...]    # to finish with NO_MEMORY; still in the waiting queue
-    ready: frozenset[int]           # request ids whose L3 prefetch every rank finished
+    ready: dict[int, int]           # request id -> prompt page up to which its finished L3
+    #                                 prefetch is taken (the MIN every rank landed)
     decode_short: bool              # some rank lacks a decoding sequence's page
     terminate: bool                 # some rank asked to stop: abort every request
 
@@ -119,8 +120,8 @@ class Admission:
         slots = list(waiting[:AGREEMENT_SLOTS] if self.agree else waiting)
         held = self._reserve(slots, busy, budget)
         agreed = (self.agree or local_agree)(self._payload(slots, held, terminate, decode_short))
-        ready = frozenset(r.id for r, ok in zip(slots, agreed.ready)
-                          if ok and r.ticket is not None)
+        ready = {r.id: pages for r, ok, pages in zip(slots, agreed.ready, agreed.fetched)
+                 if ok and r.ticket is not None}
         if agreed.terminate:
             for res in held:
                 if res is not None and not res.released:
@@ -206,6 +207,8 @@ class Admission:
             ready=tuple(int(r.ticket is None or self.cache.prefetch_ready(r.ticket))
                         for r in slots),
             waiting=tuple(int(r.ticket is not None) for r in slots),
+            fetched=tuple(NO_TICKET if r.ticket is None
+                          else r.ticket.start_page + r.ticket.done_pages for r in slots),
             count=len(slots), ids=ids_digest([r.id for r in slots]),
             terminate=int(terminate), decode_short=int(decode_short))
 

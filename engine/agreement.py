@@ -34,7 +34,8 @@ from kvtier.errors import KvtierError
 log = logging.getLogger(__name__)
 
 AGREEMENT_SLOTS = 32  # waiting requests considered per step; later ones wait their turn
-_FIELDS = 6  # per slot: usable, ok, need, loaded, ready, waiting
+_FIELDS = 7  # per slot: usable, ok, need, loaded, ready, waiting, fetched
+NO_TICKET = 1 << 40  # `fetched` of a rank with no prefetch: never the MIN
 _HEADER = 6  # count, -count, ids hash, -ids hash, -terminate, -decode_short
 
 
@@ -59,6 +60,9 @@ class AgreementPayload:
       loaded[i]  MAX  L2->L1 load-back tokens the rank's lookup started (budget accounting)
       ready[i]   MIN  1 when the rank has no L3 prefetch for it, or may finalize it now
       waiting[i] MAX  1 when the rank still holds an L3 prefetch ticket for it
+      fetched[i] MIN  the prompt page its prefetch has landed up to on the rank (its start
+                      page + pages landed; NO_TICKET: none): when the prefetch is finalized,
+                      every rank with a ticket inserts L3 pages up to that page only
     Header:
       count      MIN and MAX  waiting requests packed (a difference: the queues differ)
       ids        MIN and MAX  `ids_digest` of their request ids
@@ -73,6 +77,7 @@ class AgreementPayload:
     loaded: tuple[int, ...] = ()
     ready: tuple[int, ...] = ()
     waiting: tuple[int, ...] = ()
+    fetched: tuple[int, ...] = ()
     count: int = 0
     ids: int = 0
     terminate: int = 0
@@ -82,7 +87,10 @@ class AgreementPayload:
 
     def __post_init__(self) -> None:
         n = len(self.usable)
-        lengths = [len(getattr(self, f)) for f in ("ok", "need", "loaded", "ready", "waiting")]
+        if not self.fetched and n:  # a payload without prefetches: nothing fetched anywhere
+            object.__setattr__(self, "fetched", (NO_TICKET,) * n)
+        lengths = [len(getattr(self, f))
+                   for f in ("ok", "need", "loaded", "ready", "waiting", "fetched")]
         if any(k != n for k in lengths):
             raise AgreementError(f"admission fields have lengths {[n, *lengths]}; give one "
                                  "entry per slot in each")
@@ -118,7 +126,8 @@ def pack(p: AgreementPayload, slots: int = AGREEMENT_SLOTS) -> torch.Tensor:
     pad = slots - p.num_slots
     values = [p.count, -p.count, p.ids, -p.ids, -p.terminate, -p.decode_short]
     for field, sign, fill in (("usable", 1, 0), ("ok", 1, SLOT_SKIPPED), ("need", -1, 0),
-                              ("loaded", -1, 0), ("ready", 1, 1), ("waiting", -1, 0)):
+                              ("loaded", -1, 0), ("ready", 1, 1), ("waiting", -1, 0),
+                              ("fetched", 1, NO_TICKET)):
         values += [sign * x for x in getattr(p, field)] + [sign * fill] * pad
     return torch.tensor(values, dtype=torch.int64)
 
@@ -132,9 +141,10 @@ def unpack(t: torch.Tensor, num_slots: int) -> AgreementPayload:
                              "slots: the ranks packed different shapes")
     body = v[_HEADER:]
     cols = [body[k * slots:k * slots + num_slots] for k in range(_FIELDS)]
-    usable, ok, need, loaded, ready, waiting = cols
+    usable, ok, need, loaded, ready, waiting, fetched = cols
     return AgreementPayload(tuple(usable), tuple(ok), tuple(-x for x in need),
                             tuple(-x for x in loaded), tuple(ready), tuple(-x for x in waiting),
+                            tuple(fetched),
                             count=v[0], ids=v[2], terminate=-v[4], decode_short=-v[5],
                             count_max=-v[1], ids_max=-v[3])
 

@@ -76,7 +76,8 @@ class Scheduler:
         self.last_step = StepStats(0, 0, 0, 0, 0, 0)
         self._preempted = 0
         self.terminate_requested = False  # set locally; the agreed flag aborts everything
-        self._agreed_ready: frozenset[int] = frozenset()  # ids whose prefetch all ranks finished
+        self._agreed_ready: dict[int, int] = {}  # id -> prompt page up to which every rank's
+        # finished prefetch landed (the MIN): what each rank takes from it
         self._decode_short = False  # this step, a rank could not give a decoding sequence a page
 
     # Admission holds these; they stay readable (and `agree` settable: a rank actor sets it
@@ -150,11 +151,16 @@ class Scheduler:
 
     # ---- waiting ---------------------------------------------------------------------------
     def _finalize_prefetches(self) -> None:
-        agreed, self._agreed_ready = self._agreed_ready, frozenset()
+        agreed, self._agreed_ready = self._agreed_ready, {}
         for req in self.waiting:
             if req.ticket is None:
                 continue
-            if req.id in agreed if self.agree else self.cache.prefetch_ready(req.ticket):
+            if self.agree is not None:
+                if req.id in agreed:  # every rank takes the pages all of them landed
+                    pages = max(0, agreed[req.id] - req.ticket.start_page)
+                    req.storage_hit = self.cache.finish_prefetch(req.ticket, pages)
+                    req.ticket = None
+            elif self.cache.prefetch_ready(req.ticket):
                 req.storage_hit = self.cache.finish_prefetch(req.ticket)
                 req.ticket = None
 

@@ -363,11 +363,12 @@ class HierarchicalCache:
     def prefetch_ready(self, ticket: PrefetchTicket) -> bool:
         return ticket.finished or self.storage is None or self.storage.ready(ticket)
 
-    def finish_prefetch(self, ticket: PrefetchTicket) -> int:
-        """Insert what landed into L2; returns the storage hit length (tokens)."""
+    def finish_prefetch(self, ticket: PrefetchTicket, max_pages: int | None = None) -> int:
+        """Insert what landed into L2 (at most `max_pages` pages: what every TP rank landed);
+        returns the storage hit length (tokens)."""
         if ticket.finished or self.storage is None:
             return 0
-        return self.storage.finish(ticket)
+        return self.storage.finish(ticket, max_pages)
 
     def abort_prefetch(self, ticket: PrefetchTicket) -> None:
         if not ticket.finished and self.storage is not None:

@@ -164,13 +164,16 @@ class StorageTier:
         while not self.ready(ticket):
             ticket.op._settled.wait(poll_s)
 
-    def finish(self, ticket: PrefetchTicket) -> int:
-        """Stop the prefetch, insert what landed as L2-only nodes; returns tokens inserted."""
+    def finish(self, ticket: PrefetchTicket, max_pages: int | None = None) -> int:
+        """Stop the prefetch, insert what landed (at most `max_pages` pages: what every TP
+        rank landed) as L2-only nodes; returns tokens inserted."""
         settled = self._end(ticket)
         op = ticket.op
         if settled and op.state is OpState.DONE and op.missing_keys:
             self._report_missing(op.missing_keys)
         done = op.done_pages  # these pages are complete; a hung batch only touches later ones
+        if max_pages is not None:
+            done = max(0, min(done, max_pages))
         end_page = ticket.start_page + done
         landed = op.host_pages[:done]
         res = self.tree.insert_host(ticket.tokens[: end_page * self.page_size], landed,

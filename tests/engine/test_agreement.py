@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.engine.agreement import (AGREEMENT_SLOTS, SLOT_FAILED, SLOT_RESERVED, SLOT_SKIPPED,
-                                     AgreementError, AgreementPayload, ids_digest, local_agree,
-                                     pack, unpack)
+from kvtier.engine.agreement import (AGREEMENT_SLOTS, NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
+                                     SLOT_SKIPPED, AgreementError, AgreementPayload, ids_digest,
+                                     local_agree, pack, unpack)
 
 
 def payload(usable, ok, need, loaded, ready, waiting, ids=(1, 2), **kw) -> AgreementPayload:
@@ -65,3 +65,14 @@ def test_padding_never_changes_the_answer_and_overflow_is_refused():
 def test_decode_shortage_on_one_rank_reaches_all():
     short = AgreementPayload(decode_short=1)
     assert reduce_min(short, AgreementPayload()).decode_short == 1
+
+
+def test_every_rank_takes_the_pages_all_ranks_landed():
+    """`fetched` is a MIN over the ranks that prefetch; a rank without a ticket never lowers
+    it, and a slot nobody fetches for stays NO_TICKET."""
+    landed_3 = payload((0, 0), (SLOT_SKIPPED,) * 2, (0, 0), (0, 0), (1, 1), (1, 0))
+    landed_3 = AgreementPayload(**{**landed_3.__dict__, "fetched": (3, NO_TICKET)})
+    no_ticket = payload((0, 0), (SLOT_SKIPPED,) * 2, (0, 0), (0, 0), (1, 1), (0, 0))
+    landed_5 = AgreementPayload(**{**landed_3.__dict__, "fetched": (5, NO_TICKET)})
+    agreed = reduce_min(landed_3, no_ticket, landed_5)
+    assert agreed.fetched == (3, NO_TICKET) and agreed.waiting == (1, 0)
