@@ -10,38 +10,21 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
-import time
 
 import torch
 
 from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
-from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
+from kvtier.tiers.reference_kv import serve_reference
 
 
 def serve(cache: HierarchicalCache, tokens: list[int]) -> tuple:
     """One request: L3 prefetch, lookup (+ load-back), compute the rest, store it."""
-    spec = cache.spec
-    storage_hit = 0
-    ticket = cache.prefetch(tokens)
-    if ticket is not None:  # a scheduler would serve other requests while this waits
-        while not cache.prefetch_ready(ticket):
-            time.sleep(0.001)
-        storage_hit = cache.finish_prefetch(ticket)
-    lookup = cache.lookup(tokens)
-    total_pages = -(-len(tokens) // spec.page_size)
-    fresh = cache.allocate(total_pages - len(lookup.device_pages))
-    if fresh is None:
-        cache.abort(lookup)
+    done = serve_reference(cache, tokens)
+    if done is None:
         raise SystemExit("L1 is too small for this request; raise --device-pages")
-    for layer in range(spec.num_layers):  # what the model's forward does before attention
-        cache.wait_layer(layer)
-    cached_ok = prefix_kv_matches(cache.device_pool.kv, spec, tokens[: lookup.cached_len],
-                                  lookup.device_pages)
-    write_prefix_kv(cache.device_pool.kv, spec, tokens, fresh, first_page=len(lookup.device_pages))
-    cache.finish(lookup, tokens, lookup.device_pages + fresh)
-    return lookup.lengths(storage_hit), cached_ok
+    return done.lengths(), done.kv_ok
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ round trip proves that a hit returns exactly the bytes a recomputation would pro
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -40,3 +40,40 @@ def prefix_kv_matches(kv: torch.Tensor, spec: KVSpec, tokens: Sequence[int],
     hashes = page_hashes(tokens, spec.page_size)
     return all(torch.equal(kv[:, :, page].cpu(), page_kv(spec, h))
                for page, h in zip(pages, hashes))
+
+
+class ReferenceRequest(NamedTuple):
+    """What `serve_reference` did: the released lookup, the L3 hit and whether the KV the
+    cache handed back was the reference's (a hit must never be wrong KV)."""
+
+    lookup: Any  # CacheLookup
+    storage_hit: int  # tokens prefetched from L3
+    kv_ok: bool
+
+    def lengths(self):
+        return self.lookup.lengths(self.storage_hit)
+
+
+def serve_reference(cache: Any, tokens: Sequence[int]) -> ReferenceRequest | None:
+    """One request through a HierarchicalCache as a model would run it, with reference KV:
+    prefetch from L3 (waiting per the policy), look up and load back, check the KV handed
+    back, write the rest, store. None when L1 cannot hold the request (nothing is held)."""
+    storage_hit = 0
+    ticket = cache.prefetch(tokens)
+    if ticket is not None:  # a scheduler would serve other requests while this waits
+        while not cache.prefetch_ready(ticket):
+            ticket.op._settled.wait(0.001)
+        storage_hit = cache.finish_prefetch(ticket)
+    spec = cache.spec
+    lookup = cache.lookup(tokens)
+    fresh = cache.allocate(-(-len(tokens) // spec.page_size) - len(lookup.device_pages))
+    if fresh is None:
+        cache.abort(lookup)
+        return None
+    for layer in range(spec.num_layers):  # what the forward does before each attention
+        cache.wait_layer(layer)
+    kv_ok = prefix_kv_matches(cache.device_pool.kv, spec, tokens[: lookup.cached_len],
+                              lookup.device_pages)
+    write_prefix_kv(cache.device_pool.kv, spec, tokens, fresh, first_page=len(lookup.device_pages))
+    cache.finish(lookup, tokens, lookup.device_pages + fresh)
+    return ReferenceRequest(lookup, storage_hit, kv_ok)

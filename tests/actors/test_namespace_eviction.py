@@ -18,7 +18,7 @@ from kvtier.policies import PrefetchPolicy, StorageBackendKind, WritePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_store import open_rank_backend
-from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
+from kvtier.tiers.reference_kv import serve_reference
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
 FILE_PAGE_BYTES = 2 * object_bytes(SPEC.page_part_bytes)  # K and V objects of one page
@@ -37,23 +37,11 @@ def make_cache(directory, storage=None):
 
 def serve(cache, tokens) -> int:
     """Prefetch (wait), look up (the KV handed back is checked), compute, store; L3 hit."""
-    ticket = cache.prefetch(tokens)
-    hit = 0
-    if ticket is not None:
-        while not cache.prefetch_ready(ticket):
-            ticket.op._settled.wait(0.01)
-        hit = cache.finish_prefetch(ticket)
-    lookup = cache.lookup(tokens)
-    fresh = cache.allocate(-(-len(tokens) // 4) - len(lookup.device_pages))
-    for layer in range(SPEC.num_layers):
-        cache.wait_layer(layer)
-    assert prefix_kv_matches(cache.device_pool.kv, SPEC, tokens[: lookup.cached_len],
-                             lookup.device_pages)
-    write_prefix_kv(cache.device_pool.kv, SPEC, tokens, fresh, first_page=len(lookup.device_pages))
-    cache.finish(lookup, tokens, lookup.device_pages + fresh)
+    done = serve_reference(cache, tokens)
+    assert done.kv_ok, "a hit returned KV that differs from recompute"
     cache.flush()
     cache.storage.drain()  # backups landed and reported
-    return hit
+    return done.storage_hit
 
 
 def test_two_instances_share_a_quota_and_one_background_pass_evicts_from_both_places(tmp_path):

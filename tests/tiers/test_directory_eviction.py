@@ -21,7 +21,7 @@ from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_eviction import DeleteOutcome, run_pass
 from kvtier.tiers.page_store import open_rank_backend, rank_target
-from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
+from kvtier.tiers.reference_kv import serve_reference
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
 DOC = list(range(100, 140))  # 10 pages
@@ -168,21 +168,9 @@ def make_cache(directory, storage=None):
 def serve(cache, tokens) -> int:
     """Prefetch (wait), look up, compute the rest, store; the L3 hit in tokens. The KV the
     cache hands back is checked against the reference: a hit is never wrong KV."""
-    ticket = cache.prefetch(tokens)
-    storage_hit = 0
-    if ticket is not None:
-        while not cache.prefetch_ready(ticket):
-            ticket.op._settled.wait(0.01)
-        storage_hit = cache.finish_prefetch(ticket)
-    lookup = cache.lookup(tokens)
-    fresh = cache.allocate(-(-len(tokens) // 4) - len(lookup.device_pages))
-    for layer in range(SPEC.num_layers):
-        cache.wait_layer(layer)
-    assert prefix_kv_matches(cache.device_pool.kv, SPEC, tokens[: lookup.cached_len],
-                             lookup.device_pages)
-    write_prefix_kv(cache.device_pool.kv, SPEC, tokens, fresh, first_page=len(lookup.device_pages))
-    cache.finish(lookup, tokens, lookup.device_pages + fresh)
-    return storage_hit
+    done = serve_reference(cache, tokens)
+    assert done.kv_ok, "a hit returned KV that differs from recompute"
+    return done.storage_hit
 
 
 def settle(cache):

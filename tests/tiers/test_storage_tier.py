@@ -9,7 +9,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import HostMode, PrefetchPolicy, WritePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
-from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
+from kvtier.tiers.reference_kv import serve_reference
 from kvtier.tiers.storage_worker import OpState
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
@@ -27,20 +27,9 @@ def make(seed, policy=WritePolicy.WRITE_THROUGH, prefetch=PrefetchPolicy.WAIT_CO
 
 def serve(cache, tokens):
     """Prefetch (policy wait), lookup + load-back, compute the rest, store; five lengths."""
-    ticket = cache.prefetch(tokens)
-    storage_hit = 0
-    if ticket is not None:
-        while not cache.prefetch_ready(ticket):
-            ticket.op._settled.wait(0.01)
-        storage_hit = cache.finish_prefetch(ticket)
-    lookup = cache.lookup(tokens)
-    fresh = cache.allocate(-(-len(tokens) // 4) - len(lookup.device_pages))
-    for layer in range(SPEC.num_layers):
-        cache.wait_layer(layer)
-    assert prefix_kv_matches(cache.device_pool.kv, SPEC, tokens[: lookup.cached_len], lookup.device_pages)
-    write_prefix_kv(cache.device_pool.kv, SPEC, tokens, fresh, first_page=len(lookup.device_pages))
-    cache.finish(lookup, tokens, lookup.device_pages + fresh)
-    return lookup.lengths(storage_hit)
+    done = serve_reference(cache, tokens)
+    assert done.kv_ok, "a hit returned KV that differs from recompute"
+    return done.lengths()
 
 
 def settle(cache):
