@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from test_page_directory import RecordingStore
 from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
 from kvtier.backends.file_object import object_bytes
 from kvtier.backends.registry import create_backend
@@ -30,27 +31,6 @@ FILE_PAGE_BYTES = 2 * object_bytes(SPEC.page_part_bytes)  # K and V objects of o
 
 def h(i: int, tag: str = "a") -> str:
     return f"{tag}{i:063x}"
-
-
-class RecordingStore:
-    """A PageStore that remembers deletes and whether it was closed."""
-
-    listable = True
-
-    def __init__(self, info, listing=None):
-        self.info, self.listing = info, listing or {}
-        self.deleted: list[str] = []
-        self.closed = False
-
-    def delete(self, hashes):
-        self.deleted += hashes
-        return len(hashes)
-
-    def list_pages(self):
-        return self.listing
-
-    def close(self):
-        self.closed = True
 
 
 def sim_spec(options=None, **kw) -> NamespaceSpec:

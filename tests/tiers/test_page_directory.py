@@ -35,11 +35,13 @@ class Clock:
 
 
 class RecordingStore:
-    """A PageStore that remembers deletes and lists what the test says."""
+    """A PageStore that remembers deletes, lists what the test says, and knows if it was
+    closed."""
 
     def __init__(self, info, listing=None, listable=True):
         self.info, self.listing, self.listable = info, listing or {}, listable
         self.deleted: list[str] = []
+        self.closed = False
 
     def delete(self, hashes):
         self.deleted += hashes
@@ -49,7 +51,7 @@ class RecordingStore:
         return self.listing
 
     def close(self):
-        pass
+        self.closed = True
 
 
 def h(i: int, tag: str = "a") -> str:
