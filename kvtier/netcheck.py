@@ -40,16 +40,37 @@ def _host(hexaddr: str) -> str:
     return str(getattr(ip, "ipv4_mapped", None) or ip)
 
 
-def listening(pids: Iterable[int]) -> list[Listener]:
-    """Every TCP socket in LISTEN state held by `pids` (processes that exited are skipped)."""
-    socks = {}  # inode -> (host, port)
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
+def _tables(pids: Iterable[int]) -> dict[str, tuple[str, int]]:
+    """inode -> (host, port) of every TCP socket in LISTEN state in the network namespaces
+    of `pids` (each process reads its own namespace's table under /proc/PID/net)."""
+    seen_ns, socks = set(), {}
+    for pid in pids:
+        try:
+            ns = os.stat(f"/proc/{pid}/ns/net").st_ino
+        except OSError:
+            continue
+        if ns in seen_ns:
+            continue
+        seen_ns.add(ns)
+        for table in ("tcp", "tcp6"):
+            try:
+                with open(f"/proc/{pid}/net/{table}") as f:
+                    lines = f.readlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
                 cols = line.split()
                 if cols[3] == "0A":  # LISTEN
                     addr, port = cols[1].split(":")
                     socks[cols[9]] = (_host(addr), int(port, 16))
+    return socks
+
+
+def listening(pids: Iterable[int]) -> list[Listener]:
+    """Every TCP socket in LISTEN state held by `pids` (processes that exited are skipped),
+    in whatever network namespace each process runs."""
+    pids = list(pids)
+    socks = _tables(pids)
     out = []
     for pid in pids:
         try:
