@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import enum
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Protocol, Sequence
 
@@ -154,6 +155,8 @@ class BackendStats:
     pages_read: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    read_s: float = 0.0  # time inside get_into (what a read rate is measured over)
+    write_s: float = 0.0  # time inside set_from
     write_skipped_existing: int = 0
     write_failures: int = 0
     read_misses: int = 0
@@ -248,7 +251,9 @@ class StorageBackend(abc.ABC):
         """Read pages into host pool pages; a page is ok only if every part read and verified."""
         reg = self._pool(pool)
         self._check_batch(keys, host_pages)
+        t0 = time.perf_counter()
         result = self._get(reg, list(keys), list(host_pages))
+        self.counters.read_s += time.perf_counter() - t0
         good = sum(result.ok)
         self.counters.pages_read += good
         self.counters.read_misses += len(result.ok) - good
@@ -259,7 +264,9 @@ class StorageBackend(abc.ABC):
         """Write host pool pages; existing objects are kept (a page's bytes never change)."""
         reg = self._pool(pool)
         self._check_batch(keys, host_pages)
+        t0 = time.perf_counter()
         result = self._set(reg, list(keys), list(host_pages))
+        self.counters.write_s += time.perf_counter() - t0
         self.counters.pages_written += sum(result.ok)
         self.counters.write_failures += len(result.ok) - sum(result.ok)
         self.counters.bytes_written += result.bytes_moved

@@ -189,6 +189,14 @@ class HostNetwork:
                 "hosts": [{"name": h.name, "netns": h.netns, "address": h.address}
                           for h in self.hosts]}
 
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes each host has sent into the bridge so far (its port's receive counter in the
+        bridge namespace): traffic between hosts, and from hosts to the root's veth."""
+        links = json.loads(_ip("-n", self.bridge_netns, "-j", "-s", "link", "show"))
+        rx = {link["ifname"]: link.get("stats64", {}).get("rx", {}).get("bytes", 0)
+              for link in links}
+        return {h.name: int(rx.get(f"{h.netns}-b"[-15:], 0)) for h in self.hosts}
+
     def stop_processes(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """TERM every process in the hosts, then KILL what is left after `timeout_s`."""
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -48,6 +48,16 @@ class DemoParams(NamedTuple):
     chunk_tokens: int = 512
     progress: bool = True  # a tqdm bar on stderr
     tp_size: int = 3  # ranks per instance; SmolLM2-135M has 3 KV heads: 1 or 3
+    address: str | None = None  # join this Ray cluster (None: start a local one)
+    l3_root: str = ""  # file/nixl L3 directory ("": a temp dir; on a cluster: a shared mount)
+    # instance name -> the node address its ranks must run on (on a cluster)
+    nodes: tuple[tuple[str, str], ...] = ()
+    dtype: str = "bf16"  # of the model and its KV: bf16 or fp32 (faster on CPUs without bf16)
+    hosts: int = 0  # 3: the whole demo on three hosts of this machine (root; kvtier.hosts)
+
+
+DTYPES = ("bf16", "fp32")
+HEAD_RESOURCE = "kvtier_head"  # on a cluster the namespace actor runs where this is offered
 
 
 def _l3_options(backend: str, root: str) -> dict:
@@ -63,8 +73,14 @@ def _namespace_spec(params: DemoParams, config, root: str):
     import torch
 
     return namespace_spec(SmolLM2Weights(), config, params.l3, root, SMOLLM2_NAMESPACE,
-                          f"demo-{uuid.uuid4().hex[:8]}", dtype=torch.bfloat16,
+                          f"demo-{uuid.uuid4().hex[:8]}", dtype=_torch_dtype(params),
                           page_size=params.page_size, tp_size=params.tp_size)
+
+
+def _torch_dtype(params: DemoParams):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[params.dtype]
 
 
 def namespace_spec(source, config, backend: str, root: str, model: str, tenant_salt: str, *,
@@ -106,6 +122,8 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
 def _check_params(params: DemoParams) -> None:
     if params.l3 not in L3_BACKENDS:
         raise ConfigError(f"--l3 must be one of {', '.join(L3_BACKENDS)}, got {params.l3!r}")
+    if params.dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {params.dtype!r}")
     if params.tp_size not in (1, 3):
         raise ConfigError(f"--tp must be 1 or 3 (SmolLM2-135M has 3 KV heads), got "
                           f"{params.tp_size}")
@@ -164,7 +182,7 @@ def _rank_settings(params: DemoParams, longest: int):
     return RankSettings(SmolLM2Weights(), config,
                         device_pages=2 * pages_for(longest + params.new_tokens + chunk,
                                                    params.page_size),
-                        dtype=torch.bfloat16, chunk_tokens=chunk,
+                        dtype=_torch_dtype(params), chunk_tokens=chunk,
                         token_budget=max(8192, 2 * longest))
 
 
@@ -231,8 +249,12 @@ def _run_on_local_ray(params: DemoParams, work: _Workload, tmp: str,
 
 def _start_ray(params: DemoParams, progress: _Progress) -> None:
     from kvtier.actors.rank_actor import RANK_NUM_CPUS
-    from kvtier.actors.ray_env import start_local_ray
+    from kvtier.actors.ray_env import join_cluster, start_local_ray
 
+    if params.address is not None:
+        progress.stage(f"joining the Ray cluster at {params.address}")
+        join_cluster(params.address)
+        return
     progress.stage("starting Ray")
     # Ranks ask for half a CPU each; the machine's cores are shared by whatever runs.
     start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
@@ -245,8 +267,11 @@ def _start_namespace(cluster: _Cluster, params: DemoParams, work: _Workload, tmp
 
     progress.stage(f"L3 namespace actor ({params.l3})")
     actor_name = f"kvtier-demo-{uuid.uuid4().hex[:8]}"
-    cluster.client = get_or_create_namespace_actor(actor_name, f"{tmp}/state")
-    info = cluster.client.register(_namespace_spec(params, work.settings.config, f"{tmp}/l3"))
+    on_cluster = params.address is not None
+    cluster.client = get_or_create_namespace_actor(
+        actor_name, f"{tmp}/state", resources={HEAD_RESOURCE: 1} if on_cluster else None)
+    root = params.l3_root or f"{tmp}/l3"
+    info = cluster.client.register(_namespace_spec(params, work.settings.config, root))
     progress.done()
     return actor_name, info
 
@@ -256,10 +281,13 @@ def _build_instances(cluster: _Cluster, params: DemoParams, work: _Workload, act
     """The cold reference without L3, then A and B on the shared namespace."""
     from kvtier.actors.instance import Instance
 
+    nodes = dict(params.nodes)
     for name, l3 in (("cold", None), ("A", info), ("B", info)):
-        progress.stage(f"instance {name}")
+        where = f" on {nodes[name]}" if name in nodes else ""
+        progress.stage(f"instance {name}{where}")
+        resources = {f"node:{nodes[name]}": 0.01} if name in nodes else None
         cluster.instances[name] = Instance(work.settings._replace(l3=l3, l3_actor=actor_name),
-                                           tp_size=params.tp_size)
+                                           tp_size=params.tp_size, resources=resources)
         progress.done()
 
 
@@ -309,13 +337,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
     p.add_argument("--tp", type=int, choices=(1, 3), default=3,
                    help="TP ranks per instance (SmolLM2-135M has 3 KV heads: 1 or 3)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16",
+                   help="model and KV dtype (default bf16; fp32 is faster on CPUs without "
+                        "native bf16)")
     p.add_argument("--json-only", action="store_true",
                    help="print only the final JSON line (no table, no progress bar)")
+    g = p.add_argument_group("several hosts")
+    g.add_argument("--hosts", type=int, default=0,
+                   help="3: run on three hosts made on this machine (root; network "
+                        "namespaces): head and L3 on host 1, A on host 2, B on host 3")
+    g.add_argument("--address", default=None,
+                   help="join this Ray cluster (e.g. auto) instead of starting a local one; "
+                        "the L3 namespace actor needs a node offering kvtier_head")
+    g.add_argument("--l3-root", default="",
+                   help="file/nixl L3 directory: on a cluster, one mounted on every node")
+    g.add_argument("--place", action="append", default=[], metavar="NAME=ADDRESS",
+                   help="run instance NAME (cold, A or B) on the node with this address")
+
+
+def params_from(ns: argparse.Namespace) -> DemoParams:
+    nodes = []
+    for item in ns.place:
+        name, sep, address = item.partition("=")
+        if not sep or name not in ("cold", "A", "B") or not address:
+            raise ConfigError(f"--place takes NAME=ADDRESS with NAME cold, A or B; got {item!r}")
+        nodes.append((name, address))
+    return DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json_only,
+                      tp_size=ns.tp, address=ns.address, l3_root=ns.l3_root,
+                      nodes=tuple(nodes), dtype=ns.dtype, hosts=ns.hosts)
 
 
 def main(ns: argparse.Namespace) -> int:
-    params = DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json_only,
-                        tp_size=ns.tp)
+    params = params_from(ns)
+    if params.hosts:
+        from kvtier.demo_hosts import main as main_on_hosts
+
+        return main_on_hosts(params)
     result, rows = run(params)
     if not ns.json_only:
         print(format_table(rows))

@@ -1,0 +1,111 @@
+"""`kvtier demo --hosts 3` (root): the demo on three hosts of this machine.
+
+The host harness makes three network namespaces on a private bridge (kvtier.hosts), each
+with a /tmp of its own; Ray runs across them with token auth on: host 1 is the head (the L3
+namespace actor and the Mooncake master it starts, custom resource `kvtier_head`), instance
+A runs on host 2, instance B and the cold reference on host 3. The demo's driver runs inside
+host 1 and joins that cluster (`kvtier demo --address ... --place ...`); a `file` or `nixl`
+L3 lives in a directory every host mounts. The report is the demo's, plus
+`bytes_across_hosts`: what the hosts sent each other over the bridge during the run.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, Sequence
+
+from kvtier.errors import ConfigError
+
+HOSTS = 3
+WORK_BASE = "/var/tmp"  # not /tmp: every host sees it (each host's /tmp is its own)
+
+
+class HostsRun:
+    """Three hosts and a Ray cluster over them; `close()` stops every process by PID and
+    deletes the namespaces and the work directory."""
+
+    def __init__(self, hosts: int = HOSTS, tp_size: int = 3) -> None:
+        from kvtier.actors.rank_actor import RANK_NUM_CPUS
+        from kvtier.hosts.network import HostNetwork
+        from kvtier.hosts.ray_nodes import RayHosts, private_tmp
+
+        if hosts != HOSTS:
+            raise ConfigError(f"--hosts must be {HOSTS} (head, instance A, instance B), got "
+                              f"{hosts}")
+        self.workdir = tempfile.mkdtemp(prefix="kvtier-hosts-", dir=WORK_BASE)
+        self.net = HostNetwork.up(hosts, private_tmp(self.workdir, hosts))
+        try:
+            self.ray = RayHosts(self.net, f"{self.workdir}/ray")
+            # host 3 holds B and the cold reference: two instances of tp_size ranks
+            cpus = max(2, round(2 * tp_size * RANK_NUM_CPUS + 0.49))
+            self.ray.start(head_resources={"kvtier_head": 1},
+                           worker_resources={"kvtier_instance": 2 * tp_size}, worker_cpus=cpus)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def shared_dir(self) -> str:
+        return f"{self.workdir}/shared"
+
+    def placement(self) -> dict[str, str]:
+        """Instance name -> the address of the host it runs on."""
+        h = self.net.hosts
+        return {"A": h[1].address, "B": h[2].address, "cold": h[2].address}
+
+    def close(self) -> None:
+        self.net.down()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "HostsRun":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def inner_args(params: Any, run: HostsRun) -> list[str]:
+    """The `kvtier demo` command line the driver runs inside host 1."""
+    args = ["-m", "kvtier", "demo", "--address", run.ray.address, "--l3", params.l3,
+            "--tokens", str(params.tokens), "--new-tokens", str(params.new_tokens),
+            "--tp", str(params.tp_size), "--dtype", params.dtype]
+    if params.l3 in ("file", "nixl"):
+        args += ["--l3-root", f"{run.shared_dir}/l3"]
+    for name, address in run.placement().items():
+        args += ["--place", f"{name}={address}"]
+    if not params.progress:
+        args.append("--json-only")
+    return args
+
+
+def run_on_hosts(params: Any, extra: Sequence[str] = ()) -> tuple[dict, str]:
+    """Run the demo on three hosts; its JSON summary (plus `bytes_across_hosts`, `hosts`)
+    and the text it printed before the JSON line."""
+    with HostsRun(HOSTS, params.tp_size) as run:
+        before = run.net.bytes_sent()
+        proc = run.ray.driver_popen([*inner_args(params, run), *extra],
+                                    stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=3600)
+        sent = {h: n - before[h] for h, n in run.net.bytes_sent().items()}
+        lines = out.rstrip().splitlines()
+        if proc.returncode not in (0, 1) or not lines or not lines[-1].startswith("{"):
+            raise RuntimeError(f"the demo's driver in host 1 exited {proc.returncode}:\n"
+                               f"{out[-4000:]}")
+        result = json.loads(lines[-1])
+        result["bytes_across_hosts"] = sum(sent.values())
+        result["bytes_sent_by_host"] = sent
+        result["hosts"] = {h.name: h.address for h in run.net.hosts}
+        result["placement"] = run.placement()
+        return result, "\n".join(lines[:-1])
+
+
+def main(params: Any) -> int:
+    result, text = run_on_hosts(params)
+    if text:
+        print(text)
+    print(json.dumps(result))
+    sys.stdout.flush()
+    return 0 if result.get("identical") else 1
