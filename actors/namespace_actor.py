@@ -25,6 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from kvtier.backends.base import StorageUnavailable
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
                              MissingReport, NamespaceInfo, NamespaceSpec, StoredReport)
+from kvtier.actors.l3_hosts import cluster_master_host
 from kvtier.actors.namespace_service import NamespaceService
 from kvtier.tiers.page_directory import PageDirectory
 
@@ -180,13 +181,14 @@ def get_or_create_namespace_actor(name: str = ACTOR_NAME, state_dir: str | None 
     `state_dir` (default: a directory under the system temp dir named after the actor) must
     be on the node where the actor runs; an existing actor keeps the one it was created with.
     `resources` (e.g. `{"kvtier_head": 1}`, offered only by the head node in cluster.yaml) pins
-    a newly created actor to the nodes that offer them.
+    a newly created actor to the nodes that offer them. Mooncake masters it starts bind as
+    actors/l3_hosts decides (the node's address when ranks can span hosts).
     """
     remote_cls = ray.remote(NamespaceService)
     handle = remote_cls.options(
         name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
         max_restarts=-1, max_task_retries=0, num_cpus=0, resources=resources or {},
-    ).remote(state_dir or default_state_dir(name))
+    ).remote(state_dir or default_state_dir(name), master_host=cluster_master_host)
     client = NamespaceClient(handle, timeout_s)
     client.wait_ready(ready_timeout_s)
     return client

@@ -9,7 +9,10 @@ started. A new incarnation re-registers each spec and rebuilds its directory fro
 backend's listing (file, nixl, simulated). A Mooncake namespace starts empty (Mooncake cannot
 list, and its objects lived in segments the old master managed): a master the old
 incarnation left behind is killed, a new one started, and the epoch grows, so ranks know
-from `info()` to re-attach. Leases do not survive: a prefetch whose pages are evicted
+from `info()` to re-attach; it binds the host the first one bound when the supervisor
+restarts it, and on a new incarnation whatever `master_host` resolves to then. The
+shared-root marker of a file or nixl namespace lives in its root_dir and is kept: a new
+incarnation reads its token back. Leases do not survive: a prefetch whose pages are evicted
 meanwhile reads a miss and recomputes.
 
 Deletes never run under the lock that serializes directory calls: calls only mark what is
@@ -25,13 +28,15 @@ import secrets
 import signal
 import tempfile
 import threading
-from typing import TypeVar
+from typing import Callable, TypeVar
 
-from kvtier.backends.mooncake_master import MooncakeMaster
+from kvtier.backends.mooncake_master import MooncakeMaster, default_master_host
+from kvtier.backends.shared_root import ensure_marker, shared_root_dir
 from kvtier.errors import KvtierError
 from kvtier.messages import (LookupRequest, MissingReport, NamespaceInfo, NamespaceSpec,
                              StoredReport)
 from kvtier.policies import StorageBackendKind
+from kvtier.storage_options import MooncakeOptions
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_eviction import PASS_INTERVAL_S, EvictionThread, PassResult
 
@@ -48,8 +53,10 @@ class NamespaceService:
 
     def __init__(self, state_dir: str | None = None, directory: PageDirectory | None = None,
                  supervise_interval_s: float = SUPERVISE_INTERVAL_S,
-                 pass_interval_s: float = PASS_INTERVAL_S) -> None:
+                 pass_interval_s: float = PASS_INTERVAL_S,
+                 master_host: Callable[[MooncakeOptions], str] = default_master_host) -> None:
         self.state_dir = state_dir  # None: nothing persists (tests of code using the client)
+        self._master_host = master_host  # where a master binds (the actor: actors/l3_hosts)
         self.directory = directory if directory is not None else PageDirectory()
         self.incarnation = secrets.token_hex(4)  # changes on every (re)start
         self._interval_s = supervise_interval_s
@@ -72,7 +79,9 @@ class NamespaceService:
         spec = NamespaceSpec.from_msgpack(spec_bytes)
         with self._lock:
             if spec.namespace in self._specs:
-                return self.directory.register(spec).to_msgpack()  # raises if spec differs
+                info = self.directory.register(spec)  # raises if the spec differs
+                self._write_marker(spec, info.root_marker)  # again, if someone removed it
+                return info.to_msgpack()
             info = self._open(spec)
             self.directory.rebuild(spec.namespace)
             self._poke()
@@ -161,7 +170,8 @@ class NamespaceService:
                           ns, master.pid)
                 master.stop()
                 try:
-                    new = MooncakeMaster(self._specs[ns].storage_options().start_timeout_s)
+                    new = MooncakeMaster(self._specs[ns].storage_options().start_timeout_s,
+                                         host=master.host)  # the same address, new ports
                 except KvtierError as exc:
                     log.error("L3 namespace %s: cannot restart its Mooncake master (%s); "
                               "retrying in %.1f s", ns, exc, self._interval_s)
@@ -205,12 +215,16 @@ class NamespaceService:
         """Start a master if the namespace needs one of ours, then register the directory."""
         options = dict(spec.options)
         master = None
+        marker = self._write_marker(spec)
         if spec.backend is StorageBackendKind.MOONCAKE and options.get("master_address") is None:
-            master = MooncakeMaster(spec.storage_options().start_timeout_s)
+            opts = spec.storage_options()
+            assert isinstance(opts, MooncakeOptions)
+            master = MooncakeMaster(opts.start_timeout_s, host=self._master_host(opts))
             options["master_address"] = master.address
+            options.pop("master_host", None)  # in master_address now (both would conflict)
             epoch += 1  # new storage: ranks of an earlier epoch must re-attach
         try:
-            info = self.directory.register(spec, options, epoch)
+            info = self.directory.register(spec, options, epoch, marker)
         except BaseException:
             if master is not None:
                 master.stop()
@@ -220,6 +234,12 @@ class NamespaceService:
             self._start_supervisor()
         self._epochs[spec.namespace] = info.epoch
         return info
+
+    def _write_marker(self, spec: NamespaceSpec, token: str = "") -> str:
+        """The token of the namespace's shared-root marker (file, nixl: written if absent,
+        kept if there: backends/shared_root.py); "" for backends without a root."""
+        root_dir = shared_root_dir(spec.storage_options())
+        return "" if root_dir is None else ensure_marker(root_dir, spec.namespace, token)
 
     def _start_supervisor(self) -> None:
         if self._thread is None:

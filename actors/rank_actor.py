@@ -21,6 +21,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
 from kvtier.actors.step_wire import StepReport, encode_output, encode_report
 from kvtier.backends.base import StorageBackend
 from kvtier.config import HiCacheConfig
@@ -166,8 +167,11 @@ class RankCache:
         return backend.kind.value
 
     def _open_backend(self, info: NamespaceInfo) -> StorageBackend:
-        """This rank's client of the namespace's storage (a subclass may wrap it)."""
-        return open_rank_backend(info, self.rank)
+        """This rank's client of the namespace's storage (a subclass may wrap it): a Mooncake
+        client registers this node's address when the master is not on loopback; a file or
+        nixl root must show the namespace actor's marker (actors/l3_hosts, shared_root)."""
+        address = node_address()
+        return open_rank_backend(rank_client_info(info, address), self.rank, node_label(address))
 
     def _directory(self, l3_actor: str) -> PageDirectoryClient:
         """This rank's client of the namespace actor's page directory (a subclass may wrap

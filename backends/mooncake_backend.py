@@ -1,7 +1,15 @@
 """The `mooncake` L3 backend: page parts as Mooncake Store objects, moved zero-copy.
 
-- The master is either given (`master_address`) or started here on loopback and stopped
-  at close (backends/mooncake_master.py).
+- The master is either given (`master_address`) or started here on `master_host` (loopback
+  for "auto": a backend opened on its own serves this process) and stopped at close
+  (backends/mooncake_master.py).
+- What a client listens on (measured, Mooncake 0.3.13, tcp, P2PHANDSHAKE): two sockets, and
+  Mooncake offers no option to bind either to one address (MC_TCP_BIND_ADDRESS,
+  MC_RDMA_BIND_ADDRESS and MC_LEGACY_RPC_PORT_BINDING change neither): the transfer engine's
+  P2P handshake listener (transfer_engine_impl.cpp, a port in 15000-17000) on 0.0.0.0, and
+  the TcpTransport data listener (tcp_transport.cpp, another port in that range) on `::`.
+  `local_hostname` only decides the address the client registers for peers to dial. Keep
+  those ports firewalled to the cluster's network (tests/backends pin this down).
 - Each host pool is registered with the client ONCE; every batch is then ONE
   `batch_put_from` / `batch_get_into` over per-object pointers into the pool.
 - Writes ask `batch_is_exist` first and put only the missing objects (a page's bytes never
@@ -25,7 +33,8 @@ import xxhash
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
                                   StorageUnavailable, TransferResult)
-from kvtier.backends.mooncake_master import MooncakeMaster, free_port, port_open
+from kvtier.backends.mooncake_master import (LOOPBACK, MooncakeMaster, default_master_host,
+                                             free_port, port_open)
 from kvtier.backends.mooncake_master_guard import OK, MasterGuard
 from kvtier.errors import CacheUsageError
 from kvtier.policies import StorageBackendKind
@@ -80,10 +89,11 @@ def connect(options: MooncakeOptions, master_address: str) -> Any:
         raise StorageUnavailable(
             f"cannot reach the Mooncake master at {master_address}: check that mooncake_master "
             "runs there with that --rpc_address/--rpc_port, or leave master_address unset so "
-            "kvtier starts its own on 127.0.0.1")
+            f"kvtier starts its own (a master on {LOOPBACK} serves one host only: with ranks on "
+            "several hosts, set master_host to an address of the namespace actor's node)")
     metadata = options.metadata_server or DEFAULT_METADATA
     store = MooncakeDistributedStore()
-    rc = store.setup(_client_name(options.local_hostname), metadata,
+    rc = store.setup(_client_name(options.local_hostname or LOOPBACK), metadata,
                      options.global_segment_size_bytes, options.local_buffer_size_bytes,
                      options.protocol.value, options.device_name, master_address)
     if rc != OK:
@@ -201,7 +211,8 @@ class MooncakeBackend(StorageBackend):
         try:
             address = options.master_address
             if address is None:
-                self.master = MooncakeMaster(options.start_timeout_s)
+                self.master = MooncakeMaster(options.start_timeout_s,
+                                             host=default_master_host(options))
                 address = self.master.address
             self.store = connect(options, address)
         except BaseException:

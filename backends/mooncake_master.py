@@ -1,9 +1,11 @@
-"""A `mooncake_master` subprocess on 127.0.0.1: started on free ports, watched, stopped.
+"""A `mooncake_master` subprocess on one address (127.0.0.1 by default): started on free
+ports, watched, stopped. Which address is the caller's decision (under a namespace, the
+namespace actor's: actors/l3_hosts.py); this module binds what it is told, never 0.0.0.0.
 
 Why no HTTP metadata server: the master's embedded one (`--enable_http_metadata_server`)
 binds 0.0.0.0 whatever `--http_metadata_server_host` says (Mooncake 0.3.13 passes only the
 port to its HTTP server), so clients of a kvtier-started master use `P2PHANDSHAKE`
-metadata instead: nothing to serve, and every master socket stays on loopback. With no
+metadata instead: nothing to serve, and every master socket stays on its one address. With no
 HTTP metadata there is nothing for `--enable_metadata_cleanup_on_timeout` to clean; the
 short `--client_ttl` still unmounts a crashed client's segment within seconds.
 """
@@ -23,6 +25,7 @@ import weakref
 from pathlib import Path
 
 from kvtier.backends.base import StorageUnavailable
+from kvtier.storage_options import AUTO_HOST, MooncakeOptions
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,12 @@ def find_master_binary() -> str:
         "storage_options master_address")
 
 
+def default_master_host(options: MooncakeOptions) -> str:
+    """Where a master binds when no cluster is asked (a backend opened on its own, a namespace
+    service outside Ray): `master_host`, or loopback for "auto"."""
+    return LOOPBACK if options.master_host == AUTO_HOST else options.master_host
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A port nobody listens on now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -65,6 +74,17 @@ def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
             return True
     except OSError:
         return False
+
+
+def _check_bindable(host: str) -> None:
+    """StorageUnavailable unless a server can listen on `host` here (one of this node's
+    addresses): said before the master starts, instead of its bind failing in a log."""
+    try:
+        free_port(host)
+    except (OSError, OverflowError) as exc:
+        raise StorageUnavailable(
+            f"the Mooncake master cannot bind {host!r} on node {socket.gethostname()} ({exc}); "
+            "set storage_options master_host to an address of that node, or to 'auto'") from exc
 
 
 def _kill(proc: subprocess.Popen, log_dir: str | None, timeout_s: float) -> None:
@@ -84,7 +104,9 @@ class MooncakeMaster:
     """One master process, its ports and its log; `stop()` (or exit) ends it."""
 
     def __init__(self, start_timeout_s: float = 15.0, binary: str | None = None,
-                 client_ttl_s: int = CLIENT_TTL_S) -> None:
+                 client_ttl_s: int = CLIENT_TTL_S, host: str = LOOPBACK) -> None:
+        self.host = host  # --rpc_address and --metrics_host; kept across restarts by callers
+        _check_bindable(host)
         self.binary = binary or find_master_binary()
         if not (os.path.isfile(self.binary) and os.access(self.binary, os.X_OK)):
             raise StorageUnavailable(f"{self.binary} is not an executable file; install "
@@ -108,12 +130,12 @@ class MooncakeMaster:
             self.stop()
             raise
         log.info("mooncake master pid %d on %s (metrics %s:%d)",
-                 self.proc.pid, self.address, LOOPBACK, self.metrics_port)
+                 self.proc.pid, self.address, self.host, self.metrics_port)
 
     @property
     def address(self) -> str:
         """What clients pass as master_server_addr."""
-        return f"{LOOPBACK}:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def pid(self) -> int:
@@ -121,8 +143,8 @@ class MooncakeMaster:
 
     def command(self) -> list[str]:
         return [self.binary,
-                f"--rpc_address={LOOPBACK}", f"--rpc_port={self.rpc_port}",
-                f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
+                f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
+                f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
                 "--enable_http_metadata_server=false",  # see the module docstring
                 f"--client_ttl={self.client_ttl_s}",
                 "--enable_metric_reporting=false",  # a 2 KB log line every few seconds
@@ -130,7 +152,7 @@ class MooncakeMaster:
 
     def _start_once(self, deadline: float) -> bool:
         """Launch on fresh ports; True once the RPC port accepts connections."""
-        self.rpc_port, self.metrics_port = free_port(), free_port()
+        self.rpc_port, self.metrics_port = free_port(self.host), free_port(self.host)
         if self.proc is not None:  # an earlier attempt that failed
             self._finalizer.detach()
             _kill(self.proc, None, STOP_TIMEOUT_S)
@@ -145,7 +167,7 @@ class MooncakeMaster:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
-            if port_open(LOOPBACK, self.rpc_port):
+            if port_open(self.host, self.rpc_port):
                 return True
             time.sleep(POLL_S)
         return False
@@ -156,7 +178,7 @@ class MooncakeMaster:
                  else f"did not open its RPC port within {timeout_s:.1f} s")
         return (f"the Mooncake master {state}; command: {' '.join(self.command())}; last log "
                 f"lines:\n{self.log_tail()}\nCheck that the binary runs on this machine "
-                "(Debian: apt-get install libibverbs1) and that loopback ports are available, or "
+                f"(Debian: apt-get install libibverbs1) and that ports on {self.host} are free, or "
                 "raise storage_options start_timeout_s")
 
     def log_tail(self, lines: int = 15) -> str:

@@ -243,13 +243,16 @@ class NamespaceInfo(_Record):
 
     `options` are the spec's, resolved (for a supervised Mooncake master: its address);
     `epoch` grows whenever they change, so a rank whose backend stops answering can ask
-    again and re-attach when the epoch moved.
+    again and re-attach when the epoch moved. `root_marker` (file, nixl) is the token of the
+    marker the namespace actor wrote into root_dir: each rank reads it back before attaching
+    (backends/shared_root.py); "" when none was written.
     """
 
     namespace: str
     spec: NamespaceSpec
     options: dict[str, Any] = field(hash=False)
     epoch: int = 0
+    root_marker: str = ""
 
     def storage_options(self) -> StorageOptions:
         return self.spec.storage_options(self.options)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ MAX_BYTES = PiB  # larger sizes are typos (a unit mix-up), never a real deployme
 _MAX_PATH_CHARS = 4096
 _MAX_HOST_CHARS = 255
 EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
+AUTO_HOST = "auto"  # MooncakeOptions.master_host: the cluster decides (see there)
 
 
 # ---- value checks shared with kvtier.config ---------------------------------------------
@@ -69,6 +71,19 @@ def check_str(value: Any, where: str, max_chars: int, *, allow_slash: bool = Tru
     if not allow_slash and "/" in value:
         raise ConfigError(f"{where}: {value!r} must be a host or address, without '/'")
     return value
+
+
+def check_ipv4(value: Any, where: str) -> str:
+    """A dotted IPv4 address a server may bind: not 0.0.0.0 (every interface), not multicast."""
+    text = check_str(value, where, _MAX_HOST_CHARS, allow_slash=False)
+    try:
+        ip = ipaddress.IPv4Address(text)
+    except ValueError:
+        raise ConfigError(f"{where}: {text!r} is not an IPv4 address (like 10.0.0.5)") from None
+    if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+        raise ConfigError(f"{where}: {text} is not the address of one interface; give an "
+                          f"address of this node, or {AUTO_HOST!r}")
+    return text
 
 
 def check_abs_path(value: Any, where: str) -> str:
@@ -163,11 +178,18 @@ class MooncakeOptions(_Options):
     """Mooncake Store client (and, when `master_address` is None, the master kvtier starts)."""
 
     kind: ClassVar[StorageBackendKind] = StorageBackendKind.MOONCAKE
-    master_address: str | None = None  # None: kvtier starts its own master on 127.0.0.1
+    master_address: str | None = None  # None: kvtier starts its own master (on master_host)
+    # Where a master kvtier starts binds (its RPC and metrics ports): an IPv4 address of the
+    # node it runs on, or "auto": the namespace actor's node address when the Ray cluster has
+    # more than one alive node at registration, 127.0.0.1 otherwise (and for a backend opened
+    # on its own, outside a namespace).
+    master_host: str = AUTO_HOST
     metadata_server: str | None = None  # a URL (http://host:port/metadata) or P2PHANDSHAKE
     protocol: MooncakeProtocol = MooncakeProtocol.TCP
     device_name: str = ""
-    local_hostname: str = "127.0.0.1"
+    # The address this client's transfer engine registers. None: 127.0.0.1, or under a
+    # namespace whose master is not on loopback, the rank's own node address.
+    local_hostname: str | None = None
     global_segment_size_bytes: int = 256 * MiB
     local_buffer_size_bytes: int = 64 * MiB
     # xxh3 of every page part in a small checksum object, verified after each read (sizes are
@@ -186,8 +208,15 @@ class MooncakeOptions(_Options):
         self._set("protocol", MooncakeProtocol.parse(self.protocol, self._where("protocol")))
         check_str(self.device_name, self._where("device_name"), _MAX_HOST_CHARS,
                   allow_slash=False, allow_empty=True)
-        check_str(self.local_hostname, self._where("local_hostname"), _MAX_HOST_CHARS,
-                  allow_slash=False)
+        if self.local_hostname is not None:
+            check_str(self.local_hostname, self._where("local_hostname"), _MAX_HOST_CHARS,
+                      allow_slash=False)
+        if self.master_host != AUTO_HOST:
+            check_ipv4(self.master_host, self._where("master_host"))
+            if self.master_address is not None:
+                raise ConfigError(f"{self._where('master_host')}: kvtier starts no master when "
+                                  "master_address is given; drop master_host, or drop "
+                                  "master_address so kvtier starts one on master_host")
         for name in ("global_segment_size_bytes", "local_buffer_size_bytes"):
             check_int(getattr(self, name), self._where(name), 0, MAX_BYTES)
         check_bool(self.verify_checksums, self._where("verify_checksums"))

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Sequence
 
 from kvtier.backends.base import check_page_hash
@@ -89,10 +89,11 @@ class PageDirectory:
         self._deletes = DeleteQueue()
 
     # ---- namespaces -----------------------------------------------------------------------
-    def register(self, spec: NamespaceSpec, options: dict | None = None,
-                 epoch: int = 0) -> NamespaceInfo:
+    def register(self, spec: NamespaceSpec, options: dict | None = None, epoch: int = 0,
+                 root_marker: str = "") -> NamespaceInfo:
         """Register a namespace (idempotent for the same spec); `options` are the resolved
-        storage options ranks get (default: the spec's). Opens the namespace's storage."""
+        storage options ranks get (default: the spec's), `root_marker` the token of its
+        shared-root marker. Opens the namespace's storage."""
         ns = spec.namespace
         current = self._ns.get(ns)
         if current is not None:
@@ -102,7 +103,8 @@ class PageDirectory:
                     f"({current.info.spec}); register the same spec, or give this one another "
                     "tenant_salt or layout_fingerprint")
             return current.info
-        info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch)
+        info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch,
+                             root_marker)
         self._ns[ns] = _Namespace(info, self._store_factory(info))
         log.info("L3 namespace %s registered: %s backend, TP %d, quota %s pages%s", ns,
                  spec.backend, spec.tp_size, spec.capacity_pages or "no",
@@ -114,7 +116,7 @@ class PageDirectory:
         """The namespace's storage was replaced (a restarted Mooncake master): new clients,
         a new epoch, and an empty directory, since what the old storage held is gone."""
         state = self._get(ns)
-        info = NamespaceInfo(ns, state.info.spec, dict(options), state.info.epoch + 1)
+        info = replace(state.info, options=dict(options), epoch=state.info.epoch + 1)
         store = self._store_factory(info)
         self._deletes.retire(state.store)  # closed once no delete runs on it
         state.info, state.store = info, store

@@ -29,6 +29,7 @@ import torch
 
 from kvtier.backends.base import KV_POOL, PagePart, StorageBackend, StorageTarget
 from kvtier.backends.registry import backend_class, create_backend
+from kvtier.backends.shared_root import check_marker, shared_root_dir
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import StorageOptions
@@ -63,9 +64,16 @@ def rank_target(info: NamespaceInfo, tp_rank: int) -> StorageTarget:
     return StorageTarget(info.spec.key_namespace, tp_rank, info.spec.tp_size)
 
 
-def open_rank_backend(info: NamespaceInfo, tp_rank: int) -> StorageBackend:
+def open_rank_backend(info: NamespaceInfo, tp_rank: int,
+                      node: str | None = None) -> StorageBackend:
     """The backend client a rank uses for a namespace (pages move rank <-> storage directly),
-    with the backend's own eviction off: the namespace's directory evicts (module docstring)."""
+    with the backend's own eviction off: the namespace's directory evicts (module docstring).
+
+    A file or nixl root is first checked to be the one the namespace actor sees (its marker
+    read back; RootNotShared naming `node`, default this host's name, when it is not)."""
+    root_dir = shared_root_dir(info.storage_options())
+    if root_dir is not None and info.root_marker:
+        check_marker(root_dir, info.namespace, info.root_marker, node)
     return create_backend(info.spec.backend, rank_target(info, tp_rank),
                           _with_overrides(info, _NO_OWN_EVICTION))
 

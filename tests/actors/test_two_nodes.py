@@ -128,3 +128,33 @@ def test_two_nodes_share_l3_pages_across_instances(cluster, tmp_path) -> None:
         assert ref.engine.generate([PROMPT], GREEDY)[0].tokens == cold.tokens
     finally:
         ref.close()
+
+
+def test_auto_master_host_is_the_actors_node_address_on_two_nodes(cluster, tmp_path,
+                                                                   monkeypatch) -> None:
+    """With two alive nodes "auto" binds the node's address (here every node is 127.0.0.1,
+    so the address is faked for the decision only); a registered Mooncake namespace's
+    master then listens on the head's address and nowhere else."""
+    from kvtier.actors import l3_hosts
+    from kvtier.storage_options import MooncakeOptions
+
+    with monkeypatch.context() as m:
+        m.setattr(l3_hosts, "node_address", lambda: "198.18.0.1")
+        assert l3_hosts.cluster_master_host(MooncakeOptions()) == "198.18.0.1"
+        assert l3_hosts.cluster_master_host(MooncakeOptions(master_host=LOOPBACK)) == LOOPBACK
+
+    pytest.importorskip("mooncake.store")
+    client = get_or_create_namespace_actor(f"kvtier-l3-mc-{uuid.uuid4().hex[:6]}",
+                                           str(tmp_path / "state"), ready_timeout_s=60,
+                                           resources={HEAD_RES: 1})
+    try:
+        before = cluster.pids()
+        info = client.register(namespace_spec(
+            SETTINGS.source, CONFIG, "mooncake", "", "tiny", "two-nodes-mc",
+            dtype=SETTINGS.dtype, page_size=PAGE))
+        host = info.options["master_address"].rpartition(":")[0]
+        assert host == LOOPBACK  # the head's Ray address in this cluster
+        found = {l.host for l in listening(cluster.pids() - before)}
+        assert found == {LOOPBACK}, found  # the master: RPC and metrics on that address only
+    finally:
+        client.shutdown()
