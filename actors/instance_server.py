@@ -46,6 +46,7 @@ class ServerPoll(NamedTuple):
     epoch: int  # rank-set restarts so far: a router forgets an instance whose epoch changed
     events: list[bytes]  # CacheEventBatch msgpack records since the last poll, oldest first
     broken: str | None  # why the instance stopped serving, or None
+    steps: int  # steps completed so far: the router's deadline watches it grow while load > 0
 
 
 class InstanceServer:
@@ -64,6 +65,7 @@ class InstanceServer:
         self._events: deque[bytes] = deque(maxlen=MAX_EVENT_BATCHES)
         self._lock = threading.Lock()  # guards _events and the counters read by poll
         self._load = 0
+        self._steps = 0
         self.broken: str | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}", daemon=True)
@@ -98,7 +100,8 @@ class InstanceServer:
         with self._lock:
             events = list(self._events)
             self._events.clear()
-            return ServerPoll(self._load, self.instance.restarts, events, self.broken)
+            return ServerPoll(self._load, self.instance.restarts, events, self.broken,
+                              self._steps)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self._stop = True
@@ -158,6 +161,8 @@ class InstanceServer:
 
     def _step(self) -> None:
         report = self.instance.step_report()
+        with self._lock:
+            self._steps += 1
         self._keep_events(report.events)
         for req_id, tokens in report.progress.items():
             sink = self._sinks.get(req_id)

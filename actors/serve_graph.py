@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import Any
 
+from kvtier.actors.rank_actor import RankCache
 from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
 from kvtier.actors.serve_router import RouterDeployment
@@ -45,15 +46,16 @@ the namespace actor a registry beside it."""
     return settings
 
 
-def build_app(settings: ServeSettings) -> Any:
-    """The bound application: `Ingress(router, instances)`."""
+def build_app(settings: ServeSettings, rank_class: type[RankCache] = RankCache) -> Any:
+    """The bound application: `Ingress(router, instances)`. `rank_class`: what the rank
+    actors run (tests pass one that injects faults)."""
     s = resolve(settings)
     values = s.to_mapping()
     instances = {}
     for i in range(s.instances):
         name = f"instance-{i}"
-        instances[name] = InstanceDeployment.options(name=name).bind(name, values)
-    router = RouterDeployment.bind(instances)
+        instances[name] = InstanceDeployment.options(name=name).bind(name, values, rank_class)
+    router = RouterDeployment.bind(instances, values)
     return Ingress.bind(router, instances, values)
 
 
@@ -67,7 +69,7 @@ def app_builder(args: dict[str, Any]) -> Any:
 
 
 def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
-          address: str | None = None) -> Any:
+          address: str | None = None, rank_class: type[RankCache] = RankCache) -> Any:
     """Start (or join, with `address`) Ray and Serve and deploy the graph; its handle."""
     import ray
     from ray import serve
@@ -80,7 +82,8 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
         pin_to_loopback(auth=False)
         ray.init(address=address, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-    return serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+    return serve.run(build_app(settings, rank_class), name=APP_NAME, route_prefix="/",
+                     blocking=False)
 
 
 def stop() -> None:

@@ -8,7 +8,8 @@ template for chat), ask the router which instance, stream token ids from that in
 turn them into text (`TextStream`: incremental detokenizing, stop strings), and answer in
 OpenAI's shapes with `usage.prompt_tokens_details.cached_tokens` and a `kvtier` field
 (cached tokens by tier, the five lengths). A request without a seed gets one here, so that a
-rank restart, which recomputes the request, reproduces the tokens already streamed.
+rank restart, which recomputes the request, reproduces the tokens already streamed, and so
+does another instance when the router declares the first one stalled (`RoutedAnswer`).
 """
 
 import asyncio
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
+from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve import openai_responses as out
 from kvtier.serve.admin import check_admin_key, parse_admin_body
@@ -68,6 +70,8 @@ class Ingress:
         self.created = int(time.time())
         self._snapshots: asyncio.Task | None = None
         self._seeds = random.SystemRandom()
+        self.check_s = s.stall_timeout_s / 4  # while an answer waits: is its instance stalled?
+        self.states = RouterStates(router, max_age_s=self.check_s / 2)
 
     # ---- the OpenAI API -----------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -86,10 +90,11 @@ class Ingress:
     async def health(self) -> Response:
         status = await self.router.status.remote()
         broken = {n: i["broken"] for n, i in status["instances"].items() if i["broken"]}
-        code = 503 if len(broken) == len(status["instances"]) else 200
+        stalled = sorted(n for n, i in status["instances"].items() if i["state"] == "stalled")
+        code = 503 if len(set(broken) | set(stalled)) == len(status["instances"]) else 200
         return JSONResponse({"status": "ok" if code == 200 else "unavailable",
-                             "instances": len(status["instances"]), "broken": broken},
-                            status_code=code)
+                             "instances": len(status["instances"]), "broken": broken,
+                             "stalled": stalled}, status_code=code)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -140,19 +145,19 @@ class Ingress:
                     "seed": req.seed if req.seed is not None else self._seeds.getrandbits(63)}
         start = time.perf_counter()
         choice = await self.router.choose.remote(tokens)
-        handle = self.instances[choice["instance"]]
-        stream = handle.options(stream=True).generate.remote(tokens, sampling)
+        answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,
+                              choice["instance"], self.check_s, self.metrics.observe_redispatch)
         gen = _Generation(TextStream(self.tokenizer, req.stop))
         rid = out.new_request_id(chat)
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, chat, stream, gen, tokens, start),
+            return StreamingResponse(self._sse(req, rid, chat, answer, gen, tokens, start),
                                      media_type="text/event-stream")
         try:
-            async for _ in self._run(stream, gen, start):
+            async for _ in self._run(answer, gen, start):
                 pass
         except Exception as exc:  # noqa: BLE001 - the client gets a 503 with the reason
             return self._failed(exc)
-        self._observe(choice["instance"], gen, start)
+        self._observe(answer.instance, gen, start)
         usage, kvtier = self._usage(len(tokens), gen)
         kvtier["route"] = {"reason": choice["reason"], "expected_pages": choice["hits"]}
         build = out.chat_response if chat else out.completion_response
@@ -171,11 +176,12 @@ class Ingress:
         check_prompt_tokens(tokens, self.limits, self.tokenizer.vocab_size, param=param)
         return tokens
 
-    async def _run(self, stream: Any, gen: _Generation, start: float) -> AsyncIterator[str]:
+    async def _run(self, answer: RoutedAnswer, gen: _Generation, start: float
+                   ) -> AsyncIterator[str]:
         """Yield text deltas until the instance finishes or a stop string is hit (then the
         instance's stream is cancelled, which aborts the request there)."""
         try:
-            async for item in stream:
+            async for item in answer.items():
                 if item["tokens"] and gen.first_token_s is None:
                     gen.first_token_s = time.perf_counter() - start
                 gen.tokens += len(item["tokens"])
@@ -192,16 +198,16 @@ class Ingress:
                 yield rest
         finally:
             if gen.final is None:
-                stream.cancel()
+                answer.cancel()
 
-    async def _sse(self, req, rid: str, chat: bool, stream: Any, gen: _Generation,
+    async def _sse(self, req, rid: str, chat: bool, answer: RoutedAnswer, gen: _Generation,
                    tokens: list[int], start: float) -> AsyncIterator[str]:
         created = int(time.time())
         if chat:
             yield out.sse(out.chat_chunk(rid, req.model, created, first=True,
                                          include_usage=req.include_usage))
         try:
-            async for text in self._run(stream, gen, start):
+            async for text in self._run(answer, gen, start):
                 chunk = (out.chat_chunk(rid, req.model, created, content=text,
                                         include_usage=req.include_usage) if chat else
                          out.completion_chunk(rid, req.model, created, text,
@@ -222,7 +228,7 @@ class Ingress:
             yield out.sse(out.usage_chunk(rid, req.model, created, usage, chat=chat,
                                           kvtier=kvtier))
         yield out.SSE_DONE
-        self._observe(gen.final["instance"] if gen.final else "unknown", gen, start)
+        self._observe(answer.instance, gen, start)
 
     def _usage(self, prompt_tokens: int, gen: _Generation) -> tuple[dict, dict]:
         final = gen.final or {"cached": {"device": 0, "host": 0, "storage": 0}, "lengths": None}
@@ -289,7 +295,10 @@ class Ingress:
 
     async def _snapshot_forever(self) -> None:
         while True:
+            stalled = await self._observe_liveness()
             for name, handle in self.instances.items():
+                if name in stalled:  # its replica may not answer: do not wait on it
+                    continue
                 try:
                     snap = await asyncio.wait_for(handle.snapshot.remote(), 30)
                 except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
@@ -299,3 +308,14 @@ class Ingress:
                                           snap["host_total_tokens"], snap["storage"])
                 self.metrics.observe_agreement(name, snap["agreement_s"])
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+
+    async def _observe_liveness(self) -> set[str]:
+        """Feed the router's per-instance stall counts to the metrics; the stalled ones."""
+        try:
+            status = await asyncio.wait_for(self.router.status.remote(), 30)
+        except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
+            log.debug("router status failed: %s", exc)
+            return set()
+        for name, info in status["instances"].items():
+            self.metrics.update_liveness(name, info["stalls"], info["state"] == "stalled")
+        return {n for n, i in status["instances"].items() if i["state"] == "stalled"}

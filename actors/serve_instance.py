@@ -17,7 +17,7 @@ from ray import serve
 from kvtier.actors.instance import Instance, InstanceError
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
-from kvtier.actors.rank_actor import RankSettings
+from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.calibration import calibrated_thresholds
 from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams
@@ -66,13 +66,15 @@ def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None)
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
                   health_check_period_s=5, graceful_shutdown_timeout_s=20)
 class InstanceDeployment:
-    def __init__(self, name: str, settings: dict) -> None:
+    def __init__(self, name: str, settings: dict,
+                 rank_class: type[RankCache] = RankCache) -> None:
+        """`rank_class`: what the rank actors run (tests pass one that injects faults)."""
         keep_serve_replica_on_loopback()
         torch.set_num_threads(1)
         self.name, self.settings = name, ServeSettings.from_mapping(settings)
         s = self.settings
         instance = Instance(rank_settings(s), tp_size=s.tp_size,
-                            num_cpus_per_rank=s.num_cpus_per_rank)
+                            num_cpus_per_rank=s.num_cpus_per_rank, rank_class=rank_class)
         self.server = InstanceServer(instance, name)
         self.l3: dict[str, Any] | None = None
         if s.storage_backend is not None:

@@ -1,9 +1,12 @@
 """The router deployment of the serve graph: where each request's prefix is cheapest to reuse.
 
-It polls every instance (load, restart epoch, cache events) a few times a second, keeps the
+It polls every instance (load, restart epoch, steps, cache events) a few times a second, each
+on its own so that one unreachable instance does not hold up the others, keeps the
 approximate per-tier prefix index of `kvtier.serve.router_index`, and answers `choose(tokens)`
 with an instance name. The ingress then streams from that instance directly: token traffic
-never passes through the router.
+never passes through the router. An instance that stops stepping with work waiting, or stops
+answering polls, for `stall_timeout_s` is stalled (`kvtier.serve.liveness`): it is not
+chosen until it steps again, and the ingress moves its unanswered requests elsewhere.
 """
 from __future__ import annotations
 
@@ -17,19 +20,23 @@ from ray import serve
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.keys import KeyNamespace
 from kvtier.serve.cache_events import CacheEventBatch
+from kvtier.serve.liveness import Liveness, candidates
 from kvtier.serve.router_index import PrefixIndex, Router
+from kvtier.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
-POLL_TIMEOUT_S = 10.0
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 class RouterDeployment:
-    def __init__(self, instances: dict[str, Any]) -> None:
+    def __init__(self, instances: dict[str, Any], settings: dict | None = None) -> None:
         keep_serve_replica_on_loopback()
         self.handles = instances
+        stall_timeout_s = ServeSettings.from_mapping(settings or {}).stall_timeout_s
+        self.liveness = Liveness(instances, stall_timeout_s)
+        self.poll_timeout_s = stall_timeout_s  # a poll that long unanswered stalls it anyway
         self.router = Router(PrefixIndex())
         self.loads = {name: 0 for name in instances}
         self.epochs: dict[str, int] = {}
@@ -38,14 +45,19 @@ class RouterDeployment:
         self.reasons: dict[str, int] = {}
         self._keys: tuple[KeyNamespace, int] | None = None
         self._rng = random.Random()
-        self._poller: asyncio.Task | None = None
+        self._pollers: dict[str, asyncio.Task] = {}
 
-    async def choose(self, tokens: list[int]) -> dict:
-        """The instance to serve `tokens`: {"instance", "reason", "hits" (pages by tier)}."""
+    async def choose(self, tokens: list[int], avoid: tuple[str, ...] = ()) -> dict:
+        """The instance to serve `tokens`: {"instance", "reason", "hits" (pages by tier)}.
+        `avoid`: instances it is leaving (stalled); when no other instance is live and
+        unbroken, "instance" is None (the caller keeps waiting where it is)."""
         self._ensure_poller()
         keys, page_size = await self._key_namespace()
         hashes = keys.page_hashes(tokens, page_size)
-        healthy = {n: load for n, load in self.loads.items() if n not in self.broken}
+        stalled = set(self.loads) - self.liveness.live()
+        healthy = candidates(self.loads, {*self.broken, *stalled, *avoid})
+        if not healthy and avoid:
+            return {"instance": None, "reason": None, "hits": None}
         choice = self.router.choose(hashes, healthy or self.loads, self._rng)
         self.loads[choice.instance] += 1  # counted until the next poll says otherwise
         self.routed[choice.instance] += 1
@@ -54,42 +66,61 @@ class RouterDeployment:
                 "hits": choice.hits._asdict()}
 
     async def status(self) -> dict:
-        """Per instance: load, epoch, why it is broken (if it is), requests routed to it."""
+        """Per instance: load, epoch, why it is broken (if it is), requests routed to it,
+        its state (live or stalled), seconds since it last showed progress, its stalls."""
         self._ensure_poller()
         return {"instances": {n: {"load": self.loads[n], "epoch": self.epochs.get(n),
                                   "broken": self.broken.get(n), "routed": self.routed[n],
-                                  "indexed_pages": self.router.index.num_pages(n)}
+                                  "indexed_pages": self.router.index.num_pages(n),
+                                  **self._liveness(n)}
                               for n in self.handles},
                 "storage_pages": self.router.index.num_storage_pages,
                 "reasons": dict(self.reasons)}
+
+    async def states(self) -> dict[str, str]:
+        """Each instance's state, "live" or "stalled" (what the ingress watches)."""
+        self._ensure_poller()
+        return {n: self.liveness.state(n).value for n in self.handles}
 
     async def sync(self) -> None:
         """Poll every instance now (tests: the index reflects everything finished so far)."""
         await self._poll_all()
 
     # ---- polling ------------------------------------------------------------------------------
-    def _ensure_poller(self) -> None:
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+    def _liveness(self, name: str) -> dict:
+        view = self.liveness.view(name)
+        return {"state": view.state.value, "quiet_s": round(view.quiet_s, 3),
+                "stalls": view.stalls}
 
-    async def _poll_forever(self) -> None:
+    def _ensure_poller(self) -> None:
+        loop = asyncio.get_running_loop()
+        for name in self.handles:
+            task = self._pollers.get(name)
+            if task is None or task.done():
+                self._pollers[name] = loop.create_task(self._poll_forever(name))
+
+    async def _poll_forever(self, name: str) -> None:
         while True:
             try:
-                await self._poll_all()
+                await self._poll(name)
             except Exception:  # noqa: BLE001 - the router keeps routing on what it knows
-                log.exception("router: polling the instances failed")
+                log.exception("router: polling %s failed", name)
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def _poll_all(self) -> None:
-        names = list(self.handles)
-        results = await asyncio.gather(
-            *(asyncio.wait_for(self.handles[n].poll.remote(), POLL_TIMEOUT_S) for n in names),
-            return_exceptions=True)
-        for name, res in zip(names, results):
-            if isinstance(res, BaseException):
-                self.broken[name] = f"poll failed: {type(res).__name__}: {res}"
-                continue
-            self._apply(name, res)
+        await asyncio.gather(*(self._poll(n) for n in self.handles))
+
+    async def _poll(self, name: str) -> None:
+        try:
+            res = await asyncio.wait_for(self.handles[name].poll.remote(), self.poll_timeout_s)
+        except asyncio.TimeoutError:
+            self.liveness.unanswered(name)
+            return
+        except Exception as exc:  # noqa: BLE001 - an unreachable or dead replica
+            self.broken[name] = f"poll failed: {type(exc).__name__}: {exc}"
+            self.liveness.unanswered(name)
+            return
+        self._apply(name, res)
 
     def _apply(self, name: str, poll: dict) -> None:
         if poll["broken"]:
@@ -102,6 +133,7 @@ class RouterDeployment:
         for data in poll["events"]:
             self.router.apply(CacheEventBatch.from_msgpack(data))
         self.loads[name] = poll["load"]
+        self.liveness.answered(name, poll["steps"], busy=poll["load"] > 0)
 
     async def _key_namespace(self) -> tuple[KeyNamespace, int]:
         """The instances' page-key namespace (they are built alike: any one answers)."""

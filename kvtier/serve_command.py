@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-salt", default="",
                    help="this deployment's tenant: seeds its page keys and L3 namespace")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stall-timeout-s", type=float, default=2.0,
+                   help="an instance with work that completes no step (or answers no poll) "
+                        "for this long is routed around and its unanswered requests are sent "
+                        "to another instance, until it steps again (default 2)")
 
 
 def settings_from(ns: argparse.Namespace) -> ServeSettings:
@@ -36,7 +40,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          hierarchical=not ns.no_hierarchical,
                          admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
-                         tenant_salt=ns.tenant_salt)
+                         tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s)
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -117,6 +117,10 @@ COUNTERS = {  # family -> (help, extra label names)
     "rank_restarts": ("Times an instance replaced its rank actors after a fault", ()),
     "rank_divergences": ("Of those, the times its ranks had fallen out of step (their "
                          "agreement saw different queues)", ()),
+    "instance_stalls": ("Times the router declared an instance stalled (work waiting and no "
+                        "step, or no poll answered, for the stall timeout)", ()),
+    "redispatched_requests": ("Requests re-sent to another instance because this one "
+                              "stalled while answering them", ()),
 }
 
 HISTOGRAMS = {  # family -> (help, buckets)
@@ -132,6 +136,7 @@ HISTOGRAMS = {  # family -> (help, buckets)
 GAUGES = {
     "host_used_tokens": "Tokens held in the L2 host pool",
     "host_total_tokens": "Capacity of the L2 host pool in tokens",
+    "instance_stalled": "1 while the router holds the instance stalled, else 0",
 }
 
 # (bytes key, seconds keys tried in order) for the interval bandwidth of a storage snapshot;
@@ -196,7 +201,18 @@ class ServeMetrics:
         if nbytes > 0 and seconds > 0:
             self._bandwidth(instance, write).observe(nbytes / seconds)
 
+    def observe_redispatch(self, instance: str) -> None:
+        """One request moved off `instance`, which stalled while answering it."""
+        self._counters["redispatched_requests"].labels(instance).inc()
+
     # ---- snapshots -----------------------------------------------------------------------
+    def update_liveness(self, instance: str, stalls: int, stalled: bool) -> None:
+        """The router's view of one instance: its stall count so far and whether it is
+        stalled now."""
+        self._gauges["instance_stalled"].labels(instance).set(int(stalled))
+        deltas = self._step(instance, "liveness", {"stalls": stalls})
+        self._counters["instance_stalls"].labels(instance).inc(deltas["stalls"])
+
     def update_cache(self, instance: str, counters: Mapping[str, float], host_used_tokens: int,
                      host_total_tokens: int, storage: Mapping[str, float] | None = None) -> None:
         """Fold one instance's cache snapshot (and its L3 snapshot, if it has L3) into the

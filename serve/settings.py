@@ -60,6 +60,8 @@ class ServeSettings:
     max_new_tokens: int = 256
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
+    stall_timeout_s: float = 2.0  # an instance with work that has not stepped this long is
+    # stalled: the router stops choosing it and its unanswered requests go to another one
     num_cpus_per_rank: float = 0.5
     served_model_name: str = ""  # "" = the model's own name
 
@@ -79,6 +81,7 @@ class ServeSettings:
         check_int(self.max_new_tokens, "max_new_tokens", 1, 1 << 16)
         check_int(self.max_body_bytes, "max_body_bytes", 1024, 64 << 20)
         check_float(self.request_timeout_s, "request_timeout_s", 1.0, 86400.0)
+        check_float(self.stall_timeout_s, "stall_timeout_s", 0.2, 3600.0)
         check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
         if not isinstance(self.hierarchical, bool):
             raise ConfigError(f"hierarchical: expected true or false, got {self.hierarchical!r}")

@@ -45,6 +45,8 @@ def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     restarts = {"rank_restarts": 0, "rank_divergences": 0}
     m.update_cache("a", cache_snapshot(lookups=1) | transfers | restarts, 10, 100,
                    StorageCounters().snapshot() | backend)
+    m.update_liveness("a", stalls=1, stalled=False)
+    m.observe_redispatch("a")
     fams = families(m)
     expected = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS)
     assert {f"kvtier_{name}" for name in expected} <= set(fams)

@@ -1,0 +1,121 @@
+"""One request's answer as the ingress reads it: from the instance the router chose, or, if
+the router declares that instance stalled while the answer is outstanding, from another one.
+
+The pure half is `kvtier.serve.redispatch` (which tokens are new) and `kvtier.serve.liveness`
+(when an instance is stalled, decided by the router); this module holds the Ray calls. While
+no item comes, the answer asks the router's states every `check_s`; when its instance is
+stalled it asks the router for another live one, sends the request there from its prompt,
+cancels the first stream (the instance aborts the request if the cancel reaches it; if not,
+its late items are never read) and passes on only the tokens the client does not have yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any, AsyncIterator, Callable
+
+from kvtier.serve.liveness import InstanceState
+from kvtier.serve.redispatch import SentTokens
+
+log = logging.getLogger(__name__)
+
+ROUTER_CALL_TIMEOUT_S = 5.0
+
+
+class RouterStates:
+    """The router's instance states, fetched at most every `max_age_s` however many requests
+    ask (one call in flight at a time)."""
+
+    def __init__(self, router: Any, max_age_s: float) -> None:
+        self._router, self._max_age_s = router, max_age_s
+        self._states: dict[str, str] = {}
+        self._at = -math.inf
+        self._fetch: asyncio.Task | None = None
+
+    async def stalled(self, name: str) -> bool:
+        """Whether the router holds `name` stalled (False while the router cannot say)."""
+        if time.monotonic() - self._at >= self._max_age_s:
+            if self._fetch is None or self._fetch.done():
+                self._fetch = asyncio.get_running_loop().create_task(self._refresh())
+            try:
+                await asyncio.shield(self._fetch)
+            except Exception as exc:  # noqa: BLE001 - keep waiting on what we have
+                log.warning("the router's instance states are unavailable: %s", exc)
+        return self._states.get(name) == InstanceState.STALLED.value
+
+    async def _refresh(self) -> None:
+        self._states = await asyncio.wait_for(self._router.states.remote(),
+                                              ROUTER_CALL_TIMEOUT_S)
+        self._at = time.monotonic()
+
+
+class RoutedAnswer:
+    """`items()`: the answer's items (`kvtier.actors.serve_instance` shapes), each with only
+    the tokens not passed on before; `cancel()` frees the instance serving it."""
+
+    def __init__(self, router: Any, instances: dict[str, Any], states: RouterStates,
+                 tokens: list[int], sampling: dict, instance: str, check_s: float,
+                 on_move: Callable[[str], None] = lambda _: None) -> None:
+        self._router, self._instances, self._states = router, instances, states
+        self._tokens, self._sampling, self._check_s = tokens, sampling, check_s
+        self._on_move = on_move  # called with the stalled instance's name
+        self.instance = instance
+        self.sent = SentTokens()
+        self._stream = self._open(instance)
+        self._next: asyncio.Future | None = None
+        self._finished = False
+
+    async def items(self) -> AsyncIterator[dict]:
+        while True:
+            if self._next is None:
+                self._next = asyncio.ensure_future(self._stream.__anext__())
+            done, _ = await asyncio.wait({self._next}, timeout=self._check_s)
+            if not done:
+                if await self._states.stalled(self.instance):
+                    await self._move()
+                continue
+            next_, self._next = self._next, None
+            try:
+                item = next_.result()
+            except StopAsyncIteration:
+                return
+            final = "finish_reason" in item
+            item = {**item, "tokens": self.sent.take(item["tokens"], final=final)}
+            self._finished = final
+            yield item
+            if final:
+                return
+
+    def cancel(self) -> None:
+        """Abort the request where it runs now (nothing is pending after its last item)."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+        if not self._finished:
+            self._stream.cancel()
+
+    def _open(self, instance: str) -> Any:
+        handle = self._instances[instance]
+        return handle.options(stream=True).generate.remote(self._tokens, self._sampling)
+
+    async def _move(self) -> None:
+        """Send the request to another live instance, if the router has one."""
+        try:
+            choice = await asyncio.wait_for(
+                self._router.choose.remote(self._tokens, avoid=(self.instance,)),
+                ROUTER_CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - keep waiting where it is
+            log.warning("re-dispatching from %s: the router did not answer: %s",
+                        self.instance, exc)
+            return
+        if choice["instance"] is None:
+            return  # no other instance is live: wait here, the deadline is checked again
+        stalled, self.instance = self.instance, choice["instance"]
+        log.warning("instance %s stalled with a request in flight (%d tokens sent): "
+                    "re-dispatched to %s", stalled, len(self.sent.ids), self.instance)
+        self.cancel()
+        self._stream = self._open(self.instance)
+        self.sent.restart()
+        self._on_move(stalled)

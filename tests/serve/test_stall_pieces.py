@@ -1,0 +1,242 @@
+"""The stall deadline without Ray: the router's liveness, the skipped prefix of a re-dispatched
+answer, and the ingress's `RoutedAnswer` driven by fake handles."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
+from kvtier.errors import ConfigError
+from kvtier.serve.liveness import InstanceState, Liveness, candidates
+from kvtier.serve.metrics import ServeMetrics
+from kvtier.serve.redispatch import AnswerDiverged, SentTokens
+from kvtier.serve.settings import ServeSettings
+from kvtier.serve_command import add_arguments, settings_from
+
+LIVE, STALLED = InstanceState.LIVE, InstanceState.STALLED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_busy_instance_without_a_step_stalls_and_comes_back_when_it_steps():
+    clock = Clock()
+    live = Liveness(["a", "b"], stall_timeout_s=2.0, clock=clock)
+    assert live.answered("a", steps=5, busy=True) is LIVE
+    clock.now += 1.9
+    assert live.answered("a", steps=5, busy=True) is LIVE  # answering, but not stepping
+    clock.now += 0.2
+    assert live.answered("b", steps=0, busy=False) is LIVE
+    assert live.answered("a", steps=5, busy=True) is STALLED
+    assert live.view("a").stalls == 1 and live.view("a").quiet_s == pytest.approx(2.1)
+    assert live.live() == {"b"}
+    assert live.answered("a", steps=6, busy=True) is LIVE  # it stepped again
+    assert live.view("a").stalls == 1 and live.live() == {"a", "b"}
+
+
+def test_idle_instance_is_live_however_long_ago_it_stepped():
+    clock = Clock()
+    live = Liveness(["a"], stall_timeout_s=2.0, clock=clock)
+    for _ in range(5):
+        clock.now += 10
+        assert live.answered("a", steps=1, busy=False) is LIVE
+    clock.now += 0.5  # work arrives after a long idle time: the deadline starts now
+    assert live.answered("a", steps=1, busy=True) is LIVE
+
+
+def test_unanswered_polls_stall_an_instance_an_answer_brings_it_back():
+    clock = Clock()
+    live = Liveness(["a"], stall_timeout_s=2.0, clock=clock)
+    live.answered("a", steps=3, busy=False)
+    clock.now += 1.0
+    assert live.unanswered("a") is LIVE
+    clock.now += 1.0
+    assert live.unanswered("a") is STALLED
+    clock.now += 3.0
+    assert live.state("a") is STALLED and live.view("a").stalls == 1  # counted once
+    assert live.answered("a", steps=3, busy=False) is LIVE  # idle and answering again
+    clock.now += 2.0
+    assert live.state("a") is STALLED and live.view("a").stalls == 2
+
+
+def test_candidates_leave_out_broken_stalled_and_avoided():
+    assert candidates({"a": 1, "b": 0, "c": 2}, {"b", "x"}) == {"a": 1, "c": 2}
+    assert candidates({"a": 1}, {"a"}) == {}
+
+
+def test_sent_tokens_skip_the_replayed_prefix():
+    sent = SentTokens()
+    assert sent.take([1, 2]) == [1, 2] and sent.take([3]) == [3]
+    sent.restart()  # the answer starts again on another instance
+    assert sent.take([1]) == [] and sent.take([2, 3, 4]) == [4]
+    assert sent.take([5], final=True) == [5] and sent.ids == [1, 2, 3, 4, 5]
+
+
+def test_sent_tokens_refuse_a_different_or_shorter_answer():
+    sent = SentTokens()
+    sent.take([1, 2, 3])
+    sent.restart()
+    with pytest.raises(AnswerDiverged, match="differs at token 1"):
+        sent.take([1, 9])
+    sent.restart()
+    with pytest.raises(AnswerDiverged, match="ended after 2 tokens"):
+        sent.take([1, 2], final=True)
+
+
+def test_stall_timeout_is_validated():
+    assert ServeSettings().stall_timeout_s == 2.0
+    assert ServeSettings.from_mapping({"stall_timeout_s": 5}).stall_timeout_s == 5
+    for bad in (0, -1, float("nan"), "2", True):
+        with pytest.raises(ConfigError, match="stall_timeout_s"):
+            ServeSettings(stall_timeout_s=bad)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_from(parser.parse_args([])).stall_timeout_s == 2.0
+    assert settings_from(parser.parse_args(["--stall-timeout-s", "5"])).stall_timeout_s == 5.0
+
+
+def test_stall_metrics_render():
+    m = ServeMetrics()
+    m.update_liveness("instance-0", stalls=0, stalled=False)
+    m.update_liveness("instance-0", stalls=2, stalled=True)
+    m.update_liveness("instance-0", stalls=2, stalled=True)
+    m.observe_redispatch("instance-0")
+    body = m.render()[0].decode()
+    assert 'kvtier_instance_stalls_total{instance="instance-0"} 2.0' in body
+    assert 'kvtier_instance_stalled{instance="instance-0"} 1.0' in body
+    assert 'kvtier_redispatched_requests_total{instance="instance-0"} 1.0' in body
+
+
+# ---- RoutedAnswer with fake handles ---------------------------------------------------------
+ANSWER = [10, 11, 12, 13, 14, 15]
+
+
+class FakeStream:
+    """An instance's answer: `items` (each a list of tokens; the last one final), then, if
+    `hang`, nothing more until cancelled."""
+
+    def __init__(self, items: list[list[int]], hang: bool) -> None:
+        self.items, self.hang, self.cancelled = list(items), hang, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        if not self.items:
+            if self.hang:
+                await asyncio.sleep(3600)
+            raise StopAsyncIteration
+        tokens = self.items.pop(0)
+        await asyncio.sleep(0.001)
+        if self.items or self.hang:
+            return {"tokens": tokens}
+        return {"tokens": tokens, "finish_reason": "length", "instance": "?"}
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeInstance:
+    def __init__(self, items: list[list[int]], hang: bool = False) -> None:
+        self.items, self.hang, self.streams = items, hang, []
+
+    def options(self, stream: bool):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, tokens, sampling) -> FakeStream:
+        self.streams.append(FakeStream(self.items, self.hang))
+        return self.streams[-1]
+
+
+class FakeRouter:
+    """Says `stalled` is stalled once asked `stall_after` times; choose gives `other`."""
+
+    def __init__(self, stalled: str, other: str | None, stall_after: int = 2) -> None:
+        self.stalled, self.other, self.stall_after = stalled, other, stall_after
+        self.asked, self.avoided = 0, []
+        self.states, self.choose = self._Call(self._states), self._Call(self._choose)
+
+    class _Call:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        async def remote(self, *args, **kw):
+            return self.fn(*args, **kw)
+
+    def _states(self) -> dict:
+        self.asked += 1
+        return {self.stalled: "stalled" if self.asked > self.stall_after else "live"}
+
+    def _choose(self, tokens, avoid=()) -> dict:
+        self.avoided.append(tuple(avoid))
+        return {"instance": self.other, "reason": "load", "hits": {}}
+
+
+def run_answer(instances: dict, router: FakeRouter) -> tuple[list[int], RoutedAnswer]:
+    moved: list[str] = []
+
+    async def go() -> tuple[list[int], RoutedAnswer]:
+        answer = RoutedAnswer(router, instances, RouterStates(router, max_age_s=0.0),
+                              [1, 2, 3], {}, "a", check_s=0.01, on_move=moved.append)
+        got = []
+        async for item in answer.items():
+            got.extend(item["tokens"])
+        return got, answer
+
+    got, answer = asyncio.run(asyncio.wait_for(go(), 10))
+    assert moved == ["a"] * answer.sent.restarts
+    return got, answer
+
+
+def test_a_stalled_answer_moves_and_the_client_gets_each_token_once():
+    a = FakeInstance([ANSWER[:2], ANSWER[2:3]], hang=True)  # three tokens, then nothing
+    b = FakeInstance([ANSWER[:4], ANSWER[4:]])
+    got, answer = run_answer({"a": a, "b": b}, FakeRouter("a", "b"))
+    assert got == ANSWER and answer.instance == "b" and answer.sent.restarts == 1
+    assert a.streams[0].cancelled and not b.streams[0].cancelled  # a's late answer: dropped
+
+
+def test_without_another_live_instance_the_answer_waits_where_it_is():
+    a = FakeInstance([ANSWER[:2]], hang=True)
+    router = FakeRouter("a", None)
+
+    async def first_items() -> list[int]:
+        answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1],
+                              {}, "a", check_s=0.01)
+        items = answer.items()
+        got = (await items.__anext__())["tokens"]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(items.__anext__(), 0.2)
+        answer.cancel()
+        return got
+
+    assert asyncio.run(first_items()) == ANSWER[:2]
+    assert len(a.streams) == 1 and a.streams[0].cancelled
+    assert router.avoided and set(router.avoided) == {("a",)}
+
+
+def test_a_re_dispatched_answer_that_differs_ends_with_an_error():
+    a = FakeInstance([ANSWER[:3]], hang=True)
+    b = FakeInstance([[10, 11, 99, 13]])
+    with pytest.raises(AnswerDiverged):
+        run_answer({"a": a, "b": b}, FakeRouter("a", "b"))
+
+
+def test_the_deadline_starts_when_first_asked_not_when_built():
+    clock = Clock()
+    live = Liveness(["a"], stall_timeout_s=2.0, clock=clock)
+    clock.now += 60  # Serve built the router long before the first request
+    assert live.live() == {"a"}
+    clock.now += 2
+    assert live.live() == set()
