@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
 from kvtier.actors.step_wire import StepReport, encode_output, encode_report
-from kvtier.backends.base import StorageBackend
+from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.config import HiCacheConfig
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.engine import Engine
@@ -41,6 +41,9 @@ from kvtier.tiers.storage_types import PageDirectoryClient
 log = logging.getLogger(__name__)
 
 RANK_NUM_CPUS = 0.5  # fractional: a TP=2 instance fits a 2-CPU Ray next to the driver
+# How often a rank asks the namespace actor whether its namespace moved to new storage (a
+# Mooncake master restarted on new ports: a new epoch); one small call between steps.
+L3_EPOCH_CHECK_S = 2.0
 
 
 class RankSettings(NamedTuple):
@@ -94,6 +97,7 @@ class RankCache:
     def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
         torch.set_num_threads(1)  # ranks share the machine's cores: one thread each
         self.rank, self.size = rank, size
+        self._l3: tuple[NamespaceInfo, str | None] | None = None  # the namespace attached
         self.tp = SINGLE if size == 1 else init_tp(rank, size, init_method,
                                                    timeout_s=settings.timeout_s, device_index=0)
         try:
@@ -108,6 +112,7 @@ class RankCache:
         self._reported: dict[int, int] = {}  # request id -> output tokens reported so far
         self._events = None  # a CacheEventLog once watch_cache() is called
         self._snapshot_rounds = 0  # agreement rounds already reported by cache_snapshot
+        self._l3_next_check = 0.0  # monotonic time of the next epoch check
         log.info("rank %d/%d ready: %d KV heads, %d L1 pages", rank, size,
                  self.engine.cache.spec.num_kv_heads, settings.device_pages)
 
@@ -157,6 +162,7 @@ class RankCache:
                               f"model, tenant salt and layout fingerprint (describe())")
         if cache.storage is not None:
             raise ConfigError("an L3 backend is attached already; detach it first")
+        self._l3 = (info, l3_actor)  # what a re-attach after an epoch change starts from
         cache.directory = None if l3_actor is None else self._directory(l3_actor)
         backend = self._open_backend(info)
         try:
@@ -191,6 +197,7 @@ class RankCache:
         self.steps += 1
         try:
             finished = self.engine.step()
+            self._follow_l3()
         finally:
             self.step_s += time.perf_counter() - start
         if self.rank != 0:
@@ -198,6 +205,32 @@ class RankCache:
         batch = self._events.drain() if self._events is not None else None
         return encode_report(StepReport(finished, self._progress(),
                                         None if batch is None else batch.to_msgpack()))
+
+    def _follow_l3(self) -> None:
+        """Re-attach when the namespace moved to new storage: its Mooncake master restarted
+        (new ports, an empty store, a new epoch) and this rank's client still talks to the
+        old one, missing every read. Checked between steps, at most every
+        L3_EPOCH_CHECK_S; ranks of one instance may switch a few steps apart, which is safe:
+        a rank whose client misses makes the agreed hit shorter, never wrong."""
+        cache = self.engine.cache
+        l3 = self._l3
+        if cache.storage is None or cache.directory is None or l3 is None:
+            return
+        now = time.monotonic()
+        if now < self._l3_next_check:
+            return
+        self._l3_next_check = now + L3_EPOCH_CHECK_S
+        info, l3_actor = l3
+        try:
+            current = cache.directory.info(info.namespace)
+        except StorageUnavailable:
+            return  # the actor is away: L3 misses meanwhile
+        if current.epoch == info.epoch:
+            return
+        log.warning("rank %d: L3 namespace %s moved to new storage (epoch %d -> %d); "
+                    "re-attaching", self.rank, info.namespace, info.epoch, current.epoch)
+        self.detach_l3()
+        self._attach(cache, current, l3_actor)
 
     def _progress(self) -> dict[int, tuple[int, ...]]:
         """Running requests whose output changed since the last step: their tokens so far."""

@@ -4,6 +4,14 @@ against cold, the agreement collective's time per scheduling step (p50/p99, and 
 collectives a step runs), and the actor-call overhead per step and per request.
 
     kvtier bench instances --json
+    kvtier bench instances --hosts 3 --l3 mooncake --json   # root: across three hosts
+
+With `--hosts 3` the same workload runs on three hosts of this machine (kvtier demo --hosts)
+and the report adds `ttft_l3_cross_host_ratio` (B's L3 hit on host 3 of what A computed on
+host 2, over B's cold TTFT on host 3), `l3_read_gbps` (kvtier's L3 reads, all ranks' bytes
+over the longest rank's read time), `raw_mooncake_read_gbps` (Mooncake's own batch_get_into
+of as many objects of the same size between the same hosts, as many readers as ranks),
+`raw_tcp_gbps` (one TCP stream host 2 -> host 3: the ceiling) and `bytes_across_hosts`.
 """
 from __future__ import annotations
 
@@ -20,14 +28,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TP ranks per instance (default 3: every step runs the agreement)")
     p.add_argument("--tokens", type=int, default=2000, help="document tokens (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
+    p.add_argument("--dtype", choices=demo.DTYPES, default="bf16", help="model and KV dtype")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="3: across three hosts made on this machine (root)")
 
 
 def main(ns: argparse.Namespace) -> int:
     params = demo.DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json,
-                             tp_size=ns.tp)
-    result, rows = demo.run(params)
+                             tp_size=ns.tp, dtype=ns.dtype, hosts=ns.hosts)
+    if ns.hosts:
+        from kvtier.demo_hosts import run_on_hosts
+
+        result, text = run_on_hosts(params, ceilings=True)
+        if not ns.json:
+            print(text)
+    else:
+        result, rows = demo.run(params)
+        if not ns.json:
+            print(demo_report.format_table(rows))
     result = {"benchmark": "instances", **result}
-    if not ns.json:
-        print(demo_report.format_table(rows))
     print(json.dumps(result))
     return 0 if result["identical"] else 1

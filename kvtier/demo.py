@@ -323,10 +323,25 @@ def _tier_scenarios(instances: dict, work: _Workload, cold: list,
         if expected == "L2":
             inst.evict_device()
         inst.quiesce()
+        before = _l3_reads(inst)
         out = inst.generate([work.prompts[q]], work.greedy)[0]
-        rows.append(Row(name, q + 1, expected, out, cold[q], work.tok.decode(out.tokens)))
+        after = _l3_reads(inst)
+        read = None
+        if before is not None and after is not None:
+            read = (sum(b for b, _ in after) - sum(b for b, _ in before),
+                    max(a[1] - b[1] for a, b in zip(after, before)))
+        rows.append(Row(name, q + 1, expected, out, cold[q], work.tok.decode(out.tokens),
+                        read if read and read[0] else None))
         progress.done()
     return rows
+
+
+def _l3_reads(inst: Any) -> list[tuple[int, float]] | None:
+    """(bytes read, seconds reading) of each rank's L3 client; None without an L3."""
+    snaps = [inst.rank_call(r, "cache_snapshot")["storage"] for r in range(inst.size)]
+    if any(s is None for s in snaps):
+        return None
+    return [(s["bytes_read"], s["read_s"]) for s in snaps]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

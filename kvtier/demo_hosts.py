@@ -81,25 +81,58 @@ def inner_args(params: Any, run: HostsRun) -> list[str]:
     return args
 
 
-def run_on_hosts(params: Any, extra: Sequence[str] = ()) -> tuple[dict, str]:
-    """Run the demo on three hosts; its JSON summary (plus `bytes_across_hosts`, `hosts`)
-    and the text it printed before the JSON line."""
+def run_on_hosts(params: Any, extra: Sequence[str] = (), ceilings: bool = False
+                 ) -> tuple[dict, str]:
+    """Run the demo on three new hosts; its JSON summary and the text it printed before
+    the JSON line. `ceilings`: also measure, between the same hosts, a plain TCP stream and
+    Mooncake's own reads of what B read from L3."""
     with HostsRun(HOSTS, params.tp_size) as run:
-        before = run.net.bytes_sent()
-        proc = run.ray.driver_popen([*inner_args(params, run), *extra],
-                                    stdout=subprocess.PIPE, text=True)
-        out, _ = proc.communicate(timeout=3600)
-        sent = {h: n - before[h] for h, n in run.net.bytes_sent().items()}
-        lines = out.rstrip().splitlines()
-        if proc.returncode not in (0, 1) or not lines or not lines[-1].startswith("{"):
-            raise RuntimeError(f"the demo's driver in host 1 exited {proc.returncode}:\n"
-                               f"{out[-4000:]}")
-        result = json.loads(lines[-1])
-        result["bytes_across_hosts"] = sum(sent.values())
-        result["bytes_sent_by_host"] = sent
-        result["hosts"] = {h.name: h.address for h in run.net.hosts}
-        result["placement"] = run.placement()
-        return result, "\n".join(lines[:-1])
+        result, text = run_demo(run, params, extra)
+        if ceilings:
+            result.update(measure_ceilings(run, result))
+        return result, text
+
+
+def run_demo(run: HostsRun, params: Any, extra: Sequence[str] = ()) -> tuple[dict, str]:
+    """The demo's driver inside host 1 of `run`; its summary plus `bytes_across_hosts` (and
+    per host), `hosts`, `placement` and `ttft_l3_cross_host_ratio`."""
+    before = run.net.bytes_sent()
+    proc = run.ray.driver_popen([*inner_args(params, run), *extra],
+                                stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=3600)
+    sent = {h: n - before[h] for h, n in run.net.bytes_sent().items()}
+    lines = out.rstrip().splitlines()
+    if proc.returncode not in (0, 1) or not lines or not lines[-1].startswith("{"):
+        raise RuntimeError(f"the demo's driver in host 1 exited {proc.returncode}:\n"
+                           f"{out[-4000:]}")
+    result = json.loads(lines[-1])
+    result["bytes_across_hosts"] = sum(sent.values())
+    result["bytes_sent_by_host"] = sent
+    result["hosts"] = {h.name: h.address for h in run.net.hosts}
+    result["placement"] = run.placement()
+    result["ttft_l3_cross_host_ratio"] = result.get("ttft_l3_cross_instance_ratio")
+    return result, "\n".join(lines[:-1])
+
+
+def measure_ceilings(run: HostsRun, result: dict) -> dict:
+    """`raw_tcp_gbps` (host 2 -> host 3) and `raw_mooncake_read_gbps`: a client on host 3
+    reading, with one reader per TP rank, the objects B read from L3 (same count and size),
+    stored by a client on host 2 under a master on host 1."""
+    from kvtier.bench.host_ceilings import mooncake_read_gbps, tcp_gbps
+
+    h1, h2, h3 = run.net.hosts
+    out = {"raw_tcp_gbps": round(tcp_gbps(h2, h3), 3)}
+    l3 = [r for r in result["requests"] if r.get("l3_read_bytes")]
+    if l3:
+        tp = result["tp_size"]
+        objects = 2 * tp * l3[0]["cached"]["storage"] // result["page_size"]  # k and v parts
+        object_bytes = l3[0]["l3_read_bytes"] // objects
+        raw = mooncake_read_gbps(h1, h2, h3, object_bytes, objects, readers=tp)
+        out["raw_mooncake_read_gbps"] = round(raw.gbps, 3)
+        out["raw_mooncake_read"] = {"objects": objects, "object_bytes": object_bytes}
+        if result.get("l3_read_gbps"):
+            out["l3_read_vs_raw_mooncake"] = round(result["l3_read_gbps"] / raw.gbps, 3)
+    return out
 
 
 def main(params: Any) -> int:

@@ -17,6 +17,8 @@ class Row(NamedTuple):
     out: Any  # kvtier.engine.Output of the cached run
     cold: Any  # Output of the cold run of the same prompt
     text: str = ""  # the answer, decoded
+    # L3 bytes this request's ranks read and the longest time a rank spent reading them
+    l3_read: tuple[int, float] | None = None
 
     @property
     def tier(self) -> str:
@@ -38,7 +40,9 @@ class Row(NamedTuple):
                 "expected_tier": self.expected, "lengths": self.out.lengths._asdict(),
                 "cached": self.out.cached._asdict(), "ttft_s": round(self.out.ttft_s, 4),
                 "ttft_cold_s": round(self.cold.ttft_s, 4), "ratio": round(self.ratio, 4),
-                "identical": self.identical, "answer": self.text}
+                "identical": self.identical, "answer": self.text,
+                **({"l3_read_bytes": self.l3_read[0], "l3_read_s": round(self.l3_read[1], 5)}
+                   if self.l3_read else {})}
 
 
 def summary(params: Any, rows: list[Row], stats: dict, calls: dict, doc_len: int,
@@ -55,6 +59,7 @@ def summary(params: Any, rows: list[Row], stats: dict, calls: dict, doc_len: int
         "ttft_l3_cross_instance_ratio": round(by_tier["L3"].ratio, 4) if "L3" in by_tier
         else None,
         "tiers_as_expected": all(r.tier == r.expected for r in rows),
+        "l3_read_gbps": l3_read_gbps(rows),
     }
     result.update(agreement_figures([s for per in stats.values() for s in per]))
     result.update(call_overhead(stats, calls))
@@ -66,6 +71,15 @@ def summary(params: Any, rows: list[Row], stats: dict, calls: dict, doc_len: int
         "requests": [r.to_json() for r in rows], "runtime_s": round(runtime_s, 1),
     })
     return result
+
+
+def l3_read_gbps(rows: list[Row]) -> float | None:
+    """GB/s of the L3 reads of the requests that hit L3: every rank's bytes over the longest
+    time one rank spent reading (the ranks read at the same time)."""
+    reads = [r.l3_read for r in rows if r.l3_read and r.l3_read[1] > 0]
+    if not reads:
+        return None
+    return round(sum(b for b, _ in reads) / sum(s for _, s in reads) / 1e9, 3)
 
 
 def agreement_figures(ranks: list) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from kvtier.messages import NamespaceInfo
 from kvtier.tiers.storage_worker import StorageOp
 from kvtier.tiers.tree_node import TreeNode
 
@@ -29,6 +30,10 @@ class PageDirectoryClient(Protocol):
     def release(self, lease_id: str) -> bool: ...
 
     def report_missing(self, ns: str, hashes: Sequence[str]) -> int: ...
+
+    def info(self, ns: str) -> NamespaceInfo:
+        """The namespace as registered now (its epoch grows when its storage moves)."""
+        ...
 
 
 @dataclass
