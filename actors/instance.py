@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from kvtier.actors.cluster_placement import unplaced_message
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
                                       RankStats, create_rank_actor)
 from kvtier.actors.step_wire import decode_output, decode_report
@@ -27,7 +28,7 @@ from kvtier.engine.agreement import AgreementError
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError, KvtierError, PlacementError
 from kvtier.messages import NamespaceInfo
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,21 @@ class Instance:
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         self.ranks: list[Any] = []
         try:
-            self._get(self._pg.ready(), ready_timeout_s, "placing the rank bundles")
+            self._wait_placed(bundle, strategy)
             self._start_ranks()
         except BaseException:
             self.close()
             raise
         log.info("instance ready: TP=%d (%s)", tp_size, strategy)
+
+    def _wait_placed(self, bundle: dict[str, float], strategy: str) -> None:
+        """Wait for the placement group; a PlacementError naming the nodes that offer what
+        the bundles ask for if Ray cannot place it within ready_timeout_s."""
+        ready, _ = ray.wait([self._pg.ready()], timeout=self.ready_timeout_s)
+        if not ready:
+            raise PlacementError(unplaced_message(bundle, self.size, strategy,
+                                                  self.ready_timeout_s))
+        ray.get(ready[0])
 
     def _start_ranks(self) -> None:
         init_method = loopback_init_method()

@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import Any
 
+from kvtier.actors.cluster_placement import place
 from kvtier.actors.rank_actor import RankCache
 from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
@@ -65,37 +66,47 @@ def app_builder(args: dict[str, Any]) -> Any:
     if not (args or {}).get("admin_key"):
         log.warning("no admin_key in the Serve config: the admin endpoints use the random key "
                     "%s (set admin_key to choose one)", settings.admin_key)
-    return build_app(settings)
+    return build_app(place(settings, joined=None))  # checked before any deployment starts
 
 
 def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
           address: str | None = None, rank_class: type[RankCache] = RankCache) -> Any:
-    """Start (or join, with `address`) Ray and Serve and deploy the graph; its handle."""
-    import ray
+    """Start (or join, with `address`: see actors/ray_join.py) Ray and Serve and deploy the
+    graph; its handle. A placement the cluster cannot meet fails before Serve starts."""
     from ray import serve
 
-    from kvtier.actors.ray_env import pin_to_loopback, start_local_ray
+    from kvtier.actors.ray_env import start_local_ray
+    from kvtier.actors.ray_join import join_cluster
 
     if address is None:
         start_local_ray(num_cpus=max(2, settings.rank_cpus + 1))
     else:
-        pin_to_loopback(auth=False)
-        ray.init(address=address, log_to_driver=False)
+        join_cluster(address)
+    settings = place(settings, joined=address is not None)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     return serve.run(build_app(settings, rank_class), name=APP_NAME, route_prefix="/",
                      blocking=False)
 
 
-def stop() -> None:
-    """Delete the app, stop Serve and the local Ray cluster (and its namespace actor)."""
+def stop(joined: bool = False) -> None:
+    """Delete the app, stop Serve and the local Ray cluster (and its namespace actor). On a
+    cluster kvtier `joined`, only the app goes: Serve, the namespace actor and the cluster
+    stay for whoever else uses them, and this process disconnects."""
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     from kvtier.actors.ray_env import shutdown_local_ray
 
     if ray.is_initialized():
         try:
-            serve.shutdown()
+            if not joined:
+                serve.shutdown()
+            else:
+                try:
+                    serve.delete(APP_NAME)
+                except RayServeException:  # Serve never started (placement failed first)
+                    pass
         finally:
             shutdown_local_ray()
 
@@ -113,4 +124,4 @@ def serve_forever(settings: ServeSettings, host: str, port: int, address: str | 
         print(f"kvtier: admin key: {settings.admin_key}", flush=True)
         done.wait()
     finally:
-        stop()
+        stop(joined=address is not None)

@@ -23,6 +23,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
+from kvtier.serve.placement import RANK_STRATEGY, head_resources, rank_resources
 from kvtier.serve.settings import DType, ModelChoice, ServeSettings
 from kvtier.storage_options import parse_storage_options
 from kvtier.policies import StorageBackendKind
@@ -74,7 +75,8 @@ class InstanceDeployment:
         self.name, self.settings = name, ServeSettings.from_mapping(settings)
         s = self.settings
         instance = Instance(rank_settings(s), tp_size=s.tp_size,
-                            num_cpus_per_rank=s.num_cpus_per_rank, rank_class=rank_class)
+                            num_cpus_per_rank=s.num_cpus_per_rank, rank_class=rank_class,
+                            strategy=RANK_STRATEGY, resources=rank_resources(s))
         self.server = InstanceServer(instance, name)
         self.l3: dict[str, Any] | None = None
         if s.storage_backend is not None:
@@ -171,7 +173,8 @@ class InstanceDeployment:
                               f"({self.l3['backend']}); detach it first")
         server, s = self.server, self.settings
         desc = server.call(lambda inst: inst.describe()).result(CALL_TIMEOUT_S)
-        client = get_or_create_namespace_actor(s.l3_actor, s.l3_state_dir or None)
+        client = get_or_create_namespace_actor(s.l3_actor, s.l3_state_dir or None,
+                                               resources=head_resources(s))
         info = client.register(NamespaceSpec(desc.model, desc.tenant_salt,
                                              desc.layout_fingerprint, kind, options,
                                              tp_size=s.tp_size, page_bytes=desc.page_bytes))

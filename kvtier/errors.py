@@ -35,3 +35,14 @@ class ClosedError(KvtierError, RuntimeError):
 class CacheUsageError(KvtierError, ValueError):
     """The cache was called in a way that breaks its contract (unlock without lock, page
     lists of the wrong length): a bug in the caller, reported instead of corrupting state."""
+
+
+class PlacementError(KvtierError, RuntimeError):
+    """The Ray cluster cannot place what a deployment asks for (no node offers a custom
+    resource, or not enough of it): raised before anything is created, naming the resource,
+    the amount needed and the nodes that offer it."""
+
+
+class ClusterJoinError(KvtierError, ConnectionError):
+    """Joining an existing Ray cluster failed (unreachable, or a token it requires is
+    missing or wrong)."""

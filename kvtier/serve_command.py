@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvtier.serve.placement import PlacementMode
 from kvtier.serve.settings import L3_NONE, ModelChoice, ServeSettings
 
 
@@ -11,7 +12,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HTTP address (default 127.0.0.1; anything else exposes the API)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None,
-                   help="join this Ray cluster instead of starting a local one")
+                   help="join this Ray cluster instead of starting a local one (run on one of "
+                        "its nodes; with token auth, set RAY_AUTH_MODE=token and the token)")
+    p.add_argument("--placement", choices=[m.value for m in PlacementMode], default="auto",
+                   help="resources: the namespace actor on a node offering kvtier_head, "
+                        "each rank on 1 unit of kvtier_instance, checked before deploying; "
+                        "anywhere: no custom resources; auto (default): resources with "
+                        "--address, anywhere on the local cluster")
     p.add_argument("--model", choices=[m.value for m in ModelChoice], default="smollm2")
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
@@ -40,7 +47,8 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          hierarchical=not ns.no_hierarchical,
                          admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
-                         tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s)
+                         tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
+                         placement=ns.placement)
 
 
 def main(ns: argparse.Namespace) -> int:

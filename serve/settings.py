@@ -18,6 +18,8 @@ from typing import Any, Mapping
 from kvtier.errors import ConfigError
 from kvtier.policies import StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
+from kvtier.serve.placement import (HEAD_RESOURCE, INSTANCE_RESOURCE, PlacementMode,
+                                    check_resource_name)
 from kvtier.storage_options import check_abs_path, check_float, check_int
 
 MAX_INSTANCES = 64
@@ -64,11 +66,17 @@ class ServeSettings:
     # stalled: the router stops choosing it and its unanswered requests go to another one
     num_cpus_per_rank: float = 0.5
     served_model_name: str = ""  # "" = the model's own name
+    placement: PlacementMode = PlacementMode.AUTO  # custom resources (serve/placement.py)
+    head_resource: str = HEAD_RESOURCE  # the namespace actor's node offers it
+    instance_resource: str = INSTANCE_RESOURCE  # 1 unit per rank
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         set_("model", ModelChoice.parse(self.model, "model"))
         set_("dtype", DType.parse(self.dtype, "dtype"))
+        set_("placement", PlacementMode.parse(self.placement, "placement"))
+        check_resource_name(self.head_resource, "head_resource")
+        check_resource_name(self.instance_resource, "instance_resource")
         check_int(self.instances, "instances", 1, MAX_INSTANCES)
         check_int(self.tp_size, "tp_size", 1, 8)
         check_int(self.page_size, "page_size", 1, 4096)
@@ -125,6 +133,7 @@ class ServeSettings:
         """Plain values (enums as strings): what crosses to the deployments."""
         out = dataclasses.asdict(self)
         out["model"], out["dtype"] = self.model.value, self.dtype.value
+        out["placement"] = self.placement.value
         return out
 
     @property

@@ -5,20 +5,16 @@ namespace in tmp_path that both nodes reach (one machine: one filesystem). B hit
 pages A wrote and answers with the same greedy tokens as A's cold run."""
 from __future__ import annotations
 
-import os
 import random
-import signal
-import time
 import uuid
 
 import pytest
 import torch
 
-from kvtier.actors.ray_env import LOOPBACK, pin_to_loopback  # sets Ray's env before Ray starts
+from kvtier.actors.ray_env import LOOPBACK  # sets Ray's env before Ray starts
 
 import ray  # noqa: E402  (after ray_env: it pins Ray to loopback at import)
 import ray._private.state as ray_state  # noqa: E402  (the GCS tables: no dashboard needed)
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from kvtier.actors.instance import Instance  # noqa: E402
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor  # noqa: E402
@@ -27,10 +23,9 @@ from kvtier.config import HiCacheConfig  # noqa: E402
 from kvtier.demo import namespace_spec  # noqa: E402
 from kvtier.engine.sampling import SamplingParams  # noqa: E402
 from kvtier.engine.tp_worker import TinyWeights  # noqa: E402
-from kvtier.netcheck import descendants, listening
+from kvtier.netcheck import listening  # noqa: E402
 
 PAGE = 16
-MiB = 1 << 20
 HEAD_RES, NODE1_RES, NODE2_RES = "kvtier_head", "kvtier_node1", "kvtier_node2"
 CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",
                        prefetch_threshold_tokens=PAGE)
@@ -43,33 +38,13 @@ PROMPT = [_rng.randrange(1, 256) for _ in range(4 * PAGE + 6)]  # four full page
 pytestmark = pytest.mark.timeout(180)
 
 
-def _node_args(resources: dict[str, float]) -> dict:
-    return {"num_cpus": 1, "resources": resources, "node_ip_address": LOOPBACK,
-            "include_dashboard": False, "object_store_memory": 96 * MiB}
-
-
 @pytest.fixture(scope="module")
-def cluster():
-    assert not ray.is_initialized(), "another test module left Ray running in this process"
-    pin_to_loopback()
-    before = descendants(os.getpid())
-    c = Cluster(initialize_head=True, head_node_args=_node_args({HEAD_RES: 1, NODE1_RES: 1}))
-    try:
-        worker = c.add_node(**_node_args({NODE2_RES: 1}))
+def cluster(cluster_factory):
+    with cluster_factory((1, {HEAD_RES: 1, NODE1_RES: 1}), (1, {NODE2_RES: 1})) as c:
         ray.init(address=c.address, log_to_driver=False, _node_ip_address=LOOPBACK)
         c.wait_for_nodes(timeout=60)
-        c.node_ids = {NODE1_RES: c.head_node.node_id, NODE2_RES: worker.node_id}
-        c.pids = lambda: descendants(os.getpid()) - before
+        c.node_ids = {NODE1_RES: c.head_node.node_id, NODE2_RES: c.workers[0].node_id}
         yield c
-    finally:
-        started = descendants(os.getpid()) - before
-        ray.shutdown()
-        c.shutdown()
-        deadline = time.monotonic() + 15
-        while started & descendants(os.getpid()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in started & descendants(os.getpid()):  # leak nothing into later modules
-            os.kill(pid, signal.SIGKILL)
 
 
 def _node_of(actor) -> str:

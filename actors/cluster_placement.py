@@ -1,0 +1,58 @@
+"""The Ray side of placement: the alive nodes' resources, and the serve settings made
+concrete and checked against them before anything is deployed (serve/placement.py decides)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import ray
+import ray._private.state as ray_state
+
+from kvtier.policies import StorageBackendKind
+from kvtier.serve.placement import (NodeResources, PlacementMode, check_placement,
+                                    describe_offers, needs_of, resolve_mode)
+from kvtier.serve.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+
+def cluster_nodes() -> list[NodeResources]:
+    """Every alive node of the cluster this process is connected to."""
+    free = ray_state.available_resources_per_node()
+    return [NodeResources(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]),
+                          dict(free.get(n["NodeID"], {})))
+            for n in ray.nodes() if n["Alive"]]
+
+
+def place(settings: ServeSettings, joined: bool | None) -> ServeSettings:
+    """`settings` with a concrete placement (AUTO resolved: `joined` as in
+    `resolve_mode`); with RESOURCES, checked against the cluster now: a PlacementError
+    names what is short before any actor is created."""
+    nodes, needs = cluster_nodes(), needs_of(settings)
+    mode = resolve_mode(settings.placement, joined, nodes, needs)
+    if mode is PlacementMode.RESOURCES:
+        plan = check_placement(needs, nodes)
+        for wait in plan.waits:
+            log.warning("placement: %s", wait)
+        log.info("placement: namespace actor on %s, instances on %s", plan.head_nodes or "-",
+                 plan.instance_slots)
+        if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL) \
+                and not settings.l3_root:
+            log.warning("placement: l3_root is unset, so L3 goes to a temporary directory on "
+                        "each node; instances on different nodes share no pages: set l3_root "
+                        "to a directory every node mounts")
+    if mode is not settings.placement:
+        log.info("placement %s: %s", settings.placement, mode)
+    return dataclasses.replace(settings, placement=mode)
+
+
+def unplaced_message(bundle: dict[str, float], count: int, strategy: str,
+                     waited_s: float) -> str:
+    """Why `count` bundles like `bundle` are still not placed, with the nodes offering each
+    resource they ask for."""
+    nodes = cluster_nodes()
+    offers = "; ".join(f"{name}: {describe_offers(nodes, name)}" for name in bundle)
+    return (f"Ray placed none of {count} bundles of {bundle} ({strategy}) in "
+            f"{waited_s:g} s; the nodes' totals: {offers}. Free those resources (other "
+            f"deployments' ranks hold them) or start nodes offering them (`ray status` shows "
+            f"what is in use)")
