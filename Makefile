@@ -3,7 +3,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo demo-single test bench-tree bench-transfer bench-storage bench-prefix bench-instances bench-matrix clean-venv
+.PHONY: demo demo-single test test-ray-up bench-tree bench-transfer bench-storage bench-prefix bench-instances bench-matrix clean-venv
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -17,6 +17,10 @@ demo-single: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# `ray up` of cluster.yaml over three harness hosts, then kvtier serve on it (root, sshd)
+test-ray-up: $(STAMP)
+	$(PY) -m pytest -q -m '' tests/hosts/test_ray_up.py
 
 bench-tree: $(STAMP)
 	$(PY) -m kvtier bench gen-trace --out /tmp/kvtier-trace.jsonl

@@ -17,6 +17,18 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
     fi
 fi
 
+# The host harness's `ray up` test (make test-ray-up) runs an sshd per host and rsyncs to it.
+if ! { [ -x /usr/sbin/sshd ] && command -v rsync >/dev/null; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "bootstrap: installing Debian openssh-server and rsync (the ray up test)"
+        (apt-get install -y -q openssh-server rsync >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && apt-get install -y -q openssh-server rsync >/dev/null; }) \
+            || echo "bootstrap: warning: could not install openssh-server and rsync; make test-ray-up will fail"
+    else
+        echo "bootstrap: warning: sshd or rsync is missing; install them (apt-get install openssh-server rsync) for make test-ray-up"
+    fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
