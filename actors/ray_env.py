@@ -59,30 +59,6 @@ def start_local_ray(num_cpus: int = 2, object_store_memory: int = DEFAULT_OBJECT
     return ctx
 
 
-def join_cluster(address: str = "auto", **init_kwargs: Any) -> Any:
-    """Connect this driver to a running (multi-host) cluster as it is: its address, its auth.
-
-    Undoes the loopback pin this module set at import (a driver pinned to 127.0.0.1 looks for
-    a raylet on 127.0.0.1 and finds none on a node that runs on its network address) and
-    leaves RAY_AUTH_MODE and the token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
-    ~/.ray/auth_token) to the cluster's operator: joining never turns auth on or off.
-    """
-    if ray.is_initialized():
-        raise RuntimeError("Ray is already initialized in this process; call ray.shutdown() "
-                           "first, or use the running cluster")
-    for key in LOOPBACK_ENV:
-        os.environ.pop(key, None)  # the actors this driver starts inherit nothing of it
-    ray_constants.ENABLE_RAY_CLUSTER = True  # read at import; Ray's services read it per call
-    init_kwargs.setdefault("log_to_driver", False)
-    try:
-        return ray.init(address=address, **init_kwargs)
-    except ray.exceptions.AuthenticationError as exc:
-        raise ConnectionError(
-            f"the Ray cluster at {address} requires its auth token: copy it to "
-            "~/.ray/auth_token on this node (or set RAY_AUTH_TOKEN_PATH / RAY_AUTH_TOKEN), "
-            "as cluster.yaml does for its nodes") from exc
-
-
 def shutdown_local_ray() -> None:
     """Stop the cluster this process started (its detached actors end with it)."""
     if ray.is_initialized():

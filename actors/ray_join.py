@@ -19,8 +19,7 @@ Auth is left as it is: nothing here sets RAY_AUTH_MODE or a token. Ray 2.60 find
 in RAY_AUTH_TOKEN, a file named by RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, but sends it to
 an explicit address only when RAY_AUTH_MODE=token (it turns token mode on by itself only for a
 cluster it finds on its own); without it a cluster with token auth answers "Failed to
-connect", so the errors below say so. (actors/ray_env.join_cluster, added for the demo, does
-the same unpinning for every address and raises a plain ConnectionError.)
+connect", so the errors below say so.
 """
 from __future__ import annotations
 

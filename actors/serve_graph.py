@@ -23,6 +23,7 @@ from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
 from kvtier.actors.serve_router import RouterDeployment
 from kvtier.policies import StorageBackendKind
+from kvtier.serve.placement import PlacementMode
 from kvtier.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,28 @@ the namespace actor a registry beside it."""
     return settings
 
 
+# On a cluster the ingress, the router and each instance's driver (its deployment replica)
+# run beside Serve's HTTP proxy on the head node (HeadOnly), the ranks on instance nodes: a
+# worker host that fails or is cut off takes its own instance away, never the API, the
+# routing or another instance's driver.
+_ON_HEAD = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+
+
 def build_app(settings: ServeSettings, rank_class: type[RankCache] = RankCache) -> Any:
     """The bound application: `Ingress(router, instances)`. `rank_class`: what the rank
     actors run (tests pass one that injects faults)."""
     s = resolve(settings)
     values = s.to_mapping()
+    on_head = {"ray_actor_options": _ON_HEAD} if s.placement is PlacementMode.RESOURCES else {}
     instances = {}
     for i in range(s.instances):
         name = f"instance-{i}"
-        instances[name] = InstanceDeployment.options(name=name).bind(name, values, rank_class)
-    router = RouterDeployment.bind(instances, values)
-    return Ingress.bind(router, instances, values)
+        instances[name] = InstanceDeployment.options(name=name, **on_head).bind(
+            name, values, rank_class)
+    router, ingress = RouterDeployment, Ingress
+    if on_head:
+        router, ingress = router.options(**on_head), ingress.options(**on_head)
+    return ingress.bind(router.bind(instances, values), instances, values)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

@@ -249,7 +249,8 @@ def _run_on_local_ray(params: DemoParams, work: _Workload, tmp: str,
 
 def _start_ray(params: DemoParams, progress: _Progress) -> None:
     from kvtier.actors.rank_actor import RANK_NUM_CPUS
-    from kvtier.actors.ray_env import join_cluster, start_local_ray
+    from kvtier.actors.ray_env import start_local_ray
+    from kvtier.actors.ray_join import join_cluster
 
     if params.address is not None:
         progress.stage(f"joining the Ray cluster at {params.address}")

@@ -27,7 +27,10 @@ class HostsRun:
     """Three hosts and a Ray cluster over them; `close()` stops every process by PID and
     deletes the namespaces and the work directory."""
 
-    def __init__(self, hosts: int = HOSTS, tp_size: int = 3) -> None:
+    def __init__(self, hosts: int = HOSTS, tp_size: int = 3, instances_per_host: int = 2
+                 ) -> None:
+        """Worker hosts offer `kvtier_instance` (and CPUs) for `instances_per_host`
+        instances of `tp_size` ranks each."""
         from kvtier.actors.rank_actor import RANK_NUM_CPUS
         from kvtier.hosts.network import HostNetwork
         from kvtier.hosts.ray_nodes import RayHosts, private_tmp
@@ -39,10 +42,11 @@ class HostsRun:
         self.net = HostNetwork.up(hosts, private_tmp(self.workdir, hosts))
         try:
             self.ray = RayHosts(self.net, f"{self.workdir}/ray")
-            # host 3 holds B and the cold reference: two instances of tp_size ranks
-            cpus = max(2, round(2 * tp_size * RANK_NUM_CPUS + 0.49))
+            # the demo's host 3 holds B and the cold reference: two instances
+            ranks = instances_per_host * tp_size
+            cpus = max(2, round(ranks * RANK_NUM_CPUS + 0.49))
             self.ray.start(head_resources={"kvtier_head": 1},
-                           worker_resources={"kvtier_instance": 2 * tp_size}, worker_cpus=cpus)
+                           worker_resources={"kvtier_instance": ranks}, worker_cpus=cpus)
         except BaseException:
             self.close()
             raise

@@ -27,7 +27,7 @@ import uuid
 
 import torch
 
-from kvtier.actors.ray_env import join_cluster
+from kvtier.actors.ray_join import join_cluster
 
 join_cluster("auto")
 

@@ -1,0 +1,117 @@
+"""`kvtier serve --address auto` on a three-host cluster (token auth on): the ingress on host
+1, one instance on host 2 and one on host 3 (each worker offers one instance's
+`kvtier_instance`), a file L3 on a directory every host mounts, the load generator in the
+root namespace. (With Mooncake the cut host's client segments hold pages too, so transfers of
+the other instance that touch them wait for the link as well.) Host 3's link is cut for 5 s while requests are in flight: Ray does not declare
+the node dead that fast, so kvtier's router deadline (2 s) does it: the instance is marked
+stalled, its unanswered requests are answered by the other instance, each exactly once and
+equal to the answer before the cut, and once the link is back the instance steps again and
+is taken back."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from kvtier.demo_hosts import HostsRun
+
+pytestmark = pytest.mark.timeout(600)
+PORT = 8000
+ADMIN_KEY = "hosts-test-admin"
+PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, and then" for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with HostsRun(3, tp_size=1, instances_per_host=1) as run:
+        h1 = run.net.hosts[0]
+        log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+        proc = run.ray.driver_popen(
+            ["-m", "kvtier", "serve", "--address", "auto", "--host", h1.address,
+             "--port", str(PORT), "--instances", "2", "--tp", "1", "--model", "tiny",
+             "--l3", "file", "--l3-root", f"{run.shared_dir}/serve-l3", "--admin-key", ADMIN_KEY, "--stall-timeout-s", "2",
+             "--max-new-tokens", "64"], stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://{h1.address}:{PORT}"
+        try:
+            _wait_healthy(base, proc, log.name)
+            yield run, base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, log_name: str, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvtier serve exited {proc.returncode}; see {log_name}:\n"
+                                 + open(log_name).read()[-4000:])
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"kvtier serve did not become healthy in {timeout_s} s; see {log_name}")
+
+
+def _post(base: str, path: str, body: dict, timeout_s: float = 120, admin: bool = False):
+    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {ADMIN_KEY}"}
+                                             if admin else {})})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def _get(base: str, path: str, admin: bool = False) -> dict:
+    req = urllib.request.Request(f"{base}{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+                                 if admin else {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _complete(base: str, prompt: str) -> dict:
+    return _post(base, "/v1/completions", {"model": "kvtier-tiny", "prompt": prompt,
+                                           "max_tokens": 48, "temperature": 0})
+
+
+def test_link_cut_redispatches_then_takes_the_instance_back(served) -> None:
+    run, base = served
+    h3 = run.net.hosts[2]
+    reference = {p: _complete(base, p)["choices"][0]["text"] for p in PROMPTS}
+    before = _get(base, "/admin/router", admin=True)["instances"]
+    assert len(before) == 2 and all(i["state"] == "live" for i in before.values()), before
+
+    h3.set_link(False)
+    cut_at = time.monotonic()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = {p: pool.submit(_complete, base, p) for p in PROMPTS}
+            time.sleep(max(0.0, 5.0 - (time.monotonic() - cut_at)))
+    finally:
+        h3.set_link(True)
+    answers = {p: f.result(timeout=180) for p, f in futures.items()}
+    for p, a in answers.items():
+        assert len(a["choices"]) == 1 and a["choices"][0]["text"] == reference[p], (p, a)
+
+    status = _get(base, "/admin/router", admin=True)["instances"]
+    stalled = [n for n, i in status.items() if i["stalls"] > before[n]["stalls"]]
+    assert len(stalled) == 1, (before, status)  # host 3's instance, and only it
+    deadline = time.monotonic() + 120
+    while status[stalled[0]]["state"] != "live":  # it steps again: taken back
+        assert time.monotonic() < deadline, status
+        time.sleep(1)
+        status = _get(base, "/admin/router", admin=True)["instances"]
+    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    assert "kvtier_redispatched_requests_total" in metrics
