@@ -82,10 +82,13 @@ class RayHosts:
 
     def start(self, head_resources: Mapping[str, float] | None = None,
               worker_resources: Mapping[str, float] | None = None, *, head_cpus: int = 1,
-              worker_cpus: int = 2, wait_s: float = WAIT_NODES_S) -> list[dict]:
+              worker_cpus: int = 2, wait_s: float = WAIT_NODES_S,
+              head_env: Mapping[str, str] | None = None) -> list[dict]:
         """Start the head and the workers and wait until all are alive; the nodes as Ray
-        lists them (ip, resources)."""
-        self._ray_start(self.head, ["--head", f"--port={GCS_PORT}"], head_cpus, head_resources)
+        lists them (ip, resources). `head_env`: Ray settings for the head (its GCS), e.g.
+        RAY_health_check_period_ms."""
+        self._ray_start(self.head, ["--head", f"--port={GCS_PORT}"], head_cpus, head_resources,
+                        head_env)
         self.started = True
         for host in self.net.hosts[1:]:
             self._ray_start(host, [f"--address={self.address}"], worker_cpus, worker_resources)
@@ -96,13 +99,14 @@ class RayHosts:
         return nodes
 
     def _ray_start(self, host, args: Sequence[str], cpus: int,
-                   resources: Mapping[str, float] | None) -> None:
+                   resources: Mapping[str, float] | None,
+                   env: Mapping[str, str] | None = None) -> None:
         argv = [ray_binary(), "start", *args, f"--node-ip-address={host.address}",
                 f"--num-cpus={cpus}", f"--object-store-memory={OBJECT_STORE_BYTES}",
                 "--disable-usage-stats", f"--resources={json.dumps(dict(resources or {}))}"]
         if "--head" in args:
             argv.append("--include-dashboard=false")
-        host.run(argv, env=self.env(), timeout_s=120)
+        host.run(argv, env=self.env(**(env or {})), timeout_s=120)
 
     def start_worker(self, host, resources: Mapping[str, float] | None = None,
                      cpus: int = 2) -> None:

@@ -27,10 +27,10 @@ class HostsRun:
     """Three hosts and a Ray cluster over them; `close()` stops every process by PID and
     deletes the namespaces and the work directory."""
 
-    def __init__(self, hosts: int = HOSTS, tp_size: int = 3, instances_per_host: int = 2
-                 ) -> None:
+    def __init__(self, hosts: int = HOSTS, tp_size: int = 3, instances_per_host: int = 2,
+                 head_env: dict[str, str] | None = None) -> None:
         """Worker hosts offer `kvtier_instance` (and CPUs) for `instances_per_host`
-        instances of `tp_size` ranks each."""
+        instances of `tp_size` ranks each; `head_env`: Ray settings of the head."""
         from kvtier.actors.rank_actor import RANK_NUM_CPUS
         from kvtier.hosts.network import HostNetwork
         from kvtier.hosts.ray_nodes import RayHosts, private_tmp
@@ -46,7 +46,8 @@ class HostsRun:
             ranks = instances_per_host * tp_size
             cpus = max(2, round(ranks * RANK_NUM_CPUS + 0.49))
             self.ray.start(head_resources={"kvtier_head": 1},
-                           worker_resources={"kvtier_instance": ranks}, worker_cpus=cpus)
+                           worker_resources={"kvtier_instance": ranks}, worker_cpus=cpus,
+                           head_env=head_env)
         except BaseException:
             self.close()
             raise
