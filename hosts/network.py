@@ -25,6 +25,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator, Mapping, NamedTuple, Sequence
@@ -79,8 +80,8 @@ class Host(NamedTuple):
     def command(self, argv: Sequence[str]) -> list[str]:
         """`argv` wrapped to run inside this host (its network and private mounts)."""
         inner = list(argv)
-        if self.mounts:
-            binds = " && ".join(f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}"
+        if self.mounts:  # recursive: a private dir carries the paths kept inside it
+            binds = " && ".join(f"mount --rbind {shlex.quote(src)} {shlex.quote(dst)}"
                                 for dst, src in self.mounts.items())
             inner = ["sh", "-c", f"{binds} && exec \"$@\"", "sh", *inner]
         return ["ip", "netns", "exec", self.netns, *inner]
@@ -111,6 +112,43 @@ class Host(NamedTuple):
     def set_link(self, up: bool) -> None:
         """Cut (`up=False`) or restore this host's link to the bridge."""
         _ip("-n", self.netns, "link", "set", _veth(self.netns), "up" if up else "down")
+
+
+def keep_paths() -> list[str]:
+    """What every host must see as this machine has it, whatever private directory covers
+    it: this checkout (the harness runs its modules and scripts inside the hosts) and this
+    Python (the venv and the installation its interpreter links to)."""
+    checkout = Path(__file__).resolve().parent.parent  # hosts/ sits at the checkout's top
+    return sorted({str(checkout), sys.prefix, sys.base_prefix,
+                   str(Path(sys.executable).resolve().parent.parent)})
+
+
+def private_dirs(base: str | os.PathLike, n: int, target: str, name: str, mode: int,
+                 keep: Sequence[str] | None = None) -> list[dict[str, str]]:
+    """Mounts giving each of `n` hosts its own `target` directory (`base`/hostK/`name`), as
+    separate machines have. Paths of `keep` (default: keep_paths()) under `target` stay the
+    machine's own: each is bound onto the same place inside the private directory first,
+    and the private directory goes over `target` with its submounts."""
+    keep = keep_paths() if keep is None else keep
+    inside = sorted({p for p in keep if Path(p).is_relative_to(target) and Path(p) != Path(target)})
+    mounts = []
+    for i in range(n):
+        d = Path(base) / f"host{i + 1}" / name
+        d.mkdir(parents=True, exist_ok=True)
+        d.chmod(mode)
+        m = {}
+        for path in inside:
+            view = d / Path(path).relative_to(target)
+            view.mkdir(parents=True, exist_ok=True)
+            m[str(view)] = path
+        m[target] = str(d)
+        mounts.append(m)
+    return mounts
+
+
+def merge_mounts(*per_host: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """One mounts dict per host from several lists, in the order given."""
+    return [{k: v for m in mounts for k, v in m.items()} for mounts in zip(*per_host)]
 
 
 def _veth(netns: str) -> str:

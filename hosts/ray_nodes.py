@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from kvtier.hosts.network import HostNetwork, HostsUnavailable
+from kvtier.hosts.network import HostNetwork, HostsUnavailable, private_dirs
 
 GCS_PORT = 6379
 MiB = 1 << 20
@@ -153,14 +153,9 @@ class RayHosts:
 
 def private_tmp(base: str | os.PathLike, n: int) -> list[dict[str, str]]:
     """Mounts giving each of `n` hosts a /tmp of its own (under `base`): a node-local temp
-    directory, as on separate machines (Ray's session files included)."""
-    mounts = []
-    for i in range(n):
-        d = Path(base) / f"host{i + 1}" / "tmp"
-        d.mkdir(parents=True, exist_ok=True)
-        d.chmod(0o1777)
-        mounts.append({"/tmp": str(d)})
-    return mounts
+    directory, as on separate machines (Ray's session files included); this checkout and
+    its Python stay visible where they are."""
+    return private_dirs(base, n, "/tmp", "tmp", 0o1777)
 
 
 def wait_port(host_address: str, port: int, timeout_s: float) -> bool:

@@ -32,9 +32,9 @@ from typing import Any
 
 import yaml
 
-from kvtier.hosts.network import HostNetwork, HostsUnavailable
+from kvtier.hosts.network import HostNetwork, HostsUnavailable, merge_mounts
 from kvtier.hosts.ray_nodes import NODES_PROBE, SCRUBBED, RayHosts, private_tmp, ray_binary
-from kvtier.hosts.sshd import SSH_USER, SshHosts, merge_mounts, private_homes
+from kvtier.hosts.sshd import SSH_USER, SshHosts, private_homes
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_YAML = REPO / "cluster.yaml"

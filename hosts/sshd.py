@@ -18,11 +18,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
-from kvtier.hosts.network import STATE_DIR, Host, HostNetwork, HostsUnavailable
+from kvtier.hosts.network import STATE_DIR, Host, HostNetwork, HostsUnavailable, private_dirs
 from kvtier.hosts.ray_nodes import wait_port
 
 SSHD = "/usr/sbin/sshd"
@@ -57,30 +56,9 @@ def private_homes(base: str | os.PathLike, n: int, home: str = SSH_HOME,
                   keep: Sequence[str] | None = None) -> list[dict[str, str]]:
     """Mounts giving each of `n` hosts its own `home` (under `base`), owner-only as sshd's
     StrictModes wants it. `keep`: paths under `home` that stay the machine's own inside every
-    host (default: this interpreter's installation when it lives there, e.g. pyenv's, which
-    a venv's python links to; separate machines each have their own)."""
-    keep = [p for p in ([sys.base_prefix] if keep is None else keep)
-            if Path(p).is_relative_to(home)]
-    mounts = []
-    for i in range(n):
-        d = Path(base) / f"host{i + 1}"
-        (d / "home").mkdir(parents=True, exist_ok=True)
-        (d / "home").chmod(0o700)
-        views = {}
-        for j, path in enumerate(keep):  # bound before `home` is covered, then back over it
-            view = d / "keep" / str(j)
-            view.mkdir(parents=True, exist_ok=True)
-            (d / "home" / Path(path).relative_to(home)).mkdir(parents=True, exist_ok=True)
-            views[str(view)] = path
-        mounts.append({**views, home: str(d / "home"),
-                       **{path: view for view, path in views.items()}})
-    return mounts
-
-
-def merge_mounts(*per_host: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
-    """One mounts dict per host from several lists, in the order given (a home under /tmp
-    must be bound before a private /tmp hides its source)."""
-    return [{k: v for m in mounts for k, v in m.items()} for mounts in zip(*per_host)]
+    host (default: this checkout and this Python when they live there, e.g. pyenv's, which a
+    venv's python links to; separate machines each have their own)."""
+    return private_dirs(base, n, home, "home", 0o700, keep)
 
 
 def ssh_keygen(path: Path, comment: str) -> Path:

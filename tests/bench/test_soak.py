@@ -31,7 +31,10 @@ def test_a_short_soak_on_the_actor_system_at_tp3_with_two_instances(capsys):
     nothing hangs, nothing leaks on any rank."""
     rc = cli.main(["bench", "soak", "--tp", "3", "--instances", "2", "--model", "tiny",
                    "--minutes", "0.25", "--fault-every", "1.0", "--seed", "5", "--json"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert lines, f"the soak printed no result (rc {rc}); its stderr:\n{captured.err[-4000:]}"
+    result = json.loads(lines[-1])
     assert rc == 0, result
     assert result["sent"] > 0 and result["faults_injected"] >= 5
     assert result["answered"] + result["aborted"] == result["sent"]
