@@ -87,19 +87,20 @@ class Host(NamedTuple):
         return ["ip", "netns", "exec", self.netns, *inner]
 
     def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              **kwargs) -> subprocess.Popen:
-        """Start `argv` inside the host (in a session of its own); it is stopped with the
-        host's other processes at teardown."""
-        full_env = {**os.environ, **(env or {})}
-        return subprocess.Popen(self.command(argv), env=full_env, start_new_session=True,
-                                **kwargs)
+              unset: Sequence[str] = (), **kwargs) -> subprocess.Popen:
+        """Start `argv` inside the host (in a session of its own) with this environment,
+        `unset` removed and `env` added; it is stopped with the host's other processes at
+        teardown."""
+        return subprocess.Popen(self.command(argv), env=_environ(env, unset),
+                                start_new_session=True, **kwargs)
 
     def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-            timeout_s: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
-        """Run `argv` inside the host to completion; its output, text."""
-        full_env = {**os.environ, **(env or {})}
-        proc = subprocess.run(self.command(argv), env=full_env, capture_output=True, text=True,
-                              timeout=timeout_s)
+            timeout_s: float = 120.0, check: bool = True, unset: Sequence[str] = ()
+            ) -> subprocess.CompletedProcess:
+        """Run `argv` inside the host to completion (environment as for `popen`); its
+        output, text."""
+        proc = subprocess.run(self.command(argv), env=_environ(env, unset), capture_output=True,
+                              text=True, timeout=timeout_s)
         if check and proc.returncode != 0:
             raise HostsUnavailable(f"{shlex.join(argv)} in {self.name} exited {proc.returncode}:"
                                    f"\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -149,6 +150,12 @@ def private_dirs(base: str | os.PathLike, n: int, target: str, name: str, mode: 
 def merge_mounts(*per_host: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
     """One mounts dict per host from several lists, in the order given."""
     return [{k: v for m in mounts for k, v in m.items()} for mounts in zip(*per_host)]
+
+
+def _environ(env: Mapping[str, str] | None, unset: Sequence[str]) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in unset}
+    out.update(env or {})
+    return out
 
 
 def _veth(netns: str) -> str:

@@ -72,7 +72,8 @@ class RayHosts:
 
     def env(self, with_token: bool = True, **extra: str) -> dict[str, str]:
         """The environment of a Ray process in a host: auth on with this cluster's token
-        (`with_token=False`: auth on, no token, for refusal tests)."""
+        (`with_token=False`: auth on, no token, for refusal tests). Run it with
+        `unset=SCRUBBED`: Host merges it into this process's environment."""
         env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
         env["RAY_AUTH_MODE"] = "token"
         if with_token:
@@ -106,7 +107,7 @@ class RayHosts:
                 "--disable-usage-stats", f"--resources={json.dumps(dict(resources or {}))}"]
         if "--head" in args:
             argv.append("--include-dashboard=false")
-        host.run(argv, env=self.env(**(env or {})), timeout_s=120)
+        host.run(argv, env=self.env(**(env or {})), timeout_s=120, unset=SCRUBBED)
 
     def start_worker(self, host, resources: Mapping[str, float] | None = None,
                      cpus: int = 2) -> None:
@@ -118,12 +119,13 @@ class RayHosts:
         """Run `python ARGV` as a driver inside host 1 (RAY_ADDRESS set); its output."""
         return self.head.run([sys.executable, *argv],
                              env=self.env(RAY_ADDRESS=self.address, **(env or {})),
-                             timeout_s=timeout_s, check=check)
+                             timeout_s=timeout_s, check=check, unset=SCRUBBED)
 
     def driver_popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
                      **kwargs) -> subprocess.Popen:
         return self.head.popen([sys.executable, *argv],
-                               env=self.env(RAY_ADDRESS=self.address, **(env or {})), **kwargs)
+                               env=self.env(RAY_ADDRESS=self.address, **(env or {})),
+                               unset=SCRUBBED, **kwargs)
 
     def nodes(self, expect: int = 0, wait_s: float = 0.0) -> list[dict]:
         """Alive nodes (waiting up to `wait_s` for `expect` of them)."""

@@ -21,6 +21,7 @@ import pytest
 
 from kvtier.demo import DemoParams
 from kvtier.demo_hosts import HostsRun, run_demo
+from kvtier.hosts.ray_nodes import SCRUBBED
 from kvtier.netcheck import listening
 
 pytestmark = pytest.mark.timeout(900)
@@ -105,7 +106,7 @@ def test_auth_refuses_clients_without_the_token(run) -> None:
     for env in ({"RAY_AUTH_TOKEN_PATH": "/nonexistent"}, {"RAY_AUTH_TOKEN": "0" * 64}):
         bad = run.ray.head.run([sys.executable, *probe],
                                env=run.ray.env(with_token=False, RAY_ADDRESS=run.ray.address,
-                                               **env), check=False)
+                                               **env), check=False, unset=SCRUBBED)
         assert bad.returncode != 0, bad.stdout
         assert "AuthenticationError" in bad.stderr or "Failed to connect" in bad.stderr, \
             bad.stderr[-2000:]
