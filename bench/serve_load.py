@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, NamedTuple
 
 import aiohttp
@@ -67,7 +67,8 @@ class RequestRecord(NamedTuple):
     latency_s: float | None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_prompt_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    cached_prompt_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens;
+    # None: the server did not report it (vLLM without --enable-prompt-tokens-details)
     cached_by_tier: dict | None = None  # the `kvtier` usage extension, when the server sends it
     error: str = ""
 
@@ -95,11 +96,18 @@ class LoadResult:
     latency_mean_s: float | None
     latency_p90_s: float | None
     ttft_by_round_s: list  # mean TTFT of answered requests per round (None: none answered)
-    cached_tokens: dict  # by tier, from the `kvtier` usage extension
-    cached_prompt_tokens: int  # the standard usage figure, all tiers together
+    cached_tokens: dict | None  # by tier, from the `kvtier` usage extension (None: not sent)
+    cached_prompt_tokens: int | None  # the standard usage figure, all tiers (None: not reported)
     prompt_tokens: int
     completion_tokens: int
     error_kinds: dict = field(default_factory=dict)
+    # Every answered request reported usage.prompt_tokens_details.cached_tokens; when not,
+    # the cached figures and hit rates are None (unknown), never 0.
+    cached_tokens_reported: bool = False
+    # Cached prompt tokens / prompt tokens over rounds 2 and later: the share of the resent
+    # history the server reused instead of recomputing.
+    hit_rate_after_round1: float | None = None
+    model: str = ""  # what the requests named
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -199,21 +207,28 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> S
 
 
 def answered_record(client: int, round_: int, res: StreamResult) -> RequestRecord:
-    details = res.usage.get("prompt_tokens_details") or {}
+    details = res.usage.get("prompt_tokens_details")
+    cached = reported_int(details.get("cached_tokens")) if isinstance(details, dict) else None
     tiers = res.kvtier.get("cached_tokens")
     by_tier = {t: as_int(tiers.get(t)) for t in TIERS} if isinstance(tiers, dict) else None
     return RequestRecord(client, round_, True, res.ttft_s, res.latency_s,
                          as_int(res.usage.get("prompt_tokens")),
-                         as_int(res.usage.get("completion_tokens")),
-                         as_int(details.get("cached_tokens")), by_tier)
+                         as_int(res.usage.get("completion_tokens")), cached, by_tier)
 
 
 def as_int(value: object) -> int:
     """A usage figure as an int; a missing or odd one counts 0 rather than failing the run."""
+    return reported_int(value) or 0
+
+
+def reported_int(value: object) -> int | None:
+    """A usage figure as an int; None when the server left it out (or sent no number)."""
+    if value is None or isinstance(value, bool):
+        return None
     try:
-        return int(value or 0)
+        return int(value)
     except (TypeError, ValueError):
-        return 0
+        return None
 
 
 def failed_record(client: int, round_: int, kind: str) -> RequestRecord:
@@ -276,7 +291,8 @@ async def run_load(base_url: str, params: LoadParams) -> LoadResult:
         model = params.model or await served_model(
             session, base, min(params.request_timeout_s, params.timeout_s))
         records, duration_s = await drive(session, base + "/v1/chat/completions", model, params)
-    return summarize(records, params.clients * params.rounds, params.rounds, duration_s)
+    result = summarize(records, params.clients * params.rounds, params.rounds, duration_s)
+    return replace(result, model=model)
 
 
 async def drive(session: aiohttp.ClientSession, url: str, model: str,
@@ -356,17 +372,29 @@ def summarize(records: list[RequestRecord], planned: int, rounds: int,
     ttfts = [r.ttft_s for r in ok]
     latencies = [r.latency_s for r in ok]
     by_round = [mean([r.ttft_s for r in ok if r.round == i]) for i in range(rounds)]
-    cached = {t: sum((r.cached_by_tier or {}).get(t, 0) for r in ok) for t in TIERS}
+    by_tier = None
+    if ok and all(r.cached_by_tier is not None for r in ok):
+        by_tier = {t: sum(r.cached_by_tier.get(t, 0) for r in ok) for t in TIERS}
+    reported = bool(ok) and all(r.cached_prompt_tokens is not None for r in ok)
     return LoadResult(
         requests=len(records), answered=len(ok), errors=len(records) - len(ok), planned=planned,
         duration_s=duration_s, requests_per_s=len(ok) / duration_s if duration_s > 0 else 0.0,
         ttft_mean_s=mean(ttfts), ttft_p90_s=percentile(ttfts, 90),
         latency_mean_s=mean(latencies), latency_p90_s=percentile(latencies, 90),
-        ttft_by_round_s=by_round, cached_tokens=cached,
-        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in ok),
+        ttft_by_round_s=by_round, cached_tokens=by_tier,
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in ok) if reported else None,
         prompt_tokens=sum(r.prompt_tokens for r in ok),
         completion_tokens=sum(r.completion_tokens for r in ok),
-        error_kinds=dict(Counter(r.error for r in records if not r.ok)))
+        error_kinds=dict(Counter(r.error for r in records if not r.ok)),
+        cached_tokens_reported=reported,
+        hit_rate_after_round1=hit_rate([r for r in ok if r.round >= 1]) if reported else None)
+
+
+def hit_rate(records: list[RequestRecord]) -> float | None:
+    """Cached prompt tokens / prompt tokens of `records` (which all reported their cached
+    tokens); None without prompt tokens to divide by."""
+    prompt = sum(r.prompt_tokens for r in records)
+    return sum(r.cached_prompt_tokens for r in records) / prompt if prompt else None
 
 
 def compare(on: LoadResult, off: LoadResult) -> dict[str, Any]:
