@@ -10,19 +10,18 @@ runs the same load (same seed, same L1 size) against `hierarchical=False` and pr
 `serve_load.compare(on, off)`: the on figures at the top level, the off ones under "off",
 and `round2_ttft_ratio` (round-2 mean TTFT on / off).
 
-Why the prefill chunk is one page. The engine reuses a cached prefix only up to the
-prefill grid (multiples of `chunk_tokens`: a hit off the grid is recomputed, which keeps
-logits bit-identical to a cold run), and only pages that prefill wrote enter the cache (not
-the answer's decode pages). With the serve default of 512-token chunks a follow-up would
-reuse only whole 512-token blocks of its history, so the bench runs
-`chunk_tokens = page_size = 64` (`--chunk-tokens`), on and off alike.
+The engine and cache settings are `kvtier serve`'s defaults (`ServeSettings`), the prefill
+chunk included (512 tokens), so the figures are what a default deployment gives. Where the
+engine reuses a cached prefix only down to the prefill grid (multiples of `chunk_tokens`:
+`ModelRunner.usable_prefix`), a follow-up reuses its history in whole chunks, so the chunk
+bounds the hit rate; `hit_rate_after_round1` shows what was reused, and `--chunk-tokens 64`
+(one page) runs the finest grid, at a slower prefill.
 
 The default load: each conversation is about a document (a 1,000-word first turn, about
 1,070 tokens with the chat template), then 30-word questions, 16-token answers, 3 rounds, 4
-clients starting at once (`--rate 0`). Round r+1 resends round r's prompt, so from round 2
-on about 90% of a prompt is a prefix the server computed before; only pages that prefill
-wrote are cached (decode pages are not: invariant 1), and hits are reused up to the chunk
-grid.
+clients starting at once (`--rate 0`). Round r+1 resends round r's prompt and answer, so
+from round 2 on about 90% of a prompt is a prefix the server computed before; how much of it
+the server reuses is `hit_rate_after_round1`.
 
 Why the default L1 is small. The comparison is about a history that L1 could not keep: with
 the cache on it comes back from L2 (a copy), with it off it is recomputed (a prefill). So the
@@ -32,10 +31,11 @@ all four), never below the smallest L1 that admits the last round. L2 (hicache_r
 holds every history. One instance by default: on two cores a second one only competes for
 the same CPUs.
 
-What bounds the ratio here. A round-2 request computes only its new question, but it waits
-for L1 room behind the other clients' requests (admission is first come, first served), so
-round-2 TTFT with the cache on is mostly queueing on this 2-core machine; measured ratios are
-in docs and the closing notes, not asserted anywhere.
+What bounds the ratio here. A round-2 request computes only the part of its prompt it does
+not reuse (its new question, and what the chunk grid leaves), but it waits for L1 room
+behind the other clients' requests (admission is first come, first served), so round-2 TTFT
+with the cache on is mostly queueing on this 2-core machine; measured ratios are in docs and
+the closing notes, not asserted anywhere.
 
 The server's `max_new_tokens` is set to `--max-tokens` (every request asks exactly that), so
 it does not eat L1 room the load never uses. With `--json`, whatever Ray prints on stdout
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -58,8 +59,9 @@ from kvtier.errors import ConfigError
 from kvtier.serve.settings import ModelChoice, ServeSettings
 
 LOOPBACK = "127.0.0.1"
-PAGE_SIZE = 64
-CHUNK_TOKENS = PAGE_SIZE  # see the module docstring: the reuse grid
+SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
+PAGE_SIZE = SERVE_DEFAULTS["page_size"]
+CHUNK_TOKENS = SERVE_DEFAULTS["chunk_tokens"]  # see the module docstring: the reuse grid
 # Prompt-size estimate for the synthetic chat (SmolLM2 chat template, measured with its
 # tokenizer): the default system prompt and the first turn's header, then per round the
 # words (about 1.02 tokens each: a few words split in two) and the turn's template tokens.
@@ -81,17 +83,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1000; 0: --turn-tokens)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument("--instances", type=int, default=1, help="model instances (default 1)")
-    p.add_argument("--model", choices=[m.value for m in ModelChoice], default="smollm2")
+    p.add_argument("--model", choices=[m.value for m in ModelChoice],
+                   default=SERVE_DEFAULTS["model"].value,
+                   help=f"(default {SERVE_DEFAULTS['model'].value}, as kvtier serve)")
     p.add_argument("--device-pages", type=int, default=None,
-                   help="L1 pages per rank, page size 64 (default: two conversations' "
-                        "histories, so they do not all fit)")
+                   help=f"L1 pages per rank, page size {PAGE_SIZE} (default: two "
+                        "conversations' histories, so they do not all fit)")
     p.add_argument("--compare-off", action="store_true",
                    help="then run the same load with the cache off (L1 only, same L1 size)")
     p.add_argument("--port", type=int, default=8100, help="HTTP port on 127.0.0.1 (default 8100)")
     p.add_argument("--seed", type=int, default=0, help="the synthetic text and arrivals")
     p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
-                   help="prefill chunk, a multiple of 64; hits are reused only up to its grid "
-                        f"(default {CHUNK_TOKENS})")
+                   help=f"prefill chunk, a multiple of {PAGE_SIZE}; hits are reused only up "
+                        f"to its grid (default {CHUNK_TOKENS}, as kvtier serve)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds for each run's load, requests in flight included (default 600)")
 

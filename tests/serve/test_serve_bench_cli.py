@@ -26,7 +26,7 @@ def test_defaults() -> None:
     assert ns.first_turn_tokens == 1000
     assert (ns.instances, ns.model, ns.port, ns.seed) == (1, "smollm2", 8100, 0)
     assert ns.device_pages is None and not ns.compare_off and not ns.json
-    assert ns.chunk_tokens == 64  # hits are reused up to the chunk grid: one page
+    assert ns.chunk_tokens == ServeSettings().chunk_tokens  # kvtier serve's default
 
 
 def test_flags() -> None:
@@ -71,7 +71,8 @@ def test_default_l1_admits_the_last_round_but_not_every_history() -> None:
                                                       first_turn_tokens=ns.first_turn_tokens)
     # ...but L1 holds one or two conversations, far from all four
     assert per_conversation < s.device_pages <= 2 * per_conversation
-    assert s.chunk_tokens == s.page_size
+    defaults = ServeSettings()
+    assert (s.chunk_tokens, s.page_size) == (defaults.chunk_tokens, defaults.page_size)
     assert s.device_pages < ns.clients * per_conversation
     # and the default follows the shape
     assert serve_bench.default_device_pages(3, 400, 16, first_turn_tokens=2000) > s.device_pages
