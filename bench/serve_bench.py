@@ -1,14 +1,30 @@
-"""`kvtier bench serve`: the serve graph under the multi-turn chat load, with the cache on and
-(`--compare-off`) off.
+"""`kvtier bench serve`: a multi-turn chat load over HTTP, against the serve graph with the
+cache on and (`--compare-off`) off, or against any OpenAI-compatible server (`--base-url`).
 
     kvtier bench serve --json                       # cache on: L1 + L2 + file L3
     kvtier bench serve --compare-off --json         # then the same load with L1 only
+    kvtier bench serve --base-url http://127.0.0.1:8000 --json    # a server already running
 
-Each run starts the app on a new local Ray cluster (`actors.serve_graph.start`), drives
-`serve_load` against http://127.0.0.1:<port> and stops it (in a `finally`). `--compare-off`
-runs the same load (same seed, same L1 size) against `hierarchical=False` and prints
-`serve_load.compare(on, off)`: the on figures at the top level, the off ones under "off",
-and `round2_ttft_ratio` (round-2 mean TTFT on / off).
+Without `--base-url` each run starts the app on a new local Ray cluster
+(`actors.serve_graph.start`), drives `serve_load` against http://127.0.0.1:<port> and stops
+it (in a `finally`). `--compare-off` runs the same load (same seed, same L1 size) against
+`hierarchical=False` and prints `serve_load.compare(on, off)`: the on figures at the top
+level, the off ones under "off", and `round2_ttft_ratio` (round-2 mean TTFT on / off).
+
+With `--base-url` nothing starts: the same load (the bench's clients, rounds, words, answer
+tokens, seed and rate) goes to that server as it was started (vLLM, SGLang, kvtier on another
+machine). The flags that configure kvtier's own app (`AppFlag`: --compare-off, --instances,
+--model, --device-pages, --chunk-tokens, --port) are refused with it: they would not change
+the server, and a cache-off baseline there is a second run against that server started with
+its cache off. `--served-model-name` is what the requests name (default: the first model
+`GET /v1/models` lists).
+
+Cached tokens come from `usage.prompt_tokens_details.cached_tokens` (kvtier always sends it;
+vLLM with `--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`). When an
+answer lacks it, the JSON says `cached_tokens_reported: false` and the cached figures and
+hit rates are null, not 0. By tier (`cached_tokens`) comes only from kvtier's own `kvtier`
+usage field. `hit_rate_after_round1` is cached prompt tokens / prompt tokens over rounds 2
+and later: the share of the resent history the server reused.
 
 The engine and cache settings are `kvtier serve`'s defaults (`ServeSettings`), the prefill
 chunk included (512 tokens), so the figures are what a default deployment gives. Where the
@@ -51,6 +67,7 @@ import os
 import shutil
 import sys
 import tempfile
+import urllib.parse
 from typing import Any, Iterator
 
 from kvtier.bench import emit
@@ -70,8 +87,24 @@ TOKENS_PER_WORD = 1.05
 TEMPLATE_TURN_TOKENS = 12
 
 
+class AppFlag(argparse.Action):
+    """Stores the flag's value (True for a switch, `nargs=0`) and notes the flag in
+    `ns.app_flags`: it configures kvtier's own app, which --base-url does not start."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        namespace.app_flags = (*namespace.app_flags, option_string)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(app_flags=())
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
+    p.add_argument("--base-url", default=None,
+                   help="send the load to this OpenAI-compatible server (http://host:port, "
+                        "with or without /v1) instead of starting kvtier's app")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model the requests name (default: the first model the server "
+                        "lists); without --base-url also the name kvtier's app serves")
     p.add_argument("--clients", type=int, default=4, help="conversations (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per conversation (default 3)")
     p.add_argument("--rate", type=float, default=0.0,
@@ -82,22 +115,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="words of each conversation's first turn, a document it is about "
                         "(default 1000; 0: --turn-tokens)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
-    p.add_argument("--instances", type=int, default=1, help="model instances (default 1)")
-    p.add_argument("--model", choices=[m.value for m in ModelChoice],
-                   default=SERVE_DEFAULTS["model"].value,
-                   help=f"(default {SERVE_DEFAULTS['model'].value}, as kvtier serve)")
-    p.add_argument("--device-pages", type=int, default=None,
-                   help=f"L1 pages per rank, page size {PAGE_SIZE} (default: two "
-                        "conversations' histories, so they do not all fit)")
-    p.add_argument("--compare-off", action="store_true",
-                   help="then run the same load with the cache off (L1 only, same L1 size)")
-    p.add_argument("--port", type=int, default=8100, help="HTTP port on 127.0.0.1 (default 8100)")
     p.add_argument("--seed", type=int, default=0, help="the synthetic text and arrivals")
-    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
-                   help=f"prefill chunk, a multiple of {PAGE_SIZE}; hits are reused only up "
-                        f"to its grid (default {CHUNK_TOKENS}, as kvtier serve)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds for each run's load, requests in flight included (default 600)")
+    app = p.add_argument_group("kvtier's own app (not with --base-url)")
+    app.add_argument("--instances", type=int, default=1, action=AppFlag,
+                     help="model instances (default 1)")
+    app.add_argument("--model", choices=[m.value for m in ModelChoice], action=AppFlag,
+                     default=SERVE_DEFAULTS["model"].value,
+                     help=f"(default {SERVE_DEFAULTS['model'].value}, as kvtier serve)")
+    app.add_argument("--device-pages", type=int, default=None, action=AppFlag,
+                     help=f"L1 pages per rank, page size {PAGE_SIZE} (default: two "
+                          "conversations' histories, so they do not all fit)")
+    app.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, action=AppFlag,
+                     help=f"prefill chunk, a multiple of {PAGE_SIZE}; hits are reused only up "
+                          f"to its grid (default {CHUNK_TOKENS}, as kvtier serve)")
+    app.add_argument("--compare-off", nargs=0, default=False, action=AppFlag,
+                     help="then run the same load with the cache off (L1 only, same L1 size)")
+    app.add_argument("--port", type=int, default=8100, action=AppFlag,
+                     help="HTTP port on 127.0.0.1 (default 8100)")
 
 
 # ---- sizing ------------------------------------------------------------------------------
@@ -146,27 +182,42 @@ def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = ""
                          chunk_tokens=ns.chunk_tokens, device_pages=device_pages_of(ns),
                          hierarchical=hierarchical, l3="file" if hierarchical else "none",
                          l3_root=l3_root if hierarchical else "",
-                         max_new_tokens=ns.max_tokens)
+                         max_new_tokens=ns.max_tokens,
+                         served_model_name=ns.served_model_name or "")
 
 
 def load_params(ns: argparse.Namespace) -> LoadParams:
     return LoadParams(clients=ns.clients, rounds=ns.rounds, turn_tokens=ns.turn_tokens,
                       first_turn_tokens=ns.first_turn_tokens,
                       max_tokens=ns.max_tokens, request_rate=ns.rate, seed=ns.seed,
+                      model=ns.served_model_name or None,
                       timeout_s=ns.timeout, progress=not ns.json)
 
 
+def base_url_of(ns: argparse.Namespace) -> str:
+    """--base-url as the load wants it: no trailing slash, no /v1 (the load adds /v1/...)."""
+    url = ns.base_url.strip().rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        raise ConfigError(f"--base-url {ns.base_url!r}: expected http(s)://HOST:PORT, "
+                          "optionally ending in /v1")
+    return url.removesuffix("/v1")
+
+
 def settings_report(ns: argparse.Namespace) -> dict[str, Any]:
-    """What the result was measured with (the admin key left out)."""
+    """What the result was measured with: the load's shape, and the app's settings (the
+    admin key left out) or, with --base-url, the server's address."""
+    load = {"clients": ns.clients, "rounds": ns.rounds, "rate": ns.rate,
+            "turn_tokens": ns.turn_tokens, "first_turn_tokens": ns.first_turn_tokens,
+            "max_tokens": ns.max_tokens, "seed": ns.seed}
+    if ns.base_url is not None:
+        return {"base_url": base_url_of(ns), "served_model_name": ns.served_model_name, **load}
     s = serve_settings(ns, True)
     pages = conversation_pages(ns.rounds, ns.turn_tokens, ns.max_tokens,
                                first_turn_tokens=ns.first_turn_tokens)
     values = {k: v for k, v in s.to_mapping().items() if k not in ("admin_key", "l3_root",
                                                                   "l3_state_dir")}
-    return {**values, "clients": ns.clients, "rounds": ns.rounds, "rate": ns.rate,
-            "turn_tokens": ns.turn_tokens, "first_turn_tokens": ns.first_turn_tokens,
-            "max_tokens": ns.max_tokens, "seed": ns.seed,
-            "port": ns.port, "compare_off": ns.compare_off,
+    return {**values, **load, "port": ns.port, "compare_off": ns.compare_off,
             "conversation_pages": pages,
             "all_histories_pages": ns.clients * pages}
 
@@ -201,8 +252,16 @@ def run_once(ns: argparse.Namespace, hierarchical: bool) -> LoadResult:
             shutil.rmtree(l3_root, ignore_errors=True)
 
 
+def run_remote(ns: argparse.Namespace) -> LoadResult:
+    """The load against the server at --base-url, as it runs."""
+    url = base_url_of(ns)
+    if not ns.json:
+        print(f"kvtier bench serve: sending the load to {url}", file=sys.stderr, flush=True)
+    return run_load_sync(url, load_params(ns))
+
+
 def check(ns: argparse.Namespace) -> None:
-    """Fail before any server starts on what the run could not do."""
+    """Fail before any server starts (or any request goes out) on what the run could not do."""
     for name in ("clients", "rounds", "turn_tokens", "max_tokens"):
         if getattr(ns, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -210,7 +269,17 @@ def check(ns: argparse.Namespace) -> None:
         raise ConfigError("--first-turn-tokens must be 0 (as --turn-tokens) or more")
     if ns.rate < 0:
         raise ConfigError("--rate must be 0 (all at once) or more")
-    serve_settings(ns, True).max_prompt_tokens  # ConfigError: an L1 with no room for a prompt
+    if ns.base_url is None:
+        serve_settings(ns, True).max_prompt_tokens  # ConfigError: an L1 with no room for a prompt
+        return
+    base_url_of(ns)
+    if ns.app_flags:
+        flags = list(dict.fromkeys(ns.app_flags))
+        raise ConfigError(f"--base-url sends the load to a server as it was started; "
+                          f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} for kvtier's "
+                          "own app, which the bench then does not start. Drop "
+                          f"{'it' if len(flags) == 1 else 'them'} (for a cache-off baseline, run "
+                          "the bench again against the server started with its cache off)")
 
 
 @contextlib.contextmanager
@@ -234,9 +303,12 @@ def stdout_to_stderr(active: bool) -> Iterator[None]:
 
 def main(ns: argparse.Namespace) -> int:
     check(ns)
-    with stdout_to_stderr(ns.json):
-        on = run_once(ns, hierarchical=True)
-        off = run_once(ns, hierarchical=False) if ns.compare_off else None
+    if ns.base_url is not None:
+        on, off = run_remote(ns), None
+    else:
+        with stdout_to_stderr(ns.json):
+            on = run_once(ns, hierarchical=True)
+            off = run_once(ns, hierarchical=False) if ns.compare_off else None
     if off is not None:
         result = compare(on, off)
         complete = on.answered == on.planned and off.answered == off.planned
