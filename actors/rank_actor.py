@@ -34,6 +34,7 @@ from kvtier.engine.tp_group import destroy_tp, init_tp, rank_device
 from kvtier.engine.tp_worker import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo
+from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.page_store import open_rank_backend
 from kvtier.tiers.storage_types import PageDirectoryClient
@@ -61,6 +62,8 @@ class RankSettings(NamedTuple):
     l3_actor: str | None = "kvtier-l3"  # with l3: the namespace actor (by name) whose page
     # directory gates L3 hits and hears what each rank stored; None: ask the backend only
     tenant_salt: str = ""  # without l3: seeds this cache's page keys (with l3: the namespace's)
+    deterministic: bool = False  # answers bit-identical to a cold run (Engine)
+    schedule_policy: SchedulePolicy = SchedulePolicy.LPM
 
 
 class RankStats(NamedTuple):
@@ -127,7 +130,8 @@ class RankCache:
                                       tp_rank=self.rank, tp_size=self.size)
         else:
             cache = self._l3_cache(s, spec, model.device)
-        return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True)
+        return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True,
+                      deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 
     def _l3_cache(self, s: RankSettings, spec, device) -> HierarchicalCache:
         """A cache keyed like the namespace `s.l3`, with this rank's own client of it as L3."""

@@ -48,7 +48,8 @@ def rank_settings(s: ServeSettings) -> RankSettings:
     dtype = torch.bfloat16 if s.dtype is DType.BF16 else torch.float32
     return RankSettings(source, config, device_pages=s.device_pages, dtype=dtype,
                         chunk_tokens=s.chunk_tokens, token_budget=max(8192, 2 * s.chunk_tokens),
-                        l3=None, l3_actor=None, tenant_salt=s.tenant_salt)
+                        l3=None, l3_actor=None, tenant_salt=s.tenant_salt,
+                        deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 
 
 def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None) -> dict:

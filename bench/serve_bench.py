@@ -27,11 +27,10 @@ usage field. `hit_rate_after_round1` is cached prompt tokens / prompt tokens ove
 and later: the share of the resent history the server reused.
 
 The engine and cache settings are `kvtier serve`'s defaults (`ServeSettings`), the prefill
-chunk included (512 tokens), so the figures are what a default deployment gives. Where the
-engine reuses a cached prefix only down to the prefill grid (multiples of `chunk_tokens`:
-`ModelRunner.usable_prefix`), a follow-up reuses its history in whole chunks, so the chunk
-bounds the hit rate; `hit_rate_after_round1` shows what was reused, and `--chunk-tokens 64`
-(one page) runs the finest grid, at a slower prefill.
+chunk included (512 tokens), so the figures are what a default deployment gives: a hit is
+reused down to any page and an answer's pages are cached, so a follow-up reuses its whole
+history but the last partial page. `--deterministic` runs kvtier serve's bit-identical mode
+(one-page chunks, prompt pages only), which reuses less.
 
 The default load: each conversation is about a document (a 1,000-word first turn, about
 1,070 tokens with the chat template), then 30-word questions, 16-token answers, 3 rounds, 4
@@ -48,10 +47,10 @@ holds every history. One instance by default: on two cores a second one only com
 the same CPUs.
 
 What bounds the ratio here. A round-2 request computes only the part of its prompt it does
-not reuse (its new question, and what the chunk grid leaves), but it waits for L1 room
-behind the other clients' requests (admission is first come, first served), so round-2 TTFT
-with the cache on is mostly queueing on this 2-core machine; measured ratios are in docs and
-the closing notes, not asserted anywhere.
+not reuse (its new question), but it waits for L1 room and budget behind the other clients'
+requests (longest cached prefix first, with aging), so round-2 TTFT with the cache on is
+partly queueing on this 2-core machine; measured ratios are in docs and the closing notes,
+not asserted anywhere.
 
 The server's `max_new_tokens` is set to `--max-tokens` (every request asks exactly that), so
 it does not eat L1 room the load never uses. With `--json`, whatever Ray prints on stdout
@@ -73,12 +72,13 @@ from typing import Any, Iterator
 from kvtier.bench import emit
 from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
 from kvtier.errors import ConfigError
+from kvtier.policies import SchedulePolicy
 from kvtier.serve.settings import ModelChoice, ServeSettings
 
 LOOPBACK = "127.0.0.1"
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
 PAGE_SIZE = SERVE_DEFAULTS["page_size"]
-CHUNK_TOKENS = SERVE_DEFAULTS["chunk_tokens"]  # see the module docstring: the reuse grid
+CHUNK_TOKENS = SERVE_DEFAULTS["chunk_tokens"]
 # Prompt-size estimate for the synthetic chat (SmolLM2 chat template, measured with its
 # tokenizer): the default system prompt and the first turn's header, then per round the
 # words (about 1.02 tokens each: a few words split in two) and the turn's template tokens.
@@ -128,8 +128,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help=f"L1 pages per rank, page size {PAGE_SIZE} (default: two "
                           "conversations' histories, so they do not all fit)")
     app.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, action=AppFlag,
-                     help=f"prefill chunk, a multiple of {PAGE_SIZE}; hits are reused only up "
-                          f"to its grid (default {CHUNK_TOKENS}, as kvtier serve)")
+                     help=f"most new tokens per forward, a multiple of {PAGE_SIZE} "
+                          f"(default {CHUNK_TOKENS}, as kvtier serve)")
+    app.add_argument("--deterministic", nargs=0, default=False, action=AppFlag,
+                     help="answers bit-identical to a cold run (as kvtier serve --deterministic)")
+    app.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],
+                     default=SERVE_DEFAULTS["schedule_policy"].value, action=AppFlag,
+                     help="admission order (default lpm, as kvtier serve)")
     app.add_argument("--compare-off", nargs=0, default=False, action=AppFlag,
                      help="then run the same load with the cache off (L1 only, same L1 size)")
     app.add_argument("--port", type=int, default=8100, action=AppFlag,
@@ -183,7 +188,8 @@ def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = ""
                          hierarchical=hierarchical, l3="file" if hierarchical else "none",
                          l3_root=l3_root if hierarchical else "",
                          max_new_tokens=ns.max_tokens,
-                         served_model_name=ns.served_model_name or "")
+                         served_model_name=ns.served_model_name or "",
+                         deterministic=ns.deterministic, schedule_policy=ns.schedule_policy)
 
 
 def load_params(ns: argparse.Namespace) -> LoadParams:

@@ -44,7 +44,8 @@ class Budget:
     """One step's token budget: what is `left`, and what load-back and prefill took of it."""
 
     left: int
-    chunk: int  # the prefill grid: the budget is spent in whole chunks
+    chunk: int  # the prefill grid
+    whole_chunks: bool = False  # deterministic mode: spent in whole grid chunks only
     loaded: int = 0
     prefill: int = 0
 
@@ -57,8 +58,14 @@ class Budget:
         self.left -= tokens
 
     def plan_chunks(self, req: Request, start: int | None = None) -> int:
-        """How far `req` prefills this step: whole grid chunks while the budget lasts."""
+        """How far `req` prefills this step: as many tokens as the budget has left (whole
+        grid chunks while it lasts, in deterministic mode)."""
         stop = req.pos if start is None else start
+        if not self.whole_chunks:
+            take = max(0, min(len(req.prompt) - stop, self.left))
+            self.left -= take
+            self.prefill += take
+            return stop + take
         for lo, hi in chunk_bounds(stop, len(req.prompt), self.chunk):
             if hi - lo > self.left:
                 break
@@ -105,8 +112,10 @@ class Admission:
     """Reserve -> agree -> commit over the waiting requests of one HierarchicalCache."""
 
     def __init__(self, cache: HierarchicalCache, runner: ModelRunner,
-                 max_load_pages: int | None = None, agree: Agree | None = None) -> None:
+                 max_load_pages: int | None = None, agree: Agree | None = None,
+                 share_hits: bool = False) -> None:
         self.cache, self.runner = cache, runner
+        self.share_hits = share_hits  # agree on every slot's L1/L2 hit (lpm orders by it)
         self.page_size, self.chunk = runner.page_size, runner.chunk_tokens
         self.max_load_pages = max_load_pages  # memory quota for one request's load-back
         self.agree = agree  # None: one rank, nothing to agree on (TP=1)
@@ -118,8 +127,11 @@ class Admission:
         """Reserve on this rank, agree across ranks (once per step), commit what all reserved.
         `busy`: something is running, so a refusal is L1 being full for now, not for good."""
         slots = list(waiting[:AGREEMENT_SLOTS] if self.agree else waiting)
-        held = self._reserve(slots, busy, budget)
-        agreed = (self.agree or local_agree)(self._payload(slots, held, terminate, decode_short))
+        held, reached = self._reserve(slots, busy, budget)
+        agreed = (self.agree or local_agree)(self._payload(slots, held, reached, terminate,
+                                                           decode_short))
+        for req, hit in zip(slots, agreed.hit):
+            req.agreed_hit = hit
         ready = {r.id: pages for r, ok, pages in zip(slots, agreed.ready, agreed.fetched)
                  if ok and r.ticket is not None}
         if agreed.terminate:
@@ -143,17 +155,20 @@ class Admission:
 
     # ---- reserve ---------------------------------------------------------------------------
     def _reserve(self, slots: list[Request], busy: bool,
-                 budget: Budget) -> list[_Reservation | None]:
+                 budget: Budget) -> tuple[list[_Reservation | None], list[bool]]:
         """Lookups and L1 pages for the candidates this rank's budget reaches, in order (None:
         not reserved: its L3 prefetch still runs here, or the scan stopped before it); the
-        scan mirrors what a commit of each would spend, on a copy of the budget."""
+        scan mirrors what a commit of each would spend, on a copy of the budget. Also which
+        candidates the scan reached with budget left (a best_effort prefetch ends there)."""
         local = dataclasses.replace(budget)
         held: list[_Reservation | None] = [None] * len(slots)
+        reached = [False] * len(slots)
         for i, req in enumerate(slots):
-            if req.ticket is not None:
-                continue  # waits for its prefetch; the requests behind it may go
             if local.left <= 0:
                 break
+            reached[i] = True
+            if req.ticket is not None:
+                continue  # waits for its prefetch; the requests behind it may go
             load, first_chunk = self._estimate(req)
             if local.used and load + first_chunk > local.left:
                 break  # FCFS: nobody overtakes a request that waits for budget
@@ -171,7 +186,7 @@ class Admission:
                 held[i] = res._replace(released=True)
                 continue
             local.plan_chunks(req, start=res.usable)
-        return held
+        return held, reached
 
     def _estimate(self, req: Request) -> tuple[int, int]:
         """(load-back tokens, first chunk tokens) admission would cost. A peek at the tree
@@ -182,6 +197,8 @@ class Admission:
             load = 0
         n = len(req.prompt)
         usable = self.runner.usable_prefix(m.device_hit_length + load, n)
+        if not self.runner.deterministic:
+            return load, min(n - usable, self.chunk)
         return load, min(n, (usable // self.chunk + 1) * self.chunk) - usable
 
     def _reserve_one(self, req: Request, quota: int | None) -> _Reservation:
@@ -197,20 +214,25 @@ class Admission:
             fresh = cache.allocate(pages_for(n, p) - shared)
         return _Reservation(req, lookup, fresh, usable, need)
 
-    def _payload(self, slots: list[Request], held: list[_Reservation | None], terminate: bool,
-                 decode_short: bool) -> AgreementPayload:
+    def _payload(self, slots: list[Request], held: list[_Reservation | None],
+                 reached: list[bool], terminate: bool, decode_short: bool) -> AgreementPayload:
         mine = [(r.usable, r.status, r.need, r.lookup.host_loaded_length) if r is not None
                 else (0, SLOT_SKIPPED, 0, 0) for r in held]
         usable, ok, need, loaded = (tuple(col) for col in zip(*mine)) if mine else ((),) * 4
         return AgreementPayload(
             usable, ok, need, loaded,
-            ready=tuple(int(r.ticket is None or self.cache.prefetch_ready(r.ticket))
-                        for r in slots),
+            ready=tuple(int(r.ticket is None or self.cache.prefetch_ready(r.ticket, at))
+                        for r, at in zip(slots, reached)),
             waiting=tuple(int(r.ticket is not None) for r in slots),
             fetched=tuple(NO_TICKET if r.ticket is None
                           else r.ticket.start_page + r.ticket.done_pages for r in slots),
+            hit=tuple(self._hit(r) for r in slots) if self.share_hits else (),
             count=len(slots), ids=ids_digest([r.id for r in slots]),
             terminate=int(terminate), decode_short=int(decode_short))
+
+    def _hit(self, req: Request) -> int:
+        peek = self.cache.peek(req.prompt)
+        return peek.device_hit_length + peek.host_hit_length
 
     # ---- commit ----------------------------------------------------------------------------
     def _commit(self, slots: list[Request], held: list[_Reservation | None],

@@ -34,7 +34,7 @@ from kvtier.errors import KvtierError
 log = logging.getLogger(__name__)
 
 AGREEMENT_SLOTS = 32  # waiting requests considered per step; later ones wait their turn
-_FIELDS = 7  # per slot: usable, ok, need, loaded, ready, waiting, fetched
+_FIELDS = 8  # per slot: usable, ok, need, loaded, ready, waiting, fetched, hit
 NO_TICKET = 1 << 40  # `fetched` of a rank with no prefetch: never the MIN
 _HEADER = 6  # count, -count, ids hash, -ids hash, -terminate, -decode_short
 
@@ -63,6 +63,8 @@ class AgreementPayload:
       fetched[i] MIN  the prompt page its prefetch has landed up to on the rank (its start
                       page + pages landed; NO_TICKET: none): when the prefetch is finalized,
                       every rank with a ticket inserts L3 pages up to that page only
+      hit[i]     MIN  tokens of its prompt the rank holds in L1 or L2 (a peek, no lock): the
+                      next step orders the waiting queue by it (longest prefix first)
     Header:
       count      MIN and MAX  waiting requests packed (a difference: the queues differ)
       ids        MIN and MAX  `ids_digest` of their request ids
@@ -78,6 +80,7 @@ class AgreementPayload:
     ready: tuple[int, ...] = ()
     waiting: tuple[int, ...] = ()
     fetched: tuple[int, ...] = ()
+    hit: tuple[int, ...] = ()
     count: int = 0
     ids: int = 0
     terminate: int = 0
@@ -89,8 +92,10 @@ class AgreementPayload:
         n = len(self.usable)
         if not self.fetched and n:  # a payload without prefetches: nothing fetched anywhere
             object.__setattr__(self, "fetched", (NO_TICKET,) * n)
+        if not self.hit and n:  # nobody looked: no hit known
+            object.__setattr__(self, "hit", (0,) * n)
         lengths = [len(getattr(self, f))
-                   for f in ("ok", "need", "loaded", "ready", "waiting", "fetched")]
+                   for f in ("ok", "need", "loaded", "ready", "waiting", "fetched", "hit")]
         if any(k != n for k in lengths):
             raise AgreementError(f"admission fields have lengths {[n, *lengths]}; give one "
                                  "entry per slot in each")
@@ -127,7 +132,7 @@ def pack(p: AgreementPayload, slots: int = AGREEMENT_SLOTS) -> torch.Tensor:
     values = [p.count, -p.count, p.ids, -p.ids, -p.terminate, -p.decode_short]
     for field, sign, fill in (("usable", 1, 0), ("ok", 1, SLOT_SKIPPED), ("need", -1, 0),
                               ("loaded", -1, 0), ("ready", 1, 1), ("waiting", -1, 0),
-                              ("fetched", 1, NO_TICKET)):
+                              ("fetched", 1, NO_TICKET), ("hit", 1, 0)):
         values += [sign * x for x in getattr(p, field)] + [sign * fill] * pad
     return torch.tensor(values, dtype=torch.int64)
 
@@ -141,10 +146,10 @@ def unpack(t: torch.Tensor, num_slots: int) -> AgreementPayload:
                              "slots: the ranks packed different shapes")
     body = v[_HEADER:]
     cols = [body[k * slots:k * slots + num_slots] for k in range(_FIELDS)]
-    usable, ok, need, loaded, ready, waiting, fetched = cols
+    usable, ok, need, loaded, ready, waiting, fetched, hit = cols
     return AgreementPayload(tuple(usable), tuple(ok), tuple(-x for x in need),
                             tuple(-x for x in loaded), tuple(ready), tuple(-x for x in waiting),
-                            tuple(fetched),
+                            tuple(fetched), tuple(hit),
                             count=v[0], ids=v[2], terminate=-v[4], decode_short=-v[5],
                             count_max=-v[1], ids_max=-v[3])
 

@@ -25,6 +25,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, StepStats
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ClosedError, ConfigError
+from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
@@ -32,24 +33,55 @@ log = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 SMOLLM2_NAMESPACE = "SmolLM2-135M-Instruct"  # the L3 key namespace's model part
 IDLE_WAIT_S = 0.0005  # a step that could do nothing waits on an L3 prefetch: don't spin hot
+DEFAULT_CHUNK_TOKENS = 512  # prefill speed on CPU levels off around here (bench prefix)
+
+
+def default_chunk_tokens(page_size: int) -> int:
+    """The largest multiple of the page size up to DEFAULT_CHUNK_TOKENS (at least one page)."""
+    return max(page_size, DEFAULT_CHUNK_TOKENS // page_size * page_size)
+
+
+def engine_chunk_tokens(chunk_tokens: int | None, page_size: int, deterministic: bool,
+                        token_budget: int) -> int:
+    """The chunk an engine runs: deterministic mode computes one page per chunk (a hit on any
+    page then lies on the grid), whatever was asked; by default the given size, or the
+    default one within the step's token budget."""
+    if deterministic:
+        if chunk_tokens not in (None, page_size):
+            log.info("deterministic mode: prefill chunks of one page (%d tokens), not %d",
+                     page_size, chunk_tokens)
+        return page_size
+    if chunk_tokens is not None:
+        return chunk_tokens
+    return max(page_size, min(default_chunk_tokens(page_size),
+                              token_budget // page_size * page_size))
 
 
 class Engine:
     """Requests in, outputs out: `add_request` + `step`, or `generate` for a whole batch.
 
-    `chunk_tokens` (a multiple of the page size, default the page size) sets the prefill
-    grid; larger chunks run faster, and a hit is reused only down to the grid. `token_budget`
-    bounds the load-back and prefill tokens of one step. The engine closes `cache` only when
-    it created it (`Engine.smollm2`) or `owns_cache` says so.
+    `chunk_tokens` (a multiple of the page size; default `default_chunk_tokens`) is the most
+    new tokens one forward computes: several requests' prefill pieces and the decodes share
+    it. A hit is reused down to any page boundary, and generated tokens' pages are cached.
+    `deterministic=True` gives answers bit-identical to a cold run instead: prefill chunks of
+    one page on an absolute grid, one sequence per forward, prompt pages only.
+    `schedule_policy` orders admission (lpm: longest cached prefix first; fcfs).
+    `token_budget` bounds the load-back, prefill and decode tokens of one step. The engine
+    closes `cache` only when it created it (`Engine.smollm2`) or `owns_cache` says so.
     """
 
     def __init__(self, model: PagedLlama, cache: HierarchicalCache, chunk_tokens: int | None = None,
                  token_budget: int = 8192, max_load_pages: int | None = None,
-                 tokenizer: Tokenizer | None = None, owns_cache: bool = False) -> None:
+                 tokenizer: Tokenizer | None = None, owns_cache: bool = False, *,
+                 deterministic: bool = False,
+                 schedule_policy: SchedulePolicy = SchedulePolicy.LPM) -> None:
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
-        self.runner = ModelRunner(model, cache.device_pool, chunk_tokens,
-                                  before_layer=cache.wait_layer)
-        self.scheduler = Scheduler(cache, self.runner, token_budget, max_load_pages)
+        page = cache.spec.page_size
+        chunk = engine_chunk_tokens(chunk_tokens, page, deterministic, token_budget)
+        self.runner = ModelRunner(model, cache.device_pool, chunk,
+                                  before_layer=cache.wait_layer, deterministic=deterministic)
+        self.scheduler = Scheduler(cache, self.runner, token_budget, max_load_pages,
+                                   policy=schedule_policy)
         self._owns_cache = owns_cache
         self._ids = itertools.count()
         self._done: dict[int, Output] = {}  # finished inside generate(), not yet returned
@@ -59,7 +91,9 @@ class Engine:
     def smollm2(cls, config: HiCacheConfig, device_pages: int = 256,
                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                 chunk_tokens: int | None = None, token_budget: int = 8192,
-                tenant_salt: str = "", cache_dir: str | os.PathLike | None = None) -> "Engine":
+                tenant_salt: str = "", cache_dir: str | os.PathLike | None = None, *,
+                deterministic: bool = False,
+                schedule_policy: SchedulePolicy = SchedulePolicy.LPM) -> "Engine":
         """SmolLM2-135M-Instruct over a new HierarchicalCache built from `config` (its page
         size, tiers and L3 backend) with the model's KV geometry; CUDA when present."""
         model, tokenizer = load_smollm2_model(dtype, device, cache_dir=cache_dir)
@@ -68,7 +102,8 @@ class Engine:
                                   tenant_salt=tenant_salt)
         try:
             return cls(model, cache, chunk_tokens, token_budget, tokenizer=tokenizer,
-                       owns_cache=True)
+                       owns_cache=True, deterministic=deterministic,
+                       schedule_policy=schedule_policy)
         except Exception:
             cache.close()
             raise

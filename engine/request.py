@@ -83,6 +83,8 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: FinishReason | None = None
+    agreed_hit: int = 0  # prompt tokens every rank held in L1/L2 at the last agreement
+    waited_steps: int = 0  # scheduling steps spent waiting (the lpm aging bound counts them)
     sampler: Sampler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +98,11 @@ class Request:
     def kv_len(self) -> int:
         """Positions whose KV is in `pages`: the prompt and every output token but the last."""
         return len(self.prompt) + len(self.output) - 1
+
+    @property
+    def computed(self) -> tuple[int, ...]:
+        """The tokens whose KV is in `pages` once decoding (prompt + output but the last)."""
+        return self.prompt + tuple(self.output[:-1])
 
     def append(self, token: int) -> bool:
         """Record a sampled token; True when it ends the request."""

@@ -1,15 +1,18 @@
-"""Prefill in page-aligned chunks and batched decode: a model bound to one L1 pool.
+"""Prefill, decode and mixed forwards: a model bound to one L1 pool.
 
-Why chunks sit on an absolute grid: a matmul's result for a row depends on how many rows run
-together, so a token's KV (and the logits after it) are reproducible only when it is computed
-in the same chunk as before. Chunk ends at fixed multiples of `chunk_tokens` (a multiple of
-the page size), counted from position 0, make a request that resumes at a cache hit on that
-grid compute exactly the chunks a cold run computes, so its logits are bit-identical. With
-the default `chunk_tokens == page_size`, every page-aligned hit is on the grid. Larger chunks
-run faster (bf16 matmuls especially); then reuse only `usable_prefix(hit)`, which rounds a hit
-down to the grid, because pages past it may come from a request's short last chunk.
-KV written by decode steps (generated tokens) is computed one row per sequence and is not
-bit-identical to prefilling the same tokens.
+Two modes. By default (`deterministic=False`) a hit is reused up to any page boundary and a
+forward may hold prefill pieces of several requests next to decodes (`forward`): fast, and a
+hit gives the same tokens as the same request served with those pages still in L1, but not
+bit-identical logits to a cold run, because a matmul's result for a row depends on how many
+rows run together.
+
+Deterministic mode (`deterministic=True`) keeps that bit-identity. Chunks sit on an absolute
+grid: chunk ends at fixed multiples of `chunk_tokens` (a multiple of the page size), counted
+from position 0, make a request that resumes at a cache hit on that grid compute exactly the
+chunks a cold run computes, one sequence per forward (`prefill`), so its logits are
+bit-identical. `usable_prefix(hit)` then rounds a hit down to the grid, because pages past it
+may come from a request's short last chunk. KV written by decode steps (generated tokens) is
+computed one row per sequence and is not bit-identical to prefilling the same tokens.
 """
 from __future__ import annotations
 
@@ -40,12 +43,13 @@ class ModelRunner:
     """Runs `model` against pool `kv`; `before_layer(l)` is the cache's per-layer load wait."""
 
     def __init__(self, model: PagedLlama, kv: KVPool, chunk_tokens: int | None = None,
-                 before_layer: LayerHook | None = None) -> None:
+                 before_layer: LayerHook | None = None, deterministic: bool = False) -> None:
         model.check_pool(kv)
         self.model, self.kv = model, kv
         self.page_size = kv.spec.page_size
         self.chunk_tokens = self._check_chunk(chunk_tokens)
         self.before_layer = before_layer
+        self.deterministic = deterministic
 
     def _check_chunk(self, chunk_tokens: int | None) -> int:
         chunk = self.page_size if chunk_tokens is None else chunk_tokens
@@ -55,10 +59,11 @@ class ModelRunner:
         return chunk
 
     def usable_prefix(self, cached_len: int, num_tokens: int) -> int:
-        """How much of a `cached_len` hit to reuse: rounded down to the chunk grid (so the
-        result stays bit-identical to a cold run) and leaving at least one token to compute
-        (the next token's logits come from it)."""
-        return max(0, min(cached_len, num_tokens - 1)) // self.chunk_tokens * self.chunk_tokens
+        """How much of a `cached_len` hit to reuse: whole pages, leaving at least one token to
+        compute (the next token's logits come from it); in deterministic mode rounded down to
+        the chunk grid, so the result stays bit-identical to a cold run."""
+        grain = self.chunk_tokens if self.deterministic else self.page_size
+        return max(0, min(cached_len, num_tokens - 1)) // grain * grain
 
     def prefill(self, tokens: Sequence[int] | torch.Tensor, start_pos: int,
                 page_table: Sequence[int], chunk_tokens: int | None = None,
@@ -84,6 +89,16 @@ class ModelRunner:
                                 self.before_layer, all_logits)
             outputs.append(logits)
         return torch.cat(outputs) if all_logits else outputs[-1][0]
+
+    def forward(self, tokens: Sequence[int], seqs: Sequence[SeqChunk]) -> torch.Tensor:
+        """One forward over several sequences' new tokens (prefill pieces and decodes mixed;
+        `tokens` concatenated in `seqs` order): (len(seqs), vocab) float32 logits, each of
+        its sequence's last new token."""
+        if len(tokens) != sum(s.num_tokens for s in seqs):
+            raise CacheUsageError(f"{len(tokens)} tokens for sequences that add up to "
+                                  f"{sum(s.num_tokens for s in seqs)} new tokens")
+        return self.model(torch.as_tensor(list(tokens), dtype=torch.int64), seqs, self.kv,
+                          self.before_layer)
 
     def decode(self, tokens: Sequence[int],
                seqs: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:

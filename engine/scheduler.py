@@ -3,20 +3,23 @@ continuous batching of decodes, and clean release of everything on finish, abort
 
 One step:
   1. collect finished cache copies (`cache.poll`);
-  2. finalize the L3 prefetch of EVERY waiting request its policy lets go (not only the ones
-     the admission scan reaches: a finished prefetch holds L2 pages and the anchor's protection);
-  3. reserve the L1 page each decoding sequence needs, preempting the newest request if L1 is full;
-  4. plan prefill: running prefills continue first, then admission in arrival order: lookup
-     (match + load-back within the memory quota), usable prefix, pages for the rest. Load-back and
-     prefill tokens both count against `token_budget`; the scan stops when the budget or L1 runs
-     out, and the request stays waiting holding nothing;
-  5. run the planned prefill chunks, one sequence per forward;
-  6. decode every sequence that was decoding, as one batch.
+  2. finalize the L3 prefetch of every waiting request the last agreement let go (its policy:
+     finished, timed out, or best_effort and reached by admission);
+  3. order the waiting queue (lpm: longest agreed hit first, with aging; or fcfs);
+  4. reserve the L1 page each decoding sequence needs, preempting the newest request if L1 is full;
+  5. plan prefill: running prefills continue first, then admission in queue order: lookup
+     (match + load-back within the memory quota), usable prefix, pages for the rest. Load-back,
+     prefill and decode tokens count against `token_budget`; the scan stops when the budget or
+     L1 runs out, and the request stays waiting holding nothing;
+  6. run it: by default as forwards of up to `chunk_tokens` new tokens that batch several
+     requests' prefill pieces with every decode (`forward_plan`); in deterministic mode each
+     prefill chunk alone on the absolute grid, then the decodes as one batch.
 
-A prompt enters the tree when its request ends (or is preempted), not right after prefill:
+A request's pages enter the tree when it ends (or is preempted), not right after prefill:
 `cache.finish` unlocks the lookup and frees the partial last page, both of which decode still
-needs. Until then a concurrent request with the same prefix computes it itself, which gives
-the same KV (invariant 1).
+needs. By default the generated tokens' pages go in too (prompt + output), so the next turn of
+a conversation hits its previous answer; in deterministic mode only the prompt's pages do.
+Until then a concurrent request with the same prefix computes it itself.
 
 Step 4's admission (TP ranks: reserve -> agree -> commit, one collective per step) is
 kvtier.engine.admission; this module is the step loop around it and owns the queues.
@@ -29,9 +32,12 @@ from typing import NamedTuple
 
 from kvtier.engine.admission import Admission, Budget
 from kvtier.engine.agreement import Agree
+from kvtier.engine.queue_order import DEFAULT_MAX_WAIT_STEPS, order_waiting
 from kvtier.engine.request import FinishReason, Request, RequestState, pages_for
 from kvtier.engine.runner import ModelRunner
+from kvtier.engine.step_forwards import StepForwards
 from kvtier.errors import ConfigError, TransferError
+from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
@@ -44,10 +50,11 @@ class StepStats(NamedTuple):
 
     loaded_tokens: int   # L2->L1 load-back started by this step's admissions
     prefill_tokens: int  # prompt tokens computed
-    decode_tokens: int   # sequences decoded (one token each; not counted in the budget)
+    decode_tokens: int   # sequences decoded (one token each)
     admitted: int
     preempted: int
     finished: int
+    forwards: int = 0    # model calls this step
 
     @property
     def budget_tokens(self) -> int:
@@ -62,16 +69,23 @@ class Scheduler:
     """Drives one HierarchicalCache and one ModelRunner over the requests given to `add`."""
 
     def __init__(self, cache: HierarchicalCache, runner: ModelRunner, token_budget: int = 8192,
-                 max_load_pages: int | None = None, agree: Agree | None = None) -> None:
+                 max_load_pages: int | None = None, agree: Agree | None = None,
+                 policy: SchedulePolicy = SchedulePolicy.LPM,
+                 max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS) -> None:
         if token_budget < runner.chunk_tokens:
             raise ConfigError(f"token_budget ({token_budget}) is below chunk_tokens "
                               f"({runner.chunk_tokens}): no prefill chunk could ever run; raise "
                               f"the budget or lower chunk_tokens")
         self.cache, self.runner = cache, runner
         self.page_size, self.chunk = runner.page_size, runner.chunk_tokens
+        self.deterministic = runner.deterministic
         self.token_budget = token_budget
-        self.admission = Admission(cache, runner, max_load_pages, agree)
-        self.waiting: list[Request] = []  # arrival order
+        self.policy = SchedulePolicy.parse(policy, "schedule_policy")
+        self.max_wait_steps = max_wait_steps
+        self.admission = Admission(cache, runner, max_load_pages, agree,
+                                   share_hits=self.policy is SchedulePolicy.LPM)
+        self.forwards = StepForwards(runner)
+        self.waiting: list[Request] = []  # in admission order (see queue_order)
         self.running: list[Request] = []  # prefilling and decoding, admission order
         self.last_step = StepStats(0, 0, 0, 0, 0, 0)
         self._preempted = 0
@@ -119,9 +133,10 @@ class Scheduler:
         """One scheduling step; returns the requests that finished in it."""
         self.cache.poll()
         self._finalize_prefetches()
+        self.waiting = order_waiting(self.waiting, self.policy, self.max_wait_steps)
         self._preempted, finished, self._decode_short = 0, [], False
         decoding = self._reserve_decode_pages(finished)
-        budget = Budget(self.token_budget, self.chunk)
+        budget = Budget(self._prefill_budget(len(decoding)), self.chunk, self.deterministic)
         plan = [(r, budget.plan_chunks(r)) for r in self.running
                 if r.state is RequestState.PREFILLING]
         admitted = self._admit(budget, plan, finished)
@@ -130,16 +145,27 @@ class Scheduler:
             decoding = []
         for req in decoding:  # it got its page on every rank: a past shortage is over
             self.admission.forgive(req)
+        ended: list[Request] = []  # sampled their last token in this step's forwards
         try:
-            for req, stop in plan:
-                if req.state is RequestState.PREFILLING and stop > req.pos:
-                    self._prefill(req, stop, finished)
-            self._decode([r for r in decoding if r.state is RequestState.DECODING], finished)
+            self.forwards.run([(r, s) for r, s in plan if r.state is RequestState.PREFILLING],
+                              [r for r in decoding if r.state is RequestState.DECODING], ended)
         except TransferError as exc:  # an L2->L1 load failed under this step's forwards
             self._recompute_after_failed_load(exc)
+        for req in ended:
+            self._finish(req, req.finish_reason)
+            finished.append(req)
+        for req in self.waiting:
+            req.waited_steps += 1
         self.last_step = StepStats(budget.loaded, budget.prefill, len(decoding), admitted,
-                                   self._preempted, len(finished))
+                                   self._preempted, len(finished), self.forwards.count)
         return finished
+
+    def _prefill_budget(self, decodes: int) -> int:
+        """Decode tokens come out of the budget in default mode (they share its forwards); at
+        least one chunk is left for prefill, so admission never stalls behind decodes."""
+        if self.deterministic:
+            return self.token_budget
+        return max(self.chunk, self.token_budget - decodes)
 
     def abort(self, request_id: int) -> Request | None:
         """Stop a request at any stage, releasing all it holds; None if it is not here."""
@@ -151,17 +177,20 @@ class Scheduler:
 
     # ---- waiting ---------------------------------------------------------------------------
     def _finalize_prefetches(self) -> None:
+        """End the prefetches the last agreement let go (every rank takes the pages all of
+        them landed by then). One rank alone takes all it has, and does not wait a step for
+        a prefetch that finished or timed out since."""
         agreed, self._agreed_ready = self._agreed_ready, {}
         for req in self.waiting:
             if req.ticket is None:
                 continue
-            if self.agree is not None:
-                if req.id in agreed:  # every rank takes the pages all of them landed
-                    pages = max(0, agreed[req.id] - req.ticket.start_page)
-                    req.storage_hit = self.cache.finish_prefetch(req.ticket, pages)
+            if self.agree is None:
+                if req.id in agreed or self.cache.prefetch_ready(req.ticket):
+                    req.storage_hit = self.cache.finish_prefetch(req.ticket)
                     req.ticket = None
-            elif self.cache.prefetch_ready(req.ticket):
-                req.storage_hit = self.cache.finish_prefetch(req.ticket)
+            elif req.id in agreed:
+                pages = max(0, agreed[req.id] - req.ticket.start_page)
+                req.storage_hit = self.cache.finish_prefetch(req.ticket, pages)
                 req.ticket = None
 
     def _admit(self, budget: Budget, plan: list[tuple[Request, int]],
@@ -191,19 +220,6 @@ class Scheduler:
             finished.append(req)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def _prefill(self, req: Request, stop: int, finished: list[Request]) -> None:
-        # One sequence per forward: a matmul's rows depend on how many run together, so
-        # batching two prompts' chunks would break bit-identity with a cold run (invariant 1).
-        logits = self.runner.prefill(req.prompt[:stop], req.pos, req.pages)
-        req.pos = stop
-        if stop < len(req.prompt):
-            return
-        req.prefill_logits = logits.float().cpu()
-        req.state = RequestState.DECODING
-        if req.append(req.sampler(logits)):
-            self._finish(req, req.finish_reason)
-            finished.append(req)
-
     def _recompute_after_failed_load(self, exc: TransferError) -> None:
         """A load's L1 pages hold partial data. Only requests admitted since it started can
         use them, and those are still prefilling: they restart from their prompts, and
@@ -248,29 +264,21 @@ class Scheduler:
             self._finish(req, FinishReason.NO_MEMORY)
             finished.append(req)
 
-    def _decode(self, batch: list[Request], finished: list[Request]) -> None:
-        if not batch:
-            return
-        logits = self.runner.decode([r.output[-1] for r in batch],
-                                    [(r.pages, r.kv_len) for r in batch])
-        for row, req in enumerate(batch):
-            if req.append(req.sampler(logits[row])):
-                self._finish(req, req.finish_reason)
-                finished.append(req)
-
     # ---- release ---------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
         """Hand the request's pages back: to the tree (a complete prompt) or the free list."""
         cache = self.cache
         if req.state is RequestState.DECODING:
-            # Only the prompt's prefill-computed pages go to the tree. Decode writes one row
-            # per forward, which is not bit-identical to prefilling the same tokens, so a later
-            # prompt containing them would get KV a cold run does not (invariant 1): decode
-            # pages are freed. The tree returns duplicates (the fresh copy of a fully cached
-            # prompt's recomputed page) and the partial last page; finish frees those.
-            prompt_pages = pages_for(len(req.prompt), self.page_size)
-            cache.finish(req.lookup, req.prompt, req.pages[:prompt_pages])
-            cache.release_pages(req.pages[prompt_pages:])
+            # Default: prompt and output pages go to the tree (all but the last token, whose
+            # KV was never computed). Deterministic: only the prompt's prefill-computed pages;
+            # decode writes one row per forward, which is not bit-identical to prefilling the
+            # same tokens, so a later prompt containing them would get KV a cold run does not.
+            # The tree returns duplicates (the fresh copy of a fully cached prompt's
+            # recomputed page) and the partial last page; finish frees those.
+            tokens = req.prompt if self.deterministic else req.computed
+            kept = pages_for(len(tokens), self.page_size)
+            cache.finish(req.lookup, tokens, req.pages[:kept])
+            cache.release_pages(req.pages[kept:])
         elif req.state is RequestState.PREFILLING:
             cache.abort(req.lookup, req.own_pages)  # partial KV: never cached
         elif req.ticket is not None:
@@ -282,8 +290,7 @@ class Scheduler:
         self._release(req)
         self.running.remove(req)
         req.reset()
-        self.waiting.append(req)
-        self.waiting.sort(key=lambda r: r.id)  # ids follow arrival: it goes back in its place
+        self.waiting = order_waiting(self.waiting + [req], self.policy, self.max_wait_steps)
         self._preempted += 1
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:

@@ -60,6 +60,13 @@ class PrefetchPolicy(_Choice):
     TIMEOUT = "timeout"  # wait up to a length-dependent timeout
 
 
+class SchedulePolicy(_Choice):
+    """The order in which waiting requests are admitted (SGLang's `--schedule-policy`)."""
+
+    LPM = "lpm"  # longest cached prefix first (what the ranks agreed last step), with aging
+    FCFS = "fcfs"  # arrival order
+
+
 class StorageBackendKind(_Choice):
     """L3 storage backends kvtier ships."""
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvtier.policies import SchedulePolicy
 from kvtier.serve.placement import PlacementMode
 from kvtier.serve.settings import L3_NONE, ModelChoice, ServeSettings
 
@@ -26,9 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
     p.add_argument("--device-pages", type=int, default=160, help="L1 pages per rank")
     p.add_argument("--chunk-tokens", type=int, default=512,
-                   help="prefill chunk (a multiple of 64); a cached prefix is reused in whole "
-                        "chunks, so chat follow-ups reuse more with smaller chunks, which "
-                        "prefill slower (default 512)")
+                   help="most new tokens one forward computes: prefill pieces of several "
+                        "requests and the decodes share it (a multiple of 64; default 512)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="answers bit-identical to a cold run: one-page prefill chunks, one "
+                        "sequence per forward, only prompt pages cached (slower, reuses less)")
+    p.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],
+                   default="lpm", help="admission order: lpm (longest cached prefix first, "
+                   "with aging; default) or fcfs (arrival order)")
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
     p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
@@ -45,6 +51,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
     return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp,
                          l3=ns.l3 if not ns.no_hierarchical else L3_NONE, l3_root=ns.l3_root,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
+                         deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
                          hierarchical=not ns.no_hierarchical,
                          admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,

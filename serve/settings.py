@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvtier.errors import ConfigError
-from kvtier.policies import StorageBackendKind, _Choice
+from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
 from kvtier.serve.placement import (HEAD_RESOURCE, INSTANCE_RESOURCE, PlacementMode,
                                     check_resource_name)
@@ -47,7 +47,10 @@ class ServeSettings:
     instances: int = 2
     tp_size: int = 1
     page_size: int = 64
-    chunk_tokens: int = 512
+    chunk_tokens: int = 512  # most new tokens one forward computes (prefill + decodes)
+    deterministic: bool = False  # answers bit-identical to a cold run (one-page chunks, one
+    # sequence per forward, prompt pages only): slower, and reuses less
+    schedule_policy: SchedulePolicy = SchedulePolicy.LPM
     device_pages: int = 160  # L1 pages per rank
     hicache_ratio: float = 4.0  # L2 pages per L1 page
     dtype: DType = DType.BF16
@@ -75,6 +78,7 @@ class ServeSettings:
         set_("model", ModelChoice.parse(self.model, "model"))
         set_("dtype", DType.parse(self.dtype, "dtype"))
         set_("placement", PlacementMode.parse(self.placement, "placement"))
+        set_("schedule_policy", SchedulePolicy.parse(self.schedule_policy, "schedule_policy"))
         check_resource_name(self.head_resource, "head_resource")
         check_resource_name(self.instance_resource, "instance_resource")
         check_int(self.instances, "instances", 1, MAX_INSTANCES)
@@ -91,8 +95,10 @@ class ServeSettings:
         check_float(self.request_timeout_s, "request_timeout_s", 1.0, 86400.0)
         check_float(self.stall_timeout_s, "stall_timeout_s", 0.2, 3600.0)
         check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
-        if not isinstance(self.hierarchical, bool):
-            raise ConfigError(f"hierarchical: expected true or false, got {self.hierarchical!r}")
+        for name in ("hierarchical", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected true or false, got "
+                                  f"{getattr(self, name)!r}")
         if self.l3 != L3_NONE:
             StorageBackendKind.parse(self.l3, "l3")
         if not self.hierarchical and self.l3 != L3_NONE:
@@ -134,6 +140,7 @@ class ServeSettings:
         out = dataclasses.asdict(self)
         out["model"], out["dtype"] = self.model.value, self.dtype.value
         out["placement"] = self.placement.value
+        out["schedule_policy"] = self.schedule_policy.value
         return out
 
     @property

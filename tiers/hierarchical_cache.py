@@ -360,8 +360,11 @@ class HierarchicalCache:
         local = sum(len(n.key) for n in anchor.path_to_root()) // self.spec.page_size
         return self.storage.prefetch(tokens, local, anchor)
 
-    def prefetch_ready(self, ticket: PrefetchTicket) -> bool:
-        return ticket.finished or self.storage is None or self.storage.ready(ticket)
+    def prefetch_ready(self, ticket: PrefetchTicket, at_admission: bool = False) -> bool:
+        """May the request stop waiting for its prefetch? `at_admission`: admission has
+        reached it (a best_effort prefetch ends there)."""
+        return (ticket.finished or self.storage is None
+                or self.storage.ready(ticket, at_admission=at_admission))
 
     def finish_prefetch(self, ticket: PrefetchTicket, max_pages: int | None = None) -> int:
         """Insert what landed into L2 (at most `max_pages` pages: what every TP rank landed);

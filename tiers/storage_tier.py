@@ -147,13 +147,16 @@ class StorageTier:
             log.warning("releasing L3 directory lease %s failed (%s: %s); it lapses at its TTL",
                         lease_id, type(exc).__name__, exc)
 
-    def ready(self, ticket: PrefetchTicket, now_s: float | None = None) -> bool:
-        """May the request stop waiting for its prefetch (per the prefetch policy)?"""
+    def ready(self, ticket: PrefetchTicket, now_s: float | None = None,
+              at_admission: bool = True) -> bool:
+        """May the request stop waiting for its prefetch (per the prefetch policy)?
+        best_effort ends when admission reaches the request (`at_admission`), with what
+        landed by then; a caller without a scheduler is always at admission."""
         if ticket.op.state.finished:
             return True
         policy = self.config.prefetch_policy
         if policy is PrefetchPolicy.BEST_EFFORT:
-            return True
+            return at_admission
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             return False
         now = time.monotonic() if now_s is None else now_s

@@ -37,7 +37,7 @@ def hit_and_cold(model: PagedLlama, prefix: list[int], suffix_a: list[int], suff
     spec = model.kv_spec(page_size, kv_dtype)
     need_b = pages_for(len(b) + steps, page_size)
     with DevicePool(spec, pages_for(len(a), page_size) + need_b, device="cpu") as pool:
-        runner = ModelRunner(model, pool, chunk_tokens)
+        runner = ModelRunner(model, pool, chunk_tokens, deterministic=True)
         pages_a = pool.allocator.alloc(pages_for(len(a), page_size))
         runner.prefill(a, 0, pages_a)
         # A cache would match the prefix's whole pages; reuse what lies on the chunk grid.
@@ -49,7 +49,7 @@ def hit_and_cold(model: PagedLlama, prefix: list[int], suffix_a: list[int], suff
         hit = prefill_and_decode(runner, b, hit_len,
                                  shared + pool.allocator.alloc(need_b - len(shared)), steps)
     with DevicePool(spec, need_b, device="cpu") as pool:
-        runner = ModelRunner(model, pool, chunk_tokens)
+        runner = ModelRunner(model, pool, chunk_tokens, deterministic=True)
         cold = prefill_and_decode(runner, b, 0, list(reversed(range(need_b))), steps)
     return hit, cold
 

@@ -125,13 +125,23 @@ def test_decode_batch_matches_single_decodes(tiny_models) -> None:
     assert torch.equal(batch.argmax(-1), single.argmax(-1))
 
 
-def test_usable_prefix_stays_on_the_chunk_grid(tiny_models) -> None:
+def test_usable_prefix_stays_on_the_chunk_grid_in_deterministic_mode(tiny_models) -> None:
     model = tiny_models[torch.float32]
     with DevicePool(model.kv_spec(16), 2, device="cpu") as pool:
-        by_page, by_two = ModelRunner(model, pool), ModelRunner(model, pool, chunk_tokens=32)
+        by_page = ModelRunner(model, pool, deterministic=True)
+        by_two = ModelRunner(model, pool, chunk_tokens=32, deterministic=True)
         assert by_page.usable_prefix(48, 100) == 48 and by_two.usable_prefix(48, 100) == 32
         assert by_page.usable_prefix(64, 64) == 48  # the last token is always computed
         assert by_page.usable_prefix(0, 1) == 0
+
+
+def test_usable_prefix_ends_on_any_page_by_default(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    with DevicePool(model.kv_spec(16), 2, device="cpu") as pool:
+        runner = ModelRunner(model, pool, chunk_tokens=64)
+        assert runner.usable_prefix(48, 100) == 48  # off the 64-token chunk grid
+        assert runner.usable_prefix(50, 100) == 48  # whole pages only
+        assert runner.usable_prefix(64, 64) == 48  # the last token is always computed
 
 
 def test_pool_on_another_device_is_refused(tiny_models) -> None:

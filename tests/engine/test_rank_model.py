@@ -76,9 +76,11 @@ def _config() -> HiCacheConfig:
 
 
 class Ranks:
-    """SIZE engines in lockstep over one thread collective."""
+    """SIZE engines in lockstep over one thread collective (deterministic by default: answers
+    then equal the cold answer bit for bit)."""
 
-    def __init__(self, device_pages: int = 24) -> None:
+    def __init__(self, device_pages: int = 24, deterministic: bool = True,
+                 token_budget: int = 8192) -> None:
         self.coll = ThreadCollective(SIZE)
         self.engines: list[Engine] = []
         self.backends: list[FaultyBackend] = []
@@ -93,7 +95,8 @@ class Ranks:
                 seed=rank)
             cache.attach_storage(backend)
             self._gate_allocations(cache, rank)
-            engine = Engine(model, cache, PAGE, owns_cache=True)
+            engine = Engine(model, cache, PAGE, token_budget, owns_cache=True,
+                            deterministic=deterministic)
             engine.scheduler.agree = self.coll.agree_for(rank)
             self.engines.append(engine)
             self.backends.append(backend)
@@ -236,5 +239,38 @@ def test_the_model_catches_a_rank_that_skips_a_request():
             engine.add_request(tokens, PARAMS)
         with pytest.raises(AgreementError):
             ranks.step()
+    finally:
+        ranks.close()
+
+
+def test_tp3_ranks_order_the_queue_by_the_agreed_hit_under_lpm():
+    """Default mode, lpm: rank 0 and 1 hold both prefixes, rank 2 only the shorter one (its
+    L3 lookups fail). Each rank alone would put the longer prefix first; all order by the MIN."""
+    ranks = Ranks(deterministic=False, token_budget=32)
+    try:
+        for tokens in (PREFIXES[1] + [5], PREFIXES[0] + [5]):
+            ranks.add(tokens)
+            for _ in range(100):
+                ranks.step()
+                if not any(e.has_unfinished for e in ranks.engines):
+                    break
+        ranks.engines[2].cache.drop_unlocked()
+        ranks.backends[2].inject(StorageOp.EXISTS, FaultKind.ERROR, times=-1)
+        ranks.add(PREFIXES[0] + [5])  # rank 2 has this one again, the others still do
+        for _ in range(100):
+            ranks.step()
+            if not any(e.has_unfinished for e in ranks.engines):
+                break
+        ranks.add(list(range(100, 300)))  # a long prompt takes the budget for several steps
+        ranks.step()
+        miss = ranks.add(list(range(1, 30)))
+        longer = ranks.add(PREFIXES[1] + SUFFIXES[1])  # 64 cached on ranks 0, 1; 0 on rank 2
+        shorter = ranks.add(PREFIXES[0] + SUFFIXES[1])  # 32 cached on every rank
+        for _ in range(2):
+            ranks.step()
+        orders = [[(r.id, r.agreed_hit) for r in e.scheduler.waiting] for e in ranks.engines]
+        assert orders == [[(shorter, 32), (miss, 0), (longer, 0)]] * SIZE
+        local = [e.cache.peek(PREFIXES[1] + SUFFIXES[1]).device_hit_length for e in ranks.engines]
+        assert local == [64, 64, 0]
     finally:
         ranks.close()

@@ -110,7 +110,7 @@ def test_token_budget_counts_load_back_and_prefill(tiny_models) -> None:
 def test_a_load_larger_than_the_budget_runs_alone_instead_of_recomputing(tiny_models) -> None:
     model = tiny_models[torch.float32]
     doc = toks(96, 20)
-    with engine(model, make_cache(model), token_budget=32) as eng:
+    with engine(model, make_cache(model), token_budget=32, deterministic=True) as eng:
         cold = eng.generate([doc + toks(3, 21)], GREEDY)[0]
         eng.cache.flush()
         eng.cache.evict_device(10**9)
@@ -184,7 +184,7 @@ def test_no_memory_is_an_answer_not_a_hang(tiny_models) -> None:
 def test_whole_prompt_cached_recomputes_its_last_page_into_a_fresh_page(tiny_models) -> None:
     model = tiny_models[torch.bfloat16]
     prompt = toks(4 * PAGE, 70)
-    with engine(model, make_cache(model)) as eng:
+    with engine(model, make_cache(model), deterministic=True) as eng:
         cold, hit = (eng.generate([prompt], GREEDY)[0] for _ in range(2))
         assert hit.lengths.prefix_len == 3 * PAGE and hit.lengths.extend_len == PAGE
         assert hit.tokens == cold.tokens and torch.equal(hit.prefill_logits, cold.prefill_logits)

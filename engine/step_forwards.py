@@ -1,0 +1,90 @@
+"""Runs one step's planned prefill and decodes through the model, and samples.
+
+By default the work is packed into forwards of up to `chunk_tokens` new tokens that batch
+several requests' prefill pieces with every decode (`forward_plan.pack_forwards`): one
+variable-length attention call per sequence over its page table, one matmul for all rows.
+In deterministic mode each prefill chunk runs alone on the absolute chunk grid and the
+decodes run as one batch of their own, so a hit gives bit-identical logits to a cold run.
+
+The caller (the scheduler) owns the requests' lifecycle: this advances `pos`, turns a request
+whose prompt is done into DECODING with its first token, appends sampled tokens, and reports
+the requests whose last token was sampled in `ended` (appended forward by forward, so that a
+failure in a later forward leaves what earlier ones finished reported).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvtier.engine.batch import SeqChunk
+from kvtier.engine.forward_plan import Forward, Piece, pack_forwards
+from kvtier.engine.request import Request, RequestState
+from kvtier.engine.runner import ModelRunner
+
+
+class StepForwards:
+    """The model calls of a step; `count` is how many the last `run` made."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.count = 0
+
+    def run(self, plan: Sequence[tuple[Request, int]], decoding: Sequence[Request],
+            ended: list[Request]) -> None:
+        """Prefill each (request, stop) of `plan` from its `pos` to `stop`; decode
+        `decoding` one token each."""
+        self.count = 0
+        if self.runner.deterministic:
+            self._one_by_one(plan, decoding, ended)
+            return
+        spans = [Piece(r, r.pos, stop) for r, stop in plan if stop > r.pos]
+        for fwd in pack_forwards(spans, decoding, self.runner.chunk_tokens):
+            self._forward(fwd, ended)
+
+    def _forward(self, fwd: Forward, ended: list[Request]) -> None:
+        tokens: list[int] = []
+        seqs: list[SeqChunk] = []
+        for piece in fwd.pieces:
+            req = piece.req
+            tokens += req.prompt[piece.start:piece.stop]
+            seqs.append(SeqChunk(req.pages, piece.start, piece.num_tokens))
+        for req in fwd.decodes:
+            tokens.append(req.output[-1])
+            seqs.append(SeqChunk(req.pages, req.kv_len, 1))
+        logits = self.runner.forward(tokens, seqs)
+        self.count += 1
+        for row, piece in enumerate(fwd.pieces):
+            piece.req.pos = piece.stop
+            if piece.stop == len(piece.req.prompt):
+                _first_token(piece.req, logits[row], ended)
+        _sample(fwd.decodes, logits[len(fwd.pieces):], ended)
+
+    def _one_by_one(self, plan: Sequence[tuple[Request, int]], decoding: Sequence[Request],
+                    ended: list[Request]) -> None:
+        for req, stop in plan:
+            if stop <= req.pos:
+                continue
+            logits = self.runner.prefill(req.prompt[:stop], req.pos, req.pages)
+            self.count += len(range(req.pos, stop, self.runner.chunk_tokens))
+            req.pos = stop
+            if stop == len(req.prompt):
+                _first_token(req, logits, ended)
+        if decoding:
+            logits = self.runner.decode([r.output[-1] for r in decoding],
+                                        [(r.pages, r.kv_len) for r in decoding])
+            self.count += 1
+            _sample(decoding, logits, ended)
+
+
+def _first_token(req: Request, logits: torch.Tensor, ended: list[Request]) -> None:
+    req.prefill_logits = logits.float().cpu()
+    req.state = RequestState.DECODING
+    if req.append(req.sampler(logits)):
+        ended.append(req)
+
+
+def _sample(batch: Sequence[Request], logits: torch.Tensor, ended: list[Request]) -> None:
+    for row, req in enumerate(batch):
+        if req.append(req.sampler(logits[row])):
+            ended.append(req)

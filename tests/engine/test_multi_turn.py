@@ -1,0 +1,217 @@
+"""Multi-turn reuse through the Engine (default mode): hits that end on any page, generated
+pages cached and byte-exact through every tier, batched prefill, lpm admission with its aging
+bound, and best_effort prefetches that end only when admission reaches their request."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_scheduler import assert_no_leaks, check_lengths, make_cache, toks
+
+from kvtier.backends.base import StorageTarget
+from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
+from kvtier.backends.registry import create_backend
+from kvtier.config import HiCacheConfig
+from kvtier.engine import Engine, RequestState, SamplingParams
+from kvtier.engine.forward_plan import Piece, pack_forwards
+from kvtier.engine.queue_order import order_waiting
+from kvtier.engine.request import Request
+from kvtier.policies import SchedulePolicy
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+PAGE = 16
+ONE = SamplingParams(max_new_tokens=1)
+
+
+def l1_bytes(cache: HierarchicalCache, tokens: list[int]) -> list[torch.Tensor]:
+    """The L1 bytes of every cached whole page of `tokens` (each page's K and V, all layers)."""
+    m = cache.tree.match_prefix(tokens, touch=False)
+    kv = cache.device_pool.kv
+    return [kv[:, :, page].clone() for page in m.device_indices]
+
+
+# ---- hits on any page ------------------------------------------------------------------------
+def test_a_hit_ends_on_any_page_whatever_the_chunk_size(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    prompt = toks(170, 1)  # 10 pages + 10 tokens; chunks of 128 would reuse 128
+    with Engine(model, make_cache(model), 128, owns_cache=True) as eng:
+        cold, hit = (eng.generate([prompt], ONE)[0] for _ in range(2))
+        assert hit.cached.device == 160 and hit.lengths.extend_len == 10
+        assert hit.tokens == cold.tokens
+        check_lengths(hit)
+        assert_no_leaks(eng.cache)
+
+
+# ---- generated pages ---------------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_the_next_turn_hits_the_previous_answer(tiny_models, deterministic) -> None:
+    model = tiny_models[torch.float32]
+    first = toks(40, 2)
+    with Engine(model, make_cache(model), owns_cache=True, deterministic=deterministic) as eng:
+        answer = eng.generate([first], SamplingParams(max_new_tokens=20))[0]
+        second = first + list(answer.tokens) + toks(10, 3)
+        turn2 = eng.generate([second], ONE)[0]
+        # Prompt (40) + answer (20, the last without KV) = 59 tokens: 3 whole pages. Only the
+        # prompt's 2 whole pages in deterministic mode.
+        assert turn2.cached.device == (32 if deterministic else 48)
+        check_lengths(turn2)
+        assert_no_leaks(eng.cache)
+
+
+def test_generated_pages_are_byte_exact_in_every_tier(tiny_models, tmp_path) -> None:
+    model = tiny_models[torch.float32]
+    prompt = toks(20, 4)
+    with Engine(model, make_cache(model, l3_dir=tmp_path), owns_cache=True) as eng:
+        answer = eng.generate([prompt], SamplingParams(max_new_tokens=30))[0]
+        computed = prompt + list(answer.tokens[:-1])  # 49 tokens: pages 2 and 3 hold output
+        written = l1_bytes(eng.cache, computed)
+        assert len(written) == 3
+        eng.cache.flush()
+        eng.cache.storage.drain()  # L1 -> L2 -> L3
+        eng.cache.evict_device(10**9)
+        from_l2 = eng.generate([computed + [5]], ONE)[0]
+        assert from_l2.cached.host == 48
+        assert all(torch.equal(a, b) for a, b in zip(written, l1_bytes(eng.cache, computed)))
+    other = make_cache(model, l3_dir=tmp_path)  # another instance on the same L3
+    with Engine(model, other, owns_cache=True) as eng:
+        from_l3 = eng.generate([computed + [5]], ONE)[0]
+        assert from_l3.cached.storage == 48
+        got = l1_bytes(other, computed)
+        assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(written, got))
+        assert from_l3.tokens == from_l2.tokens
+        assert torch.equal(from_l3.prefill_logits, from_l2.prefill_logits)
+
+
+# ---- batched prefill ---------------------------------------------------------------------------
+def test_forwards_pack_pieces_and_decodes_under_the_cap() -> None:
+    a, b, d = object(), object(), object()
+    fwds = pack_forwards([Piece(a, 0, 10), Piece(b, 16, 20)], [d], 8)
+    assert [(len(f.pieces), len(f.decodes), f.num_tokens) for f in fwds] == [(1, 1, 8), (2, 0, 7)]
+    assert fwds[0].pieces == (Piece(a, 0, 7),)
+    assert fwds[1].pieces == (Piece(a, 7, 10), Piece(b, 16, 20))  # a's rest first, in order
+    assert pack_forwards([], [d] * 3, 2)[0].decodes == (d, d, d)  # decodes never wait
+
+
+def test_batched_prefill_equals_one_at_a_time_within_tolerance(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    prompts = [toks(40, 5), toks(23, 6), toks(70, 7)]
+    params = SamplingParams(max_new_tokens=8)
+    with Engine(model, make_cache(model), 256, owns_cache=True) as eng:
+        ids = [eng.add_request(p, params) for p in prompts]
+        outs = eng.step()
+        assert eng.last_step.forwards == 1 and eng.last_step.prefill_tokens == 133
+        while eng.has_unfinished:
+            outs += eng.step()
+        batched = {o.request_id: o for o in outs}
+    for i, prompt in zip(ids, prompts):
+        with Engine(model, make_cache(model), owns_cache=True, deterministic=True) as alone:
+            ref = alone.generate([prompt], params)[0]
+        got = batched[i]
+        torch.testing.assert_close(got.prefill_logits, ref.prefill_logits, atol=1e-4, rtol=1e-4)
+        assert got.tokens == ref.tokens
+
+
+# ---- lpm ---------------------------------------------------------------------------------------
+def _req(i: int, hit: int, waited: int = 0) -> Request:
+    req = Request(i, (1, 2, 3), ONE)
+    req.agreed_hit, req.waited_steps = hit, waited
+    return req
+
+
+def test_lpm_orders_by_agreed_hit_then_arrival_and_aged_requests_first() -> None:
+    reqs = [_req(0, 0), _req(1, 64), _req(2, 32), _req(3, 64), _req(4, 0, waited=5)]
+    lpm = order_waiting(reqs, SchedulePolicy.LPM, max_wait_steps=5)
+    assert [r.id for r in lpm] == [4, 1, 3, 2, 0]
+    assert [r.id for r in order_waiting(reversed(reqs), SchedulePolicy.FCFS)] == [0, 1, 2, 3, 4]
+
+
+def _starved_steps(model, max_wait_steps: int, steps: int) -> int | None:
+    """A no-hit request waits while two requests that hit arrive every step and the budget
+    admits about one per step; the steps it waited before admission (None: not admitted)."""
+    prefix = toks(48, 8)
+    with Engine(model, make_cache(model, device_pages=128), 64, token_budget=64,
+                owns_cache=True) as eng:
+        eng.generate([prefix + [1]], ONE)  # the prefix is in L1
+        eng.scheduler.max_wait_steps = max_wait_steps
+        for k in range(2):
+            eng.add_request(prefix + toks(40, 100 + k), ONE)
+        eng.step()
+        cold = eng.add_request(toks(60, 9), ONE)
+        for k in range(steps):
+            for j in range(2):
+                eng.add_request(prefix + toks(40, 200 + 2 * k + j), ONE)
+            eng.step()
+            if all(r.id != cold for r in eng.scheduler.waiting):
+                return k + 1
+        return None
+
+
+def test_lpm_aging_bounds_the_wait_of_a_request_with_no_hit(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    assert _starved_steps(model, max_wait_steps=10**6, steps=12) is None  # lpm alone starves it
+    waited = _starved_steps(model, max_wait_steps=4, steps=12)
+    assert waited is not None and waited <= 4 + 1
+
+
+def test_lpm_admits_the_longest_agreed_hit_first(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    prefix = toks(48, 10)
+    with Engine(model, make_cache(model), 64, token_budget=64, owns_cache=True) as eng:
+        eng.generate([prefix + [1]], ONE)
+        eng.add_request(toks(200, 11), ONE)  # takes the budget for a few steps
+        eng.step()
+        miss = eng.add_request(toks(50, 12), ONE)  # arrives first: fcfs would admit it first
+        hit = eng.add_request(prefix + toks(30, 13), ONE)
+        left: dict[int, int] = {}  # request id -> the step it left the waiting queue in
+        for step in range(1, 50):
+            eng.step()
+            for i in (miss, hit):
+                if i not in left and all(r.id != i for r in eng.scheduler.waiting):
+                    left[i] = step
+            if not eng.has_unfinished:
+                break
+        assert left[hit] < left[miss]
+
+
+# ---- best_effort -------------------------------------------------------------------------------
+def _simulated_cache(model, seed: int) -> tuple[HierarchicalCache, FaultyBackend]:
+    config = HiCacheConfig.from_dict({
+        "page_size": PAGE, "hicache_ratio": 4.0, "load_back_threshold_tokens": PAGE,
+        "prefetch_policy": "best_effort", "prefetch_threshold_tokens": PAGE})
+    cache = HierarchicalCache(config, model.kv_spec(PAGE), 64, device="cpu", model="tiny")
+    backend = FaultyBackend(create_backend("simulated", StorageTarget(cache.namespace, 0, 1),
+                                           {"seed": seed}))
+    cache.attach_storage(backend)
+    return cache, backend
+
+
+def test_best_effort_uses_the_pages_that_landed_while_its_request_waited(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    doc = toks(64, 14)
+    with Engine(model, _simulated_cache(model, seed=1415)[0], owns_cache=True) as eng:
+        eng.generate([doc + [1]], ONE)
+        eng.cache.flush()
+        eng.cache.storage.drain()
+    cache, backend = _simulated_cache(model, seed=1415)
+    backend.inject(StorageOp.GET, FaultKind.DELAY, times=-1, delay_s=2.0)
+    with Engine(model, cache, 32, token_budget=32, owns_cache=True,
+                schedule_policy=SchedulePolicy.FCFS) as eng:
+        eng.add_request(toks(200, 15), ONE)  # prefills 32 tokens a step for 7 steps
+        eng.step()
+        req_id = eng.add_request(doc + toks(5, 16), ONE)
+        waiting = eng.scheduler.waiting[0]
+        assert waiting.ticket is not None
+        for _ in range(2):  # the budget never reaches it: its prefetch goes on
+            eng.step()
+            assert waiting.state is RequestState.WAITING and waiting.ticket is not None
+        deadline = time.monotonic() + 30
+        while not waiting.ticket.op.state.finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        outs = []
+        while eng.has_unfinished:
+            outs += eng.step()
+        (out,) = [o for o in outs if o.request_id == req_id]
+        assert out.cached.storage == 64
+        check_lengths(out)
