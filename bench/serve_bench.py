@@ -137,6 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="admission order (default lpm, as kvtier serve)")
     app.add_argument("--compare-off", nargs=0, default=False, action=AppFlag,
                      help="then run the same load with the cache off (L1 only, same L1 size)")
+    app.add_argument("--check-cold", nargs=0, default=False, action=AppFlag,
+                     help="then replay every answered request alone and cold in this process "
+                          "(deterministic mode) and report how many answers equal it "
+                          "(answers_equal_cold)")
     app.add_argument("--port", type=int, default=8100, action=AppFlag,
                      help="HTTP port on 127.0.0.1 (default 8100)")
 
@@ -321,6 +325,11 @@ def main(ns: argparse.Namespace) -> int:
     else:
         result = on.to_json()
         complete = on.answered == on.planned
+    if ns.check_cold:
+        from kvtier.bench.serve_cold import answers_equal_cold
+
+        result["answers_equal_cold"] = answers_equal_cold(on.exchanges, serve_settings(ns, True),
+                                                          ns.max_tokens)
     result = {"benchmark": "serve", **result, "settings": settings_report(ns)}
     emit(result, ns.json)
     return 0 if complete else 1

@@ -71,6 +71,8 @@ class RequestRecord(NamedTuple):
     # None: the server did not report it (vLLM without --enable-prompt-tokens-details)
     cached_by_tier: dict | None = None  # the `kvtier` usage extension, when the server sends it
     error: str = ""
+    messages: tuple = ()  # what the request sent (answered requests; for --check-cold)
+    text: str = ""  # the answer
 
 
 class StreamResult(NamedTuple):
@@ -108,9 +110,13 @@ class LoadResult:
     # history the server reused instead of recomputing.
     hit_rate_after_round1: float | None = None
     model: str = ""  # what the requests named
+    # (messages sent, answer text) of every answered request; not in the JSON
+    exchanges: tuple = field(default=(), repr=False, compare=False)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("exchanges")
+        return out
 
 
 # ---- workload ----------------------------------------------------------------------------
@@ -277,8 +283,10 @@ class Conversation:
         except (aiohttp.ClientError, asyncio.TimeoutError, ServerError, ValueError) as exc:
             self.record(failed_record(self.client, round_, error_kind(exc)))
             return False
+        sent = tuple(dict(m) for m in self.messages)
         self.messages.append({"role": "assistant", "content": res.text})
-        self.record(answered_record(self.client, round_, res))
+        self.record(answered_record(self.client, round_, res)._replace(messages=sent,
+                                                                        text=res.text))
         return True
 
 
@@ -387,7 +395,8 @@ def summarize(records: list[RequestRecord], planned: int, rounds: int,
         completion_tokens=sum(r.completion_tokens for r in ok),
         error_kinds=dict(Counter(r.error for r in records if not r.ok)),
         cached_tokens_reported=reported,
-        hit_rate_after_round1=hit_rate([r for r in ok if r.round >= 1]) if reported else None)
+        hit_rate_after_round1=hit_rate([r for r in ok if r.round >= 1]) if reported else None,
+        exchanges=tuple((r.messages, r.text) for r in ok))
 
 
 def hit_rate(records: list[RequestRecord]) -> float | None:
