@@ -1,0 +1,85 @@
+"""bench prefix: its figures and targets, driven end to end with the tiny model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.bench.prefix import (QUESTION, BenchModel, PrefixBenchParams, check_targets,
+                                 reusable_tokens, run, targets)
+from kvtier.engine import load_tiny_model
+from kvtier.errors import ConfigError
+
+PARAMS = PrefixBenchParams(tokens=200, dtype="fp32", page_size=32, chunk_tokens=64, new_tokens=4)
+
+
+class ByteTokenizer:
+    """The tiny model's 256-token vocabulary as bytes: enough for the bench's prompts."""
+
+    stop_token_ids = ()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode(errors="replace")
+
+
+def tiny(dtype: torch.dtype) -> BenchModel:
+    return BenchModel(load_tiny_model(dtype, "cpu"), ByteTokenizer(), "tiny")
+
+
+def test_reusable_tokens_are_the_documents_whole_pages():
+    assert reusable_tokens(2000, 64) == 1984
+    assert reusable_tokens(2048, 64) == 2048
+    assert reusable_tokens(63, 64) == 0
+
+
+def test_targets_and_checks():
+    bounds = targets(1984, deterministic=False)
+    assert bounds == {"l1": 0.10, "l2": 0.15, "l3": 0.25, "cold_vs_deterministic": 0.6,
+                      "reused_tokens_min": 1984}
+    ratios = {"l1": 0.05, "l2": 0.2, "l3": 0.25, "cold_vs_deterministic": 0.5}
+    reused = {"l1": 1984, "l2": 2048, "l3": 1920}
+    assert check_targets(bounds, ratios, reused) == {
+        "l1": True, "l2": False, "l3": True, "cold_vs_deterministic": True,
+        "reused_tokens_min": False}
+    assert "cold_vs_deterministic" not in targets(1984, deterministic=True)
+
+
+def test_default_mode_run_with_the_tiny_model():
+    out = run(PARAMS, load=tiny)
+    prompt = 200 + len(QUESTION.encode())
+    whole_pages = (prompt - 1) // 32 * 32  # a hit leaves the last token to compute
+    assert out["mode"] == "default" and out["chunk_tokens"] == 64
+    assert out["prompt_tokens"] == prompt and out["document_tokens"] == 200
+    assert out["reusable_tokens"] == 192
+    assert out["reused_tokens"] == {"l1": whole_pages, "l2": whole_pages, "l3": whole_pages}
+    assert out["cached_tokens"]["l2"] == {"device": 0, "host": whole_pages, "storage": 0}
+    assert out["cached_tokens"]["l3"] == {"device": 0, "host": 0, "storage": whole_pages}
+    assert out["target_checks"]["reused_tokens_min"]
+    # The same pages' bytes and the same forwards in every tier: bit-identical hits.
+    assert out["identical"] and out["logits_identical"]
+    assert set(out["lengths"]) == {"cold", "cold_deterministic", "l1", "l2", "l3"}
+    assert out["ttft_cold_deterministic_s"] > 0
+    assert out["meets_targets"] == all(out["target_checks"].values())
+    assert set(out["target_checks"]) == set(out["targets"])
+
+
+def test_deterministic_mode_hits_equal_the_cold_run():
+    out = run(PARAMS._replace(deterministic=True), load=tiny)
+    assert out["mode"] == "deterministic" and out["chunk_tokens"] == 32
+    assert out["equal_to_cold"] and out["logits_equal_to_cold"]  # invariant 1
+    assert out["ttft_cold_deterministic_s"] == out["ttft_cold_s"]
+    assert "cold_vs_deterministic" not in out["targets"]
+    assert "cold_deterministic" not in out["lengths"]
+    assert out["target_checks"]["reused_tokens_min"]
+
+
+def test_bad_sizes_are_refused_before_loading():
+    def no_load(dtype):
+        raise AssertionError("loaded")
+
+    with pytest.raises(ConfigError, match="multiple"):
+        run(PARAMS._replace(chunk_tokens=40), load=no_load)
+    with pytest.raises(ConfigError, match="below one page"):
+        run(PARAMS._replace(tokens=10), load=no_load)
