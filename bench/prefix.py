@@ -246,8 +246,11 @@ def run(params: PrefixBenchParams = PrefixBenchParams(),
             "model_load_s": round(load_s, 3), "quiescent_between_runs": True}
 
 
+def params_from_args(ns: argparse.Namespace) -> PrefixBenchParams:
+    return PrefixBenchParams(ns.tokens, ns.dtype, ns.page_size, ns.chunk_tokens,
+                             ns.new_tokens, ns.threads, ns.deterministic)
+
+
 def main(ns: argparse.Namespace) -> int:
-    params = PrefixBenchParams(ns.tokens, ns.dtype, ns.page_size, ns.chunk_tokens,
-                               ns.new_tokens, ns.threads, ns.deterministic)
-    emit(run(params), ns.json)
+    emit(run(params_from_args(ns)), ns.json)
     return 0

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kvtier.bench.prefix import (QUESTION, BenchModel, PrefixBenchParams, check_targets,
-                                 reusable_tokens, run, targets)
+                                 params_from_args, reusable_tokens, run, targets)
+from kvtier.cli import build_parser
 from kvtier.engine import load_tiny_model
 from kvtier.errors import ConfigError
 
@@ -26,6 +27,15 @@ class ByteTokenizer:
 
 def tiny(dtype: torch.dtype) -> BenchModel:
     return BenchModel(load_tiny_model(dtype, "cpu"), ByteTokenizer(), "tiny")
+
+
+def test_command_line_defaults_are_the_engines():
+    parse = build_parser().parse_args
+    assert params_from_args(parse(["bench", "prefix", "--json"])) == PrefixBenchParams()
+    assert PrefixBenchParams().chunk_tokens is None and PrefixBenchParams().tokens == 2000
+    ns = parse(["bench", "prefix", "--deterministic", "--chunk-tokens", "256", "--tokens", "999"])
+    assert params_from_args(ns) == PrefixBenchParams(tokens=999, chunk_tokens=256,
+                                                     deterministic=True)
 
 
 def test_reusable_tokens_are_the_documents_whole_pages():
