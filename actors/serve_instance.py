@@ -46,8 +46,13 @@ def rank_settings(s: ServeSettings) -> RankSettings:
     if s.model is ModelChoice.SMOLLM2:  # load thresholds from this machine's measured
         config = calibrated_thresholds(config, dtype=s.dtype.value)  # crossover, if cached
     dtype = torch.bfloat16 if s.dtype is DType.BF16 else torch.float32
+    # A serving step is one forward of up to chunk_tokens (prefill pieces and every decode):
+    # a long prompt never holds the running decodes (or the router's stall deadline) for
+    # several forwards. Deterministic mode runs one-page chunks, one per forward: its step
+    # keeps a larger budget.
+    budget = max(8192, 2 * s.chunk_tokens) if s.deterministic else s.chunk_tokens
     return RankSettings(source, config, device_pages=s.device_pages, dtype=dtype,
-                        chunk_tokens=s.chunk_tokens, token_budget=max(8192, 2 * s.chunk_tokens),
+                        chunk_tokens=s.chunk_tokens, token_budget=budget,
                         l3=None, l3_actor=None, tenant_salt=s.tenant_salt,
                         deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 

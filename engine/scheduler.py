@@ -162,10 +162,10 @@ class Scheduler:
 
     def _prefill_budget(self, decodes: int) -> int:
         """Decode tokens come out of the budget in default mode (they share its forwards); at
-        least one chunk is left for prefill, so admission never stalls behind decodes."""
+        least a page is left for prefill, so admission never stalls behind decodes."""
         if self.deterministic:
             return self.token_budget
-        return max(self.chunk, self.token_budget - decodes)
+        return max(self.page_size, self.token_budget - decodes)
 
     def abort(self, request_id: int) -> Request | None:
         """Stop a request at any stage, releasing all it holds; None if it is not here."""
