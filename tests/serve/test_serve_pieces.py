@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.policies import SchedulePolicy
 from kvtier.serve.admin import check_admin_key, parse_admin_body
 from kvtier.serve.openai_requests import ApiError
 from kvtier.serve.settings import L3_NONE, ModelChoice, ServeSettings
@@ -26,6 +27,31 @@ def test_settings_validate_and_round_trip():
         ServeSettings(admin_key="short")
     with pytest.raises(ConfigError, match="raise device_pages"):
         ServeSettings(device_pages=4).max_prompt_tokens
+
+
+def test_engine_mode_and_schedule_policy_reach_every_rank():
+    from kvtier.actors.serve_instance import rank_settings
+
+    s = ServeSettings(model="tiny", page_size=16, chunk_tokens=64, schedule_policy="fcfs")
+    assert ServeSettings.from_mapping(s.to_mapping()) == s
+    r = rank_settings(s)
+    assert (r.deterministic, r.schedule_policy, r.token_budget) == (False, SchedulePolicy.FCFS, 64)
+    d = rank_settings(ServeSettings(model="tiny", page_size=16, deterministic=True))
+    assert d.deterministic and d.schedule_policy is SchedulePolicy.LPM and d.token_budget >= 8192
+    with pytest.raises(ConfigError, match="schedule_policy"):
+        ServeSettings(schedule_policy="random")
+    with pytest.raises(ConfigError, match="deterministic"):
+        ServeSettings(deterministic="yes")
+    import argparse
+
+    from kvtier.serve_command import add_arguments, settings_from
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cli = settings_from(parser.parse_args(["--deterministic", "--schedule-policy", "fcfs"]))
+    assert cli.deterministic and cli.schedule_policy is SchedulePolicy.FCFS
+    plain = settings_from(parser.parse_args([]))
+    assert not plain.deterministic and plain.schedule_policy is SchedulePolicy.LPM
 
 
 def test_admin_key_and_body():
