@@ -15,7 +15,10 @@ CONTRACT = {"identical", "ttft_cold_s", "ttft_l2_ratio", "ttft_l3_cross_instance
 
 
 def test_demo_hits_every_tier_with_cold_answers() -> None:
-    result, rows = run(DemoParams(tokens=600, new_tokens=6, progress=False, tp_size=3))
+    # fp32: the same plan and checks as the default bf16, faster on CPUs without native
+    # bf16 (this test: 201 s -> 137 s on a loaded 2-core machine); the host demo runs fp32 too
+    result, rows = run(DemoParams(tokens=600, new_tokens=6, progress=False, tp_size=3,
+                                  dtype="fp32"))
     assert not ray.is_initialized()  # Ray, its actors and the temp dir are gone
     assert CONTRACT <= set(result)
     assert result["identical"] is True
