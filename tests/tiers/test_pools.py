@@ -132,6 +132,36 @@ def test_host_pool_shape_and_registration_facts(layout):
         host.kv
 
 
+def _resident_bytes(addr: int) -> int | None:
+    """Rss of the mapping that holds `addr` (from /proc/self/smaps), None where unreadable."""
+    try:
+        with open("/proc/self/smaps", encoding="ascii") as fh:
+            inside = False
+            for line in fh:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside and head == "Rss:":
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinned memory is resident by itself")
+@pytest.mark.skipif(not host_pool_module.MAP_POPULATE, reason="no MAP_POPULATE on this platform")
+def test_host_pool_is_resident_from_the_start():
+    """The CPU L2 mapping is faulted in when made: an L2 page's first copy (a write_back
+    eviction on the request path) must not pay the page faults."""
+    spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, page_size=64, dtype=torch.float32)
+    with HostPool(spec, 16) as host:  # 4 MiB, never written
+        rss = _resident_bytes(host.data_ptr())
+        if rss is None:
+            pytest.skip("/proc/self/smaps is not readable here")
+        assert rss >= host.nbytes
+
+
 def test_host_pool_accepts_the_layout_spelling():
     with HostPool(SPEC, 2, "page-first-direct") as host:
         assert host.layout is MemLayout.PAGE_FIRST_DIRECT
