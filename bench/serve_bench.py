@@ -73,7 +73,7 @@ from kvtier.bench import emit
 from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy
-from kvtier.serve.settings import ModelChoice, ServeSettings
+from kvtier.serve.settings import DType, ModelChoice, ServeSettings
 
 LOOPBACK = "127.0.0.1"
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
@@ -130,6 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     app.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, action=AppFlag,
                      help=f"most new tokens per forward, a multiple of {PAGE_SIZE} "
                           f"(default {CHUNK_TOKENS}, as kvtier serve)")
+    app.add_argument("--dtype", choices=[m.value for m in DType], action=AppFlag,
+                     default=SERVE_DEFAULTS["dtype"].value,
+                     help=f"model and KV dtype (default {SERVE_DEFAULTS['dtype'].value}, as kvtier "
+                          "serve; fp32 is much faster on CPUs without native bf16)")
     app.add_argument("--deterministic", nargs=0, default=False, action=AppFlag,
                      help="answers bit-identical to a cold run (as kvtier serve --deterministic)")
     app.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],
@@ -193,7 +197,8 @@ def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = ""
                          l3_root=l3_root if hierarchical else "",
                          max_new_tokens=ns.max_tokens,
                          served_model_name=ns.served_model_name or "",
-                         deterministic=ns.deterministic, schedule_policy=ns.schedule_policy)
+                         deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
+                         dtype=ns.dtype)
 
 
 def load_params(ns: argparse.Namespace) -> LoadParams:

@@ -5,7 +5,7 @@ import argparse
 
 from kvtier.policies import SchedulePolicy
 from kvtier.serve.placement import PlacementMode
-from kvtier.serve.settings import L3_NONE, ModelChoice, ServeSettings
+from kvtier.serve.settings import L3_NONE, DType, ModelChoice, ServeSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="most new tokens one forward computes: prefill pieces of several "
                         "requests and the decodes share it (a multiple of 64; default 512)")
+    p.add_argument("--dtype", choices=[m.value for m in DType], default="bf16",
+                   help="model and KV dtype (default bf16; fp32 is much faster on CPUs "
+                        "without native bf16)")
     p.add_argument("--deterministic", action="store_true",
                    help="answers bit-identical to a cold run: one-page prefill chunks, one "
                         "sequence per forward, only prompt pages cached (slower, reuses less)")
@@ -52,6 +55,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          l3=ns.l3 if not ns.no_hierarchical else L3_NONE, l3_root=ns.l3_root,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
+                         dtype=ns.dtype,
                          hierarchical=not ns.no_hierarchical,
                          admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,

@@ -48,8 +48,10 @@ def test_engine_mode_and_schedule_policy_reach_every_rank():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cli = settings_from(parser.parse_args(["--deterministic", "--schedule-policy", "fcfs"]))
+    cli = settings_from(parser.parse_args(["--deterministic", "--schedule-policy", "fcfs",
+                                           "--dtype", "fp32"]))
     assert cli.deterministic and cli.schedule_policy is SchedulePolicy.FCFS
+    assert cli.dtype.value == "fp32"
     plain = settings_from(parser.parse_args([]))
     assert not plain.deterministic and plain.schedule_policy is SchedulePolicy.LPM
 
