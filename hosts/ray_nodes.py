@@ -61,6 +61,7 @@ class RayHosts:
         self.token_path.write_text(secrets.token_hex(32))
         self.token_path.chmod(0o600)
         self.started = False
+        self._worker: tuple[int, dict[str, float]] = (2, {})  # cpus, resources
 
     @property
     def head(self):
@@ -91,8 +92,9 @@ class RayHosts:
         self._ray_start(self.head, ["--head", f"--port={GCS_PORT}"], head_cpus, head_resources,
                         head_env)
         self.started = True
+        self._worker = (worker_cpus, dict(worker_resources or {}))
         for host in self.net.hosts[1:]:
-            self._ray_start(host, [f"--address={self.address}"], worker_cpus, worker_resources)
+            self.start_worker(host)
         nodes = self.nodes(expect=len(self.net.hosts), wait_s=wait_s)
         if len(nodes) < len(self.net.hosts):
             raise HostsUnavailable(f"only {len(nodes)} of {len(self.net.hosts)} Ray nodes came "
@@ -109,9 +111,10 @@ class RayHosts:
             argv.append("--include-dashboard=false")
         host.run(argv, env=self.env(**(env or {})), timeout_s=120, unset=SCRUBBED)
 
-    def start_worker(self, host, resources: Mapping[str, float] | None = None,
-                     cpus: int = 2) -> None:
-        """(Re)start one worker node in `host` (after its raylet was killed)."""
+    def start_worker(self, host) -> None:
+        """(Re)start one worker node in `host` (after its raylet was killed) with the CPUs
+        and resources `start` gave the workers."""
+        cpus, resources = self._worker
         self._ray_start(host, [f"--address={self.address}"], cpus, resources)
 
     def driver(self, argv: Sequence[str], *, timeout_s: float = 600.0, check: bool = True,

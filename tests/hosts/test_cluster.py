@@ -1,6 +1,6 @@
 """kvtier across three hosts of this machine (network namespaces on a private bridge), one
-Ray cluster with token auth for the whole module: the head (namespace actor, Mooncake
-master) on host 1, instances on hosts 2 and 3, drivers inside host 1.
+Ray cluster with token auth (conftest's, shared with test_serve_hosts): the head (namespace
+actor, Mooncake master) on host 1, instances on hosts 2 and 3, drivers inside host 1.
 
 Listeners: Ray 2.60's gcs_server, raylets, core-worker gRPC servers and agents bind the
 wildcard address whenever a node's address is not loopback (Ray has no option to bind one
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.timeout(900)
 
 _rng = random.Random(11)
 PAGE = 16
-FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 
 
 def _prompt(pages: int = 4) -> list[int]:
@@ -36,11 +35,10 @@ def _prompt(pages: int = 4) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def run():
-    # workers: kvtier_instance 4, 2 CPUs (two TP=2 sets); a killed raylet is declared dead
-    # after ~3 s of failed health checks instead of Ray's ~15 s
-    with HostsRun(3, tp_size=2, head_env=FAST_NODE_DEATH) as r:
-        yield r
+def run(hosts_cluster) -> HostsRun:
+    # (conftest) workers offer kvtier_instance 2 and 2 CPUs: one TP=2 instance each, and
+    # a second one placed by its node; a killed raylet is declared dead after ~3 s
+    return hosts_cluster
 
 
 class Driver:
@@ -253,4 +251,4 @@ def test_raylet_killed_instance_replaced_on_another_host(run, driver) -> None:
     assert driver.ok("where", name="B")["nodes"] == [other.address] * 2
     driver.ok("drop", name="A")
     driver.ok("drop", name="B")
-    run.ray.start_worker(victim, {"kvtier_instance": 4})
+    run.ray.start_worker(victim)  # as it was: test_serve_hosts places on it next

@@ -1,7 +1,7 @@
-"""`kvtier serve --address auto` on a three-host cluster (token auth on): the ingress on host
-1, one instance on host 2 and one on host 3 (each worker offers one instance's
-`kvtier_instance`), a file L3 on a directory every host mounts, the load generator in the
-root namespace. (With Mooncake the cut host's client segments hold pages too, so transfers of
+"""`kvtier serve --address auto` on a three-host cluster (token auth on; conftest's, which
+test_cluster used before): the ingress on host 1, one TP=2 instance on host 2 and one on
+host 3 (each worker offers one instance's `kvtier_instance`), a file L3 on a directory every
+host mounts, the load generator in the root namespace. (With Mooncake the cut host's client segments hold pages too, so transfers of
 the other instance that touch them wait for the link as well.) Host 3's link is cut for 5 s while requests are in flight: Ray does not declare
 the node dead that fast, so kvtier's router deadline (2 s) does it: the instance is marked
 stalled, its unanswered requests are answered by the other instance, each exactly once and
@@ -24,29 +24,43 @@ pytestmark = pytest.mark.timeout(600)
 PORT = 8000
 ADMIN_KEY = "hosts-test-admin"
 PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, and then" for i in range(6)]
+# What a joined deployment leaves on the cluster when it stops (Serve and the namespace actor,
+# which holds kvtier_head): removed, so the shared cluster serves the next module as it was.
+LEFT_BEHIND = """
+import ray
+from ray import serve
+ray.init(log_to_driver=False)
+serve.shutdown()
+try:
+    ray.kill(ray.get_actor("kvtier-l3", namespace="kvtier"))
+except ValueError:  # the deployment never created it
+    pass
+"""
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    with HostsRun(3, tp_size=1, instances_per_host=1) as run:
-        h1 = run.net.hosts[0]
-        log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
-        proc = run.ray.driver_popen(
-            ["-m", "kvtier", "serve", "--address", "auto", "--host", h1.address,
-             "--port", str(PORT), "--instances", "2", "--tp", "1", "--model", "tiny",
-             "--l3", "file", "--l3-root", f"{run.shared_dir}/serve-l3", "--admin-key", ADMIN_KEY, "--stall-timeout-s", "2",
-             "--max-new-tokens", "64"], stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://{h1.address}:{PORT}"
+def served(hosts_cluster: HostsRun, tmp_path_factory):
+    run = hosts_cluster
+    h1 = run.net.hosts[0]
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    proc = run.ray.driver_popen(
+        ["-m", "kvtier", "serve", "--address", "auto", "--host", h1.address,
+         "--port", str(PORT), "--instances", "2", "--tp", "2", "--model", "tiny",
+         "--l3", "file", "--l3-root", f"{run.shared_dir}/serve-l3", "--admin-key", ADMIN_KEY,
+         "--stall-timeout-s", "2", "--max-new-tokens", "64"],
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://{h1.address}:{PORT}"
+    try:
+        _wait_healthy(base, proc, log.name)
+        yield run, base
+    finally:
+        proc.terminate()
         try:
-            _wait_healthy(base, proc, log.name)
-            yield run, base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        run.ray.driver(["-c", LEFT_BEHIND], timeout_s=120)
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen, log_name: str, timeout_s: float = 300):
