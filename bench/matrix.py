@@ -4,7 +4,9 @@ Workloads A..E (`matrix_workloads`) x configurations 0..5 (5 once per prefetch t
 rounds each, every request timed alone with the caches quiescent (queued L1->L2 copies and
 L2->L3 backups landed first, billed to nobody's TTFT). One model is loaded and shared; each
 workload x configuration gets fresh caches (one per instance; D has several, all on ONE
-`file` L3 directory) and a fresh L3 directory.
+`file` L3 directory) and a fresh L3 directory. A workload's configurations run side by side,
+turn by turn in a rotating order (`run_workload`), so every ratio to configuration 0 compares
+requests run seconds apart on this shared machine, not minutes.
 
 Between round 1 and round 2:
 - configurations 0, 1, 2 keep their L1 and L2: round 2 hits what round 1 left there;
@@ -34,11 +36,14 @@ import torch
 from kvtier.bench.matrix_report import (TierSnapshot, make_cell, markdown_table, snapshot_diff,
                                         snapshot_sum, write_report)
 from kvtier.bench.matrix_workloads import (FULL, QUICK, MatrixConfig, MatrixSizes, Workload,
-                                           build_workloads, hicache_config, matrix_configs)
+                                           build_workloads, filler_tokens, hicache_config,
+                                           matrix_configs)
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.engine import SMOLLM2_NAMESPACE
+from kvtier.engine.request import pages_for
 from kvtier.errors import ConfigError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
+from kvtier.tiers.host_pool import available_host_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -129,50 +134,128 @@ def drop_l1_l2(cache: HierarchicalCache) -> None:
     cache.drop_unlocked()
 
 
-def run_pair(model, tokenizer, workload: Workload, mc: MatrixConfig, sizes: MatrixSizes,
-             l3_dir: str | None, after_request: Callable[[], None] = lambda: None) -> list[dict]:
-    """Both rounds of one workload x configuration on fresh caches; its two cells."""
-    config = hicache_config(mc, sizes.page_size, l3_dir)
-    greedy = SamplingParams(max_new_tokens=sizes.new_tokens)
-    cells = []
-    with contextlib.ExitStack() as stack:
-        engines, timers = [], []
+class _Column:
+    """One configuration of one workload: its engines (one per instance, fresh caches on one
+    L3 directory) and their I/O timers."""
+
+    def __init__(self, stack: contextlib.ExitStack, model, tokenizer, workload: Workload,
+                 mc: MatrixConfig, sizes: MatrixSizes, l3_dir: str | None) -> None:
+        self.mc = mc
+        config = hicache_config(mc, sizes.page_size, l3_dir)
+        self.engines, self.timers = [], []
         for _ in range(workload.instances):
             cache = HierarchicalCache(config, model.kv_spec(sizes.page_size), workload.device_pages,
                                       device=model.device, model=SMOLLM2_NAMESPACE)
-            engine = stack.enter_context(Engine(model, cache, sizes.chunk_tokens,
-                                                tokenizer=tokenizer, owns_cache=True))
-            engines.append(engine)
-            timers.append(_IoTimer(cache))
-        caches = [e.cache for e in engines]
-        for round_no, turns in enumerate(workload.rounds, 1):
-            if round_no == 2 and mc.has_l3:
-                for cache in caches:
-                    drop_l1_l2(cache)
-            quiesce(caches)
-            before = snapshot_sum(map(_snapshot, caches, timers))
-            outputs = []
-            for turn in turns:
-                quiesce(caches)
-                (out,) = engines[turn.instance].generate([list(turn.tokens)], greedy)
-                outputs.append(out)
-                after_request()
-            quiesce(caches)
-            moved = snapshot_diff(snapshot_sum(map(_snapshot, caches, timers)), before)
-            cells.append(make_cell(workload.name, mc.config, round_no, outputs, moved,
-                                   caches[0].spec.token_bytes, mc.timeout_s, mc.label))
-            cells[-1]["load_avg_1m"] = round(os.getloadavg()[0], 2)  # the machine is shared
+            self.engines.append(stack.enter_context(Engine(model, cache, sizes.chunk_tokens,
+                                                           tokenizer=tokenizer, owns_cache=True)))
+            self.timers.append(_IoTimer(cache))
+        self.caches = [e.cache for e in self.engines]
+
+    def snapshot(self) -> TierSnapshot:
+        return snapshot_sum(map(_snapshot, self.caches, self.timers))
+
+
+def turn_order(num_columns: int, step: int) -> list[int]:
+    """The columns' order for the `step`-th turn of a workload: rotated by one each turn, so
+    no configuration always runs first (right after the others' copies were flushed)."""
+    k = step % num_columns
+    return list(range(k, num_columns)) + list(range(k))
+
+
+def pool_bytes(workload: Workload, mc: MatrixConfig, sizes: MatrixSizes, page_bytes: int) -> int:
+    """L1 + L2 bytes one configuration's caches hold for `workload` (every instance)."""
+    config = hicache_config(mc, sizes.page_size, "/unused" if mc.has_l3 else None)
+    device = workload.device_pages * page_bytes
+    host = config.host_pool_bytes(device) if config.enable_hierarchical_cache else 0
+    return workload.instances * (device + host)
+
+
+def side_by_side(need_bytes: Sequence[int], budget_bytes: int | None) -> list[list[int]]:
+    """Consecutive groups of columns whose pools fit in `budget_bytes` together (None: one
+    group); a group runs side by side, the groups one after another."""
+    groups: list[list[int]] = []
+    used = 0
+    for i, need in enumerate(need_bytes):
+        if not groups or (budget_bytes is not None and used + need > budget_bytes):
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += need
+    return groups
+
+
+def run_workload(model, tokenizer, workload: Workload, configs: Sequence[MatrixConfig],
+                 sizes: MatrixSizes, tmp_dir: str,
+                 after_request: Callable[[], None] = lambda: None,
+                 budget_bytes: int | None = None) -> list[dict]:
+    """Both rounds of one workload under every configuration; two cells per configuration,
+    in configuration order. Configurations run side by side (`run_side_by_side`) in as few
+    groups as `budget_bytes` of pools allows (None: all at once)."""
+    page_bytes = model.kv_spec(sizes.page_size).page_bytes
+    need = [pool_bytes(workload, mc, sizes, page_bytes) for mc in configs]
+    cells: list[dict] = []
+    for group in side_by_side(need, budget_bytes):
+        cells += run_side_by_side(model, tokenizer, workload, [configs[i] for i in group],
+                                  sizes, tmp_dir, after_request)
     return cells
 
 
-def _warm_up(model, tokenizer, sizes: MatrixSizes) -> None:
-    """First-call kernel setup on the chunk shapes the matrix uses, billed to no cell."""
+def run_side_by_side(model, tokenizer, workload: Workload, configs: Sequence[MatrixConfig],
+                     sizes: MatrixSizes, tmp_dir: str,
+                     after_request: Callable[[], None] = lambda: None) -> list[dict]:
+    """Both rounds of one workload under `configs`, side by side, turn by turn: each has its
+    own fresh caches (and L3 directory), and turn t of every configuration runs before turn
+    t + 1 of any, in a rotating order.
+
+    Why: on a shared machine the load drifts over minutes, and a configuration measured
+    minutes after configuration 0 read that drift as its own overhead. Side by side, every
+    ratio to configuration 0 compares requests run seconds apart.
+    """
+    greedy = SamplingParams(max_new_tokens=sizes.new_tokens)
+    with contextlib.ExitStack() as stack:
+        columns = [_Column(stack, model, tokenizer, workload, mc, sizes,
+                           tempfile.mkdtemp(dir=tmp_dir) if mc.has_l3 else None)
+                   for mc in configs]
+        every = [cache for col in columns for cache in col.caches]
+        rounds: list[list[dict]] = [[] for _ in columns]
+        step = 0
+        for round_no, turns in enumerate(workload.rounds, 1):
+            for col in columns:
+                if round_no == 2 and col.mc.has_l3:
+                    for cache in col.caches:
+                        drop_l1_l2(cache)
+            quiesce(every)
+            before = [col.snapshot() for col in columns]
+            outputs: list[list] = [[] for _ in columns]
+            for turn in turns:
+                for i in turn_order(len(columns), step):
+                    quiesce(every)
+                    engine = columns[i].engines[turn.instance]
+                    outputs[i] += engine.generate([list(turn.tokens)], greedy)
+                    after_request()
+                step += 1
+            quiesce(every)
+            load = round(os.getloadavg()[0], 2)  # the machine is shared
+            for i, col in enumerate(columns):
+                moved = snapshot_diff(col.snapshot(), before[i])
+                cell = make_cell(workload.name, col.mc.config, round_no, outputs[i], moved,
+                                 col.caches[0].spec.token_bytes, col.mc.timeout_s, col.mc.label)
+                rounds[i].append(dict(cell, load_avg_1m=load))
+    return [cell for cells in rounds for cell in cells]
+
+
+def _warm_up(model, tokenizer, sizes: MatrixSizes, num_tokens: int) -> None:
+    """First-call setup billed to no cell: kernels on every chunk and attention shape up to a
+    `num_tokens` prompt (the longest the run has), and the allocator's heap grown to what such
+    a prefill needs. Warmed on one chunk only, the first request of the run (configuration
+    0's, the denominator of every ratio) paid the rest."""
+    num_tokens = max(num_tokens, sizes.chunk_tokens + 1)
+    pages = pages_for(num_tokens + sizes.new_tokens, sizes.page_size) + 2
     cache = HierarchicalCache(hicache_config(MatrixConfig(0, "warm-up"), sizes.page_size, None),
-                              model.kv_spec(sizes.page_size),
-                              2 * (sizes.chunk_tokens // sizes.page_size) + 4, device=model.device)
+                              model.kv_spec(sizes.page_size), pages, device=model.device)
     with Engine(model, cache, sizes.chunk_tokens, tokenizer=tokenizer, owns_cache=True) as e:
-        ids = tokenizer.encode("Warm-up. " * sizes.chunk_tokens)
-        e.generate([ids[: sizes.chunk_tokens + 24]], SamplingParams(max_new_tokens=4))
+        ids = filler_tokens(tokenizer.encode, num_tokens, topic=999)
+        e.generate([ids], SamplingParams(max_new_tokens=sizes.new_tokens))
 
 
 # ---- the whole run --------------------------------------------------------------------------
@@ -210,18 +293,19 @@ def run(params: MatrixParams) -> dict:
         model, tok = load_smollm2_model(DTYPES[params.dtype])
         workloads = [w for w in build_workloads(tok.encode, sizes) if w.name in params.workloads]
         configs = [c for c in matrix_configs(sizes.timeouts_s) if c.config in params.configs]
-        _warm_up(model, tok, sizes)
+        _warm_up(model, tok, sizes, max(len(t.tokens) for w in workloads for r in w.rounds for t in r))
         total = len(configs) * sum(len(t) for w in workloads for t in w.rounds)
         bar = tqdm(total=total, unit="req", desc="matrix", file=sys.stderr,
                    disable=not params.progress)
         cells: list[dict] = []
+        available = available_host_bytes()
+        budget = None if available is None else available // 2  # the machine is shared
         for w in workloads:
-            for mc in configs:
-                bar.set_postfix_str(f"{w.name}/{mc.key}")
-                l3_dir = tempfile.mkdtemp(dir=tmp) if mc.has_l3 else None
-                cells += run_pair(model, tok, w, mc, sizes, l3_dir, lambda: bar.update(1))
-                if l3_dir:
-                    shutil.rmtree(l3_dir, ignore_errors=True)
+            bar.set_postfix_str(w.name)
+            w_dir = tempfile.mkdtemp(dir=tmp)
+            cells += run_workload(model, tok, w, configs, sizes, w_dir, lambda: bar.update(1),
+                                  budget)
+            shutil.rmtree(w_dir, ignore_errors=True)
         bar.close()
         phases["matrix_s"] = round(time.perf_counter() - t0, 1)
     phases["total_s"] = round(time.perf_counter() - t_start, 1)

@@ -205,3 +205,49 @@ def test_cli_parses_matrix():
                                     "--skip-limits"])
     assert ns.quick and ns.json and ns.skip_limits and ns.out == "/tmp/x"
     assert ns.func is matrix.main
+
+
+def test_turn_order_rotates_so_no_configuration_always_runs_first():
+    orders = [matrix.turn_order(3, step) for step in range(4)]
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert all(sorted(o) == [0, 1, 2] for o in orders)
+
+
+def test_run_workload_runs_configurations_side_by_side(tmp_path, monkeypatch):
+    """Two cells per configuration, in configuration then round order; turn t of every
+    configuration runs before turn t + 1 of any; each configuration keeps its own caches and
+    L3 directory (D's instances 1 and 2 hit what instance 0 stored, in L3 columns only)."""
+    import torch
+
+    from kvtier.engine import load_tiny_model
+    from kvtier.engine.engine import Engine
+
+    model = load_tiny_model(torch.float32, "cpu")
+    sizes = TINY._replace(document_tokens=256)  # the prefetch threshold's 256 tokens
+    configs = matrix_configs(sizes.timeouts_s)
+    d = {w.name: w for w in build_workloads(encode, sizes)}["D"]
+    ran = []
+    real_generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, sampling:
+                        ran.append(tuple(prompts[0])) or real_generate(self, prompts, sampling))
+    cells = matrix.run_workload(model, None, d, configs, sizes, str(tmp_path))
+    assert [(c["config"], c["timeout_s"], c["round"]) for c in cells] == [
+        (c.config, c.timeout_s, r) for c in configs for r in (1, 2)]
+    turns = [t.tokens for r in d.rounds for t in r]
+    assert ran == [t for t in turns for _ in configs]  # turn by turn, every column each turn
+    r1 = {(c["config"], c["timeout_s"]): c for c in cells if c["round"] == 1}
+    assert r1[(0, None)]["hit_tokens"]["storage"] == 0
+    assert r1[(4, None)]["hit_tokens"]["storage"] == 2 * sizes.document_tokens
+    assert all(c["requests"] == sizes.instances and c["load_avg_1m"] >= 0 for c in cells)
+
+
+def test_side_by_side_groups_fit_the_memory_budget(workloads):
+    assert matrix.side_by_side([3, 3, 3], None) == [[0, 1, 2]]
+    assert matrix.side_by_side([3, 3, 3], 9) == [[0, 1, 2]]
+    assert matrix.side_by_side([3, 3, 3], 6) == [[0, 1], [2]]
+    assert matrix.side_by_side([5, 3, 3], 4) == [[0], [1], [2]]  # too big alone still runs
+    cols = matrix_configs(TINY.timeouts_s)
+    e = workloads["E"]
+    need = [matrix.pool_bytes(e, c, TINY, 1000) for c in cols]
+    assert need[0] == e.device_pages * 1000  # L1 only
+    assert need[1:] == [3 * e.device_pages * 1000] * 6  # L1 + L2 of twice its size
