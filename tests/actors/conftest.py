@@ -16,23 +16,52 @@ from kvtier.actors.ray_env import LOOPBACK, pin_to_loopback, shutdown_local_ray,
 from kvtier.netcheck import descendants
 
 MiB = 1 << 20
+SHARED_RAY_CPUS = 2
+_shared_ray: list[bool] = []  # [True] while the shared local Ray runs
+
+
+@pytest.fixture(scope="module")
+def shared_ray() -> None:
+    """A 2-CPU local Ray cluster that consecutive modules asking for this fixture share
+    (starting one is most of a small module's setup); each closes the actors it made. It
+    stops at the end of a module when the next test does not ask for it
+    (pytest_runtest_teardown below), so modules that start Ray themselves or check a fresh
+    cluster's processes find none running."""
+    if not _shared_ray:
+        start_local_ray(num_cpus=SHARED_RAY_CPUS)
+        _shared_ray.append(True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)  # the fixtures' teardown first: they close their actors in this Ray
+    finally:
+        if _shared_ray and not _stays_on_shared_ray(item, nextitem):
+            _shared_ray.clear()
+            shutdown_local_ray()
+
+
+def _stays_on_shared_ray(item, nextitem) -> bool:
+    """The next test is in the same module, or asks for the shared Ray itself."""
+    if nextitem is None:
+        return False
+    return getattr(nextitem, "module", None) is item.module \
+        or "shared_ray" in nextitem.fixturenames
 
 
 @contextlib.contextmanager
 def local_instance(settings: RankSettings, tp_size: int = 2,
                    rank_class: type[RankCache] = RankCache) -> Iterator[Instance]:
-    """A TP instance on a fresh 2-CPU local Ray cluster, both gone afterwards."""
-    start_local_ray(num_cpus=2)
-    try:
-        with Instance(settings, tp_size=tp_size, ready_timeout_s=90.0,
-                      step_timeout_s=30.0, rank_class=rank_class) as inst:
-            yield inst
-    finally:
-        shutdown_local_ray()
+    """A TP instance on the shared local Ray cluster, closed afterwards."""
+    assert _shared_ray, "local_instance runs on the shared_ray fixture's cluster"
+    with Instance(settings, tp_size=tp_size, ready_timeout_s=90.0, step_timeout_s=30.0,
+                  rank_class=rank_class) as inst:
+        yield inst
 
 
-@pytest.fixture(scope="session")
-def instance_factory() -> Callable:
+@pytest.fixture(scope="module")
+def instance_factory(shared_ray) -> Callable:
     """`local_instance`, for module fixtures (test modules cannot import conftest reliably)."""
     return local_instance
 

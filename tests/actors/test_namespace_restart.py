@@ -14,7 +14,6 @@ import torch
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import _BACKOFF_MAX_S, get_or_create_namespace_actor
 from kvtier.actors.rank_actor import RankCache, RankSettings
-from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
@@ -47,8 +46,8 @@ def reference() -> list[tuple[int, ...]]:
         rank.close()
 
 
-def test_instances_keep_serving_through_a_namespace_actor_restart(tmp_path, reference):
-    start_local_ray(num_cpus=2)
+def test_instances_keep_serving_through_a_namespace_actor_restart(shared_ray, tmp_path,
+                                                                  reference):
     name = f"kvtier-l3-restart-{uuid.uuid4().hex[:6]}"
     client = get_or_create_namespace_actor(name, str(tmp_path / "state"))
     instances: list[Instance] = []
@@ -99,16 +98,15 @@ def test_instances_keep_serving_through_a_namespace_actor_restart(tmp_path, refe
         for inst in instances:
             inst.close()
         client.shutdown()
-        shutdown_local_ray()
 
 
-def test_ranks_replaced_after_the_mooncake_master_moved_attach_where_it_is_now(tmp_path,
+def test_ranks_replaced_after_the_mooncake_master_moved_attach_where_it_is_now(shared_ray,
+                                                                               tmp_path,
                                                                                reference):
     """The namespace actor dies and its new incarnation starts a new Mooncake master on a new
     port (a new epoch); a rank killed afterwards is replaced with ranks that open the namespace
     as it is now. The soak found this: the replacements opened the old address, failed to
     start, and the instance gave up."""
-    start_local_ray(num_cpus=2)
     name = f"kvtier-l3-moved-{uuid.uuid4().hex[:6]}"
     client = get_or_create_namespace_actor(name, str(tmp_path / "state"))
     inst = None
@@ -133,4 +131,3 @@ def test_ranks_replaced_after_the_mooncake_master_moved_attach_where_it_is_now(t
         if inst is not None:
             inst.close()
         client.shutdown()
-        shutdown_local_ray()

@@ -20,7 +20,6 @@ from faulty_rank import FaultyRankCache
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import RankSettings
-from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
@@ -53,9 +52,8 @@ def _prompts(case: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(shared_ray, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp3")
-    start_local_ray(num_cpus=2)
     name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
     client = get_or_create_namespace_actor(name, str(tmp / "state"))
     instances = []
@@ -75,7 +73,6 @@ def cluster(tmp_path_factory):
         for inst in instances:
             inst.close()
         client.shutdown()
-        shutdown_local_ray()
 
 
 def _cold(cold: Instance, prompts: list[list[int]]) -> list[tuple[int, ...]]:
