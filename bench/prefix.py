@@ -9,9 +9,10 @@ runs in the engine's default mode (`--deterministic`: in deterministic mode):
   forwards gain (`ttft_cold_s` <= 0.6 x `ttft_cold_deterministic_s`);
 - hits: the prompt again from L1, from L2 after its L1 pages were evicted, and from L3
   (`file` backend in a temp dir) on a fresh cache with empty L1/L2.
-Each engine first serves a warm-up prompt of the same length (the main one twice: cold, then
-as a hit), so first-call kernel setup inflates no timed figure, and every timed request starts
-with the caches quiescent. Each hit is reported next to the cold figure of the same run.
+Every request decodes `--new-tokens` greedy tokens (stop tokens do not end it). Each engine
+first serves a warm-up prompt of the same length (the main one twice: cold, then as a hit), so
+first-call kernel setup inflates no timed figure, and every timed request starts with the
+caches quiescent. Each hit is reported next to the cold figure of the same run.
 
 A hit reuses the prompt's whole pages, so `reusable_tokens` is the document rounded down to
 whole pages (a hit may reuse more when the question completes a page) and `reused_tokens` is
@@ -20,7 +21,7 @@ of `reusable_tokens`. The three hits read the same pages' bytes and compute the 
 forwards of the same composition, so `identical` / `logits_identical` compare the L2 and L3
 hits with the L1 hit and must hold. `equal_to_cold` (greedy tokens) and `logits_equal_to_cold`
 compare the hits with the cold run: figures, not targets, in default mode (the cold run
-computes the question inside a larger forward, which changes the logits' last bits).
+computes the question inside a larger forward, which can change the logits' last bits).
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="most new tokens per forward, a multiple of the page size (default: "
                         "the engine's, kvtier.engine.engine.default_chunk_tokens)")
-    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per request")
+    p.add_argument("--new-tokens", type=int, default=32,
+                   help="greedy tokens per request (stop tokens do not end it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--deterministic", action="store_true",
                    help="run every engine in deterministic mode (one-page chunks)")
@@ -160,7 +162,10 @@ def _measure(bm: BenchModel, prompt: list[int], params: PrefixBenchParams,
              l3_dir: str) -> tuple[Runs, int]:
     """The five timed requests (see the module docstring) and the chunk the hits ran."""
     page, det = params.page_size, params.deterministic
-    greedy = SamplingParams(max_new_tokens=params.new_tokens)
+    # Stop tokens ignored: every request decodes `new_tokens` tokens, so the decode rate is
+    # measured and the hits are compared on all of them (a document cut mid-record may well
+    # be answered with an end-of-turn token first).
+    greedy = SamplingParams(max_new_tokens=params.new_tokens, stop_token_ids=())
     warm = bm.tokenizer.encode("Warm-up. " * len(prompt))[:len(prompt)]  # no shared prefix
     pages = 4 * pages_for(len(prompt) + params.new_tokens, page)  # warm-up + prompt, twice
     budget = max(8192, 2 * len(prompt))
