@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 
 SETTLE_WAIT_S = 0.05  # how long ending a prefetch waits for a backend call in flight
+BATCH_SLACK = 4.0  # best_effort: a batch in flight is overdue after this times its usual time
+DEFAULT_READ_S_PER_PAGE = 0.01  # the usual time before this rank has measured a read
 MAX_UNREPORTED_PAGES = 1 << 16  # kept for a retried report; older ones wait for a rebuild
 DIRECTORY_LEASE_S = 60.0  # a lease covering one prefetch; released when the prefetch ends
 
@@ -150,17 +152,41 @@ class StorageTier:
     def ready(self, ticket: PrefetchTicket, now_s: float | None = None,
               at_admission: bool = True) -> bool:
         """May the request stop waiting for its prefetch (per the prefetch policy)?
-        best_effort ends when admission reaches the request (`at_admission`), with what
-        landed by then; a caller without a scheduler is always at admission."""
-        if ticket.op.state.finished:
+
+        best_effort ends when admission reaches the request (`at_admission`; a caller without
+        a scheduler always is), with what landed by then plus the batch being read at that
+        moment: reaching it stops the prefetch at its next batch boundary (batches after it
+        never start), and the batch in flight is waited for, without blocking (the scheduler
+        steps on), until it lands or is overdue. Why wait for it: a read already under way
+        lands in a fraction of what recomputing its pages costs (the premise of prefetching
+        at all), while ending it at once would make the request recompute them next to a
+        read it can no longer use, which then only competes for the CPU."""
+        op = ticket.op
+        if op.state.finished:
             return True
+        now = time.monotonic() if now_s is None else now_s
         policy = self.config.prefetch_policy
         if policy is PrefetchPolicy.BEST_EFFORT:
-            return at_admission
+            if not at_admission:
+                return False
+            self.worker.cancel(op)  # idempotent: stops at the batch boundary
+            return op.state.finished or self._overdue(ticket, now)
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             return False
-        now = time.monotonic() if now_s is None else now_s
-        return now - ticket.op.submitted_s >= ticket.timeout_s
+        return now - op.submitted_s >= ticket.timeout_s
+
+    def _overdue(self, ticket: PrefetchTicket, now_s: float) -> bool:
+        """The batch being read took BATCH_SLACK times what reads here take (at least
+        SETTLE_WAIT_S), or the ticket's timeout passed: a slow or hung backend, go on
+        without it (`finish` then leaves its pages to the worker, `_free_when_settled`)."""
+        op = ticket.op
+        if now_s - op.submitted_s >= ticket.timeout_s:
+            return True
+        if op.state is not OpState.RUNNING:  # between batches: the cancel ends it at once
+            return False
+        per_page = self.worker.read_s_per_page or DEFAULT_READ_S_PER_PAGE
+        allowed_s = max(SETTLE_WAIT_S, BATCH_SLACK * op.batch_pages * per_page)
+        return now_s - op.batch_started_s >= allowed_s
 
     def wait(self, ticket: PrefetchTicket, poll_s: float = 0.001) -> None:
         """Block until `ready` (a helper for callers without a scheduler loop)."""

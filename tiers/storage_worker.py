@@ -54,6 +54,8 @@ class StorageOp:
         self.cancel_requested = False
         self.submitted_s = time.monotonic()
         self.finished_s: float | None = None
+        self.batch_started_s = 0.0  # when the worker took its current (or last) batch
+        self.batch_pages = 0  # pages of that batch
         self._settled = threading.Event()
 
     @property
@@ -90,6 +92,7 @@ class StorageWorker:
         self._cv = threading.Condition()
         self._closed = False
         self._running = 0  # ops the thread has taken off a queue and is stepping now
+        self.read_s_per_page: float | None = None  # measured prefetch reads (None: none yet)
         self._thread = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
         self._thread.start()
 
@@ -155,6 +158,8 @@ class StorageWorker:
                 return None  # closed and drained
             op = queue.popleft()
             op.state = OpState.RUNNING
+            op.batch_started_s = time.monotonic()
+            op.batch_pages = min(op.next_page + self.batch_pages, op.num_pages) - op.next_page
             self._running += 1
             return op, queue is self._prefetches
 
@@ -180,6 +185,7 @@ class StorageWorker:
         keys, pages = op.keys[start:stop], op.host_pages[start:stop]
         try:
             move = self.backend.get_into if is_prefetch else self.backend.set_from
+            started = time.monotonic()
             result = move(self.pool, keys, pages)
         except PagesStillInUse as exc:  # the storage may still write into these pages
             log.error("storage %s of %d pages gave up while the storage may still use its "
@@ -197,10 +203,18 @@ class StorageWorker:
         good = result.leading_ok
         if is_prefetch:
             op.missing_keys += [k for k, ok in zip(keys, result.ok) if not ok]
+            if good:
+                self._note_read((time.monotonic() - started) / good)
         op.done_pages += good
         op.next_page = stop
         if good < len(keys) or stop == op.num_pages:
             op._finish(OpState.DONE)  # a miss ends a prefix: later pages are unusable
+
+    def _note_read(self, s_per_page: float) -> None:
+        """Fold one read's seconds per page into the running estimate (recent reads weigh
+        most: the machine's load and the storage's speed change)."""
+        old = self.read_s_per_page
+        self.read_s_per_page = s_per_page if old is None else 0.7 * old + 0.3 * s_per_page
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel queued work, let the running batch finish, stop the thread."""

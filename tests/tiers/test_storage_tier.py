@@ -1,10 +1,15 @@
 """L3 through the cache facade: backup L2->L3, prefetch L3->L2 under each policy, detach."""
 import random
+import time
 import uuid
 
 import pytest
 import torch
 
+from kvtier.backends.base import StorageTarget
+from kvtier.backends.faulty import FaultKind, FaultyBackend
+from kvtier.backends.faulty import StorageOp as FaultOp
+from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import HostMode, PrefetchPolicy, WritePolicy
@@ -75,14 +80,69 @@ def test_best_effort_takes_what_landed_and_frees_the_rest():
         settle(a)
     with make(seed, prefetch=PrefetchPolicy.BEST_EFFORT, device_pages=64) as b:
         ticket = b.prefetch(doc)
-        assert b.prefetch_ready(ticket)  # best effort never waits
+        assert not b.prefetch_ready(ticket) or ticket.op.state.finished  # not reached yet
+        while not b.prefetch_ready(ticket, at_admission=True):  # at most the batch in flight
+            time.sleep(0.001)
         got = b.finish_prefetch(ticket)
         assert got % 12 == 0 and 0 <= got <= 96  # whole batches only
         b.flush()
         used = b.host_pool.allocator.num_used
         held = sum(len(n.host_value) for n in b.tree.nodes() if n.host_value is not None)
         assert used == held  # pages that did not land were freed
-        assert serve(b, doc).extend_len == 96 - got
+        lengths = serve(b, doc)  # prefetches the rest (waiting: no scheduler reaches it)
+        assert lengths.storage_hit_length == 96 - got and lengths.extend_len == 0
+
+
+def _best_effort_behind_a_slow_read(seed, doc, fault, **fault_args):
+    """A best_effort cache whose L3 reads (simulated, batches of 3 pages) carry `fault`; the
+    prefetch of `doc` has its first batch in flight."""
+    with make(seed, device_pages=64) as a:
+        serve(a, doc)
+        settle(a)
+    config = HiCacheConfig(page_size=4, prefetch_policy=PrefetchPolicy.BEST_EFFORT,
+                           prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
+                           storage_batch_pages=3)
+    b = HierarchicalCache(config, SPEC, 64, device="cpu", model="m")
+    backend = FaultyBackend(create_backend("simulated", StorageTarget(b.namespace, 0, 1),
+                                           {"seed": seed}))
+    b.attach_storage(backend)
+    backend.inject(FaultOp.GET, fault, times=-1, **fault_args)
+    ticket = b.prefetch(doc)
+    while ticket.op.state is not OpState.RUNNING:
+        time.sleep(0.001)
+    return b, backend, ticket
+
+
+def test_best_effort_at_admission_lands_the_batch_in_flight_and_starts_no_other():
+    seed = random.getrandbits(48)
+    doc = list(range(700, 796))  # 24 pages: 8 batches of 3
+    b, backend, ticket = _best_effort_behind_a_slow_read(seed, doc, FaultKind.DELAY, delay_s=0.2)
+    with b:
+        b.storage.worker.read_s_per_page = 1.0  # reads here are slow: 0.2 s is not overdue
+        assert not b.prefetch_ready(ticket, at_admission=True)  # its batch is still read
+        while not b.prefetch_ready(ticket, at_admission=True):
+            time.sleep(0.005)
+        assert b.finish_prefetch(ticket) == 12  # the batch in flight, used
+        assert backend.stats().pages_read == 3  # and no batch after it
+        assert b.storage.counters.unfulfilled_storage_transfer_tokens == 96 - 12
+
+
+def test_best_effort_at_admission_goes_on_without_an_overdue_batch():
+    seed = random.getrandbits(48)
+    doc = list(range(800, 896))
+    b, backend, ticket = _best_effort_behind_a_slow_read(seed, doc, FaultKind.HANG)
+    with b:
+        b.storage.worker.read_s_per_page = 0.001  # 3 pages are overdue after SETTLE_WAIT_S
+        start = time.monotonic()
+        while not b.prefetch_ready(ticket, at_admission=True):
+            time.sleep(0.005)
+        assert time.monotonic() - start < 5.0
+        assert b.finish_prefetch(ticket) == 0
+        assert b.storage.orphaned_pages == 24  # until the hung read returns
+        backend.release()
+        ticket.op._settled.wait(5.0)
+        b.poll()
+        assert b.storage.orphaned_pages == 0 and b.host_pool.allocator.num_used == 0
 
 
 def test_timeout_policy_ends_the_wait():
