@@ -35,6 +35,10 @@ from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, Tree
 log = logging.getLogger(__name__)
 
 
+def _depth(node: TreeNode) -> int:
+    """Tokens of the prefix `node` ends."""
+    return sum(len(n.key) for n in node.path_to_root())
+
 
 class HierarchicalCache:
     """L1 + L2 for one TP rank. Single-threaded use; the controller does the copying."""
@@ -178,14 +182,19 @@ class HierarchicalCache:
         for n in reversed(path):
             if min_hits > 1 and n.hit_count < min_hits:
                 continue
-            host_pages = self._alloc_host(len(n.value))
-            if host_pages is None:
-                self.counters.dropped_backup_tokens += len(n.key)
+            if not self._copy_to_host(n):
                 return
-            # told when the copy lands (hashes now: n may split before)
-            self.copies.start(n, host_pages,
-                              self.events.node_hashes(n) if self.events.active else None)
-            self.counters.backed_up_tokens += len(n.key)
+
+    def _copy_to_host(self, n: TreeNode) -> bool:
+        """Start copying L1-only `n` to L2; False when L2 has no room for it."""
+        host_pages = self._alloc_host(len(n.value))
+        if host_pages is None:
+            self.counters.dropped_backup_tokens += len(n.key)
+            return False
+        # told when the copy lands (hashes now: n may split before)
+        self.copies.start(n, host_pages, self.events.node_hashes(n) if self.events.active else None)
+        self.counters.backed_up_tokens += len(n.key)
+        return True
 
     def _write_back(self, node: TreeNode) -> list[int] | None:
         """write_back policy: copy an evicted L1 run to L2 before its pages are freed."""
@@ -351,14 +360,35 @@ class HierarchicalCache:
         self.tree.l3.forget_storage()
 
     def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
-        """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching)."""
+        """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching).
+
+        It starts past the deeper of the L1 and L2 matches, so a page in L1 is never read
+        from L3 again. The pages that land can only hang below the root or a node in L2 (the
+        tree's rule: an L2-only run is complete in L2), so when the match ends in runs that
+        are in L1 only (write_back, storage_only, a dropped copy), those runs are copied to
+        L2 as the prefetch starts: an L1->L2 copy costs a fraction of the L3 read it saves,
+        and it lands long before the read. Without L2 room for them the prefetch is dropped
+        (nothing it brings could be placed)."""
         if self.storage is None:
             return None
         self.poll()
         m = self.tree.match_prefix(tokens, touch=False)
-        anchor = m.last_host_node  # L3 pages can only hang below a node that is in L2
-        local = sum(len(n.key) for n in anchor.path_to_root()) // self.spec.page_size
-        return self.storage.prefetch(tokens, local, anchor)
+        anchor = max(m.last_device_node, m.last_host_node, key=_depth)  # one path: the deeper
+        ticket = self.storage.prefetch(tokens, _depth(anchor) // self.spec.page_size, anchor)
+        if ticket is not None and not self._stage_below_l3(anchor):
+            self.storage.abort(ticket)
+            return None
+        return ticket
+
+    def _stage_below_l3(self, anchor: TreeNode) -> bool:
+        """Give the L1-only runs that end the path to `anchor` L2 copies (root side first),
+        so that L3 pages can hang below it; False when L2 has no room for them."""
+        tail = []
+        node = anchor
+        while node.parent is not None and node.host_value is None:
+            tail.append(node)
+            node = node.parent
+        return all(self._copy_to_host(n) for n in reversed(tail))
 
     def prefetch_ready(self, ticket: PrefetchTicket, at_admission: bool = False) -> bool:
         """May the request stop waiting for its prefetch? `at_admission`: admission has

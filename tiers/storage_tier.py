@@ -96,14 +96,15 @@ class StorageTier:
             return None
         room = self._prefetch_capacity - self._inflight_pages
         take = min(hit, room)
+        self.tree.protect_host(anchor)  # first: making room must not evict the anchor's path
         host_pages = self._alloc_host(take) if take * p >= threshold else None
         if host_pages is None:
+            self.tree.release_host(anchor)
             self.counters.unfulfilled_host_capacity_tokens += hit * p
             self._release(lease_id)
             return None
         self.counters.unfulfilled_host_capacity_tokens += (hit - take) * p
         self._inflight_pages += take
-        self.tree.protect_host(anchor)
         op = self.worker.prefetch(keys[:take], host_pages)
         timeout = self.config.prefetch_timeout_s(take * p)
         ticket = PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id)

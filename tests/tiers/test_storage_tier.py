@@ -222,3 +222,28 @@ def test_storage_only_stages_l2_and_uses_what_l3_brings():
         settle(cache)
         assert cache.used_host_pages == 0  # the staged copies went back after the load
         assert cache.audit().leaked_pages == 0 and cache.audit().leaked_locks == 0
+
+
+@pytest.mark.parametrize("mode", ["write_back", "storage_only"])
+def test_pages_in_l1_are_never_read_from_l3_again(mode):
+    """A prefetch starts past the deeper of the L1 and L2 matches. Under write_back and
+    storage_only a computed run is in L1 only; it gets an L2 copy as the prefetch starts, so
+    the L3 pages can hang below it, and only the pages past it are read."""
+    seed = random.getrandbits(48)
+    doc = list(range(900, 940))  # 10 pages
+    kw = ({"policy": WritePolicy.WRITE_BACK} if mode == "write_back"
+          else {"host_mode": HostMode.STORAGE_ONLY})
+    with make(seed, **kw) as b:
+        serve(b, doc[:12] + [1])  # L3 is empty: b computes 3 pages of doc
+        settle(b)
+        assert b.peek(doc) == (12, 0) and b.used_host_pages == 0  # in L1 only
+        with make(seed) as a:  # another instance writes all of doc to L3
+            serve(a, doc)
+            settle(a)
+        read_before = b.storage.backend.stats().pages_read
+        lengths = serve(b, doc + [7])
+        assert b.storage.backend.stats().pages_read - read_before == 7  # not 10
+        assert (lengths.prefix_len, lengths.storage_hit_length) == (12, 28)
+        assert (lengths.host_loaded_length, lengths.extend_len) == (28, 1)
+        settle(b)
+        assert b.audit().leaked_pages == 0 and b.audit().leaked_locks == 0
