@@ -91,6 +91,7 @@ class AdmissionResult(NamedTuple):
     #                                 prefetch is taken (the MIN every rank landed)
     decode_short: bool              # some rank lacks a decoding sequence's page
     terminate: bool                 # some rank asked to stop: abort every request
+    reached: frozenset[int] = frozenset()  # ids of the requests this rank's scan reached
 
 
 class _Reservation(NamedTuple):
@@ -134,13 +135,14 @@ class Admission:
             req.agreed_hit = hit
         ready = {r.id: pages for r, ok, pages in zip(slots, agreed.ready, agreed.fetched)
                  if ok and r.ticket is not None}
+        seen = frozenset(r.id for r, at in zip(slots, reached) if at)
         if agreed.terminate:
             for res in held:
                 if res is not None and not res.released:
                     self.cache.abort(res.lookup, res.fresh or [])
-            return AdmissionResult((), (), ready, bool(agreed.decode_short), True)
+            return AdmissionResult((), (), ready, bool(agreed.decode_short), True, seen)
         admitted, refused = self._commit(slots, held, agreed, busy, budget)
-        return AdmissionResult(admitted, refused, ready, bool(agreed.decode_short), False)
+        return AdmissionResult(admitted, refused, ready, bool(agreed.decode_short), False, seen)
 
     def strike(self, req: Request) -> bool:
         """True when `req` has now been refused with nothing running often enough to give up:

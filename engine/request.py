@@ -71,7 +71,8 @@ class Request:
     arrival_s: float = field(default_factory=time.perf_counter)
     state: RequestState = RequestState.WAITING
     ticket: PrefetchTicket | None = None
-    storage_hit: int = 0  # tokens this request's L3 prefetch put into L2
+    storage_hit: int = 0  # tokens this request's L3 prefetches put into L2
+    prefetch_asked_s: float = 0.0  # when this rank last asked L3 for its prompt (monotonic)
     lookup: CacheLookup | None = None
     pages: list[int] = field(default_factory=list)
     num_shared: int = 0

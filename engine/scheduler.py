@@ -4,7 +4,8 @@ continuous batching of decodes, and clean release of everything on finish, abort
 One step:
   1. collect finished cache copies (`cache.poll`);
   2. finalize the L3 prefetch of every waiting request the last agreement let go (its policy:
-     finished, timed out, or best_effort and reached by admission);
+     finished, timed out, or best_effort and reached by admission); ask L3 again for a few
+     waiting requests the last scan did not reach whose prefetch found too little (rate-limited);
   3. order the waiting queue (lpm: longest agreed hit first, with aging; or fcfs);
   4. reserve the L1 page each decoding sequence needs, preempting the newest request if L1 is full;
   5. plan prefill: running prefills continue first, then admission in queue order: lookup
@@ -41,6 +42,9 @@ from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
+
+RETRY_PREFETCH_S = 0.05  # a waiting request asks L3 again at most this often
+RETRIES_PER_STEP = 4  # and a step asks for at most this many requests
 
 
 class StepStats(NamedTuple):
@@ -93,6 +97,7 @@ class Scheduler:
         self._agreed_ready: dict[int, int] = {}  # id -> prompt page up to which every rank's
         # finished prefetch landed (the MIN): what each rank takes from it
         self._decode_short = False  # this step, a rank could not give a decoding sequence a page
+        self._reached: frozenset[int] = frozenset()  # ids the last admission scan reached
 
     # Admission holds these; they stay readable (and `agree` settable: a rank actor sets it
     # after the Engine is built) here, as before admission had its own module.
@@ -127,12 +132,14 @@ class Scheduler:
                               f"device pool has {self.cache.device_pages}; raise "
                               f"device_pages or shorten the prompt")
         req.ticket = self.cache.prefetch(req.prompt)  # L3 -> L2 runs while the request waits
+        req.prefetch_asked_s = time.monotonic()
         self.waiting.append(req)
 
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""
         self.cache.poll()
         self._finalize_prefetches()
+        self._retry_prefetches()
         self.waiting = order_waiting(self.waiting, self.policy, self.max_wait_steps)
         self._preempted, finished, self._decode_short = 0, [], False
         decoding = self._reserve_decode_pages(finished)
@@ -186,12 +193,30 @@ class Scheduler:
                 continue
             if self.agree is None:
                 if req.id in agreed or self.cache.prefetch_ready(req.ticket):
-                    req.storage_hit = self.cache.finish_prefetch(req.ticket)
+                    req.storage_hit += self.cache.finish_prefetch(req.ticket)
                     req.ticket = None
             elif req.id in agreed:
                 pages = max(0, agreed[req.id] - req.ticket.start_page)
-                req.storage_hit = self.cache.finish_prefetch(req.ticket, pages)
+                req.storage_hit += self.cache.finish_prefetch(req.ticket, pages)
                 req.ticket = None
+
+    def _retry_prefetches(self) -> None:
+        """Ask L3 again for waiting requests whose prefetch found too little (none at arrival,
+        or one that ended) before admission reaches them: another instance may have stored
+        more of their prefix since. At most every RETRY_PREFETCH_S per request and
+        RETRIES_PER_STEP per step (a lookup may be a call to the L3 directory). A retry is
+        rank-local like any prefetch: a rank that starts one makes the request wait on every
+        rank (the agreement's `waiting`), a rank that finds nothing lets it go."""
+        now, left = time.monotonic(), RETRIES_PER_STEP
+        for req in self.waiting:
+            if left == 0:
+                return
+            if (req.ticket is not None or req.id in self._reached
+                    or now - req.prefetch_asked_s < RETRY_PREFETCH_S):
+                continue
+            left -= 1
+            req.prefetch_asked_s = now
+            req.ticket = self.cache.prefetch(req.prompt, retry=True)
 
     def _admit(self, budget: Budget, plan: list[tuple[Request, int]],
                finished: list[Request]) -> int:
@@ -200,6 +225,7 @@ class Scheduler:
                                       terminate=self.terminate_requested,
                                       decode_short=self._decode_short)
         self._agreed_ready, self._decode_short = result.ready, result.decode_short
+        self._reached = result.reached
         if result.terminate:
             self._terminate(finished)
             return 0

@@ -359,8 +359,9 @@ class HierarchicalCache:
         self.events.tell_stored()
         self.tree.l3.forget_storage()
 
-    def prefetch(self, tokens: Sequence[int]) -> PrefetchTicket | None:
+    def prefetch(self, tokens: Sequence[int], retry: bool = False) -> PrefetchTicket | None:
         """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching).
+        `retry`: the request asked before and found too little (see StorageTier.prefetch).
 
         It starts past the deeper of the L1 and L2 matches, so a page in L1 is never read
         from L3 again. The pages that land can only hang below the root or a node in L2 (the
@@ -374,7 +375,8 @@ class HierarchicalCache:
         self.poll()
         m = self.tree.match_prefix(tokens, touch=False)
         anchor = max(m.last_device_node, m.last_host_node, key=_depth)  # one path: the deeper
-        ticket = self.storage.prefetch(tokens, _depth(anchor) // self.spec.page_size, anchor)
+        ticket = self.storage.prefetch(tokens, _depth(anchor) // self.spec.page_size, anchor,
+                                       retry)
         if ticket is not None and not self._stage_below_l3(anchor):
             self.storage.abort(ticket)
             return None

@@ -71,27 +71,35 @@ class StorageTier:
     def page_keys(self, tokens: Sequence[int]) -> list[str]:
         return self.namespace.page_hashes(tokens, self.page_size)
 
-    def prefetch(self, tokens: Sequence[int], local_pages: int, anchor: TreeNode) -> PrefetchTicket | None:
-        """Start fetching what L3 holds past the `local_pages` already in L1/L2, or None."""
+    def prefetch(self, tokens: Sequence[int], local_pages: int, anchor: TreeNode,
+                 retry: bool = False) -> PrefetchTicket | None:
+        """Start fetching what L3 holds past the `local_pages` already in L1/L2, or None.
+
+        `retry`: the request asked when it arrived and found too little; its misses were
+        counted then, so a retry counts only in `retried_lookups` and, when it starts a
+        fetch, in `retried_hit_tokens` and the hit counters."""
         p, threshold = self.page_size, self.config.prefetch_threshold_tokens
+        tally = StorageCounters() if retry else self.counters  # a retry's misses: not again
         tokens = tuple(tokens)
         keys = self.page_keys(tokens)[local_pages:]
         if not keys:
             return None
-        self.counters.queried_tokens += len(keys) * p
+        tally.queried_tokens += len(keys) * p
         if len(keys) * p < threshold:
-            self.counters.unfulfilled_below_threshold_tokens += len(keys) * p
+            tally.unfulfilled_below_threshold_tokens += len(keys) * p
             return None
+        if retry:
+            self.counters.retried_lookups += 1
         if self.directory is None:
             hit, lease_id = self._backend_lookup(keys), ""
         else:
             hit, lease_id = self._directory_lookup(keys)
-        self.counters.storage_hit_tokens += hit * p
+        tally.storage_hit_tokens += hit * p
         if hit == 0:
             self._release(lease_id)
             return None
         if hit * p < threshold:
-            self.counters.unfulfilled_below_threshold_tokens += hit * p
+            tally.unfulfilled_below_threshold_tokens += hit * p
             self._release(lease_id)
             return None
         room = self._prefetch_capacity - self._inflight_pages
@@ -100,9 +108,12 @@ class StorageTier:
         host_pages = self._alloc_host(take) if take * p >= threshold else None
         if host_pages is None:
             self.tree.release_host(anchor)
-            self.counters.unfulfilled_host_capacity_tokens += hit * p
+            tally.unfulfilled_host_capacity_tokens += hit * p
             self._release(lease_id)
             return None
+        if retry:
+            self.counters.retried_hit_tokens += take * p
+            self.counters.storage_hit_tokens += hit * p
         self.counters.unfulfilled_host_capacity_tokens += (hit - take) * p
         self._inflight_pages += take
         op = self.worker.prefetch(keys[:take], host_pages)

@@ -69,6 +69,8 @@ class StorageCounters:
     lookup_errors: int = 0  # backend lookups that failed (counted as L3 misses)
     directory_reported_pages: int = 0  # pages this rank reported stored to the directory
     quarantined_pages: int = 0  # L2 pages a gave-up transfer may still touch: never reused
+    retried_lookups: int = 0  # L3 lookups of waiting requests whose prefetch found too little
+    retried_hit_tokens: int = 0  # tokens such retries started fetching
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)

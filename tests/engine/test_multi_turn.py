@@ -14,6 +14,7 @@ from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
 from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, RequestState, SamplingParams
+from kvtier.engine import scheduler as scheduler_module
 from kvtier.engine.forward_plan import Piece, pack_forwards
 from kvtier.engine.queue_order import order_waiting
 from kvtier.engine.request import Request
@@ -215,3 +216,37 @@ def test_best_effort_uses_the_pages_that_landed_while_its_request_waited(tiny_mo
         (out,) = [o for o in outs if o.request_id == req_id]
         assert out.cached.storage == 64
         check_lengths(out)
+
+
+# ---- retried prefetches ------------------------------------------------------------------------
+@pytest.mark.parametrize("retry_s", [0.0, 3600.0], ids=["retried", "never-retried"])
+def test_a_request_that_found_nothing_in_l3_asks_again_while_it_waits(tiny_models, tmp_path,
+                                                                      monkeypatch, retry_s):
+    """It arrives before another instance has stored its prefix in L3, waits behind a long
+    prefill, and the prefix lands meanwhile: a retry finds it (the rate limit, here 0 or an
+    hour, decides whether it asks again)."""
+    monkeypatch.setattr(scheduler_module, "RETRY_PREFETCH_S", retry_s)
+    model = tiny_models[torch.float32]
+    doc = toks(64, 17)
+    with Engine(model, make_cache(model, l3_dir=tmp_path), 32, token_budget=32,
+                owns_cache=True, schedule_policy=SchedulePolicy.FCFS) as eng:
+        eng.add_request(toks(200, 18), ONE)  # prefills 32 tokens a step for 7 steps
+        eng.step()
+        req_id = eng.add_request(doc + toks(5, 19), ONE)
+        assert eng.scheduler.waiting[0].ticket is None  # L3 has nothing of it yet
+        writer = make_cache(model, l3_dir=tmp_path)  # another instance on the same L3
+        with Engine(model, writer, owns_cache=True) as other:
+            other.generate([doc + [1]], ONE)
+            writer.flush()
+            writer.storage.drain()
+        outs = []
+        while eng.has_unfinished:
+            outs += eng.step()
+        (out,) = [o for o in outs if o.request_id == req_id]
+        counters = eng.cache.storage.counters
+        if retry_s:
+            assert out.cached.storage == 0 and counters.retried_lookups == 0
+        else:
+            assert out.cached.storage == 64 and counters.retried_hit_tokens == 64
+        check_lengths(out)
+        assert_no_leaks(eng.cache)
