@@ -1,6 +1,7 @@
 """TP=3 on Ray with a shared L3: instance A writes documents, instance B reads them while one
-of its ranks sees something the others do not. Each case: B's answers equal the cold answers,
-nothing hangs (bounded by the module's timeout), no rank of any instance leaks a page or lock.
+of its ranks sees something the others do not. Each case: B's answers equal the cold answers
+(an in-process engine's, no L3), nothing hangs (bounded by the module's timeout), no rank of
+any instance leaks a page or lock.
 
 The rank-local faults (through `FaultyRankCache`):
 - one rank's directory lookups fail (the page is a miss there, a hit elsewhere);
@@ -19,7 +20,7 @@ from faulty_rank import FaultyRankCache
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import RankSettings
+from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
@@ -62,24 +63,32 @@ def cluster(shared_ray, tmp_path_factory):
                               f"t-{uuid.uuid4().hex[:6]}", dtype=torch.float32, page_size=PAGE,
                               tp_size=TP)
         info = client.register(spec)
-        for l3, cls in ((None, FaultyRankCache), (info, FaultyRankCache),
-                        (info, FaultyRankCache)):
-            instances.append(Instance(SETTINGS._replace(l3=l3, l3_actor=name if l3 else None),
-                                      tp_size=TP, num_cpus_per_rank=PER_RANK_CPUS,
-                                      ready_timeout_s=120.0, step_timeout_s=60.0,
-                                      rank_class=cls))
-        yield instances  # cold, A, B
+        for _ in range(2):
+            instances.append(Instance(SETTINGS._replace(l3=info, l3_actor=name), tp_size=TP,
+                                      num_cpus_per_rank=PER_RANK_CPUS, ready_timeout_s=120.0,
+                                      step_timeout_s=60.0, rank_class=FaultyRankCache))
+        yield instances  # A, B
     finally:
         for inst in instances:
             inst.close()
         client.shutdown()
 
 
-def _cold(cold: Instance, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+@pytest.fixture(scope="module")
+def cold():
+    """The cold reference: an in-process TP=1 engine without L3, as in the other actor tests
+    (TP=2 and TP=3 answers equal TP=1 ones in fp32: test_rank_agreement, test_engine_parallel);
+    three more rank processes cost more than the rest of the module's setup."""
+    rank = RankCache(0, 1, "", SETTINGS)
+    yield rank
+    rank.close()
+
+
+def _cold(cold: RankCache, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     out = []
     for prompt in prompts:
         cold.drop_cache()
-        out.append(cold.generate([prompt], GREEDY)[0].tokens)
+        out.append(cold.engine.generate([prompt], GREEDY)[0].tokens)
     return out
 
 
@@ -92,8 +101,8 @@ def _no_leaks(*instances: Instance) -> None:
             assert audit["open_prefetches"] == 0, audit
 
 
-def _case(cluster, case: int, fault, undo=lambda b: None) -> list:
-    cold, a, b = cluster
+def _case(cluster, cold, case: int, fault, undo=lambda b: None) -> list:
+    a, b = cluster
     a_prompts, b_prompts = _prompts(case), _prompts(case + 50)
     expected = _cold(cold, b_prompts)
     a.generate(a_prompts, GREEDY)  # A writes the documents (and publishes them)
@@ -110,21 +119,21 @@ def _case(cluster, case: int, fault, undo=lambda b: None) -> list:
     return outs
 
 
-def test_one_ranks_lookups_fail(cluster):
-    _case(cluster, 1, lambda b: b.rank_call(1, "fail_lookups", len(DOCS)),
+def test_one_ranks_lookups_fail(cluster, cold):
+    _case(cluster, cold, 1, lambda b: b.rank_call(1, "fail_lookups", len(DOCS)),
           lambda b: b.rank_call(1, "release_hangs"))
 
 
-def test_pages_published_between_two_ranks_lookups(cluster):
-    _case(cluster, 2, lambda b: b.rank_call(0, "publish_late", len(DOCS)))
+def test_pages_published_between_two_ranks_lookups(cluster, cold):
+    _case(cluster, cold, 2, lambda b: b.rank_call(0, "publish_late", len(DOCS)))
 
 
-def test_one_rank_short_of_host_room(cluster):
-    _case(cluster, 3, lambda b: b.rank_call(2, "hold_host_pages", 0),
+def test_one_rank_short_of_host_room(cluster, cold):
+    _case(cluster, cold, 3, lambda b: b.rank_call(2, "hold_host_pages", 0),
           lambda b: b.rank_call(2, "release_host_pages"))
 
 
-def test_without_faults_b_hits_what_a_wrote(cluster):
+def test_without_faults_b_hits_what_a_wrote(cluster, cold):
     """The control: with no fault, B's requests come from L3."""
-    outs = _case(cluster, 4, lambda b: None)
+    outs = _case(cluster, cold, 4, lambda b: None)
     assert all(o.cached.storage > 0 for o in outs)
