@@ -167,12 +167,13 @@ class StorageTier:
 
         best_effort ends when admission reaches the request (`at_admission`; a caller without
         a scheduler always is), with what landed by then plus the batch being read at that
-        moment: reaching it stops the prefetch at its next batch boundary (batches after it
-        never start), and the batch in flight is waited for, without blocking (the scheduler
-        steps on), until it lands or is overdue. Why wait for it: a read already under way
-        lands in a fraction of what recomputing its pages costs (the premise of prefetching
-        at all), while ending it at once would make the request recompute them next to a
-        read it can no longer use, which then only competes for the CPU."""
+        moment (the first batch, when the worker has not taken it up yet: admission may come
+        within a millisecond of the submission): reaching it stops the prefetch after that
+        batch, and the batch is waited for, without blocking (the scheduler steps on), until
+        it lands or is overdue. Why wait for it: a read already under way lands in a
+        fraction of what recomputing its pages costs (the premise of prefetching at all),
+        while ending it at once would make the request recompute them next to a read it can
+        no longer use, which then only competes for the CPU."""
         op = ticket.op
         if op.state.finished:
             return True
@@ -181,7 +182,7 @@ class StorageTier:
         if policy is PrefetchPolicy.BEST_EFFORT:
             if not at_admission:
                 return False
-            self.worker.cancel(op)  # idempotent: stops at the batch boundary
+            self.worker.stop_after_batch(op)  # idempotent
             return op.state.finished or self._overdue(ticket, now)
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             return False
@@ -189,16 +190,20 @@ class StorageTier:
 
     def _overdue(self, ticket: PrefetchTicket, now_s: float) -> bool:
         """The batch being read took BATCH_SLACK times what reads here take (at least
-        SETTLE_WAIT_S), or the ticket's timeout passed: a slow or hung backend, go on
-        without it (`finish` then leaves its pages to the worker, `_free_when_settled`)."""
+        SETTLE_WAIT_S, at most the ticket's timeout): a slow or hung backend, go on without
+        it (`finish` then leaves its pages to the worker, `_free_when_settled`). Timed from
+        the batch's start (or, for a first batch still queued, from the submission), not
+        the prefetch's: a request may be reached long after."""
         op = ticket.op
-        if now_s - op.submitted_s >= ticket.timeout_s:
-            return True
-        if op.state is not OpState.RUNNING:  # between batches: the cancel ends it at once
+        if op.state is OpState.RUNNING:
+            started, pages = op.batch_started_s, op.batch_pages
+        elif op.next_page == 0:  # its first batch waits for the worker's turn
+            started, pages = op.submitted_s, min(op.num_pages, self.worker.batch_pages)
+        else:  # between batches: stop_after_batch ends it at once
             return False
         per_page = self.worker.read_s_per_page or DEFAULT_READ_S_PER_PAGE
-        allowed_s = max(SETTLE_WAIT_S, BATCH_SLACK * op.batch_pages * per_page)
-        return now_s - op.batch_started_s >= allowed_s
+        allowed_s = min(ticket.timeout_s, max(SETTLE_WAIT_S, BATCH_SLACK * pages * per_page))
+        return now_s - started >= allowed_s
 
     def wait(self, ticket: PrefetchTicket, poll_s: float = 0.001) -> None:
         """Block until `ready` (a helper for callers without a scheduler loop)."""

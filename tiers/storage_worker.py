@@ -52,6 +52,7 @@ class StorageOp:
         self.state = OpState.QUEUED
         self.error: BaseException | None = None
         self.cancel_requested = False
+        self.last_batch = False  # end after the batch being read (the first, if none started)
         self.submitted_s = time.monotonic()
         self.finished_s: float | None = None
         self.batch_started_s = 0.0  # when the worker took its current (or last) batch
@@ -121,6 +122,15 @@ class StorageWorker:
                 self._cancel_queued(op)
             self._cv.notify()
 
+    def stop_after_batch(self, op: StorageOp) -> None:
+        """Let `op` end after the batch it is reading, or its first batch if none has started
+        yet (it is submitted: only the worker's turn is pending); later batches never start.
+        An op waiting between two batches ends at once."""
+        with self._cv:
+            op.last_batch = True
+            if op.state is OpState.QUEUED and op.next_page > 0:
+                self._cancel_queued(op)
+
     def _cancel_queued(self, op: StorageOp) -> None:
         """Take a QUEUED op out of its queue, CANCELLED (call under the lock)."""
         if op in self._prefetches:
@@ -157,9 +167,10 @@ class StorageWorker:
             if not queue:
                 return None  # closed and drained
             op = queue.popleft()
-            op.state = OpState.RUNNING
+            # the batch first: a reader that sees RUNNING (no lock) sees this batch's stamp
             op.batch_started_s = time.monotonic()
             op.batch_pages = min(op.next_page + self.batch_pages, op.num_pages) - op.next_page
+            op.state = OpState.RUNNING
             self._running += 1
             return op, queue is self._prefetches
 
@@ -175,7 +186,7 @@ class StorageWorker:
                 if not op.state.finished:  # more batches: take turns with the others
                     op.state = OpState.QUEUED
                     (self._prefetches if is_prefetch else self._backups).append(op)
-                    if op.cancel_requested:
+                    if op.cancel_requested or op.last_batch:
                         self._cancel_queued(op)
                 elif not is_prefetch:
                     self._finished_backups.append(op)

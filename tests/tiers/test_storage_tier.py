@@ -93,11 +93,12 @@ def test_best_effort_takes_what_landed_and_frees_the_rest():
         assert lengths.storage_hit_length == 96 - got and lengths.extend_len == 0
 
 
-def _best_effort_behind_a_slow_read(seed, doc, fault, **fault_args):
-    """A best_effort cache whose L3 reads (simulated, batches of 3 pages) carry `fault`; the
-    prefetch of `doc` has its first batch in flight."""
+def _best_effort_cache(seed, *docs):
+    """A best_effort cache on a simulated L3 (batches of 3 pages) behind a fault injector,
+    after another instance stored `docs` there."""
     with make(seed, device_pages=64) as a:
-        serve(a, doc)
+        for doc in docs:
+            serve(a, doc)
         settle(a)
     config = HiCacheConfig(page_size=4, prefetch_policy=PrefetchPolicy.BEST_EFFORT,
                            prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
@@ -106,11 +107,21 @@ def _best_effort_behind_a_slow_read(seed, doc, fault, **fault_args):
     backend = FaultyBackend(create_backend("simulated", StorageTarget(b.namespace, 0, 1),
                                            {"seed": seed}))
     b.attach_storage(backend)
-    backend.inject(FaultOp.GET, fault, times=-1, **fault_args)
-    ticket = b.prefetch(doc)
+    return b, backend
+
+
+def _running(ticket):
     while ticket.op.state is not OpState.RUNNING:
         time.sleep(0.001)
-    return b, backend, ticket
+    return ticket
+
+
+def _best_effort_behind_a_slow_read(seed, doc, fault, **fault_args):
+    """`_best_effort_cache` whose reads carry `fault`; the prefetch of `doc` has its first
+    batch in flight."""
+    b, backend = _best_effort_cache(seed, doc)
+    backend.inject(FaultOp.GET, fault, times=-1, **fault_args)
+    return b, backend, _running(b.prefetch(doc))
 
 
 def test_best_effort_at_admission_lands_the_batch_in_flight_and_starts_no_other():
@@ -125,6 +136,25 @@ def test_best_effort_at_admission_lands_the_batch_in_flight_and_starts_no_other(
         assert b.finish_prefetch(ticket) == 12  # the batch in flight, used
         assert backend.stats().pages_read == 3  # and no batch after it
         assert b.storage.counters.unfulfilled_storage_transfer_tokens == 96 - 12
+
+
+def test_best_effort_reached_before_its_first_batch_started_still_reads_that_batch():
+    """Admission may reach a request within a millisecond of its prefetch's submission,
+    before the worker has taken the first batch up: that batch is read and used."""
+    seed = random.getrandbits(48)
+    doc, other = list(range(1000, 1096)), list(range(1100, 1196))
+    b, backend = _best_effort_cache(seed, doc, other)
+    with b:
+        backend.inject(FaultOp.GET, FaultKind.DELAY, times=1, delay_s=0.3)  # other's batch
+        b.storage.worker.read_s_per_page = 1.0  # 0.3 s is not overdue here
+        first = _running(b.prefetch(other))
+        ticket = b.prefetch(doc)  # waits for the worker's turn behind other's first batch
+        assert not b.prefetch_ready(ticket, at_admission=True)
+        assert ticket.op.state is OpState.QUEUED
+        while not b.prefetch_ready(ticket, at_admission=True):
+            time.sleep(0.005)
+        assert b.finish_prefetch(ticket) == 12  # its first batch, and no other
+        b.abort_prefetch(first)
 
 
 def test_best_effort_at_admission_goes_on_without_an_overdue_batch():
