@@ -218,6 +218,23 @@ def test_best_effort_uses_the_pages_that_landed_while_its_request_waited(tiny_mo
         check_lengths(out)
 
 
+def test_a_lone_best_effort_request_uses_the_batch_its_prefetch_reads(tiny_models) -> None:
+    """Alone, a request is reached by admission within a millisecond of its prefetch's
+    submission, usually before the storage worker has taken the read up: that first batch
+    is still read and used (the matrix's round 2 of configuration 3)."""
+    model = tiny_models[torch.float32]
+    doc = toks(64, 20)
+    with Engine(model, _simulated_cache(model, seed=2021)[0], owns_cache=True) as eng:
+        eng.generate([doc + [1]], ONE)
+        eng.cache.flush()
+        eng.cache.storage.drain()
+    for k in range(3):
+        with Engine(model, _simulated_cache(model, seed=2021)[0], owns_cache=True) as eng:
+            (out,) = eng.generate([doc + toks(5, 22 + k)], ONE)
+            assert out.cached.storage == 64
+            check_lengths(out)
+
+
 # ---- retried prefetches ------------------------------------------------------------------------
 @pytest.mark.parametrize("retry_s", [0.0, 3600.0], ids=["retried", "never-retried"])
 def test_a_request_that_found_nothing_in_l3_asks_again_while_it_waits(tiny_models, tmp_path,
