@@ -187,13 +187,18 @@ def _simulated_cache(model, seed: int) -> tuple[HierarchicalCache, FaultyBackend
     return cache, backend
 
 
-def test_best_effort_uses_the_pages_that_landed_while_its_request_waited(tiny_models) -> None:
-    model = tiny_models[torch.float32]
-    doc = toks(64, 14)
-    with Engine(model, _simulated_cache(model, seed=1415)[0], owns_cache=True) as eng:
+def _store_in_l3(model, doc: list[int], seed: int) -> None:
+    """Another instance computes `doc` and backs it up to the simulated L3 of `seed`."""
+    with Engine(model, _simulated_cache(model, seed)[0], owns_cache=True) as eng:
         eng.generate([doc + [1]], ONE)
         eng.cache.flush()
         eng.cache.storage.drain()
+
+
+def test_best_effort_uses_the_pages_that_landed_while_its_request_waited(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    doc = toks(64, 14)
+    _store_in_l3(model, doc, seed=1415)
     cache, backend = _simulated_cache(model, seed=1415)
     backend.inject(StorageOp.GET, FaultKind.DELAY, times=-1, delay_s=2.0)
     with Engine(model, cache, 32, token_budget=32, owns_cache=True,
@@ -224,10 +229,7 @@ def test_a_lone_best_effort_request_uses_the_batch_its_prefetch_reads(tiny_model
     is still read and used (the matrix's round 2 of configuration 3)."""
     model = tiny_models[torch.float32]
     doc = toks(64, 20)
-    with Engine(model, _simulated_cache(model, seed=2021)[0], owns_cache=True) as eng:
-        eng.generate([doc + [1]], ONE)
-        eng.cache.flush()
-        eng.cache.storage.drain()
+    _store_in_l3(model, doc, seed=2021)
     for k in range(3):
         with Engine(model, _simulated_cache(model, seed=2021)[0], owns_cache=True) as eng:
             (out,) = eng.generate([doc + toks(5, 22 + k)], ONE)
