@@ -96,6 +96,21 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
         join_cluster(address)
     settings = place(settings, joined=address is not None)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    return _run(settings, rank_class)
+
+
+def deploy(settings: ServeSettings, rank_class: type[RankCache] = RankCache,
+           joined: bool = False) -> Any:
+    """Deploy the graph on the Serve that `start` began (in place of an app running there:
+    delete it first, and a namespace actor it left whose L3 root differs), checked against
+    the cluster as `start` does; its handle. Lets one cluster serve several graphs in turn
+    (the serve tests' modules)."""
+    return _run(place(settings, joined=joined), rank_class)
+
+
+def _run(settings: ServeSettings, rank_class: type[RankCache]) -> Any:
+    from ray import serve
+
     return serve.run(build_app(settings, rank_class), name=APP_NAME, route_prefix="/",
                      blocking=False)
 

@@ -14,12 +14,10 @@ import pytest
 import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from shared_serve import BASE, served
 
-from kvtier.actors import serve_graph
 from kvtier.serve.settings import ServeSettings
 
-PORT = 8151
-BASE = f"http://127.0.0.1:{PORT}"
 KEY = "fuzz-admin-key-0123456789"
 SETTINGS = ServeSettings(model="tiny", instances=1, page_size=16, chunk_tokens=64,
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY,
@@ -37,11 +35,8 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def app():
-    serve_graph.start(SETTINGS, port=PORT)
-    try:
+    with served(SETTINGS):
         yield
-    finally:
-        serve_graph.stop()
 
 
 def post(path: str, body, headers: dict | None = None) -> requests.Response:

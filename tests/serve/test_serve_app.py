@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import time
 
 import pytest
 import requests
+from shared_serve import BASE, served
 
-from kvtier.actors import serve_graph
-from kvtier.netcheck import descendants, listening
+from kvtier.netcheck import listening
 from kvtier.serve.settings import ServeSettings
 
-PORT = 8131
-BASE = f"http://127.0.0.1:{PORT}"
 KEY = "test-admin-key-0123456789"
 SETTINGS = ServeSettings(model="tiny", instances=2, page_size=16, chunk_tokens=64,
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY)
@@ -29,12 +26,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def app():
-    before = descendants(os.getpid())
-    serve_graph.start(SETTINGS, port=PORT)
-    try:
-        yield descendants(os.getpid()) - before
-    finally:
-        serve_graph.stop()
+    with served(SETTINGS) as pids:  # every process of the cluster it runs on
+        yield pids
 
 
 def chat(messages, **kw) -> dict:

@@ -14,12 +14,11 @@ import time
 import pytest
 import requests
 
-from kvtier.actors import serve_graph
-from kvtier.serve.settings import ServeSettings
+from shared_serve import BASE, served
 from stalling_rank import StallingRankCache, arm_stall, stall_file
 
-PORT = 8133
-BASE = f"http://127.0.0.1:{PORT}"
+from kvtier.serve.settings import ServeSettings
+
 KEY = "test-admin-key-stall-0123456789"
 SETTINGS = ServeSettings(model="tiny", instances=2, page_size=16, chunk_tokens=64,
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY,
@@ -32,13 +31,12 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def app():
-    serve_graph.start(SETTINGS, port=PORT, rank_class=StallingRankCache)
     try:
-        yield
+        with served(SETTINGS, rank_class=StallingRankCache):
+            yield
     finally:
         if os.path.exists(stall_file()):
             os.remove(stall_file())
-        serve_graph.stop()
 
 
 def complete(prompt: str, max_tokens: int) -> dict:
