@@ -1,26 +1,45 @@
-"""Placement on a cluster kvtier joins (`kvtier serve --address`), for real: a two-node
-`ray.cluster_utils.Cluster` on 127.0.0.1, the head offering `kvtier_head`, the worker two units
-of `kvtier_instance`. A placement the cluster cannot meet fails in seconds, before Serve
-starts, naming the resource and the nodes; one it can meet puts the namespace actor on the
-head and the ranks on the worker, and answers."""
+"""A real two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`, all on 127.0.0.1),
+one for the module: the head offering `kvtier_head` and `kvtier_node1`, the worker two units
+of `kvtier_instance` and `kvtier_node2`.
+
+Two nodes: the namespace actor on the head, instance A's rank actor on the head node and
+instance B's on the worker node (their own custom resources), one `file` L3 namespace in
+tmp_path that both nodes reach (one machine: one filesystem). B hits in L3 the pages A wrote
+and answers with the same greedy tokens as A's cold run.
+
+Placement on a cluster kvtier joins (`kvtier serve --address`), for real: a placement the
+cluster cannot meet fails in seconds, before Serve starts, naming the resource and the nodes;
+one it can meet puts the namespace actor on the head and the ranks on the worker, and
+answers. (These run after the two-node tests: a joined deployment leaves Serve running.)"""
 from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 import requests
+import torch
 
 from kvtier.actors.ray_env import LOOPBACK  # sets Ray's env before Ray starts
 
-import ray  # noqa: E402
-import ray._private.state as ray_state  # noqa: E402
+import ray  # noqa: E402  (after ray_env: it pins Ray to loopback at import)
+import ray._private.state as ray_state  # noqa: E402  (the GCS tables: no dashboard needed)
 
 from kvtier.actors import serve_graph  # noqa: E402
+from kvtier.actors.instance import Instance  # noqa: E402
+from kvtier.actors.namespace_actor import get_or_create_namespace_actor  # noqa: E402
+from kvtier.actors.rank_actor import RankCache, RankSettings  # noqa: E402
+from kvtier.config import HiCacheConfig  # noqa: E402
+from kvtier.demo import namespace_spec  # noqa: E402
+from kvtier.engine.sampling import SamplingParams  # noqa: E402
+from kvtier.engine.tp_worker import TinyWeights  # noqa: E402
 from kvtier.errors import PlacementError  # noqa: E402
+from kvtier.netcheck import listening  # noqa: E402
 from kvtier.serve.settings import ServeSettings  # noqa: E402
 
 PORT = 8137
@@ -29,14 +48,127 @@ SETTINGS = ServeSettings(model="tiny", instances=1, tp_size=2, page_size=16, chu
                          admin_key="test-admin-key-0123456789")
 FAIL_FAST_S = 30.0  # the instance's placement-group wait would take 120 s
 
+PAGE = 16
+HEAD_RES, NODE1_RES, NODE2_RES = "kvtier_head", "kvtier_node1", "kvtier_node2"
+CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",
+                       prefetch_threshold_tokens=PAGE)
+RANK_SETTINGS = RankSettings(TinyWeights(seed=5), CONFIG, device_pages=32,
+                             dtype=torch.float32, chunk_tokens=PAGE, timeout_s=30.0)
+GREEDY = SamplingParams(max_new_tokens=6)
+_rng = random.Random(7)
+PROMPT = [_rng.randrange(1, 256) for _ in range(4 * PAGE + 6)]  # four full pages and a tail
+
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
-    with cluster_factory((1, {"kvtier_head": 1}), (2, {"kvtier_instance": 2})) as c:
+    with cluster_factory((1, {HEAD_RES: 1, NODE1_RES: 1}),
+                         (2, {"kvtier_instance": 2, NODE2_RES: 1})) as c:
         c.worker = c.workers[0]
+        c.node_ids = {NODE1_RES: c.head_node.node_id, NODE2_RES: c.worker.node_id}
         yield c
+
+
+@pytest.fixture
+def connected(cluster):
+    """This process as a driver of the cluster, for one test."""
+    ray.init(address=cluster.address, log_to_driver=False, _node_ip_address=LOOPBACK)
+    try:
+        cluster.wait_for_nodes(timeout=60)
+        yield cluster
+    finally:
+        ray.shutdown()
+
+
+def _node_of(actor) -> str:
+    row = ray_state.actors(actor._actor_id.hex())
+    return row["Address"]["NodeID"]
+
+
+def test_two_nodes_share_l3_pages_across_instances(connected, tmp_path) -> None:
+    cluster = connected
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+    assert {n["NodeManagerAddress"] for n in nodes.values()} == {LOOPBACK}
+    assert nodes[cluster.node_ids[NODE2_RES]]["Resources"].get(NODE2_RES) == 1
+
+    actor_name = f"kvtier-l3-2n-{uuid.uuid4().hex[:6]}"
+    client = get_or_create_namespace_actor(actor_name,
+                                           str(tmp_path / "state"), ready_timeout_s=60,
+                                           resources={HEAD_RES: 1})
+    instances = []
+    try:
+        assert _node_of(client.handle) == cluster.head_node.node_id
+        info = client.register(namespace_spec(
+            RANK_SETTINGS.source, CONFIG, "file", str(tmp_path / "l3"), "tiny", "two-nodes",
+            dtype=RANK_SETTINGS.dtype, page_size=PAGE))
+        settings = RANK_SETTINGS._replace(l3=info)
+        if "l3_actor" in RankSettings._fields:  # ranks consult this actor's page directory
+            settings = settings._replace(l3_actor=actor_name)
+        a = Instance(settings, tp_size=1, resources={NODE1_RES: 1}, ready_timeout_s=60,
+                     step_timeout_s=30)
+        instances.append(a)
+        b = Instance(settings, tp_size=1, resources={NODE2_RES: 1}, ready_timeout_s=60,
+                     step_timeout_s=30)
+        instances.append(b)
+        assert _node_of(a.ranks[0]) == cluster.node_ids[NODE1_RES]
+        assert _node_of(b.ranks[0]) == cluster.node_ids[NODE2_RES]
+
+        cold = a.generate([PROMPT], GREEDY)[0]
+        assert cold.cached.storage == 0 and cold.tokens
+        a.quiesce()  # A's L2 -> L3 backups have landed and are published
+        published = client.stats(info.namespace)
+        hit = b.generate([PROMPT], GREEDY)[0]
+        assert hit.cached.storage == 4 * PAGE, (hit.cached, published)
+        assert hit.cached.device == hit.cached.host == 0
+        assert hit.tokens == cold.tokens
+
+        # Every Ray process of both nodes (GCS, raylets, workers, agents) listens on loopback.
+        found = {l.host for l in listening(cluster.pids())}
+        assert found and found <= {LOOPBACK, "::1"}, found
+    finally:
+        for inst in instances:
+            inst.close()
+        client.shutdown()
+
+    # A single in-process engine without L3 gives the same tokens (no Ray involved).
+    ref = RankCache(0, 1, "", RANK_SETTINGS)
+    try:
+        assert ref.engine.generate([PROMPT], GREEDY)[0].tokens == cold.tokens
+    finally:
+        ref.close()
+
+
+def test_auto_master_host_is_the_actors_node_address_on_two_nodes(connected, tmp_path,
+                                                                   monkeypatch) -> None:
+    """With two alive nodes "auto" binds the node's address (here every node is 127.0.0.1,
+    so the address is faked for the decision only); a registered Mooncake namespace's
+    master then listens on the head's address and nowhere else."""
+    cluster = connected
+    from kvtier.actors import l3_hosts
+    from kvtier.storage_options import MooncakeOptions
+
+    with monkeypatch.context() as m:
+        m.setattr(l3_hosts, "node_address", lambda: "198.18.0.1")
+        assert l3_hosts.cluster_master_host(MooncakeOptions()) == "198.18.0.1"
+        assert l3_hosts.cluster_master_host(MooncakeOptions(master_host=LOOPBACK)) == LOOPBACK
+
+    pytest.importorskip("mooncake.store")
+    client = get_or_create_namespace_actor(f"kvtier-l3-mc-{uuid.uuid4().hex[:6]}",
+                                           str(tmp_path / "state"), ready_timeout_s=60,
+                                           resources={HEAD_RES: 1})
+    try:
+        before = cluster.pids()
+        info = client.register(namespace_spec(
+            RANK_SETTINGS.source, CONFIG, "mooncake", "", "tiny", "two-nodes-mc",
+            dtype=RANK_SETTINGS.dtype, page_size=PAGE))
+        host = info.options["master_address"].rpartition(":")[0]
+        assert host == LOOPBACK  # the head's Ray address in this cluster
+        found = {l.host for l in listening(cluster.pids() - before)}
+        assert found == {LOOPBACK}, found  # the master: RPC and metrics on that address only
+    finally:
+        client.shutdown()
 
 
 def _start_fails(cluster, settings: ServeSettings) -> str:
