@@ -5,6 +5,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -30,6 +31,20 @@ def shared_ray() -> None:
     if not _shared_ray:
         start_local_ray(num_cpus=SHARED_RAY_CPUS)
         _shared_ray.append(True)
+
+
+def pytest_collection_modifyitems(items):
+    """Run this directory's modules that use the shared Ray one after another, where the first
+    of them is (the rest keep their order), so that it starts once."""
+    here = Path(__file__).parent
+    mine = [i for i in items if Path(i.path).is_relative_to(here)]
+    users = {i.module for i in mine if "shared_ray" in getattr(i, "fixturenames", ())}
+    if not users:
+        return
+    moved = [i for i in mine if getattr(i, "module", None) in users]
+    first, taken = items.index(moved[0]), set(moved)
+    rest = [i for i in items if i not in taken]
+    items[:] = rest[:first] + moved + rest[first:]
 
 
 @pytest.hookimpl(wrapper=True)
