@@ -270,13 +270,15 @@ class StorageTier:
         """Cancel the prefetch; True when the worker no longer touches its host pages.
 
         A backend call that hangs must not hang the scheduler (the reference's users saw
-        exactly that): after a short wait the request goes on without the pages in flight,
-        which stay allocated until the worker lets go of them (`_free_orphans`)."""
+        exactly that): after a short wait (none for a batch already overdue: it was waited
+        for) the request goes on without the pages in flight, which stay allocated until the
+        worker lets go of them (`_free_orphans`)."""
         if ticket.finished:
             raise RuntimeError("a prefetch ticket was finished twice")
         ticket.finished = True
         self.worker.cancel(ticket.op)
-        settled = self.worker.settle(ticket.op, SETTLE_WAIT_S)
+        overdue = self._overdue(ticket, time.monotonic())
+        settled = self.worker.settle(ticket.op, 0.0 if overdue else SETTLE_WAIT_S)
         self._inflight_pages -= ticket.op.num_pages
         self._tickets.pop(ticket.op.id, None)
         self._release(ticket.lease_id)  # the pages are read: eviction may take them again
