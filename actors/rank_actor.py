@@ -25,6 +25,7 @@ from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
 from kvtier.actors.step_wire import StepReport, encode_output, encode_report
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.config import HiCacheConfig
+from kvtier.dtypes import DType, resolve
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import PagedLlama
@@ -53,7 +54,7 @@ class RankSettings(NamedTuple):
     source: WeightSource
     config: HiCacheConfig
     device_pages: int = 64
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | DType = torch.float32  # DType.AUTO: resolved by each rank for its device
     chunk_tokens: int | None = None
     token_budget: int = 8192
     timeout_s: float = 60.0  # TP group join and every collective
@@ -121,8 +122,9 @@ class RankCache:
 
     def _build(self, s: RankSettings) -> Engine:
         cfg = s.source.config()
-        model = PagedLlama.from_state_dict(cfg, s.source.state_dict(), s.dtype, rank_device(),
-                                           self.tp)
+        device = rank_device()
+        model = PagedLlama.from_state_dict(cfg, s.source.state_dict(), resolve(s.dtype, device),
+                                           device, self.tp)
         spec = model.kv_spec(s.config.page_size)
         if s.l3 is None:
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,

@@ -20,11 +20,12 @@ from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.calibration import calibrated_thresholds
 from kvtier.config import HiCacheConfig
+from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.serve.placement import RANK_STRATEGY, head_resources, rank_resources
-from kvtier.serve.settings import DType, ModelChoice, ServeSettings
+from kvtier.serve.settings import ModelChoice, ServeSettings
 from kvtier.storage_options import parse_storage_options
 from kvtier.policies import StorageBackendKind
 
@@ -44,14 +45,14 @@ def rank_settings(s: ServeSettings) -> RankSettings:
     config = HiCacheConfig(page_size=s.page_size, enable_hierarchical_cache=s.hierarchical,
                            hicache_ratio=s.hicache_ratio)
     if s.model is ModelChoice.SMOLLM2:  # load thresholds from this machine's measured
-        config = calibrated_thresholds(config, dtype=s.dtype.value)  # crossover, if cached
-    dtype = torch.bfloat16 if s.dtype is DType.BF16 else torch.float32
+        config = calibrated_thresholds(  # crossover, if cached
+            config, dtype=dtype_name(resolve_here(s.dtype)))
     # A serving step is one forward of up to chunk_tokens (prefill pieces and every decode):
     # a long prompt never holds the running decodes (or the router's stall deadline) for
     # several forwards. Deterministic mode runs one-page chunks, one per forward: its step
     # keeps a larger budget.
     budget = max(8192, 2 * s.chunk_tokens) if s.deterministic else s.chunk_tokens
-    return RankSettings(source, config, device_pages=s.device_pages, dtype=dtype,
+    return RankSettings(source, config, device_pages=s.device_pages, dtype=s.dtype,
                         chunk_tokens=s.chunk_tokens, token_budget=budget,
                         l3=None, l3_actor=None, tenant_salt=s.tenant_salt,
                         deterministic=s.deterministic, schedule_policy=s.schedule_policy)

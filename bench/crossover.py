@@ -34,8 +34,9 @@ from typing import NamedTuple, Sequence
 import torch
 
 from kvtier.bench.limits import drop_cached
-from kvtier.bench.prefix import DTYPES, QUESTION, document_tokens
+from kvtier.bench.prefix import QUESTION, document_tokens
 from kvtier.config import HiCacheConfig
+from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.engine import Engine, Output, SamplingParams
 from kvtier.engine.engine import SMOLLM2_NAMESPACE
 from kvtier.engine.loader import load_smollm2_model
@@ -104,7 +105,7 @@ def crossover_from_points(points: Sequence[CrossoverPoint], dtype: str = "bf16",
     return Crossover(host, storage, tuple(sorted(points)), dtype, device, tuple(skipped))
 
 
-def measure_crossover(quick: bool = False, dtype: str = "bf16", *,
+def measure_crossover(quick: bool = False, dtype: str = "auto", *,
                       lengths: Sequence[int] | None = None, rounds: int | None = None,
                       budget_s: float | None = None) -> Crossover:
     """Measure cold vs L2 vs L3 TTFT at a few prefix lengths and find both crossovers.
@@ -118,7 +119,8 @@ def measure_crossover(quick: bool = False, dtype: str = "bf16", *,
     if any(n <= 0 or n % PAGE_SIZE for n in lengths):
         raise ValueError(f"prefix lengths must be positive multiples of {PAGE_SIZE}: {lengths}")
     start = time.perf_counter()
-    model, tok = load_smollm2_model(DTYPES[dtype])
+    model, tok = load_smollm2_model(resolve_here(dtype))
+    dtype = dtype_name(model.dtype)  # the calibration is looked up by the resolved dtype
     points: list[CrossoverPoint] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-crossover-") as l3_dir:
         for i, n in enumerate(lengths):

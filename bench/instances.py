@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TP ranks per instance (default 3: every step runs the agreement)")
     p.add_argument("--tokens", type=int, default=2000, help="document tokens (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
-    p.add_argument("--dtype", choices=demo.DTYPES, default="bf16", help="model and KV dtype")
+    p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
+                   help="model and KV dtype (default auto, as kvtier demo)")
     p.add_argument("--hosts", type=int, default=0,
                    help="3: across three hosts made on this machine (root)")
 

@@ -38,6 +38,7 @@ from kvtier.bench.matrix_report import (TierSnapshot, make_cell, markdown_table,
 from kvtier.bench.matrix_workloads import (FULL, QUICK, MatrixConfig, MatrixSizes, Workload,
                                            build_workloads, filler_tokens, hicache_config,
                                            matrix_configs)
+from kvtier.dtypes import DType, name as dtype_name, resolve_here
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.engine import SMOLLM2_NAMESPACE
 from kvtier.engine.request import pages_for
@@ -45,13 +46,12 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.host_pool import available_host_bytes
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class MatrixParams(NamedTuple):
     out: str
     quick: bool = False
-    dtype: str = "bf16"
+    dtype: str = "auto"  # a kvtier.dtypes.DType value
     workloads: str = "ABCDE"
     configs: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
     skip_limits: bool = False
@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small documents, few requests, two timeouts (~10 min on 2 cores)")
     p.add_argument("--json", action="store_true", help="print results.json's object, no bars")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",
+                   help="model and KV dtype (default auto: bf16 where the hardware computes "
+                        "in it, else fp32)")
     p.add_argument("--workloads", default="ABCDE", help="subset of ABCDE (default all)")
     p.add_argument("--configs", default="012345", help="subset of 012345 (default all)")
     p.add_argument("--skip-limits", action="store_true",
@@ -290,7 +292,7 @@ def run(params: MatrixParams) -> dict:
                 tmp, params.quick, params.dtype)
             phases["limits_and_crossover_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        model, tok = load_smollm2_model(DTYPES[params.dtype])
+        model, tok = load_smollm2_model(resolve_here(params.dtype))
         workloads = [w for w in build_workloads(tok.encode, sizes) if w.name in params.workloads]
         configs = [c for c in matrix_configs(sizes.timeouts_s) if c.config in params.configs]
         _warm_up(model, tok, sizes, max(len(t.tokens) for w in workloads for r in w.rounds for t in r))
@@ -313,7 +315,7 @@ def run(params: MatrixParams) -> dict:
         "cells": cells, "limits": limits, "crossover_tokens": crossover_tokens,
         "machine": machine(), "quick": params.quick,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "sizes": sizes._asdict(), "dtype": params.dtype, "wall_s": phases,
+        "sizes": sizes._asdict(), "dtype": dtype_name(resolve_here(params.dtype)), "wall_s": phases,
         "workloads": {w.name: {"title": w.title, "device_pages": w.device_pages,
                                "instances": w.instances,
                                "requests_per_round": [len(r) for r in w.rounds]}

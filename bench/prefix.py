@@ -35,6 +35,7 @@ import torch
 
 from kvtier.bench import emit
 from kvtier.config import HiCacheConfig
+from kvtier.dtypes import DType, name as dtype_name, resolve_here
 from kvtier.engine import Engine, Output, SamplingParams
 from kvtier.engine.engine import SMOLLM2_NAMESPACE
 from kvtier.engine.loader import load_smollm2_model
@@ -44,7 +45,6 @@ from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ConfigError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HIT_TARGETS = {"l1": 0.10, "l2": 0.15, "l3": 0.25}  # hit TTFT / cold TTFT, at most
 COLD_TARGET = 0.6  # default-mode cold TTFT / deterministic cold TTFT, at most
 HIT_TIERS = {"l1": "device", "l2": "host", "l3": "storage"}  # the Output.cached field of each
@@ -53,7 +53,7 @@ QUESTION = "\n\nQuestion: what did the sensor in room 3 read in record 12? Answe
 
 class PrefixBenchParams(NamedTuple):
     tokens: int = 2000
-    dtype: str = "bf16"
+    dtype: str = "auto"  # a kvtier.dtypes.DType value
     page_size: int = 64
     chunk_tokens: int | None = None  # None: the engine's default
     new_tokens: int = 32
@@ -86,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length in tokens, as given (default 2000)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",
+                   help="model and KV dtype (default auto: bf16 where the hardware computes "
+                        "in it, else fp32)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="most new tokens per forward, a multiple of the page size (default: "
@@ -239,13 +241,13 @@ def run(params: PrefixBenchParams = PrefixBenchParams(),
     if params.threads:
         torch.set_num_threads(params.threads)
     t0 = time.perf_counter()
-    bm = load(DTYPES[params.dtype])
+    bm = load(resolve_here(params.dtype))
     load_s = time.perf_counter() - t0
     prompt = document_tokens(bm.tokenizer, params.tokens) + bm.tokenizer.encode(QUESTION)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-prefix-") as l3_dir:
         runs, chunk = _measure(bm, prompt, params, l3_dir)
     return {**report(runs, params.tokens, params.page_size, params.deterministic),
-            "dtype": params.dtype, "page_size": params.page_size, "chunk_tokens": chunk,
+            "dtype": dtype_name(bm.model.dtype), "page_size": params.page_size, "chunk_tokens": chunk,
             "new_tokens": params.new_tokens, "device": str(bm.model.device),
             "threads": torch.get_num_threads(), "load_avg_1m": round(os.getloadavg()[0], 2),
             "model_load_s": round(load_s, 3), "quiescent_between_runs": True}

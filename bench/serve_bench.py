@@ -133,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     app.add_argument("--dtype", choices=[m.value for m in DType], action=AppFlag,
                      default=SERVE_DEFAULTS["dtype"].value,
                      help=f"model and KV dtype (default {SERVE_DEFAULTS['dtype'].value}, as kvtier "
-                          "serve; fp32 is much faster on CPUs without native bf16)")
+                          "serve: bf16 where the hardware computes in it, else fp32)")
     app.add_argument("--deterministic", nargs=0, default=False, action=AppFlag,
                      help="answers bit-identical to a cold run (as kvtier serve --deterministic)")
     app.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],

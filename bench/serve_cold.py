@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
 from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, SamplingParams, load_smollm2_model
 from kvtier.engine.request import pages_for
-from kvtier.serve.settings import DType, ModelChoice, ServeSettings
+from kvtier.dtypes import resolve_here
+from kvtier.serve.settings import ModelChoice, ServeSettings
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 
@@ -25,8 +24,7 @@ def answers_equal_cold(exchanges: Sequence[tuple[tuple, str]], settings: ServeSe
     None for the tiny model, which has no tokenizer to template chats with."""
     if settings.model is not ModelChoice.SMOLLM2 or not exchanges:
         return None
-    dtype = torch.bfloat16 if settings.dtype is DType.BF16 else torch.float32
-    model, tok = load_smollm2_model(dtype)
+    model, tok = load_smollm2_model(resolve_here(settings.dtype))
     prompts = [tok.encode_chat(list(messages)) for messages, _ in exchanges]
     need = max(len(p) for p in prompts) + max_tokens + settings.page_size
     config = HiCacheConfig(page_size=settings.page_size, enable_hierarchical_cache=False)

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from kvtier.config import HiCacheConfig
+from kvtier.dtypes import DType, resolve
 from kvtier.engine.loader import load_smollm2_model
 from kvtier.engine.model import PagedLlama
 from kvtier.engine.request import Output, Request
@@ -26,6 +27,7 @@ from kvtier.engine.scheduler import Scheduler, StepStats
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.policies import SchedulePolicy
+from kvtier.tiers.device_pool import default_device
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
@@ -89,14 +91,17 @@ class Engine:
 
     @classmethod
     def smollm2(cls, config: HiCacheConfig, device_pages: int = 256,
-                dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                dtype: torch.dtype | DType = DType.AUTO,
+                device: torch.device | str | None = None,
                 chunk_tokens: int | None = None, token_budget: int = 8192,
                 tenant_salt: str = "", cache_dir: str | os.PathLike | None = None, *,
                 deterministic: bool = False,
                 schedule_policy: SchedulePolicy = SchedulePolicy.LPM) -> "Engine":
         """SmolLM2-135M-Instruct over a new HierarchicalCache built from `config` (its page
-        size, tiers and L3 backend) with the model's KV geometry; CUDA when present."""
-        model, tokenizer = load_smollm2_model(dtype, device, cache_dir=cache_dir)
+        size, tiers and L3 backend) with the model's KV geometry; CUDA when present. `dtype`
+        AUTO is bf16 where the device computes in it, else fp32 (kvtier.dtypes)."""
+        device = torch.device(device) if device is not None else default_device()
+        model, tokenizer = load_smollm2_model(resolve(dtype, device), device, cache_dir=cache_dir)
         cache = HierarchicalCache(config, model.kv_spec(config.page_size), device_pages,
                                   device=model.device, model=SMOLLM2_NAMESPACE,
                                   tenant_salt=tenant_salt)

@@ -28,6 +28,7 @@ import uuid
 from typing import Any, NamedTuple
 
 from kvtier.demo_report import Row, format_table, summary
+from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,12 @@ class DemoParams(NamedTuple):
     l3_root: str = ""  # file/nixl L3 directory ("": a temp dir; on a cluster: a shared mount)
     # instance name -> the node address its ranks must run on (on a cluster)
     nodes: tuple[tuple[str, str], ...] = ()
-    dtype: str = "bf16"  # of the model and its KV: bf16 or fp32 (faster on CPUs without bf16)
+    dtype: str = "auto"  # of the model and its KV: auto (bf16 where the hardware computes in
+    # it, else fp32), bf16 or fp32
     hosts: int = 0  # 3: the whole demo on three hosts of this machine (root; kvtier.hosts)
 
 
-DTYPES = ("bf16", "fp32")
+DTYPES = tuple(d.value for d in DType)
 HEAD_RESOURCE = "kvtier_head"  # on a cluster the namespace actor runs where this is offered
 
 
@@ -78,9 +80,10 @@ def _namespace_spec(params: DemoParams, config, root: str):
 
 
 def _torch_dtype(params: DemoParams):
-    import torch
+    """Resolved here, for the driver's device: the namespace and every rank use the same."""
+    from kvtier.dtypes import resolve_here
 
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[params.dtype]
+    return resolve_here(params.dtype)
 
 
 def namespace_spec(source, config, backend: str, root: str, model: str, tenant_salt: str, *,
@@ -353,9 +356,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
     p.add_argument("--tp", type=int, choices=(1, 3), default=3,
                    help="TP ranks per instance (SmolLM2-135M has 3 KV heads: 1 or 3)")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16",
-                   help="model and KV dtype (default bf16; fp32 is faster on CPUs without "
-                        "native bf16)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="model and KV dtype (default auto: bf16 on GPUs and CPUs that compute "
+                        "in bf16, fp32 on other CPUs, where bf16 is about 4x slower)")
     p.add_argument("--json-only", action="store_true",
                    help="print only the final JSON line (no table, no progress bar)")
     g = p.add_argument_group("several hosts")

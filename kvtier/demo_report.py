@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, NamedTuple
 
+from kvtier.dtypes import name as dtype_name, resolve_here
+
 
 class Row(NamedTuple):
     instance: str
@@ -66,7 +68,8 @@ def summary(params: Any, rows: list[Row], stats: dict, calls: dict, doc_len: int
     result.update({
         "l3": params.l3, "tp_size": params.tp_size, "document_tokens": doc_len,
         "prompt_tokens": [len(p) for p in prompts], "new_tokens": params.new_tokens,
-        "page_size": params.page_size, "chunk_tokens": params.chunk_tokens, "dtype": params.dtype,
+        "page_size": params.page_size, "chunk_tokens": params.chunk_tokens,
+        "dtype": params.dtype, "dtype_resolved": dtype_name(resolve_here(params.dtype)),
         "steps": {n: sum(s.steps for s in per) for n, per in stats.items()},
         "requests": [r.to_json() for r in rows], "runtime_s": round(runtime_s, 1),
     })

@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="most new tokens one forward computes: prefill pieces of several "
                         "requests and the decodes share it (a multiple of 64; default 512)")
-    p.add_argument("--dtype", choices=[m.value for m in DType], default="bf16",
-                   help="model and KV dtype (default bf16; fp32 is much faster on CPUs "
-                        "without native bf16)")
+    p.add_argument("--dtype", choices=[m.value for m in DType], default="auto",
+                   help="model and KV dtype (default auto: bf16 on GPUs and CPUs that compute "
+                        "in bf16, fp32 on other CPUs, where bf16 is about 4x slower)")
     p.add_argument("--deterministic", action="store_true",
                    help="answers bit-identical to a cold run: one-page prefill chunks, one "
                         "sequence per forward, only prompt pages cached (slower, reuses less)")

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
@@ -33,11 +34,6 @@ class ModelChoice(_Choice):
     TINY = "tiny"  # random weights over SmolLM2's vocabulary: tests, fast and deterministic
 
 
-class DType(_Choice):
-    BF16 = "bf16"
-    FP32 = "fp32"
-
-
 @dataclass(frozen=True)
 class ServeSettings:
     """`hierarchical=False` is the cache off: L1 only (no L2, no L3), the baseline that
@@ -53,7 +49,7 @@ class ServeSettings:
     schedule_policy: SchedulePolicy = SchedulePolicy.LPM
     device_pages: int = 160  # L1 pages per rank
     hicache_ratio: float = 4.0  # L2 pages per L1 page
-    dtype: DType = DType.BF16
+    dtype: DType = DType.AUTO  # bf16 where the hardware computes in it, else fp32
     hierarchical: bool = True
     l3: str = "file"  # a StorageBackendKind value, or "none"
     l3_root: str = ""  # file/nixl: the directory ("" = a temp dir per run)

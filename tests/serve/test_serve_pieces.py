@@ -54,6 +54,7 @@ def test_engine_mode_and_schedule_policy_reach_every_rank():
     assert cli.dtype.value == "fp32"
     plain = settings_from(parser.parse_args([]))
     assert not plain.deterministic and plain.schedule_policy is SchedulePolicy.LPM
+    assert plain.dtype.value == "auto"  # resolved by each rank for its device
 
 
 def test_admin_key_and_body():
