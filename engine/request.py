@@ -62,7 +62,8 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 @dataclass(eq=False)
 class Request:
     """Mutable scheduler state. `pages` is the page table: the first `num_shared` ids are the
-    cache's (locked by `lookup`), the rest the request's own, freed or handed to the tree."""
+    cache's (locked by `lookup`), the rest the request's own, freed or handed to the tree
+    (default mode: a decoding request's first `committed_pages` are in the tree already)."""
 
     id: int
     prompt: tuple[int, ...]
@@ -76,6 +77,7 @@ class Request:
     lookup: CacheLookup | None = None
     pages: list[int] = field(default_factory=list)
     num_shared: int = 0
+    committed_pages: int = 0  # whole pages handed to the tree while it runs (cache.commit)
     pos: int = 0  # next prompt position to prefill
     output: list[int] = field(default_factory=list)
     lengths: RequestLengths = RequestLengths(0, 0, 0, 0, 0)
@@ -121,6 +123,7 @@ class Request:
         and a fresh sampler with the same seed makes the restart reproduce its tokens."""
         self.state, self.lookup, self.pages, self.num_shared, self.pos = \
             RequestState.WAITING, None, [], 0, 0
+        self.committed_pages = 0
         self.output, self.prefill_logits, self.first_token_s = [], None, None
         self.sampler = Sampler(self.params, self.device)
 

@@ -16,11 +16,13 @@ One step:
      requests' prefill pieces with every decode (`forward_plan`); in deterministic mode each
      prefill chunk alone on the absolute grid, then the decodes as one batch.
 
-A request's pages enter the tree when it ends (or is preempted), not right after prefill:
-`cache.finish` unlocks the lookup and frees the partial last page, both of which decode still
-needs. By default the generated tokens' pages go in too (prompt + output), so the next turn of
-a conversation hits its previous answer; in deterministic mode only the prompt's pages do.
-Until then a concurrent request with the same prefix computes it itself.
+By default a request's whole pages enter the tree while it runs: its prompt's once prefill
+is done, then each page its answer fills (`cache.commit`, which moves the lookup's lock down
+and frees nothing the request still reads), so a concurrent request with the same prefix and
+the next turn of a conversation hit them; `cache.finish` at the end (or on preemption)
+stores the rest, unlocks and frees the request's duplicate copies and its partial last page.
+In deterministic mode only the prompt's pages go in, when the request ends; until then a
+concurrent request with the same prefix computes it itself.
 
 Step 4's admission (TP ranks: reserve -> agree -> commit, one collective per step) is
 kvtier.engine.admission; this module is the step loop around it and owns the queues.
@@ -161,6 +163,7 @@ class Scheduler:
         for req in ended:
             self._finish(req, req.finish_reason)
             finished.append(req)
+        self._commit_filled_pages()
         for req in self.waiting:
             req.waited_steps += 1
         self.last_step = StepStats(budget.loaded, budget.prefill, len(decoding), admitted,
@@ -289,6 +292,22 @@ class Scheduler:
                         "stopping it after %d tokens", req.id, len(req.output))
             self._finish(req, FinishReason.NO_MEMORY)
             finished.append(req)
+
+    def _commit_filled_pages(self) -> None:
+        """Default mode: hand each decoding request's newly filled pages to the tree (its
+        prompt's right after prefill, then every page its answer fills), so a concurrent
+        request with the same prefix, or a long generation's next turn, hits them while it
+        still runs. Every TP rank does it at the same step: decode progress is replicated."""
+        if self.deterministic:
+            return  # only prompt pages, at the end (see _release)
+        for req in self.running:
+            if req.state is not RequestState.DECODING:
+                continue
+            computed = req.computed
+            full = len(computed) // self.page_size
+            if full > req.committed_pages:
+                req.lookup = self.cache.commit(req.lookup, computed, req.pages[:full])
+                req.committed_pages = full
 
     # ---- release ---------------------------------------------------------------------------
     def _release(self, req: Request) -> None:

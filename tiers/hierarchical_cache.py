@@ -150,6 +150,23 @@ class HierarchicalCache:
             self._back_up_path(res.last_node, 1)
         return res.last_node
 
+    def commit(self, lookup: CacheLookup, tokens: Sequence[int],
+               pages: Sequence[int]) -> CacheLookup:
+        """Store the whole pages of a request that keeps running (`pages` cover the whole
+        pages of `tokens`, whose KV is final): they enter the tree now, and L2/L3 under the
+        write policy, so other requests hit them before it ends. The request goes on reading
+        its page table: its copies of pages the tree already held are freed by `finish`, not
+        here, and the lock moves down to the deepest stored node. Returns the lookup to hand
+        to `finish` or `abort` (the one given must not be used again)."""
+        page = self.spec.page_size
+        full = len(tokens) // page
+        res = self.tree.insert(tokens[:full * page], pages[:full])
+        self.tree.lock(res.last_node)
+        self.tree.unlock(lookup.node)
+        if self.config.write_through_hit_threshold == 1:
+            self._back_up_path(res.last_node, 1)
+        return lookup._replace(node=res.last_node)
+
     def abort(self, lookup: CacheLookup, new_pages: Sequence[int] = ()) -> None:
         """Give back everything a request held: its fresh pages and its locks."""
         self.device_pool.allocator.free(new_pages)

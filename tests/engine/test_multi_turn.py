@@ -84,6 +84,52 @@ def test_generated_pages_are_byte_exact_in_every_tier(tiny_models, tmp_path) -> 
         assert torch.equal(from_l3.prefill_logits, from_l2.prefill_logits)
 
 
+def test_a_long_generation_stores_each_page_as_it_fills(tiny_models, tmp_path) -> None:
+    model = tiny_models[torch.float32]
+    prompt = toks(24, 8)  # 1 page + 8 tokens
+    params = SamplingParams(max_new_tokens=60, stop_token_ids=())
+    with Engine(model, make_cache(model, l3_dir=tmp_path), owns_cache=True) as eng:
+        rid = eng.add_request(prompt, params)
+        req = next(r for r in eng.scheduler.waiting if r.id == rid)
+        seen = []  # whole pages the tree holds of the running request's computed tokens
+        while req.state is not RequestState.FINISHED:
+            eng.step()
+            if req.state is RequestState.DECODING:
+                cached = eng.cache.tree.match_prefix(list(req.computed), touch=False)
+                assert len(cached.device_indices) == len(req.computed) // PAGE
+                seen.append(len(cached.device_indices))
+        # The prompt's page right after prefill, then each page the answer fills: 83 computed
+        # tokens (24 + 60 - 1) are 5 whole pages, all stored before the request ended.
+        assert seen[0] == 1 and sorted(set(seen)) == [1, 2, 3, 4, 5] and seen == sorted(seen)
+        eng.cache.flush()
+        eng.cache.storage.drain()
+        computed = list(req.computed)
+        written = l1_bytes(eng.cache, computed)
+        assert len(written) == 5
+        eng.cache.evict_device(10**9)
+        from_l2 = eng.generate([computed + [7]], ONE)[0]
+        assert from_l2.cached.host == 80
+        assert all(torch.equal(a, b) for a, b in zip(written, l1_bytes(eng.cache, computed)))
+        assert_no_leaks(eng.cache)
+
+
+def test_a_concurrent_request_hits_a_running_requests_prompt(tiny_models) -> None:
+    model = tiny_models[torch.float32]
+    prompt = toks(50, 9)  # 3 whole pages
+    params = SamplingParams(max_new_tokens=10)
+    with Engine(model, make_cache(model), owns_cache=True) as eng:
+        first = eng.add_request(prompt, params)
+        eng.step()  # prefill: the prompt's pages are in the tree once it decodes
+        second = eng.add_request(prompt, params)
+        outs = {}
+        while eng.has_unfinished:
+            outs.update((o.request_id, o) for o in eng.step())
+        assert outs[first].cached.device == 0 and outs[second].cached.device == 48
+        assert outs[second].tokens == outs[first].tokens
+        check_lengths(outs[second])
+        assert_no_leaks(eng.cache)
+
+
 # ---- batched prefill ---------------------------------------------------------------------------
 def test_forwards_pack_pieces_and_decodes_under_the_cap() -> None:
     a, b, d = object(), object(), object()
