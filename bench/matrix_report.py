@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
@@ -155,6 +156,35 @@ def markdown_table(cells: Sequence[dict], round_no: int = 2) -> str:
     return "\n".join(lines)
 
 
+NO_REUSE_TARGET = 1.05  # workload E: median TTFT over configurations 1-5, both rounds, / cfg 0
+BEST_EFFORT_TARGET = 1.05  # configuration 3's round 2 / configuration 0's round 1 (cold)
+BEST_EFFORT_WORKLOADS = ("A", "B", "D")
+
+
+def targets(cells: Sequence[dict]) -> dict:
+    """The matrix's bounds, from the cells it ran (a bound whose cells are missing is None):
+    - `no_reuse_median_ratio`: on E, the median over configurations 1-5 and both rounds of
+      each cell's mean TTFT / configuration 0's of the same round: what the hierarchy costs
+      when nothing is reused (at most 1.05);
+    - `best_effort_vs_cold`: per workload A, B, D, configuration 3 (best_effort) round 2 /
+      configuration 0 round 1: best_effort never costs more than recomputing (at most 1.05).
+    """
+    by = {(c["workload"], column_key(c), c["round"]): c["ttft_mean_s"] for c in cells}
+    ratios = [t / by[("E", "0", r)] for (w, k, r), t in by.items()
+              if w == "E" and k != "0" and by.get(("E", "0", r))]
+    median = statistics.median(ratios) if ratios else None
+    best = {w: round(by[(w, "3", 2)] / by[(w, "0", 1)], 3) for w in BEST_EFFORT_WORKLOADS
+            if by.get((w, "3", 2)) is not None and by.get((w, "0", 1))}
+    checks = {"no_reuse": None if median is None else median <= NO_REUSE_TARGET,
+              "best_effort": (all(r <= BEST_EFFORT_TARGET for r in best.values())
+                              if len(best) == len(BEST_EFFORT_WORKLOADS) else None)}
+    return {"no_reuse_median_ratio": None if median is None else round(median, 3),
+            "no_reuse_cells": len(ratios), "best_effort_vs_cold": best,
+            "bounds": {"no_reuse_median_ratio": NO_REUSE_TARGET,
+                       "best_effort_vs_cold": BEST_EFFORT_TARGET},
+            "checks": checks}
+
+
 def _machine_line(m: dict) -> str:
     gpu = m.get("device", "cuda") if m.get("cuda") else "no GPU"
     return (f"{m.get('cores')} cores, {m.get('ram_gib')} GiB, {gpu}, torch {m.get('torch')}, "
@@ -177,6 +207,14 @@ def markdown_report(result: dict) -> str:
                      f"| {f['fraction']} | {f['fraction_of_memory_copy']} |")
     parts += ["", f"Crossover tokens (reuse beats recompute from): "
                   f"{json.dumps(result.get('crossover_tokens'))}", ""]
+    t = targets(cells)
+    parts += ["## Targets", "",
+              f"- No reuse (E): median TTFT of configurations 1-5 over both rounds / "
+              f"configuration 0: {t['no_reuse_median_ratio']} over {t['no_reuse_cells']} cells "
+              f"(at most {NO_REUSE_TARGET}: {t['checks']['no_reuse']})",
+              f"- best_effort round 2 / cold round 1 (configuration 3 / 0): "
+              f"{json.dumps(t['best_effort_vs_cold'])} (each at most {BEST_EFFORT_TARGET}: "
+              f"{t['checks']['best_effort']})", ""]
     return "\n".join(parts)
 
 
@@ -189,6 +227,7 @@ def write_report(out_dir: str | os.PathLike, result: dict) -> list[Path]:
     public = dict(result, cells=[{k: v for k, v in c.items() if not k.startswith("_")}
                                  for c in result["cells"]])
     public["tier_fractions"] = tier_fractions(result["cells"], result.get("limits") or {})
+    public["targets"] = targets(result["cells"])
     (out / "results.json").write_text(json.dumps(public, indent=1) + "\n")
     (out / "results.md").write_text(markdown_report(result))
     return [out / "results.json", out / "results.md", *write_plots(out, result["cells"])]

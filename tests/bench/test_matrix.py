@@ -10,7 +10,8 @@ import pytest
 
 from kvtier.bench import matrix
 from kvtier.bench.matrix_report import (TierSnapshot, make_cell, markdown_table, percentile,
-                                        snapshot_diff, snapshot_sum, tier_fractions, write_report)
+                                        snapshot_diff, snapshot_sum, targets, tier_fractions,
+                                        write_report)
 from kvtier.bench.matrix_workloads import (QUICK, MatrixSizes, build_workloads, hicache_config,
                                            matrix_configs)
 from kvtier.engine.request import pages_for
@@ -136,6 +137,19 @@ def test_markdown_table_ratios():
     assert "1000 ms (1.00×)" in lines[2] and "(0.26×)" in lines[2]
 
 
+def test_targets_median_of_e_and_best_effort_against_cold():
+    t = targets(fake_cells())
+    # E: round 1 ratios 1.01..1.05 (config 5 twice), round 2 0.26..0.30: 12 cells.
+    assert t["no_reuse_cells"] == 12 and t["no_reuse_median_ratio"] == pytest.approx(0.655)
+    assert t["best_effort_vs_cold"] == {"A": 0.28, "B": 0.28, "D": 0.28}
+    assert t["checks"] == {"no_reuse": True, "best_effort": True}
+    slow = [dict(c, ttft_mean_s=2.0) if (c["workload"], c["config"], c["round"]) == ("B", 3, 2)
+            else c for c in fake_cells()]
+    assert targets(slow)["checks"]["best_effort"] is False
+    assert targets([c for c in fake_cells() if c["workload"] != "E"])["checks"] == \
+        {"no_reuse": None, "best_effort": True}  # not run: no verdict
+
+
 def test_tier_fractions_pick_ceilings():
     f = tier_fractions(fake_cells(), {"memcpy_gb_s": 10.0, "file_read_gb_s": 2.0,
                                       "file_write_gb_s": 1.0})
@@ -164,7 +178,8 @@ def test_write_report_contract(tmp_path):
         assert not any(k.startswith("_") for k in cell)
     assert {c["timeout_s"] for c in data["cells"] if c["config"] == 5} == {0.05, 0.5}
     md = (tmp_path / "results.md").read_text()
-    assert "| A |" in md and "(1.00×)" in md and "memcpy_gb_s" in md
+    assert "| A |" in md and "(1.00×)" in md and "memcpy_gb_s" in md and "## Targets" in md
+    assert data["targets"]["checks"] == {"no_reuse": True, "best_effort": True}
 
 
 def test_ceilings_call_the_other_modules(monkeypatch, tmp_path):
