@@ -140,9 +140,7 @@ class Ingress:
             log.exception("a request could not be read")
             return JSONResponse(ApiError(500, f"the request could not be read: {exc}",
                                          err_type=ErrorType.SERVER).to_body(), status_code=500)
-        sampling = {"max_new_tokens": req.max_tokens, "temperature": req.temperature,
-                    "top_p": req.top_p, "stop_token_ids": self.tokenizer.stop_token_ids,
-                    "seed": req.seed if req.seed is not None else self._seeds.getrandbits(63)}
+        sampling = req.sampling(self.tokenizer.stop_token_ids, self._seeds.getrandbits(63))
         start = time.perf_counter()
         choice = await self.router.choose.remote(tokens)
         answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,

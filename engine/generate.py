@@ -61,7 +61,7 @@ def generate(model: PagedLlama, prompts: Sequence[Sequence[int]],
     with DevicePool(model.kv_spec(page_size, kv_dtype), num_pages, device=model.device) as pool:
         runner = ModelRunner(model, pool, chunk_tokens)
         gens = [Generation(list(p)) for p in prompts]
-        samplers = [Sampler(s, model.device) for s in per_prompt]
+        samplers = [Sampler(s, model.device, p) for s, p in zip(per_prompt, prompts)]
         for gen, sampler in zip(gens, samplers):
             _grow(gen, len(gen.prompt), pool)
             logits = runner.prefill(gen.prompt, 0, gen.pages)

@@ -91,7 +91,7 @@ class Request:
     sampler: Sampler = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sampler = Sampler(self.params, self.device)
+        self.sampler = Sampler(self.params, self.device, self.prompt)
 
     @property
     def own_pages(self) -> list[int]:
@@ -125,7 +125,7 @@ class Request:
             RequestState.WAITING, None, [], 0, 0
         self.committed_pages = 0
         self.output, self.prefill_logits, self.first_token_s = [], None, None
-        self.sampler = Sampler(self.params, self.device)
+        self.sampler = Sampler(self.params, self.device, self.prompt)
 
     def to_output(self, text: str | None = None) -> Output:
         ttft = None if self.first_token_s is None else self.first_token_s - self.arrival_s

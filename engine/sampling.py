@@ -1,7 +1,10 @@
-"""Choosing the next token: greedy, or temperature + top-p with a seeded generator."""
+"""Choosing the next token: penalties, then greedy or temperature + top-k / min-p / top-p with
+a seeded generator (vLLM's order and meanings)."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -10,7 +13,16 @@ from kvtier.errors import ConfigError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """`temperature == 0` is greedy. `seed` makes sampling reproducible (per request)."""
+    """`temperature == 0` is greedy. `seed` makes sampling reproducible (per request).
+
+    Penalties act on the logits before anything else, greedy included:
+    `repetition_penalty` (> 0, 1 = off) divides a positive logit and multiplies a negative one
+    of every token already in the prompt or the output; `presence_penalty` subtracts a fixed
+    amount from every token already in the output and `frequency_penalty` that amount times its
+    count there (both in [-2, 2], 0 = off). Sampling then keeps the `top_k` most likely tokens
+    (0 = all), those at least `min_p` times as likely as the most likely one (0 = all), and the
+    smallest head whose mass reaches `top_p`.
+    """
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -18,6 +30,11 @@ class SamplingParams:
     # None: the model's own stop tokens (the Engine fills in EOS and <|im_end|>); (): none
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -26,6 +43,16 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = every token), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1 = off), got "
+                              f"{self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
@@ -38,13 +65,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
+
 
 class Sampler:
-    """One request's sampler; its generator advances with every sampled token."""
+    """One request's sampler; its generator advances with every sampled token, and it counts
+    the tokens it chose (the output, for the penalties)."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
+                 prompt: Sequence[int] = ()) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
+        self._prompt = frozenset(prompt) if params.repetition_penalty != 1 else frozenset()
+        self._output: Counter[int] = Counter()
         if not params.greedy:
             self.generator = torch.Generator(device=device)
             if params.seed is None:
@@ -54,13 +90,45 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """The next token from (vocab,) logits."""
-        if self.params.greedy:
+        token = self._choose(self._penalize(logits.float()) if self.params.penalized
+                             else logits.float())
+        self._output[token] += 1
+        return token
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        p, logits = self.params, logits.clone()
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted(self._prompt | self._output.keys()), dtype=torch.long,
+                                device=logits.device)
+            if seen.numel():
+                vals = logits[seen]
+                logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                           vals * p.repetition_penalty)
+        if self._output and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(self._output), dtype=torch.long, device=logits.device)
+            counts = torch.tensor(list(self._output.values()), dtype=logits.dtype,
+                                  device=logits.device)
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        return logits
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.greedy:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
-        if self.params.top_p < 1:
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        floor = None  # the least probability a token needs to stay (top_k, min_p)
+        if p.top_k and p.top_k < probs.numel():
+            floor = torch.topk(probs, p.top_k).values[-1]
+        if p.min_p > 0:
+            floor = torch.maximum(floor, p.min_p * probs.max()) if floor is not None \
+                else p.min_p * probs.max()
+        if floor is not None:
+            probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum()
+        if p.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
             # Keep the smallest head of the distribution whose mass reaches top_p (>= 1 token).
-            keep = sorted_probs.cumsum(-1) - sorted_probs < self.params.top_p
+            keep = sorted_probs.cumsum(-1) - sorted_probs < p.top_p
             choice = torch.multinomial(sorted_probs * keep, 1, generator=self.generator)
             return int(order[choice])
         return int(torch.multinomial(probs, 1, generator=self.generator))

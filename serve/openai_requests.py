@@ -13,11 +13,12 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from kvtier.errors import KvtierError
 
 MAX_STOPS = 4  # OpenAI's own limit on `stop`
+MAX_STOP_TOKEN_IDS = 64
 TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 in most tokenizers and kernels
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -89,6 +90,26 @@ class GenerationOptions:
     stream: bool = False
     stop: tuple[str, ...] = ()
     include_usage: bool = False  # stream_options.include_usage: a final usage-only chunk
+    # Sampling beyond OpenAI's own (vLLM's and SGLang's extra fields; engine.SamplingParams)
+    top_k: int = 0  # 0 (or -1 on the wire): every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False  # the model's end tokens do not end the answer
+    stop_token_ids: tuple[int, ...] = ()  # more token ids that end it
+
+    def sampling(self, model_stops: Sequence[int], seed: int) -> dict:
+        """The engine's SamplingParams fields (a dict that crosses the actor boundary); `seed`
+        when the request brought none (so a redispatched request samples the same tokens)."""
+        stops = tuple(dict.fromkeys(self.stop_token_ids + (() if self.ignore_eos
+                                                           else tuple(model_stops))))
+        return {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "stop_token_ids": stops,
+                "seed": self.seed if self.seed is not None else seed}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,8 +128,7 @@ class ChatRequest(GenerationOptions):
 
 # Fields that would change what we return; any value but a harmless one is refused rather than
 # silently ignored (a client asking for logprobs must not get a reply without them).
-_COMMON_UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
+_COMMON_UNSUPPORTED: dict[str, tuple] = {"logit_bias": (None, {})}
 _COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "logprobs": (None, False),
                            "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 _CHAT_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0),
@@ -245,7 +265,25 @@ def _options(body: dict, limits: ApiLimits, default_max: int, max_name: str = "m
                 top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                 seed=_int(body, "seed", None, SEED_RANGE[0], SEED_RANGE[1] - 1),
                 stream=_bool(body, "stream"), stop=_stops(body),
-                include_usage=_include_usage(body))
+                include_usage=_include_usage(body),
+                top_k=max(0, _int(body, "top_k", 0, -1, TOKEN_ID_LIMIT)),
+                min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+                repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 2.0,
+                                          lo_open=True),
+                presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+                frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                ignore_eos=_bool(body, "ignore_eos"), stop_token_ids=_stop_token_ids(body))
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS or \
+            not all(_is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in v):
+        raise _bad("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
+                                     f"[0, {TOKEN_ID_LIMIT}), got {v!r:.80}")
+    return tuple(v)
 
 
 # ---------------------------------------------------------------- parsing: the endpoints

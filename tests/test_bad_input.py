@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvtier.backends.file_root import FileRoot, object_path
 from kvtier.config import HiCacheConfig, knob_names
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError
 from kvtier.keys import KeyNamespace
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
@@ -379,7 +380,9 @@ def test_a_spec_with_a_traversal_model_is_a_message_error():
 
 API_KEYS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
             "top_p", "seed", "stream", "stop", "stream_options", "n", "logprobs", "echo",
-            "logit_bias", "tools", "response_format", "suffix"]
+            "logit_bias", "tools", "response_format", "suffix", "top_k", "min_p",
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
+            "stop_token_ids"]
 TEXT = st.text(max_size=12) | st.sampled_from(["\ud800", "a\udc80b", "\x00", "<|im_start|>"])
 MESSAGE = st.fixed_dictionaries({}, optional={
     "role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | JSONISH,
@@ -424,6 +427,8 @@ def _api_fuzz(parse, body) -> None:
             json.dumps(exc.to_body()).encode("utf-8")  # the error body itself is sendable
         else:
             _encodable(request)
+            SamplingParams(**request.sampling((2,), seed=0))  # what parsing let through, the
+            # engine takes
 
 
 @FUZZ

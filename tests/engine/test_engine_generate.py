@@ -51,6 +51,36 @@ def test_top_p_keeps_the_nucleus() -> None:
     assert {sampler(logits) for _ in range(300)} == {0, 1}
 
 
+def test_top_k_and_min_p_cut_the_tail() -> None:
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    top2 = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0))
+    assert {top2(logits) for _ in range(300)} == {0, 1}
+    min_p = Sampler(SamplingParams(temperature=1.0, min_p=0.45, seed=0))  # >= 0.18
+    assert {min_p(logits) for _ in range(300)} == {0, 1, 2}
+    both = Sampler(SamplingParams(temperature=1.0, top_k=3, min_p=0.6, top_p=0.5, seed=0))
+    assert {both(logits) for _ in range(100)} == {0}  # top_p of what top_k and min_p left
+    everything = Sampler(SamplingParams(temperature=1.0, seed=0))
+    assert {everything(logits) for _ in range(300)} == {0, 1, 2, 3}
+
+
+def test_penalties_steer_away_from_seen_tokens() -> None:
+    logits = torch.tensor([2.0, 1.9, -1.0, -1.2])
+    assert Sampler(SamplingParams())(logits) == 0
+    # repetition: token 0 is in the prompt, 2.0 / 1.2 < 1.9
+    assert Sampler(SamplingParams(repetition_penalty=1.2), prompt=[0, 3])(logits) == 1
+    rep = Sampler(SamplingParams(repetition_penalty=1.5), prompt=[0, 1])
+    assert rep(logits) == 0  # 1.33 vs 1.27: still 0
+    neg = Sampler(SamplingParams(repetition_penalty=2.0), prompt=[0, 1, 2])
+    assert neg(torch.tensor([-1.0, -1.5, -0.9, -1.6])) == 3  # negatives multiplied: -1.8 etc.
+    # presence/frequency act on the output only: greedy would repeat token 0 for ever
+    plain = Sampler(SamplingParams(), prompt=[0])
+    assert [plain(logits) for _ in range(3)] == [0, 0, 0]
+    presence = Sampler(SamplingParams(presence_penalty=0.5), prompt=[0])
+    assert [presence(logits) for _ in range(3)] == [0, 1, 0]  # 1.5 vs 1.4, then both seen
+    freq = Sampler(SamplingParams(frequency_penalty=0.2))
+    assert [freq(logits) for _ in range(4)] == [0, 1, 0, 1]
+
+
 def test_stop_tokens_end_generation(tiny_models) -> None:
     model = tiny_models[torch.float32]
     (free,) = generate(model, [PROMPTS[1]], SamplingParams(max_new_tokens=10))
@@ -66,5 +96,9 @@ def test_params_are_validated(tiny_models) -> None:
         SamplingParams(top_p=0)
     with pytest.raises(ConfigError, match="temperature"):
         SamplingParams(temperature=-1)
+    for bad in ({"top_k": -1}, {"min_p": 1.5}, {"repetition_penalty": 0},
+                {"presence_penalty": 2.5}, {"frequency_penalty": -3}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            SamplingParams(**bad)
     with pytest.raises(ConfigError, match="larger num_pages"):
         generate(tiny_models[torch.float32], PROMPTS, SamplingParams(max_new_tokens=4), num_pages=3)

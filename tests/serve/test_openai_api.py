@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
 from kvtier.serve import openai_responses as api
 from kvtier.serve.openai_requests import (
@@ -146,7 +147,12 @@ def test_unknown_and_missing_model():
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
     ({"suffix": "end"}, "suffix"), ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
 ])
 def test_completion_field_errors(fields, param):
     err = refused(parse_completion, comp(**fields))
@@ -154,6 +160,19 @@ def test_completion_field_errors(fields, param):
     assert err.message.startswith(param) or param in err.message
     assert err.to_body() == {"error": {"message": err.message, "type": "invalid_request_error",
                                        "param": param, "code": None}}
+
+
+def test_sampling_fields_reach_the_engine():
+    req = parse_completion(comp(top_k=-1, min_p=0.05, repetition_penalty=1.1,
+                                presence_penalty=0.5, frequency_penalty=-0.5,
+                                stop_token_ids=[7, 2], seed=3, max_tokens=9), LIMITS)
+    s = req.sampling(model_stops=(2, 0), seed=99)
+    assert s == {"max_new_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                 "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                 "frequency_penalty": -0.5, "stop_token_ids": (7, 2, 0), "seed": 3}
+    SamplingParams(**s)  # the engine takes every field as it is
+    free = parse_chat(chat(ignore_eos=True, top_k=5), LIMITS).sampling((2, 0), seed=99)
+    assert free["stop_token_ids"] == () and free["top_k"] == 5 and free["seed"] == 99
 
 
 def test_several_unsupported_fields_are_all_named():
