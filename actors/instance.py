@@ -315,6 +315,10 @@ class Instance:
     def describe(self) -> CacheDescription:
         return self.rank_call(0, "describe")
 
+    def running_config(self) -> dict:
+        """Rank 0's cache config and engine choices (`RankCache.running_config`)."""
+        return self.rank_call(0, "running_config")
+
     def cache_snapshot(self) -> list[dict]:
         """Every rank's counters and pool use (`RankCache.cache_snapshot`)."""
         return self._all("cache_snapshot")

@@ -25,7 +25,7 @@ from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
 from kvtier.actors.step_wire import StepReport, encode_output, encode_report
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.config import HiCacheConfig
-from kvtier.dtypes import DType, resolve
+from kvtier.dtypes import DType, name as dtype_name, resolve
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import PagedLlama
@@ -271,6 +271,20 @@ class RankCache:
         cache = self.engine.cache
         cache.detach_storage()
         cache.directory = None
+
+    def running_config(self) -> dict:
+        """What this rank runs with: its cache config (SGLang's knob names, normalized; an L3
+        attached through the namespace actor shows under `l3`), the resolved dtype and the
+        engine's scheduling choices."""
+        engine, storage = self.engine, self.engine.cache.storage
+        return {"hicache": engine.cache.config.to_dict(),
+                "l3": storage.backend.kind.value if storage is not None else None,  # attached
+                "dtype": dtype_name(engine.model.dtype),
+                "chunk_tokens": engine.runner.chunk_tokens,
+                "deterministic": engine.scheduler.deterministic,
+                "schedule_policy": engine.scheduler.policy.value,
+                "device_pages": engine.cache.device_pages,
+                "host_pages": engine.cache.host_pool.num_pages}
 
     def describe(self) -> CacheDescription:
         """What a router needs to compute this cache's page keys from tokens."""

@@ -107,6 +107,10 @@ class Ingress:
     async def admin_flush(self, request: Request) -> Response:
         return await self._admin(request, lambda h, _: h.flush.remote())
 
+    @api.get("/admin/config")
+    async def admin_config(self, request: Request) -> Response:
+        return await self._admin(request, lambda h, _: h.config.remote(), body=False)
+
     @api.get("/admin/storage")
     async def admin_storage(self, request: Request) -> Response:
         return await self._admin(request, lambda h, _: h.storage.remote(), body=False)

@@ -19,7 +19,6 @@ from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.calibration import calibrated_thresholds
-from kvtier.config import HiCacheConfig
 from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
@@ -42,8 +41,7 @@ def rank_settings(s: ServeSettings) -> RankSettings:
     smol = SmolLM2Weights()
     source = smol if s.model is ModelChoice.SMOLLM2 else \
         TinyWeights(seed=0, model_config=tiny_config(vocab_size=smol.config().vocab_size))
-    config = HiCacheConfig(page_size=s.page_size, enable_hierarchical_cache=s.hierarchical,
-                           hicache_ratio=s.hicache_ratio)
+    config = s.cache_config()
     if s.model is ModelChoice.SMOLLM2:  # load thresholds from this machine's measured
         config = calibrated_thresholds(  # crossover, if cached
             config, dtype=dtype_name(resolve_here(s.dtype)))
@@ -152,6 +150,12 @@ class InstanceDeployment:
         await self._call(lambda inst: inst.detach_l3())
         self.l3 = None
         return {"instance": self.name, "l3": None}
+
+    async def config(self) -> dict:
+        """What this instance's ranks run with (rank 0 speaks for them: they are built from
+        the same settings)."""
+        running = await self._call(lambda inst: inst.running_config())
+        return {"instance": self.name, **running}
 
     async def storage(self) -> dict:
         return {"instance": self.name, "l3": self.l3}

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import argparse
 
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.flags import add_hicache_flags, config_from_args
 from kvtier.policies import SchedulePolicy
 from kvtier.serve.placement import PlacementMode
-from kvtier.serve.settings import L3_NONE, DType, ModelChoice, ServeSettings
+from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, ModelChoice, ServeSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=[m.value for m in ModelChoice], default="smollm2")
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
-    p.add_argument("--l3", default="file", help="file, mooncake, nixl or none")
+    p.add_argument("--l3", default=None,
+                   help="file, mooncake, nixl or none (default file; SGLang's "
+                        "--hicache-storage-backend says the same)")
     p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
     p.add_argument("--device-pages", type=int, default=160, help="L1 pages per rank")
     p.add_argument("--chunk-tokens", type=int, default=512,
@@ -48,18 +54,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an instance with work that completes no step (or answers no poll) "
                         "for this long is routed around and its unanswered requests are sent "
                         "to another instance, until it steps again (default 2)")
+    add_hicache_flags(p)  # SGLang's --hicache-* flags and --hicache-config: every rank's cache
 
 
 def settings_from(ns: argparse.Namespace) -> ServeSettings:
-    return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp,
-                         l3=ns.l3 if not ns.no_hierarchical else L3_NONE, l3_root=ns.l3_root,
+    cache = _cache_settings(ns)
+    return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp, **cache,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
-                         dtype=ns.dtype,
-                         hierarchical=not ns.no_hierarchical,
-                         admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
+                         dtype=ns.dtype, admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
                          placement=ns.placement)
+
+
+def _cache_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    """The deployment's cache settings from kvtier's flags and SGLang's (--hicache-*,
+    --page-size, --enable/--disable-hierarchical-cache, --hicache-config), checked together."""
+    config = config_from_args(ns)  # validates the --hicache-* flags and the config file
+    given = config.explicit or frozenset()
+    plain = config.to_dict()
+    if plain["disable_radix_cache"]:
+        raise ConfigError("--disable-radix-cache: kvtier serve always keeps the prefix cache; "
+                          "use --disable-hierarchical-cache (or --no-hierarchical) for L1 only")
+    out: dict[str, Any] = {"hicache": {k: plain[k] for k in given if k not in HICACHE_OWNED}}
+    if "page_size" in given:
+        out["page_size"] = plain["page_size"]
+    if "hicache_ratio" in given:
+        out["hicache_ratio"] = plain["hicache_ratio"]
+    hierarchical = not ns.no_hierarchical and plain["enable_hierarchical_cache"]
+    backend = plain["storage_backend"] if "storage_backend" in given else None
+    if ns.l3 is not None and backend is not None and ns.l3 != backend:
+        raise ConfigError(f"--l3 {ns.l3} and --hicache-storage-backend {backend} disagree; "
+                          f"give one of them")
+    l3 = ns.l3 or backend or "file"
+    out["hierarchical"], out["l3"] = hierarchical, (l3 if hierarchical else L3_NONE)
+    out["l3_root"] = ns.l3_root
+    options = config.storage_options if "storage_options" in given else None
+    if options is not None:
+        defaults = type(options)().to_dict()  # what the user changed: options[k] != default
+        extra = sorted(k for k, v in options.to_dict().items()
+                       if k != "root_dir" and v != defaults.get(k))
+        if extra:
+            raise ConfigError(f"--hicache-storage-backend-extra-config: kvtier serve takes "
+                              f"only root_dir there (the L3 namespace actor configures the "
+                              f"backend itself); remove {', '.join(extra)}")
+        root = getattr(options, "root_dir", None)
+        if ns.l3_root and root not in (None, ns.l3_root):
+            raise ConfigError("--l3-root and the extra config's root_dir disagree; give one")
+        out["l3_root"] = root or ns.l3_root
+    return out
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvtier.dtypes import DType
+from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
@@ -25,6 +26,10 @@ from kvtier.storage_options import check_abs_path, check_float, check_int
 
 MAX_INSTANCES = 64
 L3_NONE = "none"
+# HiCacheConfig knobs a deployment sets with its own settings (knob -> setting)
+HICACHE_OWNED = {"page_size": "page_size", "enable_hierarchical_cache": "hierarchical",
+                 "hicache_ratio": "hicache_ratio", "storage_backend": "l3",
+                 "storage_options": "l3_root", "disable_radix_cache": "hierarchical"}
 
 
 class ModelChoice(_Choice):
@@ -68,6 +73,10 @@ class ServeSettings:
     placement: PlacementMode = PlacementMode.AUTO  # custom resources (serve/placement.py)
     head_resource: str = HEAD_RESOURCE  # the namespace actor's node offers it
     instance_resource: str = INSTANCE_RESOURCE  # 1 unit per rank
+    # More HiCacheConfig knobs by SGLang's names (write_policy, mem_layout, io_backend,
+    # host_mode, prefetch_policy, load_back_threshold_tokens, ...): every rank's cache config.
+    # page_size, hicache_ratio, hierarchical and l3 stay the settings above.
+    hicache: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -107,6 +116,7 @@ class ServeSettings:
         for name in ("l3_root", "l3_state_dir"):  # each actor has its own cwd: no relative dirs
             if getattr(self, name):
                 check_abs_path(getattr(self, name), name)
+        set_("hicache", self._check_hicache(self.hicache))
         KeyNamespace("kvtier", self.tenant_salt)  # the salt's rules, checked before any instance
         if self.admin_key and len(self.admin_key) < 16:
             raise ConfigError("admin_key: use at least 16 characters (or leave it empty for a "
@@ -116,6 +126,25 @@ class ServeSettings:
         if not self.served_model_name:
             set_("served_model_name", "SmolLM2-135M-Instruct" if self.model is ModelChoice.SMOLLM2
                  else "kvtier-tiny")
+
+    def _check_hicache(self, knobs: Any) -> dict[str, Any]:
+        if not isinstance(knobs, Mapping):
+            raise ConfigError(f"hicache: expected a mapping of cache knobs, got "
+                              f"{type(knobs).__name__}")
+        for name, setting in HICACHE_OWNED.items():
+            if name in knobs:
+                raise ConfigError(f"hicache: {name!r} is the {setting!r} setting of the "
+                                  f"deployment; set it there, not under hicache")
+        plain = self.cache_config(dict(knobs)).to_dict()  # validated; enums as strings
+        return {name: plain[name] for name in knobs}
+
+    def cache_config(self, knobs: Mapping[str, Any] | None = None) -> HiCacheConfig:
+        """Every rank's HiCacheConfig: `hicache` with this deployment's page size, ratio and
+        on/off (L3 is attached through the namespace actor, not configured here)."""
+        return HiCacheConfig.from_dict({**(self.hicache if knobs is None else knobs),
+                                        "page_size": self.page_size,
+                                        "enable_hierarchical_cache": self.hierarchical,
+                                        "hicache_ratio": self.hicache_ratio})
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ServeSettings":

@@ -19,9 +19,16 @@ from shared_serve import BASE, served
 from kvtier.serve.settings import ServeSettings
 
 KEY = "fuzz-admin-key-0123456789"
+# Every cache knob off its default (SGLang's names): the running ranks must report them.
+HICACHE = {"write_policy": "write_through_selective", "io_backend": "direct",
+           "mem_layout": "page_first_direct", "host_mode": "cache",
+           "prefetch_policy": "best_effort", "prefetch_threshold_tokens": 64,
+           "prefetch_timeout_base_s": 1.5, "prefetch_timeout_per_ki_token_s": 0.2,
+           "prefetch_timeout_max_s": 20.0, "load_back_threshold_tokens": 32,
+           "prefetch_capacity_ratio": 0.4, "storage_batch_pages": 8}
 SETTINGS = ServeSettings(model="tiny", instances=1, page_size=16, chunk_tokens=64,
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY,
-                         l3="file")
+                         l3="file", hicache_ratio=3.0, hicache=HICACHE)
 MODEL = SETTINGS.served_model_name
 MAX_PROMPT = SETTINGS.max_prompt_tokens
 ADMIN = {"Authorization": f"Bearer {KEY}"}
@@ -116,6 +123,19 @@ BODIES = (st.fixed_dictionaries({"model": st.just(MODEL) | JSONISH}, optional=FI
          % MODEL.encode())
 def test_random_bodies_get_a_200_or_a_4xx(app, path, body):
     assert_answered(post(path, body))
+
+
+def test_every_cache_knob_reaches_the_running_ranks(app):
+    r = requests.get(f"{BASE}/admin/config", headers=ADMIN, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    (running,) = r.json()["instances"]
+    assert {k: running["hicache"][k] for k in HICACHE} == HICACHE
+    assert (running["hicache"]["page_size"], running["hicache"]["hicache_ratio"]) == (16, 3.0)
+    assert running["l3"] == "file"  # attached at start, through the namespace actor
+    assert (running["dtype"], running["chunk_tokens"], running["device_pages"]) == \
+        ("fp32", 64, 96)
+    assert running["host_pages"] == 3 * 96
+    assert requests.get(f"{BASE}/admin/config", timeout=TIMEOUT_S).status_code == 401
 
 
 def test_the_server_is_healthy_after_the_fuzz(app):

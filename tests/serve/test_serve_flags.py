@@ -1,0 +1,72 @@
+"""`kvtier serve`'s cache flags: SGLang's --hicache-* flags (and --hicache-config) become the
+deployment's settings, checked together with kvtier's own."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.serve.settings import ServeSettings
+from kvtier.serve_command import add_arguments, settings_from
+
+
+def settings(*argv: str) -> ServeSettings:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return settings_from(parser.parse_args(list(argv)))
+
+
+def test_sglang_flags_become_settings(tmp_path):
+    s = settings("--page-size", "32", "--hicache-ratio", "3", "--hicache-mem-layout",
+                 "page_first_direct", "--hicache-io-backend", "direct",
+                 "--hicache-write-policy", "write_back", "--hicache-host-mode", "cache",
+                 "--hicache-storage-prefetch-policy", "wait_complete",
+                 "--hicache-load-back-threshold", "48", "--hicache-storage-backend", "file",
+                 "--hicache-storage-backend-extra-config", json.dumps({"root_dir": str(tmp_path)}))
+    assert (s.page_size, s.hicache_ratio, s.l3, s.l3_root) == (32, 3.0, "file", str(tmp_path))
+    assert s.hicache == {"mem_layout": "page_first_direct", "io_backend": "direct",
+                         "write_policy": "write_back", "host_mode": "cache",
+                         "prefetch_policy": "wait_complete", "load_back_threshold_tokens": 48}
+    c = s.cache_config()
+    assert (c.page_size, c.hicache_ratio, c.write_policy.value, c.load_back_threshold_tokens) == \
+        (32, 3.0, "write_back", 48)
+    assert ServeSettings.from_mapping(s.to_mapping()).hicache == s.hicache  # Serve config args
+
+
+def test_defaults_and_the_config_file(tmp_path):
+    plain = settings()
+    assert (plain.hicache, plain.l3, plain.page_size, plain.hierarchical) == ({}, "file", 64, True)
+    path = tmp_path / "hicache.json"
+    path.write_text(json.dumps({"write_policy": "write_through_selective", "page_size": 16}))
+    s = settings("--hicache-config", f"@{path}", "--hicache-write-policy", "write_back")
+    assert s.hicache == {"write_policy": "write_back"} and s.page_size == 16  # flags win
+    off = settings("--disable-hierarchical-cache")
+    assert not off.hierarchical and off.l3 == "none"
+    assert settings("--hicache-storage-backend", "mooncake").l3 == "mooncake"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--l3", "nixl", "--hicache-storage-backend", "file"], "disagree"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      '{"root_dir": "/tmp/a", "max_size_bytes": 4096}'], "max_size_bytes"),
+    (["--l3-root", "/tmp/a", "--hicache-storage-backend", "file",
+      "--hicache-storage-backend-extra-config", '{"root_dir": "/tmp/b"}'], "disagree"),
+    (["--disable-radix-cache", "--disable-hierarchical-cache"], "prefix cache"),
+    (["--hicache-write-policy", "sometimes"], "write_policy"),
+])
+def test_conflicts_and_bad_values_are_refused(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        settings(*argv)
+
+
+def test_the_settings_own_page_size_ratio_and_l3():
+    with pytest.raises(ConfigError, match="'page_size' setting"):
+        ServeSettings(hicache={"page_size": 32})
+    with pytest.raises(ConfigError, match="'l3' setting"):
+        ServeSettings(hicache={"storage_backend": "file"})
+    with pytest.raises(ConfigError, match="writ_policy"):
+        ServeSettings(hicache={"writ_policy": "write_back"})
+    with pytest.raises(ConfigError, match="hicache"):
+        ServeSettings(hicache=["write_back"])
