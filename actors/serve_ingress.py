@@ -26,7 +26,7 @@ from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve import openai_responses as out
-from kvtier.serve.admin import check_admin_key, parse_admin_body
+from kvtier.serve.admin import check_admin_key, check_api_key, parse_admin_body
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
                                           ErrorType, check_prompt_tokens, parse_chat,
@@ -76,15 +76,16 @@ class Ingress:
     # ---- the OpenAI API -----------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, chat=False)
+        return self._check_api(request) or await self._serve(request, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, chat=True)
+        return self._check_api(request) or await self._serve(request, chat=True)
 
     @api.get("/v1/models")
-    async def models(self) -> Response:
-        return JSONResponse(out.models_response([self.settings.served_model_name], self.created))
+    async def models(self, request: Request) -> Response:
+        return self._check_api(request) or JSONResponse(
+            out.models_response([self.settings.served_model_name], self.created))
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -258,6 +259,14 @@ class Ingress:
                                      err_type=ErrorType.SERVER).to_body(), status_code=503)
 
     # ---- admin helpers --------------------------------------------------------------------------
+    def _check_api(self, request: Request) -> Response | None:
+        try:
+            check_api_key(request.headers.get("authorization", ""), self.settings.api_key)
+        except ApiError as err:
+            return JSONResponse(err.to_body(), status_code=err.status,
+                                headers={"WWW-Authenticate": "Bearer"})
+        return None
+
     def _check_admin(self, request: Request) -> Response | None:
         try:
             check_admin_key(request.headers.get("authorization", ""), self.settings.admin_key)

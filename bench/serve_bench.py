@@ -105,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model the requests name (default: the first model the server "
                         "lists); without --base-url also the name kvtier's app serves")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (a server started with an API key)")
     p.add_argument("--clients", type=int, default=4, help="conversations (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per conversation (default 3)")
     p.add_argument("--rate", type=float, default=0.0,
@@ -206,7 +208,7 @@ def load_params(ns: argparse.Namespace) -> LoadParams:
                       first_turn_tokens=ns.first_turn_tokens,
                       max_tokens=ns.max_tokens, request_rate=ns.rate, seed=ns.seed,
                       model=ns.served_model_name or None,
-                      timeout_s=ns.timeout, progress=not ns.json)
+                      timeout_s=ns.timeout, progress=not ns.json, api_key=ns.api_key)
 
 
 def base_url_of(ns: argparse.Namespace) -> str:
@@ -230,8 +232,8 @@ def settings_report(ns: argparse.Namespace) -> dict[str, Any]:
     s = serve_settings(ns, True)
     pages = conversation_pages(ns.rounds, ns.turn_tokens, ns.max_tokens,
                                first_turn_tokens=ns.first_turn_tokens)
-    values = {k: v for k, v in s.to_mapping().items() if k not in ("admin_key", "l3_root",
-                                                                  "l3_state_dir")}
+    secret = ("admin_key", "api_key", "l3_root", "l3_state_dir")
+    values = {k: v for k, v in s.to_mapping().items() if k not in secret}
     return {**values, **load, "port": ns.port, "compare_off": ns.compare_off,
             "conversation_pages": pages,
             "all_histories_pages": ns.clients * pages}

@@ -55,6 +55,7 @@ class LoadParams(NamedTuple):
     request_timeout_s: float = 120.0
     progress: bool = True  # tqdm bar on stderr
     extra_body: dict | None = None  # merged into every request body (e.g. ignore_eos)
+    api_key: str | None = None  # sent as a bearer token
 
 
 class RequestRecord(NamedTuple):
@@ -294,7 +295,8 @@ async def run_load(base_url: str, params: LoadParams) -> LoadResult:
     """Run the workload against `base_url` (e.g. http://127.0.0.1:8000) and summarize it."""
     base = base_url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=params.request_timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout,
+    headers = {"Authorization": f"Bearer {params.api_key}"} if params.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         model = params.model or await served_model(
             session, base, min(params.request_timeout_s, params.timeout_s))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from typing import Any
 
@@ -47,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
     p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
+    p.add_argument("--api-key", default=os.environ.get("KVTIER_API_KEY", ""),
+                   help="the OpenAI endpoints answer 401 without 'Authorization: Bearer KEY' "
+                        "(default: $KVTIER_API_KEY, else open)")
+    p.add_argument("--served-model-name", default="",
+                   help="the model name the API lists and requests name (default: the "
+                        "model's own)")
     p.add_argument("--tenant-salt", default="",
                    help="this deployment's tenant: seeds its page keys and L3 namespace")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -62,7 +69,8 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
     return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp, **cache,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
-                         dtype=ns.dtype, admin_key=ns.admin_key, max_new_tokens=ns.max_new_tokens,
+                         dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,
+                         served_model_name=ns.served_model_name, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
                          placement=ns.placement)
 

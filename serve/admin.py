@@ -12,13 +12,25 @@ from kvtier.storage_options import parse_storage_options
 MAX_ADMIN_BODY = 64 << 10
 
 
+def _bearer_matches(authorization: str, key: str) -> bool:
+    scheme, _, given = authorization.partition(" ")
+    given_bytes = given.strip().encode("utf-8", "surrogatepass")  # any str, no encoding error
+    return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, key.encode())
+
+
 def check_admin_key(authorization: str, admin_key: str) -> None:
     """`Authorization: Bearer <admin key>` or a 401 (compared in constant time)."""
-    scheme, _, key = authorization.partition(" ")
-    given = key.strip().encode("utf-8", "surrogatepass")  # any str, never an encoding error
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given, admin_key.encode()):
+    if not _bearer_matches(authorization, admin_key):
         raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin key>' with the "
                             "key kvtier serve printed at start", err_type=ErrorType.AUTHENTICATION)
+
+
+def check_api_key(authorization: str, api_key: str) -> None:
+    """With an API key set (`kvtier serve --api-key`), the OpenAI endpoints need
+    `Authorization: Bearer <api key>` or answer 401; without one they are open."""
+    if api_key and not _bearer_matches(authorization, api_key):
+        raise ApiError(401, "this server needs 'Authorization: Bearer <api key>' (the key "
+                            "kvtier serve was started with)", err_type=ErrorType.AUTHENTICATION)
 
 
 def parse_admin_body(raw: bytes) -> dict:

@@ -63,6 +63,7 @@ class ServeSettings:
     # or a temp dir): a fresh L3 directory gets a fresh registry
     tenant_salt: str = ""
     admin_key: str = ""  # "" = a random key, printed by `kvtier serve`
+    api_key: str = ""  # the OpenAI endpoints need it as a bearer token ("" = open)
     max_new_tokens: int = 256
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
@@ -109,7 +110,7 @@ class ServeSettings:
         if not self.hierarchical and self.l3 != L3_NONE:
             set_("l3", L3_NONE)  # the cache off has no tier below L1
         for name in ("l3_root", "l3_actor", "l3_state_dir", "tenant_salt", "admin_key",
-                     "served_model_name"):
+                     "api_key", "served_model_name"):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > 4096:
                 raise ConfigError(f"{name}: expected a string (at most 4096 characters)")

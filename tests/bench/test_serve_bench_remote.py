@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +24,7 @@ from kvtier.engine.tp_group import free_port
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "kvtier-tiny"  # what `kvtier serve --model tiny` serves as
+API_KEY = "sk-remote-test-key"
 READY = "kvtier: serving "  # its line once the app is up
 START_S = 90.0  # ~20 s here: Ray, Serve, one instance of the tiny model
 STOP_S = 30.0
@@ -62,7 +65,8 @@ def tiny_server(tmp_path: Path) -> Iterator[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier", "serve", "--model", "tiny", "--instances", "1",
              "--host", "127.0.0.1", "--port", str(port), "--device-pages", "32",
-             "--chunk-tokens", "64", "--max-new-tokens", "16", "--l3", "none"],
+             "--chunk-tokens", "64", "--max-new-tokens", "16", "--l3", "none",
+             "--api-key", API_KEY],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)  # its own process group: stop() can reach all of it
         try:
@@ -76,7 +80,7 @@ def test_bench_serve_with_base_url_against_kvtier_serve(tiny_server: str, capsys
     rc = cli.main(["bench", "serve", "--base-url", tiny_server + "/v1",
                    "--served-model-name", MODEL, "--clients", "2", "--rounds", "2",
                    "--first-turn-tokens", "150", "--turn-tokens", "10", "--max-tokens", "4",
-                   "--timeout", "45", "--json"])
+                   "--timeout", "45", "--api-key", API_KEY, "--json"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err[-4000:]
     out = json.loads(captured.out)
@@ -87,4 +91,10 @@ def test_bench_serve_with_base_url_against_kvtier_serve(tiny_server: str, capsys
     assert 0.3 < out["hit_rate_after_round1"] < 1.0, out
     assert sum(out["cached_tokens"].values()) == out["cached_prompt_tokens"] > 0
     assert all(t is not None and t > 0 for t in out["ttft_by_round_s"])
-    assert "off" not in out
+    assert "off" not in out and API_KEY not in captured.out
+    for path in ("/v1/models", "/v1/chat/completions"):  # the key is required
+        request = urllib.request.Request(tiny_server + path, method="GET" if "models" in path
+                                         else "POST", data=None if "models" in path else b"{}")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=30)
+        assert err.value.code == 401
