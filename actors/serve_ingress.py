@@ -51,6 +51,16 @@ class _Generation:
         self.finish_reason = "length"
 
 
+def _unauthorized(check, request: Request, key: str) -> Response | None:
+    """The 401 response when `check` refuses the request's bearer token, else None."""
+    try:
+        check(request.headers.get("authorization", ""), key)
+    except ApiError as err:
+        return JSONResponse(err.to_body(), status_code=err.status,
+                            headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(api)
 class Ingress:
@@ -260,20 +270,10 @@ class Ingress:
 
     # ---- admin helpers --------------------------------------------------------------------------
     def _check_api(self, request: Request) -> Response | None:
-        try:
-            check_api_key(request.headers.get("authorization", ""), self.settings.api_key)
-        except ApiError as err:
-            return JSONResponse(err.to_body(), status_code=err.status,
-                                headers={"WWW-Authenticate": "Bearer"})
-        return None
+        return _unauthorized(check_api_key, request, self.settings.api_key)
 
     def _check_admin(self, request: Request) -> Response | None:
-        try:
-            check_admin_key(request.headers.get("authorization", ""), self.settings.admin_key)
-        except ApiError as err:
-            return JSONResponse(err.to_body(), status_code=err.status,
-                                headers={"WWW-Authenticate": "Bearer"})
-        return None
+        return _unauthorized(check_admin_key, request, self.settings.admin_key)
 
     async def _admin(self, request: Request, call, body: bool = True,
                      needs: tuple[str, ...] = ()) -> Response:
