@@ -305,9 +305,15 @@ class RankCache:
             backend = dataclasses.asdict(cache.storage.backend.stats())
             backend.pop("extra", None)
             storage = {**backend, **cache.storage.counters.snapshot()}
-        return {"counters": cache.counters.snapshot(), "storage": storage,
+        sched = self.engine.scheduler
+        gauges = {"device_used_tokens": (cache.device_pages - cache.free_device_pages) * page,
+                  "device_total_tokens": cache.device_pages * page,
+                  "running_requests": len(sched.running), "waiting_requests": len(sched.waiting)}
+        # the L1<->L2 copies' bytes and seconds (TransferStats) join the token counters
+        counters = {**cache.counters.snapshot(), **cache.controller.stats()._asdict()}
+        return {"counters": counters, "storage": storage,
                 "host_used_tokens": cache.used_host_pages * page,
-                "host_total_tokens": cache.host_pool.num_pages * page,
+                "host_total_tokens": cache.host_pool.num_pages * page, "gauges": gauges,
                 "agreement_s": self._new_agreement_times()}
 
     def _new_agreement_times(self) -> tuple[float, ...]:

@@ -170,7 +170,7 @@ class Ingress:
                 pass
         except Exception as exc:  # noqa: BLE001 - the client gets a 503 with the reason
             return self._failed(exc)
-        self._observe(answer.instance, gen, start)
+        self._observe(answer.instance, gen, start, len(tokens))
         usage, kvtier = self._usage(len(tokens), gen)
         kvtier["route"] = {"reason": choice["reason"], "expected_pages": choice["hits"]}
         build = out.chat_response if chat else out.completion_response
@@ -241,7 +241,7 @@ class Ingress:
             yield out.sse(out.usage_chunk(rid, req.model, created, usage, chat=chat,
                                           kvtier=kvtier))
         yield out.SSE_DONE
-        self._observe(answer.instance, gen, start)
+        self._observe(answer.instance, gen, start, len(tokens))
 
     def _usage(self, prompt_tokens: int, gen: _Generation) -> tuple[dict, dict]:
         final = gen.final or {"cached": {"device": 0, "host": 0, "storage": 0}, "lengths": None}
@@ -252,7 +252,8 @@ class Ingress:
         kvtier["instance"] = final.get("instance")  # which instance served it (routing)
         return out.usage(prompt_tokens, gen.tokens, final["cached"], lengths), kvtier
 
-    def _observe(self, instance: str, gen: _Generation, start: float) -> None:
+    def _observe(self, instance: str, gen: _Generation, start: float,
+                 prompt_tokens: int) -> None:
         self._ensure_snapshots()
         total = time.perf_counter() - start
         tpot = None
@@ -260,7 +261,7 @@ class Ingress:
             tpot = (total - gen.first_token_s) / (gen.tokens - 1)
         cached = gen.final["cached"] if gen.final else {"device": 0, "host": 0, "storage": 0}
         self.metrics.observe_request(instance, gen.first_token_s or total, tpot, cached,
-                                     gen.finish_reason)
+                                     gen.finish_reason, prompt_tokens, gen.tokens, total)
 
     @staticmethod
     def _failed(exc: Exception) -> Response:
@@ -317,6 +318,7 @@ class Ingress:
                     continue
                 self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
                                           snap["host_total_tokens"], snap["storage"])
+                self.metrics.update_gauges(name, snap.get("gauges", {}))
                 self.metrics.observe_agreement(name, snap["agreement_s"])
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
 

@@ -6,8 +6,10 @@ module turns successive snapshots into Prometheus counter increments. That keeps
 Ray and of the engine: the serve graph polls the instances and hands the dicts over here.
 
 All families live on a private `CollectorRegistry`, so two deployments (or two tests) in one
-process never collide, and every family carries an `instance` label. A snapshot whose counter
-went backwards means the instance restarted: its new value is the increment since then.
+process never collide, and every family carries a `kvtier_instance` label (not `instance`,
+which Prometheus sets to the scrape target and would rename ours `exported_instance`). A
+snapshot whose counter went backwards means the instance restarted: its new value is the
+increment since then.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "kvtier_"
+LABEL = "kvtier_instance"  # the serving instance a series belongs to
 TIERS = ("device", "host", "storage")
 
 # µs-scale: one MIN all-reduce per scheduling step should cost tens of microseconds
@@ -25,6 +28,7 @@ AGREEMENT_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-
                        2.5e-2, 0.1, 1.0)
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # 1 MB/s .. 100 GB/s: file backends on a slow disk up to RDMA-backed Mooncake
 BANDWIDTH_BUCKETS_BPS = (1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 1e11)
 
@@ -89,6 +93,8 @@ STORAGE_SOURCES = (
 COUNTERS = {  # family -> (help, extra label names)
     "cached_tokens": ("Prompt tokens served from cache, by the tier they came from", ("tier",)),
     "requests": ("Finished requests by finish reason", ("finish_reason",)),
+    "prompt_tokens": ("Prompt tokens of finished requests", ()),
+    "generation_tokens": ("Tokens generated for finished requests", ()),
     "lookups": ("Cache lookups (one per request per rank)", ()),
     "hit_tokens": ("Tokens the cache found per tier at lookup time", ("tier",)),
     "evicted_tokens": ("Tokens evicted from a tier", ("tier",)),
@@ -126,6 +132,7 @@ COUNTERS = {  # family -> (help, extra label names)
 HISTOGRAMS = {  # family -> (help, buckets)
     "ttft_seconds": ("Time to first token", TTFT_BUCKETS_S),
     "tpot_seconds": ("Time per output token after the first", TPOT_BUCKETS_S),
+    "e2e_request_seconds": ("Time from a request's arrival to its last token", E2E_BUCKETS_S),
     "agreement_seconds": ("One cross-rank agreement round", AGREEMENT_BUCKETS_S),
     "storage_read_bandwidth_bytes_per_second": ("L3 read bandwidth per transfer or interval",
                                                 BANDWIDTH_BUCKETS_BPS),
@@ -136,6 +143,10 @@ HISTOGRAMS = {  # family -> (help, buckets)
 GAUGES = {
     "host_used_tokens": "Tokens held in the L2 host pool",
     "host_total_tokens": "Capacity of the L2 host pool in tokens",
+    "device_used_tokens": "Tokens held in the L1 device pool (cached and in use)",
+    "device_total_tokens": "Capacity of the L1 device pool in tokens",
+    "running_requests": "Requests admitted and computing (prefill or decode)",
+    "waiting_requests": "Requests queued for admission",
     "instance_stalled": "1 while the router holds the instance stalled, else 0",
 }
 
@@ -166,24 +177,31 @@ class ServeMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self._counters = {name: Counter(PREFIX + name, doc, ("instance", *labels),
+        self._counters = {name: Counter(PREFIX + name, doc, (LABEL, *labels),
                                         registry=self.registry)
                           for name, (doc, labels) in COUNTERS.items()}
-        self._histograms = {name: Histogram(PREFIX + name, doc, ("instance",), buckets=buckets,
+        self._histograms = {name: Histogram(PREFIX + name, doc, (LABEL,), buckets=buckets,
                                             registry=self.registry)
                             for name, (doc, buckets) in HISTOGRAMS.items()}
-        self._gauges = {name: Gauge(PREFIX + name, doc, ("instance",), registry=self.registry)
+        self._gauges = {name: Gauge(PREFIX + name, doc, (LABEL,), registry=self.registry)
                         for name, doc in GAUGES.items()}
         self._last: dict[tuple[str, str], dict[str, float]] = {}  # (instance, source) -> snapshot
         self._lock = threading.Lock()
 
     # ---- per request ---------------------------------------------------------------------
     def observe_request(self, instance: str, ttft_s: float, tpot_s: float | None,
-                        cached: Mapping[str, int] | tuple, finish_reason: str) -> None:
-        """One finished request: its latencies, its cached tokens by tier, its finish reason."""
+                        cached: Mapping[str, int] | tuple, finish_reason: str,
+                        prompt_tokens: int = 0, generation_tokens: int = 0,
+                        e2e_s: float | None = None) -> None:
+        """One finished request: its latencies, its tokens (cached ones by tier), its finish
+        reason."""
         self._histograms["ttft_seconds"].labels(instance).observe(ttft_s)
         if tpot_s is not None:
             self._histograms["tpot_seconds"].labels(instance).observe(tpot_s)
+        if e2e_s is not None:
+            self._histograms["e2e_request_seconds"].labels(instance).observe(e2e_s)
+        self._counters["prompt_tokens"].labels(instance).inc(max(0, prompt_tokens))
+        self._counters["generation_tokens"].labels(instance).inc(max(0, generation_tokens))
         cached = cached._asdict() if hasattr(cached, "_asdict") else cached  # CachedTokens too
         for tier in TIERS:
             self._counters["cached_tokens"].labels(instance, tier).inc(max(0, cached.get(tier, 0)))
@@ -213,6 +231,13 @@ class ServeMetrics:
         deltas = self._step(instance, "liveness", {"stalls": stalls})
         self._counters["instance_stalls"].labels(instance).inc(deltas["stalls"])
 
+    def update_gauges(self, instance: str, values: Mapping[str, float]) -> None:
+        """Current values of one instance (pool use, queue lengths); names from GAUGES,
+        unknown ones skipped."""
+        for name, value in values.items():
+            if name in GAUGES:
+                self._gauges[name].labels(instance).set(value)
+
     def update_cache(self, instance: str, counters: Mapping[str, float], host_used_tokens: int,
                      host_total_tokens: int, storage: Mapping[str, float] | None = None) -> None:
         """Fold one instance's cache snapshot (and its L3 snapshot, if it has L3) into the
@@ -236,7 +261,7 @@ class ServeMetrics:
         for src in sources:
             present = [deltas[k] for k in src.keys if k in deltas]
             if present:  # inc(0) too: the series shows up as soon as the source reports it
-                labels = dict(src.labels, instance=instance)
+                labels = dict(src.labels, **{LABEL: instance})
                 self._counters[src.family].labels(**labels).inc(sum(present))
 
     def _observe_interval_bandwidth(self, instance: str, deltas: Mapping[str, float]) -> None:

@@ -35,7 +35,10 @@ def cache_snapshot(**kw) -> dict:
 
 def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     m = ServeMetrics()
-    m.observe_request("a", 0.2, 0.01, {"device": 64, "host": 32, "storage": 0}, "stop")
+    m.observe_request("a", 0.2, 0.01, {"device": 64, "host": 32, "storage": 0}, "stop",
+                      prompt_tokens=100, generation_tokens=5, e2e_s=0.3)
+    m.update_gauges("a", {"device_used_tokens": 64, "device_total_tokens": 640,
+                          "running_requests": 1, "waiting_requests": 2, "unknown": 3})
     m.observe_agreement("a", [2e-5])
     m.observe_storage_transfer("a", True, 1 << 20, 0.01)
     m.observe_storage_transfer("a", False, 1 << 20, 0.01)
@@ -53,7 +56,23 @@ def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     assert all(name.startswith("kvtier_") for name in fams)
     for fam in fams.values():
         assert fam.samples, fam.name
-        assert all("instance" in s.labels for s in fam.samples), fam.name
+        assert all("kvtier_instance" in s.labels and "instance" not in s.labels
+                   for s in fam.samples), fam.name
+
+
+def test_tokens_latency_and_gauges():
+    m = ServeMetrics()
+    m.observe_request("a", 0.1, 0.02, {"device": 64}, "stop", prompt_tokens=100,
+                      generation_tokens=7, e2e_s=0.5)
+    m.observe_request("a", 0.1, None, {}, "length", prompt_tokens=20, generation_tokens=1)
+    assert value(m, "prompt_tokens", "_total", kvtier_instance="a") == 120
+    assert value(m, "generation_tokens", "_total", kvtier_instance="a") == 8
+    assert value(m, "e2e_request_seconds", "_count", kvtier_instance="a") == 1
+    m.update_gauges("a", {"running_requests": 3, "waiting_requests": 0,
+                          "device_used_tokens": 128, "device_total_tokens": 1024})
+    m.update_gauges("a", {"running_requests": 1})
+    assert value(m, "running_requests", kvtier_instance="a") == 1
+    assert value(m, "device_used_tokens", kvtier_instance="a") == 128
 
 
 def test_private_registry_leaves_the_global_one_alone():
@@ -67,22 +86,22 @@ def test_request_observations():
     m.observe_request("a", 0.1, 0.02, {"device": 64, "host": 32}, "stop")
     cached = NamedTuple("CachedTokens", [("device", int), ("host", int), ("storage", int)])
     m.observe_request("a", 0.3, None, cached(0, 0, 128), "length")
-    assert value(m, "cached_tokens", "_total", instance="a", tier="device") == 64
-    assert value(m, "cached_tokens", "_total", instance="a", tier="host") == 32
-    assert value(m, "cached_tokens", "_total", instance="a", tier="storage") == 128
-    assert value(m, "requests", "_total", instance="a", finish_reason="stop") == 1
-    assert value(m, "requests", "_total", instance="a", finish_reason="length") == 1
-    assert value(m, "ttft_seconds", "_count", instance="a") == 2
-    assert abs(value(m, "ttft_seconds", "_sum", instance="a") - 0.4) < 1e-9
-    assert value(m, "tpot_seconds", "_count", instance="a") == 1
+    assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="device") == 64
+    assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="host") == 32
+    assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="storage") == 128
+    assert value(m, "requests", "_total", kvtier_instance="a", finish_reason="stop") == 1
+    assert value(m, "requests", "_total", kvtier_instance="a", finish_reason="length") == 1
+    assert value(m, "ttft_seconds", "_count", kvtier_instance="a") == 2
+    assert abs(value(m, "ttft_seconds", "_sum", kvtier_instance="a") - 0.4) < 1e-9
+    assert value(m, "tpot_seconds", "_count", kvtier_instance="a") == 1
 
 
 def test_agreement_histogram_uses_microsecond_buckets():
     m = ServeMetrics()
     m.observe_agreement("a", [1.5e-5, 3e-5, 4e-4])
-    assert value(m, "agreement_seconds", "_count", instance="a") == 3
-    assert value(m, "agreement_seconds", "_bucket", instance="a", le="2.5e-05") == 1
-    assert value(m, "agreement_seconds", "_bucket", instance="a", le="0.0005") == 3
+    assert value(m, "agreement_seconds", "_count", kvtier_instance="a") == 3
+    assert value(m, "agreement_seconds", "_bucket", kvtier_instance="a", le="2.5e-05") == 1
+    assert value(m, "agreement_seconds", "_bucket", kvtier_instance="a", le="0.0005") == 3
 
 
 def test_snapshots_become_increments():
@@ -92,13 +111,13 @@ def test_snapshots_become_increments():
     m.update_cache("a", cache_snapshot(lookups=5, device_hit_tokens=64, evicted_host_tokens=48,
                                        backed_up_tokens=40, written_back_tokens=8,
                                        unloaded_over_quota_tokens=7), 200, 1000)
-    assert value(m, "lookups", "_total", instance="a") == 5
-    assert value(m, "hit_tokens", "_total", instance="a", tier="device") == 64
-    assert value(m, "evicted_tokens", "_total", instance="a", tier="host") == 48
-    assert value(m, "backup_tokens", "_total", instance="a") == 48
-    assert value(m, "load_back_refused_tokens", "_total", instance="a", reason="over_quota") == 7
-    assert value(m, "host_used_tokens", instance="a") == 200
-    assert value(m, "host_total_tokens", instance="a") == 1000
+    assert value(m, "lookups", "_total", kvtier_instance="a") == 5
+    assert value(m, "hit_tokens", "_total", kvtier_instance="a", tier="device") == 64
+    assert value(m, "evicted_tokens", "_total", kvtier_instance="a", tier="host") == 48
+    assert value(m, "backup_tokens", "_total", kvtier_instance="a") == 48
+    assert value(m, "load_back_refused_tokens", "_total", kvtier_instance="a", reason="over_quota") == 7
+    assert value(m, "host_used_tokens", kvtier_instance="a") == 200
+    assert value(m, "host_total_tokens", kvtier_instance="a") == 1000
 
 
 def test_instances_are_kept_apart():
@@ -106,8 +125,8 @@ def test_instances_are_kept_apart():
     m.update_cache("a", cache_snapshot(lookups=3), 0, 10)
     m.update_cache("b", cache_snapshot(lookups=10), 0, 10)
     m.update_cache("a", cache_snapshot(lookups=4), 0, 10)
-    assert value(m, "lookups", "_total", instance="a") == 4
-    assert value(m, "lookups", "_total", instance="b") == 10
+    assert value(m, "lookups", "_total", kvtier_instance="a") == 4
+    assert value(m, "lookups", "_total", kvtier_instance="b") == 10
 
 
 def test_a_counter_that_goes_backwards_means_a_restart():
@@ -115,11 +134,11 @@ def test_a_counter_that_goes_backwards_means_a_restart():
     m.update_cache("a", cache_snapshot(lookups=10, device_hit_tokens=100), 0, 10)
     # restarted: lookups fell to 2; device hits already grew past the old 100 again
     m.update_cache("a", cache_snapshot(lookups=2, device_hit_tokens=150), 0, 10)
-    assert value(m, "lookups", "_total", instance="a") == 12
-    assert value(m, "hit_tokens", "_total", instance="a", tier="device") == 250
+    assert value(m, "lookups", "_total", kvtier_instance="a") == 12
+    assert value(m, "hit_tokens", "_total", kvtier_instance="a", tier="device") == 250
     m.update_cache("a", cache_snapshot(lookups=3, device_hit_tokens=160), 0, 10)
-    assert value(m, "lookups", "_total", instance="a") == 13
-    assert value(m, "hit_tokens", "_total", instance="a", tier="device") == 260
+    assert value(m, "lookups", "_total", kvtier_instance="a") == 13
+    assert value(m, "hit_tokens", "_total", kvtier_instance="a", tier="device") == 260
 
 
 def test_counter_deltas_skip_non_numbers():
@@ -132,11 +151,11 @@ def test_transfer_stats_feed_bytes_and_seconds():
     snap = cache_snapshot(loaded_back_tokens=64) | {"load_bytes": 4096, "load_s": 0.5,
                                                     "write_bytes": 1024, "write_s": 0.25}
     m.update_cache("a", snap, 0, 10)
-    assert value(m, "load_back_tokens", "_total", instance="a") == 64
-    assert value(m, "load_back_bytes", "_total", instance="a") == 4096
-    assert value(m, "load_back_seconds", "_total", instance="a") == 0.5
-    assert value(m, "backup_bytes", "_total", instance="a") == 1024
-    assert value(m, "backup_seconds", "_total", instance="a") == 0.25
+    assert value(m, "load_back_tokens", "_total", kvtier_instance="a") == 64
+    assert value(m, "load_back_bytes", "_total", kvtier_instance="a") == 4096
+    assert value(m, "load_back_seconds", "_total", kvtier_instance="a") == 0.5
+    assert value(m, "backup_bytes", "_total", kvtier_instance="a") == 1024
+    assert value(m, "backup_seconds", "_total", kvtier_instance="a") == 0.25
 
 
 def test_storage_snapshot_prefetch_reasons_drops_and_bandwidth():
@@ -150,25 +169,47 @@ def test_storage_snapshot_prefetch_reasons_drops_and_bandwidth():
                              storage_hit_tokens=96, prefetch_wait_s=0.5).snapshot()
     m.update_cache("a", cache_snapshot(dropped_backup_tokens=8), 0, 10,
                    second | {"bytes_read": 500_000_000, "bytes_written": 10**9, "write_s": 2.0})
-    assert value(m, "prefetch_hit_tokens", "_total", instance="a") == 128
-    assert value(m, "hit_tokens", "_total", instance="a", tier="storage") == 96
-    assert value(m, "prefetch_unfulfilled_tokens", "_total", instance="a",
+    assert value(m, "prefetch_hit_tokens", "_total", kvtier_instance="a") == 128
+    assert value(m, "hit_tokens", "_total", kvtier_instance="a", tier="storage") == 96
+    assert value(m, "prefetch_unfulfilled_tokens", "_total", kvtier_instance="a",
                  reason="host_capacity") == 32
-    assert value(m, "prefetch_unfulfilled_tokens", "_total", instance="a",
+    assert value(m, "prefetch_unfulfilled_tokens", "_total", kvtier_instance="a",
                  reason="storage_transfer") == 64
-    assert value(m, "dropped_backup_tokens", "_total", instance="a", reason="host_capacity") == 8
-    assert value(m, "dropped_backup_tokens", "_total", instance="a", reason="storage_write") == 16
+    assert value(m, "dropped_backup_tokens", "_total", kvtier_instance="a", reason="host_capacity") == 8
+    assert value(m, "dropped_backup_tokens", "_total", kvtier_instance="a", reason="storage_write") == 16
     # one interval each: 5e8 B / 0.5 s = 1 GB/s read, 1e9 B / 2 s = 500 MB/s write
     read = "storage_read_bandwidth_bytes_per_second"
     write = "storage_write_bandwidth_bytes_per_second"
-    assert value(m, read, "_count", instance="a") == 1
-    assert value(m, read, "_sum", instance="a") == 1e9
-    assert value(m, write, "_count", instance="a") == 1
-    assert value(m, write, "_sum", instance="a") == 5e8
+    assert value(m, read, "_count", kvtier_instance="a") == 1
+    assert value(m, read, "_sum", kvtier_instance="a") == 1e9
+    assert value(m, write, "_count", kvtier_instance="a") == 1
+    assert value(m, write, "_sum", kvtier_instance="a") == 5e8
 
 
 def test_zero_duration_transfers_are_not_observed():
     m = ServeMetrics()
     m.observe_storage_transfer("a", False, 1024, 0.0)
     m.observe_storage_transfer("a", False, 0, 1.0)
-    assert value(m, "storage_read_bandwidth_bytes_per_second", "_count", instance="a") == 0
+    assert value(m, "storage_read_bandwidth_bytes_per_second", "_count", kvtier_instance="a") == 0
+
+
+def test_the_grafana_dashboard_queries_only_exported_series():
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "grafana_dashboard.json"
+    dashboard = json.loads(path.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"])
+    exported = ({f"kvtier_{n}_total" for n in COUNTERS} | {f"kvtier_{n}" for n in GAUGES}
+                | {f"kvtier_{n}_{s}" for n in HISTOGRAMS for s in ("bucket", "count", "sum")})
+    used = {name for e in exprs for name in re.findall(r"\bkvtier_[a-z0-9_]+", e)}
+    used -= {"kvtier_instance"}  # the label
+    assert used and used <= exported, sorted(used - exported)
+    assert all("kvtier_instance" in e for e in exprs)  # every query can filter by instance
+    # What it names is what a deployment renders (the private registry, fed once).
+    m = ServeMetrics()
+    m.observe_request("a", 0.2, 0.01, {"device": 1}, "stop", 10, 2, 0.3)
+    rendered = {s.name for f in families(m).values() for s in f.samples}
+    assert {"kvtier_prompt_tokens_total", "kvtier_ttft_seconds_bucket"} <= rendered

@@ -200,24 +200,40 @@ def test_follow_ups_go_to_their_holder_and_load_still_spreads(app):
 def test_metrics_show_every_family(app):
     from prometheus_client.parser import text_string_to_metric_families
 
-    chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Metrics?"}])
-    wanted = {"kvtier_cached_tokens", "kvtier_host_used_tokens", "kvtier_host_total_tokens",
-              "kvtier_evicted_tokens", "kvtier_load_back_tokens", "kvtier_backup_tokens",
-              "kvtier_prefetch_hit_tokens", "kvtier_prefetch_unfulfilled_tokens",
-              "kvtier_ttft_seconds", "kvtier_tpot_seconds", "kvtier_agreement_seconds",
-              "kvtier_requests"}
+    from kvtier.serve.metrics import COUNTERS, GAUGES, HISTOGRAMS
+
+    for ask in ("Metrics?", "Metrics!", "Metrics."):  # two instances: one of them hits
+        chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}])
+    # Only a redispatch (an instance stalling mid-answer: test_serve_stall) makes this one.
+    wanted = {f"kvtier_{n}" for n in {*COUNTERS, *GAUGES, *HISTOGRAMS}} - \
+        {"kvtier_redispatched_requests"}
+    # What real traffic moves (the rest count faults and refusals, or the agreement rounds
+    # of TP > 1: present, at 0 here).
+    moved = {"kvtier_cached_tokens", "kvtier_requests", "kvtier_prompt_tokens",
+             "kvtier_generation_tokens", "kvtier_lookups", "kvtier_hit_tokens",
+             "kvtier_backup_tokens", "kvtier_backup_bytes", "kvtier_backup_seconds",
+             "kvtier_storage_backup_tokens", "kvtier_storage_write_bytes",
+             "kvtier_prefetch_query_tokens", "kvtier_ttft_seconds", "kvtier_tpot_seconds",
+             "kvtier_e2e_request_seconds",
+             "kvtier_storage_write_bandwidth_bytes_per_second", "kvtier_host_used_tokens",
+             "kvtier_host_total_tokens", "kvtier_device_used_tokens",
+             "kvtier_device_total_tokens"}
+
+    def total(fam) -> float:
+        return sum(s.value for s in fam.samples if not s.name.endswith("_created")
+                   and not s.name.endswith("_bucket"))
+
     deadline = time.monotonic() + 30  # instance snapshots are taken every few seconds
     while True:
         text = requests.get(f"{BASE}/metrics", timeout=30).text
         families = {f.name: f for f in text_string_to_metric_families(text)}
-        host = [s for s in families.get("kvtier_host_total_tokens", ()).samples] \
-            if "kvtier_host_total_tokens" in families else []
-        if wanted <= set(families) and host:
+        still = sorted((wanted - set(families)) |
+                       {n for n in moved if n in families and total(families[n]) <= 0})
+        if not still:
             break
-        assert time.monotonic() < deadline, sorted(wanted - set(families))
+        assert time.monotonic() < deadline, still
         time.sleep(0.5)
-    ttft = families["kvtier_ttft_seconds"]
-    count = [s.value for s in ttft.samples if s.name.endswith("_count")]
-    assert sum(count) >= 1
     assert all(f.startswith("kvtier_") for f in families)
-    assert {s.labels["instance"] for s in host} <= {"instance-0", "instance-1"}
+    labels = {s.labels.get("kvtier_instance") for f in families.values() for s in f.samples}
+    assert labels <= {"instance-0", "instance-1"}  # never Prometheus' own `instance` label
+    assert not any("instance" in s.labels for f in families.values() for s in f.samples)

@@ -102,7 +102,7 @@ def test_a_stalled_instance_is_routed_around_and_taken_back(app):
 
     def counted() -> bool:
         body = requests.get(f"{BASE}/metrics", timeout=30).text
-        return (f'kvtier_instance_stalls_total{{instance="{name}"}} 1.0' in body and
-                f'kvtier_redispatched_requests_total{{instance="{name}"}} 1.0' in body)
+        return (f'kvtier_instance_stalls_total{{kvtier_instance="{name}"}} 1.0' in body and
+                f'kvtier_redispatched_requests_total{{kvtier_instance="{name}"}} 1.0' in body)
 
     wait_for(counted)

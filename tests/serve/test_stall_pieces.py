@@ -109,9 +109,9 @@ def test_stall_metrics_render():
     m.update_liveness("instance-0", stalls=2, stalled=True)
     m.observe_redispatch("instance-0")
     body = m.render()[0].decode()
-    assert 'kvtier_instance_stalls_total{instance="instance-0"} 2.0' in body
-    assert 'kvtier_instance_stalled{instance="instance-0"} 1.0' in body
-    assert 'kvtier_redispatched_requests_total{instance="instance-0"} 1.0' in body
+    assert 'kvtier_instance_stalls_total{kvtier_instance="instance-0"} 2.0' in body
+    assert 'kvtier_instance_stalled{kvtier_instance="instance-0"} 1.0' in body
+    assert 'kvtier_redispatched_requests_total{kvtier_instance="instance-0"} 1.0' in body
 
 
 # ---- RoutedAnswer with fake handles ---------------------------------------------------------
