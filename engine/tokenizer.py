@@ -5,7 +5,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvtier.errors import ConfigError
 
@@ -127,6 +127,15 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
+        """A step function for one output: each token id in, the text it completes out ("" while
+        a character is unfinished). Incremental (tokenizers' DecodeStream): constant work per
+        token where decoding the whole output again grows with its length."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(self._tok, int(token_id)) or ""
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -100,3 +100,40 @@ def test_text_stream_holds_partial_characters_and_cuts_at_stops():
     plain = TextStream(ByteTokenizer())
     assert plain.push(data[:2])[0] == "h"  # the first byte of é waits
     assert plain.push(data[2:])[0] == "éllo wörld. STOP and more"[0:] and plain.finish() == ""
+
+
+def test_text_stream_decodes_incrementally_with_the_real_tokenizer():
+    import random
+
+    from kvtier.engine.tokenizer import Tokenizer
+    from kvtier.engine.weights import ensure_converted
+
+    tok = Tokenizer.from_files(ensure_converted())
+    calls = []
+
+    class Counting:  # the real tokenizer, counting whole-output decodes
+        def decode(self, ids):
+            calls.append(len(ids))
+            return tok.decode(ids)
+
+        def decode_stream(self):
+            return tok.decode_stream()
+
+    rng = random.Random(1)
+    samples = [tok.encode("Ünïcødé — 東京 🚀 and a STOP then more\n  def f(x): return x")]
+    samples += [[rng.randrange(tok.vocab_size) for _ in range(30)] for _ in range(20)]
+    for ids in samples:
+        for stops in ((), ("STOP",)):
+            calls.clear()
+            stream, sent = TextStream(Counting(), stops), ""
+            for t in ids:
+                text, stopped = stream.push([t])
+                sent += text
+                if stopped:
+                    break
+            sent += stream.finish()
+            assert sent == stream.text
+            full = tok.decode(ids)
+            assert (sent == full) if not stops or "STOP" not in full else \
+                sent == full[:full.index("STOP")]
+            assert len(calls) <= 1  # one whole decode at the end, none per token
