@@ -42,18 +42,25 @@ class PagedAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv = empty_weight(self.q_size + 2 * self.kv_size, config.hidden_size,
                           dtype=dtype, device=device)
+        self.qkv_bias = empty_weight(self.q_size + 2 * self.kv_size, dtype=dtype,
+                                     device=device) if config.attention_bias else None
         self.o = empty_weight(config.hidden_size, self.q_size, dtype=dtype, device=device)
 
-    def load(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
-        """Take this rank's heads of full HF weights."""
+    def load(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+             bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Take this rank's heads of full HF weights (and of the q/k/v biases, if any)."""
         rows = self.tp.rows
         self.qkv.copy_(torch.cat([rows(q), rows(k), rows(v)]))
         self.o.copy_(self.tp.cols(o))
+        if self.qkv_bias is not None:
+            assert bias is not None, "a model with attention_bias needs q/k/v biases"
+            self.qkv_bias.copy_(torch.cat([rows(b) for b in bias]))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, Hq, D), k and v (T, Hkv, D), rotary applied to q and k."""
-        q, k, v = F.linear(x, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = Rotary.apply(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = Rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)

@@ -46,8 +46,10 @@ class DecoderLayer(nn.Module):
 
         self.input_norm.weight.copy_(w("input_layernorm.weight"))
         self.post_attn_norm.weight.copy_(w("post_attention_layernorm.weight"))
+        bias = tuple(w(f"self_attn.{p}_proj.bias") for p in "qkv") \
+            if self.attn.qkv_bias is not None else None
         self.attn.load(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                       w("self_attn.v_proj.weight"), w("self_attn.o_proj.weight"))
+                       w("self_attn.v_proj.weight"), w("self_attn.o_proj.weight"), bias)
         self.mlp.load(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), w("mlp.down_proj.weight"))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,

@@ -23,6 +23,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     max_position: int = 2048
     name: str = "llama"
+    attention_bias: bool = False  # q/k/v projections with a bias (Qwen2)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

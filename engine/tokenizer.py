@@ -5,9 +5,12 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.engine.chat_template import ChatTemplate
 
 _CONTROL = 3  # llama.cpp token type of control (special) tokens
 # The default system message inside the Jinja template; "\n" may be escaped or literal there.
@@ -93,9 +96,11 @@ def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_pr
 class Tokenizer:
     """Text <-> token ids, plus the chat template and the stop tokens of the model."""
 
-    def __init__(self, backend: Any, special: SpecialTokens) -> None:
+    def __init__(self, backend: Any, special: SpecialTokens,
+                 chat_template: "ChatTemplate | None" = None) -> None:
         self._tok = backend
         self.special = special
+        self.chat_template = chat_template  # the model's own (Jinja); None: ChatML
 
     @classmethod
     def load(cls, tokenizer_json: Path, special: SpecialTokens) -> "Tokenizer":
@@ -142,6 +147,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> str:
+        if self.chat_template is not None:
+            return self.chat_template.render(messages, add_generation_prompt)
         return apply_chat_template(messages, add_generation_prompt,
                                    self.special.default_system_prompt)
 

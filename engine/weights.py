@@ -163,6 +163,9 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
     return shapes
 
 
@@ -171,7 +174,9 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in weight_shapes(config).items():
-        if len(shape) == 1:  # norm scales near 1
+        if name.endswith(".bias"):  # small offsets
+            state[name] = 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:  # norm scales near 1
             state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:  # 1/sqrt(hidden or fan_in): unit-scale projections, logits spread around O(1)
             state[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
