@@ -128,7 +128,8 @@ class RankCache:
         spec = model.kv_spec(s.config.page_size)
         if s.l3 is None:
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,
-                                      model=_key_model(cfg.name), tenant_salt=s.tenant_salt,
+                                      model=_key_model(_identity(s.source, cfg)),
+                                      tenant_salt=s.tenant_salt,
                                       tp_rank=self.rank, tp_size=self.size)
         else:
             cache = self._l3_cache(s, spec, model.device)
@@ -279,6 +280,7 @@ class RankCache:
         engine, storage = self.engine, self.engine.cache.storage
         return {"hicache": engine.cache.config.to_dict(),
                 "l3": storage.backend.kind.value if storage is not None else None,  # attached
+                "model": engine.cache.namespace.model,  # the cache namespace's model part
                 "dtype": dtype_name(engine.model.dtype),
                 "chunk_tokens": engine.runner.chunk_tokens,
                 "deterministic": engine.scheduler.deterministic,
@@ -384,6 +386,13 @@ def _directory_client(actor_name: str):
                           f"in Ray namespace {RAY_NAMESPACE!r} (create it with "
                           "get_or_create_namespace_actor), or set l3_actor=None") from exc
     return NamespaceClient(handle)
+
+
+def _identity(source: WeightSource, cfg) -> str:
+    """The model part of the cache namespace: the checkpoint's name and, where the source can
+    tell (a model directory: a digest of its weight files), which weights these are."""
+    identity = getattr(source, "identity", None)
+    return identity() if identity is not None else cfg.name
 
 
 def _key_model(name: str) -> str:

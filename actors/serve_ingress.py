@@ -26,6 +26,7 @@ from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve import openai_responses as out
+from kvtier.serve import served_model
 from kvtier.serve.admin import check_admin_key, check_api_key, parse_admin_body
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
@@ -65,14 +66,11 @@ def _unauthorized(check, request: Request, key: str) -> Response | None:
 @serve.ingress(api)
 class Ingress:
     def __init__(self, router: Any, instances: dict[str, Any], settings: dict) -> None:
-        from kvtier.engine.tokenizer import Tokenizer
-        from kvtier.engine.weights import ensure_converted
-
         keep_serve_replica_on_loopback()
         self.router, self.instances = router, instances
         self.settings = ServeSettings.from_mapping(settings)
         s = self.settings
-        self.tokenizer = Tokenizer.from_files(ensure_converted())
+        self.tokenizer = served_model.tokenizer(s)
         self.limits = ApiLimits(model_names=(s.served_model_name,),
                                 max_prompt_tokens=s.max_prompt_tokens,
                                 max_new_tokens=s.max_new_tokens, max_body_bytes=s.max_body_bytes)

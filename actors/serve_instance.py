@@ -24,6 +24,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.serve.placement import RANK_STRATEGY, head_resources, rank_resources
+from kvtier.serve.served_model import weight_source
 from kvtier.serve.settings import ModelChoice, ServeSettings
 from kvtier.storage_options import parse_storage_options
 from kvtier.policies import StorageBackendKind
@@ -35,12 +36,7 @@ CALL_TIMEOUT_S = 120.0
 
 def rank_settings(s: ServeSettings) -> RankSettings:
     """What every rank of a serving instance is built from."""
-    from kvtier.engine.model_config import tiny_config
-    from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
-
-    smol = SmolLM2Weights()
-    source = smol if s.model is ModelChoice.SMOLLM2 else \
-        TinyWeights(seed=0, model_config=tiny_config(vocab_size=smol.config().vocab_size))
+    source = weight_source(s)
     config = s.cache_config()
     if s.model is ModelChoice.SMOLLM2:  # load thresholds from this machine's measured
         config = calibrated_thresholds(  # crossover, if cached

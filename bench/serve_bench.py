@@ -123,7 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     app = p.add_argument_group("kvtier's own app (not with --base-url)")
     app.add_argument("--instances", type=int, default=1, action=AppFlag,
                      help="model instances (default 1)")
-    app.add_argument("--model", choices=[m.value for m in ModelChoice], action=AppFlag,
+    aliases = [m.value for m in ModelChoice if m is not ModelChoice.PATH]
+    app.add_argument("--model", choices=aliases, action=AppFlag,
                      default=SERVE_DEFAULTS["model"].value,
                      help=f"(default {SERVE_DEFAULTS['model'].value}, as kvtier serve)")
     app.add_argument("--device-pages", type=int, default=None, action=AppFlag,

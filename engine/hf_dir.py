@@ -122,6 +122,11 @@ class HFModelDir:
             state.pop("lm_head.weight", None)
         return state
 
+    def identity(self) -> str:
+        """The model part of a cache namespace: its name and the first 16 hex digits of
+        `digest()`, so two checkpoints of one architecture never share a page key."""
+        return f"{self.config().name}-{self.digest()[:16]}"
+
     def digest(self) -> str:
         """SHA-256 over the weight files (names and bytes): the checkpoint's identity."""
         h = hashlib.sha256()

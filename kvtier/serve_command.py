@@ -25,7 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each rank on 1 unit of kvtier_instance, checked before deploying; "
                         "anywhere: no custom resources; auto (default): resources with "
                         "--address, anywhere on the local cluster")
-    p.add_argument("--model", choices=[m.value for m in ModelChoice], default="smollm2")
+    p.add_argument("--model", default="smollm2", metavar="ALIAS|DIR",
+                   help="smollm2 (the embedded default), tiny (random weights, for tests) or a "
+                        "Hugging Face model directory: Llama, Mistral (no sliding window) or "
+                        "Qwen2 architecture, safetensors weights, tokenizer.json")
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
     p.add_argument("--l3", default=None,
@@ -66,7 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from(ns: argparse.Namespace) -> ServeSettings:
     cache = _cache_settings(ns)
-    return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp, **cache,
+    aliases = {m.value for m in ModelChoice} - {ModelChoice.PATH.value}
+    model = ns.model if ns.model in aliases else ModelChoice.PATH
+    path = "" if ns.model in aliases else os.path.abspath(os.path.expanduser(ns.model))
+    return ServeSettings(model=model, model_path=path, instances=ns.instances, tp_size=ns.tp,
+                         **cache,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,

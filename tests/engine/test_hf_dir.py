@@ -117,3 +117,31 @@ def test_the_digest_tells_checkpoints_apart(tmp_path):
     assert HFModelDir(str(a)).digest() != HFModelDir(str(b)).digest()
     assert HFModelDir(str(a)).config() == HFModelDir(str(b)).config().__class__(
         **{**HFModelDir(str(b)).config().to_dict(), "name": "llama-0"})  # same shapes
+
+
+def test_two_checkpoints_of_one_architecture_share_no_l3_page(tmp_path):
+    from kvtier.config import HiCacheConfig
+    from kvtier.engine import Engine, SamplingParams
+    from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+    dirs = [HFModelDir(str(make_dir(tmp_path, "llama", seed=s)[0])) for s in (0, 1)]
+    config = HiCacheConfig(page_size=16, storage_backend="file",
+                           storage_options={"root_dir": str(tmp_path / "l3")},
+                           prefetch_policy="wait_complete", prefetch_threshold_tokens=16)
+    prompt = list(range(100, 164))  # 4 pages
+
+    def run(source: HFModelDir):
+        model = PagedLlama.from_state_dict(source.config(), source.state_dict(), torch.float32,
+                                           "cpu")
+        cache = HierarchicalCache(config, model.kv_spec(16), 16, device="cpu",
+                                  model=source.identity())
+        with Engine(model, cache, owns_cache=True) as engine:
+            (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=1))
+            engine.cache.flush()
+            engine.cache.storage.drain()
+        return out
+
+    assert run(dirs[0]).cached.storage == 0
+    assert run(dirs[1]).cached.storage == 0  # same shapes, other weights: other keys
+    assert run(dirs[0]).cached.storage == 48  # its own pages are there (3 of 4: the last
+    # page holds the token whose logits are computed)

@@ -1,0 +1,33 @@
+"""What a deployment's ranks load and its ingress tokenizes with, from its settings: SmolLM2
+(the embedded default), the tiny test model (random weights over SmolLM2's vocabulary), or a
+Hugging Face model directory."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.serve.settings import ModelChoice, ServeSettings
+
+
+def weight_source(s: ServeSettings) -> Any:
+    """The ranks' WeightSource (kvtier.engine.tp_worker); it pickles, ranks load it."""
+    from kvtier.engine.hf_dir import HFModelDir
+    from kvtier.engine.model_config import tiny_config
+    from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
+
+    if s.model is ModelChoice.PATH:
+        return HFModelDir(s.model_path)
+    smol = SmolLM2Weights()
+    if s.model is ModelChoice.SMOLLM2:
+        return smol
+    return TinyWeights(seed=0, model_config=tiny_config(vocab_size=smol.config().vocab_size))
+
+
+def tokenizer(s: ServeSettings) -> Any:
+    """The model's Tokenizer (kvtier.engine.tokenizer): its chat template and stop tokens."""
+    from kvtier.engine.hf_dir import HFModelDir
+    from kvtier.engine.tokenizer import Tokenizer
+    from kvtier.engine.weights import ensure_converted
+
+    if s.model is ModelChoice.PATH:
+        return HFModelDir(s.model_path).tokenizer()
+    return Tokenizer.from_files(ensure_converted())  # SmolLM2's, the tiny model's too
