@@ -237,3 +237,24 @@ def test_metrics_show_every_family(app):
     labels = {s.labels.get("kvtier_instance") for f in families.values() for s in f.samples}
     assert labels <= {"instance-0", "instance-1"}  # never Prometheus' own `instance` label
     assert not any("instance" in s.labels for f in families.values() for s in f.samples)
+
+
+def test_the_openai_client_reads_every_answer(app):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "SDK?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                           temperature=0, extra_body={"top_k": 4})
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the same answer
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens is not None
+    comp = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4,
+                                     temperature=0)
+    assert comp.choices[0].finish_reason in ("stop", "length")
+    assert [m.id for m in client.models.list()] == [MODEL]
