@@ -258,8 +258,9 @@ class Ingress:
         if gen.first_token_s is not None and gen.tokens > 1:
             tpot = (total - gen.first_token_s) / (gen.tokens - 1)
         cached = gen.final["cached"] if gen.final else {"device": 0, "host": 0, "storage": 0}
+        queue = gen.final.get("queue_s") if gen.final else None
         self.metrics.observe_request(instance, gen.first_token_s or total, tpot, cached,
-                                     gen.finish_reason, prompt_tokens, gen.tokens, total)
+                                     gen.finish_reason, prompt_tokens, gen.tokens, total, queue)
 
     @staticmethod
     def _failed(exc: Exception) -> Response:

@@ -105,7 +105,8 @@ class InstanceDeployment:
                            "finish_reason": value.finish_reason.value,
                            "cached": value.cached._asdict(),
                            "lengths": value.lengths._asdict(),
-                           "ttft_s": value.ttft_s, "instance": self.name}
+                           "ttft_s": value.ttft_s, "queue_s": value.queue_s,
+                           "instance": self.name}
                     return
                 else:
                     finished = True

@@ -17,7 +17,7 @@ from kvtier.messages import MessageError, unpack_payload
 from kvtier.tiers.cache_types import RequestLengths
 
 _OUTPUT_FIELDS = ("id", "prompt", "tokens", "text", "finish", "lengths", "cached", "ttft_s",
-                  "tps")
+                  "tps", "queue_s")
 
 
 class StepReport(NamedTuple):
@@ -30,7 +30,7 @@ def _output_map(out: Output) -> dict[str, Any]:
     return {"id": out.request_id, "prompt": list(out.prompt), "tokens": list(out.tokens),
             "text": out.text, "finish": out.finish_reason.value,
             "lengths": list(out.lengths), "cached": list(out.cached), "ttft_s": out.ttft_s,
-            "tps": out.decode_tokens_per_s}
+            "tps": out.decode_tokens_per_s, "queue_s": out.queue_s}
 
 
 def _output(m: Any) -> Output:
@@ -42,7 +42,8 @@ def _output(m: Any) -> Output:
                       FinishReason(m["finish"]), RequestLengths(*(int(x) for x in m["lengths"])),
                       CachedTokens(*(int(x) for x in m["cached"])),
                       None if m["ttft_s"] is None else float(m["ttft_s"]),
-                      None if m["tps"] is None else float(m["tps"]))
+                      None if m["tps"] is None else float(m["tps"]),
+                      queue_s=None if m["queue_s"] is None else float(m["queue_s"]))
     except (TypeError, ValueError) as exc:
         raise MessageError(f"a bad Output record: {exc}") from exc
 

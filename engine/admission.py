@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import NamedTuple, Sequence
 
 from kvtier.engine.agreement import (AGREEMENT_SLOTS, NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
@@ -286,6 +287,8 @@ class Admission:
             lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable
         req.lengths, req.cached = _lengths(lookup, usable, req.storage_hit)
         req.state = RequestState.PREFILLING
+        if req.admitted_s is None:
+            req.admitted_s = time.perf_counter()
         self.forgive(req)
         log.info("request %d admitted: %s", req.id, req.lengths.describe())
 

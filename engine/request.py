@@ -53,6 +53,7 @@ class Output:
     ttft_s: float | None
     decode_tokens_per_s: float | None
     prefill_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    queue_s: float | None = None  # arrival to first admission (None: never admitted)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -84,6 +85,7 @@ class Request:
     cached: CachedTokens = CachedTokens(0, 0, 0)
     prefill_logits: torch.Tensor | None = None
     first_token_s: float | None = None
+    admitted_s: float | None = None  # the first admission (a preempted restart keeps it)
     finish_s: float | None = None
     finish_reason: FinishReason | None = None
     agreed_hit: int = 0  # prompt tokens every rank held in L1/L2 at the last agreement
@@ -134,5 +136,6 @@ class Request:
             elapsed = self.finish_s - self.first_token_s
             rate = (len(self.output) - 1) / elapsed if elapsed > 0 else None
         assert self.finish_reason is not None
+        queue = None if self.admitted_s is None else self.admitted_s - self.arrival_s
         return Output(self.id, self.prompt, tuple(self.output), text, self.finish_reason,
-                      self.lengths, self.cached, ttft, rate, self.prefill_logits)
+                      self.lengths, self.cached, ttft, rate, self.prefill_logits, queue)

@@ -133,6 +133,8 @@ HISTOGRAMS = {  # family -> (help, buckets)
     "ttft_seconds": ("Time to first token", TTFT_BUCKETS_S),
     "tpot_seconds": ("Time per output token after the first", TPOT_BUCKETS_S),
     "e2e_request_seconds": ("Time from a request's arrival to its last token", E2E_BUCKETS_S),
+    "queue_seconds": ("Time a request waited in its instance's queue before it was first "
+                      "admitted", E2E_BUCKETS_S),
     "agreement_seconds": ("One cross-rank agreement round", AGREEMENT_BUCKETS_S),
     "storage_read_bandwidth_bytes_per_second": ("L3 read bandwidth per transfer or interval",
                                                 BANDWIDTH_BUCKETS_BPS),
@@ -192,7 +194,7 @@ class ServeMetrics:
     def observe_request(self, instance: str, ttft_s: float, tpot_s: float | None,
                         cached: Mapping[str, int] | tuple, finish_reason: str,
                         prompt_tokens: int = 0, generation_tokens: int = 0,
-                        e2e_s: float | None = None) -> None:
+                        e2e_s: float | None = None, queue_s: float | None = None) -> None:
         """One finished request: its latencies, its tokens (cached ones by tier), its finish
         reason."""
         self._histograms["ttft_seconds"].labels(instance).observe(ttft_s)
@@ -200,6 +202,8 @@ class ServeMetrics:
             self._histograms["tpot_seconds"].labels(instance).observe(tpot_s)
         if e2e_s is not None:
             self._histograms["e2e_request_seconds"].labels(instance).observe(e2e_s)
+        if queue_s is not None:
+            self._histograms["queue_seconds"].labels(instance).observe(max(0.0, queue_s))
         self._counters["prompt_tokens"].labels(instance).inc(max(0, prompt_tokens))
         self._counters["generation_tokens"].labels(instance).inc(max(0, generation_tokens))
         cached = cached._asdict() if hasattr(cached, "_asdict") else cached  # CachedTokens too

@@ -12,7 +12,7 @@ from kvtier.messages import MessageError
 from kvtier.tiers.cache_types import RequestLengths
 
 OUT = Output(7, (1, 2, 3), (4, 5), None, FinishReason.STOP, RequestLengths(16, 0, 0, 0, 3),
-             CachedTokens(16, 0, 0), 0.25, 40.0)
+             CachedTokens(16, 0, 0), 0.25, 40.0, queue_s=0.125)
 
 
 def test_round_trips():

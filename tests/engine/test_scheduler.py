@@ -168,6 +168,9 @@ def test_admission_stops_cleanly_when_l1_is_full(tiny_models) -> None:
             preempted += eng.last_step.preempted
         assert preempted  # three decoding sequences outgrow 13 pages
         outs.sort(key=lambda o: o.request_id)
+        # queue time: arrival to first admission (a preempted restart keeps it), within TTFT
+        assert all(0 <= o.queue_s <= o.ttft_s for o in outs)
+        assert outs[3].queue_s > max(o.queue_s for o in outs[:3])  # it waited a step at least
         assert [o.tokens for o in outs] == reference  # preempted requests restart, same tokens
         assert_no_leaks(eng.cache)
 

@@ -36,7 +36,7 @@ def cache_snapshot(**kw) -> dict:
 def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     m = ServeMetrics()
     m.observe_request("a", 0.2, 0.01, {"device": 64, "host": 32, "storage": 0}, "stop",
-                      prompt_tokens=100, generation_tokens=5, e2e_s=0.3)
+                      prompt_tokens=100, generation_tokens=5, e2e_s=0.3, queue_s=0.05)
     m.update_gauges("a", {"device_used_tokens": 64, "device_total_tokens": 640,
                           "running_requests": 1, "waiting_requests": 2, "unknown": 3})
     m.observe_agreement("a", [2e-5])
@@ -68,6 +68,7 @@ def test_tokens_latency_and_gauges():
     assert value(m, "prompt_tokens", "_total", kvtier_instance="a") == 120
     assert value(m, "generation_tokens", "_total", kvtier_instance="a") == 8
     assert value(m, "e2e_request_seconds", "_count", kvtier_instance="a") == 1
+    assert value(m, "queue_seconds", "_count", kvtier_instance="a") == 0  # not reported
     m.update_gauges("a", {"running_requests": 3, "waiting_requests": 0,
                           "device_used_tokens": 128, "device_total_tokens": 1024})
     m.update_gauges("a", {"running_requests": 1})

@@ -214,7 +214,7 @@ def test_metrics_show_every_family(app):
              "kvtier_backup_tokens", "kvtier_backup_bytes", "kvtier_backup_seconds",
              "kvtier_storage_backup_tokens", "kvtier_storage_write_bytes",
              "kvtier_prefetch_query_tokens", "kvtier_ttft_seconds", "kvtier_tpot_seconds",
-             "kvtier_e2e_request_seconds",
+             "kvtier_e2e_request_seconds", "kvtier_queue_seconds",
              "kvtier_storage_write_bandwidth_bytes_per_second", "kvtier_host_used_tokens",
              "kvtier_host_total_tokens", "kvtier_device_used_tokens",
              "kvtier_device_total_tokens"}
