@@ -59,6 +59,7 @@ class PrefixBenchParams(NamedTuple):
     new_tokens: int = 32
     threads: int | None = None
     deterministic: bool = False
+    model: str = "smollm2"  # or a Hugging Face model directory
 
 
 class BenchModel(NamedTuple):
@@ -82,8 +83,25 @@ def load_smollm2(dtype: torch.dtype) -> BenchModel:
     return BenchModel(*load_smollm2_model(dtype), SMOLLM2_NAMESPACE)
 
 
+def loader(model: str) -> Callable[[torch.dtype], BenchModel]:
+    """SmolLM2 for "smollm2", else the Hugging Face model directory `model`."""
+    if model == "smollm2":
+        return load_smollm2
+
+    def load_dir(dtype: torch.dtype) -> BenchModel:
+        from kvtier.engine.hf_dir import HFModelDir
+
+        source = HFModelDir(model)
+        weights = PagedLlama.from_state_dict(source.config(), source.state_dict(), dtype)
+        return BenchModel(weights, source.tokenizer(), source.identity())
+
+    return load_dir
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--model", default="smollm2", metavar="smollm2|DIR",
+                   help="SmolLM2 (default) or a Hugging Face model directory")
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length in tokens, as given (default 2000)")
     p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",
@@ -249,15 +267,17 @@ def run(params: PrefixBenchParams = PrefixBenchParams(),
     return {**report(runs, params.tokens, params.page_size, params.deterministic),
             "dtype": dtype_name(bm.model.dtype), "page_size": params.page_size, "chunk_tokens": chunk,
             "new_tokens": params.new_tokens, "device": str(bm.model.device),
-            "threads": torch.get_num_threads(), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "model": bm.name, "threads": torch.get_num_threads(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
             "model_load_s": round(load_s, 3), "quiescent_between_runs": True}
 
 
 def params_from_args(ns: argparse.Namespace) -> PrefixBenchParams:
     return PrefixBenchParams(ns.tokens, ns.dtype, ns.page_size, ns.chunk_tokens,
-                             ns.new_tokens, ns.threads, ns.deterministic)
+                             ns.new_tokens, ns.threads, ns.deterministic, ns.model)
 
 
 def main(ns: argparse.Namespace) -> int:
-    emit(run(params_from_args(ns)), ns.json)
+    params = params_from_args(ns)
+    emit(run(params, loader(params.model)), ns.json)
     return 0

@@ -123,10 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     app = p.add_argument_group("kvtier's own app (not with --base-url)")
     app.add_argument("--instances", type=int, default=1, action=AppFlag,
                      help="model instances (default 1)")
-    aliases = [m.value for m in ModelChoice if m is not ModelChoice.PATH]
-    app.add_argument("--model", choices=aliases, action=AppFlag,
+    app.add_argument("--model", action=AppFlag, metavar="ALIAS|DIR",
                      default=SERVE_DEFAULTS["model"].value,
-                     help=f"(default {SERVE_DEFAULTS['model'].value}, as kvtier serve)")
+                     help=f"smollm2, tiny or a Hugging Face model directory (default "
+                          f"{SERVE_DEFAULTS['model'].value}, as kvtier serve)")
     app.add_argument("--device-pages", type=int, default=None, action=AppFlag,
                      help=f"L1 pages per rank, page size {PAGE_SIZE} (default: two "
                           "conversations' histories, so they do not all fit)")
@@ -194,7 +194,11 @@ def device_pages_of(ns: argparse.Namespace) -> int:
 def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = "") -> ServeSettings:
     """The app's settings for one run; the off run differs only in `hierarchical` (and so
     has no L3)."""
-    return ServeSettings(model=ns.model, instances=ns.instances, page_size=PAGE_SIZE,
+    aliases = {m.value for m in ModelChoice} - {ModelChoice.PATH.value}
+    model, path = (ns.model, "") if ns.model in aliases else \
+        (ModelChoice.PATH, os.path.abspath(os.path.expanduser(ns.model)))
+    return ServeSettings(model=model, model_path=path, instances=ns.instances,
+                         page_size=PAGE_SIZE,
                          chunk_tokens=ns.chunk_tokens, device_pages=device_pages_of(ns),
                          hierarchical=hierarchical, l3="file" if hierarchical else "none",
                          l3_root=l3_root if hierarchical else "",

@@ -93,3 +93,28 @@ def test_bad_sizes_are_refused_before_loading():
         run(PARAMS._replace(chunk_tokens=40), load=no_load)
     with pytest.raises(ConfigError, match="below one page"):
         run(PARAMS._replace(tokens=10), load=no_load)
+
+
+def test_a_model_directory(tmp_path):
+    """--model DIR: a tiny random Llama checkpoint with SmolLM2's tokenizer."""
+    import json
+    import shutil
+
+    from kvtier.bench.prefix import loader
+    from kvtier.engine.weights import ensure_converted
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=49152, max_position_embeddings=1024,
+                                      tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    shutil.copy(ensure_converted() / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    ns = build_parser().parse_args(["bench", "prefix", "--model", str(tmp_path)])
+    assert params_from_args(ns).model == str(tmp_path)
+    # 300 tokens: the prompt passes the default 256-token prefetch threshold
+    out = run(PARAMS._replace(model=str(tmp_path), tokens=300), load=loader(str(tmp_path)))
+    assert out["model"].startswith(tmp_path.name + "-")  # name and weights digest
+    assert out["identical"] and out["reused_tokens"]["l3"] >= out["reusable_tokens"], out

@@ -43,9 +43,15 @@ def test_flags() -> None:
     assert params.request_rate == 2.5 and params.seed == 7 and not params.progress
 
 
-def test_bad_model_is_a_usage_error() -> None:
-    with pytest.raises(SystemExit):
-        parse("--model", "gpt4")
+def test_a_model_is_an_alias_or_a_directory(tmp_path) -> None:
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no config.json"):  # not an alias: a directory
+        serve_bench.serve_settings(parse("--model", "gpt4"), True)
+    (tmp_path / "config.json").write_text("{}")
+    s = serve_bench.serve_settings(parse("--model", str(tmp_path)), True)
+    assert s.model.value == "path" and s.model_path == str(tmp_path)
+    assert serve_bench.serve_settings(parse("--model", "tiny"), True).model.value == "tiny"
 
 
 def test_on_and_off_settings_differ_only_in_the_cache() -> None:
