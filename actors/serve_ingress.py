@@ -178,7 +178,10 @@ class Ingress:
     def _tokens(self, req: CompletionRequest | ChatRequest) -> list[int]:
         if isinstance(req, ChatRequest):
             messages = [{"role": m.role.value, "content": m.content} for m in req.messages]
-            tokens = self.tokenizer.encode_chat(messages)
+            try:
+                tokens = self.tokenizer.encode_chat(messages)
+            except ConfigError as exc:  # the model's own template refused them
+                raise ApiError(400, f"messages: {exc}", param="messages") from None
             param = "messages"
         elif req.is_token_prompt:
             tokens, param = list(req.prompt), "prompt"

@@ -28,7 +28,9 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 KEY = "model-dir-admin-key-0123456789"
-TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+            "{{ raise_exception('this model takes no system message') }}{% endif %}"
+            "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
             "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
             "{{ '<|im_start|>assistant\\nSure: ' }}{% endif %}")
 
@@ -95,6 +97,9 @@ def test_answers_equal_the_checkpoint_in_process(app, model_dir):
     with Engine(model, cache, tokenizer=tok, owns_cache=True) as engine:
         (cold,) = engine.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=()))
     assert body["choices"][0]["message"]["content"] == tok.decode(cold.tokens)
+    refused = requests.post(f"{BASE}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-llama", "messages": [{"role": "system", "content": "x"}] + messages})
+    assert refused.status_code == 400 and "no system message" in refused.text
     models = requests.get(f"{BASE}/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
 
