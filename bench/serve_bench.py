@@ -73,7 +73,7 @@ from kvtier.bench import emit
 from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy
-from kvtier.serve.settings import DType, ModelChoice, ServeSettings
+from kvtier.serve.settings import DType, ServeSettings
 
 LOOPBACK = "127.0.0.1"
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
@@ -194,11 +194,7 @@ def device_pages_of(ns: argparse.Namespace) -> int:
 def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = "") -> ServeSettings:
     """The app's settings for one run; the off run differs only in `hierarchical` (and so
     has no L3)."""
-    aliases = {m.value for m in ModelChoice} - {ModelChoice.PATH.value}
-    model, path = (ns.model, "") if ns.model in aliases else \
-        (ModelChoice.PATH, os.path.abspath(os.path.expanduser(ns.model)))
-    return ServeSettings(model=model, model_path=path, instances=ns.instances,
-                         page_size=PAGE_SIZE,
+    return ServeSettings(model=ns.model, instances=ns.instances, page_size=PAGE_SIZE,
                          chunk_tokens=ns.chunk_tokens, device_pages=device_pages_of(ns),
                          hierarchical=hierarchical, l3="file" if hierarchical else "none",
                          l3_root=l3_root if hierarchical else "",

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import argparse
 import os
-
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.flags import add_hicache_flags, config_from_args
 from kvtier.policies import SchedulePolicy
 from kvtier.serve.placement import PlacementMode
-from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, ModelChoice, ServeSettings
+from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, ServeSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,11 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from(ns: argparse.Namespace) -> ServeSettings:
     cache = _cache_settings(ns)
-    aliases = {m.value for m in ModelChoice} - {ModelChoice.PATH.value}
-    model = ns.model if ns.model in aliases else ModelChoice.PATH
-    path = "" if ns.model in aliases else os.path.abspath(os.path.expanduser(ns.model))
-    return ServeSettings(model=model, model_path=path, instances=ns.instances, tp_size=ns.tp,
-                         **cache,
+    return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp, **cache,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,

@@ -16,8 +16,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvtier.dtypes import DType
 from kvtier.config import HiCacheConfig
+from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
@@ -84,12 +84,7 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        if isinstance(self.model, str) and self.model.startswith(("/", "~", ".")) and \
-                not self.model_path:  # `model: /models/x` means the directory
-            set_("model_path", self.model)
-            set_("model", ModelChoice.PATH)
-        set_("model", ModelChoice.parse(self.model, "model"))
-        self._check_model_path()
+        self._resolve_model()
         set_("dtype", DType.parse(self.dtype, "dtype"))
         set_("placement", PlacementMode.parse(self.placement, "placement"))
         set_("schedule_policy", SchedulePolicy.parse(self.schedule_policy, "schedule_policy"))
@@ -137,19 +132,38 @@ class ServeSettings:
             set_("served_model_name", names.get(self.model) or
                  os.path.basename(os.path.normpath(self.model_path)))
 
-    def _check_model_path(self) -> None:
-        if self.model is not ModelChoice.PATH:
-            if self.model_path:
+    def _resolve_model(self) -> None:
+        """`model` is an alias (smollm2, tiny) or a model directory (then it becomes model
+        'path' with `model_path` the directory, made absolute); `model: path` names the
+        directory in `model_path` instead."""
+        aliases = ", ".join(m.value for m in ModelChoice if m is not ModelChoice.PATH)
+        model, path = self.model, self.model_path
+        if not isinstance(model, ModelChoice):
+            try:
+                model = ModelChoice.parse(model, "model")
+            except ConfigError:
+                if not isinstance(model, str) or path:
+                    raise ConfigError(f"model: {model!r} is not one of {aliases}, path") from None
+                model, path = ModelChoice.PATH, model  # a directory
+        if model is not ModelChoice.PATH:
+            if path:
                 raise ConfigError(f"model_path is only for model 'path' (got model "
-                                  f"{self.model.value!r}); give one of them")
+                                  f"{model.value!r}); give one of them")
+            object.__setattr__(self, "model", model)
             return
-        if not isinstance(self.model_path, str) or not self.model_path:
+        if not isinstance(path, str) or not path:
             raise ConfigError("model 'path' needs model_path: a Hugging Face model directory")
-        path = os.path.abspath(os.path.expanduser(self.model_path))
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"model_path {self.model_path!r}: no config.json there; give a "
-                              f"Hugging Face model directory (config.json, *.safetensors, "
-                              f"tokenizer.json) that every node can read")
+        try:
+            path = os.path.abspath(os.path.expanduser(path))
+            found = os.path.isfile(os.path.join(path, "config.json"))
+        except ValueError:  # a NUL in the name
+            found = False
+        if not found:
+            raise ConfigError(f"model {self.model_path or self.model!r}: not {aliases}, and no "
+                              f"config.json there; give an alias or a Hugging Face model "
+                              f"directory (config.json, *.safetensors, tokenizer.json) that "
+                              f"every node can read")
+        object.__setattr__(self, "model", model)
         object.__setattr__(self, "model_path", path)
 
     def _check_hicache(self, knobs: Any) -> dict[str, Any]:

@@ -78,6 +78,10 @@ def test_settings_take_a_directory(model_dir, tmp_path):
         ServeSettings(model=str(tmp_path))
     with pytest.raises(ConfigError, match="only for model 'path'"):
         ServeSettings(model="tiny", model_path=str(model_dir))
+    assert ServeSettings(model="path", model_path=str(model_dir)).model_path == str(model_dir)
+    for bad in ("smolm2", "a\x00b"):  # a typo, a name no file system takes
+        with pytest.raises(ConfigError, match="not smollm2, tiny"):
+            ServeSettings(model=bad)
 
 
 def test_answers_equal_the_checkpoint_in_process(app, model_dir):
