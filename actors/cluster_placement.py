@@ -1,5 +1,6 @@
 """The Ray side of placement: the alive nodes' resources, and the serve settings made
-concrete and checked against them before anything is deployed (serve/placement.py decides)."""
+concrete and checked against them before anything is deployed (serve/placement.py decides):
+the placement mode, and whether each rank gets a GPU of its own."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,9 @@ import ray
 import ray._private.state as ray_state
 
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.placement import (NodeResources, PlacementMode, check_placement,
-                                    describe_offers, needs_of, resolve_mode)
+from kvtier.serve.placement import (NodeResources, PlacementMode, RankGpus, check_placement,
+                                    describe_offers, gpus_setting, needs_of, resolve_gpus,
+                                    resolve_mode)
 from kvtier.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -24,12 +26,27 @@ def cluster_nodes() -> list[NodeResources]:
             for n in ray.nodes() if n["Alive"]]
 
 
+def rank_gpus(settings: ServeSettings, nodes: list[NodeResources] | None = None) -> RankGpus:
+    """Whether each rank of the deployment asks for a GPU (ONE or NONE): its gpus_per_rank
+    resolved against the alive `nodes` (default: the cluster's now). A PlacementError names
+    GPU where 1 is asked and the nodes lack GPUs; AUTO leaving GPUs unused is a warning."""
+    decision = resolve_gpus(gpus_setting(settings), cluster_nodes() if nodes is None else nodes,
+                            needs_of(settings))
+    if decision.note:
+        log.warning("placement: %s", decision.note)
+    return decision.gpus
+
+
 def place(settings: ServeSettings, joined: bool | None) -> ServeSettings:
     """`settings` with a concrete placement (AUTO resolved: `joined` as in
-    `resolve_mode`); with RESOURCES, checked against the cluster now: a PlacementError
-    names what is short before any actor is created."""
-    nodes, needs = cluster_nodes(), needs_of(settings)
+    `resolve_mode`), the ranks' GPUs checked (`rank_gpus`); with RESOURCES, checked against
+    the cluster now: a PlacementError names what is short before any actor is created."""
+    nodes = cluster_nodes()
+    gpus = rank_gpus(settings, nodes)
+    needs = needs_of(settings, gpus)
     mode = resolve_mode(settings.placement, joined, nodes, needs)
+    if gpus is RankGpus.ONE:
+        log.info("placement: one GPU per rank (%d in all)", needs.instances * needs.tp_size)
     if mode is PlacementMode.RESOURCES:
         plan = check_placement(needs, nodes)
         for wait in plan.waits:

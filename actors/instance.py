@@ -30,6 +30,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
 from kvtier.errors import ConfigError, KvtierError, PlacementError
 from kvtier.messages import NamespaceInfo
+from kvtier.serve.placement import rank_bundle
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class Instance:
                  max_restarts: int = MAX_RESTARTS,
                  rank_class: type[RankCache] = RankCache) -> None:
         """`resources`: custom Ray resources each rank's bundle also asks for (e.g.
-        `{"kvtier_instance": 1}`): the ranks land only on nodes that offer them.
+        `{"kvtier_instance": 1}`): the ranks land only on nodes that offer them. With
+        `settings.gpu` each bundle also asks for one GPU.
         `rank_class`: what each rank actor runs (tests pass a subclass that injects faults)."""
         if tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
@@ -108,7 +110,7 @@ class Instance:
         self.call_s = 0.0  # driver time inside step calls (for the actor-call overhead)
         self._l3: tuple[bytes, str | None] | None = None  # what attach_l3 was given
         self._watch: str | None = None  # the name watch_cache was given
-        bundle = {"CPU": num_cpus_per_rank, **(resources or {})}
+        bundle = rank_bundle(num_cpus_per_rank, int(settings.gpu), resources)
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         self.ranks: list[Any] = []
         try:

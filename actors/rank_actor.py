@@ -31,7 +31,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.model import PagedLlama
 from kvtier.engine.parallel import SINGLE
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_group import destroy_tp, init_tp, rank_device
+from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.tp_worker import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo
@@ -65,6 +65,8 @@ class RankSettings(NamedTuple):
     tenant_salt: str = ""  # without l3: seeds this cache's page keys (with l3: the namespace's)
     deterministic: bool = False  # answers bit-identical to a cold run (Engine)
     schedule_policy: SchedulePolicy = SchedulePolicy.LPM
+    gpu: bool = False  # each rank asks Ray for a GPU of its own (the only one it then sees):
+    # its model and L1 live there, and a TP group meets over NCCL; False: CPU and gloo
 
 
 class RankStats(NamedTuple):
@@ -102,8 +104,11 @@ class RankCache:
         torch.set_num_threads(1)  # ranks share the machine's cores: one thread each
         self.rank, self.size = rank, size
         self._l3: tuple[NamespaceInfo, str | None] | None = None  # the namespace attached
-        self.tp = SINGLE if size == 1 else init_tp(rank, size, init_method,
-                                                   timeout_s=settings.timeout_s, device_index=0)
+        self.device = _own_device(settings.gpu)
+        # Under Ray a rank sees only its own GPU: index 0, whatever its rank.
+        self.tp = SINGLE if size == 1 else init_tp(
+            rank, size, init_method, backend="nccl" if settings.gpu else "gloo",
+            timeout_s=settings.timeout_s, device_index=0)
         try:
             self.engine = self._build(settings)
         except Exception:
@@ -122,7 +127,7 @@ class RankCache:
 
     def _build(self, s: RankSettings) -> Engine:
         cfg = s.source.config()
-        device = rank_device()
+        device = self.device
         model = PagedLlama.from_state_dict(cfg, s.source.state_dict(), resolve(s.dtype, device),
                                            device, self.tp)
         spec = model.kv_spec(s.config.page_size)
@@ -376,6 +381,18 @@ class RankCache:
         destroy_tp()
 
 
+def _own_device(gpu: bool) -> torch.device:
+    """The rank's device: the one GPU Ray gave it, or the CPU."""
+    if not gpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"this rank's bundle has a GPU but torch {torch.__version__} sees "
+                          f"no CUDA device (a CPU build of torch, or CUDA_VISIBLE_DEVICES "
+                          f"emptied); install torch's CUDA build on the GPU nodes, or set "
+                          f"gpus_per_rank to 0")
+    return torch.device("cuda", 0)
+
+
 def _directory_client(actor_name: str):
     """A client of the namespace actor `actor_name` (its page directory), found by name."""
     from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
@@ -405,9 +422,10 @@ def create_rank_actor(rank: int, size: int, init_method: str, settings: RankSett
                       placement_group: object, num_cpus: float = RANK_NUM_CPUS,
                       rank_class: type[RankCache] = RankCache) -> object:
     """A Ray actor running `rank_class` (RankCache or a subclass) in bundle `rank` of
-    `placement_group`."""
+    `placement_group` (with `settings.gpu`, on its bundle's GPU)."""
+    gpus = {"num_gpus": 1} if settings.gpu else {}
     actor_cls = ray.remote(rank_class).options(
-        num_cpus=num_cpus, max_concurrency=1, name=None,
+        num_cpus=num_cpus, **gpus, max_concurrency=1, name=None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group, placement_group_bundle_index=rank))
     return actor_cls.remote(rank, size, init_method, settings)

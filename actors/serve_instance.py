@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 import torch
 from ray import serve
 
+from kvtier.actors.cluster_placement import rank_gpus
 from kvtier.actors.instance import Instance, InstanceError
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
@@ -23,7 +24,7 @@ from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
-from kvtier.serve.placement import RANK_STRATEGY, head_resources, rank_resources
+from kvtier.serve.placement import RANK_STRATEGY, RankGpus, head_resources, rank_resources
 from kvtier.serve.served_model import weight_source
 from kvtier.serve.settings import ModelChoice, ServeSettings
 from kvtier.storage_options import parse_storage_options
@@ -75,7 +76,8 @@ class InstanceDeployment:
         torch.set_num_threads(1)
         self.name, self.settings = name, ServeSettings.from_mapping(settings)
         s = self.settings
-        instance = Instance(rank_settings(s), tp_size=s.tp_size,
+        gpu = rank_gpus(s) is RankGpus.ONE  # a GPU per rank where the nodes have them
+        instance = Instance(rank_settings(s)._replace(gpu=gpu), tp_size=s.tp_size,
                             num_cpus_per_rank=s.num_cpus_per_rank, rank_class=rank_class,
                             strategy=RANK_STRATEGY, resources=rank_resources(s))
         self.server = InstanceServer(instance, name)

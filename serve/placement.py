@@ -2,10 +2,12 @@
 
 On a cluster kvtier joins, the L3 namespace actor goes to a node offering `head_resource`
 (`kvtier_head` in cluster.yaml: the head) and every rank asks for one unit of
-`instance_resource` (`kvtier_instance`: the workers). This module is the pure part: given the
-alive nodes' resources (`NodeResources`, read by actors/cluster_placement.py), it says whether
-the deployment fits (`PlacementPlan`) or raises a PlacementError that names the resource, the
-amount needed and the nodes that offer it.
+`instance_resource` (`kvtier_instance`: the workers). Where the cluster has GPUs, every rank
+also asks for one GPU of its own (`RankGpus`): its model, its L1 pool and its NCCL group live
+there. This module is the pure part: given the alive nodes' resources (`NodeResources`, read
+by actors/cluster_placement.py), it says whether the deployment fits (`PlacementPlan`,
+`GpuDecision`) or raises a PlacementError that names the resource, the amount needed and the
+nodes that offer it.
 
 Why a check before deploying: a placement group Ray cannot satisfy waits silently, so a
 missing resource would show up as an instance timing out minutes later.
@@ -25,6 +27,7 @@ HEAD_RESOURCE = "kvtier_head"
 INSTANCE_RESOURCE = "kvtier_instance"
 RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # not custom resources
 RANK_STRATEGY = "STRICT_PACK"  # an instance's TP group meets on 127.0.0.1: one node each
+GPU = "GPU"  # Ray's own resource name
 _EPS = 1e-9
 
 
@@ -34,6 +37,35 @@ class PlacementMode(_Choice):
     AUTO = "auto"  # RESOURCES on a cluster kvtier joined; ANYWHERE on its own local one
     RESOURCES = "resources"  # namespace actor on head_resource, 1 instance_resource per rank
     ANYWHERE = "anywhere"  # no custom resources: any node with the CPUs
+
+
+class RankGpus(_Choice):
+    """Whether each rank asks Ray for a GPU of its own (then Ray shows the rank only that GPU,
+    and its model, L1 pool and NCCL group use it)."""
+
+    AUTO = "auto"  # ONE where the alive nodes' GPUs hold every instance's ranks, else NONE
+    ONE = "1"  # one GPU per rank; a cluster without enough is a PlacementError before deploying
+    NONE = "0"  # CPU ranks, whatever the nodes offer
+
+    @classmethod
+    def parse(cls, value: "str | int | _Choice", flag: str) -> "RankGpus":
+        """Also the integers 0 and 1 (`gpus_per_rank: 1` in a Serve config)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        return super().parse(value, flag)  # type: ignore[return-value]
+
+    @property
+    def count(self) -> int:
+        """GPUs each rank's bundle asks for (AUTO must be resolved first: `resolve_gpus`)."""
+        if self is RankGpus.AUTO:
+            raise ConfigError("gpus_per_rank auto has no count until it is resolved against "
+                              "the cluster (resolve_gpus)")
+        return 1 if self is RankGpus.ONE else 0
+
+
+class GpuDecision(NamedTuple):
+    gpus: RankGpus  # ONE or NONE, never AUTO
+    note: str | None  # why AUTO chose NONE on a cluster that has GPUs (worth a warning)
 
 
 class NodeResources(NamedTuple):
@@ -51,6 +83,7 @@ class PlacementNeeds(NamedTuple):
     instances: int
     tp_size: int
     cpus_per_rank: float
+    gpus_per_rank: int = 0  # 1: each rank's bundle asks for a GPU too
 
 
 class PlacementPlan(NamedTuple):
@@ -68,10 +101,50 @@ def check_resource_name(value: object, name: str) -> None:
                           f"one that only the intended nodes offer")
 
 
-def needs_of(s: "ServeSettings") -> PlacementNeeds:
+def needs_of(s: "ServeSettings", gpus: RankGpus = RankGpus.NONE) -> PlacementNeeds:
+    """What the deployment asks of the cluster, its ranks taking `gpus` (resolved) each."""
     head = s.head_resource if s.storage_backend is not None else None
     return PlacementNeeds(head, s.instance_resource, s.instances, s.tp_size,
-                          s.num_cpus_per_rank)
+                          s.num_cpus_per_rank, gpus.count)
+
+
+def gpus_setting(s: "ServeSettings") -> RankGpus:
+    """The deployment's gpus_per_rank setting (AUTO where the settings leave it out)."""
+    return RankGpus.parse(getattr(s, "gpus_per_rank", RankGpus.AUTO), "gpus_per_rank")
+
+
+def rank_bundle(cpus: float, gpus: int, resources: Mapping[str, float] | None
+                ) -> dict[str, float]:
+    """What one rank's placement-group bundle asks Ray for: its CPUs, its GPU when it has
+    one (no GPU key at all otherwise), and the custom `resources`."""
+    gpu = {GPU: float(gpus)} if gpus > 0 else {}
+    return {"CPU": cpus, **gpu, **(resources or {})}
+
+
+def resolve_gpus(choice: RankGpus, nodes: Sequence[NodeResources], needs: PlacementNeeds
+                 ) -> GpuDecision:
+    """`choice` made concrete for the alive `nodes`: AUTO is ONE when they hold a GPU for
+    every rank (each instance's ranks on one node), else NONE with a note saying why. ONE
+    where they do not is a PlacementError naming GPU and the nodes that offer it."""
+    if choice is RankGpus.NONE:
+        return GpuDecision(RankGpus.NONE, None)
+    held = sum(_gpu_instances(n.total, needs.tp_size) for n in nodes)
+    if held >= needs.instances:
+        return GpuDecision(RankGpus.ONE, None)
+    ranks = needs.instances * needs.tp_size
+    shortfall = (f"the ranks need {ranks} GPUs ({needs.instances} instances x TP "
+                 f"{needs.tp_size}, 1 per rank, each instance's on one node) but the alive "
+                 f"nodes' GPUs hold {held} of the {needs.instances} instances: "
+                 f"{describe_offers(nodes, GPU)}")
+    if choice is RankGpus.AUTO:
+        if not any(_amount(n.total, GPU) > 0 for n in nodes):
+            return GpuDecision(RankGpus.NONE, None)
+        return GpuDecision(RankGpus.NONE, f"{shortfall}; the ranks run on CPUs. Lower "
+                           f"instances or tp_size to use the GPUs, or set gpus_per_rank to 0 "
+                           f"to silence this")
+    raise PlacementError(f"placement: gpus_per_rank is 1: {shortfall}. Start nodes with GPUs "
+                         f"(`ray start --num-gpus=N`), lower instances or tp_size, or set "
+                         f"gpus_per_rank to 0 for CPU ranks")
 
 
 def rank_resources(s: "ServeSettings") -> dict[str, float] | None:
@@ -129,10 +202,11 @@ def check_placement(needs: PlacementNeeds, nodes: Sequence[NodeResources]) -> Pl
         raise PlacementError(
             f"placement: each instance's {needs.tp_size} ranks must share one node (their TP "
             f"group meets on 127.0.0.1), so a node needs {needs.tp_size} units of {res!r} and "
-            f"{needs.tp_size * needs.cpus_per_rank:g} CPU per instance; the nodes hold "
-            f"{sum(slots.values())} of the {needs.instances} instances: "
-            f"{describe_nodes(nodes, res)}. Give nodes whole instances' worth of {res!r} and "
-            f"CPU, or lower tp_size")
+            f"{needs.tp_size * needs.cpus_per_rank:g} CPU{_gpu_part(needs)} per instance; the "
+            f"nodes hold {sum(slots.values())} of the {needs.instances} instances: "
+            f"{describe_nodes(nodes, res, needs.gpus_per_rank > 0)}. Give nodes whole "
+            f"instances' worth of {res!r}, CPU{' and GPU' if needs.gpus_per_rank else ''}, "
+            f"or lower tp_size")
     return PlacementPlan(head_nodes, slots, _waits(needs, nodes))
 
 
@@ -141,7 +215,17 @@ def instances_held(resources: Mapping[str, float], needs: PlacementNeeds) -> int
     by_unit = _amount(resources, needs.instance_resource) / needs.tp_size
     cpus = needs.tp_size * needs.cpus_per_rank
     by_cpu = _amount(resources, "CPU") / cpus if cpus > 0 else math.inf
-    return int(math.floor(min(by_unit, by_cpu) + _EPS))
+    by_gpu = _gpu_instances(resources, needs.tp_size) if needs.gpus_per_rank > 0 else math.inf
+    return int(math.floor(min(by_unit, by_cpu, by_gpu) + _EPS))
+
+
+def _gpu_instances(resources: Mapping[str, float], tp_size: int) -> int:
+    """Whole instances one node's GPUs hold at one GPU per rank."""
+    return int(math.floor(_amount(resources, GPU) / tp_size + _EPS))
+
+
+def _gpu_part(needs: PlacementNeeds) -> str:
+    return f" and {needs.tp_size * needs.gpus_per_rank} GPU" if needs.gpus_per_rank else ""
 
 
 def describe_offers(nodes: Sequence[NodeResources], resource: str) -> str:
@@ -158,11 +242,14 @@ def describe_offers(nodes: Sequence[NodeResources], resource: str) -> str:
     return "; ".join(parts)
 
 
-def describe_nodes(nodes: Sequence[NodeResources], resource: str) -> str:
-    """'10.0.0.11 (kvtier_instance 4 of 4 free, CPU 8 of 8 free), ...'."""
+def describe_nodes(nodes: Sequence[NodeResources], resource: str, gpus: bool = False) -> str:
+    """'10.0.0.11 (kvtier_instance 4 of 4 free, CPU 8 of 8 free), ...' (and GPU, with
+    `gpus`)."""
+    names = (resource, "CPU", GPU) if gpus else (resource, "CPU")
+
     def amount(n: NodeResources, name: str) -> str:
         return f"{name} {_amount(n.available, name):g} of {_amount(n.total, name):g} free"
-    return ", ".join(f"{name} ({amount(n, resource)}, {amount(n, 'CPU')})"
+    return ", ".join(f"{name} ({', '.join(amount(n, r) for r in names)})"
                      for name, n in zip(node_names(nodes), nodes))
 
 
@@ -180,8 +267,8 @@ def _waits(needs: PlacementNeeds, nodes: Sequence[NodeResources]) -> tuple[str, 
     if free >= needs.instances:
         return ()
     return (f"only {free} of {needs.instances} instances fit in the resources free now "
-            f"({describe_nodes(nodes, needs.instance_resource)}): the others wait for "
-            f"ranks to end",)
+            f"({describe_nodes(nodes, needs.instance_resource, needs.gpus_per_rank > 0)}): "
+            f"the others wait for ranks to end",)
 
 
 def _amount(resources: Mapping[str, float], name: str | None) -> float:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError, PlacementError
-from kvtier.serve.placement import (NodeResources, PlacementMode, PlacementNeeds,
-                                    check_placement, head_resources, needs_of, rank_resources,
+from kvtier.serve.placement import (GPU, NodeResources, PlacementMode, PlacementNeeds,
+                                    RankGpus, check_placement, gpus_setting, head_resources,
+                                    needs_of, rank_bundle, rank_resources, resolve_gpus,
                                     resolve_mode)
 from kvtier.serve.settings import ServeSettings
 
@@ -111,3 +112,75 @@ def test_settings_carry_the_placement() -> None:
         ServeSettings(instance_resource="CPU")
     with pytest.raises(ConfigError, match="placement"):
         ServeSettings(placement="everywhere")
+
+
+GPU_A = node("10.0.0.21", CPU=8, GPU=2, kvtier_instance=2)
+GPU_B = node("10.0.0.22", CPU=8, GPU=2, kvtier_instance=2)
+BUNDLE = {"CPU": 0.5, "kvtier_instance": 1}  # what a CPU rank's bundle asked before GPUs
+
+
+def bundle_for(choice: RankGpus, nodes: list[NodeResources], need: PlacementNeeds
+               ) -> dict[str, float]:
+    return rank_bundle(0.5, resolve_gpus(choice, nodes, need).gpus.count, {"kvtier_instance": 1})
+
+
+def test_auto_gives_each_rank_a_gpu_where_the_cluster_has_them() -> None:
+    decision = resolve_gpus(RankGpus.AUTO, [HEAD, GPU_A, GPU_B], needs(instances=2, tp=2))
+    assert decision == (RankGpus.ONE, None)
+    assert bundle_for(RankGpus.AUTO, [HEAD, GPU_A, GPU_B], needs()) == {**BUNDLE, GPU: 1.0}
+    assert bundle_for(RankGpus.ONE, [GPU_A], needs(instances=1)) == {**BUNDLE, GPU: 1.0}
+
+
+def test_cpu_only_cluster_bundles_ask_for_no_gpu() -> None:
+    assert resolve_gpus(RankGpus.AUTO, [HEAD, WORKER_A], needs()) == (RankGpus.NONE, None)
+    got = bundle_for(RankGpus.AUTO, [HEAD, WORKER_A], needs())
+    assert got == BUNDLE and GPU not in got and list(got) == list(BUNDLE)  # same as before
+    assert rank_bundle(0.5, 0, None) == {"CPU": 0.5}
+
+
+def test_explicit_zero_on_a_gpu_cluster_asks_for_none() -> None:
+    assert resolve_gpus(RankGpus.NONE, [GPU_A, GPU_B], needs()) == (RankGpus.NONE, None)
+    assert GPU not in bundle_for(RankGpus.NONE, [GPU_A, GPU_B], needs())
+
+
+def test_asking_for_gpus_on_a_cpu_only_cluster_names_gpu() -> None:
+    with pytest.raises(PlacementError) as err:
+        resolve_gpus(RankGpus.ONE, [HEAD, WORKER_A], needs())
+    msg = str(err.value)
+    assert "gpus_per_rank is 1" in msg and "4 GPUs" in msg and "no node has 'GPU'" in msg
+    assert "--num-gpus" in msg and "gpus_per_rank to 0" in msg
+
+
+def test_each_instance_needs_its_gpus_on_one_node() -> None:
+    # 4 GPUs in all, but 2 + 2 cannot hold one TP 3 instance's ranks on one node
+    with pytest.raises(PlacementError, match="hold 0 of the 1 instances"):
+        resolve_gpus(RankGpus.ONE, [GPU_A, GPU_B], needs(instances=1, tp=3))
+    # AUTO leaves too few GPUs unused and says why, instead of failing
+    decision = resolve_gpus(RankGpus.AUTO, [GPU_A], needs(instances=2, tp=2))
+    assert decision.gpus is RankGpus.NONE and "run on CPUs" in decision.note
+    assert "10.0.0.21 has 2" in decision.note
+
+
+def test_gpus_count_in_the_resources_check() -> None:
+    one_gpu = node("10.0.0.21", CPU=8, GPU=1, kvtier_instance=4)
+    gpu_needs = needs(instances=2, tp=1)._replace(gpus_per_rank=1)
+    with pytest.raises(PlacementError) as err:
+        check_placement(gpu_needs, [HEAD, one_gpu])
+    assert "0.5 CPU and 1 GPU per instance" in str(err.value)
+    assert "GPU 1 of 1 free" in str(err.value)
+    assert check_placement(gpu_needs, [HEAD, GPU_A]).instance_slots["10.0.0.21"] == 2
+    assert check_placement(needs(instances=2, tp=1), [HEAD, one_gpu])  # CPU ranks: fits
+
+
+def test_gpus_per_rank_values() -> None:
+    assert RankGpus.parse(1, "gpus_per_rank") is RankGpus.ONE
+    assert RankGpus.parse("0", "gpus_per_rank") is RankGpus.NONE
+    assert RankGpus.parse("AUTO", "gpus_per_rank") is RankGpus.AUTO
+    for bad in (2, True, 0.5, "two"):
+        with pytest.raises(ConfigError, match="gpus_per_rank"):
+            RankGpus.parse(bad, "gpus_per_rank")
+    with pytest.raises(ConfigError, match="resolve"):
+        RankGpus.AUTO.count
+    s = ServeSettings(model="tiny", l3="none")
+    assert gpus_setting(s) is RankGpus.AUTO  # the default
+    assert needs_of(s, RankGpus.ONE).gpus_per_rank == 1 and needs_of(s).gpus_per_rank == 0

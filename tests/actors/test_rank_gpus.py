@@ -1,0 +1,44 @@
+"""Whether ranks ask Ray for GPUs, decided on node records (no Ray cluster, no GPU needed)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvtier.actors.cluster_placement import rank_gpus
+from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.config import HiCacheConfig
+from kvtier.engine.tp_worker import TinyWeights
+from kvtier.errors import ConfigError, PlacementError
+from kvtier.serve.placement import NodeResources, RankGpus
+from kvtier.serve.settings import ServeSettings
+
+SETTINGS = ServeSettings(model="tiny", instances=2, tp_size=2, l3="none")
+
+
+def node(ip: str, **total: float) -> NodeResources:
+    return NodeResources(f"id-{ip}", ip, total, total)
+
+
+def test_the_cluster_decides_where_gpus_per_rank_is_auto(caplog) -> None:
+    gpu_nodes = [node("10.0.0.1", CPU=8, GPU=4)]
+    assert rank_gpus(SETTINGS, gpu_nodes) is RankGpus.ONE
+    assert rank_gpus(SETTINGS, [node("10.0.0.1", CPU=8)]) is RankGpus.NONE
+    with caplog.at_level(logging.WARNING, logger="kvtier.actors.cluster_placement"):
+        assert rank_gpus(SETTINGS, [node("10.0.0.1", CPU=8, GPU=2)]) is RankGpus.NONE
+    assert "run on CPUs" in caplog.text  # GPUs left unused: said, not silent
+
+
+def test_gpus_asked_of_a_cpu_only_cluster_fail_naming_gpu(monkeypatch) -> None:
+    monkeypatch.setattr("kvtier.actors.cluster_placement.gpus_setting",
+                        lambda s: RankGpus.ONE)  # gpus_per_rank: 1
+    with pytest.raises(PlacementError, match="'GPU'"):
+        rank_gpus(SETTINGS, [node("10.0.0.1", CPU=8)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_gpu_rank_without_cuda_says_what_to_do() -> None:
+    settings = RankSettings(TinyWeights(), HiCacheConfig(page_size=16), gpu=True)
+    with pytest.raises(ConfigError, match="gpus_per_rank to 0"):
+        RankCache(0, 1, "tcp://127.0.0.1:1", settings)
