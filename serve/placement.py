@@ -50,7 +50,7 @@ class RankGpus(_Choice):
     @classmethod
     def parse(cls, value: "str | int | _Choice", flag: str) -> "RankGpus":
         """Also the integers 0 and 1 (`gpus_per_rank: 1` in a Serve config)."""
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
             value = str(value)
         return super().parse(value, flag)  # type: ignore[return-value]
 

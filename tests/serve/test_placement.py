@@ -177,7 +177,7 @@ def test_gpus_per_rank_values() -> None:
     assert RankGpus.parse("0", "gpus_per_rank") is RankGpus.NONE
     assert RankGpus.parse("AUTO", "gpus_per_rank") is RankGpus.AUTO
     for bad in (2, True, 0.5, "two"):
-        with pytest.raises(ConfigError, match="gpus_per_rank"):
+        with pytest.raises(ConfigError, match=f"gpus_per_rank: {bad!r} is not one of"):
             RankGpus.parse(bad, "gpus_per_rank")
     with pytest.raises(ConfigError, match="resolve"):
         RankGpus.AUTO.count
