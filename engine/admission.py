@@ -194,7 +194,7 @@ class Admission:
     def _estimate(self, req: Request) -> tuple[int, int]:
         """(load-back tokens, first chunk tokens) admission would cost. A peek at the tree
         (no lock, no LRU touch), because `lookup` commits: it locks and starts the load."""
-        m = self.cache.peek(req.prompt)
+        m = self.cache.peek(req.prompt, req.cache_salt)
         load = m.host_hit_length
         if load < self.cache.config.load_back_threshold_tokens:
             load = 0
@@ -206,7 +206,7 @@ class Admission:
 
     def _reserve_one(self, req: Request, quota: int | None) -> _Reservation:
         cache, n, p = self.cache, len(req.prompt), self.page_size
-        lookup = cache.lookup(req.prompt, max_load_pages=quota)
+        lookup = cache.lookup(req.prompt, max_load_pages=quota, salt=req.cache_salt)
         usable = self.runner.usable_prefix(lookup.cached_len, n)
         shared = usable // p  # cached pages past `usable` are recomputed into fresh pages:
         fresh, need = None, usable  # never write into a shared page
@@ -234,7 +234,7 @@ class Admission:
             terminate=int(terminate), decode_short=int(decode_short))
 
     def _hit(self, req: Request) -> int:
-        peek = self.cache.peek(req.prompt)
+        peek = self.cache.peek(req.prompt, req.cache_salt)
         return peek.device_hit_length + peek.host_hit_length
 
     # ---- commit ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, StepStats
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ClosedError, ConfigError
+from kvtier.keys import check_cache_salt
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.device_pool import default_device
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -114,8 +115,10 @@ class Engine:
             raise
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, sampling: SamplingParams = SamplingParams()) -> int:
-        """Queue a prompt (text needs a tokenizer; token ids are used as given); its id."""
+    def add_request(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
+                    cache_salt: str = "") -> int:
+        """Queue a prompt (text needs a tokenizer; token ids are used as given); its id.
+        `cache_salt`: its tenant (it hits only prefixes cached with the same salt)."""
         if self._closed:
             raise ClosedError("the engine is closed; create a new Engine")
         tokens = tuple(self._encode(prompt))
@@ -123,7 +126,8 @@ class Engine:
             raise ConfigError("an empty prompt has no token to compute; give at least one")
         if sampling.stop_token_ids is None and self.tokenizer is not None:
             sampling = dataclasses.replace(sampling, stop_token_ids=self.tokenizer.stop_token_ids)
-        req = Request(next(self._ids), tokens, sampling, self.model.device)
+        req = Request(next(self._ids), tokens, sampling, self.model.device,
+                      cache_salt=check_cache_salt(cache_salt))
         self.scheduler.add(req)
         return req.id
 

@@ -90,6 +90,7 @@ class Request:
     finish_reason: FinishReason | None = None
     agreed_hit: int = 0  # prompt tokens every rank held in L1/L2 at the last agreement
     waited_steps: int = 0  # scheduling steps spent waiting (the lpm aging bound counts them)
+    cache_salt: str = ""  # its tenant's: it hits only prefixes cached under the same salt
     sampler: Sampler = field(init=False)
 
     def __post_init__(self) -> None:

@@ -133,7 +133,7 @@ class Scheduler:
             raise ConfigError(f"a {len(req.prompt)}-token prompt needs {need} L1 pages but the "
                               f"device pool has {self.cache.device_pages}; raise "
                               f"device_pages or shorten the prompt")
-        req.ticket = self.cache.prefetch(req.prompt)  # L3 -> L2 runs while the request waits
+        req.ticket = self.cache.prefetch(req.prompt, salt=req.cache_salt)  # L3 -> L2 runs while the request waits
         req.prefetch_asked_s = time.monotonic()
         self.waiting.append(req)
 
@@ -219,7 +219,7 @@ class Scheduler:
                 continue
             left -= 1
             req.prefetch_asked_s = now
-            req.ticket = self.cache.prefetch(req.prompt, retry=True)
+            req.ticket = self.cache.prefetch(req.prompt, retry=True, salt=req.cache_salt)
 
     def _admit(self, budget: Budget, plan: list[tuple[Request, int]],
                finished: list[Request]) -> int:

@@ -3,7 +3,8 @@
 `h_i = sha256(h_{i-1} || tokens of page i as little-endian uint32)`; with no seed the first
 page has no prior digest, which gives the same chain as SGLang (tokens [1,2,3,4] ->
 cf97adee...733b72). A namespace seed (model, tenant salt, layout fingerprint) makes the chain
-of one namespace unreachable from another: two tenants never share a key.
+of one namespace unreachable from another: two tenants never share a key. A cache salt (one
+request's tenant inside a deployment) seeds a chain of its own inside the namespace.
 """
 from __future__ import annotations
 
@@ -65,6 +66,20 @@ def page_hashes(
     return out
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: object) -> str:
+    """A request's cache salt: any string of at most MAX_CACHE_SALT_CHARS characters ("" =
+    unsalted). Raises ConfigError otherwise."""
+    if not isinstance(salt, str):
+        raise ConfigError(f"a cache salt must be a string, got {type(salt).__name__}")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ConfigError(f"a cache salt has at most {MAX_CACHE_SALT_CHARS} characters, got "
+                          f"{len(salt)}")
+    return salt
+
+
 def _check_part(label: str, value: str, allow_empty: bool = False) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"namespace {label} must be a string, got {type(value).__name__}")
@@ -101,13 +116,21 @@ class KeyNamespace:
             h.update(data)
         return h.digest()
 
+    def chain_seed(self, salt: str = "") -> bytes:
+        """The digest that starts the chains of requests carrying `salt` ("" : the seed)."""
+        if not salt:
+            return self.seed
+        data = salt.encode()
+        return hashlib.sha256(b"kvtier-salt-v1" + self.seed + len(data).to_bytes(4, "little")
+                              + data).digest()
+
     @property
     def name(self) -> str:
         """A filesystem- and key-safe name: model with '/' as '-', plus a short seed digest."""
         return f"{self.model.replace('/', '-')}-{self.seed.hex()[:16]}"
 
-    def page_hashes(self, tokens: Sequence[int], page_size: int) -> list[str]:
-        return page_hashes(tokens, page_size, seed=self.seed)
+    def page_hashes(self, tokens: Sequence[int], page_size: int, salt: str = "") -> list[str]:
+        return page_hashes(tokens, page_size, seed=self.chain_seed(salt))
 
 
 def layout_fingerprint(spec: object, layout: object, format_version: int = 1) -> str:

@@ -35,7 +35,7 @@ class CacheEventFeed:
     def node_hashes(self, node: TreeNode) -> list[str]:
         """The chain keys of `node`'s own pages (hashing walks its whole prefix)."""
         pages = len(node.key) // self.page_size
-        keys = self.namespace.page_hashes(node_tokens(node), self.page_size)
+        keys = self.namespace.page_hashes(node_tokens(node), self.page_size, node.salt)
         return keys[len(keys) - pages:]
 
     def on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:

@@ -89,11 +89,14 @@ class HierarchicalCache:
                  self.device_pool.num_pages, self.host_pool.num_pages)
 
     # ---- request path --------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int], max_load_pages: int | None = None) -> CacheLookup:
-        """Match `tokens`, load back what L2 holds (within `max_load_pages`), lock the result."""
+    def lookup(self, tokens: Sequence[int], max_load_pages: int | None = None,
+               salt: str = "") -> CacheLookup:
+        """Match `tokens` among the prefixes of cache salt `salt` (a tenant's: prefixes of
+        other salts never match), load back what L2 holds (within `max_load_pages`), lock the
+        result. `finish`, `commit` and `abort` keep the salt the lookup was made with."""
         self.poll()
         p = self.spec.page_size
-        m = self.tree.match_prefix(tokens)
+        m = self.tree.match_prefix(tokens, salt=salt)
         node, pages = m.last_device_node, list(m.device_indices)
         load = loaded_node = None
         loaded = 0
@@ -143,7 +146,7 @@ class HierarchicalCache:
 
     def finish(self, lookup: CacheLookup, tokens: Sequence[int], pages: Sequence[int]) -> TreeNode:
         """Store the request's KV pages (`pages` cover all of `tokens`), release the lookup."""
-        res = self.tree.insert(tokens, pages)
+        res = self.tree.insert(tokens, pages, lookup.node.salt)
         self.device_pool.allocator.free(res.unused_pages)
         self._release(lookup)
         if self.config.write_through_hit_threshold == 1:
@@ -160,7 +163,7 @@ class HierarchicalCache:
         to `finish` or `abort` (the one given must not be used again)."""
         page = self.spec.page_size
         full = len(tokens) // page
-        res = self.tree.insert(tokens[:full * page], pages[:full])
+        res = self.tree.insert(tokens[:full * page], pages[:full], lookup.node.salt)
         self.tree.lock(res.last_node)
         self.tree.unlock(lookup.node)
         if self.config.write_through_hit_threshold == 1:
@@ -305,9 +308,9 @@ class HierarchicalCache:
         self.evict_host(self.host_pool.num_pages)
 
     # ---- what callers may know of the pools and the tree --------------------------------------
-    def peek(self, tokens: Sequence[int]) -> PrefixPeek:
+    def peek(self, tokens: Sequence[int], salt: str = "") -> PrefixPeek:
         """What `lookup` would find, without locking, loading or touching LRU order."""
-        m = self.tree.match_prefix(tokens, touch=False)
+        m = self.tree.match_prefix(tokens, touch=False, salt=salt)
         return PrefixPeek(m.device_hit_length, m.host_hit_length)
 
     def release_pages(self, pages: Sequence[int]) -> None:
@@ -376,9 +379,11 @@ class HierarchicalCache:
         self.events.tell_stored()
         self.tree.l3.forget_storage()
 
-    def prefetch(self, tokens: Sequence[int], retry: bool = False) -> PrefetchTicket | None:
+    def prefetch(self, tokens: Sequence[int], retry: bool = False,
+                 salt: str = "") -> PrefetchTicket | None:
         """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching).
         `retry`: the request asked before and found too little (see StorageTier.prefetch).
+        `salt`: the request's cache salt (its pages' keys are of that salt's chain).
 
         It starts past the deeper of the L1 and L2 matches, so a page in L1 is never read
         from L3 again. The pages that land can only hang below the root or a node in L2 (the
@@ -390,7 +395,7 @@ class HierarchicalCache:
         if self.storage is None:
             return None
         self.poll()
-        m = self.tree.match_prefix(tokens, touch=False)
+        m = self.tree.match_prefix(tokens, touch=False, salt=salt)
         anchor = max(m.last_device_node, m.last_host_node, key=_depth)  # one path: the deeper
         ticket = self.storage.prefetch(tokens, _depth(anchor) // self.spec.page_size, anchor,
                                        retry)

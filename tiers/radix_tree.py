@@ -47,11 +47,41 @@ class HiRadixTree:
         self.listener: TreeListener | None = None  # None: no events, no cost
         self._ids = itertools.count(1)
         self._clock = 0
-        self.root = TreeNode(0, (), None)
-        self.root.value, self.root.host_value, self.root.lock_ref = [], [], 1  # never evicted
+        self.root = self._new_root("")
+        # one root per cache salt: a salted request's prefixes live under its own root, so no
+        # other salt matches them. Salted roots come with their first node and go with their
+        # last one, so unknown salts (a client's choice) leave nothing behind.
+        self._roots: dict[str, TreeNode] = {"": self.root}
         self.ledger = TreeLedger()
         self.l3 = TreeL3Marks(self)  # the L3 state of each run (the L3 tier writes it here)
         self._account, self._refresh = self.ledger.account, self.ledger.refresh
+
+    @staticmethod
+    def _new_root(salt: str) -> TreeNode:
+        root = TreeNode(0, (), None, salt)
+        root.value, root.host_value, root.lock_ref = [], [], 1  # never evicted
+        return root
+
+    def root_of(self, salt: str) -> TreeNode:
+        """The root of `salt`'s prefixes; an empty stand-in (not kept) for a salt with none."""
+        if not isinstance(salt, str):
+            raise CacheUsageError(f"a cache salt is a string, got {type(salt).__name__}")
+        root = self._roots.get(salt)
+        return root if root is not None else self._new_root(salt)
+
+    def _kept_root(self, salt: str) -> TreeNode:
+        root = self.root_of(salt)
+        self._roots.setdefault(salt, root)
+        return root
+
+    def _drop_root_if_empty(self, node: TreeNode) -> None:
+        if node.parent is None and node.salt and not node.children:
+            self._roots.pop(node.salt, None)
+
+    @property
+    def num_salts(self) -> int:
+        """Cache salts with stored prefixes (the unsalted root not counted)."""
+        return len(self._roots) - 1
 
     # ---- sizes -------------------------------------------------------------------------
     def stats(self) -> TreeStats:
@@ -62,8 +92,9 @@ class HiRadixTree:
             self.listener(kind, tier, node)
 
     # ---- lookup ------------------------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
-        """The longest stored page-aligned prefix of `tokens`, split at its end.
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True,
+                     salt: str = "") -> MatchResult:
+        """The longest stored page-aligned prefix of `tokens` under `salt`, split at its end.
 
         `touch=False` looks without counting a hit or refreshing LRU order (a probe).
         """
@@ -72,7 +103,7 @@ class HiRadixTree:
         end = len(key) // p * p
         self._clock += 1
         clock = self._clock
-        node = last_device = last_host = self.root
+        node = last_device = last_host = self.root_of(salt)
         device: list[int] = []
         host_hit = 0
         pos = 0
@@ -127,8 +158,9 @@ class HiRadixTree:
         return upper
 
     # ---- insertion -----------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> InsertResult:
-        """Store L1 pages for the page-aligned part of `tokens`.
+    def insert(self, tokens: Sequence[int], device_pages: Sequence[int],
+               salt: str = "") -> InsertResult:
+        """Store L1 pages for the page-aligned part of `tokens` (under `salt`).
 
         `device_pages` has one id per page of `tokens`, a trailing partial page included. Pages
         the tree already holds in L1 stay; the caller's copies come back in `unused_pages`.
@@ -137,8 +169,8 @@ class HiRadixTree:
         key, full, unused = self._check_pages(tokens, device_pages)
         p = self.page_size
         self._clock += 1
-        node, i, prefix = self.root, 0, 0
-        for parent, child, i in self._stored_path(key, full):
+        node, i, prefix = self.root_of(salt), 0, 0
+        for parent, child, i in self._stored_path(key, full, node):
             pages = len(child.key) // p
             seg = device_pages[i : i + pages]
             if child.value is None:
@@ -154,12 +186,15 @@ class HiRadixTree:
                 prefix += pages
             node, i = child, i + pages
         if i < full:
+            if node.parent is None:
+                node = self._kept_root(salt)
             node = self._add_child(node, key[i * p : full * p], device_pages[i:full], None)
         return InsertResult(unused, prefix, full - i, node)
 
     def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int],
-                    skip_pages: int = 0) -> InsertResult:
-        """Store L2-only pages (arriving from L3) for the page-aligned part of `tokens`.
+                    skip_pages: int = 0, salt: str = "") -> InsertResult:
+        """Store L2-only pages (arriving from L3) for the page-aligned part of `tokens`
+        (under `salt`).
 
         `host_pages` covers pages `skip_pages`.. of `tokens`; the first `skip_pages` pages
         must already be stored (any tier), else nothing can be placed. A new L2-only run hangs
@@ -175,8 +210,8 @@ class HiRadixTree:
         unused = list(host_pages[full - skip_pages:])
         p = self.page_size
         self._clock += 1
-        node, i, prefix = self.root, 0, 0
-        for _, child, i in self._stored_path(key, full, skip_pages):
+        node, i, prefix = self.root_of(salt), 0, 0
+        for _, child, i in self._stored_path(key, full, node, skip_pages):
             pages = len(child.key) // p
             if i >= skip_pages:
                 seg = host_pages[i - skip_pages : i - skip_pages + pages]
@@ -194,7 +229,9 @@ class HiRadixTree:
             unused.extend(host_pages[: full - skip_pages])
         elif i < full:
             own = host_pages[i - skip_pages : full - skip_pages]
-            if node is self.root or node.host_value is not None:
+            if node.parent is None or node.host_value is not None:
+                if node.parent is None:
+                    node = self._kept_root(salt)
                 node = self._add_child(node, key[i * p : full * p], None, own)
                 placed = full - i
             else:
@@ -211,11 +248,12 @@ class HiRadixTree:
             )
         return key, full, list(pages[full:])
 
-    def _stored_path(self, key: tuple, full: int, skip: int = 0):
-        """Stored nodes along `key[:full pages]`, root side first, as (parent, node, first
-        page); a node is split where the key, or the `skip` boundary, ends inside it."""
+    def _stored_path(self, key: tuple, full: int, root: TreeNode, skip: int = 0):
+        """Stored nodes along `key[:full pages]` below `root`, root side first, as (parent,
+        node, first page); a node is split where the key, or the `skip` boundary, ends inside
+        it."""
         p = self.page_size
-        node, i = self.root, 0
+        node, i = root, 0
         while i < full:
             child = node.children.get(key[i * p : (i + 1) * p])
             if child is None:
@@ -328,6 +366,7 @@ class HiRadixTree:
         del parent.children[node.key[: self.page_size]]
         parent.device_children -= 1
         self._refresh(parent)
+        self._drop_root_if_empty(parent)
 
     def remove_host_leaf(self, node: TreeNode) -> None:
         """Remove an L2-only leaf and free its L2 pages."""
@@ -335,6 +374,7 @@ class HiRadixTree:
         parent = node.parent
         del parent.children[node.key[: self.page_size]]
         self.ledger.host_lru.refresh(parent)
+        self._drop_root_if_empty(parent)
 
     def _forget(self, node: TreeNode) -> None:
         """Free `node`'s pages in both tiers and take it out of the queues."""
@@ -376,8 +416,8 @@ class HiRadixTree:
 
     # ---- whole tree ----------------------------------------------------------------------
     def nodes(self) -> list[TreeNode]:
-        """Every node but the root (walks the tree: attach, detach, audits and tests)."""
-        return self.root.descendants()
+        """Every node but the roots (walks the tree: attach, detach, audits and tests)."""
+        return [n for root in self._roots.values() for n in root.descendants()]
 
     def clear(self) -> None:
         """Drop every unlocked page; raises when something is still locked or protected."""
@@ -388,3 +428,4 @@ class HiRadixTree:
             self._forget(node)
         self.root.children.clear()
         self.root.device_children = 0
+        self._roots = {"": self.root}

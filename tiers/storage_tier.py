@@ -68,8 +68,8 @@ class StorageTier:
         self.lease_ttl_s = lease_ttl_s
 
     # ---- prefetch ------------------------------------------------------------------------
-    def page_keys(self, tokens: Sequence[int]) -> list[str]:
-        return self.namespace.page_hashes(tokens, self.page_size)
+    def page_keys(self, tokens: Sequence[int], salt: str = "") -> list[str]:
+        return self.namespace.page_hashes(tokens, self.page_size, salt)
 
     def prefetch(self, tokens: Sequence[int], local_pages: int, anchor: TreeNode,
                  retry: bool = False) -> PrefetchTicket | None:
@@ -81,7 +81,7 @@ class StorageTier:
         p, threshold = self.page_size, self.config.prefetch_threshold_tokens
         tally = StorageCounters() if retry else self.counters  # a retry's misses: not again
         tokens = tuple(tokens)
-        keys = self.page_keys(tokens)[local_pages:]
+        keys = self.page_keys(tokens, anchor.salt)[local_pages:]
         if not keys:
             return None
         tally.queried_tokens += len(keys) * p
@@ -223,7 +223,7 @@ class StorageTier:
         end_page = ticket.start_page + done
         landed = op.host_pages[:done]
         res = self.tree.insert_host(ticket.tokens[: end_page * self.page_size], landed,
-                                    skip_pages=ticket.start_page)
+                                    skip_pages=ticket.start_page, salt=ticket.anchor.salt)
         self.host_allocator.free(list(res.unused_pages))
         self._free_when_settled(op, op.host_pages[done:], settled)
         self.tree.release_host(ticket.anchor)
@@ -321,7 +321,7 @@ class StorageTier:
         if not todo:
             return None
         tokens = node_tokens(node)
-        all_keys = self.page_keys(tokens)
+        all_keys = self.page_keys(tokens, node.salt)
         keys, pages, start = [], [], 0
         for n in path:
             count = len(n.key) // self.page_size

@@ -21,6 +21,7 @@ def as_key(tokens: Sequence[int]) -> tuple:
 class TreeNode:
     """A run of whole pages of one prefix, and where those pages live.
 
+    Each cache salt has a root of its own, so prefixes of different salts never match.
     `value` holds the L1 page ids (None once evicted from L1), `host_value` the L2 page ids
     (None when not backed up). `lock_ref` protects the L1 pages of the path from this node to
     the root (requests running on it, writes in flight); `host_ref` protects the L2 pages of
@@ -30,13 +31,16 @@ class TreeNode:
     __slots__ = (
         "id", "key", "parent", "children", "value", "host_value", "lock_ref", "host_ref",
         "hit_count", "last_access", "device_children", "in_device_lru", "in_host_lru",
-        "storage_op",
+        "storage_op", "salt",
     )
 
-    def __init__(self, node_id: int, key: tuple, parent: "TreeNode | None") -> None:
+    def __init__(self, node_id: int, key: tuple, parent: "TreeNode | None",
+                 salt: str = "") -> None:
         self.id = node_id
         self.key = key  # token ids, a whole number of pages
         self.parent = parent
+        # the cache salt of the prefix (a tenant's): its root's, so its page keys' chain seed
+        self.salt = parent.salt if parent is not None else salt
         self.children: dict[tuple, TreeNode] = {}  # first page of the child's key -> child
         self.value: list[int] | None = None
         self.host_value: list[int] | None = None

@@ -315,3 +315,32 @@ def test_a_request_that_found_nothing_in_l3_asks_again_while_it_waits(tiny_model
             assert out.cached.storage == 64 and counters.retried_hit_tokens == 64
         check_lengths(out)
         assert_no_leaks(eng.cache)
+
+
+# ---- tenants -----------------------------------------------------------------------------------
+def test_a_cache_salt_hits_only_its_own_prefixes_and_answers_alike(tiny_models) -> None:
+    """Requests with another cache salt recompute the prompt (their answer equal); requests
+    with the same salt hit it, the running one's generated pages included."""
+    model = tiny_models[torch.float32]
+    prompt = toks(50, 11)  # 3 whole pages
+    params = SamplingParams(max_new_tokens=20)
+    with Engine(model, make_cache(model), owns_cache=True) as eng:
+        def run(salt: str, tokens=prompt):
+            req = eng.add_request(tokens, params, cache_salt=salt)
+            outs = {}
+            while eng.has_unfinished:
+                outs.update((o.request_id, o) for o in eng.step())
+            return outs[req]
+        a = run("tenant-a")
+        for salt in ("tenant-b", "", "tenant-a2"):
+            other = run(salt)
+            assert other.cached == (0, 0, 0) and other.tokens == a.tokens, salt
+        again = run("tenant-a")
+        assert again.cached.device == 48 and again.tokens == a.tokens
+        turn2 = run("tenant-a", prompt + list(a.tokens) + toks(5, 12))
+        assert turn2.cached.device == 64  # 50 + 19 computed tokens: 4 whole pages
+        check_lengths(turn2)
+        assert_no_leaks(eng.cache)
+        assert eng.cache.tree.num_salts == 3  # tenant-a, tenant-b, tenant-a2 ("" is unsalted)
+        with pytest.raises(Exception, match="cache salt"):
+            eng.add_request(prompt, params, cache_salt=3)
