@@ -11,7 +11,7 @@ import ray._private.state as ray_state
 
 from kvtier.policies import StorageBackendKind
 from kvtier.serve.placement import (NodeResources, PlacementMode, RankGpus, check_placement,
-                                    describe_offers, gpus_setting, needs_of, resolve_gpus,
+                                    describe_offers, needs_of, resolve_gpus,
                                     resolve_mode)
 from kvtier.serve.settings import ServeSettings
 
@@ -30,7 +30,7 @@ def rank_gpus(settings: ServeSettings, nodes: list[NodeResources] | None = None)
     """Whether each rank of the deployment asks for a GPU (ONE or NONE): its gpus_per_rank
     resolved against the alive `nodes` (default: the cluster's now). A PlacementError names
     GPU where 1 is asked and the nodes lack GPUs; AUTO leaving GPUs unused is a warning."""
-    decision = resolve_gpus(gpus_setting(settings), cluster_nodes() if nodes is None else nodes,
+    decision = resolve_gpus(settings.gpus_per_rank, cluster_nodes() if nodes is None else nodes,
                             needs_of(settings))
     if decision.note:
         log.warning("placement: %s", decision.note)

@@ -29,6 +29,7 @@ from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
 from kvtier.errors import ConfigError, KvtierError, PlacementError
+from kvtier.keys import check_cache_salt
 from kvtier.messages import NamespaceInfo
 from kvtier.serve.placement import rank_bundle
 
@@ -64,6 +65,7 @@ class _Pending(NamedTuple):
 
     tokens: tuple[int, ...]
     sampling: SamplingParams
+    cache_salt: str = ""
 
 
 class Instance:
@@ -174,11 +176,13 @@ class Instance:
         return self._get(refs, timeout_s or self.step_timeout_s, f"calling {method}")
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()
-                    ) -> int:
-        """Queue a request on every rank; its id (the instance's, stable across restarts)."""
+    def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                    cache_salt: str = "") -> int:
+        """Queue a request on every rank; its id (the instance's, stable across restarts).
+        `cache_salt`: its tenant (it hits only prefixes cached with the same salt)."""
         req_id, self._next_id = self._next_id, self._next_id + 1
-        self._pending[req_id] = _Pending(tuple(int(t) for t in tokens), sampling)
+        self._pending[req_id] = _Pending(tuple(int(t) for t in tokens), sampling,
+                                         check_cache_salt(cache_salt))
         try:
             self._submit(req_id)
         except RankFailure as exc:
@@ -187,7 +191,7 @@ class Instance:
 
     def _submit(self, req_id: int) -> None:
         req = self._pending[req_id]
-        ids = self._all("add_request", list(req.tokens), req.sampling)
+        ids = self._all("add_request", list(req.tokens), req.sampling, req.cache_salt)
         if len(set(ids)) != 1:
             raise InstanceError(f"ranks gave request ids {ids}: their streams are out of step")
         self._rank_id[req_id], self._instance_id[ids[0]] = ids[0], req_id

@@ -33,6 +33,7 @@ class _Add(NamedTuple):
     key: int
     tokens: tuple[int, ...]
     sampling: SamplingParams
+    cache_salt: str
     sink: Sink
 
 
@@ -72,14 +73,15 @@ class InstanceServer:
         self._thread.start()
 
     # ---- callers (any thread) ---------------------------------------------------------------
-    def submit(self, tokens: list[int], sampling: SamplingParams, sink: Sink) -> int:
-        """Queue a request; its key (for `cancel`)."""
+    def submit(self, tokens: list[int], sampling: SamplingParams, sink: Sink,
+               cache_salt: str = "") -> int:
+        """Queue a request (`cache_salt`: its tenant's); its key (for `cancel`)."""
         if self.broken:
             raise InstanceError(f"instance {self.name} stopped serving: {self.broken}")
         key = next(self._keys)
         with self._lock:
             self._load += 1
-        self._commands.append(_Add(key, tuple(tokens), sampling, sink))
+        self._commands.append(_Add(key, tuple(tokens), sampling, cache_salt, sink))
         self._wake.set()
         return key
 
@@ -143,7 +145,7 @@ class InstanceServer:
             self._cancelled.discard(cmd.key)
             self._done_one()
             return
-        req_id = self.instance.add_request(cmd.tokens, cmd.sampling)
+        req_id = self.instance.add_request(cmd.tokens, cmd.sampling, cmd.cache_salt)
         self._sinks[req_id] = cmd.sink
         self._ids[cmd.key], self._key_of[req_id] = req_id, cmd.key
 

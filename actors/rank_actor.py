@@ -197,8 +197,9 @@ class RankCache:
         return _directory_client(l3_actor)
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
-    def add_request(self, tokens: Sequence[int], sampling: SamplingParams) -> int:
-        return self.engine.add_request([int(t) for t in tokens], sampling)
+    def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
+                    cache_salt: str = "") -> int:
+        return self.engine.add_request([int(t) for t in tokens], sampling, cache_salt)
 
     def step(self) -> bytes:
         """One scheduling step: a msgpack `StepReport` (actors.step_wire). Finished outputs

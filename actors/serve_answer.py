@@ -57,9 +57,10 @@ class RoutedAnswer:
 
     def __init__(self, router: Any, instances: dict[str, Any], states: RouterStates,
                  tokens: list[int], sampling: dict, instance: str, check_s: float,
-                 on_move: Callable[[str], None] = lambda _: None) -> None:
+                 on_move: Callable[[str], None] = lambda _: None, cache_salt: str = "") -> None:
         self._router, self._instances, self._states = router, instances, states
         self._tokens, self._sampling, self._check_s = tokens, sampling, check_s
+        self._salt = cache_salt
         self._on_move = on_move  # called with the stalled instance's name
         self.instance = instance
         self.sent = SentTokens()
@@ -98,13 +99,15 @@ class RoutedAnswer:
 
     def _open(self, instance: str) -> Any:
         handle = self._instances[instance]
-        return handle.options(stream=True).generate.remote(self._tokens, self._sampling)
+        return handle.options(stream=True).generate.remote(self._tokens, self._sampling,
+                                                           self._salt)
 
     async def _move(self) -> None:
         """Send the request to another live instance, if the router has one."""
         try:
             choice = await asyncio.wait_for(
-                self._router.choose.remote(self._tokens, avoid=(self.instance,)),
+                self._router.choose.remote(self._tokens, avoid=(self.instance,),
+                                           cache_salt=self._salt),
                 ROUTER_CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - keep waiting where it is
             log.warning("re-dispatching from %s: the router did not answer: %s",

@@ -27,12 +27,13 @@ from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve import openai_responses as out
 from kvtier.serve import served_model
-from kvtier.serve.admin import check_admin_key, check_api_key, parse_admin_body
+from kvtier.serve.admin import check_admin_key, parse_admin_body
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
                                           ErrorType, check_prompt_tokens, parse_chat,
                                           parse_completion)
 from kvtier.serve.settings import ServeSettings
+from kvtier.serve.tenants import ApiKeys, request_salt
 from kvtier.serve.text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -52,14 +53,10 @@ class _Generation:
         self.finish_reason = "length"
 
 
-def _unauthorized(check, request: Request, key: str) -> Response | None:
-    """The 401 response when `check` refuses the request's bearer token, else None."""
-    try:
-        check(request.headers.get("authorization", ""), key)
-    except ApiError as err:
-        return JSONResponse(err.to_body(), status_code=err.status,
-                            headers={"WWW-Authenticate": "Bearer"})
-    return None
+def _refused(err: ApiError) -> Response:
+    """A 401 (or another refusal of the caller) in OpenAI's error shape."""
+    return JSONResponse(err.to_body(), status_code=err.status,
+                        headers={"WWW-Authenticate": "Bearer"})
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
@@ -71,6 +68,7 @@ class Ingress:
         self.settings = ServeSettings.from_mapping(settings)
         s = self.settings
         self.tokenizer = served_model.tokenizer(s)
+        self.api_keys = ApiKeys(s.api_keys, s.api_key)
         self.limits = ApiLimits(model_names=(s.served_model_name,),
                                 max_prompt_tokens=s.max_prompt_tokens,
                                 max_new_tokens=s.max_new_tokens, max_body_bytes=s.max_body_bytes)
@@ -84,16 +82,20 @@ class Ingress:
     # ---- the OpenAI API -----------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return self._check_api(request) or await self._serve(request, chat=False)
+        return await self._serve(request, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return self._check_api(request) or await self._serve(request, chat=True)
+        return await self._serve(request, chat=True)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        return self._check_api(request) or JSONResponse(
-            out.models_response([self.settings.served_model_name], self.created))
+        try:
+            self._tenant(request)
+        except ApiError as err:
+            return _refused(err)
+        return JSONResponse(out.models_response([self.settings.served_model_name],
+                                                self.created))
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -144,6 +146,10 @@ class Ingress:
     # ---- request path ---------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
+            tenant = self._tenant(request)
+        except ApiError as err:
+            return _refused(err)
+        try:
             body = await request.body()
             req = parse_chat(body, self.limits) if chat else parse_completion(body, self.limits)
             tokens = self._tokens(req)
@@ -155,9 +161,11 @@ class Ingress:
                                          err_type=ErrorType.SERVER).to_body(), status_code=500)
         sampling = req.sampling(self.tokenizer.stop_token_ids, self._seeds.getrandbits(63))
         start = time.perf_counter()
-        choice = await self.router.choose.remote(tokens)
+        salt = request_salt(tenant, req.cache_salt)  # its prefixes are its tenant's only
+        choice = await self.router.choose.remote(tokens, cache_salt=salt)
         answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,
-                              choice["instance"], self.check_s, self.metrics.observe_redispatch)
+                              choice["instance"], self.check_s, self.metrics.observe_redispatch,
+                              cache_salt=salt)
         gen = _Generation(TextStream(self.tokenizer, req.stop))
         rid = out.new_request_id(chat)
         if req.stream:
@@ -272,11 +280,17 @@ class Ingress:
                                      err_type=ErrorType.SERVER).to_body(), status_code=503)
 
     # ---- admin helpers --------------------------------------------------------------------------
-    def _check_api(self, request: Request) -> Response | None:
-        return _unauthorized(check_api_key, request, self.settings.api_key)
+    def _tenant(self, request: Request) -> str:
+        """The caller's tenant by its API key ("" when the OpenAI endpoints are open); a 401
+        ApiError when the key is missing or unknown."""
+        return self.api_keys.tenant(request.headers.get("authorization", ""))
 
     def _check_admin(self, request: Request) -> Response | None:
-        return _unauthorized(check_admin_key, request, self.settings.admin_key)
+        try:
+            check_admin_key(request.headers.get("authorization", ""), self.settings.admin_key)
+        except ApiError as err:
+            return _refused(err)
+        return None
 
     async def _admin(self, request: Request, call, body: bool = True,
                      needs: tuple[str, ...] = ()) -> Response:

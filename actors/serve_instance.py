@@ -86,13 +86,16 @@ class InstanceDeployment:
             self._attach(s.storage_backend, l3_options(s.storage_backend, s, None))
 
     # ---- requests ---------------------------------------------------------------------------
-    async def generate(self, tokens: list[int], sampling: dict) -> AsyncIterator[dict]:
+    async def generate(self, tokens: list[int], sampling: dict,
+                       cache_salt: str = "") -> AsyncIterator[dict]:
         """Stream `{"tokens": [...new ids]}` items, the last one with the finish reason,
-        cached tokens by tier, the five lengths and the instance-side TTFT."""
+        cached tokens by tier, the five lengths and the instance-side TTFT. `cache_salt`:
+        the request's tenant (it hits only prefixes cached with the same salt)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         key = self.server.submit(tokens, SamplingParams(**sampling),
-                                 lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+                                 lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+                                 cache_salt)
         emitted, finished = 0, False
         try:
             while True:

@@ -47,13 +47,15 @@ class RouterDeployment:
         self._rng = random.Random()
         self._pollers: dict[str, asyncio.Task] = {}
 
-    async def choose(self, tokens: list[int], avoid: tuple[str, ...] = ()) -> dict:
+    async def choose(self, tokens: list[int], avoid: tuple[str, ...] = (),
+                     cache_salt: str = "") -> dict:
         """The instance to serve `tokens`: {"instance", "reason", "hits" (pages by tier)}.
         `avoid`: instances it is leaving (stalled); when no other instance is live and
-        unbroken, "instance" is None (the caller keeps waiting where it is)."""
+        unbroken, "instance" is None (the caller keeps waiting where it is). `cache_salt`:
+        the request's (its pages' keys are of that salt's chain)."""
         self._ensure_poller()
         keys, page_size = await self._key_namespace()
-        hashes = keys.page_hashes(tokens, page_size)
+        hashes = keys.page_hashes(tokens, page_size, cache_salt)
         stalled = set(self.loads) - self.liveness.live()
         healthy = candidates(self.loads, {*self.broken, *stalled, *avoid})
         if not healthy and avoid:

@@ -8,8 +8,9 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.flags import add_hicache_flags, config_from_args
 from kvtier.policies import SchedulePolicy
-from kvtier.serve.placement import PlacementMode
+from kvtier.serve.placement import PlacementMode, RankGpus
 from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, ServeSettings
+from kvtier.serve.tenants import load_api_keys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each rank on 1 unit of kvtier_instance, checked before deploying; "
                         "anywhere: no custom resources; auto (default): resources with "
                         "--address, anywhere on the local cluster")
+    p.add_argument("--gpus-per-rank", choices=[m.value for m in RankGpus], default="auto",
+                   help="1: each rank asks Ray for a GPU of its own (an error where the nodes "
+                        "lack them); 0: CPU ranks; auto (default): 1 where the nodes' GPUs "
+                        "hold every instance's ranks, else 0 with a warning")
     p.add_argument("--model", default="smollm2", metavar="ALIAS|DIR",
                    help="smollm2 (the embedded default), tiny (random weights, for tests) or a "
                         "Hugging Face model directory: Llama, Mistral (no sliding window) or "
@@ -53,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("KVTIER_API_KEY", ""),
                    help="the OpenAI endpoints answer 401 without 'Authorization: Bearer KEY' "
                         "(default: $KVTIER_API_KEY, else open)")
+    p.add_argument("--api-keys-file", default="", metavar="JSON",
+                   help='several tenants: a JSON object of API key -> tenant, e.g. '
+                        '{"sk-a1": "acme", "sk-b1": "globex"}; each tenant hits only prefixes '
+                        'its own requests cached (a request\'s cache_salt field narrows that '
+                        'further)')
     p.add_argument("--served-model-name", default="",
                    help="the model name the API lists and requests name (default: the "
                         "model's own)")
@@ -74,7 +84,8 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,
                          served_model_name=ns.served_model_name, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
-                         placement=ns.placement)
+                         placement=ns.placement, gpus_per_rank=ns.gpus_per_rank,
+                         api_keys=load_api_keys(ns.api_keys_file) if ns.api_keys_file else {})
 
 
 def _cache_settings(ns: argparse.Namespace) -> dict[str, Any]:

@@ -25,14 +25,6 @@ def check_admin_key(authorization: str, admin_key: str) -> None:
                             "key kvtier serve printed at start", err_type=ErrorType.AUTHENTICATION)
 
 
-def check_api_key(authorization: str, api_key: str) -> None:
-    """With an API key set (`kvtier serve --api-key`), the OpenAI endpoints need
-    `Authorization: Bearer <api key>` or answer 401; without one they are open."""
-    if api_key and not _bearer_matches(authorization, api_key):
-        raise ApiError(401, "this server needs 'Authorization: Bearer <api key>' (the key "
-                            "kvtier serve was started with)", err_type=ErrorType.AUTHENTICATION)
-
-
 def parse_admin_body(raw: bytes) -> dict:
     """An admin request's JSON object (empty body = {}); attach needs `backend`."""
     if len(raw) > MAX_ADMIN_BODY:

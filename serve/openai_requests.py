@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from kvtier.errors import KvtierError
+from kvtier.keys import MAX_CACHE_SALT_CHARS
 
 MAX_STOPS = 4  # OpenAI's own limit on `stop`
 MAX_STOP_TOKEN_IDS = 64
@@ -98,6 +99,7 @@ class GenerationOptions:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # the model's end tokens do not end the answer
     stop_token_ids: tuple[int, ...] = ()  # more token ids that end it
+    cache_salt: str = ""  # vLLM's: only requests with the same salt (and tenant) share prefixes
 
     def sampling(self, model_stops: Sequence[int], seed: int) -> dict:
         """The engine's SamplingParams fields (a dict that crosses the actor boundary); `seed`
@@ -272,7 +274,18 @@ def _options(body: dict, limits: ApiLimits, default_max: int, max_name: str = "m
                                           lo_open=True),
                 presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
                 frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                ignore_eos=_bool(body, "ignore_eos"), stop_token_ids=_stop_token_ids(body))
+                ignore_eos=_bool(body, "ignore_eos"), stop_token_ids=_stop_token_ids(body),
+                cache_salt=_cache_salt(body))
+
+
+def _cache_salt(body: dict) -> str:
+    v = body.get("cache_salt")
+    if v is None:
+        return ""
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_CACHE_SALT_CHARS:
+        raise _bad("cache_salt", f"must be a non-empty string of at most "
+                                 f"{MAX_CACHE_SALT_CHARS} characters, got {v!r:.80}")
+    return _text(v, "cache_salt")
 
 
 def _stop_token_ids(body: dict) -> tuple[int, ...]:

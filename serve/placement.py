@@ -108,11 +108,6 @@ def needs_of(s: "ServeSettings", gpus: RankGpus = RankGpus.NONE) -> PlacementNee
                           s.num_cpus_per_rank, gpus.count)
 
 
-def gpus_setting(s: "ServeSettings") -> RankGpus:
-    """The deployment's gpus_per_rank setting (AUTO where the settings leave it out)."""
-    return RankGpus.parse(getattr(s, "gpus_per_rank", RankGpus.AUTO), "gpus_per_rank")
-
-
 def rank_bundle(cpus: float, gpus: int, resources: Mapping[str, float] | None
                 ) -> dict[str, float]:
     """What one rank's placement-group bundle asks Ray for: its CPUs, its GPU when it has

@@ -22,7 +22,8 @@ from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
 from kvtier.serve.placement import (HEAD_RESOURCE, INSTANCE_RESOURCE, PlacementMode,
-                                    check_resource_name)
+                                    RankGpus, check_resource_name)
+from kvtier.serve.tenants import check_api_keys, load_api_keys
 from kvtier.storage_options import check_abs_path, check_float, check_int
 
 MAX_INSTANCES = 64
@@ -67,6 +68,9 @@ class ServeSettings:
     tenant_salt: str = ""
     admin_key: str = ""  # "" = a random key, printed by `kvtier serve`
     api_key: str = ""  # the OpenAI endpoints need it as a bearer token ("" = open)
+    # API key -> tenant (serve/tenants.py): each tenant's requests share prefixes only with
+    # that tenant's. A Serve config may give `api_keys_file` (a JSON file) instead.
+    api_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
     max_new_tokens: int = 256
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
@@ -77,6 +81,7 @@ class ServeSettings:
     placement: PlacementMode = PlacementMode.AUTO  # custom resources (serve/placement.py)
     head_resource: str = HEAD_RESOURCE  # the namespace actor's node offers it
     instance_resource: str = INSTANCE_RESOURCE  # 1 unit per rank
+    gpus_per_rank: RankGpus = RankGpus.AUTO  # auto: 1 where the nodes' GPUs hold every rank
     # More HiCacheConfig knobs by SGLang's names (write_policy, mem_layout, io_backend,
     # host_mode, prefetch_policy, load_back_threshold_tokens, ...): every rank's cache config.
     # page_size, hicache_ratio, hierarchical and l3 stay the settings above.
@@ -87,6 +92,7 @@ class ServeSettings:
         self._resolve_model()
         set_("dtype", DType.parse(self.dtype, "dtype"))
         set_("placement", PlacementMode.parse(self.placement, "placement"))
+        set_("gpus_per_rank", RankGpus.parse(self.gpus_per_rank, "gpus_per_rank"))
         set_("schedule_policy", SchedulePolicy.parse(self.schedule_policy, "schedule_policy"))
         check_resource_name(self.head_resource, "head_resource")
         check_resource_name(self.instance_resource, "instance_resource")
@@ -121,6 +127,7 @@ class ServeSettings:
             if getattr(self, name):
                 check_abs_path(getattr(self, name), name)
         set_("hicache", self._check_hicache(self.hicache))
+        set_("api_keys", check_api_keys(self.api_keys))
         KeyNamespace("kvtier", self.tenant_salt)  # the salt's rules, checked before any instance
         if self.admin_key and len(self.admin_key) < 16:
             raise ConfigError("admin_key: use at least 16 characters (or leave it empty for a "
@@ -187,9 +194,19 @@ class ServeSettings:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ServeSettings":
-        """From a Serve config's args (or any mapping); unknown keys are errors."""
+        """From a Serve config's args (or any mapping); unknown keys are errors.
+        `api_keys_file` (a path) is read here, into `api_keys`."""
         if not isinstance(values, Mapping):
             raise ConfigError(f"serve settings must be a mapping, got {type(values).__name__}")
+        if values.get("api_keys_file"):
+            values = dict(values)
+            path = values.pop("api_keys_file")
+            if not isinstance(path, str):
+                raise ConfigError("api_keys_file: expected a path")
+            values["api_keys"] = {**load_api_keys(path), **check_api_keys(
+                values.get("api_keys", {}))}
+        elif "api_keys_file" in values:
+            values = {k: v for k, v in values.items() if k != "api_keys_file"}
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key not in known:
@@ -204,6 +221,7 @@ class ServeSettings:
         out = dataclasses.asdict(self)
         out["model"], out["dtype"] = self.model.value, self.dtype.value
         out["placement"] = self.placement.value
+        out["gpus_per_rank"] = self.gpus_per_rank.value
         out["schedule_policy"] = self.schedule_policy.value
         return out
 

@@ -1,6 +1,7 @@
 """Whether ranks ask Ray for GPUs, decided on node records (no Ray cluster, no GPU needed)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -30,11 +31,10 @@ def test_the_cluster_decides_where_gpus_per_rank_is_auto(caplog) -> None:
     assert "run on CPUs" in caplog.text  # GPUs left unused: said, not silent
 
 
-def test_gpus_asked_of_a_cpu_only_cluster_fail_naming_gpu(monkeypatch) -> None:
-    monkeypatch.setattr("kvtier.actors.cluster_placement.gpus_setting",
-                        lambda s: RankGpus.ONE)  # gpus_per_rank: 1
+def test_gpus_asked_of_a_cpu_only_cluster_fail_naming_gpu() -> None:
     with pytest.raises(PlacementError, match="'GPU'"):
-        rank_gpus(SETTINGS, [node("10.0.0.1", CPU=8)])
+        rank_gpus(dataclasses.replace(SETTINGS, gpus_per_rank=RankGpus.ONE),
+                  [node("10.0.0.1", CPU=8)])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

@@ -5,7 +5,7 @@ import pytest
 
 from kvtier.errors import ConfigError, PlacementError
 from kvtier.serve.placement import (GPU, NodeResources, PlacementMode, PlacementNeeds,
-                                    RankGpus, check_placement, gpus_setting, head_resources,
+                                    RankGpus, check_placement, head_resources,
                                     needs_of, rank_bundle, rank_resources, resolve_gpus,
                                     resolve_mode)
 from kvtier.serve.settings import ServeSettings
@@ -182,5 +182,6 @@ def test_gpus_per_rank_values() -> None:
     with pytest.raises(ConfigError, match="resolve"):
         RankGpus.AUTO.count
     s = ServeSettings(model="tiny", l3="none")
-    assert gpus_setting(s) is RankGpus.AUTO  # the default
+    assert s.gpus_per_rank is RankGpus.AUTO  # the default
+    assert ServeSettings(model="tiny", l3="none", gpus_per_rank=0).gpus_per_rank is RankGpus.NONE
     assert needs_of(s, RankGpus.ONE).gpus_per_rank == 1 and needs_of(s).gpus_per_rank == 0

@@ -5,7 +5,8 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy
-from kvtier.serve.admin import check_admin_key, check_api_key, parse_admin_body
+from kvtier.serve.admin import check_admin_key, parse_admin_body
+from kvtier.serve.tenants import ApiKeys
 from kvtier.serve.openai_requests import ApiError
 from kvtier.serve.settings import L3_NONE, ModelChoice, ServeSettings
 from kvtier.serve.text_stream import TextStream
@@ -63,11 +64,11 @@ def test_admin_key_and_body():
         with pytest.raises(ApiError) as err:
             check_admin_key(header, "key-0123456789abcdef")
         assert err.value.status == 401
-    check_api_key("", "")  # no API key: the OpenAI endpoints are open
-    check_api_key("Bearer sk-1", "sk-1")
+    assert ApiKeys().tenant("") == ""  # no API key: the OpenAI endpoints are open
+    assert ApiKeys(api_key="sk-1").tenant("Bearer sk-1") == ""
     for header in ("", "Bearer sk-2", "sk-1", "Bearer admin-key-0123456789"):
         with pytest.raises(ApiError) as err:
-            check_api_key(header, "sk-1")
+            ApiKeys(api_key="sk-1").tenant(header)
         assert err.value.status == 401 and "api key" in err.value.message
     assert parse_admin_body(b"") == {}
     assert parse_admin_body(b'{"backend": "file"}') == {"backend": "file"}
