@@ -43,9 +43,12 @@ SNAPSHOT_INTERVAL_S = 2.0
 
 
 class _Generation:
-    """One request's run on an instance: its text, token count and final report."""
+    """One answer's run on an instance (answer `index` of the request's `n`): where it runs,
+    why the router chose that instance, its text, token count and final report."""
 
-    def __init__(self, stream: TextStream) -> None:
+    def __init__(self, answer: RoutedAnswer, route: dict, stream: TextStream,
+                 index: int = 0) -> None:
+        self.answer, self.route, self.index = answer, route, index
         self.stream = stream
         self.tokens = 0
         self.final: dict | None = None
@@ -159,29 +162,44 @@ class Ingress:
             log.exception("a request could not be read")
             return JSONResponse(ApiError(500, f"the request could not be read: {exc}",
                                          err_type=ErrorType.SERVER).to_body(), status_code=500)
-        sampling = req.sampling(self.tokenizer.stop_token_ids, self._seeds.getrandbits(63))
+        seed = self._seeds.getrandbits(63)
         start = time.perf_counter()
         salt = request_salt(tenant, req.cache_salt)  # its prefixes are its tenant's only
-        choice = await self.router.choose.remote(tokens, cache_salt=salt)
-        answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,
-                              choice["instance"], self.check_s, self.metrics.observe_redispatch,
-                              cache_salt=salt)
-        gen = _Generation(TextStream(self.tokenizer, req.stop))
+        gens = [await self._start(req, tokens, seed, salt, i) for i in range(req.n)]
         rid = out.new_request_id(chat)
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, chat, answer, gen, tokens, start),
+            return StreamingResponse(self._sse(req, rid, chat, gens, tokens, start),
                                      media_type="text/event-stream")
+        runs = [asyncio.ensure_future(self._drain(g, start)) for g in gens]
         try:
-            async for _ in self._run(answer, gen, start):
-                pass
+            await asyncio.gather(*runs)
         except Exception as exc:  # noqa: BLE001 - the client gets a 503 with the reason
+            for run in runs:
+                run.cancel()  # the other answers stop too
             return self._failed(exc)
-        self._observe(answer.instance, gen, start, len(tokens))
-        usage, kvtier = self._usage(len(tokens), gen)
-        kvtier["route"] = {"reason": choice["reason"], "expected_pages": choice["hits"]}
+        for gen in gens:
+            self._observe(gen, start, len(tokens))
+        usage, kvtier = self._usage(len(tokens), gens)
         build = out.chat_response if chat else out.completion_response
-        return JSONResponse(build(rid, req.model, int(time.time()), gen.stream.text,
-                                  gen.finish_reason, usage, kvtier))
+        created = int(time.time())
+        first, *more = (build(rid, req.model, created, g.stream.text, g.finish_reason, usage,
+                              kvtier, index=g.index) for g in gens)
+        return JSONResponse(out.with_choices(first, more) if more else first)
+
+    async def _start(self, req: CompletionRequest | ChatRequest, tokens: list[int], seed: int,
+                     salt: str, index: int) -> _Generation:
+        """Route answer `index` of the request and start it. Answers after the first go
+        where the router expects the first's prompt pages: they hit them."""
+        sampling = req.sampling(self.tokenizer.stop_token_ids, seed, index)
+        route = await self.router.choose.remote(tokens, cache_salt=salt)
+        answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,
+                              route["instance"], self.check_s, self.metrics.observe_redispatch,
+                              cache_salt=salt)
+        return _Generation(answer, route, TextStream(self.tokenizer, req.stop), index)
+
+    async def _drain(self, gen: _Generation, start: float) -> None:
+        async for _ in self._run(gen, start):
+            pass
 
     def _tokens(self, req: CompletionRequest | ChatRequest) -> list[int]:
         if isinstance(req, ChatRequest):
@@ -198,12 +216,11 @@ class Ingress:
         check_prompt_tokens(tokens, self.limits, self.tokenizer.vocab_size, param=param)
         return tokens
 
-    async def _run(self, answer: RoutedAnswer, gen: _Generation, start: float
-                   ) -> AsyncIterator[str]:
+    async def _run(self, gen: _Generation, start: float) -> AsyncIterator[str]:
         """Yield text deltas until the instance finishes or a stop string is hit (then the
         instance's stream is cancelled, which aborts the request there)."""
         try:
-            async for item in answer.items():
+            async for item in gen.answer.items():
                 if item["tokens"] and gen.first_token_s is None:
                     gen.first_token_s = time.perf_counter() - start
                 gen.tokens += len(item["tokens"])
@@ -220,49 +237,72 @@ class Ingress:
                 yield rest
         finally:
             if gen.final is None:
-                answer.cancel()
+                gen.answer.cancel()
 
-    async def _sse(self, req, rid: str, chat: bool, answer: RoutedAnswer, gen: _Generation,
+    async def _sse(self, req, rid: str, chat: bool, gens: list[_Generation],
                    tokens: list[int], start: float) -> AsyncIterator[str]:
+        """The answers' chunks as they come (each with its index), then each one's closing
+        chunk when it ends; usage and [DONE] once every answer has ended."""
         created = int(time.time())
+
+        def chunk(gen: _Generation, **kw) -> str:
+            build = out.chat_chunk if chat else out.completion_chunk
+            return out.sse(build(rid, req.model, created, include_usage=req.include_usage,
+                                 index=gen.index, **kw))
+
         if chat:
-            yield out.sse(out.chat_chunk(rid, req.model, created, first=True,
-                                         include_usage=req.include_usage))
+            for gen in gens:
+                yield chunk(gen, first=True)
+        deltas: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.ensure_future(self._pump(g, start, deltas)) for g in gens]
         try:
-            async for text in self._run(answer, gen, start):
-                chunk = (out.chat_chunk(rid, req.model, created, content=text,
-                                        include_usage=req.include_usage) if chat else
-                         out.completion_chunk(rid, req.model, created, text,
-                                              include_usage=req.include_usage))
-                yield out.sse(chunk)
-        except Exception as exc:  # noqa: BLE001 - headers are sent: report in the stream
-            yield out.sse(ApiError(503, f"generation failed: {exc}",
-                                   err_type=ErrorType.SERVER).to_body())
-            yield out.SSE_DONE
-            return
-        final = (out.chat_chunk(rid, req.model, created, finish_reason=gen.finish_reason,
-                                include_usage=req.include_usage) if chat else
-                 out.completion_chunk(rid, req.model, created, finish_reason=gen.finish_reason,
-                                      include_usage=req.include_usage))
-        yield out.sse(final)
-        usage, kvtier = self._usage(len(tokens), gen)
+            for _ in range(len(gens)):
+                while True:
+                    gen, delta = await deltas.get()
+                    if isinstance(delta, Exception):  # headers are sent: say it in the stream
+                        yield out.sse(ApiError(503, f"generation failed: {delta}",
+                                               err_type=ErrorType.SERVER).to_body())
+                        yield out.SSE_DONE
+                        return
+                    if delta is None:  # this answer ended
+                        yield chunk(gen, finish_reason=gen.finish_reason)
+                        break
+                    yield chunk(gen, content=delta) if chat else chunk(gen, text=delta)
+        finally:
+            for pump in pumps:
+                pump.cancel()  # a client gone, or a failed answer: the others stop too
+        usage, kvtier = self._usage(len(tokens), gens)
         if req.include_usage:
             yield out.sse(out.usage_chunk(rid, req.model, created, usage, chat=chat,
                                           kvtier=kvtier))
         yield out.SSE_DONE
-        self._observe(answer.instance, gen, start, len(tokens))
+        for gen in gens:
+            self._observe(gen, start, len(tokens))
 
-    def _usage(self, prompt_tokens: int, gen: _Generation) -> tuple[dict, dict]:
+    async def _pump(self, gen: _Generation, start: float, deltas: asyncio.Queue) -> None:
+        """Put (gen, text delta) on `deltas`, then (gen, None) at its end, or (gen, error)."""
+        try:
+            async for text in self._run(gen, start):
+                deltas.put_nowait((gen, text))
+            deltas.put_nowait((gen, None))
+        except Exception as exc:  # noqa: BLE001 - reported in the stream by _sse
+            deltas.put_nowait((gen, exc))
+
+    def _usage(self, prompt_tokens: int, gens: list[_Generation]) -> tuple[dict, dict]:
+        """OpenAI's usage (the prompt once, every answer's tokens) and the `kvtier` field
+        (the first answer's: where its prompt came from, its route)."""
+        gen = gens[0]
         final = gen.final or {"cached": {"device": 0, "host": 0, "storage": 0}, "lengths": None}
         lengths = final["lengths"] or {"prefix_len": 0, "host_hit_length": 0,
                                        "host_loaded_length": 0, "storage_hit_length": 0,
                                        "extend_len": prompt_tokens}
         kvtier = out.kvtier_field(final["cached"], lengths)
         kvtier["instance"] = final.get("instance")  # which instance served it (routing)
-        return out.usage(prompt_tokens, gen.tokens, final["cached"], lengths), kvtier
+        kvtier["route"] = {"reason": gen.route["reason"], "expected_pages": gen.route["hits"]}
+        answered = sum(g.tokens for g in gens)
+        return out.usage(prompt_tokens, answered, final["cached"], lengths), kvtier
 
-    def _observe(self, instance: str, gen: _Generation, start: float,
-                 prompt_tokens: int) -> None:
+    def _observe(self, gen: _Generation, start: float, prompt_tokens: int) -> None:
         self._ensure_snapshots()
         total = time.perf_counter() - start
         tpot = None
@@ -270,7 +310,7 @@ class Ingress:
             tpot = (total - gen.first_token_s) / (gen.tokens - 1)
         cached = gen.final["cached"] if gen.final else {"device": 0, "host": 0, "storage": 0}
         queue = gen.final.get("queue_s") if gen.final else None
-        self.metrics.observe_request(instance, gen.first_token_s or total, tpot, cached,
+        self.metrics.observe_request(gen.answer.instance, gen.first_token_s or total, tpot, cached,
                                      gen.finish_reason, prompt_tokens, gen.tokens, total, queue)
 
     @staticmethod

@@ -20,6 +20,7 @@ from kvtier.keys import MAX_CACHE_SALT_CHARS
 
 MAX_STOPS = 4  # OpenAI's own limit on `stop`
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 16  # `n`: answers per request
 TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 in most tokenizers and kernels
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -89,6 +90,7 @@ class GenerationOptions:
     top_p: float = 1.0
     seed: int | None = None
     stream: bool = False
+    n: int = 1  # answers to the prompt, each sampled with its own seed (seed + index)
     stop: tuple[str, ...] = ()
     include_usage: bool = False  # stream_options.include_usage: a final usage-only chunk
     # Sampling beyond OpenAI's own (vLLM's and SGLang's extra fields; engine.SamplingParams)
@@ -101,9 +103,10 @@ class GenerationOptions:
     stop_token_ids: tuple[int, ...] = ()  # more token ids that end it
     cache_salt: str = ""  # vLLM's: only requests with the same salt (and tenant) share prefixes
 
-    def sampling(self, model_stops: Sequence[int], seed: int) -> dict:
-        """The engine's SamplingParams fields (a dict that crosses the actor boundary); `seed`
-        when the request brought none (so a redispatched request samples the same tokens)."""
+    def sampling(self, model_stops: Sequence[int], seed: int, index: int = 0) -> dict:
+        """The engine's SamplingParams fields (a dict that crosses the actor boundary) of
+        answer `index` (of `n`); `seed` when the request brought none (so a redispatched
+        request samples the same tokens). Answer i samples with the seed plus i."""
         stops = tuple(dict.fromkeys(self.stop_token_ids + (() if self.ignore_eos
                                                            else tuple(model_stops))))
         return {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
@@ -111,7 +114,8 @@ class GenerationOptions:
                 "repetition_penalty": self.repetition_penalty,
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "stop_token_ids": stops,
-                "seed": self.seed if self.seed is not None else seed}
+                "seed": ((self.seed if self.seed is not None else seed) + index
+                         - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0]) + SEED_RANGE[0]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,10 +262,7 @@ def _include_usage(body: dict) -> bool:
 def _options(body: dict, limits: ApiLimits, default_max: int, max_name: str = "max_tokens"
              ) -> dict:
     """The shared fields, checked; a dict to splat into either request type."""
-    n = body.get("n")
-    if n is not None and not (_is_int(n) and n == 1):
-        raise _bad("n", f"only 1 completion per request is supported, got {n!r}")
-    return dict(model=_check_model(body, limits),
+    return dict(model=_check_model(body, limits), n=_int(body, "n", 1, 1, MAX_CHOICES),
                 max_tokens=_int(body, max_name, default_max, 1, limits.max_new_tokens),
                 temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),

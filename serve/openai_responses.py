@@ -69,9 +69,9 @@ def kvtier_field(cached: Mapping | tuple, lengths: Mapping | tuple) -> dict:
 
 
 def _envelope(obj: str, request_id: str, model: str, created: int, choice: dict,
-              usage_: dict | None, kvtier: dict | None) -> dict:
+              usage_: dict | None, kvtier: dict | None, index: int = 0) -> dict:
     out = {"id": request_id, "object": obj, "created": created, "model": model,
-           "choices": [{"index": 0, **choice}]}
+           "choices": [{"index": index, **choice}]}
     if usage_ is not None:
         out["usage"] = usage_
     if kvtier is not None:
@@ -81,17 +81,26 @@ def _envelope(obj: str, request_id: str, model: str, created: int, choice: dict,
 
 def completion_response(request_id: str, model: str, created: int, text: str,
                         finish_reason: str | enum.Enum, usage: dict,
-                        kvtier: dict | None = None) -> dict:
+                        kvtier: dict | None = None, *, index: int = 0) -> dict:
     choice = {"text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
-    return _envelope("text_completion", request_id, model, created, choice, usage, kvtier)
+    return _envelope("text_completion", request_id, model, created, choice, usage, kvtier,
+                     index)
 
 
 def chat_response(request_id: str, model: str, created: int, text: str,
                   finish_reason: str | enum.Enum, usage: dict,
-                  kvtier: dict | None = None) -> dict:
+                  kvtier: dict | None = None, *, index: int = 0) -> dict:
     choice = {"message": {"role": Role.ASSISTANT.value, "content": text}, "logprobs": None,
               "finish_reason": openai_finish_reason(finish_reason)}
-    return _envelope("chat.completion", request_id, model, created, choice, usage, kvtier)
+    return _envelope("chat.completion", request_id, model, created, choice, usage, kvtier,
+                     index)
+
+
+def with_choices(response: dict, others: list[dict]) -> dict:
+    """`response` (answer 0 of a request with `n` > 1) with the choices of the `others`
+    (answers 1.., built the same way with their index) appended, in index order."""
+    choices = response["choices"] + [c for r in others for c in r["choices"]]
+    return {**response, "choices": sorted(choices, key=lambda c: c["index"])}
 
 
 # ---------------------------------------------------------------- streaming
@@ -109,22 +118,23 @@ def _with_null_usage(chunk: dict, include_usage: bool) -> dict:
 
 def completion_chunk(request_id: str, model: str, created: int, text: str = "",
                      finish_reason: str | enum.Enum | None = None, *,
-                     include_usage: bool = False) -> dict:
+                     include_usage: bool = False, index: int = 0) -> dict:
     choice = {"text": text, "logprobs": None, "finish_reason": _chunk_finish(finish_reason)}
-    chunk = _envelope("text_completion", request_id, model, created, choice, None, None)
+    chunk = _envelope("text_completion", request_id, model, created, choice, None, None, index)
     return _with_null_usage(chunk, include_usage)
 
 
 def chat_chunk(request_id: str, model: str, created: int, content: str | None = None,
                finish_reason: str | enum.Enum | None = None, *, first: bool = False,
-               include_usage: bool = False) -> dict:
+               include_usage: bool = False, index: int = 0) -> dict:
     """`first` adds the assistant role to the delta (OpenAI's opening chunk); the closing chunk
     has an empty delta and the finish reason."""
     delta: dict = {"role": Role.ASSISTANT.value} if first else {}
     if content is not None:
         delta["content"] = content
     choice = {"delta": delta, "logprobs": None, "finish_reason": _chunk_finish(finish_reason)}
-    chunk = _envelope("chat.completion.chunk", request_id, model, created, choice, None, None)
+    chunk = _envelope("chat.completion.chunk", request_id, model, created, choice, None, None,
+                      index)
     return _with_null_usage(chunk, include_usage)
 
 

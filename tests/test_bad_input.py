@@ -382,7 +382,7 @@ API_KEYS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             "top_p", "seed", "stream", "stop", "stream_options", "n", "logprobs", "echo",
             "logit_bias", "tools", "response_format", "suffix", "top_k", "min_p",
             "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
-            "stop_token_ids"]
+            "stop_token_ids", "cache_salt"]
 TEXT = st.text(max_size=12) | st.sampled_from(["\ud800", "a\udc80b", "\x00", "<|im_start|>"])
 MESSAGE = st.fixed_dictionaries({}, optional={
     "role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | JSONISH,

@@ -142,7 +142,7 @@ def test_unknown_and_missing_model():
     ({"stream": 1}, "stream"), ({"stream": "true"}, "stream"),
     ({"stop": ""}, "stop"), ({"stop": ["a", ""]}, "stop"), ({"stop": ["a"] * 5}, "stop"),
     ({"stop": 3}, "stop"), ({"stop": [1]}, "stop"),
-    ({"n": 2}, "n"), ({"n": True}, "n"), ({"n": 0}, "n"),
+    ({"n": 17}, "n"), ({"n": True}, "n"), ({"n": 0}, "n"),
     ({"stream_options": True}, "stream_options"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
@@ -201,7 +201,7 @@ def test_several_unsupported_fields_are_all_named():
     ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": True}, "logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"), ({"response_format": {"type": "json_object"}},
                                             "response_format"),
-    ({"n": 3}, "n"),
+    ({"n": 3.0}, "n"),
 ])
 def test_chat_field_errors(fields, param):
     err = refused(parse_chat, chat(**fields))
@@ -370,3 +370,12 @@ def test_stop_matcher_any_split_matches_whole(text, stops, data):
     whole = run_matcher(tuple(stops), [text])
     assert run_matcher(tuple(stops), deltas) == whole == reference_cut(text, stops)
     assert not any(s in whole[0] for s in stops)
+
+
+def test_n_answers_sample_with_consecutive_seeds():
+    req = parse_chat(chat(n=3, seed=5), LIMITS)
+    assert req.n == 3
+    assert [req.sampling((2,), 99, i)["seed"] for i in range(3)] == [5, 6, 7]
+    assert parse_chat(chat(), LIMITS).sampling((2,), 99)["seed"] == 99  # its own seed
+    top = parse_chat(chat(seed=2**64 - 1), LIMITS).sampling((2,), 0, 1)["seed"]
+    assert top == -(2**63)  # wraps within what the sampler takes

@@ -116,7 +116,7 @@ def test_chat_streaming_opens_with_the_role(app):
     (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**6}).encode(), 400,
      "max_tokens"),
-    (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "x", "n": 17}).encode(), 400, "n"),
     (b"{" + b" " * (2 << 20) + b"}", 413, "bytes"),
 ])
 def test_bad_requests_get_a_4xx_with_a_message(app, body, status, needle):
@@ -258,3 +258,30 @@ def test_the_openai_client_reads_every_answer(app):
                                      temperature=0)
     assert comp.choices[0].finish_reason in ("stop", "length")
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_n_answers_come_back_indexed_and_equal_single_requests(app):
+    """n=3: three answers sampled with seeds s, s+1, s+2 (answer i equals a single request
+    with seed s+i); the prompt counted once; streamed, every chunk names its answer."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "n?"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0)
+    many = client.chat.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(seed=11 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in many.choices] == \
+        [s.choices[0].message.content for s in singles]
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    chunks = list(client.chat.completions.create(n=2, seed=11, stream=True, **kw))
+    texts, ends = ["", ""], [None, None]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            ends[choice.index] = choice.finish_reason or ends[choice.index]
+    assert texts == [c.message.content for c in many.choices[:2]]
+    assert all(e in ("stop", "length") for e in ends)
+    comp = client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=3, n=2,
+                                     temperature=0)
+    assert [c.index for c in comp.choices] == [0, 1] and comp.choices[0].text == comp.choices[1].text
