@@ -234,6 +234,8 @@ class ServeMetrics:
         self._gauges["instance_stalled"].labels(instance).set(int(stalled))
         deltas = self._step(instance, "liveness", {"stalls": stalls})
         self._counters["instance_stalls"].labels(instance).inc(deltas["stalls"])
+        # its series from the start, at 0 until a request is re-sent (graphs read no gap)
+        self._counters["redispatched_requests"].labels(instance)
 
     def update_gauges(self, instance: str, values: Mapping[str, float]) -> None:
         """Current values of one instance (pool use, queue lengths); names from GAUGES,

@@ -130,6 +130,15 @@ def test_instances_are_kept_apart():
     assert value(m, "lookups", "_total", kvtier_instance="b") == 10
 
 
+def test_liveness_shows_the_stall_series_at_zero():
+    m = ServeMetrics()
+    m.update_liveness("a", stalls=0, stalled=False)
+    rendered = {s.name: s.value for f in families(m).values() for s in f.samples}
+    for name in ("kvtier_instance_stalls_total", "kvtier_redispatched_requests_total",
+                 "kvtier_instance_stalled"):
+        assert rendered[name] == 0, name  # graphed before anything stalled
+
+
 def test_a_counter_that_goes_backwards_means_a_restart():
     m = ServeMetrics()
     m.update_cache("a", cache_snapshot(lookups=10, device_hit_tokens=100), 0, 10)
@@ -194,21 +203,32 @@ def test_zero_duration_transfers_are_not_observed():
     assert value(m, "storage_read_bandwidth_bytes_per_second", "_count", kvtier_instance="a") == 0
 
 
-def test_the_grafana_dashboard_queries_only_exported_series():
+def dashboard_queries() -> list[str]:
+    """Every query of examples/grafana_dashboard.json (its panels' and the instance menu's)."""
     import json
-    import re
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "examples" / "grafana_dashboard.json"
     dashboard = json.loads(path.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    exprs.append(dashboard["templating"]["list"][1]["query"])
+    return exprs + [dashboard["templating"]["list"][1]["query"]]
+
+
+def dashboard_series() -> set[str]:
+    """The series names the dashboard's queries read."""
+    import re
+
+    used = {name for e in dashboard_queries() for name in re.findall(r"\bkvtier_[a-z0-9_]+", e)}
+    return used - {"kvtier_instance"}  # the label
+
+
+def test_the_grafana_dashboard_queries_only_exported_series():
     exported = ({f"kvtier_{n}_total" for n in COUNTERS} | {f"kvtier_{n}" for n in GAUGES}
                 | {f"kvtier_{n}_{s}" for n in HISTOGRAMS for s in ("bucket", "count", "sum")})
-    used = {name for e in exprs for name in re.findall(r"\bkvtier_[a-z0-9_]+", e)}
-    used -= {"kvtier_instance"}  # the label
+    used = dashboard_series()
     assert used and used <= exported, sorted(used - exported)
-    assert all("kvtier_instance" in e for e in exprs)  # every query can filter by instance
+    # every query can filter by instance
+    assert all("kvtier_instance" in e for e in dashboard_queries())
     # What it names is what a deployment renders (the private registry, fed once).
     m = ServeMetrics()
     m.observe_request("a", 0.2, 0.01, {"device": 1}, "stop", 10, 2, 0.3)
