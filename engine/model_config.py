@@ -61,9 +61,7 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], has_output_weight: bool) -> "ModelConfig":
         """Read a llama-architecture GGUF's `llama.*` keys (values already decoded)."""
-        arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ConfigError(f"GGUF architecture {arch!r} is not supported; only 'llama' is")
+        check_gguf_llama(meta)
 
         def key(name: str, default: Any = None) -> Any:
             value = meta.get(f"llama.{name}", default)
@@ -89,6 +87,25 @@ class ModelConfig:
             max_position=int(key("context_length")),
             name=str(meta.get("general.name", "llama")),
         )
+
+
+def check_gguf_llama(meta: Mapping[str, Any]) -> None:
+    """Refuse, naming it, a GGUF that is not a plain Llama: another architecture, a sliding
+    window, RoPE scaling or experts (MoE)."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; kvtier runs 'llama' "
+                          f"GGUF files (Llama-architecture models)")
+    if meta.get("llama.attention.sliding_window"):
+        raise ConfigError(f"the GGUF asks for sliding-window attention (llama.attention."
+                          f"sliding_window={meta['llama.attention.sliding_window']}), which "
+                          f"kvtier does not run yet; use a full-attention model")
+    scaling = meta.get("llama.rope.scaling.type")
+    if scaling not in (None, "none") and meta.get("llama.rope.scaling.factor") != 1.0:
+        raise ConfigError(f"RoPE scaling ({scaling}) is not supported; kvtier runs plain RoPE")
+    if meta.get("llama.expert_count"):
+        raise ConfigError(f"the GGUF is a mixture of experts ({meta['llama.expert_count']} "
+                          f"experts), which kvtier does not run; use a dense model")
 
 
 def tiny_config(vocab_size: int = 256, num_layers: int = 2) -> ModelConfig:

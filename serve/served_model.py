@@ -1,6 +1,6 @@
 """What a deployment's ranks load and its ingress tokenizes with, from its settings: SmolLM2
-(the embedded default), the tiny test model (random weights over SmolLM2's vocabulary), or a
-Hugging Face model directory."""
+(the embedded default), the tiny test model (random weights over SmolLM2's vocabulary), a
+Hugging Face model directory or a GGUF file."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,12 +10,12 @@ from kvtier.serve.settings import ModelChoice, ServeSettings
 
 def weight_source(s: ServeSettings) -> Any:
     """The ranks' WeightSource (kvtier.engine.tp_worker); it pickles, ranks load it."""
-    from kvtier.engine.hf_dir import HFModelDir
+    from kvtier.engine.local_model import local_model
     from kvtier.engine.model_config import tiny_config
     from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
 
     if s.model is ModelChoice.PATH:
-        return HFModelDir(s.model_path)
+        return local_model(s.model_path)
     smol = SmolLM2Weights()
     if s.model is ModelChoice.SMOLLM2:
         return smol
@@ -24,10 +24,10 @@ def weight_source(s: ServeSettings) -> Any:
 
 def tokenizer(s: ServeSettings) -> Any:
     """The model's Tokenizer (kvtier.engine.tokenizer): its chat template and stop tokens."""
-    from kvtier.engine.hf_dir import HFModelDir
+    from kvtier.engine.local_model import local_model
     from kvtier.engine.tokenizer import Tokenizer
     from kvtier.engine.weights import ensure_converted
 
     if s.model is ModelChoice.PATH:
-        return HFModelDir(s.model_path).tokenizer()
+        return local_model(s.model_path).tokenizer()
     return Tokenizer.from_files(ensure_converted())  # SmolLM2's, the tiny model's too

