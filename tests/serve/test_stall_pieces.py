@@ -145,7 +145,7 @@ class FakeStream:
 
 class FakeInstance:
     def __init__(self, items: list[list[int]], hang: bool = False) -> None:
-        self.items, self.hang, self.streams = items, hang, []
+        self.items, self.hang, self.streams, self.salts = items, hang, [], []
 
     def options(self, stream: bool):
         return self
@@ -154,7 +154,8 @@ class FakeInstance:
     def generate(self):
         return self
 
-    def remote(self, tokens, sampling) -> FakeStream:
+    def remote(self, tokens, sampling, cache_salt="") -> FakeStream:
+        self.salts.append(cache_salt)
         self.streams.append(FakeStream(self.items, self.hang))
         return self.streams[-1]
 
@@ -164,7 +165,7 @@ class FakeRouter:
 
     def __init__(self, stalled: str, other: str | None, stall_after: int = 2) -> None:
         self.stalled, self.other, self.stall_after = stalled, other, stall_after
-        self.asked, self.avoided = 0, []
+        self.asked, self.avoided, self.salts = 0, [], []
         self.states, self.choose = self._Call(self._states), self._Call(self._choose)
 
     class _Call:
@@ -178,8 +179,9 @@ class FakeRouter:
         self.asked += 1
         return {self.stalled: "stalled" if self.asked > self.stall_after else "live"}
 
-    def _choose(self, tokens, avoid=()) -> dict:
+    def _choose(self, tokens, avoid=(), cache_salt="") -> dict:
         self.avoided.append(tuple(avoid))
+        self.salts.append(cache_salt)
         return {"instance": self.other, "reason": "load", "hits": {}}
 
 
@@ -188,7 +190,8 @@ def run_answer(instances: dict, router: FakeRouter) -> tuple[list[int], RoutedAn
 
     async def go() -> tuple[list[int], RoutedAnswer]:
         answer = RoutedAnswer(router, instances, RouterStates(router, max_age_s=0.0),
-                              [1, 2, 3], {}, "a", check_s=0.01, on_move=moved.append)
+                              [1, 2, 3], {}, "a", check_s=0.01, on_move=moved.append,
+                              cache_salt="salt-1")
         got = []
         async for item in answer.items():
             got.extend(item["tokens"])
@@ -205,6 +208,7 @@ def test_a_stalled_answer_moves_and_the_client_gets_each_token_once():
     got, answer = run_answer({"a": a, "b": b}, FakeRouter("a", "b"))
     assert got == ANSWER and answer.instance == "b" and answer.sent.restarts == 1
     assert a.streams[0].cancelled and not b.streams[0].cancelled  # a's late answer: dropped
+    assert a.salts == b.salts == ["salt-1"]  # the request keeps its tenant where it moves
 
 
 def test_without_another_live_instance_the_answer_waits_where_it_is():
