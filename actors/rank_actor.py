@@ -406,6 +406,12 @@ def _directory_client(actor_name: str):
     return NamespaceClient(handle)
 
 
+def namespace_model(source: WeightSource) -> str:
+    """The model part of the cache namespace ranks built from `source` key their pages with:
+    an L3 namespace registered for such ranks names the same."""
+    return _key_model(_identity(source, source.config()))
+
+
 def _identity(source: WeightSource, cfg) -> str:
     """The model part of the cache namespace: the checkpoint's name and, where the source can
     tell (a model directory: a digest of its weight files), which weights these are."""

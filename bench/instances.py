@@ -5,6 +5,10 @@ collectives a step runs), and the actor-call overhead per step and per request.
 
     kvtier bench instances --json
     kvtier bench instances --hosts 3 --l3 mooncake --json   # root: across three hosts
+    kvtier bench instances --model /models/my-llama --tp 2 --hicache-mem-layout page_first_direct
+
+`--model` and SGLang's `--hicache-*` flags / `--hicache-config` are the demo's
+(kvtier.demo_flags): another model, and every rank's cache config.
 
 With `--hosts 3` the same workload runs on three hosts of this machine (kvtier demo --hosts)
 and the report adds `ttft_l3_cross_host_ratio` (B's L3 hit on host 3 of what A computed on
@@ -18,25 +22,32 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvtier import demo, demo_report
+from kvtier import demo, demo_flags, demo_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (no table)")
-    p.add_argument("--l3", choices=demo.L3_BACKENDS, default="file")
-    p.add_argument("--tp", type=int, choices=(1, 3), default=3,
-                   help="TP ranks per instance (default 3: every step runs the agreement)")
+    p.add_argument("--tp", type=int, default=3,
+                   help="TP ranks per instance, a divisor of the model's KV heads (default 3: "
+                        "every step runs the agreement)")
     p.add_argument("--tokens", type=int, default=2000, help="document tokens (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
     p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
                    help="model and KV dtype (default auto, as kvtier demo)")
     p.add_argument("--hosts", type=int, default=0,
                    help="3: across three hosts made on this machine (root)")
+    demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags, as kvtier demo
+
+
+def params_from(ns: argparse.Namespace) -> demo.DemoParams:
+    cache = demo_flags.cache_from_args(ns)  # l3, l3_root, page_size, hicache
+    return demo.DemoParams(tokens=ns.tokens, new_tokens=ns.new_tokens, progress=not ns.json,
+                           tp_size=ns.tp, dtype=ns.dtype, hosts=ns.hosts, model=ns.model,
+                           **cache._asdict())
 
 
 def main(ns: argparse.Namespace) -> int:
-    params = demo.DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json,
-                             tp_size=ns.tp, dtype=ns.dtype, hosts=ns.hosts)
+    params = params_from(ns)
     if ns.hosts:
         from kvtier.demo_hosts import run_on_hosts
 

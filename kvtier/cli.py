@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _command(sub, "serve", serve_command, "the OpenAI-compatible serve graph (ingress, "
              "router, instances) on Ray")
-    _command(sub, "demo", demo, "two SmolLM2 instances on local Ray share a document through "
-             "L1, L2 and L3")
+    _command(sub, "demo", demo, "two SmolLM2 instances (or --model's) on local Ray share a "
+             "document through L1, L2 and L3")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _command(bench, "tree", tree, "replay a trace through the HiRadixTree")
     _command(bench, "transfer", transfer, "L1<->L2 copy bandwidth per host layout")

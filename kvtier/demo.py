@@ -1,7 +1,9 @@
 """`kvtier demo`: two SmolLM2 instances on a local Ray cluster share a long document's KV.
 
 What it runs (one process drives everything; every instance is TP=3 by default, three rank
-actors that agree on hit lengths with one MIN collective per scheduling step; `--tp 1`):
+actors that agree on hit lengths with one MIN collective per scheduling step; `--tp` takes any
+divisor of the model's KV heads; `--model` another model, SGLang's `--hicache-*` flags the
+ranks' cache, see kvtier.demo_flags):
   * a local Ray cluster on 127.0.0.1 and the L3 namespace actor with one namespace whose
     storage (`file`: a temp dir; `nixl`: its POSIX plugin in the temp dir; `mooncake`: a
     master the actor starts) every rank opens with its own client;
@@ -27,13 +29,14 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
+from kvtier import demo_flags
+from kvtier.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, L3_BACKENDS
 from kvtier.demo_report import Row, format_table, summary
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-L3_BACKENDS = ("file", "mooncake", "nixl")
 QUESTIONS = ("what did the sensor in room 3 read in record 12?",
              "at what time was record 40 taken?",
              "what did the sensor in room 5 read in record 22?")
@@ -42,13 +45,13 @@ PLAN = (("A", 0, "compute"), ("A", 1, "L1"), ("B", 2, "L3"), ("A", 2, "L2"))
 
 
 class DemoParams(NamedTuple):
-    l3: str = "file"
+    l3: str = DEFAULT_L3
     tokens: int = 2000  # document tokens, rounded to whole prefill chunks
     new_tokens: int = 24  # greedy tokens per answer
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     chunk_tokens: int = 512
     progress: bool = True  # a tqdm bar on stderr
-    tp_size: int = 3  # ranks per instance; SmolLM2-135M has 3 KV heads: 1 or 3
+    tp_size: int = 3  # ranks per instance, a divisor of the model's KV heads (SmolLM2: 3)
     address: str | None = None  # join this Ray cluster (None: start a local one)
     l3_root: str = ""  # file/nixl L3 directory ("": a temp dir; on a cluster: a shared mount)
     # instance name -> the node address its ranks must run on (on a cluster)
@@ -56,6 +59,18 @@ class DemoParams(NamedTuple):
     dtype: str = "auto"  # of the model and its KV: auto (bf16 where the hardware computes in
     # it, else fp32), bf16 or fp32
     hosts: int = 0  # 3: the whole demo on three hosts of this machine (root; kvtier.hosts)
+    model: str = DEFAULT_MODEL  # smollm2, tiny, a Hugging Face model directory or a GGUF file
+    # more HiCacheConfig knobs for every rank, by name (SGLang's flags; kvtier.demo_flags)
+    hicache: tuple[tuple[str, Any], ...] = ()
+
+
+class DemoModel(NamedTuple):
+    """What the instances run, resolved from `DemoParams.model`."""
+
+    source: Any  # the ranks' WeightSource (kvtier.engine.tp_worker); it pickles
+    tokenizer: Any  # kvtier.engine.tokenizer.Tokenizer: the document, questions and answers
+    name: str  # the model part of the L3 namespace: what each rank keys its pages with
+    label: str  # for messages: SmolLM2-135M-Instruct, kvtier-tiny or the directory's name
 
 
 DTYPES = tuple(d.value for d in DType)
@@ -68,15 +83,25 @@ def _l3_options(backend: str, root: str) -> dict:
     return {"root_dir": root}
 
 
-def _namespace_spec(params: DemoParams, config, root: str):
-    """The namespace both instances write and read (a fresh tenant salt per run)."""
-    from kvtier.engine.engine import SMOLLM2_NAMESPACE
-    from kvtier.engine.tp_worker import SmolLM2Weights
-    import torch
+def demo_model(model: str) -> DemoModel:
+    """`model` resolved as `kvtier serve --model` resolves it (kvtier.serve.settings); its
+    namespace name is the one its ranks key pages with (kvtier.actors.rank_actor)."""
+    from kvtier.actors.rank_actor import namespace_model
+    from kvtier.serve.served_model import tokenizer, weight_source
+    from kvtier.serve.settings import ServeSettings
 
-    return namespace_spec(SmolLM2Weights(), config, params.l3, root, SMOLLM2_NAMESPACE,
-                          f"demo-{uuid.uuid4().hex[:8]}", dtype=_torch_dtype(params),
-                          page_size=params.page_size, tp_size=params.tp_size)
+    settings = ServeSettings(model=model)
+    source = weight_source(settings)
+    return DemoModel(source, tokenizer(settings), namespace_model(source),
+                     settings.served_model_name)
+
+
+def _namespace_spec(params: DemoParams, work: "_Workload", root: str):
+    """The namespace both instances write and read (a fresh tenant salt per run)."""
+    return namespace_spec(work.model.source, work.settings.config, params.l3, root,
+                          work.model.name, f"demo-{uuid.uuid4().hex[:8]}",
+                          dtype=_torch_dtype(params), page_size=params.page_size,
+                          tp_size=params.tp_size)
 
 
 def _torch_dtype(params: DemoParams):
@@ -108,9 +133,11 @@ def namespace_spec(source, config, backend: str, root: str, model: str, tenant_s
 def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
     """Run the demo; the JSON-able summary and one Row per request."""
     _check_params(params)
+    model = demo_model(params.model)
+    _check_tp(params, model)
     _import_everything()
     t_start = time.perf_counter()
-    work = _workload(params)
+    work = _workload(params, model)
     progress = _Progress(params)
     try:
         with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
@@ -118,8 +145,13 @@ def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
             progress.done()
     finally:
         progress.close()
-    return summary(params, rows, stats, calls, work.doc_len, work.prompts,
-                   time.perf_counter() - t_start), rows
+    result = summary(params, rows, stats, calls, work.doc_len, work.prompts,
+                     time.perf_counter() - t_start)
+    if params.model != DEFAULT_MODEL:
+        result["model"] = model.name
+    if params.hicache:
+        result["hicache"] = dict(params.hicache)
+    return result, rows
 
 
 def _check_params(params: DemoParams) -> None:
@@ -127,12 +159,19 @@ def _check_params(params: DemoParams) -> None:
         raise ConfigError(f"--l3 must be one of {', '.join(L3_BACKENDS)}, got {params.l3!r}")
     if params.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {params.dtype!r}")
-    if params.tp_size not in (1, 3):
-        raise ConfigError(f"--tp must be 1 or 3 (SmolLM2-135M has 3 KV heads), got "
-                          f"{params.tp_size}")
     if params.chunk_tokens % params.page_size:
-        raise ConfigError(f"chunk_tokens ({params.chunk_tokens}) must be a multiple of the page "
-                          f"size ({params.page_size})")
+        raise ConfigError(f"--page-size {params.page_size}: the demo prefills in "
+                          f"{params.chunk_tokens}-token chunks, so a page size must divide "
+                          f"{params.chunk_tokens}; use a power of two up to it")
+
+
+def _check_tp(params: DemoParams, model: DemoModel) -> None:
+    """Each rank holds a whole share of the KV heads."""
+    heads = model.source.config().num_kv_heads
+    if params.tp_size < 1 or heads % params.tp_size:
+        divisors = [str(d) for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(f"--tp must divide the KV heads of {model.label} ({heads}): use "
+                          f"{' or '.join(divisors)}; got {params.tp_size}")
 
 
 def _import_everything() -> None:
@@ -147,7 +186,7 @@ def _import_everything() -> None:
 class _Workload(NamedTuple):
     """The prompts every instance is asked and what each instance's ranks are built from."""
 
-    tok: Any  # kvtier.engine.tokenizer.Tokenizer
+    model: DemoModel
     doc_len: int
     prompts: list  # the document plus each question, token ids
     warmup: list  # token ids that take every instance through one long prefill
@@ -155,34 +194,30 @@ class _Workload(NamedTuple):
     settings: Any  # kvtier.actors.rank_actor.RankSettings, without L3
 
 
-def _workload(params: DemoParams) -> _Workload:
+def _workload(params: DemoParams, model: DemoModel) -> _Workload:
     from kvtier.bench.prefix import document_tokens
     from kvtier.engine.sampling import SamplingParams
-    from kvtier.engine.tokenizer import Tokenizer
-    from kvtier.engine.weights import ensure_converted
 
     chunk = params.chunk_tokens
     doc_len = max(chunk, round(params.tokens / chunk) * chunk)
-    tok = Tokenizer.from_files(ensure_converted())
+    tok = model.tokenizer
     doc = document_tokens(tok, doc_len)
     prompts = [doc + tok.encode(f"\n\nQuestion: {q} Answer:") for q in QUESTIONS]
     greedy = SamplingParams(max_new_tokens=params.new_tokens, stop_token_ids=tok.stop_token_ids)
     longest = max(len(p) for p in prompts)
     warmup = tok.encode("Warm-up. " * chunk)[: chunk + longest - doc_len]
-    return _Workload(tok, doc_len, prompts, warmup, greedy, _rank_settings(params, longest))
+    return _Workload(model, doc_len, prompts, warmup, greedy,
+                     _rank_settings(params, model, longest))
 
 
-def _rank_settings(params: DemoParams, longest: int):
+def _rank_settings(params: DemoParams, model: DemoModel, longest: int):
     """Room in L1 for two of the longest requests (prompt, answer and one more chunk)."""
     from kvtier.actors.rank_actor import RankSettings
-    from kvtier.config import HiCacheConfig
     from kvtier.engine.request import pages_for
-    from kvtier.engine.tp_worker import SmolLM2Weights
-    import torch
 
     chunk = params.chunk_tokens
-    config = HiCacheConfig(page_size=params.page_size, prefetch_policy="wait_complete")
-    return RankSettings(SmolLM2Weights(), config,
+    config = demo_flags.cache_config(params.l3, params.page_size, params.hicache)
+    return RankSettings(model.source, config,
                         device_pages=2 * pages_for(longest + params.new_tokens + chunk,
                                                    params.page_size),
                         dtype=_torch_dtype(params), chunk_tokens=chunk,
@@ -275,7 +310,7 @@ def _start_namespace(cluster: _Cluster, params: DemoParams, work: _Workload, tmp
     cluster.client = get_or_create_namespace_actor(
         actor_name, f"{tmp}/state", resources={HEAD_RESOURCE: 1} if on_cluster else None)
     root = params.l3_root or f"{tmp}/l3"
-    info = cluster.client.register(_namespace_spec(params, work.settings.config, root))
+    info = cluster.client.register(_namespace_spec(params, work, root))
     progress.done()
     return actor_name, info
 
@@ -334,7 +369,8 @@ def _tier_scenarios(instances: dict, work: _Workload, cold: list,
         if before is not None and after is not None:
             read = (sum(b for b, _ in after) - sum(b for b, _ in before),
                     max(a[1] - b[1] for a, b in zip(after, before)))
-        rows.append(Row(name, q + 1, expected, out, cold[q], work.tok.decode(out.tokens),
+        text = work.model.tokenizer.decode(out.tokens)
+        rows.append(Row(name, q + 1, expected, out, cold[q], text,
                         read if read and read[0] else None))
         progress.done()
     return rows
@@ -349,13 +385,12 @@ def _l3_reads(inst: Any) -> list[tuple[int, float]] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--l3", choices=L3_BACKENDS, default="file",
-                   help="L3 backend of the shared namespace (default file, in a temp dir)")
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length, rounded to whole 512-token chunks (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
-    p.add_argument("--tp", type=int, choices=(1, 3), default=3,
-                   help="TP ranks per instance (SmolLM2-135M has 3 KV heads: 1 or 3)")
+    p.add_argument("--tp", type=int, default=3,
+                   help="TP ranks per instance, a divisor of the model's KV heads (default 3; "
+                        "SmolLM2-135M has 3 KV heads: 1 or 3)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="model and KV dtype (default auto: bf16 on GPUs and CPUs that compute "
                         "in bf16, fp32 on other CPUs, where bf16 is about 4x slower)")
@@ -372,6 +407,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file/nixl L3 directory: on a cluster, one mounted on every node")
     g.add_argument("--place", action="append", default=[], metavar="NAME=ADDRESS",
                    help="run instance NAME (cold, A or B) on the node with this address")
+    demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags
 
 
 def params_from(ns: argparse.Namespace) -> DemoParams:
@@ -381,13 +417,15 @@ def params_from(ns: argparse.Namespace) -> DemoParams:
         if not sep or name not in ("cold", "A", "B") or not address:
             raise ConfigError(f"--place takes NAME=ADDRESS with NAME cold, A or B; got {item!r}")
         nodes.append((name, address))
-    return DemoParams(ns.l3, ns.tokens, ns.new_tokens, progress=not ns.json_only,
-                      tp_size=ns.tp, address=ns.address, l3_root=ns.l3_root,
-                      nodes=tuple(nodes), dtype=ns.dtype, hosts=ns.hosts)
+    cache = demo_flags.cache_from_args(ns, ns.l3_root)  # l3, l3_root, page_size, hicache
+    return DemoParams(tokens=ns.tokens, new_tokens=ns.new_tokens, progress=not ns.json_only,
+                      tp_size=ns.tp, address=ns.address, nodes=tuple(nodes), dtype=ns.dtype,
+                      hosts=ns.hosts, model=ns.model, **cache._asdict())
 
 
 def main(ns: argparse.Namespace) -> int:
     params = params_from(ns)
+    _check_params(params)
     if params.hosts:
         from kvtier.demo_hosts import main as main_on_hosts
 

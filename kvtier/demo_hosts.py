@@ -79,10 +79,27 @@ def inner_args(params: Any, run: HostsRun) -> list[str]:
             "--tp", str(params.tp_size), "--dtype", params.dtype]
     if params.l3 in ("file", "nixl"):
         args += ["--l3-root", f"{run.shared_dir}/l3"]
+    args += _model_and_cache_args(params, run)
     for name, address in run.placement().items():
         args += ["--place", f"{name}={address}"]
     if not params.progress:
         args.append("--json-only")
+    return args
+
+
+def _model_and_cache_args(params: Any, run: HostsRun) -> list[str]:
+    """--model, --page-size and the other cache knobs (as a --hicache-config file in the
+    work directory, which every host sees) where they are not the demo's defaults."""
+    from kvtier.demo_flags import DEFAULT_MODEL, DEFAULT_PAGE_SIZE
+
+    args = [] if params.model == DEFAULT_MODEL else ["--model", params.model]
+    if params.page_size != DEFAULT_PAGE_SIZE:
+        args += ["--page-size", str(params.page_size)]
+    if params.hicache:
+        path = f"{run.workdir}/hicache.json"
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(dict(params.hicache), fh)
+        args += ["--hicache-config", f"@{path}"]
     return args
 
 

@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 import json
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from kvtier.config import (FIELD_FLAGS, SGLANG_EXTRA_KEYS, HiCacheConfig, knob_names,
                            log_once)
@@ -30,24 +31,37 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def add_hicache_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the hierarchical-cache flags to `parser` (kvtier defaults shown in --help)."""
-    d = HiCacheConfig()
+def add_hicache_flags(parser: argparse.ArgumentParser, defaults: HiCacheConfig | None = None,
+                      help_for: Mapping[str, str] | None = None) -> None:
+    """Add the hierarchical-cache flags to `parser`. --help shows `defaults` (kvtier's when
+    None: a command with defaults of its own passes them) and, for the flags `help_for`
+    names, its text instead (what a command does with a flag it owns or refuses)."""
+    d = defaults or HiCacheConfig()
+
+    def text(flag: str, usual: str) -> str:
+        return (help_for or {}).get(flag, usual)
+
     g = parser.add_argument_group("hierarchical KV cache")
     g.add_argument("--page-size", type=int, default=None, metavar="TOKENS",
-                   help=f"tokens per KV page, a power of two (default {d.page_size})")
+                   help=text("--page-size",
+                             f"tokens per KV page, a power of two (default {d.page_size})"))
     onoff = g.add_mutually_exclusive_group()
     onoff.add_argument("--enable-hierarchical-cache", dest="enable_hierarchical_cache",
                        action="store_const", const=True, default=None,
-                       help="use the host (L2) and storage (L3) tiers (default on)")
+                       help=text("--enable-hierarchical-cache",
+                                 "use the host (L2) and storage (L3) tiers (default on)"))
     onoff.add_argument("--disable-hierarchical-cache", dest="enable_hierarchical_cache",
-                       action="store_const", const=False, help="device (L1) cache only")
+                       action="store_const", const=False,
+                       help=text("--disable-hierarchical-cache", "device (L1) cache only"))
     g.add_argument("--disable-radix-cache", action="store_const", const=True, default=None,
-                   help="no prefix cache at all (needs --disable-hierarchical-cache)")
+                   help=text("--disable-radix-cache",
+                             "no prefix cache at all (needs --disable-hierarchical-cache)"))
     g.add_argument("--hicache-ratio", type=float, default=None, metavar="RATIO",
-                   help=f"host pool size / device pool size, > 1 (default {d.hicache_ratio:g})")
+                   help=text("--hicache-ratio", f"host pool size / device pool size, > 1 "
+                                                f"(default {d.hicache_ratio:g})"))
     g.add_argument("--hicache-size", type=float, default=None, metavar="GB",
-                   help="host pool per rank in GB; overrides --hicache-ratio (default: unset)")
+                   help=text("--hicache-size", "host pool per rank in GB; overrides "
+                                               "--hicache-ratio (default: unset)"))
     for flag, enum_cls, default in (
             ("--hicache-write-policy", WritePolicy, d.write_policy),
             ("--hicache-io-backend", IoBackend, d.io_backend),
@@ -56,16 +70,21 @@ def add_hicache_flags(parser: argparse.ArgumentParser) -> None:
             ("--hicache-host-mode", HostMode, d.host_mode)):
         # Validated by HiCacheConfig (not argparse choices) so a bad value is a ConfigError
         # with the same message whether it came from a flag or a config file.
-        g.add_argument(flag, default=None, metavar=_choices(enum_cls), help=f"default {default}")
+        g.add_argument(flag, default=None, metavar=_choices(enum_cls),
+                       help=text(flag, f"default {default.value}"))
     g.add_argument("--hicache-storage-backend", default=None,
-                   metavar=_choices(StorageBackendKind), help="L3 backend (default: none)")
+                   metavar=_choices(StorageBackendKind),
+                   help=text("--hicache-storage-backend", "L3 backend (default: none)"))
     g.add_argument(EXTRA_CONFIG_FLAG, default=None, metavar="JSON|@FILE",
-                   help="backend options as a JSON object, or @path to a .json/.toml/.yaml file")
+                   help=text(EXTRA_CONFIG_FLAG, "backend options as a JSON object, or @path "
+                                                "to a .json/.toml/.yaml file"))
     g.add_argument("--hicache-load-back-threshold", type=int, default=None, metavar="TOKENS",
-                   help=f"shortest host hit (tokens) worth loading back "
-                        f"(default {d.load_back_threshold_tokens})")
+                   help=text("--hicache-load-back-threshold",
+                             f"shortest host hit (tokens) worth loading back "
+                             f"(default {d.load_back_threshold_tokens})"))
     g.add_argument(CONFIG_FLAG, default=None, metavar="@FILE",
-                   help="a whole hicache config (.json/.toml/.yaml); flags given override it")
+                   help=text(CONFIG_FLAG, "a whole hicache config (.json/.toml/.yaml); flags "
+                                          "given override it"))
 
 
 def config_from_args(ns: argparse.Namespace) -> HiCacheConfig:
@@ -94,6 +113,39 @@ def config_from_args(ns: argparse.Namespace) -> HiCacheConfig:
         _check_same_backend(file_backend, merged["storage_backend"], source)
     config = HiCacheConfig.from_dict(merged).normalize()
     return dataclasses.replace(config, adjustments=tuple(notes) + config.adjustments)
+
+
+class L3Choice(NamedTuple):
+    """The L3 a command's own --l3 / --l3-root and SGLang's flags agree on."""
+
+    backend: str | None  # None: neither --l3 nor --hicache-storage-backend was given
+    root: str  # "": neither --l3-root nor the extra config's root_dir was given
+
+
+def l3_from_flags(config: HiCacheConfig, l3: str | None, l3_root: str,
+                  command: str) -> L3Choice:
+    """For commands whose L3 namespace actor configures the backend: --hicache-storage-backend
+    must say what --l3 says, and the extra config may only name root_dir, which must say what
+    --l3-root says. `config` is config_from_args' (its `explicit` tells what was given)."""
+    given = config.explicit or frozenset()
+    backend = config.storage_backend.value if "storage_backend" in given else None
+    if l3 is not None and backend is not None and l3 != backend:
+        raise ConfigError(f"--l3 {l3} and --hicache-storage-backend {backend} disagree; "
+                          f"give one of them")
+    options = config.storage_options if "storage_options" in given else None
+    if options is None:
+        return L3Choice(l3 or backend, l3_root)
+    defaults = type(options)().to_dict()  # what the user changed: options[k] != default
+    extra = sorted(k for k, v in options.to_dict().items()
+                   if k != "root_dir" and v != defaults.get(k))
+    if extra:
+        raise ConfigError(f"{EXTRA_CONFIG_FLAG}: {command} takes only root_dir there (the L3 "
+                          f"namespace actor configures the backend itself); remove "
+                          f"{', '.join(extra)}")
+    root = getattr(options, "root_dir", None)
+    if l3_root and root not in (None, l3_root):
+        raise ConfigError("--l3-root and the extra config's root_dir disagree; give one")
+    return L3Choice(l3 or backend, root or l3_root)
 
 
 def parse_extra_config(value: str) -> dict[str, Any]:

@@ -1,12 +1,15 @@
 """`kvtier demo` on a short document: every tier hits as planned, answers equal the cold ones,
-the JSON line has the contract's keys, and nothing is left running. No timing asserts."""
+the JSON line has the contract's keys, and nothing is left running; the same with a Hugging
+Face model directory and SGLang's cache flags. No timing asserts."""
 from __future__ import annotations
 
 import json
 
+import pytest
 import ray
 
 from kvtier import cli
+from kvtier.bench import instances
 from kvtier.demo import PLAN, DemoParams, run
 from kvtier.demo_report import format_table
 
@@ -39,4 +42,23 @@ def test_demo_cli_parses() -> None:
                                         "--json-only"])
     assert (ns.l3, ns.tokens, ns.json_only, ns.tp) == ("nixl", 600, True, 3)
     ns = cli.build_parser().parse_args(["bench", "instances", "--json", "--tp", "1"])
-    assert (ns.json, ns.tp, ns.l3) == (True, 1, "file")
+    assert (ns.json, ns.tp, instances.params_from(ns).l3) == (True, 1, "file")
+
+
+def test_demo_runs_a_model_directory_with_sglang_flags(tmp_path, capsys) -> None:
+    """A tiny random Llama directory (2 KV heads) at TP=1, its pages in page_first_direct."""
+    pytest.importorskip("transformers")
+    from tiny_llama import make_checkpoint
+
+    model_dir = make_checkpoint(tmp_path / "tiny-llama")
+    code = cli.main(["demo", "--model", str(model_dir), "--tp", "1", "--tokens", "256",
+                     "--new-tokens", "4", "--dtype", "fp32", "--json-only",
+                     "--hicache-mem-layout", "page_first_direct"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert not ray.is_initialized()
+    assert code == 0 and result["identical"] is True, result
+    assert result["tiers_as_expected"] is True
+    assert all(r["identical"] for r in result["requests"])
+    assert result["model"].startswith("tiny-llama-")  # the directory's name and weights digest
+    assert result["hicache"] == {"mem_layout": "page_first_direct"}
+    assert result["document_tokens"] == 512  # whole prefill chunks
