@@ -1,5 +1,5 @@
-"""`kvtier bench soak --tp N --instances M --l3 file|mooncake|nixl [--model tiny|smollm2]`:
-the soak on the actor system.
+"""`kvtier bench soak --tp N --instances M --l3 file|mooncake|nixl
+[--model tiny|smollm2|DIR|FILE.gguf]`: the soak on the actor system.
 
 M instances of N rank actors each share one L3 namespace (the namespace actor, its page
 directory, the chosen backend) on a local Ray cluster pinned to 127.0.0.1. Every instance
@@ -37,7 +37,7 @@ class ActorSoakParams(NamedTuple):
     tp: int = 3
     instances: int = 2
     l3: str = "file"
-    model: str = "smollm2"
+    model: str = "smollm2"  # or tiny, a Hugging Face model directory or a GGUF file
     seconds: float = 60.0
     max_requests: int = 100_000
     fault_every_s: float = 2.0
@@ -87,7 +87,12 @@ def _model(name: str, seed: int) -> _Model:
     # moves only the last bits.
     if name == "tiny":
         return _Model(TinyWeights(seed=seed), 16, torch.float32, "tiny")
-    return _Model(SmolLM2Weights(), 64, torch.float32, SMOLLM2_NAMESPACE)
+    if name == "smollm2":
+        return _Model(SmolLM2Weights(), 64, torch.float32, SMOLLM2_NAMESPACE)
+    from kvtier.demo import demo_model
+
+    model = demo_model(name)  # a directory or GGUF file, resolved as kvtier demo resolves it
+    return _Model(model.source, 64, torch.float32, model.name)
 
 
 def _prompts(rng: random.Random, page: int, vocab: int) -> list[tuple[int, ...]]:

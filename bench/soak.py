@@ -200,8 +200,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run on the actor system: instances sharing one L3 namespace")
     p.add_argument("--l3", choices=("file", "mooncake", "nixl"), default="file",
                    help="the shared L3 backend (actor system)")
-    p.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2",
-                   help="the model the ranks run (actor system; tiny: random weights, fast)")
+    p.add_argument("--model", default="smollm2", metavar="tiny|smollm2|DIR|FILE.gguf",
+                   help="the model the ranks run (actor system; default smollm2; tiny: random "
+                        "weights, fast; or a Hugging Face model directory or GGUF file, as "
+                        "kvtier serve takes it)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

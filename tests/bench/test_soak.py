@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvtier import cli
 from kvtier.bench.soak import SoakParams, run
 
@@ -41,3 +43,19 @@ def test_a_short_soak_on_the_actor_system_at_tp3_with_two_instances(capsys):
     assert result["wrong"] == 0 and result["hangs"] == 0
     assert result["leaked_pages"] == 0 and result["leaked_locks"] == 0
     assert {"divergences", "rank_restarts", "faults_hit"} <= set(result)
+
+
+def test_the_actor_soak_takes_a_model_directory(tmp_path):
+    """--model DIR: the ranks load the directory and key pages as a rank keys them."""
+    pytest.importorskip("transformers")
+    from tiny_llama import make_checkpoint
+
+    from kvtier.actors.rank_actor import namespace_model
+    from kvtier.bench.actor_soak import _model
+    from kvtier.engine.hf_dir import HFModelDir
+
+    model_dir = make_checkpoint(tmp_path / "tiny-llama")
+    ns = cli.build_parser().parse_args(["bench", "soak", "--tp", "2", "--model", str(model_dir)])
+    model = _model(ns.model, seed=0)
+    assert model.source == HFModelDir(str(model_dir))
+    assert model.name == namespace_model(model.source) == model.source.identity()
