@@ -1,4 +1,5 @@
-"""`kvtier bench matrix`: the seed's experiment matrix on SmolLM2 (CPU or CUDA), one process.
+"""`kvtier bench matrix`: the seed's experiment matrix on SmolLM2 (CPU or CUDA), one process;
+`--model DIR` runs it on a Hugging Face model directory instead (with --skip-limits).
 
 Workloads A..E (`matrix_workloads`) x configurations 0..5 (5 once per prefetch timeout), two
 rounds each, every request timed alone with the caches quiescent (queued L1->L2 copies and
@@ -57,6 +58,7 @@ class MatrixParams(NamedTuple):
     skip_limits: bool = False
     progress: bool = True
     threads: int | None = None
+    model: str = "smollm2"  # or a Hugging Face model directory (kvtier.bench.prefix.loader)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-limits", action="store_true",
                    help="do not measure tier ceilings and the crossover")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--model", default="smollm2", metavar="smollm2|DIR",
+                   help="SmolLM2 (default) or a Hugging Face model directory (with "
+                        "--skip-limits: the ceilings and crossover calibrate SmolLM2)")
 
 
 # ---- ceilings -------------------------------------------------------------------------------
@@ -141,13 +146,14 @@ class _Column:
     L3 directory) and their I/O timers."""
 
     def __init__(self, stack: contextlib.ExitStack, model, tokenizer, workload: Workload,
-                 mc: MatrixConfig, sizes: MatrixSizes, l3_dir: str | None) -> None:
+                 mc: MatrixConfig, sizes: MatrixSizes, l3_dir: str | None,
+                 name: str = SMOLLM2_NAMESPACE) -> None:
         self.mc = mc
         config = hicache_config(mc, sizes.page_size, l3_dir)
         self.engines, self.timers = [], []
         for _ in range(workload.instances):
             cache = HierarchicalCache(config, model.kv_spec(sizes.page_size), workload.device_pages,
-                                      device=model.device, model=SMOLLM2_NAMESPACE)
+                                      device=model.device, model=name)
             self.engines.append(stack.enter_context(Engine(model, cache, sizes.chunk_tokens,
                                                            tokenizer=tokenizer, owns_cache=True)))
             self.timers.append(_IoTimer(cache))
@@ -189,22 +195,24 @@ def side_by_side(need_bytes: Sequence[int], budget_bytes: int | None) -> list[li
 def run_workload(model, tokenizer, workload: Workload, configs: Sequence[MatrixConfig],
                  sizes: MatrixSizes, tmp_dir: str,
                  after_request: Callable[[], None] = lambda: None,
-                 budget_bytes: int | None = None) -> list[dict]:
+                 budget_bytes: int | None = None, name: str = SMOLLM2_NAMESPACE) -> list[dict]:
     """Both rounds of one workload under every configuration; two cells per configuration,
     in configuration order. Configurations run side by side (`run_side_by_side`) in as few
-    groups as `budget_bytes` of pools allows (None: all at once)."""
+    groups as `budget_bytes` of pools allows (None: all at once). `name`: the model part of
+    the caches' key namespace."""
     page_bytes = model.kv_spec(sizes.page_size).page_bytes
     need = [pool_bytes(workload, mc, sizes, page_bytes) for mc in configs]
     cells: list[dict] = []
     for group in side_by_side(need, budget_bytes):
         cells += run_side_by_side(model, tokenizer, workload, [configs[i] for i in group],
-                                  sizes, tmp_dir, after_request)
+                                  sizes, tmp_dir, after_request, name)
     return cells
 
 
 def run_side_by_side(model, tokenizer, workload: Workload, configs: Sequence[MatrixConfig],
                      sizes: MatrixSizes, tmp_dir: str,
-                     after_request: Callable[[], None] = lambda: None) -> list[dict]:
+                     after_request: Callable[[], None] = lambda: None,
+                     name: str = SMOLLM2_NAMESPACE) -> list[dict]:
     """Both rounds of one workload under `configs`, side by side, turn by turn: each has its
     own fresh caches (and L3 directory), and turn t of every configuration runs before turn
     t + 1 of any, in a rotating order.
@@ -216,7 +224,7 @@ def run_side_by_side(model, tokenizer, workload: Workload, configs: Sequence[Mat
     greedy = SamplingParams(max_new_tokens=sizes.new_tokens)
     with contextlib.ExitStack() as stack:
         columns = [_Column(stack, model, tokenizer, workload, mc, sizes,
-                           tempfile.mkdtemp(dir=tmp_dir) if mc.has_l3 else None)
+                           tempfile.mkdtemp(dir=tmp_dir) if mc.has_l3 else None, name)
                    for mc in configs]
         every = [cache for col in columns for cache in col.caches]
         rounds: list[list[dict]] = [[] for _ in columns]
@@ -274,9 +282,12 @@ def machine() -> dict:
 
 def run(params: MatrixParams) -> dict:
     """Measure everything, write the report into `params.out`, return the result."""
-    from kvtier.engine.loader import load_smollm2_model
+    from kvtier.bench.prefix import loader
     from tqdm import tqdm
 
+    if params.model != "smollm2" and not params.skip_limits:
+        raise ConfigError(f"--model {params.model}: the tier ceilings and the crossover "
+                          f"calibrate SmolLM2 (kvtier serve's thresholds); add --skip-limits")
     if params.threads:
         torch.set_num_threads(params.threads)
     t_start = time.perf_counter()
@@ -292,7 +303,8 @@ def run(params: MatrixParams) -> dict:
                 tmp, params.quick, params.dtype)
             phases["limits_and_crossover_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        model, tok = load_smollm2_model(resolve_here(params.dtype))
+        bm = loader(params.model)(resolve_here(params.dtype))
+        model, tok = bm.model, bm.tokenizer
         workloads = [w for w in build_workloads(tok.encode, sizes) if w.name in params.workloads]
         configs = [c for c in matrix_configs(sizes.timeouts_s) if c.config in params.configs]
         _warm_up(model, tok, sizes, max(len(t.tokens) for w in workloads for r in w.rounds for t in r))
@@ -306,7 +318,7 @@ def run(params: MatrixParams) -> dict:
             bar.set_postfix_str(w.name)
             w_dir = tempfile.mkdtemp(dir=tmp)
             cells += run_workload(model, tok, w, configs, sizes, w_dir, lambda: bar.update(1),
-                                  budget)
+                                  budget, bm.name)
             shutil.rmtree(w_dir, ignore_errors=True)
         bar.close()
         phases["matrix_s"] = round(time.perf_counter() - t0, 1)
@@ -321,6 +333,7 @@ def run(params: MatrixParams) -> dict:
                                "requests_per_round": [len(r) for r in w.rounds]}
                       for w in workloads},
         "configs": {c.key: c.label for c in configs}, **extra,
+        **({"model": bm.name} if params.model != "smollm2" else {}),
     }
     write_report(params.out, result)
     return result
@@ -331,7 +344,7 @@ def main(ns: argparse.Namespace) -> int:
 
     params = MatrixParams(ns.out, ns.quick, ns.dtype, ns.workloads.upper(),
                           tuple(int(c) for c in ns.configs), ns.skip_limits, not ns.json,
-                          ns.threads)
+                          ns.threads, ns.model)
     result = run(params)
     if ns.json:
         with open(os.path.join(ns.out, "results.json"), encoding="utf-8") as fh:

@@ -266,3 +266,24 @@ def test_side_by_side_groups_fit_the_memory_budget(workloads):
     need = [matrix.pool_bytes(e, c, TINY, 1000) for c in cols]
     assert need[0] == e.device_pages * 1000  # L1 only
     assert need[1:] == [3 * e.device_pages * 1000] * 6  # L1 + L2 of twice its size
+
+
+def test_a_model_directory(tmp_path):
+    """--model DIR: the quick matrix on a tiny random Llama directory; the ceilings and the
+    crossover calibrate SmolLM2, so they need --skip-limits."""
+    pytest.importorskip("transformers")
+    from tiny_llama import make_checkpoint
+
+    from kvtier.cli import build_parser
+    from kvtier.errors import ConfigError
+
+    model_dir = make_checkpoint(tmp_path / "tiny-llama")
+    argv = ["bench", "matrix", "--quick", "--out", str(tmp_path / "out"), "--model",
+            str(model_dir), "--workloads", "AE", "--configs", "03", "--dtype", "fp32", "--json"]
+    with pytest.raises(ConfigError, match="add --skip-limits"):
+        matrix.main(build_parser().parse_args(argv))
+    params = matrix.MatrixParams(str(tmp_path / "out"), True, "fp32", "AE", (0, 3), True, False,
+                                 None, str(model_dir))
+    result = matrix.run(params)
+    assert result["model"].startswith("tiny-llama-")  # the directory's name and weights digest
+    assert len(result["cells"]) == 2 * 2 * 2  # workloads x configurations x rounds
