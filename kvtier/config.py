@@ -227,6 +227,18 @@ class HiCacheConfig:
             log_once(f"hicache config adjusted: {note}")
         return dataclasses.replace(self, **changes, adjustments=tuple(notes))
 
+    def normalize_for_l3(self, backend: Any) -> "HiCacheConfig":
+        """`normalize()` as if L3 of kind `backend` (None: none) were configured, for a cache
+        whose L3 is attached later (through the namespace actor): the result names no
+        backend itself, but has the adjustments a configured one brings (layer_first ->
+        page_first)."""
+        if backend is None:
+            return self.normalize()
+        with_l3 = HiCacheConfig.from_dict({**self.to_dict(), "storage_backend": backend,
+                                           "storage_options": None})
+        return dataclasses.replace(with_l3.normalize(), storage_backend=None,
+                                   storage_options=None)
+
     def _adjusted(self) -> tuple[dict[str, Any], list[str]]:
         """The field changes normalization makes and a sentence for each; pure."""
         changes: dict[str, Any] = {}

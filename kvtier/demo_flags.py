@@ -9,7 +9,6 @@ a mere staging area, are refused by name. Every other knob goes to every rank's 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any, NamedTuple
 
 from kvtier.config import HiCacheConfig
@@ -93,6 +92,5 @@ def cache_config(l3: str, page_size: int, hicache: tuple[tuple[str, Any], ...] =
                  ) -> HiCacheConfig:
     """Every rank's cache config: the demo's defaults and the knobs given, normalized as for
     an L3 of kind `l3` (the namespace attaches it, so the config itself names no backend)."""
-    with_l3 = HiCacheConfig.from_dict({**CACHE_DEFAULTS, **dict(hicache),
-                                       "page_size": page_size, "storage_backend": l3})
-    return dataclasses.replace(with_l3.normalize(), storage_backend=None, storage_options=None)
+    return HiCacheConfig.from_dict({**CACHE_DEFAULTS, **dict(hicache),
+                                    "page_size": page_size}).normalize_for_l3(l3)

@@ -5,8 +5,9 @@ import argparse
 import os
 from typing import Any
 
+from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args
+from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
 from kvtier.policies import SchedulePolicy
 from kvtier.serve.placement import PlacementMode, RankGpus
 from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, ServeSettings
@@ -74,7 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an instance with work that completes no step (or answers no poll) "
                         "for this long is routed around and its unanswered requests are sent "
                         "to another instance, until it steps again (default 2)")
-    add_hicache_flags(p)  # SGLang's --hicache-* flags and --hicache-config: every rank's cache
+    # SGLang's --hicache-* flags and --hicache-config: every rank's cache (--help shows the
+    # deployment's own page size and ratio)
+    add_hicache_flags(p, HiCacheConfig(page_size=ServeSettings.page_size,
+                                       hicache_ratio=ServeSettings.hicache_ratio))
 
 
 def settings_from(ns: argparse.Namespace) -> ServeSettings:
@@ -104,26 +108,10 @@ def _cache_settings(ns: argparse.Namespace) -> dict[str, Any]:
     if "hicache_ratio" in given:
         out["hicache_ratio"] = plain["hicache_ratio"]
     hierarchical = not ns.no_hierarchical and plain["enable_hierarchical_cache"]
-    backend = plain["storage_backend"] if "storage_backend" in given else None
-    if ns.l3 is not None and backend is not None and ns.l3 != backend:
-        raise ConfigError(f"--l3 {ns.l3} and --hicache-storage-backend {backend} disagree; "
-                          f"give one of them")
-    l3 = ns.l3 or backend or "file"
-    out["hierarchical"], out["l3"] = hierarchical, (l3 if hierarchical else L3_NONE)
-    out["l3_root"] = ns.l3_root
-    options = config.storage_options if "storage_options" in given else None
-    if options is not None:
-        defaults = type(options)().to_dict()  # what the user changed: options[k] != default
-        extra = sorted(k for k, v in options.to_dict().items()
-                       if k != "root_dir" and v != defaults.get(k))
-        if extra:
-            raise ConfigError(f"--hicache-storage-backend-extra-config: kvtier serve takes "
-                              f"only root_dir there (the L3 namespace actor configures the "
-                              f"backend itself); remove {', '.join(extra)}")
-        root = getattr(options, "root_dir", None)
-        if ns.l3_root and root not in (None, ns.l3_root):
-            raise ConfigError("--l3-root and the extra config's root_dir disagree; give one")
-        out["l3_root"] = root or ns.l3_root
+    l3 = l3_from_flags(config, ns.l3, ns.l3_root, "kvtier serve")
+    out["hierarchical"] = hierarchical
+    out["l3"] = (l3.backend or "file") if hierarchical else L3_NONE
+    out["l3_root"] = l3.root
     return out
 
 

@@ -194,11 +194,13 @@ class ServeSettings:
 
     def cache_config(self, knobs: Mapping[str, Any] | None = None) -> HiCacheConfig:
         """Every rank's HiCacheConfig: `hicache` with this deployment's page size, ratio and
-        on/off (L3 is attached through the namespace actor, not configured here)."""
+        on/off, normalized for its L3 (which is attached through the namespace actor, not
+        configured here: layer_first becomes page_first with an L3, as in SGLang)."""
         return HiCacheConfig.from_dict({**(self.hicache if knobs is None else knobs),
                                         "page_size": self.page_size,
                                         "enable_hierarchical_cache": self.hierarchical,
-                                        "hicache_ratio": self.hicache_ratio})
+                                        "hicache_ratio": self.hicache_ratio}
+                                       ).normalize_for_l3(self.storage_backend)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ServeSettings":

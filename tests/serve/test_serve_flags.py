@@ -70,3 +70,13 @@ def test_the_settings_own_page_size_ratio_and_l3():
         ServeSettings(hicache={"writ_policy": "write_back"})
     with pytest.raises(ConfigError, match="hicache"):
         ServeSettings(hicache=["write_back"])
+
+
+def test_layer_first_becomes_page_first_with_an_l3():
+    """As SGLang does: an L3 stores each page part as one contiguous object, which layer_first
+    cannot give; the ranks attach L3 later, so the deployment's config is normalized for it."""
+    with_l3 = settings("--hicache-mem-layout", "layer_first")
+    assert with_l3.cache_config().mem_layout.value == "page_first"
+    assert with_l3.cache_config().storage_backend is None  # attached by the namespace actor
+    alone = settings("--hicache-mem-layout", "layer_first", "--l3", "none")
+    assert alone.cache_config().mem_layout.value == "layer_first"
