@@ -59,7 +59,7 @@ class PrefixBenchParams(NamedTuple):
     new_tokens: int = 32
     threads: int | None = None
     deterministic: bool = False
-    model: str = "smollm2"  # or a Hugging Face model directory
+    model: str = "smollm2"  # or a Hugging Face model directory, or a GGUF file
 
 
 class BenchModel(NamedTuple):
@@ -84,14 +84,14 @@ def load_smollm2(dtype: torch.dtype) -> BenchModel:
 
 
 def loader(model: str) -> Callable[[torch.dtype], BenchModel]:
-    """SmolLM2 for "smollm2", else the Hugging Face model directory `model`."""
+    """SmolLM2 for "smollm2", else the GGUF file or Hugging Face model directory `model`."""
     if model == "smollm2":
         return load_smollm2
 
     def load_dir(dtype: torch.dtype) -> BenchModel:
-        from kvtier.engine.hf_dir import HFModelDir
+        from kvtier.engine.local_model import local_model
 
-        source = HFModelDir(model)
+        source = local_model(model)
         weights = PagedLlama.from_state_dict(source.config(), source.state_dict(), dtype)
         return BenchModel(weights, source.tokenizer(), source.identity())
 
@@ -100,8 +100,9 @@ def loader(model: str) -> Callable[[torch.dtype], BenchModel]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--model", default="smollm2", metavar="smollm2|DIR",
-                   help="SmolLM2 (default) or a Hugging Face model directory")
+    p.add_argument("--model", default="smollm2", metavar="smollm2|DIR|FILE.gguf",
+                   help="SmolLM2 (default), a Hugging Face model directory or a Llama GGUF "
+                        "file")
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length in tokens, as given (default 2000)")
     p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",

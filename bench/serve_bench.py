@@ -123,9 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     app = p.add_argument_group("kvtier's own app (not with --base-url)")
     app.add_argument("--instances", type=int, default=1, action=AppFlag,
                      help="model instances (default 1)")
-    app.add_argument("--model", action=AppFlag, metavar="ALIAS|DIR",
+    app.add_argument("--model", action=AppFlag, metavar="ALIAS|DIR|FILE.gguf",
                      default=SERVE_DEFAULTS["model"].value,
-                     help=f"smollm2, tiny or a Hugging Face model directory (default "
+                     help=f"smollm2, tiny, a Hugging Face model directory or a Llama GGUF "
+                          f"file (default "
                           f"{SERVE_DEFAULTS['model'].value}, as kvtier serve)")
     app.add_argument("--device-pages", type=int, default=None, action=AppFlag,
                      help=f"L1 pages per rank, page size {PAGE_SIZE} (default: two "

@@ -118,3 +118,20 @@ def test_a_model_directory(tmp_path):
     out = run(PARAMS._replace(model=str(tmp_path), tokens=300), load=loader(str(tmp_path)))
     assert out["model"].startswith(tmp_path.name + "-")  # name and weights digest
     assert out["identical"] and out["reused_tokens"]["l3"] >= out["reusable_tokens"], out
+
+
+def test_a_gguf_file_is_a_model():
+    """--model FILE.gguf: SmolLM2's own GGUF by path, keyed by its name and file digest."""
+    from kvtier.bench.prefix import loader
+    from kvtier.engine.gguf_source import find_gguf
+
+    path = str(find_gguf())
+    ns = build_parser().parse_args(["bench", "prefix", "--model", path])
+    assert params_from_args(ns).model == path
+    bench_model = loader(path)(torch.float32)
+    from kvtier.engine.gguf_file import GGUFFile
+
+    assert bench_model.name == GGUFFile(path).identity() != "smollm2"
+    assert len(bench_model.name.rsplit("-", 1)[1]) == 16  # the file's digest
+    assert bench_model.tokenizer.vocab_size == 49152
+    assert bench_model.model.config.num_kv_heads == 3
