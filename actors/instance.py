@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from kvtier.actors.cluster_placement import unplaced_message
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
                                       RankStats, create_rank_actor)
-from kvtier.actors.step_wire import decode_output, decode_report
+from kvtier.actors.step_wire import Progress, decode_output, decode_report
 from kvtier.engine.agreement import AgreementError
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
@@ -56,7 +56,7 @@ class RankDivergence(RankFailure):
 
 class InstanceStep(NamedTuple):
     finished: list[Output]  # by instance request id
-    progress: dict[int, tuple[int, ...]]  # running requests whose tokens changed: all so far
+    progress: dict[int, Progress]  # running requests whose output changed: all of it so far
     events: bytes | None  # rank 0's CacheEventBatch (msgpack), when watching
 
 
@@ -222,7 +222,7 @@ class Instance:
                 self._recover(RankDivergence(f"rank {rank} finished {got} but rank 0 {want}"))
                 return InstanceStep([], {}, None)
         self._failures_in_a_row = 0
-        progress = {self._instance_id[i]: toks for i, toks in first.progress.items()
+        progress = {self._instance_id[i]: p for i, p in first.progress.items()
                     if i in self._instance_id}
         return InstanceStep([self._finish(o) for o in first.finished], progress, first.events)
 

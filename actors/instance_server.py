@@ -166,10 +166,10 @@ class InstanceServer:
         with self._lock:
             self._steps += 1
         self._keep_events(report.events)
-        for req_id, tokens in report.progress.items():
+        for req_id, progress in report.progress.items():
             sink = self._sinks.get(req_id)
             if sink is not None:
-                sink(("tokens", tokens))
+                sink(("tokens", progress))
         for out in report.finished:
             sink = self._sinks.pop(out.request_id, None)
             self._ids.pop(self._key_of.pop(out.request_id, -1), None)

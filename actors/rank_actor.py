@@ -22,7 +22,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
-from kvtier.actors.step_wire import StepReport, encode_output, encode_report
+from kvtier.actors.step_wire import Progress, StepReport, encode_output, encode_report
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, name as dtype_name, resolve
@@ -245,12 +245,12 @@ class RankCache:
         self.detach_l3()
         self._attach(cache, current, l3_actor)
 
-    def _progress(self) -> dict[int, tuple[int, ...]]:
-        """Running requests whose output changed since the last step: their tokens so far."""
+    def _progress(self) -> dict[int, Progress]:
+        """Running requests whose output changed since the last step: their output so far."""
         changed = {}
         for req in self.engine.scheduler.running:
             if len(req.output) != self._reported.get(req.id, 0):
-                changed[req.id] = tuple(req.output)
+                changed[req.id] = Progress(tuple(req.output), req.logprobs)
                 self._reported[req.id] = len(req.output)
         live = {r.id for r in self.engine.scheduler.running}
         for req_id in [i for i in self._reported if i not in live]:

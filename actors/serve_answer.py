@@ -83,7 +83,10 @@ class RoutedAnswer:
             except StopAsyncIteration:
                 return
             final = "finish_reason" in item
-            item = {**item, "tokens": self.sent.take(item["tokens"], final=final)}
+            new = self.sent.take(item["tokens"], final=final)  # the tail not passed on yet
+            item = {**item, "tokens": new}
+            if "logprobs" in item:
+                item["logprobs"] = item["logprobs"][len(item["logprobs"]) - len(new):]
             self._finished = final
             yield item
             if final:

@@ -29,6 +29,7 @@ from kvtier.serve import openai_responses as out
 from kvtier.serve import served_model
 from kvtier.serve.admin import check_admin_key, parse_admin_body
 from kvtier.serve.metrics import ServeMetrics
+from kvtier.serve.openai_logprobs import chat_logprobs, completion_logprobs
 from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
                                           ErrorType, check_prompt_tokens, parse_chat,
                                           parse_completion)
@@ -44,7 +45,8 @@ SNAPSHOT_INTERVAL_S = 2.0
 
 class _Generation:
     """One answer's run on an instance (answer `index` of the request's `n`): where it runs,
-    why the router chose that instance, its text, token count and final report."""
+    why the router chose that instance, its text, token count, log-probabilities (when
+    asked) and final report."""
 
     def __init__(self, answer: RoutedAnswer, route: dict, stream: TextStream,
                  index: int = 0) -> None:
@@ -54,6 +56,16 @@ class _Generation:
         self.final: dict | None = None
         self.first_token_s: float | None = None
         self.finish_reason = "length"
+        self.logprobs: list = []  # wire entries, one per answer token (when asked)
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts
+
+    def logprobs_object(self, entries: list, tokenizer: Any, chat: bool) -> dict:
+        """OpenAI's logprobs object for `entries` (the next ones of this answer)."""
+        if chat:
+            return chat_logprobs(entries, tokenizer)
+        made = completion_logprobs(entries, tokenizer, self.text_offset)
+        self.text_offset += sum(len(t) for t in made["tokens"])
+        return made
 
 
 def _refused(err: ApiError) -> Response:
@@ -183,7 +195,10 @@ class Ingress:
         build = out.chat_response if chat else out.completion_response
         created = int(time.time())
         first, *more = (build(rid, req.model, created, g.stream.text, g.finish_reason, usage,
-                              kvtier, index=g.index) for g in gens)
+                              kvtier, index=g.index,
+                              logprobs=None if req.logprobs is None else
+                              g.logprobs_object(g.logprobs, self.tokenizer, chat))
+                        for g in gens)
         return JSONResponse(out.with_choices(first, more) if more else first)
 
     async def _start(self, req: CompletionRequest | ChatRequest, tokens: list[int], seed: int,
@@ -216,25 +231,28 @@ class Ingress:
         check_prompt_tokens(tokens, self.limits, self.tokenizer.vocab_size, param=param)
         return tokens
 
-    async def _run(self, gen: _Generation, start: float) -> AsyncIterator[str]:
-        """Yield text deltas until the instance finishes or a stop string is hit (then the
-        instance's stream is cancelled, which aborts the request there)."""
+    async def _run(self, gen: _Generation, start: float) -> AsyncIterator[tuple[str, list]]:
+        """Yield (text delta, the log-probabilities of its tokens when asked) until the
+        instance finishes or a stop string is hit (then the instance's stream is cancelled,
+        which aborts the request there)."""
         try:
             async for item in gen.answer.items():
                 if item["tokens"] and gen.first_token_s is None:
                     gen.first_token_s = time.perf_counter() - start
                 gen.tokens += len(item["tokens"])
+                entries = item.get("logprobs", [])
+                gen.logprobs += entries
                 text, stopped = gen.stream.push(item["tokens"])
                 if "finish_reason" in item:
                     gen.final, gen.finish_reason = item, item["finish_reason"]
-                if text:
-                    yield text
+                if text or entries:
+                    yield text, entries
                 if stopped:
                     gen.finish_reason = "stop"
                     return
             rest = gen.stream.finish()
             if rest:
-                yield rest
+                yield rest, []
         finally:
             if gen.final is None:
                 gen.answer.cancel()
@@ -267,7 +285,11 @@ class Ingress:
                     if delta is None:  # this answer ended
                         yield chunk(gen, finish_reason=gen.finish_reason)
                         break
-                    yield chunk(gen, content=delta) if chat else chunk(gen, text=delta)
+                    text, entries = delta
+                    logprobs = gen.logprobs_object(entries, self.tokenizer, chat) \
+                        if req.logprobs is not None else None
+                    yield (chunk(gen, content=text, logprobs=logprobs) if chat else
+                           chunk(gen, text=text, logprobs=logprobs))
         finally:
             for pump in pumps:
                 pump.cancel()  # a client gone, or a failed answer: the others stop too
@@ -280,10 +302,11 @@ class Ingress:
             self._observe(gen, start, len(tokens))
 
     async def _pump(self, gen: _Generation, start: float, deltas: asyncio.Queue) -> None:
-        """Put (gen, text delta) on `deltas`, then (gen, None) at its end, or (gen, error)."""
+        """Put (gen, (text delta, logprobs)) on `deltas`, then (gen, None) at its end, or
+        (gen, error)."""
         try:
-            async for text in self._run(gen, start):
-                deltas.put_nowait((gen, text))
+            async for delta in self._run(gen, start):
+                deltas.put_nowait((gen, delta))
             deltas.put_nowait((gen, None))
         except Exception as exc:  # noqa: BLE001 - reported in the stream by _sse
             deltas.put_nowait((gen, exc))

@@ -19,6 +19,7 @@ from kvtier.actors.instance import Instance, InstanceError
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.step_wire import logprobs_to_wire
 from kvtier.calibration import calibrated_thresholds
 from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.engine.sampling import SamplingParams
@@ -66,6 +67,11 @@ def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None)
     return opts
 
 
+def _logprobs(logprobs: tuple | None, start: int) -> dict:
+    """{"logprobs": the wire form of those from `start` on} when the request asked, or {}."""
+    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs[start:])}
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
                   health_check_period_s=5, graceful_shutdown_timeout_s=20)
 class InstanceDeployment:
@@ -100,13 +106,15 @@ class InstanceDeployment:
         try:
             while True:
                 kind, value = await queue.get()
-                if kind == "tokens":
-                    if len(value) > emitted:
-                        yield {"tokens": list(value[emitted:])}
-                        emitted = len(value)
+                if kind == "tokens":  # a Progress: the output so far
+                    if len(value.tokens) > emitted:
+                        yield {"tokens": list(value.tokens[emitted:]),
+                               **_logprobs(value.logprobs, emitted)}
+                        emitted = len(value.tokens)
                 elif kind == "done":
                     finished = True
                     yield {"tokens": list(value.tokens[emitted:]),
+                           **_logprobs(value.logprobs, emitted),
                            "finish_reason": value.finish_reason.value,
                            "cached": value.cached._asdict(),
                            "lengths": value.lengths._asdict(),

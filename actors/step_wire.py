@@ -13,24 +13,47 @@ from typing import Any, NamedTuple
 import msgpack
 
 from kvtier.engine.request import CachedTokens, FinishReason, Output
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.messages import MessageError, unpack_payload
 from kvtier.tiers.cache_types import RequestLengths
 
 _OUTPUT_FIELDS = ("id", "prompt", "tokens", "text", "finish", "lengths", "cached", "ttft_s",
-                  "tps", "queue_s")
+                  "tps", "queue_s", "logprobs")
+
+
+class Progress(NamedTuple):
+    """A running request's output so far (rank 0 reports it when it changed)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when it asked
 
 
 class StepReport(NamedTuple):
     finished: list[Output]  # requests that finished in the step (prefill logits dropped)
-    progress: dict[int, tuple[int, ...]]  # rank 0: request id -> tokens so far, changed ones
+    progress: dict[int, Progress]  # rank 0: request id -> its output so far, changed ones
     events: bytes | None  # rank 0: a CacheEventBatch (msgpack) when watching, else None
+
+
+def logprobs_to_wire(logprobs: tuple[TokenLogprob, ...] | None) -> list | None:
+    """Log-probabilities as plain lists: [[token, logprob, [[token, logprob], ...]], ...]."""
+    if logprobs is None:
+        return None
+    return [[lp.token, lp.logprob, [list(p) for p in lp.top]] for lp in logprobs]
+
+
+def logprobs_from_wire(m: Any) -> tuple[TokenLogprob, ...] | None:
+    if m is None:
+        return None
+    return tuple(TokenLogprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
+                 for t, lp, top in m)
 
 
 def _output_map(out: Output) -> dict[str, Any]:
     return {"id": out.request_id, "prompt": list(out.prompt), "tokens": list(out.tokens),
             "text": out.text, "finish": out.finish_reason.value,
             "lengths": list(out.lengths), "cached": list(out.cached), "ttft_s": out.ttft_s,
-            "tps": out.decode_tokens_per_s, "queue_s": out.queue_s}
+            "tps": out.decode_tokens_per_s, "queue_s": out.queue_s,
+            "logprobs": logprobs_to_wire(out.logprobs)}
 
 
 def _output(m: Any) -> Output:
@@ -43,7 +66,8 @@ def _output(m: Any) -> Output:
                       CachedTokens(*(int(x) for x in m["cached"])),
                       None if m["ttft_s"] is None else float(m["ttft_s"]),
                       None if m["tps"] is None else float(m["tps"]),
-                      queue_s=None if m["queue_s"] is None else float(m["queue_s"]))
+                      queue_s=None if m["queue_s"] is None else float(m["queue_s"]),
+                      logprobs=logprobs_from_wire(m["logprobs"]))
     except (TypeError, ValueError) as exc:
         raise MessageError(f"a bad Output record: {exc}") from exc
 
@@ -59,7 +83,8 @@ def decode_output(data: bytes) -> Output | None:
 
 def encode_report(report: StepReport) -> bytes:
     return msgpack.packb({"finished": [_output_map(o) for o in report.finished],
-                          "progress": [[i, list(t)] for i, t in report.progress.items()],
+                          "progress": [[i, list(p.tokens), logprobs_to_wire(p.logprobs)]
+                                       for i, p in report.progress.items()],
                           "events": report.events}, use_bin_type=True)
 
 
@@ -70,7 +95,8 @@ def decode_report(data: bytes) -> StepReport:
     if m["events"] is not None and not isinstance(m["events"], bytes):
         raise MessageError("StepReport.events: expected bytes or nil")
     try:
-        progress = {int(i): tuple(int(t) for t in toks) for i, toks in m["progress"]}
+        progress = {int(i): Progress(tuple(int(t) for t in toks), logprobs_from_wire(lps))
+                    for i, toks, lps in m["progress"]}
     except (TypeError, ValueError) as exc:
         raise MessageError(f"StepReport.progress: {exc}") from exc
     return StepReport([_output(o) for o in m["finished"]], progress, m["events"])

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.storage_types import PrefetchTicket
 
@@ -54,6 +54,8 @@ class Output:
     decode_tokens_per_s: float | None
     prefill_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
     queue_s: float | None = None  # arrival to first admission (None: never admitted)
+    # one per output token when the request asked for them (SamplingParams.logprobs)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -139,4 +141,10 @@ class Request:
         assert self.finish_reason is not None
         queue = None if self.admitted_s is None else self.admitted_s - self.arrival_s
         return Output(self.id, self.prompt, tuple(self.output), text, self.finish_reason,
-                      self.lengths, self.cached, ttft, rate, self.prefill_logits, queue)
+                      self.lengths, self.cached, ttft, rate, self.prefill_logits, queue,
+                      self.logprobs)
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """Its output tokens' log-probabilities so far (None when it did not ask for them)."""
+        return None if self.params.logprobs is None else tuple(self.sampler.logprobs)

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from kvtier.errors import ConfigError
+
+MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs limit)
+
+
+class TokenLogprob(NamedTuple):
+    """A chosen token's log-probability under the model, and the `k` most likely tokens'."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # None: no log-probabilities; k: each chosen token's and its k most likely alternatives'
+    # (the model's distribution: before penalties and temperature)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -55,6 +68,9 @@ class SamplingParams:
                 raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got "
+                              f"{self.logprobs}")
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -73,7 +89,8 @@ class SamplingParams:
 
 class Sampler:
     """One request's sampler; its generator advances with every sampled token, and it counts
-    the tokens it chose (the output, for the penalties)."""
+    the tokens it chose (the output, for the penalties). With `params.logprobs` set it keeps
+    each chosen token's TokenLogprob in `logprobs`."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
                  prompt: Sequence[int] = ()) -> None:
@@ -81,6 +98,7 @@ class Sampler:
         self.generator: torch.Generator | None = None
         self._prompt = frozenset(prompt) if params.repetition_penalty != 1 else frozenset()
         self._output: Counter[int] = Counter()
+        self.logprobs: list[TokenLogprob] = []
         if not params.greedy:
             self.generator = torch.Generator(device=device)
             if params.seed is None:
@@ -93,7 +111,15 @@ class Sampler:
         token = self._choose(self._penalize(logits.float()) if self.params.penalized
                              else logits.float())
         self._output[token] += 1
+        if self.params.logprobs is not None:
+            self.logprobs.append(self._logprob(logits, token))
         return token
+
+    def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logp, self.params.logprobs) if self.params.logprobs else None
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        return TokenLogprob(token, float(logp[token]), pairs)
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         p, logits = self.params, logits.clone()

@@ -1,6 +1,7 @@
 """SmolLM2's tokenizer: GPT-2 style byte-level BPE rebuilt from GGUF metadata, and its chat template."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -121,6 +122,22 @@ def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_pr
     return "".join(parts)
 
 
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet: the character that stands for each byte (printable Latin-1
+    bytes stand for themselves, the others for 256, 257, ... in byte order), reversed."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    chars, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + shifted)] = byte
+            shifted += 1
+    return chars
+
+
 class Tokenizer:
     """Text <-> token ids, plus the chat template and the stop tokens of the model."""
 
@@ -154,6 +171,18 @@ class Tokenizer:
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return self.special.stop_token_ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (a byte-level BPE token may hold part of a
+        character; decoding it alone would not give them)."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if type(self._tok.decoder).__name__ == "ByteLevel":
+            table = _byte_level_chars()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return self._tok.decode([int(token_id)], skip_special_tokens=False).encode()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their ids."""

@@ -21,6 +21,7 @@ from kvtier.keys import MAX_CACHE_SALT_CHARS
 MAX_STOPS = 4  # OpenAI's own limit on `stop`
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # `n`: answers per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit (its legacy completions allow 5; vLLM 20)
 TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 in most tokenizers and kernels
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -102,6 +103,8 @@ class GenerationOptions:
     ignore_eos: bool = False  # the model's end tokens do not end the answer
     stop_token_ids: tuple[int, ...] = ()  # more token ids that end it
     cache_salt: str = ""  # vLLM's: only requests with the same salt (and tenant) share prefixes
+    # None: no log-probabilities; k: each answer token's and its k most likely alternatives'
+    logprobs: int | None = None
 
     def sampling(self, model_stops: Sequence[int], seed: int, index: int = 0) -> dict:
         """The engine's SamplingParams fields (a dict that crosses the actor boundary) of
@@ -114,6 +117,7 @@ class GenerationOptions:
                 "repetition_penalty": self.repetition_penalty,
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "stop_token_ids": stops,
+                "logprobs": self.logprobs,
                 "seed": ((self.seed if self.seed is not None else seed) + index
                          - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0]) + SEED_RANGE[0]}
 
@@ -135,10 +139,9 @@ class ChatRequest(GenerationOptions):
 # Fields that would change what we return; any value but a harmless one is refused rather than
 # silently ignored (a client asking for logprobs must not get a reply without them).
 _COMMON_UNSUPPORTED: dict[str, tuple] = {"logit_bias": (None, {})}
-_COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "logprobs": (None, False),
-                           "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
-_CHAT_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0),
-                     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+_COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "echo": (None, False), "best_of": (None, 1),
+                           "suffix": (None, "")}
+_CHAT_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                      "function_call": (None, "none"),
                      "response_format": (None, {"type": "text"})}
 
@@ -307,7 +310,9 @@ def parse_completion(body: bytes | str | Mapping, limits: ApiLimits) -> Completi
     obj = _decode_body(body, limits)
     _check_unsupported(obj, _COMPLETION_UNSUPPORTED)
     options = _options(obj, limits, min(16, limits.max_new_tokens))
-    return CompletionRequest(prompt=_prompt(obj.get("prompt")), **options)
+    # legacy completions: `logprobs` is the number of alternatives (0: the chosen token's only)
+    logprobs = _int(obj, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    return CompletionRequest(prompt=_prompt(obj.get("prompt")), logprobs=logprobs, **options)
 
 
 def _prompt(v: Any) -> str | tuple[int, ...]:
@@ -344,7 +349,19 @@ def parse_chat(body: bytes | str | Mapping, limits: ApiLimits) -> ChatRequest:
             raise _bad("max_completion_tokens", "conflicts with max_tokens; send only one")
         name = "max_completion_tokens"
     options = _options(obj, limits, limits.max_new_tokens, name)
-    return ChatRequest(messages=_messages(obj.get("messages")), **options)
+    return ChatRequest(messages=_messages(obj.get("messages")), logprobs=_chat_logprobs(obj),
+                       **options)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (true: each answer token's) and `top_logprobs` (that many
+    alternatives, which needs logprobs true)."""
+    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top:
+            raise _bad("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
 
 
 def _messages(v: Any) -> tuple[ChatMessage, ...]:

@@ -81,16 +81,19 @@ def _envelope(obj: str, request_id: str, model: str, created: int, choice: dict,
 
 def completion_response(request_id: str, model: str, created: int, text: str,
                         finish_reason: str | enum.Enum, usage: dict,
-                        kvtier: dict | None = None, *, index: int = 0) -> dict:
-    choice = {"text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+                        kvtier: dict | None = None, *, index: int = 0,
+                        logprobs: dict | None = None) -> dict:
+    choice = {"text": text, "logprobs": logprobs,
+              "finish_reason": openai_finish_reason(finish_reason)}
     return _envelope("text_completion", request_id, model, created, choice, usage, kvtier,
                      index)
 
 
 def chat_response(request_id: str, model: str, created: int, text: str,
                   finish_reason: str | enum.Enum, usage: dict,
-                  kvtier: dict | None = None, *, index: int = 0) -> dict:
-    choice = {"message": {"role": Role.ASSISTANT.value, "content": text}, "logprobs": None,
+                  kvtier: dict | None = None, *, index: int = 0,
+                  logprobs: dict | None = None) -> dict:
+    choice = {"message": {"role": Role.ASSISTANT.value, "content": text}, "logprobs": logprobs,
               "finish_reason": openai_finish_reason(finish_reason)}
     return _envelope("chat.completion", request_id, model, created, choice, usage, kvtier,
                      index)
@@ -118,21 +121,24 @@ def _with_null_usage(chunk: dict, include_usage: bool) -> dict:
 
 def completion_chunk(request_id: str, model: str, created: int, text: str = "",
                      finish_reason: str | enum.Enum | None = None, *,
-                     include_usage: bool = False, index: int = 0) -> dict:
-    choice = {"text": text, "logprobs": None, "finish_reason": _chunk_finish(finish_reason)}
+                     include_usage: bool = False, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
+    choice = {"text": text, "logprobs": logprobs, "finish_reason": _chunk_finish(finish_reason)}
     chunk = _envelope("text_completion", request_id, model, created, choice, None, None, index)
     return _with_null_usage(chunk, include_usage)
 
 
 def chat_chunk(request_id: str, model: str, created: int, content: str | None = None,
                finish_reason: str | enum.Enum | None = None, *, first: bool = False,
-               include_usage: bool = False, index: int = 0) -> dict:
+               include_usage: bool = False, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     """`first` adds the assistant role to the delta (OpenAI's opening chunk); the closing chunk
     has an empty delta and the finish reason."""
     delta: dict = {"role": Role.ASSISTANT.value} if first else {}
     if content is not None:
         delta["content"] = content
-    choice = {"delta": delta, "logprobs": None, "finish_reason": _chunk_finish(finish_reason)}
+    choice = {"delta": delta, "logprobs": logprobs,
+              "finish_reason": _chunk_finish(finish_reason)}
     chunk = _envelope("chat.completion.chunk", request_id, model, created, choice, None, None,
                       index)
     return _with_null_usage(chunk, include_usage)

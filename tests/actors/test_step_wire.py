@@ -2,12 +2,15 @@
 field, and a bad payload is a MessageError."""
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
-from kvtier.actors.step_wire import (StepReport, decode_output, decode_report, encode_output,
-                                     encode_report)
+from kvtier.actors.step_wire import (Progress, StepReport, decode_output, decode_report,
+                                     encode_output, encode_report)
 from kvtier.engine.request import CachedTokens, FinishReason, Output
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.messages import MessageError
 from kvtier.tiers.cache_types import RequestLengths
 
@@ -16,9 +19,13 @@ OUT = Output(7, (1, 2, 3), (4, 5), None, FinishReason.STOP, RequestLengths(16, 0
 
 
 def test_round_trips():
-    report = StepReport([OUT], {3: (9, 8)}, b"\x01events")
+    logprobs = (TokenLogprob(4, -0.5, ((4, -0.5), (6, -1.25))), TokenLogprob(5, -0.125, ()))
+    with_logprobs = dataclasses.replace(OUT, logprobs=logprobs)
+    report = StepReport([OUT, with_logprobs], {3: Progress((9, 8)), 4: Progress((4,), logprobs[:1])},
+                        b"\x01events")
     assert decode_report(encode_report(report)) == report
     assert decode_output(encode_output(OUT)) == OUT
+    assert decode_output(encode_output(with_logprobs)).logprobs == logprobs
     assert decode_output(encode_output(None)) is None
     empty = StepReport([], {}, None)
     assert decode_report(encode_report(empty)) == empty

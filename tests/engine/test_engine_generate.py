@@ -102,3 +102,36 @@ def test_params_are_validated(tiny_models) -> None:
             SamplingParams(**bad)
     with pytest.raises(ConfigError, match="larger num_pages"):
         generate(tiny_models[torch.float32], PROMPTS, SamplingParams(max_new_tokens=4), num_pages=3)
+
+
+def test_logprobs_are_the_models_distribution_before_penalties() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    want = torch.log_softmax(logits, -1)
+    sampler = Sampler(SamplingParams(logprobs=2, repetition_penalty=1.5), prompt=[0])
+    token = sampler(logits)
+    assert token == 0  # greedy after the penalty: 2 / 1.5 still leads
+    (lp,) = sampler.logprobs
+    assert lp.token == 0 and lp.logprob == pytest.approx(float(want[0]))
+    assert [t for t, _ in lp.top] == [0, 1]
+    assert [v for _, v in lp.top] == pytest.approx([float(want[0]), float(want[1])])
+    assert Sampler(SamplingParams(logprobs=0))(logits) == 0
+    assert Sampler(SamplingParams())(logits) == 0 and Sampler(SamplingParams()).logprobs == []
+    with pytest.raises(ConfigError, match="logprobs"):
+        SamplingParams(logprobs=21)
+
+
+def test_an_engine_answer_carries_one_logprob_per_token(tiny_models) -> None:
+    from kvtier.config import HiCacheConfig
+    from kvtier.engine import Engine
+    from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+    model = tiny_models[torch.float32]
+    cache = HierarchicalCache(HiCacheConfig(page_size=16), model.kv_spec(16), 32, device="cpu")
+    with Engine(model, cache, owns_cache=True) as eng:
+        out = eng.generate([tokens(40, 1)], SamplingParams(max_new_tokens=5, logprobs=3))[0]
+        assert [lp.token for lp in out.logprobs] == list(out.tokens)
+        first = torch.log_softmax(out.prefill_logits.float(), -1)
+        assert out.logprobs[0].logprob == pytest.approx(float(first[out.tokens[0]]), abs=1e-5)
+        assert all(len(lp.top) == 3 and lp.top[0][0] == lp.token for lp in out.logprobs)
+        plain = eng.generate([tokens(40, 1)], SamplingParams(max_new_tokens=5))[0]
+        assert plain.logprobs is None and plain.tokens == out.tokens

@@ -145,7 +145,8 @@ def test_unknown_and_missing_model():
     ({"n": 17}, "n"), ({"n": True}, "n"), ({"n": 0}, "n"),
     ({"stream_options": True}, "stream_options"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
     ({"suffix": "end"}, "suffix"), ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -169,15 +170,16 @@ def test_sampling_fields_reach_the_engine():
     s = req.sampling(model_stops=(2, 0), seed=99)
     assert s == {"max_new_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                  "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
-                 "frequency_penalty": -0.5, "stop_token_ids": (7, 2, 0), "seed": 3}
+                 "frequency_penalty": -0.5, "stop_token_ids": (7, 2, 0), "seed": 3,
+                 "logprobs": None}
     SamplingParams(**s)  # the engine takes every field as it is
     free = parse_chat(chat(ignore_eos=True, top_k=5), LIMITS).sampling((2, 0), seed=99)
     assert free["stop_token_ids"] == () and free["top_k"] == 5 and free["seed"] == 99
 
 
 def test_several_unsupported_fields_are_all_named():
-    err = refused(parse_completion, comp(echo=True, suffix="x", logprobs=2))
-    assert all(f in err.message for f in ("echo", "suffix", "logprobs"))
+    err = refused(parse_completion, comp(echo=True, suffix="x", best_of=2))
+    assert all(f in err.message for f in ("echo", "suffix", "best_of"))
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -198,8 +200,8 @@ def test_several_unsupported_fields_are_all_named():
     ({"max_completion_tokens": 100}, "max_completion_tokens"),
     ({"max_completion_tokens": 5, "max_tokens": 6}, "max_completion_tokens"),
     ({"max_tokens": 65}, "max_tokens"), ({"temperature": 3}, "temperature"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"), ({"response_format": {"type": "json_object"}},
+    ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": 1}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"response_format": {"type": "json_object"}},
                                             "response_format"),
     ({"n": 3.0}, "n"),
 ])
@@ -379,3 +381,14 @@ def test_n_answers_sample_with_consecutive_seeds():
     assert parse_chat(chat(), LIMITS).sampling((2,), 99)["seed"] == 99  # its own seed
     top = parse_chat(chat(seed=2**64 - 1), LIMITS).sampling((2,), 0, 1)["seed"]
     assert top == -(2**63)  # wraps within what the sampler takes
+
+
+def test_logprobs_fields_reach_the_engine():
+    assert parse_chat(chat(), LIMITS).logprobs is None
+    assert parse_chat(chat(logprobs=True), LIMITS).logprobs == 0
+    req = parse_chat(chat(logprobs=True, top_logprobs=5), LIMITS)
+    assert req.sampling((2,), 1)["logprobs"] == 5
+    SamplingParams(**req.sampling((2,), 1))
+    assert parse_completion(comp(logprobs=3), LIMITS).logprobs == 3
+    assert parse_completion(comp(logprobs=0), LIMITS).logprobs == 0
+    assert parse_completion(comp(), LIMITS).logprobs is None

@@ -285,3 +285,34 @@ def test_n_answers_come_back_indexed_and_equal_single_requests(app):
     comp = client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=3, n=2,
                                      temperature=0)
     assert [c.index for c in comp.choices] == [0, 1] and comp.choices[0].text == comp.choices[1].text
+
+
+def test_logprobs_come_with_every_answer_token(app):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "lp?"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+              top_logprobs=3)
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        best = entry.top_logprobs[0]  # greedy: the chosen token is the most likely one
+        assert (best.bytes, best.logprob) == (entry.bytes, entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == \
+            sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert joined.startswith(whole.choices[0].message.content)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    comp = client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=4, temperature=0,
+                                     logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert all(len(top) <= 2 and max(top.values()) == p
+               for top, p in zip(lp.top_logprobs, lp.token_logprobs))
