@@ -399,7 +399,35 @@ class Ingress:
                                           snap["host_total_tokens"], snap["storage"])
                 self.metrics.update_gauges(name, snap.get("gauges", {}))
                 self.metrics.observe_agreement(name, snap["agreement_s"])
+            await self._observe_namespace(stalled)
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+
+    async def _observe_namespace(self, stalled: set[str]) -> None:
+        """Feed the L3 namespace's directory figures (evictions, pages held), asked of the
+        namespace actor for the namespace an instance reports attached."""
+        try:
+            namespace = None
+            for name, handle in self.instances.items():
+                if name not in stalled:
+                    l3 = (await asyncio.wait_for(handle.storage.remote(), 30))["l3"]
+                    namespace = l3 and l3["namespace"]
+                    break
+            if namespace:
+                stats = await asyncio.get_running_loop().run_in_executor(
+                    None, self._namespace_stats, namespace)
+                self.metrics.update_namespace(namespace, stats)
+        except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
+            log.debug("L3 namespace stats failed: %s", exc)
+
+    def _namespace_stats(self, namespace: str) -> dict:
+        import dataclasses
+
+        import ray
+
+        from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+
+        handle = ray.get_actor(self.settings.l3_actor, namespace=RAY_NAMESPACE)
+        return dataclasses.asdict(NamespaceClient(handle).stats(namespace))
 
     async def _observe_liveness(self) -> set[str]:
         """Feed the router's per-instance stall counts to the metrics; the stalled ones."""

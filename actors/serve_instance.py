@@ -56,13 +56,20 @@ def rank_settings(s: ServeSettings) -> RankSettings:
 
 def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None) -> dict:
     """The backend options a namespace is registered with (validated); file and nixl keep
-    their pages under the deployment's L3 directory unless the caller names one."""
+    their pages under the deployment's L3 directory unless the caller names one, bounded by
+    l3_max_gb (the namespace's quota) unless the caller bounds them."""
     opts = dict(options or {})
-    if kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL) and "root_dir" not in opts:
+    on_disk = kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL)
+    if on_disk and "root_dir" not in opts:
         if not s.l3_root:
             raise ConfigError("the file and nixl backends need a directory: set l3_root or "
                               "give options.root_dir")
         opts["root_dir"] = s.l3_root
+    if s.l3_max_gb and on_disk:
+        opts.setdefault("max_size_bytes", int(s.l3_max_gb * 2**30))
+    elif s.l3_max_gb:
+        raise ConfigError(f"l3_max_gb bounds a file or nixl L3; a {kind.value} store is bounded "
+                          f"by its own configuration (Mooncake: the master's segment size)")
     parse_storage_options(kind, opts)  # ConfigError names a bad key or value
     return opts
 

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file, mooncake, nixl or none (default file; SGLang's "
                         "--hicache-storage-backend says the same)")
     p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
+    p.add_argument("--l3-max-gb", type=float, default=0.0,
+                   help="file/nixl: the L3 namespace's size; past it the least recently used "
+                        "pages are evicted (default 0: unbounded)")
     p.add_argument("--device-pages", type=int, default=160, help="L1 pages per rank")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="most new tokens one forward computes: prefill pieces of several "
@@ -89,6 +92,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,
                          served_model_name=ns.served_model_name, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
+                         l3_max_gb=ns.l3_max_gb,
                          placement=ns.placement, gpus_per_rank=ns.gpus_per_rank,
                          api_keys=load_api_keys(ns.api_keys_file) if ns.api_keys_file else {})
 

@@ -83,7 +83,6 @@ STORAGE_SOURCES = (
     _src("dropped_backup_tokens", "backup_failed_tokens", reason="storage_write"),
     _src("storage_read_bytes", "bytes_read"),
     _src("storage_write_bytes", "bytes_written"),
-    _src("storage_evicted_pages", "evicted_pages"),
     _src("directory_errors", "directory_errors"),
     _src("storage_errors", "lookup_errors", op="lookup"),
     _src("storage_errors", "write_failures", op="write"),
@@ -114,7 +113,6 @@ COUNTERS = {  # family -> (help, extra label names)
     "storage_backup_tokens": ("Tokens written L2 -> L3", ()),
     "storage_read_bytes": ("Bytes read from L3", ()),
     "storage_write_bytes": ("Bytes written to L3", ()),
-    "storage_evicted_pages": ("Pages the L3 backend evicted", ()),
     "directory_errors": ("Failed calls to the L3 page directory", ()),
     "storage_errors": ("Failed L3 backend calls (each a miss or a dropped write), by op",
                        ("op",)),
@@ -152,6 +150,19 @@ GAUGES = {
     "instance_stalled": "1 while the router holds the instance stalled, else 0",
 }
 
+# The L3 namespace, which the deployment's instances share: its directory's figures
+# (DirectoryStats keys), labelled by namespace rather than by instance.
+NAMESPACE_LABEL = "namespace"
+NAMESPACE_COUNTERS = {  # family -> (help, DirectoryStats key)
+    "l3_evicted_pages": ("Pages the L3 namespace evicted to stay within its bound (l3_max_gb), "
+                         "least recently used first", "evicted_pages"),
+}
+NAMESPACE_GAUGES = {  # family -> (help, DirectoryStats key)
+    "l3_published_pages": ("Pages the L3 namespace holds for every instance to hit",
+                           "published_pages"),
+    "l3_capacity_pages": ("The L3 namespace's bound in pages (0: unbounded)", "capacity_pages"),
+}
+
 # (bytes key, seconds keys tried in order) for the interval bandwidth of a storage snapshot;
 # prefetch_wait_s includes queueing, so it is only the fallback for reads
 READ_TIMING = ("bytes_read", ("read_s", "prefetch_wait_s"))
@@ -187,6 +198,11 @@ class ServeMetrics:
                             for name, (doc, buckets) in HISTOGRAMS.items()}
         self._gauges = {name: Gauge(PREFIX + name, doc, (LABEL,), registry=self.registry)
                         for name, doc in GAUGES.items()}
+        self._namespace = {name: kind(PREFIX + name, doc, (NAMESPACE_LABEL,),
+                                      registry=self.registry)
+                           for kind, table in ((Counter, NAMESPACE_COUNTERS),
+                                               (Gauge, NAMESPACE_GAUGES))
+                           for name, (doc, _) in table.items()}
         self._last: dict[tuple[str, str], dict[str, float]] = {}  # (instance, source) -> snapshot
         self._lock = threading.Lock()
 
@@ -236,6 +252,17 @@ class ServeMetrics:
         self._counters["instance_stalls"].labels(instance).inc(deltas["stalls"])
         # its series from the start, at 0 until a request is re-sent (graphs read no gap)
         self._counters["redispatched_requests"].labels(instance)
+
+    def update_namespace(self, namespace: str, stats: Mapping[str, float]) -> None:
+        """Fold one snapshot of the L3 namespace's directory figures (DirectoryStats) in."""
+        deltas = self._step(namespace, "namespace", {key: stats[key] for _, key in
+                                                     NAMESPACE_COUNTERS.values() if key in stats})
+        for name, (_, key) in NAMESPACE_COUNTERS.items():
+            if key in deltas:
+                self._namespace[name].labels(namespace).inc(deltas[key])
+        for name, (_, key) in NAMESPACE_GAUGES.items():
+            if key in stats:
+                self._namespace[name].labels(namespace).set(stats[key])
 
     def update_gauges(self, instance: str, values: Mapping[str, float]) -> None:
         """Current values of one instance (pool use, queue lengths); names from GAUGES,

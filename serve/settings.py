@@ -64,6 +64,8 @@ class ServeSettings:
     hierarchical: bool = True
     l3: str = "file"  # a StorageBackendKind value, or "none"
     l3_root: str = ""  # file/nixl: the directory ("" = a temp dir per run)
+    l3_max_gb: float = 0.0  # file/nixl: the namespace's bound; its least recently used pages
+    # go past it (0 = unbounded; Mooncake's master bounds its own store)
     l3_actor: str = "kvtier-l3"  # the namespace actor's name
     l3_state_dir: str = ""  # where that actor keeps its registry ("" = next to the L3 pages,
     # or a temp dir): a fresh L3 directory gets a fresh registry
@@ -112,6 +114,7 @@ class ServeSettings:
         check_float(self.request_timeout_s, "request_timeout_s", 1.0, 86400.0)
         check_float(self.stall_timeout_s, "stall_timeout_s", 0.2, 3600.0)
         check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
+        check_float(self.l3_max_gb, "l3_max_gb", 0.0, 1e6)
         for name in ("hierarchical", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got "
@@ -120,6 +123,10 @@ class ServeSettings:
             StorageBackendKind.parse(self.l3, "l3")
         if not self.hierarchical and self.l3 != L3_NONE:
             set_("l3", L3_NONE)  # the cache off has no tier below L1
+        if self.l3_max_gb and self.l3 not in (StorageBackendKind.FILE.value,
+                                              StorageBackendKind.NIXL.value):
+            raise ConfigError(f"l3_max_gb bounds a file or nixl L3, not {self.l3!r} (Mooncake's "
+                              f"master bounds its own store); drop it or use l3 file")
         for name in ("l3_root", "l3_actor", "l3_state_dir", "tenant_salt", "admin_key",
                      "api_key", "served_model_name"):
             value = getattr(self, name)

@@ -6,7 +6,8 @@ from typing import NamedTuple
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.serve.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServeMetrics, counter_deltas
+from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTERS, NAMESPACE_GAUGES,
+                                  ServeMetrics, counter_deltas)
 from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.storage_types import StorageCounters
 
@@ -50,14 +51,27 @@ def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
                    StorageCounters().snapshot() | backend)
     m.update_liveness("a", stalls=1, stalled=False)
     m.observe_redispatch("a")
+    m.update_namespace("ns-1", {"evicted_pages": 3, "published_pages": 40, "capacity_pages": 64})
     fams = families(m)
     expected = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS)
-    assert {f"kvtier_{name}" for name in expected} <= set(fams)
+    namespaced = set(NAMESPACE_COUNTERS) | set(NAMESPACE_GAUGES)
+    assert {f"kvtier_{name}" for name in expected | namespaced} <= set(fams)
     assert all(name.startswith("kvtier_") for name in fams)
     for fam in fams.values():
         assert fam.samples, fam.name
-        assert all("kvtier_instance" in s.labels and "instance" not in s.labels
+        family = fam.name.removeprefix("kvtier_").removesuffix("_created")
+        label = "namespace" if family in namespaced else "kvtier_instance"
+        assert all(label in s.labels and "instance" not in s.labels
                    for s in fam.samples), fam.name
+
+
+def test_the_namespace_figures_are_the_directorys():
+    m = ServeMetrics()
+    m.update_namespace("ns-1", {"evicted_pages": 3, "published_pages": 40, "capacity_pages": 64})
+    m.update_namespace("ns-1", {"evicted_pages": 5, "published_pages": 38, "capacity_pages": 64})
+    assert value(m, "l3_evicted_pages", "_total", namespace="ns-1") == 5
+    assert value(m, "l3_published_pages", "", namespace="ns-1") == 38
+    assert value(m, "l3_capacity_pages", "", namespace="ns-1") == 64
 
 
 def test_tokens_latency_and_gauges():

@@ -80,3 +80,18 @@ def test_layer_first_becomes_page_first_with_an_l3():
     assert with_l3.cache_config().storage_backend is None  # attached by the namespace actor
     alone = settings("--hicache-mem-layout", "layer_first", "--l3", "none")
     assert alone.cache_config().mem_layout.value == "layer_first"
+
+
+def test_l3_max_gb_bounds_a_file_namespace():
+    from kvtier.actors.serve_instance import l3_options
+    from kvtier.policies import StorageBackendKind
+
+    s = settings("--l3-max-gb", "2", "--l3-root", "/tmp/kvtier-l3")
+    assert l3_options(StorageBackendKind.FILE, s, None) == {"root_dir": "/tmp/kvtier-l3",
+                                                          "max_size_bytes": 2 << 30}
+    assert "max_size_bytes" not in l3_options(StorageBackendKind.FILE,
+                                              settings("--l3-root", "/tmp/x"), None)
+    with pytest.raises(ConfigError, match="l3_max_gb"):
+        settings("--l3", "mooncake", "--l3-max-gb", "1")
+    with pytest.raises(ConfigError, match="l3_max_gb"):
+        settings("--l3-max-gb", "-1")

@@ -2,8 +2,7 @@
 a file L3, prompts that hit L1, then L2 (loaded back), then L3 (prefetched).
 
 Every family then has a nonzero sample, except the ones only a fault or an overload moves
-(FAULT_FAMILIES), the ones the faults of other tests move (ELSEWHERE) and the one a served
-file L3 never moves (NOT_SERVED). The second test makes the faults for real (a corrupt L3
+(FAULT_FAMILIES) and the ones the faults of other tests move (ELSEWHERE). The second test makes the faults for real (a corrupt L3
 object, the L3 pool directory replaced by a file, the namespace actor and a rank killed) and
 sees each of FAULT_FAMILIES move.
 
@@ -11,7 +10,9 @@ Why these settings: TP=2, since agreement rounds (kvtier_agreement_seconds) run 
 ranks; one instance, so every prompt meets the same cache; 24 L1 pages and 48 L2 pages of 16
 tokens, so a few 160-token prompts push a 96-token prefix out of L1 and others out of L2; an
 L3 prefetch threshold of two pages (the default, 256 tokens, is more than these prompts
-have), so a 96-token L3 hit is fetched and a one-page tail is below the threshold.
+have), so a 96-token L3 hit is fetched and a one-page tail is below the threshold; an L3
+bound of 48 pages (l3_max_gb), which the prompts before the L3 hit stay under and the bursts
+after it pass, so the namespace evicts.
 """
 from __future__ import annotations
 
@@ -31,16 +32,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared_serve import BASE, served
 from test_metrics import dashboard_series
 
-from kvtier.serve.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREFIX
+from kvtier.engine.tp_worker import TinyWeights
+from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTERS,
+                                  NAMESPACE_GAUGES, PREFIX)
 from kvtier.serve.settings import ServeSettings
 
 KEY = "test-admin-key-metrics-0123456789"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 PAGE = 16
+_TINY = TinyWeights().config()
+PAGE_BYTES = 2 * _TINY.num_layers * _TINY.num_kv_heads * _TINY.head_dim * PAGE * 4  # K, V; fp32
 SETTINGS = ServeSettings(model="tiny", instances=1, tp_size=2, page_size=PAGE,
                          chunk_tokens=4 * PAGE, device_pages=24, hicache_ratio=2.0,
                          max_new_tokens=32, dtype="fp32", admin_key=KEY,
-                         hicache={"prefetch_threshold_tokens": 2 * PAGE})
+                         hicache={"prefetch_threshold_tokens": 2 * PAGE},
+                         l3_max_gb=48 * PAGE_BYTES / 2**30)
 MODEL = SETTINGS.served_model_name
 SNAPSHOT_WAIT_S = 30.0  # the ingress folds instance snapshots in every 2 s
 BURSTS = 3  # concurrent bursts at most, until the queue gauges were seen above 0
@@ -59,10 +65,7 @@ ELSEWHERE = {  # faults other tests make
     "redispatched_requests": "tests/serve/test_serve_stall.py",
     "instance_stalled": "tests/serve/test_serve_stall.py",
 }
-# The L3 clients of a served deployment never evict: the namespace actor keeps the bound of a
-# bounded store, and a served file L3 has none.
-NOT_SERVED = {"storage_evicted_pages"}
-ALL = {*COUNTERS, *GAUGES, *HISTOGRAMS}
+ALL = {*COUNTERS, *GAUGES, *HISTOGRAMS, *NAMESPACE_COUNTERS, *NAMESPACE_GAUGES}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -169,7 +172,8 @@ def test_after_traffic_every_family_has_moved_but_the_fault_ones(app) -> None:
     complete(ids(PAGE + 4))  # a one-page tail: below the prefetch threshold
     seen = burst_until_queued()
 
-    wait_moved(ALL - set(FAULT_FAMILIES) - set(ELSEWHERE) - NOT_SERVED - seen)
+    wait_moved(ALL - set(FAULT_FAMILIES) - set(ELSEWHERE) - seen)
+    assert samples()["l3_capacity_pages"] == 48
     for family in ("cached_tokens", "hit_tokens"):
         assert all(v > 0 for v in tier_samples(family).values()), tier_samples(family)
     present = set(samples())
@@ -184,9 +188,11 @@ def l3_objects(l3: Path) -> list[Path]:
     return [p for p in l3.rglob("*_[kv]") if p.is_file() and not p.name.startswith(".")]
 
 
-def wait_objects(l3: Path, at_least: int) -> list[Path]:
+def wait_objects(l3: Path, at_least: int, old: set[Path]) -> list[Path]:
+    """Until `at_least` objects not in `old` are written (the namespace's bound evicts old
+    ones meanwhile, least recently used first); those new ones."""
     deadline = time.monotonic() + SNAPSHOT_WAIT_S
-    while len(found := l3_objects(l3)) < at_least:
+    while len(found := [p for p in l3_objects(l3) if p not in old]) < at_least:
         assert time.monotonic() < deadline, f"{len(found)} L3 objects, waited for {at_least}"
         time.sleep(0.2)
     return found
@@ -236,9 +242,9 @@ def test_the_fault_families_move_under_real_faults(app) -> None:
 
     # L3 objects changed on disk: a read fails their check and removes them.
     prompt = ids(6 * PAGE + 4)
-    before = len(l3_objects(l3))
+    before = set(l3_objects(l3))
     complete(prompt)
-    objects = wait_objects(l3, before + 6 * SETTINGS.tp_size * 2)  # 6 pages, k and v
+    objects = wait_objects(l3, 6 * SETTINGS.tp_size * 2, before)  # 6 pages, k and v
     for path in objects:
         corrupt(path)
 
