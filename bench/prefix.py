@@ -29,7 +29,7 @@ import argparse
 import os
 import tempfile
 import time
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -43,11 +43,21 @@ from kvtier.engine.model import PagedLlama
 from kvtier.engine.request import pages_for
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ConfigError
+from kvtier.flags import add_hicache_flags, config_from_args
+from kvtier.storage_options import EXTRA_CONFIG_FLAG
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 HIT_TARGETS = {"l1": 0.10, "l2": 0.15, "l3": 0.25}  # hit TTFT / cold TTFT, at most
 COLD_TARGET = 0.6  # default-mode cold TTFT / deterministic cold TTFT, at most
 HIT_TIERS = {"l1": "device", "l2": "host", "l3": "storage"}  # the Output.cached field of each
+CACHE_DEFAULTS = {"prefetch_policy": "wait_complete"}  # the L3 hit waits for its whole prefix
+# knob -> the value that would leave a tier unmeasured
+REFUSED_KNOBS = {"enable_hierarchical_cache": False, "disable_radix_cache": True,
+                 "host_mode": "storage_only"}
+KNOB_FLAGS = {"enable_hierarchical_cache": "--disable-hierarchical-cache",
+              "disable_radix_cache": "--disable-radix-cache", "host_mode": "--hicache-host-mode",
+              "storage_backend": "--hicache-storage-backend",
+              "storage_options": EXTRA_CONFIG_FLAG}
 QUESTION = "\n\nQuestion: what did the sensor in room 3 read in record 12? Answer:"
 
 
@@ -60,6 +70,7 @@ class PrefixBenchParams(NamedTuple):
     threads: int | None = None
     deterministic: bool = False
     model: str = "smollm2"  # or a Hugging Face model directory, or a GGUF file
+    hicache: tuple[tuple[str, Any], ...] = ()  # SGLang's cache knobs given: (name, value)
 
 
 class BenchModel(NamedTuple):
@@ -108,7 +119,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",
                    help="model and KV dtype (default auto: bf16 where the hardware computes "
                         "in it, else fp32)")
-    p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="most new tokens per forward, a multiple of the page size (default: "
                         "the engine's, kvtier.engine.engine.default_chunk_tokens)")
@@ -117,6 +127,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--deterministic", action="store_true",
                    help="run every engine in deterministic mode (one-page chunks)")
+    # SGLang's --hicache-* flags and --hicache-config: the measured engine's cache (the
+    # deterministic cold reference keeps the defaults, without L3)
+    add_hicache_flags(p, HiCacheConfig(page_size=64, **CACHE_DEFAULTS), {
+        "--hicache-storage-backend": "refused: the bench's L3 is a file directory of its own",
+        EXTRA_CONFIG_FLAG: "refused: the bench's L3 is a file directory of its own",
+        "--disable-hierarchical-cache": "refused: the bench measures L2 and L3 hits",
+        "--disable-radix-cache": "refused: the bench measures prefix hits",
+        "--hicache-host-mode": "cache (storage_only is refused: the bench measures an L2 hit)"})
 
 
 def document_tokens(tokenizer, num_tokens: int) -> list[int]:
@@ -190,8 +208,9 @@ def _measure(bm: BenchModel, prompt: list[int], params: PrefixBenchParams,
     warm = bm.tokenizer.encode("Warm-up. " * len(prompt))[:len(prompt)]  # no shared prefix
     pages = 4 * pages_for(len(prompt) + params.new_tokens, page)  # warm-up + prompt, twice
     budget = max(8192, 2 * len(prompt))
-    config = HiCacheConfig(page_size=page, storage_backend="file",
-                           storage_options={"root_dir": l3_dir}, prefetch_policy="wait_complete")
+    config = HiCacheConfig.from_dict({**CACHE_DEFAULTS, **dict(params.hicache), "page_size": page,
+                                      "storage_backend": "file",
+                                      "storage_options": {"root_dir": l3_dir}})
     with _engine(bm, config, pages, params.chunk_tokens, budget, det) as engine:
         for _ in range(2):  # cold, then a hit: every forward shape the timed requests run
             _ttft(engine, warm, greedy)
@@ -270,12 +289,25 @@ def run(params: PrefixBenchParams = PrefixBenchParams(),
             "new_tokens": params.new_tokens, "device": str(bm.model.device),
             "model": bm.name, "threads": torch.get_num_threads(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
-            "model_load_s": round(load_s, 3), "quiescent_between_runs": True}
+            "model_load_s": round(load_s, 3), "quiescent_between_runs": True,
+            **({"hicache": dict(params.hicache)} if params.hicache else {})}
 
 
 def params_from_args(ns: argparse.Namespace) -> PrefixBenchParams:
-    return PrefixBenchParams(ns.tokens, ns.dtype, ns.page_size, ns.chunk_tokens,
-                             ns.new_tokens, ns.threads, ns.deterministic, ns.model)
+    config = config_from_args(ns)  # validates SGLang's flags and the config file
+    given = config.explicit or frozenset()
+    plain = config.to_dict()
+    for name, refused in REFUSED_KNOBS.items():
+        if name in given and plain[name] == refused:
+            raise ConfigError(f"{KNOB_FLAGS[name]} {refused}: bench prefix measures L1, L2 and "
+                              f"L3 hits; drop it")
+    for name in ("storage_backend", "storage_options"):
+        if name in given:
+            raise ConfigError(f"{KNOB_FLAGS[name]}: bench prefix's L3 is a file directory of "
+                              f"its own; drop it")
+    knobs = tuple(sorted((k, plain[k]) for k in given if k != "page_size"))
+    return PrefixBenchParams(ns.tokens, ns.dtype, config.page_size, ns.chunk_tokens,
+                             ns.new_tokens, ns.threads, ns.deterministic, ns.model, knobs)
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -71,14 +71,29 @@ from typing import Any, Iterator
 
 from kvtier.bench import emit
 from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
+from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
+from kvtier.flags import add_hicache_flags, config_from_args
 from kvtier.policies import SchedulePolicy
-from kvtier.serve.settings import DType, ServeSettings
+from kvtier.serve.settings import HICACHE_OWNED, DType, ServeSettings
+from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 LOOPBACK = "127.0.0.1"
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
 PAGE_SIZE = SERVE_DEFAULTS["page_size"]
 CHUNK_TOKENS = SERVE_DEFAULTS["chunk_tokens"]
+# SGLang's cache flags the bench sets itself (its L1 sizing is in 64-token pages; L3 is a
+# file directory of its own; --compare-off runs the cache off): refused, with what to do.
+OWN_CACHE_FLAGS = {
+    "page_size": f"--page-size: the bench sizes L1 in {PAGE_SIZE}-token pages; drop it",
+    "storage_backend": "--hicache-storage-backend: the bench's L3 is a file directory of its "
+                       "own; drop it",
+    "storage_options": f"{EXTRA_CONFIG_FLAG}: the bench's L3 is a file directory of its own; "
+                       "drop it",
+    "enable_hierarchical_cache": "--enable/--disable-hierarchical-cache: the bench runs the "
+                                 "cache on, and off as well with --compare-off; drop it",
+    "disable_radix_cache": "--disable-radix-cache: the bench measures prefix reuse; drop it",
+}
 # Prompt-size estimate for the synthetic chat (SmolLM2 chat template, measured with its
 # tokenizer): the default system prompt and the first turn's header, then per round the
 # words (about 1.02 tokens each: a few words split in two) and the turn's template tokens.
@@ -149,6 +164,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="then replay every answered request alone and cold in this process "
                           "(deterministic mode) and report how many answers equal it "
                           "(answers_equal_cold)")
+    # SGLang's --hicache-* flags and --hicache-config: the app's cache, as kvtier serve takes
+    # them (--help shows kvtier serve's defaults)
+    add_hicache_flags(p, HiCacheConfig(page_size=PAGE_SIZE,
+                                       hicache_ratio=SERVE_DEFAULTS["hicache_ratio"]),
+                      {"--page-size": f"refused: the bench sizes L1 in {PAGE_SIZE}-token pages",
+                       "--hicache-storage-backend": "refused: the bench's L3 is a file "
+                                                    "directory of its own",
+                       EXTRA_CONFIG_FLAG: "refused: the bench's L3 is a file directory of "
+                                          "its own"})
     app.add_argument("--port", type=int, default=8100, action=AppFlag,
                      help="HTTP port on 127.0.0.1 (default 8100)")
 
@@ -192,10 +216,26 @@ def device_pages_of(ns: argparse.Namespace) -> int:
                                 first_turn_tokens=ns.first_turn_tokens)
 
 
+def cache_flags(ns: argparse.Namespace) -> dict[str, Any]:
+    """The app's cache settings from SGLang's flags given (hicache knobs, hicache_ratio);
+    the ones the bench sets itself are refused."""
+    config = config_from_args(ns)
+    given = config.explicit or frozenset()
+    for name, message in OWN_CACHE_FLAGS.items():
+        if name in given:
+            raise ConfigError(message)
+    plain = config.to_dict()
+    out: dict[str, Any] = {"hicache": {k: plain[k] for k in given if k not in HICACHE_OWNED}}
+    if "hicache_ratio" in given:
+        out["hicache_ratio"] = plain["hicache_ratio"]
+    return out
+
+
 def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = "") -> ServeSettings:
     """The app's settings for one run; the off run differs only in `hierarchical` (and so
     has no L3)."""
     return ServeSettings(model=ns.model, instances=ns.instances, page_size=PAGE_SIZE,
+                         **cache_flags(ns),
                          chunk_tokens=ns.chunk_tokens, device_pages=device_pages_of(ns),
                          hierarchical=hierarchical, l3="file" if hierarchical else "none",
                          l3_root=l3_root if hierarchical else "",
@@ -292,8 +332,11 @@ def check(ns: argparse.Namespace) -> None:
         serve_settings(ns, True).max_prompt_tokens  # ConfigError: an L1 with no room for a prompt
         return
     base_url_of(ns)
-    if ns.app_flags:
-        flags = list(dict.fromkeys(ns.app_flags))
+    cache = config_from_args(ns).explicit or frozenset()
+    flags = list(dict.fromkeys(ns.app_flags))
+    if cache:
+        flags.append("SGLang's cache flags (" + ", ".join(sorted(cache)) + ")")
+    if flags:
         raise ConfigError(f"--base-url sends the load to a server as it was started; "
                           f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} for kvtier's "
                           "own app, which the bench then does not start. Drop "

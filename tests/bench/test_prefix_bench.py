@@ -135,3 +135,20 @@ def test_a_gguf_file_is_a_model():
     assert len(bench_model.name.rsplit("-", 1)[1]) == 16  # the file's digest
     assert bench_model.tokenizer.vocab_size == 49152
     assert bench_model.model.config.num_kv_heads == 3
+
+
+def test_sglang_cache_flags_reach_the_measured_engine():
+    parse = build_parser().parse_args
+    ns = parse(["bench", "prefix", "--page-size", "32", "--hicache-mem-layout",
+                "page_first_direct", "--hicache-write-policy", "write_back"])
+    params = params_from_args(ns)
+    assert params.page_size == 32
+    assert params.hicache == (("mem_layout", "page_first_direct"), ("write_policy", "write_back"))
+    for argv, words in ((["--hicache-host-mode", "storage_only"], "host-mode"),
+                        (["--disable-hierarchical-cache"], "hierarchical"),
+                        (["--hicache-storage-backend", "mooncake"], "storage-backend")):
+        with pytest.raises(ConfigError, match=words):
+            params_from_args(parse(["bench", "prefix", *argv]))
+    out = run(PARAMS._replace(hicache=params.hicache), load=tiny)
+    assert out["hicache"] == {"mem_layout": "page_first_direct", "write_policy": "write_back"}
+    assert out["identical"] and out["reused_tokens"]["l3"] >= out["reusable_tokens"], out

@@ -125,3 +125,21 @@ def test_serve_config_args_are_serve_settings() -> None:
     assert settings.l3 == "file"
     assert len(args["admin_key"]) >= 16
     assert "CHANGE THIS" in CONFIG.read_text()  # the placeholder says to replace it
+
+
+def test_sglang_cache_flags_reach_the_app() -> None:
+    ns = parse("--model", "tiny", "--hicache-write-policy", "write_back", "--hicache-ratio", "3",
+               "--hicache-mem-layout", "page_first_direct")
+    s = serve_bench.serve_settings(ns, True)
+    assert s.hicache == {"write_policy": "write_back", "mem_layout": "page_first_direct"}
+    assert s.hicache_ratio == 3.0 and s.page_size == 64
+    assert serve_bench.settings_report(ns)["hicache"] == s.hicache
+    assert serve_bench.serve_settings(parse(), True).hicache == {}
+    for flags, words in ((("--page-size", "32"), "--page-size"),
+                         (("--hicache-storage-backend", "mooncake"), "storage-backend"),
+                         (("--disable-hierarchical-cache",), "compare-off")):
+        with pytest.raises(ConfigError, match=words):
+            serve_bench.serve_settings(parse(*flags), True)
+    with pytest.raises(ConfigError, match="SGLang's cache flags"):
+        serve_bench.check(parse("--base-url", "http://127.0.0.1:9", "--hicache-write-policy",
+                                "write_back"))
