@@ -145,9 +145,11 @@ class ServeSettings:
             set_("admin_key", secrets.token_urlsafe(24))
         if not self.served_model_name:
             names = {ModelChoice.SMOLLM2: "SmolLM2-135M-Instruct", ModelChoice.TINY: "kvtier-tiny"}
-            name = os.path.basename(os.path.normpath(self.model_path))
-            set_("served_model_name", names.get(self.model) or
-                 (name[:-len(GGUF_SUFFIX)] if name.lower().endswith(GGUF_SUFFIX) else name))
+            name = names.get(self.model)
+            if name is None:  # a model directory or GGUF file: its name
+                name = os.path.basename(os.path.normpath(self.model_path))
+                name = name[:-len(GGUF_SUFFIX)] if name.lower().endswith(GGUF_SUFFIX) else name
+            set_("served_model_name", name)
 
     def _resolve_model(self) -> None:
         """`model` is an alias (smollm2, tiny), a model directory or a .gguf file (then it
@@ -155,6 +157,8 @@ class ServeSettings:
         `model: path` names it in `model_path` instead."""
         aliases = ", ".join(m.value for m in ModelChoice if m is not ModelChoice.PATH)
         model, path = self.model, self.model_path
+        if not isinstance(path, str):
+            raise ConfigError(f"model_path: expected a path, got {type(path).__name__}")
         if not isinstance(model, ModelChoice):
             try:
                 model = ModelChoice.parse(model, "model")

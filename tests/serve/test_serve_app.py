@@ -200,13 +200,13 @@ def test_follow_ups_go_to_their_holder_and_load_still_spreads(app):
 def test_metrics_show_every_family(app):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvtier.serve.metrics import COUNTERS, GAUGES, HISTOGRAMS
+    from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTERS,
+                                      NAMESPACE_GAUGES)
 
     for ask in ("Metrics?", "Metrics!", "Metrics."):  # two instances: one of them hits
         chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}])
-    # Only a redispatch (an instance stalling mid-answer: test_serve_stall) makes this one.
-    wanted = {f"kvtier_{n}" for n in {*COUNTERS, *GAUGES, *HISTOGRAMS}} - \
-        {"kvtier_redispatched_requests"}
+    wanted = {f"kvtier_{n}" for n in {*COUNTERS, *GAUGES, *HISTOGRAMS}}
+    namespaced = {f"kvtier_{n}" for n in {*NAMESPACE_COUNTERS, *NAMESPACE_GAUGES}}
     # What real traffic moves (the rest count faults and refusals, or the agreement rounds
     # of TP > 1: present, at 0 here).
     moved = {"kvtier_cached_tokens", "kvtier_requests", "kvtier_prompt_tokens",
@@ -227,15 +227,18 @@ def test_metrics_show_every_family(app):
     while True:
         text = requests.get(f"{BASE}/metrics", timeout=30).text
         families = {f.name: f for f in text_string_to_metric_families(text)}
-        still = sorted((wanted - set(families)) |
+        still = sorted((wanted - set(families)) | (namespaced - set(families)) |
                        {n for n in moved if n in families and total(families[n]) <= 0})
         if not still:
             break
         assert time.monotonic() < deadline, still
         time.sleep(0.5)
     assert all(f.startswith("kvtier_") for f in families)
-    labels = {s.labels.get("kvtier_instance") for f in families.values() for s in f.samples}
+    labels = {s.labels.get("kvtier_instance") for f in families.values() for s in f.samples
+              if f.name.removesuffix("_created") not in namespaced}
     assert labels <= {"instance-0", "instance-1"}  # never Prometheus' own `instance` label
+    spaces = {s.labels.get("namespace") for n in namespaced for s in families[n].samples}
+    assert len(spaces) == 1 and None not in spaces  # the one L3 namespace both instances share
     assert not any("instance" in s.labels for f in families.values() for s in f.samples)
 
 
