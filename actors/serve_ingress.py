@@ -203,8 +203,7 @@ class Ingress:
 
     async def _start(self, req: CompletionRequest | ChatRequest, tokens: list[int], seed: int,
                      salt: str, index: int) -> _Generation:
-        """Route answer `index` of the request and start it. Answers after the first go
-        where the router expects the first's prompt pages: they hit them."""
+        """Route answer `index` of the request, as a request of its own, and start it."""
         sampling = req.sampling(self.tokenizer.stop_token_ids, seed, index)
         route = await self.router.choose.remote(tokens, cache_salt=salt)
         answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,
@@ -333,8 +332,9 @@ class Ingress:
             tpot = (total - gen.first_token_s) / (gen.tokens - 1)
         cached = gen.final["cached"] if gen.final else {"device": 0, "host": 0, "storage": 0}
         queue = gen.final.get("queue_s") if gen.final else None
-        self.metrics.observe_request(gen.answer.instance, gen.first_token_s or total, tpot, cached,
-                                     gen.finish_reason, prompt_tokens, gen.tokens, total, queue)
+        self.metrics.observe_request(gen.answer.instance, gen.first_token_s or total, tpot,
+                                     cached, gen.finish_reason, prompt_tokens, gen.tokens, total,
+                                     queue)
 
     @staticmethod
     def _failed(exc: Exception) -> Response:

@@ -133,7 +133,8 @@ class Scheduler:
             raise ConfigError(f"a {len(req.prompt)}-token prompt needs {need} L1 pages but the "
                               f"device pool has {self.cache.device_pages}; raise "
                               f"device_pages or shorten the prompt")
-        req.ticket = self.cache.prefetch(req.prompt, salt=req.cache_salt)  # L3 -> L2 runs while the request waits
+        # L3 -> L2 runs while the request waits
+        req.ticket = self.cache.prefetch(req.prompt, salt=req.cache_salt)
         req.prefetch_asked_s = time.monotonic()
         self.waiting.append(req)
 
