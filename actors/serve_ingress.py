@@ -24,6 +24,7 @@ from ray import serve
 
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
+from kvtier.actors.serve_snapshots import SnapshotFeed
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve import openai_responses as out
 from kvtier.serve import served_model
@@ -40,7 +41,6 @@ from kvtier.serve.text_stream import TextStream
 log = logging.getLogger(__name__)
 
 api = FastAPI(title="kvtier", docs_url=None, redoc_url=None, openapi_url=None)
-SNAPSHOT_INTERVAL_S = 2.0
 
 
 class _Generation:
@@ -89,7 +89,7 @@ class Ingress:
                                 max_new_tokens=s.max_new_tokens, max_body_bytes=s.max_body_bytes)
         self.metrics = ServeMetrics()
         self.created = int(time.time())
-        self._snapshots: asyncio.Task | None = None
+        self.snapshots = SnapshotFeed(router, instances, self.metrics, s.l3_actor)
         self._seeds = random.SystemRandom()
         self.check_s = s.stall_timeout_s / 4  # while an answer waits: is its instance stalled?
         self.states = RouterStates(router, max_age_s=self.check_s / 2)
@@ -124,7 +124,7 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        self._ensure_snapshots()
+        self.snapshots.ensure_running()
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -325,7 +325,7 @@ class Ingress:
         return out.usage(prompt_tokens, answered, final["cached"], lengths), kvtier
 
     def _observe(self, gen: _Generation, start: float, prompt_tokens: int) -> None:
-        self._ensure_snapshots()
+        self.snapshots.ensure_running()
         total = time.perf_counter() - start
         tpot = None
         if gen.first_token_s is not None and gen.tokens > 1:
@@ -378,64 +378,3 @@ class Ingress:
                 return JSONResponse(ApiError(400, str(cause)).to_body(), status_code=400)
             return self._failed(exc)
         return JSONResponse({"instances": results})
-
-    # ---- metrics --------------------------------------------------------------------------------
-    def _ensure_snapshots(self) -> None:
-        if self._snapshots is None or self._snapshots.done():
-            self._snapshots = asyncio.get_running_loop().create_task(self._snapshot_forever())
-
-    async def _snapshot_forever(self) -> None:
-        while True:
-            stalled = await self._observe_liveness()
-            for name, handle in self.instances.items():
-                if name in stalled:  # its replica may not answer: do not wait on it
-                    continue
-                try:
-                    snap = await asyncio.wait_for(handle.snapshot.remote(), 30)
-                except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
-                    log.debug("snapshot of %s failed: %s", name, exc)
-                    continue
-                self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
-                                          snap["host_total_tokens"], snap["storage"])
-                self.metrics.update_gauges(name, snap.get("gauges", {}))
-                self.metrics.observe_agreement(name, snap["agreement_s"])
-            await self._observe_namespace(stalled)
-            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
-
-    async def _observe_namespace(self, stalled: set[str]) -> None:
-        """Feed the L3 namespace's directory figures (evictions, pages held), asked of the
-        namespace actor for the namespace an instance reports attached."""
-        try:
-            namespace = None
-            for name, handle in self.instances.items():
-                if name not in stalled:
-                    l3 = (await asyncio.wait_for(handle.storage.remote(), 30))["l3"]
-                    namespace = l3 and l3["namespace"]
-                    break
-            if namespace:
-                stats = await asyncio.get_running_loop().run_in_executor(
-                    None, self._namespace_stats, namespace)
-                self.metrics.update_namespace(namespace, stats)
-        except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
-            log.debug("L3 namespace stats failed: %s", exc)
-
-    def _namespace_stats(self, namespace: str) -> dict:
-        import dataclasses
-
-        import ray
-
-        from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
-
-        handle = ray.get_actor(self.settings.l3_actor, namespace=RAY_NAMESPACE)
-        return dataclasses.asdict(NamespaceClient(handle).stats(namespace))
-
-    async def _observe_liveness(self) -> set[str]:
-        """Feed the router's per-instance stall counts to the metrics; the stalled ones."""
-        try:
-            status = await asyncio.wait_for(self.router.status.remote(), 30)
-        except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
-            log.debug("router status failed: %s", exc)
-            return set()
-        for name, info in status["instances"].items():
-            self.metrics.update_liveness(name, info["stalls"], info["state"] == "stalled")
-        return {n for n, i in status["instances"].items() if i["state"] == "stalled"}
