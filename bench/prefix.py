@@ -43,7 +43,7 @@ from kvtier.engine.model import PagedLlama
 from kvtier.engine.request import pages_for
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args
+from kvtier.flags import add_hicache_flags, config_from_args, refuse_tier_hiding
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
@@ -51,13 +51,6 @@ HIT_TARGETS = {"l1": 0.10, "l2": 0.15, "l3": 0.25}  # hit TTFT / cold TTFT, at m
 COLD_TARGET = 0.6  # default-mode cold TTFT / deterministic cold TTFT, at most
 HIT_TIERS = {"l1": "device", "l2": "host", "l3": "storage"}  # the Output.cached field of each
 CACHE_DEFAULTS = {"prefetch_policy": "wait_complete"}  # the L3 hit waits for its whole prefix
-# knob -> the value that would leave a tier unmeasured
-REFUSED_KNOBS = {"enable_hierarchical_cache": False, "disable_radix_cache": True,
-                 "host_mode": "storage_only"}
-KNOB_FLAGS = {"enable_hierarchical_cache": "--disable-hierarchical-cache",
-              "disable_radix_cache": "--disable-radix-cache", "host_mode": "--hicache-host-mode",
-              "storage_backend": "--hicache-storage-backend",
-              "storage_options": EXTRA_CONFIG_FLAG}
 QUESTION = "\n\nQuestion: what did the sensor in room 3 read in record 12? Answer:"
 
 
@@ -297,14 +290,12 @@ def params_from_args(ns: argparse.Namespace) -> PrefixBenchParams:
     config = config_from_args(ns)  # validates SGLang's flags and the config file
     given = config.explicit or frozenset()
     plain = config.to_dict()
-    for name, refused in REFUSED_KNOBS.items():
-        if name in given and plain[name] == refused:
-            raise ConfigError(f"{KNOB_FLAGS[name]} {refused}: bench prefix measures L1, L2 and "
-                              f"L3 hits; drop it")
-    for name in ("storage_backend", "storage_options"):
+    refuse_tier_hiding(config, "bench prefix")
+    for flag, name in (("--hicache-storage-backend", "storage_backend"),
+                       (EXTRA_CONFIG_FLAG, "storage_options")):
         if name in given:
-            raise ConfigError(f"{KNOB_FLAGS[name]}: bench prefix's L3 is a file directory of "
-                              f"its own; drop it")
+            raise ConfigError(f"{flag}: bench prefix's L3 is a file directory of its own; "
+                              f"drop it")
     knobs = tuple(sorted((k, plain[k]) for k in given if k != "page_size"))
     return PrefixBenchParams(ns.tokens, ns.dtype, config.page_size, ns.chunk_tokens,
                              ns.new_tokens, ns.threads, ns.deterministic, ns.model, knobs)

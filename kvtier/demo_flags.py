@@ -13,8 +13,7 @@ from typing import Any, NamedTuple
 
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
-from kvtier.policies import HostMode
+from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags, refuse_tier_hiding
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 DEFAULT_MODEL = "smollm2"
@@ -36,17 +35,6 @@ HELP = {
     "--disable-hierarchical-cache": "refused: the demo shows L2 and L3 hits",
     "--disable-radix-cache": "refused: the demo shows prefix hits",
     "--hicache-host-mode": "default cache (storage_only is refused: the demo shows an L2 hit)",
-}
-# knob -> (a value the demo cannot honour, what to do instead)
-REFUSED: dict[str, tuple[Any, str]] = {
-    "enable_hierarchical_cache": (False, "--disable-hierarchical-cache: kvtier demo shows "
-                                         "L2 and L3 hits, which need the hierarchical cache; "
-                                         "drop the flag"),
-    "disable_radix_cache": (True, "--disable-radix-cache: kvtier demo shows prefix hits, "
-                                  "which need the radix cache; drop the flag"),
-    "host_mode": (HostMode.STORAGE_ONLY, "--hicache-host-mode storage_only: kvtier demo "
-                                         "shows an L2 hit, and its cold reference has no L3; "
-                                         "use --hicache-host-mode cache"),
 }
 
 
@@ -76,9 +64,7 @@ def cache_from_args(ns: argparse.Namespace, l3_root: str = "") -> DemoCache:
     """The flags checked together (`ns.l3`: the command's --l3, None when not given)."""
     config = config_from_args(ns)  # validates the --hicache-* flags and the config file
     given = config.explicit or frozenset()
-    for name, (value, message) in REFUSED.items():
-        if name in given and getattr(config, name) == value:
-            raise ConfigError(message)
+    refuse_tier_hiding(config, "kvtier demo")
     l3 = l3_from_flags(config, ns.l3, l3_root, "kvtier demo")
     if l3.backend is not None and l3.backend not in L3_BACKENDS:
         raise ConfigError(f"--hicache-storage-backend {l3.backend}: kvtier demo's L3 is one "

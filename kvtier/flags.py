@@ -122,6 +122,25 @@ class L3Choice(NamedTuple):
     root: str  # "": neither --l3-root nor the extra config's root_dir was given
 
 
+# knob -> (the value that turns L2 off, the prefix cache off, or L2 into L3's staging area;
+# the flag that gives it): commands that show or measure hits in every tier refuse these
+TIER_HIDING: dict[str, tuple[Any, str]] = {
+    "enable_hierarchical_cache": (False, "--disable-hierarchical-cache"),
+    "disable_radix_cache": (True, "--disable-radix-cache"),
+    "host_mode": (HostMode.STORAGE_ONLY, "--hicache-host-mode storage_only"),
+}
+
+
+def refuse_tier_hiding(config: HiCacheConfig, command: str) -> None:
+    """A ConfigError naming the flag when `config` (config_from_args') was given a value of
+    TIER_HIDING: `command` shows or measures hits from L1, L2 and L3."""
+    given = config.explicit or frozenset()
+    for name, (value, flag) in TIER_HIDING.items():
+        if name in given and getattr(config, name) == value:
+            raise ConfigError(f"{flag}: {command} shows hits from L1, L2 and L3, which this "
+                              f"would leave out; drop the flag")
+
+
 def l3_from_flags(config: HiCacheConfig, l3: str | None, l3_root: str,
                   command: str) -> L3Choice:
     """For commands whose L3 namespace actor configures the backend: --hicache-storage-backend

@@ -72,8 +72,8 @@ class ApiKeys:
     with neither the endpoints are open. Keys are kept and compared as SHA-256 digests, so
     a lookup's time does not depend on how much of a guess matches."""
 
-    def __init__(self, keys: Mapping[str, str] = {}, api_key: str = "") -> None:
-        self._tenants = {_digest(k): t for k, t in check_api_keys(dict(keys)).items()}
+    def __init__(self, keys: Mapping[str, str] | None = None, api_key: str = "") -> None:
+        self._tenants = {_digest(k): t for k, t in check_api_keys(dict(keys or {})).items()}
         if api_key:
             self._tenants.setdefault(_digest(api_key), "")
 
