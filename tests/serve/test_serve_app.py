@@ -309,7 +309,11 @@ def test_logprobs_come_with_every_answer_token(app):
     assert joined.startswith(whole.choices[0].message.content)
     chunks = list(client.chat.completions.create(stream=True, **kw))
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the same tokens; the logprobs within float noise (the second run hits the first's
+    # cached prompt, so its prefill ran other forwards: default mode is not bit-exact)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
+                                                          abs=1e-3)
     plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
     comp = client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=4, temperature=0,
