@@ -8,23 +8,64 @@ import torch
 from kvtier.errors import ConfigError
 
 
+def _check_positive(owner: str, obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SlidingSpec:
+    """The sliding-window layers of a hybrid model. Their KV lives in a sidecar pool next to
+    the full-attention layers' pool, and only for the pages a query can still see."""
+
+    num_layers: int  # sliding-window layers (the pool's `num_layers` counts the others)
+    window: int  # keys a query sees, itself included: key k is seen from q while q - k < window
+
+    def __post_init__(self) -> None:
+        _check_positive("SlidingSpec", self, ("num_layers", "window"))
+
+    def window_pages(self, page_size: int) -> int:
+        """Pages before position n*page_size that the query at that position sees (partly or
+        whole): what a hit ending after n pages needs of the sliding layers."""
+        return max(1, -(-(self.window - 1) // page_size))
+
+
 @dataclass(frozen=True)
 class KVSpec:
-    """KV geometry of one TP rank: `num_kv_heads` is this rank's share of the heads."""
+    """KV geometry of one TP rank: `num_kv_heads` is this rank's share of the heads.
+
+    `num_layers` counts the layers whose KV is kept for every page (all layers of a plain
+    model); a hybrid model's sliding-window layers are described by `sliding`."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: torch.dtype = torch.bfloat16
+    sliding: SlidingSpec | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"KVSpec.{name} must be a positive int, got {value!r}")
+        _check_positive("KVSpec", self, ("num_layers", "num_kv_heads", "head_dim", "page_size"))
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.sliding is not None and not isinstance(self.sliding, SlidingSpec):
+            raise ConfigError(f"KVSpec.sliding must be a SlidingSpec or None, got "
+                              f"{self.sliding!r}")
+
+    @property
+    def sidecar(self) -> "KVSpec | None":
+        """The geometry of the sliding-window layers' pool (None: no such layers)."""
+        if self.sliding is None:
+            return None
+        return KVSpec(self.sliding.num_layers, self.num_kv_heads, self.head_dim,
+                      self.page_size, self.dtype)
+
+    @property
+    def window_pages(self) -> int:
+        """Trailing pages of a hit that need sliding-window KV (0: none do)."""
+        return 0 if self.sliding is None else self.sliding.window_pages(self.page_size)
 
     @property
     def itemsize(self) -> int:

@@ -1,7 +1,7 @@
 """A page allocator: a free list over `num_pages` page ids with double-alloc/free detection."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvtier.errors import AllocatorError
 
@@ -14,14 +14,18 @@ class PageAllocator:
     Pages come out in ascending runs while the pool is unfragmented, which lets copies merge.
     """
 
-    __slots__ = ("num_pages", "_free", "_allocated")
+    __slots__ = ("num_pages", "_free", "_allocated", "on_free")
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int,
+                 on_free: Callable[[list[int]], None] | None = None) -> None:
+        """`on_free(pages)` runs after pages return to the free list (a pool's sidecar drops
+        what it kept for them)."""
         if not isinstance(num_pages, int) or num_pages < 1:
             raise AllocatorError(f"num_pages must be a positive int, got {num_pages!r}")
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
         self._allocated = bytearray(num_pages)
+        self.on_free = on_free
 
     @property
     def num_free(self) -> int:
@@ -63,6 +67,8 @@ class PageAllocator:
             allocated[p] = 0
         pages.reverse()
         self._free.extend(pages)
+        if self.on_free is not None and pages:
+            self.on_free(pages)
 
     def is_allocated(self, page: int) -> bool:
         return bool(self._allocated[page])
@@ -71,6 +77,8 @@ class PageAllocator:
         return [p for p, used in enumerate(self._allocated) if used]
 
     def reset(self) -> None:
+        if self.on_free is not None:
+            self.on_free(self.allocated_pages())
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._allocated = bytearray(self.num_pages)
 

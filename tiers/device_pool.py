@@ -8,6 +8,7 @@ import torch
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.kv_spec import KVSpec
 from kvtier.tiers.allocator import PageAllocator
+from kvtier.tiers.sidecar import Sidecar, sidecar_slots
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,10 @@ class DevicePool:
     Zero-filled, because attention over a partly filled page must not meet NaN garbage.
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, spec: KVSpec, num_pages: int, device: torch.device | str | None = None,
+                 slots: int | None = None) -> None:
+        """A hybrid model's spec (`spec.sliding`) adds a sidecar of `slots` slots for its
+        sliding-window layers (None: `sidecar_slots`)."""
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ConfigError(f"the device pool needs a positive page count, got {num_pages!r}")
         self.spec = spec
@@ -30,7 +34,11 @@ class DevicePool:
         self.device = torch.device(device) if device is not None else default_device()
         shape = (2, spec.num_layers, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
         self._kv: torch.Tensor | None = torch.zeros(shape, dtype=spec.dtype, device=self.device)
-        self.allocator = PageAllocator(num_pages)
+        self.sidecar: Sidecar | None = None
+        if spec.sidecar is not None:
+            slot_pool = DevicePool(spec.sidecar, sidecar_slots(spec, num_pages, slots), self.device)
+            self.sidecar = Sidecar(slot_pool, num_pages)
+        self.allocator = PageAllocator(num_pages, self.sidecar.drop if self.sidecar else None)
         log.debug("L1 pool: %d pages, %.1f MiB on %s", num_pages, self.nbytes / 2**20, self.device)
 
     @property
@@ -41,7 +49,9 @@ class DevicePool:
 
     @property
     def nbytes(self) -> int:
-        return self.num_pages * self.spec.page_bytes
+        """Bytes of the pool (its sidecar included)."""
+        side = self.sidecar.slots.nbytes if self.sidecar is not None else 0
+        return self.num_pages * self.spec.page_bytes + side
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each (num_pages, page_size, H, D), as views for attention."""
@@ -54,6 +64,8 @@ class DevicePool:
 
     def close(self) -> None:
         self._kv = None
+        if self.sidecar is not None:
+            self.sidecar.slots.close()
 
     def __enter__(self) -> "DevicePool":
         return self

@@ -12,6 +12,7 @@ from kvtier.kv_spec import KVSpec
 from kvtier.policies import MemLayout
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.device_pool import DevicePool
+from kvtier.tiers.sidecar import Sidecar, sidecar_slots
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,10 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch
 class HostPool:
     """`kv` in the layout's shape; pinned when CUDA is present (the CPU build cannot pin)."""
 
-    def __init__(self, spec: KVSpec, num_pages: int, layout: MemLayout = MemLayout.PAGE_FIRST) -> None:
+    def __init__(self, spec: KVSpec, num_pages: int, layout: MemLayout = MemLayout.PAGE_FIRST,
+                 slots: int | None = None) -> None:
+        """A hybrid model's spec (`spec.sliding`) adds a sidecar of `slots` slots, in the same
+        layout, for its sliding-window layers (None: `sidecar_slots`)."""
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ConfigError(f"the host pool needs a positive page count, got {num_pages!r}")
         self.spec = spec
@@ -93,7 +97,11 @@ class HostPool:
         check_host_memory(num_pages * spec.page_bytes)
         self.pinned = torch.cuda.is_available()
         self._kv: torch.Tensor | None = _allocate(_shape(spec, num_pages, self.layout), spec.dtype, self.pinned)
-        self.allocator = PageAllocator(num_pages)
+        self.sidecar: Sidecar | None = None
+        if spec.sidecar is not None:
+            slot_pool = HostPool(spec.sidecar, sidecar_slots(spec, num_pages, slots), self.layout)
+            self.sidecar = Sidecar(slot_pool, num_pages)
+        self.allocator = PageAllocator(num_pages, self.sidecar.drop if self.sidecar else None)
         log.info(
             "L2 pool: %d pages, %.2f GiB, layout %s, pinned=%s",
             num_pages, self.nbytes / GiB, self.layout, self.pinned,
@@ -135,6 +143,7 @@ class HostPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the full-attention layers' pages (the sidecar's are `sidecar.slots`)."""
         return self.num_pages * self.spec.page_bytes
 
     def data_ptr(self) -> int:
@@ -172,6 +181,8 @@ class HostPool:
 
     def close(self) -> None:
         self._kv = None
+        if self.sidecar is not None:
+            self.sidecar.slots.close()
 
     def __enter__(self) -> "HostPool":
         return self
