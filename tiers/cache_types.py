@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from kvtier.tiers.sliding_kv import SlotHold
 from kvtier.tiers.tree_node import TreeNode
 
 
@@ -35,6 +36,7 @@ class CacheLookup(NamedTuple):
     host_loaded_length: int
     load: object | None  # LoadHandle of this round's load-back
     loaded_node: TreeNode | None  # L2 pages protected until the load lands
+    sliding: SlotHold | None = None  # a hybrid model's sliding-window slots it holds
 
     @property
     def cached_len(self) -> int:

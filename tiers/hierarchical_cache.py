@@ -27,6 +27,7 @@ from kvtier.tiers.host_copies import HostCopies
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.sliding_kv import SlidingKV
 from kvtier.tiers.storage_tier import StorageTier
 from kvtier.tiers.storage_types import PageDirectoryClient, PrefetchTicket
 from kvtier.tiers.tree_node import STORED, TreeNode
@@ -72,7 +73,13 @@ class HierarchicalCache:
                                             WritePolicy.WRITE_BACK) else None,
         )
         self.counters = CacheCounters()
-        self.copies = HostCopies(self.controller, self.tree, self.counters, spec.page_size)
+        # a hybrid model's sliding-window layers: their KV in sidecars of both pools
+        self.sliding = (SlidingKV(self.device_pool.sidecar, self.host_pool.sidecar,
+                                  spec.window_pages, spec.page_size, spec.sliding.window,
+                                  config.io_backend)
+                        if spec.sliding is not None else None)
+        self.copies = HostCopies(self.controller, self.tree, self.counters, spec.page_size,
+                                 self.sliding)
         self._loading: dict[int, list[TreeNode]] = {}  # load op id -> runs it restores to L1
         self._written_back: list[TreeNode] = []  # L2 copies made on eviction, for L3 backup
         self.namespace = KeyNamespace(model, tenant_salt, layout_fingerprint(spec, config.mem_layout))
@@ -109,6 +116,8 @@ class HierarchicalCache:
                 loaded_node = node = plan.nodes[-1]
                 self.tree.protect_host(loaded_node)
                 load = self.controller.load(plan.host_pages, plan.device_pages)
+                if self.sliding is not None:
+                    self.sliding.load_to_device(plan.host_pages, plan.device_pages)
                 self._loading[load.op_id] = plan.nodes
                 pages += plan.device_pages
                 loaded = plan.num_tokens
@@ -120,8 +129,9 @@ class HierarchicalCache:
         threshold = self.config.write_through_hit_threshold
         if threshold is not None and threshold > 1:
             self._back_up_path(node, threshold)
+        hold = self.sliding.hold_hit(pages) if self.sliding is not None else None
         return CacheLookup(len(tokens), pages, node, len(m.device_indices) * p,
-                           m.host_hit_length, loaded, load, loaded_node)
+                           m.host_hit_length, loaded, load, loaded_node, hold)
 
     def _plan_load_back(self, node: TreeNode, max_pages: int | None) -> LoadBackPlan | LoadRefusal:
         plan = plan_load_back(self.tree, node, self.config.load_back_threshold_tokens, max_pages)
@@ -189,6 +199,8 @@ class HierarchicalCache:
                 nodes = []
             self.tree.release_host(lookup.loaded_node)
             self._unstage(nodes)
+        if lookup.sliding is not None:
+            self.sliding.end(lookup.sliding)
         self.tree.unlock(lookup.node)
 
     # ---- write policy --------------------------------------------------------------------

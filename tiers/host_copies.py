@@ -15,6 +15,7 @@ from kvtier.errors import TransferError
 from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.sliding_kv import SlidingKV
 from kvtier.tiers.tree_node import TreeNode
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ class HostCopies:
     """The L1->L2 copies a cache started and has not yet seen land (see the module docstring)."""
 
     def __init__(self, controller: CacheController, tree: HiRadixTree, counters: CacheCounters,
-                 page_size: int) -> None:
-        self.controller, self.tree = controller, tree
+                 page_size: int, sliding: SlidingKV | None = None) -> None:
+        """`sliding`: a hybrid model's sidecars, whose slots follow every copy (at once)."""
+        self.controller, self.tree, self.sliding = controller, tree, sliding
         self.counters, self.page_size = counters, page_size
         self._pending: dict[int, tuple[TreeNode, list[int], list[str] | None]] = {}
 
@@ -41,6 +43,8 @@ class HostCopies:
               hashes: list[str] | None = None) -> None:
         """Copy `node`'s L1 pages to `host_pages`; the node is locked until the copy lands."""
         op = self.controller.write(node.value, host_pages)
+        if self.sliding is not None:
+            self.sliding.copy_to_host(node.value, host_pages)
         self.tree.set_backup(node, host_pages)
         self.tree.lock(node)
         self._pending[op] = (node, list(host_pages), hashes)
@@ -48,6 +52,8 @@ class HostCopies:
     def copy_now(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> bool:
         """Copy and wait (write_back on eviction); False when this copy failed."""
         op = self.controller.write(device_pages, host_pages)
+        if self.sliding is not None:
+            self.sliding.copy_to_host(device_pages, host_pages)
         return op not in self._wait()
 
     def landed(self) -> list[LandedCopy]:
