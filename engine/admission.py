@@ -207,7 +207,7 @@ class Admission:
     def _reserve_one(self, req: Request, quota: int | None) -> _Reservation:
         cache, n, p = self.cache, len(req.prompt), self.page_size
         lookup = cache.lookup(req.prompt, max_load_pages=quota, salt=req.cache_salt)
-        usable = self.runner.usable_prefix(lookup.cached_len, n)
+        usable = self.runner.usable_prefix(lookup.cached_len, n, cache.window_check(lookup))
         shared = usable // p  # cached pages past `usable` are recomputed into fresh pages:
         fresh, need = None, usable  # never write into a shared page
         if self.agree is not None and shared:
@@ -281,6 +281,7 @@ class Admission:
         assert res.fresh is not None and usable <= res.usable
         shared = usable // p
         keep = pages_for(n, p) - shared
+        self.cache.trim_sliding(lookup, shared)  # a hybrid model's: the hit's window only
         self.cache.release_pages(res.fresh[keep:])  # the worst-case surplus
         budget.charge_load(loaded)
         req.lookup, req.pages, req.num_shared, req.pos = \

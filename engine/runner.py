@@ -17,7 +17,7 @@ computed one row per sequence and is not bit-identical to prefilling the same to
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -58,12 +58,19 @@ class ModelRunner:
                               f"page size ({self.page_size}) so chunks end on page boundaries")
         return chunk
 
-    def usable_prefix(self, cached_len: int, num_tokens: int) -> int:
+    def usable_prefix(self, cached_len: int, num_tokens: int,
+                      window_ok: Callable[[int], bool] | None = None) -> int:
         """How much of a `cached_len` hit to reuse: whole pages, leaving at least one token to
         compute (the next token's logits come from it); in deterministic mode rounded down to
-        the chunk grid, so the result stays bit-identical to a cold run."""
+        the chunk grid, so the result stays bit-identical to a cold run. `window_ok(tokens)`
+        (a hybrid model's cache): whether a hit that long has its sliding-window KV; the
+        longest one that does is used."""
         grain = self.chunk_tokens if self.deterministic else self.page_size
-        return max(0, min(cached_len, num_tokens - 1)) // grain * grain
+        usable = max(0, min(cached_len, num_tokens - 1)) // grain * grain
+        if window_ok is not None:
+            while usable and not window_ok(usable):
+                usable -= grain
+        return usable
 
     def prefill(self, tokens: Sequence[int] | torch.Tensor, start_pos: int,
                 page_table: Sequence[int], chunk_tokens: int | None = None,

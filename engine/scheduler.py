@@ -90,7 +90,7 @@ class Scheduler:
         self.max_wait_steps = max_wait_steps
         self.admission = Admission(cache, runner, max_load_pages, agree,
                                    share_hits=self.policy is SchedulePolicy.LPM)
-        self.forwards = StepForwards(runner)
+        self.forwards = StepForwards(runner, cache.sliding)
         self.waiting: list[Request] = []  # in admission order (see queue_order)
         self.running: list[Request] = []  # prefilling and decoding, admission order
         self.last_step = StepStats(0, 0, 0, 0, 0, 0)

@@ -21,14 +21,29 @@ from kvtier.engine.batch import SeqChunk
 from kvtier.engine.forward_plan import Forward, Piece, pack_forwards
 from kvtier.engine.request import Request, RequestState
 from kvtier.engine.runner import ModelRunner
+from kvtier.tiers.sliding_kv import SlidingKV
 
 
 class StepForwards:
-    """The model calls of a step; `count` is how many the last `run` made."""
+    """The model calls of a step; `count` is how many the last `run` made.
 
-    def __init__(self, runner: ModelRunner) -> None:
+    With a hybrid model's cache (`sliding`), each forward first gives the pages its new tokens
+    write sliding-window slots, and afterwards lets go of what no later query of the request
+    reads (SlidingKV.prepare / prune)."""
+
+    def __init__(self, runner: ModelRunner, sliding: SlidingKV | None = None) -> None:
         self.runner = runner
+        self.sliding = sliding
         self.count = 0
+
+    def _prepare(self, req: Request, start: int, stop: int) -> None:
+        if self.sliding is not None and req.lookup is not None and req.lookup.sliding is not None:
+            self.sliding.prepare(req.lookup.sliding, req.pages, start, stop)
+
+    def _prune(self, req: Request, pos: int) -> None:
+        if self.sliding is not None and req.lookup is not None and req.lookup.sliding is not None:
+            self.sliding.prune(req.lookup.sliding, req.pages, req.num_shared, pos,
+                               len(req.prompt))
 
     def run(self, plan: Sequence[tuple[Request, int]], decoding: Sequence[Request],
             ended: list[Request]) -> None:
@@ -49,13 +64,18 @@ class StepForwards:
             req = piece.req
             tokens += req.prompt[piece.start:piece.stop]
             seqs.append(SeqChunk(req.pages, piece.start, piece.num_tokens))
+            self._prepare(req, piece.start, piece.stop)
         for req in fwd.decodes:
             tokens.append(req.output[-1])
             seqs.append(SeqChunk(req.pages, req.kv_len, 1))
+            self._prepare(req, req.kv_len, req.kv_len + 1)
         logits = self.runner.forward(tokens, seqs)
         self.count += 1
+        for req in fwd.decodes:
+            self._prune(req, req.kv_len + 1)
         for row, piece in enumerate(fwd.pieces):
             piece.req.pos = piece.stop
+            self._prune(piece.req, piece.stop)
             if piece.stop == len(piece.req.prompt):
                 _first_token(piece.req, logits[row], ended)
         _sample(fwd.decodes, logits[len(fwd.pieces):], ended)
@@ -65,15 +85,21 @@ class StepForwards:
         for req, stop in plan:
             if stop <= req.pos:
                 continue
+            self._prepare(req, req.pos, stop)
             logits = self.runner.prefill(req.prompt[:stop], req.pos, req.pages)
             self.count += len(range(req.pos, stop, self.runner.chunk_tokens))
             req.pos = stop
+            self._prune(req, stop)
             if stop == len(req.prompt):
                 _first_token(req, logits, ended)
         if decoding:
+            for req in decoding:
+                self._prepare(req, req.kv_len, req.kv_len + 1)
             logits = self.runner.decode([r.output[-1] for r in decoding],
                                         [(r.pages, r.kv_len) for r in decoding])
             self.count += 1
+            for req in decoding:
+                self._prune(req, req.kv_len + 1)
             _sample(decoding, logits, ended)
 
 

@@ -8,7 +8,7 @@ allocator. The L3 tier (storage_tier) owns the prefetch tickets; the cache hands
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -132,6 +132,26 @@ class HierarchicalCache:
         hold = self.sliding.hold_hit(pages) if self.sliding is not None else None
         return CacheLookup(len(tokens), pages, node, len(m.device_indices) * p,
                            m.host_hit_length, loaded, load, loaded_node, hold)
+
+    def window_check(self, lookup: CacheLookup) -> Callable[[int], bool] | None:
+        """For a hybrid model: whether a hit of the lookup's first n tokens (whole pages) has
+        its trailing window's sliding-window KV in L1 (None: a plain model, any length goes)."""
+        if self.sliding is None:
+            return None
+        sliding, pages, p = self.sliding, lookup.device_pages, self.spec.page_size
+        return lambda n: sliding.window_ok(pages, n // p)
+
+    def trim_sliding(self, lookup: CacheLookup, used_pages: int) -> None:
+        """The request uses the first `used_pages` pages of its hit: hold only their window.
+        Raises CacheUsageError when that window lacks sliding-window KV here (TP ranks that
+        agreed on a length this rank cannot serve)."""
+        if self.sliding is None or lookup.sliding is None:
+            return
+        if not self.sliding.window_ok(lookup.device_pages, used_pages):
+            raise CacheUsageError(
+                f"the agreed hit of {used_pages} pages lacks sliding-window KV on this rank; "
+                f"its ranks' caches diverged (a failed copy on one of them)")
+        self.sliding.trim_hit(lookup.sliding, lookup.device_pages, used_pages)
 
     def _plan_load_back(self, node: TreeNode, max_pages: int | None) -> LoadBackPlan | LoadRefusal:
         plan = plan_load_back(self.tree, node, self.config.load_back_threshold_tokens, max_pages)
