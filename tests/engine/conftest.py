@@ -56,3 +56,11 @@ def gemma3_model(gemma3):
 
     config, state, _ = gemma3
     return build_model(config, state, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer():
+    """Gemma-3 270M's tokenizer alone (the weights converted on first use)."""
+    from kvtier.engine.gemma3_package import Gemma3Weights
+
+    return Gemma3Weights().tokenizer()
