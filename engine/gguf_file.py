@@ -52,7 +52,7 @@ class GGUFFile:
         check_gguf_tokenizer(header.metadata)
         architecture = str(header.metadata["general.architecture"])
         for name in header.tensor_names:
-            hf_name(name, architecture)  # an unknown tensor (a bias, a fused projection) is refused by name
+            hf_name(name, architecture)  # an unknown tensor (a bias, a fused projection) is refused
 
     def directory(self) -> Path:
         """The converted cache directory (converting the file on first use)."""

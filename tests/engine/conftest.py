@@ -64,3 +64,13 @@ def gemma3_tokenizer():
     from kvtier.engine.gemma3_package import Gemma3Weights
 
     return Gemma3Weights().tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_models():
+    """Gemma-3's architecture in miniature (tiny_hybrid_config: a 40-token window), fp32 and
+    bf16."""
+    from kvtier.engine.model_config import tiny_hybrid_config
+
+    return {dtype: load_tiny_model(dtype, "cpu", config=tiny_hybrid_config())
+            for dtype in (torch.float32, torch.bfloat16)}
