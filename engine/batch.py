@@ -32,13 +32,14 @@ class SeqView(NamedTuple):
     kv_len: int               # keys attention reads: positions [0, kv_len)
     pages: torch.Tensor       # int64 page ids covering [0, kv_len)
     mask: torch.Tensor | None  # (num_tokens, kv_len) bool, None when one token sees all keys
+    window_mask: torch.Tensor | None  # the same for SLIDING layers: causal and in the window
 
 
 class ForwardBatch:
     """Index tensors built once per forward and shared by every layer."""
 
     def __init__(self, seqs: Sequence[SeqChunk], page_size: int, num_pages: int,
-                 device: torch.device) -> None:
+                 device: torch.device, sliding_window: int = 0) -> None:
         if not seqs:
             raise CacheUsageError("a forward needs at least one sequence")
         positions: list[int] = []
@@ -52,8 +53,10 @@ class ForwardBatch:
             positions.extend(pos)
             slots.extend(seq.page_table[p // page_size] * page_size + p % page_size for p in pos)
             pages = torch.tensor(list(seq.page_table[:n_pages]), dtype=torch.int64, device=device)
-            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages,
-                                 _causal_mask(seq, device)))
+            causal = attention_mask(seq, device)
+            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages, causal,
+                                 attention_mask(seq, device, sliding_window)
+                                 if sliding_window else causal))
             row += seq.num_tokens
         self.seqs = tuple(seqs)
         self.views = tuple(views)
@@ -77,10 +80,18 @@ class ForwardBatch:
             raise CacheUsageError(f"page ids {bad[:4]} are outside the pool's {num_pages} pages")
 
 
-def _causal_mask(seq: SeqChunk, device: torch.device) -> torch.Tensor | None:
-    """Query i (position start_pos+i) sees keys 0..start_pos+i: causal, offset by the prefix."""
-    if seq.num_tokens == 1:
+def attention_mask(seq: SeqChunk, device: torch.device, window: int = 0
+                   ) -> torch.Tensor | None:
+    """Query i (position q = start_pos+i) sees key k when k <= q (causal, offset by the
+    prefix) and, with a `window`, q - k < window: a sliding layer masks keys `window` or
+    more positions back. The one place that rule lives (prefill chunks and decode alike).
+    None when every query sees every key (one new token, no key out of the window)."""
+    last = seq.end_pos - 1
+    if seq.num_tokens == 1 and not (window and last >= window):
         return None  # the one new token is the last key: it sees everything
     keys = torch.arange(seq.end_pos, device=device)
     queries = torch.arange(seq.start_pos, seq.end_pos, device=device)
-    return keys[None, :] <= queries[:, None]
+    mask = keys[None, :] <= queries[:, None]
+    if window:
+        mask &= queries[:, None] - keys[None, :] < window
+    return mask

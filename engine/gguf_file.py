@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.model_config import ModelConfig, check_gguf_llama
+from kvtier.engine.gguf_config import check_gguf_model
+from kvtier.engine.model_config import ModelConfig
 from kvtier.engine.tokenizer import SpecialTokens, Tokenizer, check_gguf_tokenizer
 from kvtier.engine.weights import ensure_gguf_converted, load_config, load_state_dict
 from kvtier.errors import ConfigError
@@ -47,10 +48,11 @@ class GGUFFile:
             raise ConfigError(f"{self.path}: no such GGUF file; give an existing .gguf file "
                               f"that every node can read")
         header = read_header(path)
-        check_gguf_llama(header.metadata)
+        check_gguf_model(header.metadata)
         check_gguf_tokenizer(header.metadata)
+        architecture = str(header.metadata["general.architecture"])
         for name in header.tensor_names:
-            hf_name(name)  # an unknown tensor (a bias, a fused projection) is refused by name
+            hf_name(name, architecture)  # an unknown tensor (a bias, a fused projection) is refused
 
     def directory(self) -> Path:
         """The converted cache directory (converting the file on first use)."""
