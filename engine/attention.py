@@ -16,6 +16,7 @@ from kvtier.engine.batch import ForwardBatch
 from kvtier.engine.layers import RMSNorm, Rotary, empty_weight
 from kvtier.engine.model_config import LayerKind, ModelConfig
 from kvtier.engine.parallel import TensorParallel
+from kvtier.errors import CacheUsageError
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
@@ -76,18 +77,27 @@ class PagedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Write k/v into the pool, attend per sequence, project out: (T, hidden)."""
-        write_kv(k_cache, batch.slots, k)
-        write_kv(v_cache, batch.slots, v)
-        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        """Write k/v into the pool, attend per sequence, project out: (T, hidden). A SLIDING
+        layer's pool is the sidecar: it writes and reads there, only its window's pages."""
         sliding = self.kind is LayerKind.SLIDING
+        if sliding and batch.sliding_slots is None:
+            raise CacheUsageError("a sliding-window layer needs the pool's sidecar; build the "
+                                  "pool from model.kv_spec(page_size)")
+        slots = batch.sliding_slots if sliding else batch.slots
+        write_kv(k_cache, slots, k)
+        write_kv(v_cache, slots, v)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for view in batch.views:  # sequences differ in length: one SDPA each
-            keys = read_kv(k_cache, view.pages, view.kv_len).to(q.dtype)
-            values = read_kv(v_cache, view.pages, view.kv_len).to(q.dtype)
+            if sliding:
+                side = view.sliding
+                pages, length, mask = side.slots, view.kv_len - side.first_key, side.mask
+            else:
+                pages, length, mask = view.pages, view.kv_len, view.mask
+            keys = read_kv(k_cache, pages, length).to(q.dtype)
+            values = read_kv(v_cache, pages, length).to(q.dtype)
             query = q[view.rows].transpose(0, 1)  # (Hq, T, D)
             o = F.scaled_dot_product_attention(query[None], keys[None], values[None],
-                                               attn_mask=view.window_mask if sliding
-                                               else view.mask, scale=self.scale,
+                                               attn_mask=mask, scale=self.scale,
                                                enable_gqa=True)
             out[view.rows] = o[0].transpose(0, 1)
         return self.tp.all_reduce(F.linear(out.view(q.shape[0], self.q_size), self.o))

@@ -1,7 +1,7 @@
 """What one forward computes: new tokens of one or more sequences and where their KV lives."""
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -25,6 +25,15 @@ class SeqChunk(NamedTuple):
         return self.start_pos + self.num_tokens
 
 
+class SlidingView(NamedTuple):
+    """What a SLIDING layer reads of one sequence: keys [first_key, kv_len) of the pages whose
+    sliding-window KV is in the pool's sidecar (older keys are out of every query's window)."""
+
+    first_key: int            # a page boundary
+    slots: torch.Tensor       # int64 sidecar slots of the pages covering [first_key, kv_len)
+    mask: torch.Tensor | None  # (num_tokens, kv_len - first_key): causal and in the window
+
+
 class SeqView(NamedTuple):
     """One sequence's share of a ForwardBatch, on the model's device."""
 
@@ -32,18 +41,28 @@ class SeqView(NamedTuple):
     kv_len: int               # keys attention reads: positions [0, kv_len)
     pages: torch.Tensor       # int64 page ids covering [0, kv_len)
     mask: torch.Tensor | None  # (num_tokens, kv_len) bool, None when one token sees all keys
-    window_mask: torch.Tensor | None  # the same for SLIDING layers: causal and in the window
+    sliding: SlidingView | None  # for SLIDING layers (None: the model has none)
+
+
+SlotTable = Callable[[Sequence[int]], list[int]]
 
 
 class ForwardBatch:
     """Index tensors built once per forward and shared by every layer."""
 
     def __init__(self, seqs: Sequence[SeqChunk], page_size: int, num_pages: int,
-                 device: torch.device, sliding_window: int = 0) -> None:
+                 device: torch.device, sliding_window: int = 0,
+                 slot_table: SlotTable | None = None) -> None:
+        """`sliding_window` and `slot_table` (the pool sidecar's page -> slot map): a hybrid
+        model's, whose SLIDING layers read and write the sidecar."""
         if not seqs:
             raise CacheUsageError("a forward needs at least one sequence")
+        if bool(sliding_window) != (slot_table is not None):
+            raise CacheUsageError("a sliding window needs the pool's sidecar slots, and slots "
+                                  "a window; build the pool from model.kv_spec(page_size)")
         positions: list[int] = []
         slots: list[int] = []
+        side_slots: list[int] = []
         views: list[SeqView] = []
         row = 0
         for seq in seqs:
@@ -53,16 +72,24 @@ class ForwardBatch:
             positions.extend(pos)
             slots.extend(seq.page_table[p // page_size] * page_size + p % page_size for p in pos)
             pages = torch.tensor(list(seq.page_table[:n_pages]), dtype=torch.int64, device=device)
-            causal = attention_mask(seq, device)
-            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages, causal,
-                                 attention_mask(seq, device, sliding_window)
-                                 if sliding_window else causal))
+            sliding = None
+            if slot_table is not None:
+                sliding = _sliding_view(seq, page_size, sliding_window, slot_table, device)
+                table = slot_table(seq.page_table[seq.start_pos // page_size:n_pages])
+                first = seq.start_pos // page_size
+                side_slots.extend(table[p // page_size - first] * page_size + p % page_size
+                                  for p in pos)
+            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages,
+                                 attention_mask(seq, device), sliding))
             row += seq.num_tokens
         self.seqs = tuple(seqs)
         self.views = tuple(views)
         self.num_tokens = row
         self.positions = torch.tensor(positions, dtype=torch.int64, device=device)
         self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        # where the new tokens' sliding-window KV goes (None: no sliding layer)
+        self.sliding_slots = (torch.tensor(side_slots, dtype=torch.int64, device=device)
+                              if slot_table is not None else None)
         self.last_rows = torch.tensor([v.rows.stop - 1 for v in views], dtype=torch.int64,
                                       device=device)
 
@@ -78,6 +105,17 @@ class ForwardBatch:
         bad = [p for p in seq.page_table[:needed] if not 0 <= p < num_pages]
         if bad:
             raise CacheUsageError(f"page ids {bad[:4]} are outside the pool's {num_pages} pages")
+
+
+def _sliding_view(seq: SeqChunk, page_size: int, window: int, slot_table: SlotTable,
+                  device: torch.device) -> SlidingView:
+    first_page = max(0, seq.start_pos - window + 1) // page_size
+    n_pages = -(-seq.end_pos // page_size)
+    slots = torch.tensor(slot_table(seq.page_table[first_page:n_pages]), dtype=torch.int64,
+                         device=device)
+    mask = attention_mask(seq, device, window)
+    first_key = first_page * page_size
+    return SlidingView(first_key, slots, None if mask is None else mask[:, first_key:])
 
 
 def attention_mask(seq: SeqChunk, device: torch.device, window: int = 0

@@ -20,8 +20,9 @@ from kvtier.engine.model_config import Architecture, LayerKind, ModelConfig
 from kvtier.engine.parallel import SINGLE, TensorParallel
 from kvtier.engine.weights import check_state_dict
 from kvtier.errors import ConfigError
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import KVSpec, SlidingSpec
 from kvtier.tiers.device_pool import default_device
+from kvtier.tiers.sidecar import Sidecar
 
 
 LayerHook = Callable[[int], None]
@@ -32,6 +33,7 @@ class KVPool(Protocol):
 
     spec: KVSpec
     num_pages: int
+    sidecar: Sidecar | None  # a hybrid model's sliding-window layers (spec.sliding)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -146,10 +148,31 @@ class PagedLlama(nn.Module):
         return h
 
     def kv_spec(self, page_size: int, dtype: torch.dtype | None = None) -> KVSpec:
-        """The geometry of this rank's L1/L2 pools (its KV heads only)."""
-        return KVSpec(num_layers=self.config.num_layers,
+        """The geometry of this rank's L1/L2 pools (its KV heads only): the FULL layers keep
+        every page, SLIDING ones (a hybrid model's) a sidecar of the pages in their window."""
+        sliding_layers = len(self.config.sliding_layers)
+        sliding = (SlidingSpec(sliding_layers, self.config.sliding_window)
+                   if sliding_layers else None)
+        return KVSpec(num_layers=self.config.num_layers - sliding_layers,
                       num_kv_heads=self.layers[0].attn.num_kv_heads,
-                      head_dim=self.config.head_dim, page_size=page_size, dtype=dtype or self.dtype)
+                      head_dim=self.config.head_dim, page_size=page_size, dtype=dtype or self.dtype,
+                      sliding=sliding)
+
+    def _pool_layers(self, kv: KVPool, before_layer: LayerHook | None
+                     ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], Callable[[], None]]]:
+        """Each layer's K/V tensors and its wait: FULL layers in the pool (their loads from
+        L2 waited for per layer), SLIDING ones in its sidecar (loaded before the forward)."""
+        out, full, side = [], 0, 0
+        for kind in self.config.layer_kinds:
+            if kind is LayerKind.SLIDING:
+                assert kv.sidecar is not None, "check_pool: a hybrid model's pool has a sidecar"
+                out.append((kv.sidecar.slots.layer(side), _nothing))
+                side += 1
+            else:
+                wait = partial(before_layer, full) if before_layer is not None else _nothing
+                out.append((kv.layer(full), wait))
+                full += 1
+        return out
 
     def check_pool(self, kv: KVPool) -> None:
         """Raise unless `kv` has this rank's KV geometry and lives on the model's device."""
@@ -170,20 +193,22 @@ class PagedLlama(nn.Module):
 
         `tokens` holds the new tokens of all `seqs`, concatenated in order. With
         `all_logits`, returns logits of every new token, (len(tokens), vocab).
-        `before_layer(l)` runs right before layer l's attention touches the pool.
+        `before_layer(l)` runs right before the attention of the pool's layer l (the l-th FULL
+        layer) touches it.
         """
         self.check_pool(kv)
+        sidecar = kv.sidecar if kv.spec.sliding is not None else None
         batch = ForwardBatch(seqs, kv.spec.page_size, kv.num_pages, self.device,
-                             self.config.sliding_window)
+                             self.config.sliding_window if sidecar is not None else 0,
+                             sidecar.slot_table if sidecar is not None else None)
         if tokens.shape != (batch.num_tokens,):
             raise ConfigError(f"tokens has shape {tuple(tokens.shape)} but the sequences add up "
                               f"to {batch.num_tokens} new tokens")
         h = self.embed_tokens(tokens)
         tables = {kind: rotary.table(batch.positions, self.dtype)
                   for kind, rotary in self.rotaries.items()}
-        for i, layer in enumerate(self.layers):
-            wait = partial(before_layer, i) if before_layer is not None else _nothing
-            h = layer(h, *tables[layer.kind.value], batch, kv.layer(i), wait)
+        for layer, (pool, wait) in zip(self.layers, self._pool_layers(kv, before_layer)):
+            h = layer(h, *tables[layer.kind.value], batch, pool, wait)
         if not all_logits:
             h = h.index_select(0, batch.last_rows)
         return F.linear(self.norm(h), self.lm_head).float()

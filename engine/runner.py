@@ -92,8 +92,7 @@ class ModelRunner:
                       "bit-identical to a cold run", start_pos, chunk)
         outputs = []
         for lo, hi in chunk_bounds(start_pos, len(ids), chunk):
-            logits = self.model(ids[lo:hi], [SeqChunk(page_table, lo, hi - lo)], self.kv,
-                                self.before_layer, all_logits)
+            logits = self._call(ids[lo:hi], [SeqChunk(page_table, lo, hi - lo)], all_logits)
             outputs.append(logits)
         return torch.cat(outputs) if all_logits else outputs[-1][0]
 
@@ -104,8 +103,7 @@ class ModelRunner:
         if len(tokens) != sum(s.num_tokens for s in seqs):
             raise CacheUsageError(f"{len(tokens)} tokens for sequences that add up to "
                                   f"{sum(s.num_tokens for s in seqs)} new tokens")
-        return self.model(torch.as_tensor(list(tokens), dtype=torch.int64), seqs, self.kv,
-                          self.before_layer)
+        return self._call(torch.as_tensor(list(tokens), dtype=torch.int64), seqs)
 
     def decode(self, tokens: Sequence[int],
                seqs: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
@@ -114,5 +112,25 @@ class ModelRunner:
         if len(tokens) != len(seqs):
             raise CacheUsageError(f"{len(tokens)} tokens for {len(seqs)} sequences")
         chunks = [SeqChunk(pages, pos, 1) for pages, pos in seqs]
-        return self.model(torch.as_tensor(list(tokens), dtype=torch.int64), chunks, self.kv,
-                          self.before_layer)
+        return self._call(torch.as_tensor(list(tokens), dtype=torch.int64), chunks)
+
+    def _call(self, tokens: torch.Tensor, seqs: Sequence[SeqChunk],
+              all_logits: bool = False) -> torch.Tensor:
+        """The model on `seqs`. A hybrid model's pool: the pages its sliding layers read and
+        write hold sidecar slots for the call (the engine gave its requests' pages theirs
+        already; a bare runner's get them here, cached afterwards)."""
+        sidecar = self.kv.sidecar if self.kv.spec.sliding is not None else None
+        if sidecar is None:
+            return self.model(tokens, seqs, self.kv, self.before_layer, all_logits)
+        window = self.kv.spec.sliding.window
+        pages = list(dict.fromkeys(p for seq in seqs for p in seq.page_table[
+            max(0, seq.start_pos - window + 1) // self.page_size:
+            -(-seq.end_pos // self.page_size)]))
+        if not sidecar.assign(pages):
+            raise CacheUsageError(f"the pool's sliding-window sidecar has room for "
+                                  f"{sidecar.room()} more pages but this forward reads and "
+                                  f"writes {len(pages)}; give the pool more slots")
+        try:
+            return self.model(tokens, seqs, self.kv, self.before_layer, all_logits)
+        finally:
+            sidecar.unlock(pages)

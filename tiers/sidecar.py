@@ -76,9 +76,16 @@ class Sidecar:
         return [slot_of[p] != NO_SLOT for p in pages]
 
     def slot_table(self, pages: Sequence[int]) -> list[int]:
-        """Slots of `pages`; a page without one reads slot 0 (callers mask those keys)."""
+        """Slots of `pages`; raises AllocatorError for a page without one (its sliding KV is
+        gone: reading it would be wrong KV)."""
         slot_of = self._slot_of
-        return [max(slot_of[p], 0) for p in pages]
+        table = [slot_of[p] for p in pages]
+        if NO_SLOT in table:
+            missing = [p for p, s in zip(pages, table) if s == NO_SLOT]
+            raise AllocatorError(f"pages {missing[:4]} have no sliding-window KV in this pool "
+                                 f"but a forward reads them; the caller must prepare their "
+                                 f"slots first")
+        return table
 
     @property
     def used_slots(self) -> int:
