@@ -23,6 +23,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvtier.backends.base import StorageUnavailable
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
                              MissingReport, NamespaceInfo, NamespaceSpec, StoredReport)
 from kvtier.actors.l3_hosts import cluster_master_host
@@ -63,10 +64,11 @@ class _Client:
     def namespaces(self) -> list[str]:
         return list(self._call("namespaces"))
 
-    def report_stored(self, ns: str, hashes: Sequence[str], tp_rank: int) -> list[str]:
-        """This rank stored its part of `hashes`; returns the pages now published."""
-        return list(self._call("report_stored",
-                               StoredReport(ns, tp_rank, tuple(hashes)).to_msgpack()))
+    def report_stored(self, ns: str, hashes: Sequence[str], heads: HeadRange) -> list[str]:
+        """This rank stored the objects of KV heads `heads` of `hashes`; returns the pages now
+        published (every head stored)."""
+        report = StoredReport(ns, heads.start, heads.stop, tuple(hashes))
+        return list(self._call("report_stored", report.to_msgpack()))
 
     def report_missing(self, ns: str, hashes: Sequence[str]) -> int:
         """A read found these published pages missing or corrupt; returns how many the
@@ -89,6 +91,11 @@ class _Client:
 
     def stats(self, ns: str) -> DirectoryStats:
         return DirectoryStats.from_msgpack(self._call("stats", ns))
+
+    def purge(self, ns: str) -> int:
+        """Empty namespace `ns` on purpose (every page deleted from its storage, the directory
+        reset, a new epoch: ranks back their pages up again); returns the pages deleted."""
+        return int(self._call("purge", ns))
 
     def ping(self) -> str:
         """The service's incarnation id: it changes when the actor restarts."""

@@ -33,6 +33,7 @@ from typing import Callable, TypeVar
 from kvtier.backends.mooncake_master import MooncakeMaster, default_master_host
 from kvtier.backends.shared_root import ensure_marker, shared_root_dir
 from kvtier.errors import KvtierError
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import (LookupRequest, MissingReport, NamespaceInfo, NamespaceSpec,
                              StoredReport)
 from kvtier.policies import StorageBackendKind
@@ -110,11 +111,22 @@ class NamespaceService:
         with self._lock:
             return self._poke(self.directory.stats(ns).to_msgpack())
 
+    def purge(self, ns: str) -> int:
+        """Empty namespace `ns`: its pages' deletes are queued (the eviction thread runs them),
+        the directory starts over under a new epoch (persisted); returns the pages queued."""
+        with self._lock:
+            pages = self.directory.purge(ns)
+            self._epochs[ns] = self.directory.info(ns).epoch
+            self._save()
+            return self._poke(pages)
+
     # ---- pages ----------------------------------------------------------------------------
     def report_stored(self, report_bytes: bytes) -> list[str]:
         r = StoredReport.from_msgpack(report_bytes)
         with self._lock:
-            return self._poke(self.directory.report_stored(r.namespace, r.hashes, r.tp_rank))
+            heads = HeadRange(r.head_start, r.head_stop,
+                              self.directory.info(r.namespace).spec.kv_heads)
+            return self._poke(self.directory.report_stored(r.namespace, r.hashes, heads))
 
     def report_missing(self, report_bytes: bytes) -> int:
         """A rank read published pages that were missing or corrupt: unpublish them."""

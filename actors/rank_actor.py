@@ -34,6 +34,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.tp_worker import WeightSource
 from kvtier.errors import ConfigError
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -94,7 +95,8 @@ class CacheDescription(NamedTuple):
     device_pages: int
     host_pages: int
     storage_backend: str | None
-    page_bytes: int = 0  # one page over every TP rank and part (a namespace's byte quota)
+    page_bytes: int = 0  # one page over every KV head and part (a namespace's byte quota)
+    kv_heads: int = 1  # the model's KV heads (all ranks'): a namespace's NamespaceSpec.kv_heads
 
 
 class RankCache:
@@ -148,7 +150,9 @@ class RankCache:
         if s.config.storage_backend is not None:
             raise ConfigError("RankSettings: give either config.storage_backend or l3 (a "
                               "registered namespace), not both")
-        cache = HierarchicalCache(s.config, spec, s.device_pages, device=device,
+        # the L2 layout an attached L3 needs (page_head), whatever the settings' own layout
+        config = s.config.normalize_for_l3(info.spec.backend)
+        cache = HierarchicalCache(config, spec, s.device_pages, device=device,
                                   model=info.spec.model, tenant_salt=info.spec.tenant_salt,
                                   tp_rank=self.rank, tp_size=self.size)
         try:
@@ -162,10 +166,12 @@ class RankCache:
                 l3_actor: str | None) -> str:
         """Attach this rank's own client of namespace `info` as the L3 of `cache`, the
         namespace actor `l3_actor`'s directory gating hits; the backend's kind."""
-        if info.spec.tp_size != self.size:
-            raise ConfigError(f"L3 namespace {info.namespace} was registered for TP size "
-                              f"{info.spec.tp_size}, but this instance has {self.size}; "
-                              f"register it with tp_size={self.size}")
+        # Any TP size may use a namespace of the same model: objects name KV heads, not ranks.
+        if info.spec.kv_heads != cache.heads.total:
+            raise ConfigError(f"L3 namespace {info.namespace} is of a model with "
+                              f"{info.spec.kv_heads} KV heads, this rank's model has "
+                              f"{cache.heads.total}: register a namespace of this model "
+                              f"(kv_heads={cache.heads.total}, describe())")
         if info.spec.key_namespace != cache.namespace:
             raise ConfigError(f"L3 namespace {info.namespace} keys pages as "
                               f"{info.spec.key_namespace} (layout fingerprint "
@@ -176,7 +182,7 @@ class RankCache:
             raise ConfigError("an L3 backend is attached already; detach it first")
         self._l3 = (info, l3_actor)  # what a re-attach after an epoch change starts from
         cache.directory = None if l3_actor is None else self._directory(l3_actor)
-        backend = self._open_backend(info)
+        backend = self._open_backend(info, cache.heads)
         try:
             cache.attach_storage(backend)
         except BaseException:
@@ -184,12 +190,12 @@ class RankCache:
             raise
         return backend.kind.value
 
-    def _open_backend(self, info: NamespaceInfo) -> StorageBackend:
+    def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
         """This rank's client of the namespace's storage (a subclass may wrap it): a Mooncake
         client registers this node's address when the master is not on loopback; a file or
         nixl root must show the namespace actor's marker (actors/l3_hosts, shared_root)."""
         address = node_address()
-        return open_rank_backend(rank_client_info(info, address), self.rank, node_label(address))
+        return open_rank_backend(rank_client_info(info, address), heads, node_label(address))
 
     def _directory(self, l3_actor: str) -> PageDirectoryClient:
         """This rank's client of the namespace actor's page directory (a subclass may wrap
@@ -302,7 +308,7 @@ class RankCache:
                                 cache.spec.page_size, cache.device_pages,
                                 cache.host_pool.num_pages,
                                 cache.storage.backend.kind.value if cache.storage else None,
-                                cache.spec.page_bytes * self.size)
+                                cache.spec.page_bytes * self.size, cache.heads.total)
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""

@@ -205,7 +205,8 @@ class InstanceDeployment:
                                                resources=head_resources(s))
         info = client.register(NamespaceSpec(desc.model, desc.tenant_salt,
                                              desc.layout_fingerprint, kind, options,
-                                             tp_size=s.tp_size, page_bytes=desc.page_bytes))
+                                             kv_heads=desc.kv_heads,
+                                             page_bytes=desc.page_bytes))
         server.call(lambda inst: inst.attach_l3(info, s.l3_actor)).result(CALL_TIMEOUT_S)
         self.l3 = {"backend": kind.value, "namespace": info.namespace,
                    "options": {k: v for k, v in options.items()}}

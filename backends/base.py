@@ -1,8 +1,22 @@
 """The one L3 storage interface: batch-first, zero-copy into registered host pools.
 
-A backend serves one `StorageTarget` (namespace + TP rank/size). Host pools are registered
-once (`register_pool`); after that every transfer names pages of a registered pool, and the
-backend reads or writes the pool's memory in place: no intermediate copies of page bytes.
+A backend serves one `StorageTarget` (namespace + the KV heads it owns). Host pools are
+registered once (`register_pool`); after that every transfer names pages of a registered pool,
+and the backend reads or writes the pool's memory in place: no intermediate copies of page
+bytes.
+
+Objects: a page is stored as one object per KV head and part (K, V), named
+`<namespace>/<pool>/<hash>_h<head>_<k|v>` with the model's GLOBAL head index, so instances of
+any TP size share them: a rank reads and writes exactly the heads it owns. The host pool lays
+each head's bytes of a page out contiguously (`page_head_view`, the `page_head` layout), so a
+head object moves in place; a batch call carries every head's objects of many pages, so the
+calls per page do not grow with the head count.
+
+Old format: objects of format 1 were named by TP rank and size (`<hash>_<rank>_<size>_<k|v>`)
+in namespaces whose fingerprint said v1. They are never read (the v2 fingerprint gives every
+namespace another name, and v2 names never match them); a listable backend finds them with
+`reclaim_old_format`, which removes them from this namespace's own pool folder and from every
+other namespace folder of the same model (`<model>-<digest>/<pool>`), and counts the pages.
 
 Ownership: the host pool's memory belongs to the caller. During `get_into`/`set_from` the
 backend borrows the named pages; it keeps no reference to them after the call returns.
@@ -25,12 +39,15 @@ import torch
 
 from kvtier.errors import CacheUsageError, KvtierError
 from kvtier.keys import KeyNamespace
+from kvtier.kv_spec import HeadRange
 from kvtier.policies import HitPolicy, StorageBackendKind
 
 KV_POOL = "kv"
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _POOL_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-_OBJECT_RE = re.compile(r"^([0-9a-f]{64})_(\d{1,4})_(\d{1,4})_([kv])$")  # object_name's last part
+_OBJECT_RE = re.compile(r"^([0-9a-f]{64})_h(\d{1,4})_([kv])$")  # object_name's last part
+# Format 1 (before objects named heads): `<hash>_<rank>_<tp size>_<k|v>`; never read, reclaimed.
+_OLD_OBJECT_RE = re.compile(r"^([0-9a-f]{64})_(\d{1,4})_(\d{1,4})_([kv])$")
 
 
 class StorageUnavailable(KvtierError, RuntimeError):
@@ -59,7 +76,9 @@ class PagedPool(Protocol):
 
     num_pages: int
 
-    def page_part_view(self, page: int, part: int) -> torch.Tensor: ...
+    def page_head_view(self, page: int, head: int, part: int) -> torch.Tensor:
+        """One KV head's (local index) K or V bytes of one page: a contiguous uint8 run."""
+        ...
 
     def data_ptr(self) -> int: ...
 
@@ -69,26 +88,42 @@ class PagedPool(Protocol):
 
 @dataclass(frozen=True)
 class StorageTarget:
-    """Whose objects: a namespace, and the TP rank/size whose shard they hold."""
+    """Whose objects: a namespace, and the KV heads (of the model's total) this client owns.
+
+    Objects are named by page hash and GLOBAL KV head, never by TP rank or size, so a writer
+    at one TP size and a reader at another name the same objects (module docstring)."""
 
     namespace: KeyNamespace
-    tp_rank: int = 0
-    tp_size: int = 1
+    heads: HeadRange = HeadRange(0, 1, 1)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.tp_size, int) and isinstance(self.tp_rank, int)
-                and self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
-            raise CacheUsageError(f"bad TP rank/size {self.tp_rank}/{self.tp_size}")
+        if not isinstance(self.heads, HeadRange):
+            raise CacheUsageError(f"StorageTarget.heads must be a HeadRange, got {self.heads!r}")
 
-    def object_name(self, pool: str, page_hash: str, part: int, rank: int | None = None) -> str:
-        """`<namespace>/<pool>/<hash>_<rank>_<size>_<k|v>`: nothing in it is client text.
+    def object_name(self, pool: str, page_hash: str, head: int, part: int) -> str:
+        """`<namespace>/<pool>/<hash>_h<head>_<k|v>`: nothing in it is client text.
 
-        The namespace name is validated (KeyNamespace), the hash must be 64 hex digits and
-        the pool a short identifier, so no name can become `..` or reach another namespace.
+        The namespace name is validated (KeyNamespace), the hash must be 64 hex digits, the
+        pool a short identifier and the head one of the model's, so no name can become `..`
+        or reach another namespace.
         """
         check_page_hash(page_hash)
-        r = self.tp_rank if rank is None else rank
-        return f"{self.namespace.name}/{pool}/{page_hash}_{r}_{self.tp_size}_{PagePart(part).suffix}"
+        if not 0 <= head < self.heads.total:
+            raise CacheUsageError(f"KV head {head} is outside 0..{self.heads.total - 1}")
+        return f"{self.namespace.name}/{pool}/{page_hash}_h{head}_{PagePart(part).suffix}"
+
+    def slots(self, num_parts: int) -> tuple["ObjectSlot", ...]:
+        """The objects of one page this target reads and writes: per owned head, its parts."""
+        return tuple(ObjectSlot(h, h - self.heads.start, PagePart(part))
+                     for h in self.heads.heads() for part in range(num_parts))
+
+
+class ObjectSlot(NamedTuple):
+    """One object of a page: KV head `head` (global; `local_head` in the rank's pool), part."""
+
+    head: int
+    local_head: int
+    part: PagePart
 
 
 def check_page_hash(page_hash: str) -> str:
@@ -122,6 +157,12 @@ class PoolRegistration(NamedTuple):
     num_parts: int
     hit_policy: HitPolicy
     window_pages: int  # TRAILING_PAGES: how many trailing pages must be present
+    slots: tuple[ObjectSlot, ...] = ()  # the objects of one page, in order (target.slots)
+
+    def view(self, page: int, index: int) -> torch.Tensor:
+        """The host bytes of object `index` (of `slots`) of host page `page`, in place."""
+        slot = self.slots[index]
+        return self.pool.page_head_view(page, slot.local_head, slot.part)
 
 
 class ExistsResult(NamedTuple):
@@ -167,19 +208,39 @@ class BackendStats:
     extra: dict = field(default_factory=dict)
 
 
-def page_ranks(basenames: Iterable[str], tp_size: int,
+def page_heads(basenames: Iterable[str], total_heads: int,
                num_parts: int = len(PagePart)) -> dict[str, set[int]]:
-    """Group object basenames (`<hash>_<rank>_<size>_<k|v>`) of one namespace/pool into
-    page hash -> TP ranks whose every part is among them. Objects of another TP size and
-    names that are not objects are ignored; pages keep the order they first appear in."""
+    """Group object basenames (`<hash>_h<head>_<k|v>`) of one namespace/pool into page hash ->
+    KV heads (of `total_heads`) whose every part is among them. Heads outside the model and
+    names that are not objects (format-1 names too) are ignored; pages keep the order they
+    first appear in."""
     want = {PagePart(p).suffix for p in range(num_parts)}
     parts: dict[str, dict[int, set[str]]] = {}
     for base in basenames:
         m = _OBJECT_RE.match(base)
-        if m and int(m.group(3)) == tp_size and int(m.group(2)) < tp_size:
-            parts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(m.group(4))
-    out = {h: {r for r, found in ranks.items() if want <= found} for h, ranks in parts.items()}
-    return {h: ranks for h, ranks in out.items() if ranks}
+        if m and int(m.group(2)) < total_heads:
+            parts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(m.group(3))
+    out = {h: {head for head, found in heads.items() if want <= found}
+           for h, heads in parts.items()}
+    return {h: heads for h, heads in out.items() if heads}
+
+
+def old_format_pages(basenames: Iterable[str]) -> dict[str, list[str]]:
+    """Format-1 object basenames (`<hash>_<rank>_<size>_<k|v>`) grouped by page hash."""
+    pages: dict[str, list[str]] = {}
+    for base in basenames:
+        m = _OLD_OBJECT_RE.match(base)
+        if m:
+            pages.setdefault(m.group(1), []).append(base)
+    return pages
+
+
+def same_model_namespace(name: str, namespace: KeyNamespace) -> bool:
+    """Is folder `name` a namespace name of `namespace`'s model (any salt or fingerprint)?"""
+    prefix = namespace.model.replace("/", "-") + "-"
+    digest = name[len(prefix):]
+    return name.startswith(prefix) and len(digest) == 16 and all(
+        c in "0123456789abcdef" for c in digest)
 
 
 def leading_present(present: Sequence[bool], policy: HitPolicy, window_pages: int = 1) -> int:
@@ -220,13 +281,20 @@ class StorageBackend(abc.ABC):
         self._check_open()
         check_pool_name(name)
         layout = getattr(pool, "layout", None)
-        if layout is not None and not layout.is_page_major:
+        if layout is not None and not layout.is_head_major:
             raise CacheUsageError(
-                f"the {self.kind} backend stores each page part as one contiguous object; "
-                f"the host pool's {layout} layout has none: use page_first or page_first_direct")
+                f"the {self.kind} backend stores each KV head of a page part as one contiguous "
+                f"object; the host pool's {layout} layout has none: use page_head")
+        spec = getattr(pool, "spec", None)
+        if spec is not None and spec.num_kv_heads != self.target.heads.count:
+            raise CacheUsageError(
+                f"the host pool holds {spec.num_kv_heads} KV heads but this backend's target "
+                f"owns {self.target.heads.count} ({self.target.heads}); open the backend with "
+                "the rank's own head range")
         if name in self.pools:
             raise CacheUsageError(f"pool {name!r} is already registered with this backend")
-        reg = PoolRegistration(name, pool, num_parts, hit_policy, window_pages)
+        reg = PoolRegistration(name, pool, num_parts, hit_policy, window_pages,
+                               self.target.slots(num_parts))
         self._register(reg)
         self.pools[name] = reg
 
@@ -239,7 +307,8 @@ class StorageBackend(abc.ABC):
 
     # ---- the interface -------------------------------------------------------------------
     def exists(self, keys: Sequence[str], pools: Sequence[str] = (KV_POOL,)) -> ExistsResult:
-        """How many leading pages of `keys` each pool holds (all parts, this rank)."""
+        """How many leading pages of `keys` each pool holds (every part of this target's
+        heads)."""
         per_pool = {}
         for name in pools:
             reg = self._pool(name)
@@ -248,7 +317,8 @@ class StorageBackend(abc.ABC):
         return ExistsResult(per_pool, min(per_pool.values()) if per_pool else 0)
 
     def get_into(self, pool: str, keys: Sequence[str], host_pages: Sequence[int]) -> TransferResult:
-        """Read pages into host pool pages; a page is ok only if every part read and verified."""
+        """Read pages into host pool pages; a page is ok only if every object (each owned
+        head's parts) read and verified."""
         reg = self._pool(pool)
         self._check_batch(keys, host_pages)
         t0 = time.perf_counter()
@@ -273,7 +343,7 @@ class StorageBackend(abc.ABC):
         return result
 
     def delete(self, keys: Sequence[str], pools: Sequence[str] = (KV_POOL,)) -> int:
-        """Remove the pages' objects (this rank); returns how many pages had objects."""
+        """Remove the pages' objects (this target's heads); returns how many pages had any."""
         removed = 0
         for name in pools:
             removed += self._delete(self._pool(name), [check_page_hash(k) for k in keys])
@@ -281,8 +351,9 @@ class StorageBackend(abc.ABC):
         return removed
 
     def list_pages(self, pool: str = KV_POOL) -> dict[str, set[int]]:
-        """Every page of this target's namespace in `pool`: page hash -> the TP ranks (of this
-        target's tp_size) whose parts are ALL present, oldest first where the backend can tell.
+        """Every page of this target's namespace in `pool`: page hash -> the global KV heads
+        whose parts are ALL present (any head of the model, not only this target's), oldest
+        first where the backend can tell.
 
         An admin call (the L3 namespace rebuilds its page directory with it): it needs no
         registered pool, and its cost grows with the objects stored. Only backends whose
@@ -296,6 +367,16 @@ class StorageBackend(abc.ABC):
                 "namespace on it starts empty after a restart")
         reg = self.pools.get(pool)
         return self._list_pages(pool, reg.num_parts if reg else len(PagePart))
+
+    def reclaim_old_format(self, pool: str = KV_POOL) -> int:
+        """Delete format-1 objects (named by TP rank and size) of this model: in this
+        namespace and in every other namespace folder of the same model (module docstring).
+        Returns how many old pages (per namespace) went; 0 for backends that cannot list."""
+        self._check_open()
+        check_pool_name(pool)
+        if not self.capabilities.listable:
+            return 0
+        return self._reclaim_old_format(pool)
 
     def stats(self) -> BackendStats:
         return self.counters
@@ -323,8 +404,8 @@ class StorageBackend(abc.ABC):
             check_page_hash(k)
 
     def names(self, reg: PoolRegistration, key: str) -> list[str]:
-        """Object names of every part of one page (this rank)."""
-        return [self.target.object_name(reg.name, key, part) for part in range(reg.num_parts)]
+        """Object names of one page: every part of every head this target owns, in slot order."""
+        return [self.target.object_name(reg.name, key, s.head, s.part) for s in reg.slots]
 
     # ---- what a backend implements -------------------------------------------------------
     def _register(self, reg: PoolRegistration) -> None:
@@ -332,7 +413,7 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     def _present(self, reg: PoolRegistration, keys: list[str]) -> list[bool]:
-        """Per page: are all parts of this rank present (cheap check; reads verify)."""
+        """Per page: are all its objects of this target present (cheap check; reads verify)."""
 
     @abc.abstractmethod
     def _get(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
@@ -347,7 +428,11 @@ class StorageBackend(abc.ABC):
         ...
 
     def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
-        """Listable backends: page hash -> complete ranks (see list_pages, page_ranks)."""
+        """Listable backends: page hash -> complete heads (see list_pages, page_heads)."""
+        raise NotImplementedError
+
+    def _reclaim_old_format(self, pool: str) -> int:
+        """Listable backends: remove format-1 objects of this model (see reclaim_old_format)."""
         raise NotImplementedError
 
     def _close(self) -> None:

@@ -173,6 +173,9 @@ class FaultyBackend(StorageBackend):
     def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
         return self.inner.list_pages(pool)
 
+    def _reclaim_old_format(self, pool: str) -> int:
+        return self.inner.reclaim_old_format(pool)
+
     def _close(self) -> None:
         self.release()
         self.inner.close()

@@ -47,7 +47,8 @@ class FileBackend(StorageBackend):
             raise ConfigError(f"file backend: io_threads must be an int >= 1, got {io_threads!r}")
         self.options = options
         # the root, its LRU index and the byte bound; StorageUnavailable here, at attach
-        self.store = FileStore(options.root_dir, options.max_size_bytes, self.counters)
+        self.store = FileStore(options.root_dir, options.max_size_bytes, self.counters,
+                               total_heads=target.heads.total)
         self.root, self.index = self.store.root, self.store.index
         self._files: dict[str, PoolFiles] = {}
         self._io_threads = io_threads
@@ -106,8 +107,10 @@ class FileBackend(StorageBackend):
         return removed
 
     def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
-        return self.store.list_pages(f"{self.target.namespace.name}/{pool}",
-                                     self.target.tp_size, num_parts)
+        return self.store.list_pages(f"{self.target.namespace.name}/{pool}", num_parts)
+
+    def _reclaim_old_format(self, pool: str) -> int:
+        return self.store.reclaim_old_format(self.target.namespace, pool)
 
     def _close(self) -> None:
         """Stop the I/O threads and drop the pool views (files are closed after each call)."""

@@ -23,7 +23,7 @@ from kvtier.backends.file_object import TMP_PREFIX
 log = logging.getLogger(__name__)
 
 STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died mid-write
-_OBJECT_RE = re.compile(r"^([0-9a-f]{64})_(\d{1,4})_(\d{1,4})_([kv])$")
+_OBJECT_RE = re.compile(r"^([0-9a-f]{64})_h(\d{1,4})_([kv])$")
 _PARTS = ("k", "v")
 
 
@@ -34,18 +34,19 @@ class ScanReport(NamedTuple):
     seconds: float
 
 
-def page_siblings(name: str) -> list[str]:
-    """Every object of the page that `name` belongs to: all parts of all TP ranks.
+def page_siblings(name: str, total_heads: int) -> list[str]:
+    """Every object of the page that `name` belongs to: all parts of all `total_heads` KV
+    heads.
 
-    Evicting one rank's part alone would hide the page from every rank (they agree on the
-    MIN) while the other parts keep using space, so eviction removes the page whole.
+    Evicting one head's part alone would hide the page from every reader (a page is whole
+    or a miss) while the other parts keep using space, so eviction removes the page whole.
     """
     directory, base = name.rsplit("/", 1)
     m = _OBJECT_RE.match(base)
     if not m:
         return [name]
-    page_hash, size = m.group(1), int(m.group(3))
-    return [f"{directory}/{page_hash}_{r}_{size}_{p}" for r in range(size) for p in _PARTS]
+    page_hash = m.group(1)
+    return [f"{directory}/{page_hash}_h{h}_{p}" for h in range(total_heads) for p in _PARTS]
 
 
 class ObjectIndex:
@@ -114,8 +115,9 @@ def _visit(entry: os.DirEntry, rel: str, now: float, found: list[tuple[int, str,
             if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
                 return _remove(entry.path)
             return 0
-        # `<64 hex>_<rank>_<size>_<k|v>`: a cheap shape test per file (a regex costs 3x)
-        if len(name) < 70 or name[64] != "_" or name[-2:] not in ("_k", "_v"):
+        # `<64 hex>_h<head>_<k|v>`: a cheap shape test per file (a regex costs 3x); objects
+        # of the old format (`_<rank>_<size>_`) are not indexed: they are reclaimed, not read
+        if len(name) < 69 or name[64:66] != "_h" or name[-2:] not in ("_k", "_v"):
             return 0
         st = entry.stat(follow_symlinks=False)
     except OSError:

@@ -1,10 +1,11 @@
 """One registered pool as the file backend sees it: object names, paths and page memory.
 
 Why precompute: `StorageTarget.object_name` re-derives the namespace digest (~20 us) and
-`HostPool.page_part_view` indexes a tensor (~30 us) on every call; at ~300 us per 720 KiB
-object write that alone would cost a sixth of the bandwidth. Names are the same strings
-(prefix + key + suffix, derived from `object_name` itself), and page memory is one strided
-numpy view over the pool per part, checked against `page_part_view` at registration.
+`HostPool.page_head_view` indexes a tensor (~30 us) on every call; at ~300 us per object
+write that alone would cost a sixth of the bandwidth. A page is one object per owned KV head
+and part (the registration's `slots`); names are the same strings (prefix + key + suffix,
+derived from `object_name` itself), and page memory is one strided numpy view over the pool
+per slot, checked against `page_head_view` at registration.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 
 import numpy as np
 
-from kvtier.backends.base import PagedPool, PoolRegistration, StorageTarget
+from kvtier.backends.base import PoolRegistration, StorageTarget
 from kvtier.errors import CacheUsageError, ConfigError
 
 _SAMPLE_KEY = "0" * 64
@@ -25,26 +26,26 @@ class PoolFiles:
         if reg.num_parts not in (1, 2):
             raise CacheUsageError(f"pool {reg.name!r}: num_parts must be 1 (K) or 2 (K and V), "
                                   f"got {reg.num_parts}")
-        sample = [target.object_name(reg.name, _SAMPLE_KEY, part) for part in range(reg.num_parts)]
+        sample = [target.object_name(reg.name, _SAMPLE_KEY, s.head, s.part) for s in reg.slots]
         self.rel_dir = sample[0].rsplit("/", 1)[0]
         self.dir = os.path.join(root, self.rel_dir)
         self.suffixes = tuple(name.rsplit("/", 1)[1][len(_SAMPLE_KEY):] for name in sample)
-        self.pool = reg.pool
-        self.rows = [_page_rows(reg.name, reg.pool, part) for part in range(reg.num_parts)]
+        self.reg = reg
+        self.rows = [_page_rows(reg, i) for i in range(len(reg.slots))]
         self.part_bytes = self.view(0, 0).nbytes
 
     def names(self, key: str) -> list[str]:
-        """Same strings as `StorageTarget.object_name(pool, key, part)` for each part."""
+        """Same strings as `StorageTarget.object_name(pool, key, head, part)` per slot."""
         return [f"{self.rel_dir}/{key}{suffix}" for suffix in self.suffixes]
 
     def paths(self, key: str) -> list[str]:
         return [f"{self.dir}/{key}{suffix}" for suffix in self.suffixes]
 
-    def view(self, page: int, part: int) -> memoryview:
-        """Page part `part` of host page `page`, in place (no copy)."""
-        rows = self.rows[part]
+    def view(self, page: int, slot: int) -> memoryview:
+        """Object `slot` (a head's part) of host page `page`, in place (no copy)."""
+        rows = self.rows[slot]
         if rows is None or not 0 <= page < len(rows):  # the pool's own checks and errors
-            return memoryview(self.pool.page_part_view(page, part).numpy())
+            return memoryview(self.reg.view(page, slot).numpy())
         return memoryview(rows[page])
 
     def close(self) -> None:
@@ -52,20 +53,21 @@ class PoolFiles:
         self.rows = [None] * len(self.rows)
 
 
-def _page_rows(name: str, pool: PagedPool, part: int) -> np.ndarray | None:
-    """(num_pages, part_bytes) strided view over every page's `part`, or None when the pool
-    does not place pages at a fixed stride (then each access asks `page_part_view`)."""
+def _page_rows(reg: PoolRegistration, slot: int) -> np.ndarray | None:
+    """(num_pages, object_bytes) strided view over every page's object `slot`, or None when
+    the pool does not place pages at a fixed stride (then each access asks `reg.view`)."""
+    pool = reg.pool
     try:
-        first = pool.page_part_view(0, part)
-    except ConfigError as exc:  # layer_first: a page is not one run of bytes
+        first = reg.view(0, slot)
+    except ConfigError as exc:  # a layout whose heads are not one run of bytes
         raise CacheUsageError(str(exc)) from exc
     if first.element_size() != 1 or first.dim() != 1 or not first.is_contiguous():
-        raise CacheUsageError(f"pool {name!r}: page_part_view must return a contiguous 1-D "
-                              "uint8 tensor (see kvtier.tiers.host_pool.HostPool)")
+        raise CacheUsageError(f"pool {reg.name!r}: page_head_view must return a contiguous "
+                              "1-D uint8 tensor (see kvtier.tiers.host_pool.HostPool)")
     arr, n = first.numpy(), pool.num_pages
     if n == 1:
         return arr[None, :]
-    stride = pool.page_part_view(1, part).data_ptr() - first.data_ptr()
+    stride = reg.view(1, slot).data_ptr() - first.data_ptr()
     if stride < arr.nbytes:  # overlapping or descending pages: not a plain stride
         return None
     start, end = first.data_ptr(), first.data_ptr() + (n - 1) * stride + arr.nbytes
@@ -73,6 +75,6 @@ def _page_rows(name: str, pool: PagedPool, part: int) -> np.ndarray | None:
         return None  # the rows would reach outside the pool's one registered region
     rows = np.lib.stride_tricks.as_strided(arr, shape=(n, arr.nbytes), strides=(stride, 1))
     for page in sorted({1, n // 2, n - 1}):  # the stride holds to the last page
-        if rows[page].ctypes.data != pool.page_part_view(page, part).data_ptr():
+        if rows[page].ctypes.data != reg.view(page, slot).data_ptr():
             return None
     return rows

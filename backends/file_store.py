@@ -6,7 +6,7 @@ they keep about it:
 - the root itself (file_root.FileRoot: created and probed at attach, every path fenced);
 - the index (file_index.ObjectIndex): objects found by a scan at attach (so a restart keeps
   them), least recently used first, kept current by this process's reads, writes, deletes;
-- the bound: with `max_size_bytes` (0 = unbounded) whole pages (every part of every TP rank)
+- the bound: with `max_size_bytes` (0 = unbounded) whole pages (every part of every KV head)
   are evicted, oldest first, never one a call is writing or keeping; leading writes that
   cannot fit are dropped, with one warning;
 - the counters it drives: `evicted_pages` and `stored_bytes`.
@@ -20,10 +20,11 @@ import os
 import stat
 from typing import Iterable
 
-from kvtier.backends.base import BackendStats, page_ranks
+from kvtier.backends.base import BackendStats, old_format_pages, page_heads, same_model_namespace
 from kvtier.backends.file_index import ObjectIndex, page_siblings
 from kvtier.backends.file_pool import PoolFiles
 from kvtier.backends.file_root import FileRoot
+from kvtier.keys import KeyNamespace
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ class FileStore:
     """`root_dir` with its object index; evicts to keep `max_size_bytes` (0 = unbounded)."""
 
     def __init__(self, root_dir: str, max_size_bytes: int, counters: BackendStats,
-                 label: str = "file backend") -> None:
-        self.label = label  # "file backend" / "nixl backend": who the log lines speak for
+                 label: str = "file backend", total_heads: int = 1) -> None:
+        self.label = label
+        self.total_heads = total_heads  # a page's objects: every part of this many KV heads  # "file backend" / "nixl backend": who the log lines speak for
         self.root = FileRoot(root_dir, label)  # StorageUnavailable here, at attach
         self.max_size_bytes = max_size_bytes
         self.counters = counters
@@ -68,7 +70,7 @@ class FileStore:
             name = self.index.oldest()
             if name is None:
                 break  # what is left belongs to processes we do not know of
-            siblings = page_siblings(name)
+            siblings = page_siblings(name, self.total_heads)
             if protect.intersection(siblings):
                 self.index.touch(name)
                 spins -= 1
@@ -121,12 +123,35 @@ class FileStore:
                 out.append(all(is_file(path) for path in pf.paths(key)))
         return out
 
-    def list_pages(self, rel_dir: str, tp_size: int, num_parts: int) -> dict[str, set[int]]:
-        """Pages stored under `rel_dir` (a fresh listing, not the index) -> their TP ranks."""
+    def list_pages(self, rel_dir: str, num_parts: int) -> dict[str, set[int]]:
+        """Pages stored under `rel_dir` (a fresh listing, not the index) -> their complete
+        KV heads."""
         if not self.root.inside(rel_dir):
             return {}
-        return page_ranks(object_basenames(os.path.join(self.root.path, rel_dir), self.label),
-                          tp_size, num_parts)
+        return page_heads(object_basenames(os.path.join(self.root.path, rel_dir), self.label),
+                          self.total_heads, num_parts)
+
+    def reclaim_old_format(self, namespace: KeyNamespace, pool: str) -> int:
+        """Remove format-1 objects from `<ns>/<pool>` of every namespace folder of
+        `namespace`'s model under the root (this one included); how many pages went."""
+        try:
+            with os.scandir(self.root.path) as entries:
+                folders = [e.name for e in entries
+                           if same_model_namespace(e.name, namespace) and e.is_dir()]
+        except OSError as exc:
+            log.warning("%s: cannot list %s for old-format objects (%s)", self.label,
+                        self.root.path, exc.strerror or exc)
+            return 0
+        pages = 0
+        for folder in sorted(folders):
+            rel_dir = f"{folder}/{pool}"
+            if not self.root.inside(rel_dir):
+                continue
+            found = old_format_pages(object_basenames(os.path.join(self.root.path, rel_dir),
+                                                      self.label))
+            pages += self.delete([f"{rel_dir}/{b}" for b in bases] for bases in found.values())
+        self.sync_stored()
+        return pages
 
 
 def object_basenames(directory: str, label: str = "file backend") -> list[str]:

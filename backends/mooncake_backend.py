@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 BUFFER_TOO_SMALL = -600
-SUM_SUFFIX = "sum"  # `<...>_<rank>_<size>_sum` beside `_k` / `_v`
+SUM_SUFFIX = "sum"  # `<...>_h<head>_sum` beside `_k` / `_v`: the head's part checksums
 SUM_BYTES = 8  # one little-endian xxh3_64 per part
 
 
@@ -117,70 +117,78 @@ def close_client(store: Any) -> None:
 
 
 class _PoolMap:
-    """Object names and byte addresses of one registered pool's page parts, precomputed.
+    """Object names and byte addresses of one registered pool's objects, precomputed.
 
-    Why: a torch view and a validated name per object cost ~20 us, 7-15% of a batch's time
-    at memory speed. Names are `head + key + tail` (keys are checked by the base class);
-    addresses are affine in (page, part) for page-major pools, which is verified here
-    against `page_part_view` (a pool where it is not falls back to views).
+    A page is one object per owned KV head and part (the registration's `slots`). Why
+    precompute: a torch view and a validated name per object cost ~20 us, 7-15% of a batch's
+    time at memory speed. Names are `head + key + tail` (keys are checked by the base class);
+    an object's address is its slot's base plus page * page stride, which is verified here
+    against `reg.view` (a pool where it is not falls back to views).
     """
 
     def __init__(self, target: StorageTarget, reg: PoolRegistration, sums: np.ndarray | None):
         dummy = "0" * 64
         self.heads, self.tails = [], []
-        for part in range(reg.num_parts):
-            name = target.object_name(reg.name, dummy, part)
+        for slot in reg.slots:
+            name = target.object_name(reg.name, dummy, slot.head, slot.part)
             at = name.rfind(dummy)
             self.heads.append(name[:at])
             self.tails.append(name[at + 64:])
-        self.sum_tail = f"{self.tails[0].rsplit('_', 1)[0]}_{SUM_SUFFIX}"
-        self.sums, self.sum_bytes = sums, reg.num_parts * SUM_BYTES
-        self.pool, self.num_parts, self.num_pages = reg.pool, reg.num_parts, reg.pool.num_pages
-        view = reg.pool.page_part_view
-        self.base, self.part_bytes = view(0, 0).data_ptr(), view(0, 0).numel()
-        self.part_stride = view(0, 1).data_ptr() - self.base if self.num_parts > 1 else 0
-        self.page_stride = view(1, 0).data_ptr() - self.base if self.num_pages > 1 else 0
+        self.reg, self.num_slots, self.num_parts = reg, len(reg.slots), reg.num_parts
+        # one checksum object per owned head (its parts' sums, side by side in `sums`)
+        self.sum_heads = [(s.head, i) for i, s in enumerate(reg.slots) if s.part == 0]
+        self.sums, self.sum_bytes = sums, self.num_parts * SUM_BYTES
+        self.pool, self.num_pages = reg.pool, reg.pool.num_pages
+        self.bases = [reg.view(0, i).data_ptr() for i in range(self.num_slots)]
+        self.part_bytes = reg.view(0, 0).numel()
+        self.page_stride = reg.view(1, 0).data_ptr() - self.bases[0] if self.num_pages > 1 else 0
         self.affine = self._check_affine()
 
     def _check_affine(self) -> bool:
         """Do sample pages match the affine map, and does it stay inside the pool's memory?"""
-        last, view = self.num_pages - 1, self.pool.page_part_view
+        last, view = self.num_pages - 1, self.reg.view
         samples = {0, min(1, last), last // 2, last}
         matches = all(self._affine_ptr(p, q) == view(p, q).data_ptr()
                       and view(p, q).numel() == self.part_bytes
-                      for p in samples for q in range(self.num_parts))
+                      for p in samples for q in range(self.num_slots))
         start, end = self.pool.data_ptr(), self.pool.data_ptr() + self.pool.nbytes
         inside = all(start <= self._affine_ptr(p, q) <= end - self.part_bytes
-                     for p in (0, last) for q in (0, self.num_parts - 1))
+                     for p in (0, last) for q in range(self.num_slots))
         if not (matches and inside):
             log.info("mooncake backend: pool addresses are not affine; using page views")
         return matches and inside
 
-    def _affine_ptr(self, page: int, part: int) -> int:
-        return self.base + page * self.page_stride + part * self.part_stride
+    def _affine_ptr(self, page: int, slot: int) -> int:
+        return self.bases[slot] + page * self.page_stride
 
     def names(self, key: str, with_sum: bool) -> list[str]:
         names = [h + key + t for h, t in zip(self.heads, self.tails)]
-        return names + [self.heads[0] + key + self.sum_tail] if with_sum else names
+        return names + [self.sum_name(key, h) for h, _ in self.sum_heads] if with_sum else names
+
+    def sum_name(self, key: str, head: int) -> str:
+        """Head `head`'s checksum object of a page: `<ns>/<pool>/<hash>_h<head>_sum`."""
+        return f"{self.heads[0]}{key}_h{head}_{SUM_SUFFIX}"
 
     def batch(self, keys: list[str], pages: list[int]) -> "_Batch":
-        """Every object of every page, page by page: its parts, then its checksum object."""
+        """Every object of every page, page by page: its heads' parts, then its checksums."""
         if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
             raise CacheUsageError(f"host pages must be in 0..{self.num_pages - 1}, got "
                                   f"{min(pages)}..{max(pages)}")
         b = _Batch([], [], [], [])
         for slot, (key, page) in enumerate(zip(keys, pages)):
-            for part in range(self.num_parts):
+            for i in range(self.num_slots):
                 b.slots.append(slot)
-                b.names.append(self.heads[part] + key + self.tails[part])
-                b.ptrs.append(self._affine_ptr(page, part) if self.affine
-                              else self.pool.page_part_view(page, part).data_ptr())
+                b.names.append(self.heads[i] + key + self.tails[i])
+                b.ptrs.append(self._affine_ptr(page, i) if self.affine
+                              else self.reg.view(page, i).data_ptr())
                 b.sizes.append(self.part_bytes)
             if self.sums is not None:
-                b.slots.append(slot)
-                b.names.append(self.heads[0] + key + self.sum_tail)
-                b.ptrs.append(self.sums.ctypes.data + page * self.sum_bytes)
-                b.sizes.append(self.sum_bytes)
+                for head, first in self.sum_heads:
+                    b.slots.append(slot)
+                    b.names.append(self.sum_name(key, head))
+                    b.ptrs.append(self.sums.ctypes.data
+                                  + (page * self.num_slots + first) * SUM_BYTES)
+                    b.sizes.append(self.sum_bytes)
         return b
 
 
@@ -229,7 +237,7 @@ class MooncakeBackend(StorageBackend):
         sums = None
         if self.verify:
             # Checksum objects are zero-copy too: slot (page, part) of a registered array.
-            sums = np.zeros(reg.pool.num_pages * reg.num_parts, dtype="<u8")
+            sums = np.zeros(reg.pool.num_pages * len(reg.slots), dtype="<u8")
             self._register_buffer(sums.ctypes.data, sums.nbytes, f"checksums of {reg.name!r}")
         self._maps[reg.name] = _PoolMap(self.target, reg, sums)
 
@@ -257,7 +265,7 @@ class MooncakeBackend(StorageBackend):
 
     # ---- the interface -------------------------------------------------------------------
     def _per_page(self, reg: PoolRegistration) -> int:
-        return reg.num_parts + (1 if self.verify else 0)
+        return len(reg.slots) + (len(self._maps[reg.name].sum_heads) if self.verify else 0)
 
     def _present(self, reg: PoolRegistration, keys: list[str]) -> list[bool]:
         if not keys or not self.guard.usable():
@@ -312,7 +320,7 @@ class MooncakeBackend(StorageBackend):
                     bad[slot] = mismatched
         if bad:
             self._drop_corrupt(reg, [keys[s] for s in bad], sum(bad.values()))
-        part_bytes = self._maps[reg.name].part_bytes * reg.num_parts
+        part_bytes = self._maps[reg.name].part_bytes * len(reg.slots)
         return TransferResult(ok, part_bytes * sum(ok))
 
     def _delete(self, reg: PoolRegistration, keys: list[str]) -> int:
@@ -335,17 +343,17 @@ class MooncakeBackend(StorageBackend):
         return False
 
     def _part_sums(self, reg: PoolRegistration, page: int) -> list[int]:
-        return [xxhash.xxh3_64_intdigest(reg.pool.page_part_view(page, part).numpy())
-                for part in range(reg.num_parts)]
+        return [xxhash.xxh3_64_intdigest(reg.view(page, i).numpy())
+                for i in range(len(reg.slots))]
 
     def _fill_sums(self, reg: PoolRegistration, pages: list[int]) -> None:
-        sums, n = self._maps[reg.name].sums, reg.num_parts
+        sums, n = self._maps[reg.name].sums, len(reg.slots)
         for page in pages:
             sums[page * n:(page + 1) * n] = self._part_sums(reg, page)
 
     def _check_sums(self, reg: PoolRegistration, page: int) -> int:
         """How many parts of `page` (just read) differ from the checksums read beside them."""
-        n = reg.num_parts
+        n = len(reg.slots)
         stored = self._maps[reg.name].sums[page * n:(page + 1) * n]
         return sum(int(s) != h for s, h in zip(stored, self._part_sums(reg, page)))
 

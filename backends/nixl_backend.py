@@ -35,7 +35,8 @@ from kvtier.storage_options import NixlOptions, NixlPlugin
 log = logging.getLogger(__name__)
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-MAX_PAGES_PER_TRANSFER = 512  # bounds open files per request (2 per page); larger calls split
+MAX_OBJECTS_PER_TRANSFER = 1024  # bounds open files per request (one per object); larger
+# calls split (a page has one object per owned KV head and part)
 PARALLEL_HASH_BYTES = 8 << 20  # below this, threads cost more than they save
 HASH_THREADS = 2  # xxh3 releases the GIL; more threads than cores only contend
 
@@ -70,7 +71,7 @@ class NixlBackend(StorageBackend):
                 "to POSIX (or leave it out)")
         self.options = options
         self.store = FileStore(options.root_dir, options.max_size_bytes, self.counters,
-                               label="nixl backend")
+                               label="nixl backend", total_heads=target.heads.total)
         self.root, self.index = self.store.root.path, self.store.index
         self._files: dict[str, PoolFiles] = {}
         self.agent = PosixAgent()
@@ -82,7 +83,7 @@ class NixlBackend(StorageBackend):
     def _register(self, reg: PoolRegistration) -> None:
         pf = PoolFiles(self.root, self.target, reg)  # checks: page parts are contiguous bytes
         start, end = reg.pool.data_ptr(), reg.pool.data_ptr() + reg.pool.nbytes
-        for page, part in ((0, 0), (reg.pool.num_pages - 1, reg.num_parts - 1)):
+        for page, part in ((0, 0), (reg.pool.num_pages - 1, len(reg.slots) - 1)):
             addr = np.asarray(pf.view(page, part)).ctypes.data
             if not start <= addr <= addr + pf.part_bytes <= end:
                 raise CacheUsageError(f"pool {reg.name!r}: page {page} lies outside data_ptr().."
@@ -113,8 +114,10 @@ class NixlBackend(StorageBackend):
         return removed
 
     def _list_pages(self, pool: str, num_parts: int) -> dict[str, set[int]]:
-        return self.store.list_pages(f"{self.target.namespace.name}/{pool}",  # file's layout
-                                     self.target.tp_size, num_parts)
+        return self.store.list_pages(f"{self.target.namespace.name}/{pool}", num_parts)
+
+    def _reclaim_old_format(self, pool: str) -> int:
+        return self.store.reclaim_old_format(self.target.namespace, pool)
 
     def _close(self) -> None:
         self.agent.close()
@@ -128,7 +131,7 @@ class NixlBackend(StorageBackend):
                  keys: list[str], pages: list[int]) -> TransferResult:
         self._check_usable()
         pf, ok, moved = self._files[reg.name], [], 0
-        step = MAX_PAGES_PER_TRANSFER
+        step = max(1, MAX_OBJECTS_PER_TRANSFER // len(reg.slots))
         for at in range(0, len(keys), step):
             some_keys, some_pages = keys[at:at + step], pages[at:at + step]
             if self.store.root.inside(pf.rel_dir):

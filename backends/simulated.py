@@ -11,7 +11,8 @@ import threading
 import xxhash
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  TransferResult, page_ranks)
+                                  TransferResult, old_format_pages, page_heads,
+                                  same_model_namespace)
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import SimulatedOptions
 
@@ -43,7 +44,7 @@ class SimulatedBackend(StorageBackend):
     def _get(self, reg, keys, host_pages) -> TransferResult:
         ok, moved = [], 0
         for key, page in zip(keys, host_pages):
-            views = [reg.pool.page_part_view(page, part) for part in range(reg.num_parts)]
+            views = [reg.view(page, i) for i in range(len(reg.slots))]
             with _LOCK:
                 blobs = [self._store.get(n) for n in self.names(reg, key)]
             good = all(b is not None for b in blobs)
@@ -71,8 +72,8 @@ class SimulatedBackend(StorageBackend):
                     self.counters.write_skipped_existing += 1
                     ok.append(True)
                     continue
-                for part, name in enumerate(names):
-                    data = reg.pool.page_part_view(page, part).numpy().tobytes()
+                for i, name in enumerate(names):
+                    data = reg.view(page, i).numpy().tobytes()
                     self._store[name] = (data, xxhash.xxh3_64_intdigest(data))
                     self._order.append(name)
                     moved += len(data)
@@ -82,7 +83,7 @@ class SimulatedBackend(StorageBackend):
         return TransferResult(ok, moved)
 
     def _evict_over_capacity(self, reg: PoolRegistration) -> None:
-        cap = self.options.capacity_pages * reg.num_parts
+        cap = self.options.capacity_pages * reg.num_parts * self.target.heads.total
         while cap and len(self._store) > cap and self._order:
             name = self._order.pop(0)
             if self._store.pop(name, None) is not None:
@@ -100,7 +101,24 @@ class SimulatedBackend(StorageBackend):
         prefix = f"{self.target.namespace.name}/{pool}/"
         with _LOCK:  # insertion order: oldest first
             bases = [n[len(prefix):] for n in self._store if n.startswith(prefix)]
-        return page_ranks(bases, self.target.tp_size, num_parts)
+        return page_heads(bases, self.target.heads.total, num_parts)
+
+    def _reclaim_old_format(self, pool: str) -> int:
+        """Format-1 objects of this model's namespaces (any salt or fingerprint) go."""
+        pages = 0
+        with _LOCK:
+            by_dir: dict[str, list[str]] = {}
+            for name in self._store:
+                folder, _, rest = name.partition("/")
+                pool_dir, _, base = rest.partition("/")
+                if pool_dir == pool and same_model_namespace(folder, self.target.namespace):
+                    by_dir.setdefault(f"{folder}/{pool}", []).append(base)
+            for rel_dir, bases in by_dir.items():
+                for old in old_format_pages(bases).values():
+                    for base in old:
+                        self._store.pop(f"{rel_dir}/{base}", None)
+                    pages += 1
+        return pages
 
     def corrupt(self, name: str, data: bytes) -> None:
         """Test hook: replace an object's bytes, keeping its old checksum (bit rot)."""

@@ -13,6 +13,7 @@ from typing import Sequence
 from kvtier.actors.rank_actor import RankCache
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
 from kvtier.tiers.storage_types import PageDirectoryClient
 
@@ -45,8 +46,8 @@ class SoakRankCache(RankCache):
     _flaky: FlakyDirectory | None = None
     _reported_hits = 0
 
-    def _open_backend(self, info: NamespaceInfo) -> StorageBackend:
-        self._faulty = FaultyBackend(super()._open_backend(info), seed=self.rank)
+    def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
+        self._faulty = FaultyBackend(super()._open_backend(info, heads), seed=self.rank)
         return self._faulty
 
     def _directory(self, l3_actor: str) -> PageDirectoryClient:

@@ -1,7 +1,9 @@
 """File backend against plain Python file I/O of the same bytes, measured in one run.
 
-Raw = what any program does with files: `open(path, "wb").write(part)` for every page part,
-then `open(path, "rb").readinto(part)` back into the same host-pool memory (single thread).
+Raw = what any program does with files: `open(path, "wb").write(obj)` for every object of a
+page (one per KV head and part: L3's objects, so pages of any TP size share them), then
+`open(path, "rb").readinto(obj)` back into the same host-pool memory (single thread). The
+pool is in the page_head layout, as under L3, so each object is one contiguous run.
 kvtier = the FileBackend moving the same pages with `set_from` / `get_into` (header,
 checksum, atomic no-replace publish, verification; its own I/O threads). Each round starts
 both from emptied directories after `os.sync()`; reads are warm from the page cache for
@@ -23,11 +25,13 @@ from kvtier.backends.file_backend import DEFAULT_IO_THREADS, FileBackend
 from kvtier.bench.storage_measure import bandwidth_report, timed
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import KeyNamespace
-from kvtier.kv_spec import SMOLLM2_135M, KVSpec
+from kvtier.kv_spec import SMOLLM2_135M, HeadRange, KVSpec
+from kvtier.policies import MemLayout
 from kvtier.storage_options import FileOptions
 from kvtier.tiers.host_pool import HostPool
 
-SPEC = KVSpec(**SMOLLM2_135M, page_size=64, dtype=torch.bfloat16)  # 737,280 B per part
+SPEC = KVSpec(**SMOLLM2_135M, page_size=64, dtype=torch.bfloat16)  # 245,760 B per object
+LAYOUT = MemLayout.PAGE_HEAD  # L2's layout under L3: each KV head's part is one run
 EXISTS_KEYS = 1000
 CHUNK_PAGES = 32  # raw and kvtier take turns every 32 pages, so machine noise hits both
 
@@ -45,7 +49,7 @@ def measure(pages: int, root_dir: str, repeats: int = 5,
     # elsewhere spoils a chunk, not the whole figure (the min of timeit, chunk by chunk)
     best = {k: [float("inf")] * len(chunks) for k in ("raw_w", "kv_w", "raw_r", "kv_r")}
     best_exists = float("inf")
-    with HostPool(SPEC, pages) as pool:
+    with HostPool(SPEC, pages, LAYOUT) as pool:
         flat = pool.kv.view(-1).view(torch.uint8)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8,
                                  generator=torch.Generator().manual_seed(0)))
@@ -54,7 +58,8 @@ def measure(pages: int, root_dir: str, repeats: int = 5,
             _fresh(raw_dir)
             _fresh(kv_dir)
             opts = FileOptions(root_dir=kv_dir)
-            with FileBackend(opts, StorageTarget(namespace), io_threads) as kv:
+            target = StorageTarget(namespace, HeadRange.all_of(SPEC.num_kv_heads))
+            with FileBackend(opts, target, io_threads) as kv:
                 kv.register_pool(KV_POOL, pool)
                 ops = {"raw_w": raw.write, "raw_r": raw.read,
                        "kv_w": lambda c: _check(kv.set_from(KV_POOL, [keys[p] for p in c], [*c])),
@@ -74,19 +79,24 @@ def measure(pages: int, root_dir: str, repeats: int = 5,
         **bandwidth_report(gbps["kv_w"], gbps["kv_r"], gbps["raw_w"], gbps["raw_r"]),
         "exists_1000_ms": round(best_exists * 1e3, 3),
         "page_bytes": SPEC.page_bytes,
+        "layout": LAYOUT.value,
+        "objects_per_page": 2 * SPEC.num_kv_heads,
         "pages": pages,
     }
 
 
 class _RawFiles:
-    """The baseline: one plain file per page part, written and read with open().
+    """The baseline: one plain file per object (KV head and part), written and read with
+    open().
 
     Paths and page views are made up front so the timed loops hold nothing but file I/O.
     """
 
     def __init__(self, directory: str, pool: HostPool) -> None:
-        self.parts = [[(os.path.join(directory, f"{page}_{part}"),
-                        pool.page_part_view(page, part).numpy()) for part in (0, 1)]
+        heads = range(pool.spec.num_kv_heads)
+        self.parts = [[(os.path.join(directory, f"{page}_{head}_{part}"),
+                        pool.page_head_view(page, head, part).numpy())
+                       for head in heads for part in (0, 1)]
                       for page in range(pool.num_pages)]
 
     def write(self, pages: range) -> None:

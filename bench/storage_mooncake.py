@@ -1,6 +1,7 @@
 """Mooncake backend against raw Mooncake Store calls on the same bytes, measured in one run.
 
-Raw = `batch_put_from` / `batch_get_into` of every page part, pointers computed up front, on
+Raw = `batch_put_from` / `batch_get_into` of every object of a page (one per KV head and
+part, the pool in the page_head layout as under L3), pointers computed up front, on
 the backend's own client and its registered host pool (same buffer, same sizes, same
 segment). kvtier = `MooncakeBackend.set_from` / `get_into` of the same pages in one batch
 (existence check, pointers and size checks included). One client holds the only segment, so
@@ -22,7 +23,8 @@ from kvtier.backends.mooncake_backend import MooncakeBackend
 from kvtier.backends.mooncake_master import MooncakeMaster
 from kvtier.errors import KvtierError
 from kvtier.keys import KeyNamespace
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
+from kvtier.policies import MemLayout
 from kvtier.storage_options import MiB, MooncakeOptions
 from kvtier.tiers.host_pool import HostPool
 
@@ -38,7 +40,7 @@ def measure(pages: int, repeats: int = 5) -> dict:
         raise KvtierError(f"measure needs pages >= 1 and repeats >= 1, got {pages}, {repeats}")
     segment = -(-int(pages * SPEC.page_bytes / FILL) // MiB) * MiB + 64 * MiB
     keys = [hashlib.sha256(f"bench-page-{i}".encode()).hexdigest() for i in range(pages)]
-    with MooncakeMaster() as master, HostPool(SPEC, 2 * pages) as pool:
+    with MooncakeMaster() as master, HostPool(SPEC, 2 * pages, MemLayout.PAGE_HEAD) as pool:
         flat = pool.kv.view(-1).view(torch.uint8)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8,
                                  generator=torch.Generator().manual_seed(0)))
@@ -50,7 +52,8 @@ def measure(pages: int, repeats: int = 5) -> dict:
     total = pages * SPEC.page_bytes
     out = _figures(plain, total, "")
     out["exists_1000_ms"] = round(plain["exists"] * 1e3, 3)
-    out.update(page_bytes=SPEC.page_bytes, pages=pages)
+    out.update(page_bytes=SPEC.page_bytes, pages=pages, layout=MemLayout.PAGE_HEAD.value,
+               objects_per_page=2 * SPEC.num_kv_heads)
     out.update(_figures(checked, total, "verified_"))
     return out
 
@@ -71,13 +74,15 @@ def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
     n = len(keys)
     src, dst = list(range(n)), list(range(n, 2 * n))
     ns = KeyNamespace("bench/storage-mooncake", "", "bench")
-    with MooncakeBackend(options, StorageTarget(ns)) as backend:
+    heads = HeadRange.all_of(SPEC.num_kv_heads)
+    objects = [(h, part) for h in range(heads.count) for part in (0, 1)]
+    with MooncakeBackend(options, StorageTarget(ns, heads)) as backend:
         backend.register_pool(KV_POOL, pool)
         store = backend.store  # the same client and registered pool: only the path differs
-        names = [f"bench-raw/{i}_{part}" for i in range(n) for part in (0, 1)]
-        sizes = [SPEC.page_part_bytes] * len(names)
-        put_ptrs = [pool.page_part_view(p, part).data_ptr() for p in src for part in (0, 1)]
-        get_ptrs = [pool.page_part_view(p, part).data_ptr() for p in dst for part in (0, 1)]
+        names = [f"bench-raw/{i}_{h}_{part}" for i in range(n) for h, part in objects]
+        sizes = [SPEC.page_part_bytes // heads.count] * len(names)
+        put_ptrs = [pool.page_head_view(p, h, part).data_ptr() for p in src for h, part in objects]
+        get_ptrs = [pool.page_head_view(p, h, part).data_ptr() for p in dst for h, part in objects]
         ops: dict[str, Callable[[], object]] = {
             "raw_w": lambda: _raw(store.batch_put_from(names, put_ptrs, sizes), sizes, 0),
             "raw_r": lambda: _raw(store.batch_get_into(names, get_ptrs, sizes), sizes, None),

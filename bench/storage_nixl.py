@@ -1,7 +1,7 @@
 """`kvtier bench storage --backend nixl`: the nixl backend against raw NIXL, in one run.
 
-Both sides move the same bytes between the same host pool pages and files of the same
-size, with the payload at the same offset, through an agent with the same POSIX plugin
+Both sides move the same bytes between the same host pool pages (page_head layout, as
+under L3) and files of the same size, one per object (KV head and part), with the payload at the same offset, through an agent with the same POSIX plugin
 settings and the host pool registered once beforehand:
 - kvtier: `set_from` / `get_into` of all pages in one call (names, temp file + link,
   header, xxh3 over every page, capacity index, one NIXL request).
@@ -32,7 +32,8 @@ from kvtier.backends.registry import create_backend
 from kvtier.bench.storage_measure import bandwidth_report, timed
 from kvtier.errors import ConfigError, TransferError
 from kvtier.keys import KeyNamespace, page_hashes
-from kvtier.kv_spec import SMOLLM2_135M, KVSpec
+from kvtier.kv_spec import SMOLLM2_135M, HeadRange, KVSpec
+from kvtier.policies import MemLayout
 from kvtier.tiers.host_pool import HostPool
 
 log = logging.getLogger(__name__)
@@ -51,22 +52,25 @@ def measure(pages: int, root_dir: str, repeats: int = 5) -> dict:
         raise ConfigError(f"bench storage: pages and repeats must be positive, got {pages}, {repeats}")
     work = os.path.join(root_dir, f"nixl-bench-{os.getpid()}")
     store, raw_dir = os.path.join(work, "kvtier"), os.path.join(work, "raw")
-    pool = HostPool(SPEC, 2 * pages)  # pages [0, n) are written, [n, 2n) read into
+    pool = HostPool(SPEC, 2 * pages, MemLayout.PAGE_HEAD)  # [0, n) written, [n, 2n) read into
     pool.kv.view(-1).view(torch.uint8).random_(0, 256)
     src, dst = list(range(pages)), list(range(pages, 2 * pages))
     ns = KeyNamespace("bench-nixl", "", "smollm2")
-    backend = create_backend("nixl", StorageTarget(ns), {"root_dir": store})
+    heads = HeadRange.all_of(SPEC.num_kv_heads)
+    backend = create_backend("nixl", StorageTarget(ns, heads), {"root_dir": store})
     raw = _RawNixl()
     best = {"write": 0.0, "read": 0.0, "raw_write": 0.0, "raw_read": 0.0}
     try:
         backend.register_pool(KV_POOL, pool)
         raw.register(pool)
-        views = [pool.page_part_view(p, part) for p in src for part in (0, 1)]
-        landing = [pool.page_part_view(p, part) for p in dst for part in (0, 1)]
+        objects = [(h, part) for h in range(heads.count) for part in (0, 1)]
+        views = [pool.page_head_view(p, h, part) for p in src for h, part in objects]
+        landing = [pool.page_head_view(p, h, part) for p in dst for h, part in objects]
         nbytes = sum(v.numel() for v in views)
         for rep in range(repeats):
             keys = page_hashes(np.arange(rep * pages * 4, (rep + 1) * pages * 4), 4)
-            names = [backend.target.object_name(KV_POOL, k, part) for k in keys for part in (0, 1)]
+            names = [backend.target.object_name(KV_POOL, k, h, part)
+                     for k in keys for h, part in objects]
             files = [os.path.join(store, n) for n in names]
             raw_files = [os.path.join(raw_dir, str(rep), f"{i}") for i in range(len(files))]
             os.makedirs(os.path.join(raw_dir, str(rep)), exist_ok=True)
@@ -100,8 +104,9 @@ def measure(pages: int, root_dir: str, repeats: int = 5) -> dict:
         **bandwidth_report(best["write"], best["read"], best["raw_write"], best["raw_read"]),
         "exists_1000_ms": round(exists_ms, 3),
         "verify_ms": round(verify_s * 1e3, 3),
-        "page_bytes": SPEC.page_bytes,  # K and V of one page (two stored objects)
-        "object_bytes": SPEC.page_part_bytes,
+        "page_bytes": SPEC.page_bytes,  # K and V of one page (one object per head and part)
+        "object_bytes": SPEC.page_part_bytes // SPEC.num_kv_heads,
+        "layout": MemLayout.PAGE_HEAD.value,
         "pages": pages,
     }
 
@@ -119,7 +124,7 @@ def _alternate(pair: list, rep: int) -> list:
 
 def _exists_1000_ms(store: str) -> float:
     """One `exists` over 1,000 present pages (every part stat'ed), best of 3."""
-    pool = HostPool(_TINY, EXISTS_KEYS)
+    pool = HostPool(_TINY, EXISTS_KEYS, MemLayout.PAGE_HEAD)
     backend = create_backend("nixl", StorageTarget(KeyNamespace("bench-exists")), {"root_dir": store})
     try:
         backend.register_pool(KV_POOL, pool)

@@ -230,8 +230,8 @@ class HiCacheConfig:
     def normalize_for_l3(self, backend: Any) -> "HiCacheConfig":
         """`normalize()` as if L3 of kind `backend` (None: none) were configured, for a cache
         whose L3 is attached later (through the namespace actor): the result names no
-        backend itself, but has the adjustments a configured one brings (layer_first ->
-        page_first)."""
+        backend itself, but has the adjustments a configured one brings (any layout ->
+        page_head)."""
         if backend is None:
             return self.normalize()
         with_l3 = HiCacheConfig.from_dict({**self.to_dict(), "storage_backend": backend,
@@ -244,13 +244,14 @@ class HiCacheConfig:
         changes: dict[str, Any] = {}
         notes: list[str] = []
         layout, io = self.mem_layout, self.io_backend
-        if self.storage_backend is not None and layout is MemLayout.LAYER_FIRST:
-            # The reference does this for Mooncake only; every kvtier backend moves a page part
-            # as one contiguous zero-copy object, which layer_first cannot provide.
-            layout = changes["mem_layout"] = MemLayout.PAGE_FIRST
-            notes.append(f"--hicache-mem-layout layer_first -> page_first: the "
-                         f"{self.storage_backend} backend stores each page part as one "
-                         "contiguous object")
+        if self.storage_backend is not None and not layout.is_head_major:
+            # Every kvtier backend stores one object per KV head of a page part, moved in
+            # place (zero copy): only page_head lays a head's bytes out contiguously. The
+            # L2<->L1 copy does the transpose.
+            layout = changes["mem_layout"] = MemLayout.PAGE_HEAD
+            notes.append(f"--hicache-mem-layout {self.mem_layout} -> page_head: the "
+                         f"{self.storage_backend} backend stores each KV head of a page part "
+                         "as one contiguous object")
         if layout is MemLayout.PAGE_FIRST and io is IoBackend.DIRECT:
             layout = changes["mem_layout"] = MemLayout.PAGE_FIRST_DIRECT
             notes.append("--hicache-mem-layout page_first -> page_first_direct: "

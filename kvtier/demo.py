@@ -114,8 +114,10 @@ def _torch_dtype(params: DemoParams):
 def namespace_spec(source, config, backend: str, root: str, model: str, tenant_salt: str, *,
                    dtype, page_size: int, tp_size: int = 1):
     """A NamespaceSpec whose layout fingerprint matches the pages ranks built from `source`
-    (a WeightSource), `config` and `dtype` write (each rank's page holds its share of the KV
-    heads); `root` holds file/nixl pages."""
+    (a WeightSource), `config` and `dtype` write; `root` holds file/nixl pages. Objects name
+    KV heads, not ranks, so the spec is the same for every TP size (`tp_size` only checks
+    that it splits the model's heads), and for every L2 layout of `config` (objects are
+    always head-major)."""
     from kvtier.keys import layout_fingerprint
     from kvtier.kv_spec import KVSpec
     from kvtier.messages import NamespaceSpec
@@ -123,11 +125,11 @@ def namespace_spec(source, config, backend: str, root: str, model: str, tenant_s
     cfg = source.config()
     if cfg.num_kv_heads % tp_size:
         raise ConfigError(f"{cfg.num_kv_heads} KV heads do not split over TP size {tp_size}")
-    spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads // tp_size,
+    spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim, page_size=page_size, dtype=dtype)
-    fingerprint = layout_fingerprint(spec, config.normalize().mem_layout)
+    fingerprint = layout_fingerprint(spec, cfg.num_kv_heads)
     return NamespaceSpec(model, tenant_salt, fingerprint, backend, _l3_options(backend, root),
-                         tp_size=tp_size)
+                         kv_heads=cfg.num_kv_heads)
 
 
 def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:

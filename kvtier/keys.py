@@ -133,18 +133,25 @@ class KeyNamespace:
         return page_hashes(tokens, page_size, seed=self.chain_seed(salt))
 
 
-def layout_fingerprint(spec: object, layout: object, format_version: int = 1) -> str:
+FORMAT_VERSION = 2  # 2: one object per KV head, named by head (1: per TP rank, by rank/size)
+OBJECT_LAYOUT = "page_head"  # a stored object: one head's K or V of a page, (layer, token, dim)
+
+
+def layout_fingerprint(spec: object, total_kv_heads: int,
+                       format_version: int = FORMAT_VERSION) -> str:
     """A short digest of everything that decides the bytes of a stored page.
 
     The reference names objects without the layout, so changing it reads bytes in the wrong
-    order; kvtier puts this fingerprint in the namespace instead.
+    order; kvtier puts this fingerprint in the namespace instead. It holds the model's total
+    KV heads, never a rank's share or the TP size, so instances of any TP size share pages;
+    the object layout is always head-major (OBJECT_LAYOUT), whatever the host pool's layout.
     """
     parts = [
         f"v{format_version}",
-        str(layout),
+        OBJECT_LAYOUT,
         str(getattr(spec, "dtype")),
         str(getattr(spec, "num_layers")),
-        str(getattr(spec, "num_kv_heads")),
+        str(total_kv_heads),
         str(getattr(spec, "head_dim")),
         str(getattr(spec, "page_size")),
     ]

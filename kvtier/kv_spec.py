@@ -97,3 +97,52 @@ class KVSpec:
 
 
 SMOLLM2_135M = dict(num_layers=30, num_kv_heads=3, head_dim=64)
+
+
+MAX_KV_HEADS = 1024  # object names carry a head index in at most 4 digits
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """The KV heads `[start, stop)` one TP rank owns, out of the model's `total` KV heads.
+
+    L3 stores a page as one object per KV head (and part), named by the GLOBAL head index,
+    so a rank of any TP size reads and writes exactly its heads: TP rank r of size t owns
+    heads [r*H/t, (r+1)*H/t)."""
+
+    start: int
+    stop: int
+    total: int
+
+    def __post_init__(self) -> None:
+        for name in ("start", "stop", "total"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"HeadRange.{name} must be an int, got {value!r}")
+        if not 0 <= self.start < self.stop <= self.total <= MAX_KV_HEADS:
+            raise ConfigError(f"bad KV head range [{self.start}, {self.stop}) of {self.total} "
+                              f"heads: need 0 <= start < stop <= total <= {MAX_KV_HEADS}")
+
+    @classmethod
+    def of_rank(cls, total: int, tp_rank: int = 0, tp_size: int = 1) -> "HeadRange":
+        """The heads TP rank `tp_rank` of `tp_size` owns; the size must divide `total`."""
+        if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and tp_size >= 1
+                and 0 <= tp_rank < tp_size):
+            raise ConfigError(f"bad TP rank/size {tp_rank}/{tp_size}")
+        if total % tp_size:
+            raise ConfigError(f"{total} KV heads do not split over TP size {tp_size}: use a "
+                              "TP size that divides the model's KV heads")
+        share = total // tp_size
+        return cls(tp_rank * share, (tp_rank + 1) * share, total)
+
+    @classmethod
+    def all_of(cls, total: int) -> "HeadRange":
+        return cls(0, total, total)
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    def heads(self) -> range:
+        """The global head indices, in order."""
+        return range(self.start, self.stop)

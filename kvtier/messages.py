@@ -23,13 +23,13 @@ import msgpack
 
 from kvtier.errors import KvtierError
 from kvtier.keys import KeyNamespace
+from kvtier.kv_spec import MAX_KV_HEADS
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import (FileOptions, NixlOptions, SimulatedOptions, StorageOptions,
                                     check_int, parse_storage_options)
 
 MAX_MESSAGE_BYTES = 16 << 20  # a lookup of ~200k page hashes; larger payloads are refused
 MAX_HASHES = 1 << 17
-MAX_TP_SIZE = 1024  # object names carry the TP size in at most 4 digits
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _SCALARS = (str, int, float, bool, type(None))
 R = TypeVar("R", bound="_Record")
@@ -156,10 +156,13 @@ def _check_hashes(hashes: tuple[str, ...], where: str) -> None:
 
 @dataclass(frozen=True)
 class NamespaceSpec(_Record):
-    """What a caller registers: who shares pages, where they live, the writers' TP size, a quota.
+    """What a caller registers: who shares pages, where they live, the model's KV heads, a quota.
 
-    `max_pages` and `max_bytes` bound the published pages (0 = unbounded); `max_bytes` needs
-    `page_bytes`, the bytes of one page over every TP rank and part.
+    `kv_heads` is the model's total KV heads (not a rank's share): a page is published when
+    every head's objects are stored, whichever ranks of whichever TP sizes wrote them, so
+    instances of any TP size share the namespace. `max_pages` and `max_bytes` bound the
+    published pages (0 = unbounded); `max_bytes` needs `page_bytes`, the bytes of one page
+    over every KV head and part.
 
     A backend's own bound in `options` (file/nixl `max_size_bytes`, simulated
     `capacity_pages`) is folded into the namespace's quota, and the ranks' clients are opened
@@ -173,7 +176,7 @@ class NamespaceSpec(_Record):
     layout_fingerprint: str = ""
     backend: StorageBackendKind = StorageBackendKind.FILE
     options: dict[str, Any] = field(default_factory=dict, hash=False)
-    tp_size: int = 1
+    kv_heads: int = 1
     max_pages: int = 0
     max_bytes: int = 0
     page_bytes: int = 0
@@ -181,7 +184,7 @@ class NamespaceSpec(_Record):
     def __post_init__(self) -> None:
         KeyNamespace(self.model, self.tenant_salt, self.layout_fingerprint)  # ConfigError if bad
         object.__setattr__(self, "backend", StorageBackendKind.parse(self.backend, "backend"))
-        check_int(self.tp_size, "NamespaceSpec.tp_size", 1, MAX_TP_SIZE)
+        check_int(self.kv_heads, "NamespaceSpec.kv_heads", 1, MAX_KV_HEADS)
         for name in ("max_pages", "max_bytes", "page_bytes"):
             check_int(getattr(self, name), f"NamespaceSpec.{name}", 0, 1 << 62)
         if self.max_bytes and not self.page_bytes:
@@ -260,14 +263,16 @@ class NamespaceInfo(_Record):
 
 @dataclass(frozen=True)
 class StoredReport(_Record):
-    """Rank `tp_rank` of a writer stored its part of these pages."""
+    """A writer rank stored the objects of KV heads [head_start, head_stop) of these pages."""
 
     namespace: str
-    tp_rank: int
+    head_start: int
+    head_stop: int
     hashes: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        check_int(self.tp_rank, "StoredReport.tp_rank", 0, MAX_TP_SIZE - 1)
+        check_int(self.head_start, "StoredReport.head_start", 0, MAX_KV_HEADS - 1)
+        check_int(self.head_stop, "StoredReport.head_stop", self.head_start + 1, MAX_KV_HEADS)
         _check_hashes(self.hashes, "StoredReport.hashes")
 
 
@@ -337,3 +342,5 @@ class DirectoryStats(_Record):
     epoch: int
     vanished_pages: int = 0  # published pages a reader found missing or corrupt (unpublished)
     doomed_pages: int = 0  # gauge: pages queued for deletion or being deleted
+    old_format_pages_reclaimed: int = 0  # format-1 pages (named by TP rank) found and deleted
+    purged_pages: int = 0  # pages deleted by purges (POST /admin/purge)

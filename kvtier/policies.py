@@ -46,10 +46,16 @@ class MemLayout(_Choice):
     LAYER_FIRST = "layer_first"  # (2, L, tokens, H, D)
     PAGE_FIRST = "page_first"  # (2, tokens, L, H, D)
     PAGE_FIRST_DIRECT = "page_first_direct"  # (2, pages, L, page_size, H, D)
+    PAGE_HEAD = "page_head"  # (2, pages, H, L, page_size, D): L3's per-head objects, in place
 
     @property
     def is_page_major(self) -> bool:
         return self is not MemLayout.LAYER_FIRST
+
+    @property
+    def is_head_major(self) -> bool:
+        """Is each KV head's share of a page part one contiguous run (an L3 object)?"""
+        return self is MemLayout.PAGE_HEAD
 
 
 class PrefetchPolicy(_Choice):

@@ -220,8 +220,8 @@ def test_an_accepted_namespace_name_is_one_safe_path_part(model, salt, fingerpri
 def test_namespace_spec_field_errors():
     with pytest.raises(ConfigError, match="backend"):
         NamespaceSpec("m", backend="floppy")
-    with pytest.raises(ConfigError, match="tp_size"):
-        NamespaceSpec("m", tp_size=2**70)
+    with pytest.raises(ConfigError, match="kv_heads"):
+        NamespaceSpec("m", kv_heads=2**70)
     with pytest.raises(ConfigError, match="max_pages"):
         NamespaceSpec("m", max_pages=-1)
     with pytest.raises(ConfigError, match="absolute"):
@@ -310,9 +310,9 @@ def test_object_paths_never_leave_the_root(name):
 
 # ---- msgpack records ------------------------------------------------------------------------
 
-SPEC = NamespaceSpec("m", "salt", "fp", options={"root_dir": "/tmp/kv"}, tp_size=2)
+SPEC = NamespaceSpec("m", "salt", "fp", options={"root_dir": "/tmp/kv"}, kv_heads=2)
 RECORDS = [SPEC, NamespaceInfo(SPEC.namespace, SPEC, {"root_dir": "/tmp/kv"}, 3),
-           StoredReport("ns", 1, ("a" * 64,)), LookupRequest("ns", ("b" * 64,), 1.5),
+           StoredReport("ns", 1, 2, ("a" * 64,)), LookupRequest("ns", ("b" * 64,), 1.5),
            LeaseGrant("id", "ns", 2, 1.0), LookupResult("ns", 1, "id"),
            DirectoryStats(*(["ns"] + [0] * 14))]
 RECORD_TYPES = [type(r) for r in RECORDS]

@@ -92,9 +92,11 @@ RULES = [
     (dict(mem_layout="page_first", io_backend="direct"),
      dict(mem_layout=MemLayout.PAGE_FIRST_DIRECT), "page_first -> page_first_direct"),
     (dict(storage_backend="mooncake", mem_layout="layer_first"),
-     dict(mem_layout=MemLayout.PAGE_FIRST), "layer_first -> page_first"),
+     dict(mem_layout=MemLayout.PAGE_HEAD), "layer_first -> page_head"),
     (dict(storage_backend="file", mem_layout="layer_first"),
-     dict(mem_layout=MemLayout.PAGE_FIRST), "the file backend stores each page part"),
+     dict(mem_layout=MemLayout.PAGE_HEAD), "the file backend stores each KV head"),
+    (dict(storage_backend="nixl", mem_layout="page_first_direct", io_backend="direct"),
+     dict(mem_layout=MemLayout.PAGE_HEAD), "page_first_direct -> page_head"),
     (dict(page_size=512), dict(prefetch_threshold_tokens=512), "256 -> 512"),
     (dict(hicache_size_gb=8), dict(hicache_ratio=0.0), "--hicache-size 8 GB overrides"),
 ]
@@ -123,11 +125,16 @@ def test_normalization_is_idempotent(fields, expected, note):
     assert twice.adjustments == ()
 
 
-def test_rules_chain_mooncake_layer_first_direct():
-    c = HiCacheConfig.normalized(storage_backend="mooncake", mem_layout="layer_first",
-                                 io_backend="direct")
-    assert c.mem_layout is MemLayout.PAGE_FIRST_DIRECT and c.io_backend is IoBackend.DIRECT
-    assert len(c.adjustments) == 2 and c.normalize().adjustments == ()
+def test_l3_takes_page_head_whatever_the_io_backend():
+    for io in IoBackend:
+        c = HiCacheConfig.normalized(storage_backend="mooncake", mem_layout="layer_first",
+                                     io_backend=io)
+        assert c.mem_layout is MemLayout.PAGE_HEAD and c.io_backend is io
+        assert len(c.adjustments) == 1 and c.normalize().adjustments == ()
+    kept = HiCacheConfig.normalized(storage_backend="file", mem_layout="page_head")
+    assert kept.mem_layout is MemLayout.PAGE_HEAD and kept.adjustments == ()
+    assert HiCacheConfig(mem_layout="page_first").normalize_for_l3("file").mem_layout \
+        is MemLayout.PAGE_HEAD
 
 
 def test_page_first_kernel_and_layer_first_direct_are_left_alone():
@@ -139,7 +146,7 @@ def test_describe_shows_effective_values():
     c = HiCacheConfig(mem_layout="page_first", io_backend="direct", storage_backend="file",
                       hicache_size_gb=4)
     text = c.describe()
-    assert "layout=page_first_direct" in text and "io=direct" in text
+    assert "layout=page_head" in text and "io=direct" in text
     assert "host=4GB/rank" in text and "storage=file(root_dir=/tmp/kvtier-l3" in text
     assert str(c) == text and "\n" not in text
     assert "hicache off" in HiCacheConfig(enable_hierarchical_cache=False).describe()
@@ -375,10 +382,10 @@ def test_cli_defaults_and_flags():
             "wait_complete", "--hicache-host-mode", "storage_only",
             "--hicache-load-back-threshold", "0")
     assert c.page_size == 128 and c.hicache_ratio == 4.0 and c.prefetch_threshold_tokens == 256
-    assert c.mem_layout is MemLayout.PAGE_FIRST_DIRECT and c.io_backend is IoBackend.DIRECT
+    assert c.mem_layout is MemLayout.PAGE_HEAD and c.io_backend is IoBackend.DIRECT
     assert c.storage_options == NixlOptions() and c.host_mode is HostMode.STORAGE_ONLY
     assert c.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE and c.load_back_threshold_tokens == 0
-    assert any("page_first_direct" in a for a in c.adjustments)
+    assert any("page_head" in a for a in c.adjustments)
     c = cli("--hicache-size", "2.5", "--hicache-mem-layout", "layer_first")
     assert c.hicache_size_gb == 2.5 and c.mem_layout is MemLayout.LAYER_FIRST
 

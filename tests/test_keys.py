@@ -3,9 +3,8 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, InvalidTokensError
-from kvtier.keys import KeyNamespace, layout_fingerprint, page_hashes
+from kvtier.keys import FORMAT_VERSION, KeyNamespace, layout_fingerprint, page_hashes
 from kvtier.kv_spec import KVSpec
-from kvtier.policies import MemLayout
 
 VECTOR = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
 
@@ -33,10 +32,19 @@ def test_boundary_tokens_are_fine():
     assert len(page_hashes([0, 2**32 - 1], 1)) == 2
 
 
+def test_the_fingerprint_holds_total_heads_and_format_never_a_ranks_share():
+    rank_of_3 = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4)
+    whole = KVSpec(num_layers=2, num_kv_heads=3, head_dim=4, page_size=4)
+    assert layout_fingerprint(rank_of_3, 3) == layout_fingerprint(whole, 3)  # any TP size
+    assert layout_fingerprint(whole, 3) != layout_fingerprint(whole, 6)  # another model
+    assert FORMAT_VERSION == 2
+    assert layout_fingerprint(whole, 3, format_version=1) != layout_fingerprint(whole, 3)
+
+
 def test_namespaces_separate_tenants_models_and_layouts():
     spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4)
-    fp1 = layout_fingerprint(spec, MemLayout.PAGE_FIRST)
-    fp2 = layout_fingerprint(spec, MemLayout.LAYER_FIRST)
+    fp1 = layout_fingerprint(spec, 1)
+    fp2 = layout_fingerprint(KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4), 1)
     assert fp1 != fp2
     a = KeyNamespace("smollm2", "tenant-a", fp1)
     b = KeyNamespace("smollm2", "tenant-b", fp1)

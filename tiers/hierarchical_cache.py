@@ -17,7 +17,7 @@ from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, layout_fingerprint
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.policies import HostMode, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
@@ -82,13 +82,17 @@ class HierarchicalCache:
                                  self.sliding)
         self._loading: dict[int, list[TreeNode]] = {}  # load op id -> runs it restores to L1
         self._written_back: list[TreeNode] = []  # L2 copies made on eviction, for L3 backup
-        self.namespace = KeyNamespace(model, tenant_salt, layout_fingerprint(spec, config.mem_layout))
+        # This rank's KV heads of the model's: L3 objects name global heads, so any TP size
+        # of the same model shares them (the fingerprint holds the total, not the share).
+        self.heads = HeadRange.of_rank(spec.num_kv_heads * tp_size, tp_rank, tp_size)
+        self.namespace = KeyNamespace(model, tenant_salt,
+                                      layout_fingerprint(spec, self.heads.total))
         self.storage: StorageTier | None = None
         self.directory = directory
         self.tp_rank = tp_rank
         self.events = CacheEventFeed(self.namespace, spec.page_size)
         if storage is None and config.storage_backend is not None:
-            target = StorageTarget(self.namespace, tp_rank, tp_size)
+            target = StorageTarget(self.namespace, self.heads)
             storage = create_backend(config.storage_backend, target, config.storage_options)
         if storage is not None:
             self.attach_storage(storage)
@@ -395,7 +399,7 @@ class HierarchicalCache:
         backend.register_pool(KV_POOL, self.host_pool)
         self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
                                    self.namespace, self._alloc_host,
-                                   directory=self.directory, tp_rank=self.tp_rank)
+                                   directory=self.directory)
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
         for node in self.tree.nodes():  # what L2 holds goes to the new backend too
             if node.host_value is not None:

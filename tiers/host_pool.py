@@ -1,4 +1,8 @@
-"""The L2 pool: one rank's KV pages in host memory, in one of three byte orders (MemLayout)."""
+"""The L2 pool: one rank's KV pages in host memory, in one of four byte orders (MemLayout).
+
+`page_head` is the layout L3 uses: page, then KV head, then layer and token, so each head's
+K (or V) bytes of a page are one contiguous run, the object a backend reads or writes in
+place (`page_head_view`). The L2<->L1 copy does the transpose (`layer_page_view`)."""
 from __future__ import annotations
 
 import logging
@@ -56,6 +60,8 @@ def _shape(spec: KVSpec, num_pages: int, layout: MemLayout) -> tuple[int, ...]:
         return (2, L, num_pages * P, H, D)
     if layout is MemLayout.PAGE_FIRST:
         return (2, num_pages * P, L, H, D)
+    if layout is MemLayout.PAGE_HEAD:
+        return (2, num_pages, H, L, P, D)
     return (2, num_pages, L, P, H, D)
 
 
@@ -158,6 +164,8 @@ class HostPool:
             return kv.view(2, L, self.num_pages, P, H, D)
         if self.layout is MemLayout.PAGE_FIRST:
             return kv.view(2, self.num_pages, P, L, H, D).permute(0, 3, 1, 2, 4, 5)
+        if self.layout is MemLayout.PAGE_HEAD:  # (2, pages, H, L, P, D)
+            return kv.permute(0, 3, 1, 4, 2, 5)
         return kv.permute(0, 2, 1, 3, 4, 5)
 
     def page_part_view(self, page: int, part: int) -> torch.Tensor:
@@ -176,6 +184,24 @@ class HostPool:
             raise AllocatorError(f"page {page} is outside the host pool (0..{self.num_pages - 1})")
         kv, P = self.kv, self.spec.page_size
         run = kv[part, page * P : (page + 1) * P] if self.layout is MemLayout.PAGE_FIRST else kv[part, page]
+        assert run.is_contiguous()
+        return run.view(-1).view(torch.uint8)
+
+    def page_head_view(self, page: int, head: int, part: int) -> torch.Tensor:
+        """K (part 0) or V (part 1) of KV head `head` (this pool's own index) of one page, over
+        all layers and tokens: one contiguous uint8 run, one L3 object (page_head only)."""
+        if not self.layout.is_head_major:
+            raise ConfigError(
+                f"the {self.layout} layout interleaves a page's KV heads, so one head has no "
+                "single run of bytes; use --hicache-mem-layout page_head")
+        if part not in (0, 1):
+            raise TransferError(f"part must be 0 (K) or 1 (V), got {part!r}")
+        if not 0 <= page < self.num_pages:
+            raise AllocatorError(f"page {page} is outside the host pool (0..{self.num_pages - 1})")
+        if not 0 <= head < self.spec.num_kv_heads:
+            raise TransferError(f"head {head} is outside this pool's KV heads "
+                                f"(0..{self.spec.num_kv_heads - 1})")
+        run = self.kv[part, page, head]
         assert run.is_contiguous()
         return run.view(-1).view(torch.uint8)
 

@@ -1,8 +1,10 @@
 """The L3 page directory: which pages of each namespace are complete, leased and kept.
 
 Why a directory in front of the storage: a backend only knows what one rank stored, but a
-page is usable only when EVERY TP rank of its writer stored its part (design invariant 3).
-Ranks report their parts here and lookups answer from published pages only. The directory
+page is usable only when EVERY KV head of it is stored (design invariant 3). A page is one
+object per KV head and part, named by the model's global head index, so writers of any TP
+size fill it: ranks report the head range they stored, a page is published (all or nothing)
+once the union covers every head, and lookups answer from published pages only. The directory
 also holds the quota of each namespace, shared by all instances, and is the namespace's one
 eviction authority (rank clients do not evict on their own, see page_store): least recently
 used pages go first, never while a lease protects them.
@@ -14,6 +16,15 @@ pages whose writer is gone) and queues their deletes; `take_deletes` hands them 
 without holding its lock (page_eviction: `run_pass`, and the service's thread). A page a
 reader found missing or corrupt (`report_missing`) is unpublished and its remains queued.
 
+Old format: objects written before heads named objects (format 1, named by TP rank and size,
+under namespaces whose fingerprint said v1) are never read. A rebuild asks the store to
+reclaim them (`PageStore.reclaim_old_format`: the listable backends scan the root's folders
+of the namespace's model for format-1 names and delete them) and counts the pages in
+`old_format_pages_reclaimed`; a backend that cannot list (Mooncake) leaves them to its own
+eviction. `purge` empties a namespace on purpose: every page it knows of or can list is
+deleted and the directory restarts empty under a new epoch, so the ranks, which follow the
+epoch, forget what they believed was in L3 and back their pages up again.
+
 Plain Python and no Ray: the namespace actor wraps it; tests drive it with a fake clock. Not
 thread-safe: its owner serializes calls. Page bytes never pass through here.
 """
@@ -23,14 +34,15 @@ import heapq
 import logging
 import secrets
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
 from kvtier.backends.base import check_page_hash
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, NamespaceInfo,
                              NamespaceSpec)
+from kvtier.tiers.directory_state import NamespaceState as _Namespace
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
 from kvtier.tiers.page_store import BackendPageStore, PageStore
 
@@ -39,31 +51,6 @@ log = logging.getLogger(__name__)
 DEFAULT_PENDING_TTL_S = 600.0  # a page some ranks reported but not all: its writer is gone
 DEFAULT_MAX_LEASE_S = 600.0
 StoreFactory = Callable[[NamespaceInfo], PageStore]
-
-
-@dataclass
-class _Counters:
-    leases_granted: int = 0
-    leases_expired: int = 0
-    evicted_pages: int = 0
-    expired_pending_pages: int = 0
-    hit_pages: int = 0
-    miss_pages: int = 0
-    lookups: int = 0
-    rebuilt_pages: int = 0
-    delete_failures: int = 0
-    vanished_pages: int = 0  # published pages a reader found missing or corrupt
-
-
-@dataclass
-class _Namespace:
-    info: NamespaceInfo
-    store: PageStore
-    published: OrderedDict[str, None] = field(default_factory=OrderedDict)  # oldest use first
-    pending: OrderedDict[str, tuple[set[int], float]] = field(default_factory=OrderedDict)
-    leased: Counter[str] = field(default_factory=Counter)  # page -> active leases on it
-    counters: _Counters = field(default_factory=_Counters)
-    needs_pass: bool = False  # the quota may be exceeded: the next eviction pass checks
 
 
 class _Lease(NamedTuple):
@@ -106,8 +93,8 @@ class PageDirectory:
         info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch,
                              root_marker)
         self._ns[ns] = _Namespace(info, self._store_factory(info))
-        log.info("L3 namespace %s registered: %s backend, TP %d, quota %s pages%s", ns,
-                 spec.backend, spec.tp_size, spec.capacity_pages or "no",
+        log.info("L3 namespace %s registered: %s backend, %d KV heads, quota %s pages%s", ns,
+                 spec.backend, spec.kv_heads, spec.capacity_pages or "no",
                  " (the backend's own bound, folded in: its clients do not evict)"
                  if any(spec.backend_bound) else "")
         return info
@@ -134,26 +121,28 @@ class PageDirectory:
         return list(self._ns)
 
     # ---- pages ----------------------------------------------------------------------------
-    def report_stored(self, ns: str, hashes: Sequence[str], tp_rank: int) -> list[str]:
-        """Rank `tp_rank` stored its part of `hashes`; returns the pages this published."""
+    def report_stored(self, ns: str, hashes: Sequence[str], heads: HeadRange) -> list[str]:
+        """A rank stored the objects of KV heads `heads` of `hashes`; returns the pages this
+        published (those whose every head is now stored)."""
         state = self._get(ns)
-        tp_size = state.info.spec.tp_size
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
-            raise CacheUsageError(f"tp_rank {tp_rank!r} is outside 0..{tp_size - 1}, the TP size "
-                                  f"namespace {ns} was registered with")
+        total = state.info.spec.kv_heads
+        if not isinstance(heads, HeadRange) or heads.total != total:
+            raise CacheUsageError(f"a stored report names KV heads {heads!r}, but namespace "
+                                  f"{ns} is of a model with {total} KV heads; report the heads "
+                                  "of that model")
         now = self._expire()
         new: list[str] = []
         for h in map(check_page_hash, hashes):
             if h in state.published or self._deletes.doomed(ns, h):
                 continue  # a doomed page's objects are about to go: ignored until they have
-            ranks, first = state.pending.get(h, (set(), now))
-            ranks.add(tp_rank)
-            if len(ranks) == tp_size:
+            stored, first = state.pending.get(h, (set(), now))
+            stored.update(heads.heads())
+            if len(stored) == total:
                 state.pending.pop(h, None)
                 state.published[h] = None
                 new.append(h)
             else:
-                state.pending[h] = (ranks, first)
+                state.pending[h] = (stored, first)
         self._touch(state, [h for h in hashes if h in state.published])
         self._check_quota(state)
         return new
@@ -201,35 +190,68 @@ class PageDirectory:
         return True
 
     def rebuild(self, ns: str) -> int:
-        """Repopulate from the storage's listing: pages whose parts exist for every rank are
-        published, in the listing's order (least recently used first where the backend can
-        tell); partial ones wait as pending. Returns how many pages are published."""
+        """Repopulate from the storage's listing: pages whose parts exist for every KV head
+        are published, in the listing's order (least recently used first where the backend
+        can tell); partial ones wait as pending. Old-format objects of the model are reclaimed
+        first (module docstring). Returns how many pages are published."""
         state = self._get(ns)
         if not state.store.listable:
             log.warning("L3 namespace %s: the %s backend cannot list its pages; the directory "
                         "starts empty", ns, state.info.spec.backend)
             return 0
         try:
+            reclaimed = state.store.reclaim_old_format()
             listing = state.store.list_pages()
         except (KvtierError, OSError) as exc:
             log.error("L3 namespace %s: listing its storage failed (%s); the directory starts "
                       "empty", ns, exc)
             return 0
-        now, tp_size = self._clock(), state.info.spec.tp_size
+        if reclaimed:
+            state.counters.old_format_pages_reclaimed += reclaimed
+            log.warning("L3 namespace %s: deleted %d pages of an old object format (named by "
+                        "TP rank); they are never read", ns, reclaimed)
+        now, total = self._clock(), state.info.spec.kv_heads
         state.published.clear()
         state.pending.clear()
-        for h, ranks in listing.items():
+        for h, heads in listing.items():
             if self._deletes.doomed(ns, h):
                 continue  # listed, but its delete is queued or running
-            if len(ranks) >= tp_size:
+            if len(heads) >= total:
                 state.published[h] = None
             else:
-                state.pending[h] = (set(ranks), now)
+                state.pending[h] = (set(heads), now)
         state.counters.rebuilt_pages = len(state.published)
         self._check_quota(state)
         log.info("L3 namespace %s rebuilt: %d pages published, %d partial", ns,
                  len(state.published), len(state.pending))
         return len(state.published)
+
+    def purge(self, ns: str) -> int:
+        """Empty namespace `ns` on purpose: every page it has published, pending or in the
+        storage's listing is unpublished and its delete queued (the eviction pass runs it),
+        leases on it end, and a new epoch starts: ranks that follow it forget what they
+        believed was in L3 and back their pages up again. Returns the pages queued."""
+        state = self._get(ns)
+        listed: dict[str, set[int]] = {}
+        if state.store.listable:
+            try:
+                listed = state.store.list_pages()
+            except (KvtierError, OSError) as exc:
+                log.error("L3 namespace %s: listing its storage for a purge failed (%s); "
+                          "deleting the pages the directory knows of", ns, exc)
+        doomed = [h for h in dict.fromkeys([*state.published, *state.pending, *listed])
+                  if not self._deletes.doomed(ns, h)]
+        state.published.clear()
+        state.pending.clear()
+        for lease_id in [i for i, lease in self._leases.items() if lease.namespace == ns]:
+            del self._leases[lease_id]
+        state.leased.clear()
+        self._deletes.add(ns, doomed)
+        state.counters.purged_pages += len(doomed)
+        state.info = replace(state.info, epoch=state.info.epoch + 1)
+        log.warning("L3 namespace %s purged: %d pages queued for deletion; epoch %d", ns,
+                    len(doomed), state.info.epoch)
+        return len(doomed)
 
     def stats(self, ns: str) -> DirectoryStats:
         state = self._get(ns)

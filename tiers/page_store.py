@@ -1,17 +1,16 @@
-"""The L3 namespace's own clients of a namespace's storage: delete whole pages, list pages.
+"""The L3 namespace's own client of a namespace's storage: delete whole pages, list pages.
 
-Why one client per TP rank: a backend names (and deletes) only the objects of its own
-`StorageTarget` rank, and an evicted page must go whole (every part of every rank), or the
-ranks' MIN agreement hides it while the remaining parts keep using space. Each admin client
-registers a tiny placeholder pool so `delete` can name its objects; none of them ever moves
-page bytes. Listing needs one client: it sees every rank's objects.
+Why one client owning every KV head: a backend names (and deletes) only the objects of its
+own `StorageTarget` heads, and an evicted page must go whole (every part of every head), or
+it stays a miss while the remaining parts keep using space. The admin client registers a tiny
+placeholder pool so `delete` can name its objects; it never moves page bytes.
 
-Clients open lazily: rank 0 at attach when the namespace can need it (listable storage, or a
-quota), so a namespace whose storage cannot be reached fails at registration with the
-backend's own error; the others at the first delete. (A Mooncake client listens on every
-interface for its transfer engine: the actor opens none unless it must delete.) Admin
-clients hold no data and never evict on their own: byte bounds are set to 0 (unbounded) and
-a Mooncake admin client contributes no segment.
+The client opens at attach when the namespace can need it (listable storage, or a quota), so
+a namespace whose storage cannot be reached fails at registration with the backend's own
+error; else at the first delete. (A Mooncake client listens on every interface for its
+transfer engine: the actor opens none unless it must delete.) The admin client holds no data
+and never evicts on its own: byte bounds are set to 0 (unbounded) and a Mooncake admin client
+contributes no segment.
 
 Rank clients (`open_rank_backend`) never evict on their own either: under a namespace the
 directory is the one eviction authority (a process evicting by itself would delete every
@@ -30,6 +29,8 @@ import torch
 from kvtier.backends.base import KV_POOL, PagePart, StorageBackend, StorageTarget
 from kvtier.backends.registry import backend_class, create_backend
 from kvtier.backends.shared_root import check_marker, shared_root_dir
+from kvtier.errors import ConfigError
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import StorageOptions
@@ -56,15 +57,23 @@ class PageStore(Protocol):
 
     def list_pages(self) -> dict[str, set[int]]: ...
 
+    def reclaim_old_format(self) -> int: ...
+
     def close(self) -> None: ...
 
 
-def rank_target(info: NamespaceInfo, tp_rank: int) -> StorageTarget:
-    """The storage target of one TP rank of a namespace's writers."""
-    return StorageTarget(info.spec.key_namespace, tp_rank, info.spec.tp_size)
+def rank_target(info: NamespaceInfo, heads: HeadRange | None = None) -> StorageTarget:
+    """The storage target of one rank of a namespace's users: the KV heads it owns (None:
+    all of them, a TP=1 rank)."""
+    heads = HeadRange.all_of(info.spec.kv_heads) if heads is None else heads
+    if heads.total != info.spec.kv_heads:
+        raise ConfigError(f"L3 namespace {info.namespace} is of a model with "
+                          f"{info.spec.kv_heads} KV heads, this rank's model has {heads.total}: "
+                          "register a namespace of the rank's own model")
+    return StorageTarget(info.spec.key_namespace, heads)
 
 
-def open_rank_backend(info: NamespaceInfo, tp_rank: int,
+def open_rank_backend(info: NamespaceInfo, heads: HeadRange | None = None,
                       node: str | None = None) -> StorageBackend:
     """The backend client a rank uses for a namespace (pages move rank <-> storage directly),
     with the backend's own eviction off: the namespace's directory evicts (module docstring).
@@ -74,20 +83,24 @@ def open_rank_backend(info: NamespaceInfo, tp_rank: int,
     root_dir = shared_root_dir(info.storage_options())
     if root_dir is not None and info.root_marker:
         check_marker(root_dir, info.namespace, info.root_marker, node)
-    return create_backend(info.spec.backend, rank_target(info, tp_rank),
+    return create_backend(info.spec.backend, rank_target(info, heads),
                           _with_overrides(info, _NO_OWN_EVICTION))
 
 
 class _PlaceholderPool:
-    """One page of tiny parts: lets an admin client name (and delete) objects, nothing more."""
+    """Two pages of tiny objects: lets an admin client name (and delete) objects, nothing
+    more."""
 
-    num_pages = 1
+    num_pages = 2
 
-    def __init__(self, num_parts: int) -> None:
-        self._buf = torch.zeros(num_parts * _PLACEHOLDER_PART_BYTES, dtype=torch.uint8)
+    def __init__(self, num_heads: int, num_parts: int) -> None:
+        self._per_page = num_heads * num_parts
+        self._num_parts = num_parts
+        self._buf = torch.zeros(2 * self._per_page * _PLACEHOLDER_PART_BYTES, dtype=torch.uint8)
 
-    def page_part_view(self, page: int, part: int) -> torch.Tensor:
-        return self._buf[part * _PLACEHOLDER_PART_BYTES:(part + 1) * _PLACEHOLDER_PART_BYTES]
+    def page_head_view(self, page: int, head: int, part: int) -> torch.Tensor:
+        at = (page * self._per_page + head * self._num_parts + part) * _PLACEHOLDER_PART_BYTES
+        return self._buf[at:at + _PLACEHOLDER_PART_BYTES]
 
     def data_ptr(self) -> int:
         return self._buf.data_ptr()
@@ -109,46 +122,51 @@ def _with_overrides(info: NamespaceInfo,
 
 
 class BackendPageStore:
-    """Admin clients of one namespace: `delete` removes every rank's objects of a page."""
+    """The admin client of one namespace: `delete` removes every head's objects of a page."""
 
     def __init__(self, info: NamespaceInfo, pool: str = KV_POOL,
                  num_parts: int = len(PagePart)) -> None:
         self.info, self.pool, self.num_parts = info, pool, num_parts
         self.listable = backend_class(info.spec.backend).capabilities.listable
         self._options = admin_options(info)
-        self._clients: dict[int, StorageBackend] = {}
+        self._admin: StorageBackend | None = None
         if self.listable or info.spec.capacity_pages:
-            self._client(0)
+            self._client()
 
-    def _client(self, rank: int) -> StorageBackend:
-        client = self._clients.get(rank)
-        if client is None:
-            client = create_backend(self.info.spec.backend, rank_target(self.info, rank),
+    def _client(self) -> StorageBackend:
+        if self._admin is None:
+            heads = HeadRange.all_of(self.info.spec.kv_heads)
+            client = create_backend(self.info.spec.backend, rank_target(self.info, heads),
                                     self._options)
             try:
-                client.register_pool(self.pool, _PlaceholderPool(self.num_parts), self.num_parts)
+                client.register_pool(self.pool, _PlaceholderPool(heads.count, self.num_parts),
+                                     self.num_parts)
             except BaseException:
                 client.close()
                 raise
-            self._clients[rank] = client
-        return client
+            self._admin = client
+        return self._admin
 
     def delete(self, hashes: Sequence[str]) -> int:
-        """Remove every rank's objects of `hashes`; returns (page, rank) object sets removed."""
+        """Remove every head's objects of `hashes`; returns how many pages had any."""
         if not hashes:
             return 0
-        return sum(self._client(r).delete(list(hashes), (self.pool,))
-                   for r in range(self.info.spec.tp_size))
+        return self._client().delete(list(hashes), (self.pool,))
 
     def list_pages(self) -> dict[str, set[int]]:
-        """Page hash -> ranks whose parts are all stored (NotImplementedError if not listable)."""
-        return self._client(0).list_pages(self.pool)
+        """Page hash -> KV heads whose parts are all stored (NotImplementedError if not
+        listable)."""
+        return self._client().list_pages(self.pool)
+
+    def reclaim_old_format(self) -> int:
+        """Remove format-1 objects of this namespace's model; how many pages went."""
+        return self._client().reclaim_old_format(self.pool) if self.listable else 0
 
     def close(self) -> None:
-        for client in self._clients.values():
+        if self._admin is not None:
             try:
-                client.close()
-            except Exception as exc:  # noqa: BLE001 - closing the others matters more
+                self._admin.close()
+            except Exception as exc:  # noqa: BLE001 - nothing else to close
                 log.warning("closing the %s admin client of %s failed: %s",
                             self.info.spec.backend, self.info.namespace, exc)
-        self._clients.clear()
+        self._admin = None

@@ -7,10 +7,11 @@ pages that landed are inserted into the tree as L2-only nodes, the rest freed. B
 L1->L2 copy lands, the node's L2 pages are written to L3 while protected from L2 eviction.
 
 With a page directory (`directory`, the L3 namespace's: design invariant 3), a page is an L3
-hit only when the directory has published it (every TP rank of its writer stored its part):
-the prefetch asks the directory, under a lease held until the prefetch ends, instead of the
-backend; and each rank reports the pages its backups fully wrote. A directory call that fails
-makes that request an L3 miss (counted in `directory_errors`), never an error.
+hit only when the directory has published it (every KV head of it stored, by whichever
+ranks): the prefetch asks the directory, under a lease held until the prefetch ends, instead
+of the backend; and each rank reports the pages its backups fully wrote, with the KV heads it
+owns. A directory call that fails makes that request an L3 miss (counted in
+`directory_errors`), never an error.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class StorageTier:
 
     def __init__(self, backend: StorageBackend, tree: HiRadixTree, host_allocator: PageAllocator,
                  config: HiCacheConfig, namespace: KeyNamespace, alloc_host,
-                 directory: PageDirectoryClient | None = None, tp_rank: int = 0,
+                 directory: PageDirectoryClient | None = None,
                  lease_ttl_s: float = DIRECTORY_LEASE_S) -> None:
         self.backend = backend
         self.tree = tree
@@ -61,7 +62,6 @@ class StorageTier:
         self._tickets: dict[int, PrefetchTicket] = {}  # op id -> open ticket: the one registry
         self.directory = directory  # None: the backend's exists() says what L3 holds
         self._unreported: list[str] = []  # stored pages whose report to the directory failed
-        self.tp_rank = tp_rank
         # storage_only: the cache gives back L2 copies once stored (take_stored)
         self._keep_stored = config.host_mode is HostMode.STORAGE_ONLY
         self._stored_nodes: list[TreeNode] = []
@@ -359,15 +359,15 @@ class StorageTier:
         return nodes
 
     def _report(self, keys: list[str]) -> None:
-        """Tell the directory this rank's part of `keys` (and of any earlier report that
-        failed) is written; it publishes a page once every rank has. On failure the pages
+        """Tell the directory this rank's heads of `keys` (and of any earlier report that
+        failed) are written; it publishes a page once every KV head is. On failure the pages
         wait, unpublished (readers see a miss), for the next poll to report them again; a
         restarted directory also finds them when it rebuilds from the backend."""
         assert self.directory is not None
         keys = self._unreported + keys
         self._unreported = []
         try:
-            self.directory.report_stored(self.namespace.name, keys, self.tp_rank)
+            self.directory.report_stored(self.namespace.name, keys, self.backend.target.heads)
         except Exception as exc:  # noqa: BLE001 - an unpublished page is only a missed hit
             self.counters.directory_errors += 1
             self._unreported = keys[-MAX_UNREPORTED_PAGES:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
 from kvtier.tiers.storage_worker import StorageOp
 from kvtier.tiers.tree_node import TreeNode
@@ -22,7 +23,8 @@ class PageDirectoryClient(Protocol):
     (in-process) and the namespace actor's clients (`NamespaceClient`,
     `FakeNamespaceClient`) all have these methods. Calls may raise (down, timed out)."""
 
-    def report_stored(self, ns: str, hashes: Sequence[str], tp_rank: int) -> Sequence[str]: ...
+    def report_stored(self, ns: str, hashes: Sequence[str],
+                      heads: HeadRange) -> Sequence[str]: ...
 
     def lookup(self, ns: str, hashes: Sequence[str],
                lease_ttl_s: float = 0.0) -> DirectoryLookup: ...

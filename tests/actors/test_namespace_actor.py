@@ -15,7 +15,7 @@ from kvtier.actors.namespace_actor import (FakeNamespaceClient, NamespaceUnavail
 from kvtier.actors.namespace_service import STATE_FILE
 from kvtier.actors.ray_env import LOOPBACK, shutdown_local_ray, start_local_ray
 from kvtier.errors import ConfigError
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import MemLayout
 from kvtier.tiers.host_pool import HostPool
@@ -26,15 +26,20 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch
 TOKENS = list(range(40))
 
 
-def file_spec(root, tp_size=2, **kw) -> NamespaceSpec:
-    return NamespaceSpec("org/model", "tenant", "fp", "file", {"root_dir": str(root)}, tp_size,
+def file_spec(root, kv_heads=2, **kw) -> NamespaceSpec:
+    return NamespaceSpec("org/model", "tenant", "fp", "file", {"root_dir": str(root)}, kv_heads,
                          **kw)
 
 
+def head(rank: int) -> HeadRange:
+    """What TP rank `rank` of 2 owns of the model's 2 KV heads."""
+    return HeadRange(rank, rank + 1, 2)
+
+
 def store_pages(info, rank: int, pages: list[str]) -> None:
-    """What a rank actor does: write its part of `pages` with its own backend client."""
-    with HostPool(SPEC, len(pages), MemLayout.PAGE_FIRST) as pool, \
-            open_rank_backend(info, rank) as backend:
+    """What a rank actor does: write its heads of `pages` with its own backend client."""
+    with HostPool(SPEC, len(pages), MemLayout.PAGE_HEAD) as pool, \
+            open_rank_backend(info, head(rank)) as backend:
         pool.kv.copy_(torch.randn(pool.kv.shape))
         backend.register_pool("kv", pool)
         assert all(backend.set_from("kv", pages, list(range(len(pages)))).ok)
@@ -56,8 +61,8 @@ def test_fake_client_speaks_the_same_records(tmp_path):
         pages = pages_of(spec)
         for rank in (0, 1):
             store_pages(info, rank, pages)
-        assert client.report_stored(info.namespace, pages, 0) == []
-        assert client.report_stored(info.namespace, pages, 1) == pages
+        assert client.report_stored(info.namespace, pages, head(0)) == []
+        assert client.report_stored(info.namespace, pages, head(1)) == pages
         res = client.lookup(info.namespace, pages, lease_ttl_s=5)
         assert res.hit_pages == len(pages) and res.lease_id
         assert client.release(res.lease_id)
@@ -76,8 +81,8 @@ def test_registered_namespaces_persist_and_rebuild_from_storage(tmp_path):
     pages = pages_of(spec)
     for rank in (0, 1):
         store_pages(info, rank, pages)
-    first.report_stored(info.namespace, pages, 0)
-    first.report_stored(info.namespace, pages, 1)
+    first.report_stored(info.namespace, pages, head(0))
+    first.report_stored(info.namespace, pages, head(1))
     first.close()
     saved = json.loads((state / STATE_FILE).read_text())
     assert saved["namespaces"][0]["model"] == "org/model"
@@ -168,12 +173,12 @@ def test_the_actor_is_named_detached_and_shared(actor, tmp_path_factory):
     info = one.register(spec)
     assert two.register(spec) == info
     with pytest.raises(ConfigError, match="already registered"):  # the actor's own error
-        two.register(file_spec(tmp_path_factory.mktemp("l3"), tp_size=4))
+        two.register(file_spec(tmp_path_factory.mktemp("l3"), kv_heads=4))
     pages = pages_of(spec)
     store_pages(info, 0, pages)
     store_pages(info, 1, pages)
-    assert one.report_stored(info.namespace, pages, 0) == []
-    assert two.report_stored(info.namespace, pages, 1) == pages  # the same directory
+    assert one.report_stored(info.namespace, pages, head(0)) == []
+    assert two.report_stored(info.namespace, pages, head(1)) == pages  # the same directory
     assert one.lookup(info.namespace, pages).hit_pages == len(pages)
 
 

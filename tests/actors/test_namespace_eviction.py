@@ -12,7 +12,7 @@ import torch
 from kvtier.actors.namespace_actor import FakeNamespaceClient
 from kvtier.backends.file_object import object_bytes
 from kvtier.config import HiCacheConfig
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import PrefetchPolicy, StorageBackendKind, WritePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -20,7 +20,8 @@ from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_store import open_rank_backend
 from kvtier.tiers.reference_kv import serve_reference
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
+ONE_HEAD = HeadRange(0, 1, 1)  # the model has one KV head: a TP=1 rank owns it
 FILE_PAGE_BYTES = 2 * object_bytes(SPEC.page_part_bytes)  # K and V objects of one page
 GUARD_S = 5.0  # a hang guard, not a timing threshold
 DOC_A, DOC_B = list(range(100, 120)), list(range(300, 320))  # 5 pages each
@@ -30,7 +31,7 @@ def make_cache(directory, storage=None):
     config = HiCacheConfig(page_size=4, write_policy=WritePolicy.WRITE_THROUGH,
                            prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, hicache_ratio=2.0,
                            prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
-                           storage_batch_pages=3)
+                           storage_batch_pages=3, mem_layout="page_head")
     return HierarchicalCache(config, SPEC, 32, device="cpu", model="m", storage=storage,
                              directory=directory)
 
@@ -55,8 +56,8 @@ def test_two_instances_share_a_quota_and_one_background_pass_evicts_from_both_pl
             page_bytes=FILE_PAGE_BYTES))
         assert info.spec.capacity_pages == quota
         kv_dir = tmp_path / info.namespace / "kv"
-        with make_cache(client, open_rank_backend(info, 0)) as a, \
-                make_cache(client, open_rank_backend(info, 0)) as b:
+        with make_cache(client, open_rank_backend(info)) as a, \
+                make_cache(client, open_rank_backend(info)) as b:
             serve(a, DOC_A)  # instance A: 5 pages
             serve(b, DOC_B)  # instance B: 5 more, 4 over the shared quota
             assert client.service.wait_for_pass(30)
@@ -64,14 +65,14 @@ def test_two_instances_share_a_quota_and_one_background_pass_evicts_from_both_pl
                 assert cache.storage.backend.stats().evicted_pages == 0
         pages = ns.page_hashes(DOC_A, 4) + ns.page_hashes(DOC_B, 4)
         published = {p for p in pages if client.lookup(info.namespace, [p]).hit_pages}
-        on_disk = {p for p in pages if os.path.exists(kv_dir / f"{p}_0_1_k")
-                   or os.path.exists(kv_dir / f"{p}_0_1_v")}
+        on_disk = {p for p in pages if os.path.exists(kv_dir / f"{p}_h0_k")
+                   or os.path.exists(kv_dir / f"{p}_h0_v")}
         stats = client.stats(info.namespace)
         assert (stats.evicted_pages, stats.published_pages, stats.doomed_pages) == (4, quota, 0)
         assert published == on_disk and len(published) == quota  # gone from both, together
         assert len(os.listdir(kv_dir)) == 2 * quota
         assert set(pages[5:]) <= published  # least recently used first: A's pages went
-        with make_cache(client, open_rank_backend(info, 0)) as c:  # a third instance reads
+        with make_cache(client, open_rank_backend(info)) as c:  # a third instance reads
             serve(c, DOC_A + [1])  # what is left of A, if anything: right KV either way
             assert serve(c, DOC_B + [1]) == len(DOC_B)
     finally:
@@ -98,6 +99,9 @@ class BlockingStore:
     def list_pages(self):
         return {}
 
+    def reclaim_old_format(self):
+        return 0
+
     def close(self):
         self.release.set()
 
@@ -118,12 +122,13 @@ def test_no_lookup_or_report_waits_on_a_delete():
         ns = client.register(NamespaceSpec("org/model", "", "fp", StorageBackendKind.SIMULATED,
                                            {}, 1, max_pages=2)).namespace
         store = stores[0]
-        assert client.report_stored(ns, [h(0), h(1), h(2)], 0) == [h(0), h(1), h(2)]
+        assert client.report_stored(ns, [h(0), h(1), h(2)], ONE_HEAD) == [h(0), h(1), h(2)]
         assert store.entered.wait(GUARD_S * 6), "the background pass never reached its delete"
         # The pass is inside store.delete now; the service must still answer every call.
         assert calls.submit(client.lookup, ns, [h(0), h(1), h(2)]).result(GUARD_S).hit_pages == 2
-        assert calls.submit(client.report_stored, ns, [h(3)], 0).result(GUARD_S) == [h(3)]
-        assert calls.submit(client.report_stored, ns, [h(2)], 0).result(GUARD_S) == []  # doomed
+        assert calls.submit(client.report_stored, ns, [h(3)], ONE_HEAD).result(GUARD_S) == [h(3)]
+        assert calls.submit(client.report_stored, ns, [h(2)],
+                            ONE_HEAD).result(GUARD_S) == []  # doomed
         stats = calls.submit(client.stats, ns).result(GUARD_S)
         assert stats.doomed_pages >= 1 and stats.evicted_pages >= 1
         store.release.set()
@@ -146,6 +151,6 @@ def test_a_fake_client_converges_synchronously(tmp_path):
         spec = NamespaceSpec("org/model", "", "fp", "file", {"root_dir": str(tmp_path)},
                              max_pages=1)
         ns = client.register(spec).namespace
-        client.report_stored(ns, [h(0), h(1)], 0)
+        client.report_stored(ns, [h(0), h(1)], ONE_HEAD)
         stats = client.stats(ns)
         assert (stats.published_pages, stats.evicted_pages, stats.doomed_pages) == (1, 1, 0)

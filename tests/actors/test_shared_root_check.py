@@ -43,7 +43,7 @@ def test_a_rank_that_does_not_see_the_actors_root_is_refused(tmp_path, kind):
         assert info.root_marker and marker.read_text().split()[-1] == info.root_marker
         (tmp_path / "node-b").mkdir()
         with pytest.raises(RootNotShared, match=REFUSAL) as err:
-            open_rank_backend(elsewhere(info, tmp_path / "node-b"), 0, node="node-b")
+            open_rank_backend(elsewhere(info, tmp_path / "node-b"), node="node-b")
         assert str(tmp_path / "node-b") in str(err.value) and "node-b" in str(err.value)
 
 
@@ -51,13 +51,13 @@ def test_one_host_passes_and_a_removed_marker_is_refused_until_registered_again(
     with FakeNamespaceClient() as client:
         spec = spec_for("file", tmp_path / "l3")
         info = client.register(spec)
-        with open_rank_backend(info, 0):  # the same directory: passes
+        with open_rank_backend(info):  # the same directory: passes
             pass
         (tmp_path / "l3" / f"{MARKER_PREFIX}{info.namespace}").unlink()
         with pytest.raises(RootNotShared, match="has no marker"):
-            open_rank_backend(info, 0)
+            open_rank_backend(info)
         assert client.register(spec) == info  # registering again puts the same marker back
-        with open_rank_backend(info, 0):
+        with open_rank_backend(info):
             pass
         assert client.service.rebuild(info.namespace) == 0  # the marker is no page
 
@@ -69,7 +69,7 @@ def test_a_restarted_actor_keeps_the_marker(tmp_path):
     with FakeNamespaceClient(str(tmp_path / "state")) as second:  # as after a restart
         again = second.info(spec.namespace)
         assert again.root_marker == info.root_marker
-        with open_rank_backend(again, 0):
+        with open_rank_backend(again):
             pass
 
 

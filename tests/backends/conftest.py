@@ -5,6 +5,7 @@ truncate it, take the storage away) the way a crash, bit rot or an operator woul
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from kvtier.backends.base import StorageTarget
 from kvtier.backends.registry import create_backend
 from kvtier.keys import KeyNamespace
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.policies import MemLayout
 from kvtier.tiers.host_pool import HostPool
 
@@ -154,13 +155,17 @@ class Harness:
         return KeyNamespace(f"model-{self.tag}", tenant, "fp1")
 
     def backend(self, tenant: str = "t0", rank: int = 0, size: int = 1, options=None):
-        target = StorageTarget(self.namespace(tenant), rank, size)
+        """A client owning TP rank `rank` of `size`'s share of SPEC's KV heads."""
+        target = StorageTarget(self.namespace(tenant),
+                               HeadRange.of_rank(SPEC.num_kv_heads, rank, size))
         b = create_backend(self.backend_kind, target, options if options is not None else self.options)
         self.made.append(b)
         return b
 
-    def pool(self, layout=MemLayout.PAGE_FIRST, pages: int = 16) -> HostPool:
-        pool = HostPool(SPEC, pages, layout)
+    def pool(self, layout=MemLayout.PAGE_HEAD, pages: int = 16, size: int = 1) -> HostPool:
+        """A pool of random pages holding one TP rank of `size`'s share of the KV heads."""
+        spec = dataclasses.replace(SPEC, num_kv_heads=SPEC.num_kv_heads // size)
+        pool = HostPool(spec, pages, layout)
         gen = torch.Generator().manual_seed(len(self.made))
         pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(pool.kv.dtype))
         return pool

@@ -20,13 +20,15 @@ from kvtier.backends.file_object import HEADER_BYTES, WriteStatus, object_bytes,
 from kvtier.backends.registry import create_backend
 from kvtier.errors import CacheUsageError
 from kvtier.keys import KeyNamespace, page_hashes
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.policies import MemLayout
 from kvtier.storage_options import FileOptions
 from kvtier.tiers.host_pool import HostPool
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
-PART = SPEC.page_part_bytes  # 256 bytes
+# One KV head per pool: a page is two objects (its head's K and V); TP tests give each rank
+# one head of `size`.
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.bfloat16)
+PART = SPEC.page_part_bytes  # 128 bytes
 OBJ = object_bytes(PART)
 NS = KeyNamespace("org/model", "tenant", "fp1")
 
@@ -35,7 +37,7 @@ def keys(n: int, salt: int = 0) -> list[str]:
     return page_hashes(list(range(salt, salt + 4 * n)), 4)
 
 
-def make_pool(pages: int = 16, seed: int = 0, layout: MemLayout = MemLayout.PAGE_FIRST) -> HostPool:
+def make_pool(pages: int = 16, seed: int = 0, layout: MemLayout = MemLayout.PAGE_HEAD) -> HostPool:
     pool = HostPool(SPEC, pages, layout)
     gen = torch.Generator().manual_seed(seed)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(pool.kv.dtype))
@@ -54,7 +56,7 @@ def _close_backends():
 
 
 def backend(root: Path, rank: int = 0, size: int = 1, io_threads: int = 2, **opts) -> FileBackend:
-    target = StorageTarget(NS, rank, size)
+    target = StorageTarget(NS, HeadRange.of_rank(size * SPEC.num_kv_heads, rank, size))
     b = FileBackend(FileOptions(root_dir=str(root), **opts), target, io_threads)
     _OPEN.append(b)
     return b
@@ -75,11 +77,11 @@ def same_page(pool_a: HostPool, a: int, pool_b: HostPool, b: int) -> bool:
 
 
 def obj_path(root: Path, b: FileBackend, key: str, p: int = 0) -> Path:
-    return root / b.target.object_name(KV_POOL, key, p)
+    return root / b.target.object_name(KV_POOL, key, b.target.heads.start, p)
 
 
 def stored_on_disk(root: Path) -> int:
-    return sum(f.stat().st_size for f in root.rglob("*_*_*_*"))
+    return sum(f.stat().st_size for f in root.rglob("*_h*_*"))
 
 
 def no_tmp_files(root: Path) -> bool:
@@ -88,7 +90,7 @@ def no_tmp_files(root: Path) -> bool:
 
 # ---- format and round trip ---------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.PAGE_FIRST_DIRECT])
+@pytest.mark.parametrize("layout", [MemLayout.PAGE_HEAD])
 @pytest.mark.parametrize("io_threads", [1, 2])
 def test_round_trip_is_byte_exact(tmp_path, layout, io_threads):
     src, dst = make_pool(layout=layout), make_pool(seed=1, layout=layout)
@@ -109,8 +111,8 @@ def test_one_file_per_part_with_header_and_private_dirs(tmp_path):
     k = keys(1)[0]
     b.set_from(KV_POOL, [k], [2])
     for p in (PagePart.K, PagePart.V):
-        name = b.target.object_name(KV_POOL, k, p)
-        assert name.endswith(f"{k}_0_1_{p.suffix}")
+        name = b.target.object_name(KV_POOL, k, 0, p)
+        assert name.endswith(f"{k}_h0_{p.suffix}")
         data = (tmp_path / name).read_bytes()
         assert len(data) == HEADER_BYTES + PART == OBJ
         assert data[:8] == file_object.MAGIC and name.encode() in data[:HEADER_BYTES]
@@ -118,7 +120,7 @@ def test_one_file_per_part_with_header_and_private_dirs(tmp_path):
     ns_dir = tmp_path / NS.name
     for d in (ns_dir, ns_dir / KV_POOL):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
-    assert b.names(b.pools[KV_POOL], k) == [b.target.object_name(KV_POOL, k, p) for p in (0, 1)]
+    assert b.names(b.pools[KV_POOL], k) == [b.target.object_name(KV_POOL, k, 0, p) for p in (0, 1)]
     assert b.capabilities.zero_copy and b.capabilities.shared and b.capabilities.persistent
     assert b.capabilities.verified and b.capabilities.bounded
 
@@ -132,7 +134,7 @@ class ScatteredPool:
         self.parts = [[torch.randint(0, 256, (PART,), dtype=torch.uint8, generator=gen)
                        for _ in (0, 1)] for _ in range(pages)]
 
-    def page_part_view(self, page: int, part: int) -> torch.Tensor:
+    def page_head_view(self, page: int, head: int, part: int) -> torch.Tensor:
         return self.parts[page][part]
 
     def data_ptr(self) -> int:
@@ -144,7 +146,7 @@ class ScatteredPool:
 
 
 def test_page_views_are_the_pools_own_memory(tmp_path):
-    pool = make_pool(pages=7, layout=MemLayout.PAGE_FIRST_DIRECT)
+    pool = make_pool(pages=7)
     b = attached(tmp_path, pool)
     pf = b._files[KV_POOL]
     assert pf.rows[0] is not None and pf.rows[1] is not None  # the fast path is taken
@@ -158,7 +160,7 @@ def test_page_views_are_the_pools_own_memory(tmp_path):
     scattered, copy = ScatteredPool(4, seed=1), ScatteredPool(4, seed=2)
     w = backend(tmp_path / "s")
     w.register_pool(KV_POOL, scattered)
-    assert w._files[KV_POOL].rows == [None, None]  # falls back to page_part_view per access
+    assert w._files[KV_POOL].rows == [None, None]  # falls back to page_head_view per access
     assert w.set_from(KV_POOL, keys(4), [0, 1, 2, 3]).ok == [True] * 4
     assert w.get_into(KV_POOL, keys(4)[::-1], [0, 1, 2, 3]).ok == [True] * 4
     w2 = backend(tmp_path / "s")
@@ -367,8 +369,9 @@ def test_eviction_removes_every_rank_of_the_page(tmp_path):
     ks = keys(3)
     r1.set_from(KV_POOL, ks[:1], [0])
     r0.set_from(KV_POOL, ks[:1], [0])
-    assert page_siblings(r0.target.object_name(KV_POOL, ks[0], 0)) == [
-        r.target.object_name(KV_POOL, ks[0], p) for r in (r0, r1) for p in (0, 1)]
+    assert page_siblings(r0.target.object_name(KV_POOL, ks[0], 0, 0), 2) == [
+        r.target.object_name(KV_POOL, ks[0], r.target.heads.start, p)
+        for r in (r0, r1) for p in (0, 1)]
     small = attached(tmp_path, pool, size=2, max_size_bytes=4 * OBJ)  # finds both ranks' parts
     assert small.stats().stored_bytes == 4 * OBJ
     small.set_from(KV_POOL, ks[1:2], [1])
@@ -486,7 +489,9 @@ def test_bench_measure_reports_every_field(tmp_path):
     from kvtier.bench.storage_file import measure
     out = measure(2, str(tmp_path / "bench"), repeats=1)
     assert set(out) == {"write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
-                        "read_ratio", "exists_1000_ms", "page_bytes", "pages"}
+                        "read_ratio", "exists_1000_ms", "page_bytes", "pages", "layout",
+                        "objects_per_page"}
     assert out["page_bytes"] == 2 * 737_280 and out["pages"] == 2
-    assert all(out[k] > 0 for k in out)
+    assert out["layout"] == "page_head" and out["objects_per_page"] == 6  # 3 heads x K, V
+    assert all(out[k] > 0 for k in out if k != "layout")
     assert not any((tmp_path / "bench").iterdir())  # cleans up after itself

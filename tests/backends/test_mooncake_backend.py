@@ -17,11 +17,12 @@ from kvtier.backends.mooncake_backend import MooncakeBackend  # noqa: E402
 from kvtier.backends.mooncake_master import MooncakeMaster, free_port, port_open  # noqa: E402
 from kvtier.keys import KeyNamespace, page_hashes  # noqa: E402
 from kvtier.kv_spec import KVSpec  # noqa: E402
+from kvtier.policies import MemLayout  # noqa: E402
 from kvtier.storage_options import MiB, MooncakeOptions  # noqa: E402
 from kvtier.tiers.host_pool import HostPool  # noqa: E402
 from kvtier.netcheck import listening
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.bfloat16)
 SMALL = dict(global_segment_size_bytes=16 * MiB, local_buffer_size_bytes=0)
 _COUNTER = iter(range(1_000_000))
 
@@ -39,7 +40,7 @@ def make(master, verify=False, model=None) -> MooncakeBackend:
 
 
 def filled_pool(pages=16, seed=0) -> HostPool:
-    pool = HostPool(SPEC, pages)
+    pool = HostPool(SPEC, pages, MemLayout.PAGE_HEAD)
     gen = torch.Generator().manual_seed(seed)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(pool.kv.dtype))
     return pool
@@ -102,7 +103,7 @@ def test_missing_part_hides_the_page(pair):
     ks = keys(3, salt=100)
     corrupt = r.stats().corrupt_objects
     w.set_from(KV_POOL, ks, [0, 1, 2])
-    assert w.store.remove(w.target.object_name(KV_POOL, ks[1], PagePart.V), True) == 0
+    assert w.store.remove(w.target.object_name(KV_POOL, ks[1], 0, PagePart.V), True) == 0
     assert r.exists(ks).usable_pages == 1
     assert r.get_into(KV_POOL, ks, [5, 6, 7]).ok == [True, False, True]
     assert r.stats().corrupt_objects == corrupt  # absent is a miss, not corruption
@@ -114,9 +115,9 @@ def test_wrong_size_object_is_a_miss_and_removed(pair, factor):
     ks = keys(2, salt=200 + int(factor * 10))
     corrupt = r.stats().corrupt_objects
     w.set_from(KV_POOL, ks, [0, 1])
-    name = w.target.object_name(KV_POOL, ks[1], PagePart.K)
+    name = w.target.object_name(KV_POOL, ks[1], 0, PagePart.K)
     assert w.store.remove(name, True) == 0
-    size = int(SPEC.page_part_bytes * factor)  # page_first: K of pages 0 and 1 are adjacent
+    size = int(SPEC.page_part_bytes * factor)  # page_head: K of pages 0 and 1 are adjacent
     assert w.store.batch_put_from([name], [src.page_part_view(0, 0).data_ptr()], [size]) == [0]
     assert r.get_into(KV_POOL, ks, [8, 9]).ok == [True, False]
     assert r.stats().corrupt_objects == corrupt + 1
@@ -133,7 +134,7 @@ def test_checksums_turn_corrupt_bytes_into_a_miss(master):
         assert b.set_from(KV_POOL, ks, [0, 1, 2]).ok == [True] * 3
         assert b.get_into(KV_POOL, ks, [8, 9, 10]).ok == [True] * 3
         assert same(pool, 0, 8) and same(pool, 2, 10)
-        name = b.target.object_name(KV_POOL, ks[1], PagePart.V)
+        name = b.target.object_name(KV_POOL, ks[1], 0, PagePart.V)
         b.store.remove(name, True)  # same size, another page's bytes: only a checksum sees it
         view = pool.page_part_view(5, 1)
         assert b.store.batch_put_from([name], [view.data_ptr()], [view.numel()]) == [0]
@@ -233,6 +234,7 @@ def test_bench_measure_reports_every_field():
                   "read_ratio", "exists_1000_ms", "verified_read_ratio"):
         assert out[field] > 0
     assert out["page_bytes"] == 2 * 737_280 and out["pages"] == 2
+    assert out["layout"] == "page_head" and out["objects_per_page"] == 6
 
 
 def test_reads_are_verified_by_default():

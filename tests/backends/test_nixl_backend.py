@@ -15,9 +15,10 @@ from kvtier.backends.registry import create_backend  # noqa: E402
 from kvtier.errors import CacheUsageError  # noqa: E402
 from kvtier.keys import KeyNamespace, page_hashes  # noqa: E402
 from kvtier.kv_spec import KVSpec  # noqa: E402
+from kvtier.policies import MemLayout  # noqa: E402
 from kvtier.tiers.host_pool import HostPool  # noqa: E402
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.bfloat16)
 PART_BYTES = SPEC.page_part_bytes
 NS = KeyNamespace("nixl-test", "t0", "fp1")
 
@@ -27,7 +28,7 @@ def keys(n: int, salt: int = 0) -> list[str]:
 
 
 def make_pool(pages: int = 16, seed: int = 0) -> HostPool:
-    pool = HostPool(SPEC, pages)
+    pool = HostPool(SPEC, pages, MemLayout.PAGE_HEAD)
     gen = torch.Generator().manual_seed(seed)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(pool.kv.dtype))
     return pool
@@ -57,7 +58,7 @@ def open_backend(root):
 
 
 def path_of(root: Path, b, key: str, part: PagePart = PagePart.K) -> Path:
-    return root / b.target.object_name(KV_POOL, key, part)
+    return root / b.target.object_name(KV_POOL, key, 0, part)
 
 
 def test_round_trip_is_exact_and_one_transfer_per_batch(open_backend, monkeypatch):
@@ -81,7 +82,7 @@ def test_round_trip_is_exact_and_one_transfer_per_batch(open_backend, monkeypatc
 
 def test_calls_larger_than_a_request_split_into_whole_requests(open_backend, monkeypatch):
     import kvtier.backends.nixl_backend as nb
-    monkeypatch.setattr(nb, "MAX_PAGES_PER_TRANSFER", 2)
+    monkeypatch.setattr(nb, "MAX_OBJECTS_PER_TRANSFER", 4)  # 2 pages of 2 objects (1 head)
     pool = make_pool()
     b = open_backend()
     b.register_pool(KV_POOL, pool)
@@ -91,7 +92,7 @@ def test_calls_larger_than_a_request_split_into_whole_requests(open_backend, mon
     ks = keys(5)
     assert b.set_from(KV_POOL, ks, [0, 1, 2, 3, 4]).ok == [True] * 5
     assert b.get_into(KV_POOL, ks, [5, 6, 7, 8, 9]).ok == [True] * 5
-    assert calls == [4, 4, 2, 4, 4, 2]  # descriptors per request: 2 parts per page
+    assert calls == [4, 4, 2, 4, 4, 2]  # descriptors per request: 1 head x 2 parts per page
     assert all(same(pool, i, 5 + i) for i in range(5))
 
 
@@ -276,9 +277,8 @@ def test_hung_transfer_disables_the_backend(open_backend, monkeypatch):
 
 
 def test_layer_first_pool_is_refused(open_backend):
-    from kvtier.policies import MemLayout
     b = open_backend()
-    with pytest.raises(CacheUsageError, match="page_first"):
+    with pytest.raises(CacheUsageError, match="page_head"):
         b.register_pool(KV_POOL, HostPool(SPEC, 4, MemLayout.LAYER_FIRST))
 
 
@@ -302,6 +302,7 @@ def test_bench_measure_runs_small_and_cleans_up(tmp_path):
     out = measure(2, str(tmp_path), repeats=1)
     assert set(out) >= {"write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
                         "read_ratio", "exists_1000_ms", "page_bytes", "pages"}
-    assert out["page_bytes"] == 2 * 737_280 and out["object_bytes"] == 737_280 and out["pages"] == 2
+    assert out["page_bytes"] == 2 * 737_280 and out["object_bytes"] == 245_760 and out["pages"] == 2
+    assert out["layout"] == "page_head"  # one object per KV head and part
     assert all(out[k] > 0 for k in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps"))
     assert list(tmp_path.iterdir()) == []

@@ -30,14 +30,15 @@ def config(policy: str = "timeout", **extra) -> HiCacheConfig:
     knobs = {"page_size": PAGE, "hicache_ratio": 4.0, "load_back_threshold_tokens": PAGE,
              "prefetch_policy": policy, "prefetch_threshold_tokens": PAGE,
              "prefetch_timeout_base_s": 0.3, "prefetch_timeout_per_ki_token_s": 0.0,
-             "prefetch_timeout_max_s": 0.3, "storage_batch_pages": 2, **extra}
+             "prefetch_timeout_max_s": 0.3, "storage_batch_pages": 2,
+             "mem_layout": "page_head", **extra}  # L3 is attached after: L2 as L3 needs
     return HiCacheConfig.from_dict(knobs)
 
 
 def faulty_cache(model, root, cfg: HiCacheConfig, options: dict | None = None
                  ) -> tuple[HierarchicalCache, FaultyBackend]:
     cache = HierarchicalCache(cfg, model.kv_spec(PAGE), 64, device="cpu", model="tiny")
-    inner = create_backend("file", StorageTarget(cache.namespace, 0, 1),
+    inner = create_backend("file", StorageTarget(cache.namespace, cache.heads),
                            {"root_dir": str(root), **(options or {})})
     faulty = FaultyBackend(inner)
     cache.attach_storage(faulty)

@@ -58,7 +58,8 @@ def config() -> HiCacheConfig:
         "page_size": PAGE, "hicache_ratio": 4.0, "load_back_threshold_tokens": PAGE,
         "prefetch_policy": "timeout", "prefetch_threshold_tokens": PAGE,
         "prefetch_timeout_base_s": READ_WAIT_S, "prefetch_timeout_per_ki_token_s": 0.0,
-        "prefetch_timeout_max_s": READ_WAIT_S, "storage_batch_pages": 2})
+        "prefetch_timeout_max_s": READ_WAIT_S, "storage_batch_pages": 2,
+        "mem_layout": "page_head"})
 
 
 class SupervisedByHand(FakeNamespaceClient):
@@ -82,7 +83,7 @@ def new_cache(model, client, info: NamespaceInfo) -> HierarchicalCache:
     cache = HierarchicalCache(config(), model.kv_spec(PAGE), 64, device="cpu",
                               model=info.spec.model, directory=client)
     assert cache.namespace == info.spec.key_namespace
-    cache.attach_storage(open_rank_backend(info, 0))
+    cache.attach_storage(open_rank_backend(info))
     return cache
 
 
@@ -138,8 +139,10 @@ def tokens(outs) -> list:
 
 def test_master_killed_mid_run_then_restarted(model, cold):
     timed = Timed()
-    fingerprint = layout_fingerprint(model.kv_spec(PAGE), config().normalize().mem_layout)
-    spec = NamespaceSpec("tiny", "", fingerprint, "mooncake", dict(RANK_OPTIONS))
+    kv = model.kv_spec(PAGE)
+    fingerprint = layout_fingerprint(kv, kv.num_kv_heads)
+    spec = NamespaceSpec("tiny", "", fingerprint, "mooncake", dict(RANK_OPTIONS),
+                         kv_heads=kv.num_kv_heads)
     closing: list = []  # closed at the end whatever happens, newest first
     client = SupervisedByHand()
     try:
@@ -198,7 +201,7 @@ def test_master_killed_mid_run_then_restarted(model, cold):
         # The rank sees the epoch moved and re-attaches (RankActor.detach_l3 / attach_l3).
         timed.call(cache.detach_storage)
         assert_no_leaks(cache)
-        cache.attach_storage(open_rank_backend(info2, 0))
+        cache.attach_storage(open_rank_backend(info2))
         assert cache.storage.backend.master_address == new_address
         outs = timed.serve(model, cache, PROMPTS[AFTER])  # first seen: misses, then written
         assert tokens(outs) == cold[AFTER] and all(o.cached.storage == 0 for o in outs)
@@ -242,9 +245,14 @@ def test_a_dead_master_is_asked_once_then_probed(model):
     from kvtier.tiers.host_pool import HostPool
 
     keys = KeyNamespace("probe").page_hashes(list(range(4 * PAGE)), PAGE)
-    with MooncakeMaster() as master, HostPool(model.kv_spec(PAGE), 8) as pool:
+    from kvtier.kv_spec import HeadRange
+    from kvtier.policies import MemLayout
+
+    kv = model.kv_spec(PAGE)
+    with MooncakeMaster() as master, HostPool(kv, 8, MemLayout.PAGE_HEAD) as pool:
         backend = MooncakeBackend(MooncakeOptions(master_address=master.address, **RANK_OPTIONS),
-                                  StorageTarget(KeyNamespace("probe")))
+                                  StorageTarget(KeyNamespace("probe"),
+                                                HeadRange.all_of(kv.num_kv_heads)))
         try:
             backend.register_pool("kv", pool)
             assert backend.exists(keys).usable_pages == 0  # asked: the master answers

@@ -225,9 +225,10 @@ def test_lpm_admits_the_longest_agreed_hit_first(tiny_models) -> None:
 def _simulated_cache(model, seed: int) -> tuple[HierarchicalCache, FaultyBackend]:
     config = HiCacheConfig.from_dict({
         "page_size": PAGE, "hicache_ratio": 4.0, "load_back_threshold_tokens": PAGE,
-        "prefetch_policy": "best_effort", "prefetch_threshold_tokens": PAGE})
+        "prefetch_policy": "best_effort", "prefetch_threshold_tokens": PAGE,
+        "mem_layout": "page_head"})
     cache = HierarchicalCache(config, model.kv_spec(PAGE), 64, device="cpu", model="tiny")
-    backend = FaultyBackend(create_backend("simulated", StorageTarget(cache.namespace, 0, 1),
+    backend = FaultyBackend(create_backend("simulated", StorageTarget(cache.namespace, cache.heads),
                                            {"seed": seed}))
     cache.attach_storage(backend)
     return cache, backend

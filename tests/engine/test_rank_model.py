@@ -72,7 +72,30 @@ def _config() -> HiCacheConfig:
     return HiCacheConfig.from_dict({
         "page_size": PAGE, "hicache_ratio": 3.0, "load_back_threshold_tokens": PAGE,
         "prefetch_policy": "wait_complete", "prefetch_threshold_tokens": PAGE,
-        "storage_batch_pages": 2})
+        "storage_batch_pages": 2, "mem_layout": "page_head"})
+
+
+def step_in_threads(engines: list[Engine], coll: ThreadCollective) -> list:
+    """One step of every rank engine, each in its own thread; their results in rank order."""
+    results: list = [None] * len(engines)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = engines[rank].step()
+        except BaseException as exc:  # surfaced below; a dead rank would hang the others
+            errors.append(exc)
+            coll.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
 
 
 class Ranks:
@@ -91,7 +114,7 @@ class Ranks:
             cache = HierarchicalCache(_config(), model.kv_spec(PAGE), device_pages,
                                       device="cpu", model="tiny", tp_rank=rank, tp_size=SIZE)
             backend = FaultyBackend(create_backend(
-                "simulated", StorageTarget(cache.namespace, rank, SIZE), {"seed": rank}),
+                "simulated", StorageTarget(cache.namespace, cache.heads), {"seed": rank}),
                 seed=rank)
             cache.attach_storage(backend)
             self._gate_allocations(cache, rank)
@@ -118,25 +141,7 @@ class Ranks:
         return ids.pop()
 
     def step(self) -> list:
-        results: list = [None] * SIZE
-        errors: list[BaseException] = []
-
-        def run(rank: int) -> None:
-            try:
-                results[rank] = self.engines[rank].step()
-            except BaseException as exc:  # surfaced below; a dead rank would hang the others
-                errors.append(exc)
-                self.coll.barrier.abort()
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(SIZE)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(WAIT_S)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        if errors:
-            raise errors[0]
-        return results
+        return step_in_threads(self.engines, self.coll)
 
     def close(self) -> None:
         for engine in self.engines:

@@ -75,7 +75,8 @@ SPEC_TOKENS = 4 * PAGE
 def _cache(device_pages: int = 32) -> HierarchicalCache:
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=PAGE, dtype=torch.float32)
     knobs = dict(page_size=PAGE, hicache_ratio=2.0, load_back_threshold_tokens=PAGE,
-                 prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE)
+                 prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE,
+                 mem_layout="page_head")
     config = HiCacheConfig.from_dict(knobs)
     return HierarchicalCache(config, spec, device_pages, device="cpu", model="m")
 
@@ -98,7 +99,7 @@ def test_attaching_l3_backs_up_only_copies_that_have_landed(gate):
         gate.watch(cache)
         gate.hold_writes.set()
         _compute(cache, tokens)  # write-through: its L1->L2 copy is queued and held
-        backend = create_backend("simulated", StorageTarget(cache.namespace, 0, 1), {"seed": 1})
+        backend = create_backend("simulated", StorageTarget(cache.namespace, cache.heads), {"seed": 1})
         attach = threading.Thread(target=cache.attach_storage, args=(backend,))
         attach.start()
         attach.join(0.5)

@@ -14,7 +14,7 @@ from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
 from kvtier.backends.file_object import object_bytes
 from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import MessageError, NamespaceInfo, NamespaceSpec
 from kvtier.policies import MemLayout, PrefetchPolicy, StorageBackendKind, WritePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -24,7 +24,8 @@ from kvtier.tiers.page_eviction import DeleteOutcome, run_pass
 from kvtier.tiers.page_store import open_rank_backend, rank_target
 from kvtier.tiers.reference_kv import serve_reference
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
+ONE_HEAD = HeadRange(0, 1, 1)  # the model has one KV head: a TP=1 rank owns it
 DOC = list(range(100, 140))  # 10 pages
 FILE_PAGE_BYTES = 2 * object_bytes(SPEC.page_part_bytes)  # K and V objects of one page
 
@@ -60,8 +61,8 @@ def test_a_rank_client_under_a_namespace_does_no_lru_deletes_of_its_own(tmp_path
     assert spec.capacity_pages == 2  # the byte bound is the namespace's quota now
     info = NamespaceInfo(spec.namespace, spec, opts)
     pages = [h(i) for i in range(6)]
-    with HostPool(SPEC, 6, MemLayout.PAGE_FIRST) as pool, \
-            open_rank_backend(info, 0) as rank:
+    with HostPool(SPEC, 6, MemLayout.PAGE_HEAD) as pool, \
+            open_rank_backend(info) as rank:
         rank.register_pool("kv", pool)
         assert rank.set_from("kv", pages, list(range(6))).ok == [True] * 6
         assert rank.stats().evicted_pages == 0
@@ -69,8 +70,8 @@ def test_a_rank_client_under_a_namespace_does_no_lru_deletes_of_its_own(tmp_path
     kv_dir = tmp_path / spec.namespace / "kv"
     assert len(os.listdir(kv_dir)) == 6 * 2
     # The same options on a backend used on its own keep its own LRU.
-    with HostPool(SPEC, 6, MemLayout.PAGE_FIRST) as pool, \
-            create_backend("file", rank_target(info, 0), opts) as alone:
+    with HostPool(SPEC, 6, MemLayout.PAGE_HEAD) as pool, \
+            create_backend("file", rank_target(info), opts) as alone:
         alone.register_pool("kv", pool)
         assert alone.stats().evicted_pages == 4  # evicts to its bound at attach
         assert sum(alone.exists([p]).usable_pages for p in pages) == 2
@@ -85,13 +86,13 @@ def test_calls_only_queue_and_a_pass_deletes():
         return stores.setdefault(info.namespace, RecordingStore(info))
     d = PageDirectory(factory)
     ns = d.register(sim_spec(max_pages=2)).namespace
-    assert d.report_stored(ns, [h(0), h(1), h(2)], 0) == [h(0), h(1), h(2)]
+    assert d.report_stored(ns, [h(0), h(1), h(2)], ONE_HEAD) == [h(0), h(1), h(2)]
     assert d.pass_due and stores[ns].deleted == []
     # a chain's tail goes first: h(2) is unpublished now, its delete queued
     assert d.eviction_pass() == 1
     assert d.lookup(ns, [h(2)]).hit_pages == 0 and d.stats(ns).doomed_pages == 1
     assert stores[ns].deleted == []
-    assert d.report_stored(ns, [h(2)], 0) == []  # doomed: a report is ignored until it is gone
+    assert d.report_stored(ns, [h(2)], ONE_HEAD) == []  # doomed: a report is ignored until it is gone
     [batch] = d.take_deletes()
     assert batch.hashes == (h(2),) and d.take_deletes() == []  # in flight, not handed out twice
     stores[ns].listing = {h(i): {0} for i in range(3)}
@@ -100,7 +101,7 @@ def test_calls_only_queue_and_a_pass_deletes():
     stores[ns].delete(list(batch.hashes))
     d.deletes_done([DeleteOutcome(batch.batch_id, 1)])
     assert d.stats(ns).doomed_pages == 0 and not d.pass_due
-    assert d.report_stored(ns, [h(2)], 0) == [h(2)]  # written again after its delete: published
+    assert d.report_stored(ns, [h(2)], ONE_HEAD) == [h(2)]  # written again after its delete: published
 
 
 def test_delete_failures_are_counted_and_the_pages_may_come_back():
@@ -109,7 +110,7 @@ def test_delete_failures_are_counted_and_the_pages_may_come_back():
             raise OSError("read-only file system")
     d = PageDirectory(Failing)
     ns = d.register(sim_spec(max_pages=1)).namespace
-    d.report_stored(ns, [h(0), h(1)], 0)
+    d.report_stored(ns, [h(0), h(1)], ONE_HEAD)
     assert run_pass(d) == (1, 0, 1)  # queued, deleted, failed
     s = d.stats(ns)
     assert (s.delete_failures, s.evicted_pages, s.doomed_pages, s.published_pages) == (1, 1, 0, 1)
@@ -123,7 +124,7 @@ def test_a_replaced_store_is_closed_only_after_its_deletes_returned():
         return made[-1]
     d = PageDirectory(factory)
     ns = d.register(sim_spec(max_pages=1)).namespace
-    d.report_stored(ns, [h(0), h(1)], 0)
+    d.report_stored(ns, [h(0), h(1)], ONE_HEAD)
     d.eviction_pass()
     [batch] = d.take_deletes()
     d.reattach(ns, {})  # new storage while a delete runs on the old one
@@ -140,7 +141,7 @@ def make_cache(directory, storage=None):
     config = HiCacheConfig(page_size=4, write_policy=WritePolicy.WRITE_THROUGH,
                            prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, hicache_ratio=2.0,
                            prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
-                           storage_batch_pages=3)
+                           storage_batch_pages=3, mem_layout="page_head")
     return HierarchicalCache(config, SPEC, 32, device="cpu", model="m", storage=storage,
                              directory=directory)
 
@@ -168,7 +169,7 @@ def file_namespace(tmp_path):
         probe.close()
         info = d.register(NamespaceSpec(ns.model, ns.tenant_salt, ns.layout_fingerprint,
                                         "file", {"root_dir": str(tmp_path)}))
-        with make_cache(d, open_rank_backend(info, 0)) as writer:
+        with make_cache(d, open_rank_backend(info)) as writer:
             serve(writer, DOC)
             settle(writer)
         assert d.stats(info.namespace).published_pages == 10
@@ -178,17 +179,17 @@ def file_namespace(tmp_path):
 def test_a_page_deleted_by_hand_is_a_miss_then_leaves_the_directory(file_namespace):
     d, info, kv_dir = file_namespace
     pages = info.spec.key_namespace.page_hashes(DOC, 4)
-    os.unlink(kv_dir / f"{pages[4]}_0_1_k")  # by hand: the directory is not told
-    with make_cache(d, open_rank_backend(info, 0)) as reader:
+    os.unlink(kv_dir / f"{pages[4]}_h0_k")  # by hand: the directory is not told
+    with make_cache(d, open_rank_backend(info)) as reader:
         assert serve(reader, DOC + [7]) == 4 * 4  # only what is really there: pages 0-3
         assert reader.storage.counters.directory_errors == 0
     s = d.stats(info.namespace)
     assert (s.vanished_pages, s.published_pages, s.doomed_pages) == (1, 9, 1)
     assert d.lookup(info.namespace, pages).hit_pages == 4  # no longer reported
-    assert os.path.exists(kv_dir / f"{pages[4]}_0_1_v")  # its remains wait for the pass
+    assert os.path.exists(kv_dir / f"{pages[4]}_h0_v")  # its remains wait for the pass
     run_pass(d)
-    assert not os.path.exists(kv_dir / f"{pages[4]}_0_1_v")
-    with make_cache(d, open_rank_backend(info, 0)) as again:  # a miss is counted once
+    assert not os.path.exists(kv_dir / f"{pages[4]}_h0_v")
+    with make_cache(d, open_rank_backend(info)) as again:  # a miss is counted once
         assert serve(again, DOC + [7]) == 4 * 4
     assert d.stats(info.namespace).vanished_pages == 1
 
@@ -196,7 +197,7 @@ def test_a_page_deleted_by_hand_is_a_miss_then_leaves_the_directory(file_namespa
 @pytest.mark.parametrize("fault", [FaultKind.ERROR, FaultKind.HANG])
 def test_a_read_that_failed_or_hung_says_nothing_of_the_page(file_namespace, fault):
     d, info, _ = file_namespace
-    faulty = FaultyBackend(open_rank_backend(info, 0), seed=random.getrandbits(16))
+    faulty = FaultyBackend(open_rank_backend(info), seed=random.getrandbits(16))
     faulty.inject(StorageOp.GET, fault, times=1)
     try:
         with make_cache(d, faulty) as reader:

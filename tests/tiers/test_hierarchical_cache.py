@@ -151,7 +151,7 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
         cache.storage.drain()
         assert all(n.storage_op for n in cache.tree.nodes())  # stored in the old backend
         cache.detach_storage()
-        cache.attach_storage(create_backend("file", StorageTarget(cache.namespace, 0, 1),
+        cache.attach_storage(create_backend("file", StorageTarget(cache.namespace, cache.heads),
                                             {"root_dir": str(tmp_path / "new")}))
         cache.flush()  # attaching queued the L2 pages' backups to the new backend
         cache.storage.drain()

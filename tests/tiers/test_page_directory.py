@@ -13,7 +13,7 @@ import torch
 
 from kvtier.errors import CacheUsageError, ConfigError
 from kvtier.keys import KeyNamespace
-from kvtier.kv_spec import KVSpec
+from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
                              MessageError, MissingReport, NamespaceInfo, NamespaceSpec,
                              StoredReport)
@@ -50,6 +50,9 @@ class RecordingStore:
     def list_pages(self):
         return self.listing
 
+    def reclaim_old_format(self):
+        return 0
+
     def close(self):
         self.closed = True
 
@@ -82,29 +85,34 @@ def directory(clock, stores):
         yield d
 
 
-def spec(tp_size=2, max_pages=0, tenant="", **kw) -> NamespaceSpec:
-    return NamespaceSpec("org/model", tenant, "fp", StorageBackendKind.SIMULATED, {}, tp_size,
+def spec(kv_heads=2, max_pages=0, tenant="", **kw) -> NamespaceSpec:
+    return NamespaceSpec("org/model", tenant, "fp", StorageBackendKind.SIMULATED, {}, kv_heads,
                          max_pages, **kw)
 
 
-def publish(d, ns, hashes, tp_size=2):
+def head(i: int, total: int = 2) -> HeadRange:
+    """KV head `i` alone: what TP rank `i` of a one-head-per-rank writer owns."""
+    return HeadRange(i, i + 1, total)
+
+
+def publish(d, ns, hashes, kv_heads=2):
     out = []
-    for rank in range(tp_size):
-        out = d.report_stored(ns, hashes, rank)
+    for i in range(kv_heads):
+        out = d.report_stored(ns, hashes, head(i, kv_heads))
     return out
 
 
 # ---- publication -------------------------------------------------------------------------
 
-def test_a_page_is_published_only_after_every_rank_stored_it(directory):
-    ns = directory.register(spec(tp_size=3)).namespace
+def test_a_page_is_published_only_after_every_head_is_stored(directory):
+    ns = directory.register(spec(kv_heads=3)).namespace
     pages = chain("a", 3)
-    assert directory.report_stored(ns, pages, 0) == []
-    assert directory.report_stored(ns, pages[:2], 2) == []
+    assert directory.report_stored(ns, pages, head(0, 3)) == []
+    assert directory.report_stored(ns, pages[:2], head(2, 3)) == []
     assert directory.lookup(ns, pages).hit_pages == 0
-    assert directory.report_stored(ns, pages, 1) == pages[:2]  # page 2 lacks rank 2
+    assert directory.report_stored(ns, pages, head(1, 3)) == pages[:2]  # page 2 lacks head 2
     assert directory.lookup(ns, pages).hit_pages == 2
-    assert directory.report_stored(ns, pages[2:], 2) == pages[2:]
+    assert directory.report_stored(ns, pages[2:], head(2, 3)) == pages[2:]
     assert directory.lookup(ns, pages + [h(9, "b")]).hit_pages == 3
     s = directory.stats(ns)
     assert (s.published_pages, s.pending_pages, s.hit_pages, s.miss_pages, s.lookups) == \
@@ -115,13 +123,24 @@ def test_registration_is_idempotent_and_conflicts_are_errors(directory):
     info = directory.register(spec())
     assert directory.register(spec()) == info
     with pytest.raises(ConfigError, match="already registered"):
-        directory.register(spec(tp_size=4))
+        directory.register(spec(kv_heads=4))
     with pytest.raises(CacheUsageError, match="not registered"):
         directory.lookup("nope", [])
-    with pytest.raises(CacheUsageError, match="outside 0..1"):
-        directory.report_stored(info.namespace, chain("a", 1), 2)
+    with pytest.raises(CacheUsageError, match="with 2 KV heads"):
+        directory.report_stored(info.namespace, chain("a", 1), head(2, 3))
     with pytest.raises(CacheUsageError, match="64 lowercase hex"):
-        directory.report_stored(info.namespace, ["xyz"], 0)
+        directory.report_stored(info.namespace, ["xyz"], head(0))
+
+
+def test_writers_of_any_tp_size_fill_pages_together(directory):
+    """Heads, not ranks: a TP=1 writer publishes alone; TP=3 ranks and a TP=1 writer mix."""
+    ns = directory.register(spec(kv_heads=3)).namespace
+    whole = chain("a", 2)
+    assert directory.report_stored(ns, whole, HeadRange.all_of(3)) == whole
+    mixed = chain("b", 2)
+    assert directory.report_stored(ns, mixed, head(1, 3)) == []
+    assert directory.report_stored(ns, mixed[:1], HeadRange(0, 3, 3)) == mixed[:1]
+    assert directory.lookup(ns, mixed).hit_pages == 1
 
 
 def test_tenants_are_isolated(directory):
@@ -203,13 +222,13 @@ def test_max_bytes_quota_needs_page_bytes():
 
 def test_pending_pages_of_a_vanished_writer_expire(directory, clock, stores):
     ns = directory.register(spec()).namespace
-    directory.report_stored(ns, chain("a", 2), 0)
+    directory.report_stored(ns, chain("a", 2), head(0))
     clock.now += 61
     directory.lookup(ns, chain("a", 2))
     s = directory.stats(ns)
     assert (s.pending_pages, s.expired_pending_pages, s.doomed_pages) == (0, 2, 2)
     assert stores[ns].deleted == []  # queued: deleted by the next pass, not by the lookup
-    assert directory.report_stored(ns, chain("a", 2), 1) == []  # doomed: ignored until gone
+    assert directory.report_stored(ns, chain("a", 2), head(1)) == []  # doomed: ignored till gone
     assert run_pass(directory).deleted == 2
     assert stores[ns].deleted == chain("a", 2)  # the orphaned parts are removed
     assert directory.stats(ns).doomed_pages == 0
@@ -222,20 +241,21 @@ def test_rebuild_publishes_complete_pages_and_keeps_partial_ones_pending(clock):
     ns = d.register(spec()).namespace
     assert d.rebuild(ns) == 2
     assert d.lookup(ns, pages).hit_pages == 2
-    assert d.report_stored(ns, pages[2:], 0) == pages[2:]
+    assert d.report_stored(ns, pages[2:], head(0)) == pages[2:]
     d2 = PageDirectory(lambda info: RecordingStore(info, listing, listable=False), clock)
     assert d2.rebuild(d2.register(spec()).namespace) == 0  # e.g. Mooncake: starts empty
 
 
 # ---- real backends: deletes and listings -------------------------------------------------
 
-def _fill(kind: str, options: dict, tenant: str, tp_size: int, pages: list[str], ranks):
-    """Store `pages` for `ranks` with real rank clients, as the rank actors would."""
-    info = NamespaceInfo("", NamespaceSpec("org/model", tenant, "fp", kind, options, tp_size),
+def _fill(kind: str, options: dict, tenant: str, kv_heads: int, pages: list[str], ranks):
+    """Store `pages` for `ranks` (rank r owns KV head r) with real rank clients, as the rank
+    actors would."""
+    info = NamespaceInfo("", NamespaceSpec("org/model", tenant, "fp", kind, options, kv_heads),
                          options)
     for rank in ranks:
-        with HostPool(SPEC, 8, MemLayout.PAGE_FIRST) as pool, \
-                open_rank_backend(info, rank) as backend:
+        with HostPool(SPEC, 8, MemLayout.PAGE_HEAD) as pool, \
+                open_rank_backend(info, head(rank, kv_heads)) as backend:
             pool.kv.copy_(torch.randn(pool.kv.shape))
             backend.register_pool("kv", pool)
             assert all(backend.set_from("kv", pages, list(range(len(pages)))).ok)
@@ -243,7 +263,8 @@ def _fill(kind: str, options: dict, tenant: str, tp_size: int, pages: list[str],
 
 
 def _present(info, rank, pages) -> int:
-    with HostPool(SPEC, 8, MemLayout.PAGE_FIRST) as pool, open_rank_backend(info, rank) as b:
+    with HostPool(SPEC, 8, MemLayout.PAGE_HEAD) as pool, \
+            open_rank_backend(info, head(rank, info.spec.kv_heads)) as b:
         b.register_pool("kv", pool)
         return b.exists(pages).usable_pages
 
@@ -276,15 +297,14 @@ def test_backends_list_pages_by_complete_ranks(kind, tmp_path):
     pages = chain("b", 3)
     info = _fill(kind, options, "t", 2, pages, ranks=[0])
     _fill(kind, options, "t", 2, pages[:2], ranks=[1])
-    _fill(kind, options, "t", 1, pages, ranks=[0])  # another TP size: other objects
     _fill(kind, options, "other", 2, pages, ranks=[0, 1])  # another tenant
-    with open_rank_backend(info, 0) as backend:
+    with open_rank_backend(info, head(0)) as backend:
         assert backend.capabilities.listable
         listing = backend.list_pages()
-    assert listing == {pages[0]: {0, 1}, pages[1]: {0, 1}, pages[2]: {0}}
-    if kind == "file":  # a lone K part is not a complete rank
-        os.unlink(tmp_path / info.spec.namespace / "kv" / f"{pages[0]}_1_2_v")
-        with open_rank_backend(info, 1) as backend:
+    assert listing == {pages[0]: {0, 1}, pages[1]: {0, 1}, pages[2]: {0}}  # heads, any owner
+    if kind == "file":  # a lone K part is not a complete head
+        os.unlink(tmp_path / info.spec.namespace / "kv" / f"{pages[0]}_h1_v")
+        with open_rank_backend(info, head(1)) as backend:
             assert backend.list_pages()[pages[0]] == {0}
 
 
@@ -317,7 +337,7 @@ RECORDS = [
     NamespaceSpec("m", backend=StorageBackendKind.FILE, options={"root_dir": "/tmp/x",
                                                                  "fsync": True}),
     NamespaceInfo("ns", spec(), {"seed": 3, "x": None}, 2),
-    StoredReport("ns", 1, tuple(chain("a", 2))),
+    StoredReport("ns", 1, 3, tuple(chain("a", 2))),
     MissingReport("ns", tuple(chain("a", 2))),
     LookupRequest("ns", tuple(chain("b", 3)), 2.5),
     LookupResult("ns", 3, "abc-1"),
@@ -341,11 +361,20 @@ def _packed(**fields):
     (StoredReport, b"\xc1garbage", "not a msgpack"),
     (StoredReport, "not bytes", "takes bytes"),
     (StoredReport, _packed(type="LookupResult", namespace="n", hit_pages=1), "expected a StoredReport"),
-    (StoredReport, _packed(type="StoredReport", namespace="n", tp_rank="0", hashes=[]), "tp_rank"),
-    (StoredReport, _packed(type="StoredReport", namespace="n", tp_rank=True, hashes=[]), "tp_rank"),
-    (StoredReport, _packed(type="StoredReport", namespace="n", tp_rank=0, hashes=["zz"]), "64 lower"),
-    (StoredReport, _packed(type="StoredReport", namespace="n", tp_rank=0), "missing"),
-    (StoredReport, _packed(type="StoredReport", namespace="n", tp_rank=0, hashes=[], x=1), "unknown"),
+    (StoredReport, _packed(type="StoredReport", namespace="n", head_start="0", head_stop=1,
+                           hashes=[]), "head_start"),
+    (StoredReport, _packed(type="StoredReport", namespace="n", head_start=True, head_stop=1,
+                           hashes=[]), "head_start"),
+    (StoredReport, _packed(type="StoredReport", namespace="n", head_start=1, head_stop=1,
+                           hashes=[]), "head_stop"),
+    (StoredReport, _packed(type="StoredReport", namespace="n", head_start=0, head_stop=1,
+                           hashes=["zz"]), "64 lower"),
+    (StoredReport, _packed(type="StoredReport", namespace="n", head_start=0, head_stop=1),
+     "missing"),
+    (StoredReport, _packed(type="StoredReport", namespace="n", head_start=0, head_stop=1,
+                           hashes=[], x=1), "unknown"),
+    (StoredReport, _packed(type="StoredReport", namespace="n", tp_rank=0, hashes=[]),
+     "unknown"),  # a peer of the old format: refused, never read as heads
     (LookupRequest, _packed(type="LookupRequest", namespace="n", hashes=[], lease_ttl_s=-1), "lease_ttl"),
     (NamespaceSpec, _packed(type="NamespaceSpec", model="m", backend="tape"), "not one of"),
     (NamespaceSpec, _packed(type="NamespaceSpec", model="../m"), "not allowed"),

@@ -74,6 +74,8 @@ def test_host_bytes_follow_the_layout(layout):
                     got = host.kv[part, :, h * P : (h + 1) * P]
                 elif layout is MemLayout.PAGE_FIRST:
                     got = host.kv[part, h * P : (h + 1) * P].transpose(0, 1)
+                elif layout is MemLayout.PAGE_HEAD:  # (H, L, P, D): head-major
+                    got = host.kv[part, h].permute(1, 2, 0, 3)
                 else:
                     got = host.kv[part, h]
                 assert torch.equal(got, expected)
@@ -100,13 +102,36 @@ def test_page_part_view_is_the_page_in_place(layout):
             view = host.page_part_view(4, part)
             assert view.dtype == torch.uint8 and view.dim() == 1 and view.numel() == SPEC.page_part_bytes
             assert view.untyped_storage().data_ptr() == host.kv.untyped_storage().data_ptr()
-            order = dev.kv[part, :, 2] if layout is MemLayout.PAGE_FIRST_DIRECT else dev.kv[part, :, 2].transpose(0, 1)
+            order = {MemLayout.PAGE_FIRST_DIRECT: dev.kv[part, :, 2],
+                     MemLayout.PAGE_FIRST: dev.kv[part, :, 2].transpose(0, 1),
+                     MemLayout.PAGE_HEAD: dev.kv[part, :, 2].permute(2, 0, 1, 3)}[layout]
             assert torch.equal(view, order.contiguous().view(-1).view(torch.uint8))
         host.page_part_view(4, 1).zero_()  # zero copy: writing the view writes the pool
         back = DevicePool(SPEC, DEV_PAGES, device="cpu")
         back.kv.fill_(1)
         load(host, back, [4], [0])
         assert not back.kv[1, :, 0].any() and torch.equal(back.kv[0, :, 0], dev.kv[0, :, 2])
+
+
+def test_page_head_view_is_one_heads_bytes_in_place():
+    dev = filled_device()
+    with HostPool(SPEC, HOST_PAGES, MemLayout.PAGE_HEAD) as host:
+        write(dev, host, [2], [4])
+        for head in range(SPEC.num_kv_heads):
+            for part in (0, 1):
+                view = host.page_head_view(4, head, part)
+                assert view.numel() == SPEC.page_part_bytes // SPEC.num_kv_heads
+                want = dev.kv[part, :, 2, :, head]  # (L, P, D) of that head
+                assert torch.equal(view, want.contiguous().view(-1).view(torch.uint8))
+        host.page_head_view(4, 1, 0).zero_()  # zero copy: only that head of K changes
+        assert not host.layer_page_view()[0, :, 4, :, 1].any()
+        assert torch.equal(host.layer_page_view()[0, :, 4, :, 0], dev.kv[0, :, 2, :, 0])
+        with pytest.raises(TransferError):
+            host.page_head_view(4, SPEC.num_kv_heads, 0)
+    for layout in (MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST, MemLayout.PAGE_FIRST_DIRECT):
+        with HostPool(SPEC, HOST_PAGES, layout) as host, \
+                pytest.raises(ConfigError, match="page_head"):
+            host.page_head_view(0, 0, 0)
 
 
 def test_page_part_view_rejects_layer_first_and_bad_arguments():

@@ -102,9 +102,9 @@ def _best_effort_cache(seed, *docs):
         settle(a)
     config = HiCacheConfig(page_size=4, prefetch_policy=PrefetchPolicy.BEST_EFFORT,
                            prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
-                           storage_batch_pages=3)
+                           storage_batch_pages=3, mem_layout="page_head")
     b = HierarchicalCache(config, SPEC, 64, device="cpu", model="m")
-    backend = FaultyBackend(create_backend("simulated", StorageTarget(b.namespace, 0, 1),
+    backend = FaultyBackend(create_backend("simulated", StorageTarget(b.namespace, b.heads),
                                            {"seed": seed}))
     b.attach_storage(backend)
     return b, backend

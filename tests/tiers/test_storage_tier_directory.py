@@ -32,6 +32,9 @@ class NullStore:
     def list_pages(self):
         return {}
 
+    def reclaim_old_format(self):
+        return 0
+
     def close(self):
         pass
 
@@ -62,7 +65,8 @@ def make(seed, directory, tp_rank=0, tenant="", prefetch=PrefetchPolicy.WAIT_COM
 def register(directory, cache) -> str:
     ns = cache.namespace
     info = directory.register(NamespaceSpec(ns.model, ns.tenant_salt, ns.layout_fingerprint,
-                                            StorageBackendKind.SIMULATED, {}, tp_size=2))
+                                            StorageBackendKind.SIMULATED, {},
+                                            kv_heads=cache.heads.total))
     assert info.namespace == ns.name
     return info.namespace
 
