@@ -316,6 +316,10 @@ class StorageBackend(abc.ABC):
             per_pool[name] = leading_present(present, reg.hit_policy, reg.window_pages)
         return ExistsResult(per_pool, min(per_pool.values()) if per_pool else 0)
 
+    def present(self, keys: Sequence[str], pool: str = KV_POOL) -> list[bool]:
+        """Per page of `keys`: are all of this target's objects of it in `pool`?"""
+        return self._present(self._pool(pool), [check_page_hash(k) for k in keys])
+
     def get_into(self, pool: str, keys: Sequence[str], host_pages: Sequence[int]) -> TransferResult:
         """Read pages into host pool pages; a page is ok only if every object (each owned
         head's parts) read and verified."""

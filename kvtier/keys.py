@@ -155,4 +155,7 @@ def layout_fingerprint(spec: object, total_kv_heads: int,
         str(getattr(spec, "head_dim")),
         str(getattr(spec, "page_size")),
     ]
+    sliding = getattr(spec, "sliding", None)
+    if sliding is not None:  # a hybrid model's sliding layers: a pool of their own
+        parts.append(f"sliding{sliding.num_layers}w{sliding.window}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -28,6 +28,7 @@ from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_kv import SlidingKV
+from kvtier.tiers.sliding_l3 import SlidingL3
 from kvtier.tiers.storage_tier import StorageTier
 from kvtier.tiers.storage_types import PageDirectoryClient, PrefetchTicket
 from kvtier.tiers.tree_node import STORED, TreeNode
@@ -397,9 +398,12 @@ class HierarchicalCache:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
         self.flush()  # back up only L2 copies that have landed (and drop the ones that failed)
         backend.register_pool(KV_POOL, self.host_pool)
+        sliding = (SlidingL3(backend, self.host_pool.sidecar, self.tree, self.spec.window_pages,
+                             self.config.storage_batch_pages)
+                   if self.sliding is not None else None)
         self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
                                    self.namespace, self._alloc_host,
-                                   directory=self.directory)
+                                   directory=self.directory, sliding=sliding)
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
         for node in self.tree.nodes():  # what L2 holds goes to the new backend too
             if node.host_value is not None:

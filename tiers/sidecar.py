@@ -140,6 +140,22 @@ class Sidecar:
         self.drop(gone)
         return len(gone)
 
+    def detach(self, pages: Sequence[int]) -> list[int]:
+        """Take the slots of `pages` away from them without freeing the slots (an L3 read
+        that may still write them: they are freed with `free_detached` once it stops)."""
+        slots = []
+        for p in pages:
+            s = self._slot_of[p]
+            if s != NO_SLOT:
+                self._slot_of[p] = NO_SLOT
+                self._locks[s] = 0
+                self._cached.pop(s, None)
+                slots.append(s)
+        return slots
+
+    def free_detached(self, slots: Sequence[int]) -> None:
+        self.slots.allocator.free(slots)
+
     def evict(self, num_slots: int) -> int:
         """Free up to `num_slots` cached slots, least recently used first."""
         freed = 0
@@ -184,7 +200,7 @@ class Sidecar:
     def audit(self) -> tuple[int, int]:
         """(slots held by no page, locked slots): both 0 when nothing runs."""
         mapped = {s for s in self._slot_of if s != NO_SLOT}
-        stray = len(set(self.slots.allocator.allocated_pages()) - mapped)
+        stray = len(set(self.slots.allocator.allocated_pages()) - mapped)  # detached too
         return stray, sum(1 for n in self._locks if n)
 
 

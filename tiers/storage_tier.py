@@ -25,6 +25,7 @@ from kvtier.keys import KeyNamespace
 from kvtier.policies import HostMode, PrefetchPolicy
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.sliding_l3 import SlidingL3
 from kvtier.tiers.storage_worker import OpState, StorageOp, StorageWorker
 from kvtier.tiers.storage_types import (PageDirectoryClient, PrefetchTicket, StorageCounters,
                                          node_tokens)
@@ -46,7 +47,9 @@ class StorageTier:
     def __init__(self, backend: StorageBackend, tree: HiRadixTree, host_allocator: PageAllocator,
                  config: HiCacheConfig, namespace: KeyNamespace, alloc_host,
                  directory: PageDirectoryClient | None = None,
-                 lease_ttl_s: float = DIRECTORY_LEASE_S) -> None:
+                 lease_ttl_s: float = DIRECTORY_LEASE_S, sliding: SlidingL3 | None = None
+                 ) -> None:
+        """`sliding`: a hybrid model's sliding-window pool, backed up and fetched along."""
         self.backend = backend
         self.tree = tree
         self.host_allocator = host_allocator
@@ -66,6 +69,7 @@ class StorageTier:
         self._keep_stored = config.host_mode is HostMode.STORAGE_ONLY
         self._stored_nodes: list[TreeNode] = []
         self.lease_ttl_s = lease_ttl_s
+        self.sliding = sliding
 
     # ---- prefetch ------------------------------------------------------------------------
     def page_keys(self, tokens: Sequence[int], salt: str = "") -> list[str]:
@@ -104,6 +108,11 @@ class StorageTier:
             return None
         room = self._prefetch_capacity - self._inflight_pages
         take = min(hit, room)
+        if self.sliding is not None:  # a hit must end where L3 has its window's sliding KV
+            present = self.sliding.present(keys[:hit])
+            usable = self.sliding.usable_end(present, take)
+            tally.unfulfilled_sliding_window_tokens += (take - usable) * p
+            take = usable
         self.tree.protect_host(anchor)  # first: making room must not evict the anchor's path
         host_pages = self._alloc_host(take) if take * p >= threshold else None
         if host_pages is None:
@@ -119,6 +128,8 @@ class StorageTier:
         op = self.worker.prefetch(keys[:take], host_pages)
         timeout = self.config.prefetch_timeout_s(take * p)
         ticket = PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id)
+        if self.sliding is not None:
+            ticket.sliding = self.sliding.fetch(keys[:take], host_pages)
         self._tickets[op.id] = ticket
         return ticket
 
@@ -281,6 +292,8 @@ class StorageTier:
         settled = self.worker.settle(ticket.op, 0.0 if overdue else SETTLE_WAIT_S)
         self._inflight_pages -= ticket.op.num_pages
         self._tickets.pop(ticket.op.id, None)
+        if self.sliding is not None:  # before the pages are inserted or freed
+            self.sliding.settle(ticket.sliding)
         self._release(ticket.lease_id)  # the pages are read: eviction may take them again
         return settled
 
@@ -332,12 +345,16 @@ class StorageTier:
         self.tree.protect_host(node)
         op = self.worker.backup(keys, pages, node)
         self.tree.l3.mark_storing(todo, op.id)
+        if self.sliding is not None:
+            self.sliding.backup(keys, pages, node)
         return op
 
     def poll(self) -> int:
         """Release nodes whose backups ended and record what reached L3."""
         if self._orphans:
             self._free_orphans()
+        if self.sliding is not None:
+            self.sliding.poll()
         ended = self.worker.finished_backups()
         stored: list[str] = []
         for op in ended:
@@ -380,7 +397,8 @@ class StorageTier:
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until queued backups have ended (tests, detach, shutdown)."""
         deadline = time.monotonic() + timeout_s
-        while self.worker.pending() and time.monotonic() < deadline:
+        workers = [self.worker] + ([self.sliding.worker] if self.sliding is not None else [])
+        while any(w.pending() for w in workers) and time.monotonic() < deadline:
             time.sleep(0.002)
         self.poll()
 
@@ -390,5 +408,7 @@ class StorageTier:
         if drain:
             self.drain()
         self.worker.close()
+        if self.sliding is not None:
+            self.sliding.close()
         self.poll()
         self.backend.close()

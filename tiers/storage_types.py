@@ -50,6 +50,7 @@ class PrefetchTicket:
     timeout_s: float
     finished: bool = False
     lease_id: str = ""  # the directory's lease on the pages being fetched ("" = none)
+    sliding: object | None = None  # a hybrid model's window read (SlidingFetch)
 
     @property
     def done_pages(self) -> int:
@@ -64,6 +65,7 @@ class StorageCounters:
     prefetch_wait_s: float = 0.0
     unfulfilled_below_threshold_tokens: int = 0
     unfulfilled_host_capacity_tokens: int = 0
+    unfulfilled_sliding_window_tokens: int = 0  # L3 held the pages, not their window's sliding KV
     unfulfilled_storage_transfer_tokens: int = 0  # asked for, not landed in time or failed
     backed_up_tokens: int = 0
     backup_failed_tokens: int = 0
