@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 from kvtier.errors import CacheUsageError
+from kvtier.tiers.page_pins import check_ttl
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.tree_node import TreeNode, as_key
 
@@ -120,6 +121,7 @@ class CachePins:
             max_fraction: float, salt: str = "", tenant: str = "") -> PinOutcome | PinRefusal:
         """Pin the first `pages` whole pages of `tokens` (they must be held: `held_pages`)
         for `ttl_s`; pinning `pin_id` again refreshes it (or moves it to these pages)."""
+        check_ttl(ttl_s)
         p = self.tree.page_size
         key = as_key(tokens)[: pages * p]
         if pages < 1 or len(key) < pages * p:
