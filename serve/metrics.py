@@ -151,6 +151,10 @@ GAUGES = {
     "pins": "Pinned prefixes the instance holds (POST /admin/pin)",
 }
 PIN_TIERS = ("device", "host")  # where an instance's pinned pages are (L3's: l3_pinned_pages)
+TIER_GAUGES = {  # gauges with a `tier` label too
+    "pinned_pages": "Pages of pinned prefixes an instance holds, by the tier they are in now "
+                    "(pins keep them in host memory; device copies come and go)",
+}
 
 # The L3 namespace, which the deployment's instances share: its directory's figures
 # (DirectoryStats keys), labelled by namespace rather than by instance.
@@ -207,10 +211,9 @@ class ServeMetrics:
                            for kind, table in ((Counter, NAMESPACE_COUNTERS),
                                                (Gauge, NAMESPACE_GAUGES))
                            for name, (doc, _) in table.items()}
-        self._pinned = Gauge(PREFIX + "pinned_pages", "Pages of pinned prefixes an instance "
-                             "holds, by the tier they are in now (pins keep them in host "
-                             "memory; device copies may come and go)", (LABEL, "tier"),
-                             registry=self.registry)
+        self._gauges.update({name: Gauge(PREFIX + name, doc, (LABEL, "tier"),
+                                         registry=self.registry)
+                             for name, doc in TIER_GAUGES.items()})
         self._last: dict[tuple[str, str], dict[str, float]] = {}  # (instance, source) -> snapshot
         self._lock = threading.Lock()
 
@@ -277,7 +280,7 @@ class ServeMetrics:
         `host_pages`)."""
         self._gauges["pins"].labels(instance).set(pins.get("pins", 0))
         for tier in PIN_TIERS:
-            self._pinned.labels(instance, tier).set(pins.get(f"{tier}_pages", 0))
+            self._gauges["pinned_pages"].labels(instance, tier).set(pins.get(f"{tier}_pages", 0))
 
     def update_gauges(self, instance: str, values: Mapping[str, float]) -> None:
         """Current values of one instance (pool use, queue lengths); names from GAUGES,
