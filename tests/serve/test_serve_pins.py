@@ -16,19 +16,14 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 from shared_serve import BASE, served
-
-from kvtier.engine.tp_worker import TinyWeights
-from kvtier.serve.settings import ServeSettings
+from test_serve_metrics import PAGE, SETTINGS as METRICS_SETTINGS
 
 KEY = "test-admin-key-pins-0123456789"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
-PAGE = 16
-_TINY = TinyWeights().config()
-PAGE_BYTES = 2 * _TINY.num_layers * _TINY.num_kv_heads * _TINY.head_dim * PAGE * 4  # K, V; fp32
-SETTINGS = ServeSettings(model="tiny", instances=1, tp_size=2, page_size=PAGE,
-                         chunk_tokens=4 * PAGE, device_pages=24, hicache_ratio=2.0,
-                         max_new_tokens=32, dtype="fp32", admin_key=KEY,
-                         l3_max_gb=48 * PAGE_BYTES / 2**30, pin_max_fraction=0.25)
+# the metrics test's tiers (24 L1 and 48 L2 pages of 16 tokens, a 48-page L3), the default
+# prefetch threshold, pins on a quarter of each
+SETTINGS = dataclasses.replace(METRICS_SETTINGS, admin_key=KEY, hicache={},
+                               pin_max_fraction=0.25)
 MODEL = SETTINGS.served_model_name
 SYSTEM = [{"role": "system", "content": "You are the archivist of the kvtier project. Answer "
                                         "in one line and cite the record number. " * 5}]
