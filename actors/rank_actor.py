@@ -22,6 +22,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
+from kvtier.actors.rank_pins import RankPins
 from kvtier.actors.step_wire import Progress, StepReport, encode_output, encode_report
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.config import HiCacheConfig
@@ -36,7 +37,6 @@ from kvtier.engine.tp_worker import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import SchedulePolicy
-from kvtier.tiers.cache_pins import PinRefusal
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.page_store import open_rank_backend
 from kvtier.tiers.storage_types import PageDirectoryClient
@@ -98,7 +98,7 @@ class CacheDescription(NamedTuple):
     page_bytes: int = 0  # one page over every TP rank and part (a namespace's byte quota)
 
 
-class RankCache:
+class RankCache(RankPins):
     """One rank: joins the TP group, builds its shard and cache, and steps its Engine."""
 
     def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
@@ -305,41 +305,6 @@ class RankCache:
                                 cache.host_pool.num_pages,
                                 cache.storage.backend.kind.value if cache.storage else None,
                                 cache.spec.page_bytes * self.size)
-
-    # ---- pinned prefixes (tiers/cache_pins; every rank gets the same calls) -----------------
-    def pin_held(self, tokens: Sequence[int], salt: str = "") -> int:
-        """Whole pages of `tokens` this rank holds in L1 or L2 (the instance pins the MIN)."""
-        return self.engine.cache.pins.held_pages([int(t) for t in tokens], salt)
-
-    def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
-            max_fraction: float, salt: str = "", tenant: str = "") -> dict:
-        """Pin the first `pages` whole pages: PinOutcome's fields, or {"refused": PinRefusal's}
-        (a value: an exception would count as a rank fault)."""
-        out = self.engine.cache.pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s,
-                                         max_fraction, salt, tenant)
-        return {"refused": out._asdict()} if isinstance(out, PinRefusal) else out._asdict()
-
-    def unpin(self, pin_id: str) -> bool:
-        return self.engine.cache.pins.unpin(pin_id)
-
-    def pins(self) -> list[dict]:
-        self._pin_housekeeping()
-        return self.engine.cache.pins.describe()
-
-    def _pin_housekeeping(self) -> dict:
-        """Drop expired pins; rank 0 extends in L3 the pins that hits here extended (a hit
-        in L2 never asks L3). The pins' figures, for metrics."""
-        cache = self.engine.cache
-        cache.pins.expire()
-        refreshed = cache.pins.take_refreshed()
-        if refreshed and self.rank == 0 and cache.directory is not None \
-                and cache.storage is not None:
-            try:
-                cache.directory.refresh_pins(cache.namespace.name, refreshed)
-            except Exception as exc:  # noqa: BLE001 - the L3 pin lapses at its TTL at worst
-                log.warning("extending %d L3 pins failed (%s)", len(refreshed), exc)
-        _, device, host = cache.pins.pinned_pages()
-        return {"pins": len(cache.pins), "device_pages": device, "host_pages": host}
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""
