@@ -85,8 +85,8 @@ class PinDesk:
         if namespace:
             try:
                 l3_pages = await self._l3(namespace, "pin", pid, hashes, ttl_s, fraction, tenant)
-            except PinRoomError:
-                await self._each(lambda h: h.unpin.remote(pid))
+            except Exception:  # refused (409), or the namespace actor is away (503): no
+                await self._each(lambda h: h.unpin.remote(pid))  # half-made pin stays behind
                 raise
         log.info("pinned %d pages as %s for %.0f s (%s, L3 %s)", full, pid, ttl_s,
                  {n: r["pages"] for n, r in results.items()}, l3_pages)

@@ -11,6 +11,11 @@ the room it needs and the room there is (`PinRefusal`), never by evicting anothe
 Why its own class: the tree keeps only a count per node (`pin_ref`); which pins exist, their
 TTLs and their budget live here, owned by the cache facade. Plain Python; the clock is
 injectable so tests can move time.
+
+TP ranks: every rank of an instance gets the same pin calls (the instance pins the MIN of
+the pages they hold) and the same lookups, so their pins match; each expires them on its own
+clock between steps, so ranks may drop one a step apart. A page one rank evicts meanwhile is
+what the ranks' MIN agreement already covers: a shorter agreed hit, never a wrong one.
 """
 from __future__ import annotations
 
