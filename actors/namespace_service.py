@@ -158,11 +158,11 @@ class NamespaceService:
 
     def refresh_pins(self, ns: str, pin_ids: list[str]) -> int:
         with self._lock:
-            return self.directory.refresh_pins(str(ns), [str(i) for i in pin_ids])
+            return self._poke(self.directory.refresh_pins(str(ns), [str(i) for i in pin_ids]))
 
     def pins(self, ns: str) -> list[dict]:
-        with self._lock:
-            return self.directory.pins(str(ns))
+        with self._lock:  # (lapsing pins may leave the namespace over its quota: a pass)
+            return self._poke(self.directory.pins(str(ns)))
 
     # ---- eviction -------------------------------------------------------------------------
     def run_pass(self) -> PassResult:

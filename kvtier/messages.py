@@ -356,6 +356,8 @@ class PinRequest(_Record):
 
     def __post_init__(self) -> None:
         _check_hashes(self.hashes, "PinRequest.hashes")
+        if not 1 <= len(self.pin_id) <= 64 or len(self.tenant) > 128:
+            raise MessageError("PinRequest: pin_id is 1-64 characters, tenant at most 128")
         if not 0.0 <= self.max_fraction <= 1.0:
             raise MessageError(f"PinRequest.max_fraction must be in [0, 1], got "
                                f"{self.max_fraction}")

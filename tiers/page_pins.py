@@ -64,6 +64,8 @@ class NamespacePins:
         old = self._pins.pop(pin_id, None)
         if old is not None:
             self._release(pin_id, old)
+        if not hashes:
+            return 0  # nothing published to keep: no pin
         if old is None and len(self._pins) >= MAX_PINS:
             raise PinRoomError(len(hashes), 0, where, f"at most {MAX_PINS} pins")
         new = sum(1 for h in dict.fromkeys(hashes) if h not in self._pages)

@@ -97,7 +97,8 @@ def test_a_pin_past_its_share_of_the_quota_is_refused_with_the_room_it_needs(dir
     assert (err.value.needed_pages, err.value.free_pages) == (3, 1)
     assert directory.stats(ns).pins == 1
     assert directory.pin(ns, "a2", a[:2], 60.0, 0.5) == 2  # shares its pages: fits
-    assert directory.pin(ns, "c", chain("c", 3), 60.0, 0.5) == 0  # nothing published
+    assert directory.pin(ns, "c", chain("c", 3), 60.0, 0.5) == 0  # nothing published: no pin
+    assert [p["id"] for p in directory.pins(ns)] == ["a", "a2"]
 
 
 def test_an_unbounded_namespace_has_no_pin_share_and_ttls_are_bounded(directory):
