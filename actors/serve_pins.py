@@ -44,7 +44,7 @@ class PinDesk:
         try:
             if verb is PinVerb.LIST:
                 return 200, {"pins": await self.list()}
-            body = parse_pin_body(raw, delete=verb is PinVerb.UNPIN)
+            body = parse_pin_body(raw, verb is PinVerb.UNPIN, self.settings.max_body_bytes)
             if body.pin_id:
                 return await self.unpin(body.pin_id)
             tokens, salt = self._prefix(body)

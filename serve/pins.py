@@ -15,7 +15,7 @@ import hashlib
 import re
 from typing import Any, Mapping, NamedTuple
 
-from kvtier.serve.admin import parse_admin_body
+from kvtier.serve.admin import MAX_ADMIN_BODY, parse_admin_body
 from kvtier.serve.openai_requests import ApiError, ChatMessage, parse_messages
 from kvtier.tiers.page_pins import MAX_PIN_TTL_S
 
@@ -49,10 +49,12 @@ def _bad(param: str, what: str) -> ApiError:
     return ApiError(400, f"{param}: {what}", param=param)
 
 
-def parse_pin_body(raw: bytes, delete: bool = False) -> PinBody:
+def parse_pin_body(raw: bytes, delete: bool = False,
+                   max_bytes: int = MAX_ADMIN_BODY) -> PinBody:
     """The body of `POST /admin/pin` (`delete`: of `DELETE /admin/pin`); a 4xx ApiError
-    naming the field otherwise."""
-    body = parse_admin_body(raw)
+    naming the field otherwise. `max_bytes`: a pinned document may be as long as a prompt,
+    so the server passes its request body limit."""
+    body = parse_admin_body(raw, max_bytes)
     allowed = PIN_FIELDS + (("id",) if delete else ())
     unknown = sorted(set(body) - set(allowed))
     if unknown:

@@ -49,7 +49,7 @@ def raw(body) -> bytes:
     ([1, 2], 400, "object"),
     (b"{nope", 400, "JSON"),
     (b"", 400, "either tokens"),
-    (b"{" + b" " * (65 << 10) + b"}", 413, "bytes"),
+    (b"{" + b" " * (65 << 10) + b"}", 413, "65536 bytes"),
 ])
 def test_bad_pin_bodies_are_a_4xx_naming_the_field(body, status, needle):
     with pytest.raises(ApiError) as err:
@@ -65,6 +65,13 @@ def test_bad_pin_bodies_are_a_4xx_naming_the_field(body, status, needle):
 def test_bad_unpin_bodies(body, needle):
     with pytest.raises(ApiError, match=needle):
         parse_pin_body(raw(body), delete=True)
+
+
+def test_a_pin_body_may_be_as_long_as_a_request_body():
+    long = raw({"tokens": [12345] * 20_000, "ttl_s": 5})  # 140 kB: over the admin default
+    assert len(parse_pin_body(long, max_bytes=1 << 20).tokens) == 20_000
+    with pytest.raises(ApiError, match="at most 1024 bytes"):
+        parse_pin_body(long, max_bytes=1024)
 
 
 def test_good_bodies():
