@@ -126,6 +126,8 @@ def test_a_pinned_chat_prefix_survives_a_flood_and_still_hits(app):
     control = chat(CONTROL + [{"role": "user", "content": "Record 3?"}])
     assert sum(control["kvtier"]["cached_tokens"].values()) < PAGE, control["kvtier"]  # evicted
 
+    assert gauge("cached_tokens_total", kvtier_instance="instance-0", tier="host") >= \
+        pages * PAGE  # the metrics show the L2 hit too
     wait_gauge("pins", 1, kvtier_instance="instance-0")
     wait_gauge("pinned_pages", pages, kvtier_instance="instance-0", tier="host")
     wait_gauge("l3_pinned_pages", pages)
