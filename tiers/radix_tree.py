@@ -430,10 +430,12 @@ class HiRadixTree:
         return [n for root in self._roots.values() for n in root.descendants()]
 
     def clear(self) -> None:
-        """Drop every unlocked page; raises when something is still locked or protected."""
-        held = [n for n in self.nodes() if n.lock_ref or n.host_ref]
+        """Drop every unlocked page; raises when something is still locked, protected or
+        pinned."""
+        held = [n for n in self.nodes() if n.lock_ref or n.host_ref or n.pin_ref]
         if held:
-            raise CacheUsageError(f"clear() with {len(held)} locked or protected nodes, e.g. {held[0]}")
+            raise CacheUsageError(f"clear() with {len(held)} locked, protected or pinned nodes, "
+                                  f"e.g. {held[0]}")
         for node in self.nodes():
             self._forget(node)
         self.root.children.clear()
