@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
@@ -109,7 +110,7 @@ class PinDesk:
         per_instance = await self._each(lambda h: h.pins.remote())
         namespace = await self._namespace()
         l3 = await self._l3(namespace, "pins") if namespace else None
-        return merge_pins(per_instance, l3, page)
+        return merge_pins(per_instance, l3, page, time.time())
 
     # ---- helpers --------------------------------------------------------------------------
     def _prefix(self, body: PinBody) -> tuple[list[int], str]:

@@ -115,10 +115,10 @@ def pin_id(salt: str, tokens: tuple[int, ...] | list[int]) -> str:
 
 
 def merge_pins(instances: Mapping[str, list[dict]], l3: list[dict] | None,
-               page_size: int) -> list[dict]:
+               page_size: int, now_s: float) -> list[dict]:
     """One entry per pin id from each instance's pins and the L3 namespace's: its tenant,
-    tokens and pages, its latest expiry, and the tiers holding it (per instance: pages in L1
-    and L2; L3: pages)."""
+    tokens and pages, its latest expiry (seconds from now, and as a Unix time from `now_s`),
+    and the tiers holding it (per instance: pages in L1 and L2; L3: pages)."""
     merged: dict[str, dict] = {}
 
     def entry(pin: dict) -> dict:
@@ -136,4 +136,6 @@ def merge_pins(instances: Mapping[str, list[dict]], l3: list[dict] | None,
                                                                  "expires_in_s")}
     for pin in l3 or ():
         entry(pin)["l3_pages"] = pin["pages"]
+    for e in merged.values():
+        e["expires_at"] = round(now_s + e["expires_in_s"], 3)
     return sorted(merged.values(), key=lambda e: e["id"])

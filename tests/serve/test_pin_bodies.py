@@ -96,9 +96,11 @@ def test_the_listing_merges_instances_and_l3():
            "host_pages": 3}
     merged = merge_pins({"instance-0": [pin], "instance-1": []},
                         [{"id": "p", "tenant": "", "pages": 3, "expires_in_s": 9.0},
-                         {"id": "q", "tenant": "acme", "pages": 2, "expires_in_s": 1.0}], 16)
+                         {"id": "q", "tenant": "acme", "pages": 2, "expires_in_s": 1.0}], 16,
+                        now_s=1000.0)
     assert [m["id"] for m in merged] == ["p", "q"]
     assert merged[0]["tokens"] == 48 and merged[0]["expires_in_s"] == 9.0
+    assert merged[0]["expires_at"] == 1009.0
     assert merged[0]["instances"] == {"instance-0": {"device_pages": 1, "host_pages": 3,
                                                      "expires_in_s": 5.0}}
     assert merged[0]["l3_pages"] == 3 and merged[1]["instances"] == {}
