@@ -85,3 +85,31 @@ def test_an_l2_hit_extends_the_l3_pin(setup):
     assert after["expires_in_s"] > before["expires_in_s"] - 0.75, (before, after)
     assert all(a["locked_nodes"] == a["protected_nodes"] == 0
                for a in inst.call_all("audit"))  # pins are neither locks nor leaks
+
+
+class ScriptedRanks:
+    """An Instance stand-in (no Ray): each rank's answers to the pin calls, and the calls."""
+
+    def __init__(self, held: list[int], pinned: list[dict]) -> None:
+        self.answers = {"pin_held": held, "pin": pinned, "unpin": [True] * len(held)}
+        self.calls: list[tuple] = []
+
+    def call_all(self, method: str, *args) -> list:
+        self.calls.append((method, *args))
+        return self.answers[method]
+
+    def quiesce(self) -> None:
+        self.calls.append(("quiesce",))
+
+
+def test_the_min_of_the_ranks_is_pinned_and_one_refusal_unpins_every_rank():
+    ok = {"pin_id": "p", "pages": 3, "device_pages": 0, "host_pages": 3, "expires_in_s": 9.0}
+    ranks = ScriptedRanks([5, 3], [ok, ok])
+    assert pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")["pages"] == 3
+    assert ranks.calls[1][:4] == ("pin", "p", DOC, 3)  # every rank pins the MIN: 3 pages
+    assert ranks.calls[-1] == ("quiesce",)  # then the backups reach L3
+    refusal = {"needed_pages": 3, "free_pages": 1, "reason": "over the share"}
+    ranks = ScriptedRanks([5, 5], [ok, {"refused": refusal}])
+    out = pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")
+    assert out == {"instance": "i0", "refused": refusal}
+    assert ranks.calls[-1] == ("unpin", "p")  # the rank that pinned lets go too
