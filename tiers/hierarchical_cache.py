@@ -20,6 +20,7 @@ from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import HostMode, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
+from kvtier.tiers.cache_pins import CachePins
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
@@ -75,6 +76,8 @@ class HierarchicalCache:
         self.copies = HostCopies(self.controller, self.tree, self.counters, spec.page_size)
         self._loading: dict[int, list[TreeNode]] = {}  # load op id -> runs it restores to L1
         self._written_back: list[TreeNode] = []  # L2 copies made on eviction, for L3 backup
+        self.pins = CachePins(self.tree, self.host_pool.num_pages, self._copy_to_host,
+                              self.flush)
         self.namespace = KeyNamespace(model, tenant_salt, layout_fingerprint(spec, config.mem_layout))
         self.storage: StorageTier | None = None
         self.directory = directory
@@ -97,6 +100,8 @@ class HierarchicalCache:
         self.poll()
         p = self.spec.page_size
         m = self.tree.match_prefix(tokens, salt=salt)
+        if self.pins:  # a hit on pinned pages extends their pins
+            self.pins.on_hit(max(m.last_device_node, m.last_host_node, key=_depth))
         node, pages = m.last_device_node, list(m.device_indices)
         load = loaded_node = None
         loaded = 0
