@@ -313,6 +313,11 @@ class Instance:
         """Evict every unlocked L1 and L2 page on every rank (L3 is untouched)."""
         return self._all("drop_cache")
 
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call every rank in one lockstep round (maintenance between steps); results in
+        rank order."""
+        return self._all(method, *args)
+
     def rank_call(self, rank: int, method: str, *args: Any) -> Any:
         """Call one rank only (fault injection, per-rank cache surgery in tests)."""
         return self._get(getattr(self.ranks[rank], method).remote(*args), self.step_timeout_s,

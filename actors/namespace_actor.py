@@ -24,8 +24,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvtier.backends.base import StorageUnavailable
 from kvtier.kv_spec import HeadRange
+from kvtier.errors import PinRoomError
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
-                             MissingReport, NamespaceInfo, NamespaceSpec, StoredReport)
+                             MissingReport, NamespaceInfo, NamespaceSpec, PinGrant, PinRequest,
+                             StoredReport)
 from kvtier.actors.l3_hosts import cluster_master_host
 from kvtier.actors.namespace_service import NamespaceService
 from kvtier.tiers.page_directory import PageDirectory
@@ -96,6 +98,26 @@ class _Client:
         """Empty namespace `ns` on purpose (every page deleted from its storage, the directory
         reset, a new epoch: ranks back their pages up again); returns the pages deleted."""
         return int(self._call("purge", ns))
+
+    def pin(self, ns: str, pin_id: str, hashes: Sequence[str], ttl_s: float,
+            max_fraction: float, tenant: str = "") -> int:
+        """Pin the leading published pages of `hashes` (page_pins); the pages pinned, or
+        PinRoomError with the room missing."""
+        grant = PinGrant.from_msgpack(self._call("pin", PinRequest(
+            ns, pin_id, tuple(hashes), float(ttl_s), float(max_fraction), tenant).to_msgpack()))
+        if grant.refusal:
+            raise PinRoomError(grant.needed_pages, grant.free_pages, f"the L3 namespace {ns}")
+        return grant.pages
+
+    def unpin(self, ns: str, pin_id: str) -> bool:
+        return bool(self._call("unpin", ns, pin_id))
+
+    def refresh_pins(self, ns: str, pin_ids: Sequence[str]) -> int:
+        """Hits in an instance's L2 extend these pins in L3 too."""
+        return int(self._call("refresh_pins", ns, list(pin_ids)))
+
+    def pins(self, ns: str) -> list[dict]:
+        return list(self._call("pins", ns))
 
     def ping(self) -> str:
         """The service's incarnation id: it changes when the actor restarts."""

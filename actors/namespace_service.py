@@ -32,10 +32,10 @@ from typing import Callable, TypeVar
 
 from kvtier.backends.mooncake_master import MooncakeMaster, default_master_host
 from kvtier.backends.shared_root import ensure_marker, shared_root_dir
-from kvtier.errors import KvtierError
+from kvtier.errors import KvtierError, PinRoomError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import (LookupRequest, MissingReport, NamespaceInfo, NamespaceSpec,
-                             StoredReport)
+                             PinGrant, PinRequest, StoredReport)
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import MooncakeOptions
 from kvtier.tiers.page_directory import PageDirectory
@@ -149,6 +149,32 @@ class NamespaceService:
     def release(self, lease_id: str) -> bool:
         with self._lock:
             return self._poke(self.directory.release(str(lease_id)))
+
+    # ---- pinned prefixes (the directory's page_pins) -----------------------------------------
+    def pin(self, request_bytes: bytes) -> bytes:
+        """Pin a prefix's published pages: PinGrant bytes (a refusal is a value, not an
+        error, so it crosses the actor boundary as one)."""
+        q = PinRequest.from_msgpack(request_bytes)
+        with self._lock:
+            try:
+                pages = self.directory.pin(q.namespace, q.pin_id, q.hashes, q.ttl_s,
+                                           q.max_fraction, q.tenant)
+            except PinRoomError as exc:
+                return PinGrant(q.namespace, q.pin_id, 0, str(exc), exc.needed_pages,
+                                exc.free_pages).to_msgpack()
+            return self._poke(PinGrant(q.namespace, q.pin_id, pages).to_msgpack())
+
+    def unpin(self, ns: str, pin_id: str) -> bool:
+        with self._lock:
+            return self._poke(self.directory.unpin(str(ns), str(pin_id)))
+
+    def refresh_pins(self, ns: str, pin_ids: list[str]) -> int:
+        with self._lock:
+            return self._poke(self.directory.refresh_pins(str(ns), [str(i) for i in pin_ids]))
+
+    def pins(self, ns: str) -> list[dict]:
+        with self._lock:  # (lapsing pins may leave the namespace over its quota: a pass)
+            return self._poke(self.directory.pins(str(ns)))
 
     # ---- eviction -------------------------------------------------------------------------
     def run_pass(self) -> PassResult:

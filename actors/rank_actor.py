@@ -22,6 +22,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
+from kvtier.actors.rank_pins import RankPins
 from kvtier.actors.step_wire import Progress, StepReport, encode_output, encode_report
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.config import HiCacheConfig
@@ -99,7 +100,7 @@ class CacheDescription(NamedTuple):
     kv_heads: int = 1  # the model's KV heads (all ranks'): a namespace's NamespaceSpec.kv_heads
 
 
-class RankCache:
+class RankCache(RankPins):
     """One rank: joins the TP group, builds its shard and cache, and steps its Engine."""
 
     def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
@@ -216,6 +217,7 @@ class RankCache:
         self.steps += 1
         try:
             finished = self.engine.step()
+            self.engine.cache.pins.expire()
             self._follow_l3()
         finally:
             self.step_s += time.perf_counter() - start
@@ -312,6 +314,7 @@ class RankCache:
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""
+        pins = self._pin_housekeeping()
         cache = self.engine.cache
         page = cache.spec.page_size
         storage = None
@@ -328,7 +331,7 @@ class RankCache:
         return {"counters": counters, "storage": storage,
                 "host_used_tokens": cache.used_host_pages * page,
                 "host_total_tokens": cache.host_pool.num_pages * page, "gauges": gauges,
-                "agreement_s": self._new_agreement_times()}
+                "agreement_s": self._new_agreement_times(), "pins": pins}
 
     def _new_agreement_times(self) -> tuple[float, ...]:
         """The agreement rounds' times since the last snapshot (the latest 4096 at most)."""

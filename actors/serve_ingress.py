@@ -24,6 +24,7 @@ from ray import serve
 
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
+from kvtier.actors.serve_pins import PinDesk
 from kvtier.actors.serve_snapshots import SnapshotFeed
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve import openai_responses as out
@@ -34,6 +35,7 @@ from kvtier.serve.openai_logprobs import chat_logprobs, completion_logprobs
 from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
                                           ErrorType, check_prompt_tokens, parse_chat,
                                           parse_completion)
+from kvtier.serve.pins import PinVerb
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import ApiKeys, request_salt
 from kvtier.serve.text_stream import TextStream
@@ -93,6 +95,8 @@ class Ingress:
         self._seeds = random.SystemRandom()
         self.check_s = s.stall_timeout_s / 4  # while an answer waits: is its instance stalled?
         self.states = RouterStates(router, max_age_s=self.check_s / 2)
+        self.pins = PinDesk(router, instances, self.states, s, self.tokenizer, self.limits,
+                            self.check_s)
 
     # ---- the OpenAI API -----------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -157,6 +161,28 @@ class Ingress:
         if (denied := self._check_admin(request)) is not None:
             return denied
         return JSONResponse(await self.router.status.remote())
+
+    @api.post("/admin/pin")
+    async def admin_pin(self, request: Request) -> Response:
+        """Body: tokens or messages, tenant and cache_salt (optional), ttl_s (actors/serve_pins)."""
+        return await self._pin(request, PinVerb.PIN)
+
+    @api.delete("/admin/pin")
+    async def admin_unpin(self, request: Request) -> Response:
+        return await self._pin(request, PinVerb.UNPIN)
+
+    @api.get("/admin/pin")
+    async def admin_pins(self, request: Request) -> Response:
+        return await self._pin(request, PinVerb.LIST)
+
+    async def _pin(self, request: Request, verb: PinVerb) -> Response:
+        if (denied := self._check_admin(request)) is not None:
+            return denied
+        try:
+            status, body = await self.pins.handle(verb, await request.body())
+        except Exception as exc:  # noqa: BLE001 - an instance or the L3 actor failed
+            return self._failed(exc)
+        return JSONResponse(body, status_code=status)
 
     # ---- request path ---------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool) -> Response:

@@ -16,6 +16,7 @@ from ray import serve
 
 from kvtier.actors.cluster_placement import rank_gpus
 from kvtier.actors.instance import Instance, InstanceError
+from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.rank_actor import RankCache, RankSettings
@@ -167,6 +168,25 @@ class InstanceDeployment:
         await self._call(lambda inst: inst.detach_l3())
         self.l3 = None
         return {"instance": self.name, "l3": None}
+
+    # ---- pinned prefixes (the ingress's /admin/pin) ------------------------------------------
+    async def pin(self, pin_id: str, tokens: list[int], salt: str, ttl_s: float,
+                  max_fraction: float, tenant: str) -> dict:
+        """Pin the prefix on every rank (actors/instance_pins): the pages pinned, or the
+        refusal with the room missing."""
+        return await self._call(lambda inst: pin_on_instance(
+            inst, self.name, pin_id, tokens, salt, ttl_s, max_fraction, tenant))
+
+    async def held(self, tokens: list[int], salt: str) -> int:
+        """Whole pages of the prefix every rank holds (L1 or L2)."""
+        return min(await self._call(lambda inst: inst.call_all("pin_held", tokens, salt)))
+
+    async def unpin(self, pin_id: str) -> bool:
+        return any(await self._call(lambda inst: inst.call_all("unpin", pin_id)))
+
+    async def pins(self) -> list[dict]:
+        """Rank 0's pins (every rank pins the same pages); expired ones are dropped first."""
+        return (await self._call(lambda inst: inst.call_all("pins")))[0]
 
     async def config(self) -> dict:
         """What this instance's ranks run with (rank 0 speaks for them: they are built from

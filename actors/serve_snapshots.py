@@ -49,6 +49,7 @@ class SnapshotFeed:
                 self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
                                           snap["host_total_tokens"], snap["storage"])
                 self.metrics.update_gauges(name, snap.get("gauges", {}))
+                self.metrics.update_pins(name, snap.get("pins", {}))
                 self.metrics.observe_agreement(name, snap["agreement_s"])
             await self._observe_namespace(stalled)
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)

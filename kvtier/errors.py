@@ -46,3 +46,14 @@ class PlacementError(KvtierError, RuntimeError):
 class ClusterJoinError(KvtierError, ConnectionError):
     """Joining an existing Ray cluster failed (unreachable, or a token it requires is
     missing or wrong)."""
+
+
+class PinRoomError(KvtierError, RuntimeError):
+    """A pinned prefix does not fit: it needs `needed_pages` more pinned pages than the
+    `free_pages` pins may still take in `where` (an instance's L2, the L3 namespace)."""
+
+    def __init__(self, needed_pages: int, free_pages: int, where: str, why: str = "") -> None:
+        self.needed_pages, self.free_pages, self.where = needed_pages, free_pages, where
+        super().__init__(f"the pin needs {needed_pages} pages, {free_pages} free for pins in "
+                         f"{where}{' (' + why + ')' if why else ''}; unpin others, pin a shorter "
+                         f"prefix, or raise the pinned share (--pin-max-fraction)")

@@ -344,3 +344,40 @@ class DirectoryStats(_Record):
     doomed_pages: int = 0  # gauge: pages queued for deletion or being deleted
     old_format_pages_reclaimed: int = 0  # format-1 pages (named by TP rank) found and deleted
     purged_pages: int = 0  # pages deleted by purges (POST /admin/purge)
+    pins: int = 0  # gauge: pinned prefixes
+    pinned_pages: int = 0  # gauge: published pages pins keep past the quota
+    expired_pins: int = 0
+
+
+@dataclass(frozen=True)
+class PinRequest(_Record):
+    """Pin the leading published pages of `hashes` for `ttl_s` past their last hit, within
+    `max_fraction` of the namespace's quota."""
+
+    namespace: str
+    pin_id: str
+    hashes: tuple[str, ...]
+    ttl_s: float
+    max_fraction: float
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        _check_hashes(self.hashes, "PinRequest.hashes")
+        if not 1 <= len(self.pin_id) <= 64 or len(self.tenant) > 128:
+            raise MessageError("PinRequest: pin_id is 1-64 characters, tenant at most 128")
+        if not 0.0 <= self.max_fraction <= 1.0:
+            raise MessageError(f"PinRequest.max_fraction must be in [0, 1], got "
+                               f"{self.max_fraction}")
+
+
+@dataclass(frozen=True)
+class PinGrant(_Record):
+    """What a pin got: `pages` pinned, or a refusal (`refusal` says why) that needed
+    `needed_pages` with `free_pages` free for pins."""
+
+    namespace: str
+    pin_id: str
+    pages: int
+    refusal: str = ""
+    needed_pages: int = 0
+    free_pages: int = 0

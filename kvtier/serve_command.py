@@ -78,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an instance with work that completes no step (or answers no poll) "
                         "for this long is routed around and its unanswered requests are sent "
                         "to another instance, until it steps again (default 2)")
+    p.add_argument("--pin-max-fraction", type=float, default=ServeSettings.pin_max_fraction,
+                   help="pinned prefixes (POST /admin/pin) may hold at most this share of "
+                        "each rank's L2 and of the L3 bound (0-1, default 0.5); a pin past it "
+                        "is refused with a 409 saying how much room is missing")
     # SGLang's --hicache-* flags and --hicache-config: every rank's cache (--help shows the
     # deployment's own page size and ratio)
     add_hicache_flags(p, HiCacheConfig(page_size=ServeSettings.page_size,
@@ -92,7 +96,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,
                          served_model_name=ns.served_model_name, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
-                         l3_max_gb=ns.l3_max_gb,
+                         l3_max_gb=ns.l3_max_gb, pin_max_fraction=ns.pin_max_fraction,
                          placement=ns.placement, gpus_per_rank=ns.gpus_per_rank,
                          api_keys=load_api_keys(ns.api_keys_file) if ns.api_keys_file else {})
 

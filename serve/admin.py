@@ -25,10 +25,10 @@ def check_admin_key(authorization: str, admin_key: str) -> None:
                             "key kvtier serve printed at start", err_type=ErrorType.AUTHENTICATION)
 
 
-def parse_admin_body(raw: bytes) -> dict:
+def parse_admin_body(raw: bytes, max_bytes: int = MAX_ADMIN_BODY) -> dict:
     """An admin request's JSON object (empty body = {}); attach needs `backend`."""
-    if len(raw) > MAX_ADMIN_BODY:
-        raise ApiError(413, f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
+    if len(raw) > max_bytes:
+        raise ApiError(413, f"admin bodies are at most {max_bytes} bytes")
     if not raw.strip():
         return {}
     try:

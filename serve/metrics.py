@@ -148,6 +148,12 @@ GAUGES = {
     "running_requests": "Requests admitted and computing (prefill or decode)",
     "waiting_requests": "Requests queued for admission",
     "instance_stalled": "1 while the router holds the instance stalled, else 0",
+    "pins": "Pinned prefixes the instance holds (POST /admin/pin)",
+}
+PIN_TIERS = ("device", "host")  # where an instance's pinned pages are (L3's: l3_pinned_pages)
+TIER_GAUGES = {  # gauges with a `tier` label too
+    "pinned_pages": "Pages of pinned prefixes an instance holds, by the tier they are in now "
+                    "(pins keep them in host memory; device copies come and go)",
 }
 
 # The L3 namespace, which the deployment's instances share: its directory's figures
@@ -161,6 +167,8 @@ NAMESPACE_GAUGES = {  # family -> (help, DirectoryStats key)
     "l3_published_pages": ("Pages the L3 namespace holds for every instance to hit",
                            "published_pages"),
     "l3_capacity_pages": ("The L3 namespace's bound in pages (0: unbounded)", "capacity_pages"),
+    "l3_pins": ("Pinned prefixes the L3 namespace keeps", "pins"),
+    "l3_pinned_pages": ("Pages pins keep in the L3 namespace whatever its bound", "pinned_pages"),
 }
 
 # (bytes key, seconds keys tried in order) for the interval bandwidth of a storage snapshot;
@@ -203,6 +211,9 @@ class ServeMetrics:
                            for kind, table in ((Counter, NAMESPACE_COUNTERS),
                                                (Gauge, NAMESPACE_GAUGES))
                            for name, (doc, _) in table.items()}
+        self._gauges.update({name: Gauge(PREFIX + name, doc, (LABEL, "tier"),
+                                         registry=self.registry)
+                             for name, doc in TIER_GAUGES.items()})
         self._last: dict[tuple[str, str], dict[str, float]] = {}  # (instance, source) -> snapshot
         self._lock = threading.Lock()
 
@@ -263,6 +274,13 @@ class ServeMetrics:
         for name, (_, key) in NAMESPACE_GAUGES.items():
             if key in stats:
                 self._namespace[name].labels(namespace).set(stats[key])
+
+    def update_pins(self, instance: str, pins: Mapping[str, int]) -> None:
+        """One instance's pins: how many, and their pages by tier (`device_pages`,
+        `host_pages`)."""
+        self._gauges["pins"].labels(instance).set(pins.get("pins", 0))
+        for tier in PIN_TIERS:
+            self._gauges["pinned_pages"].labels(instance, tier).set(pins.get(f"{tier}_pages", 0))
 
     def update_gauges(self, instance: str, values: Mapping[str, float]) -> None:
         """Current values of one instance (pool use, queue lengths); names from GAUGES,

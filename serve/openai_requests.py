@@ -364,6 +364,11 @@ def _chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
+def parse_messages(v: Any) -> tuple[ChatMessage, ...]:
+    """Chat messages as a chat completion's `messages` field takes them (400s name the field)."""
+    return _messages(v)
+
+
 def _messages(v: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(v, list) or not v:
         raise _bad("messages", f"required, a non-empty list of {{\"role\", \"content\"}} "

@@ -81,6 +81,8 @@ class ServeSettings:
     stall_timeout_s: float = 2.0  # an instance with work that has not stepped this long is
     # stalled: the router stops choosing it and its unanswered requests go to another one
     num_cpus_per_rank: float = 0.5
+    pin_max_fraction: float = 0.5  # pinned prefixes may hold at most this share of each
+    # rank's L2 and of the L3 namespace's bound (POST /admin/pin past it is a 409)
     served_model_name: str = ""  # "" = the model's own name
     placement: PlacementMode = PlacementMode.AUTO  # custom resources (serve/placement.py)
     head_resource: str = HEAD_RESOURCE  # the namespace actor's node offers it
@@ -114,6 +116,7 @@ class ServeSettings:
         check_float(self.request_timeout_s, "request_timeout_s", 1.0, 86400.0)
         check_float(self.stall_timeout_s, "stall_timeout_s", 0.2, 3600.0)
         check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
+        check_float(self.pin_max_fraction, "pin_max_fraction", 0.0, 1.0)
         check_float(self.l3_max_gb, "l3_max_gb", 0.0, 1e6)
         for name in ("hierarchical", "deterministic"):
             if not isinstance(getattr(self, name), bool):

@@ -7,6 +7,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvtier.messages import NamespaceInfo
+from kvtier.tiers.page_pins import NamespacePins
 from kvtier.tiers.page_store import PageStore
 
 
@@ -34,4 +35,5 @@ class NamespaceState:
     pending: OrderedDict[str, tuple[set[int], float]] = field(default_factory=OrderedDict)
     leased: Counter[str] = field(default_factory=Counter)  # page -> active leases on it
     counters: DirectoryCounters = field(default_factory=DirectoryCounters)
+    pins: NamespacePins = field(default_factory=NamespacePins)  # kept past any quota
     needs_pass: bool = False  # the quota may be exceeded: the next eviction pass checks

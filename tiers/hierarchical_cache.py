@@ -20,6 +20,7 @@ from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.policies import HostMode, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
+from kvtier.tiers.cache_pins import CachePins
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
@@ -88,6 +89,8 @@ class HierarchicalCache:
         self.heads = HeadRange.of_rank(spec.num_kv_heads * tp_size, tp_rank, tp_size)
         self.namespace = KeyNamespace(model, tenant_salt,
                                       layout_fingerprint(spec, self.heads.total))
+        self.pins = CachePins(self.tree, self.host_pool.num_pages, self._copy_to_host,
+                              self.flush)
         self.storage: StorageTier | None = None
         self.directory = directory
         self.tp_rank = tp_rank
@@ -109,6 +112,8 @@ class HierarchicalCache:
         self.poll()
         p = self.spec.page_size
         m = self.tree.match_prefix(tokens, salt=salt)
+        if self.pins:  # a hit on pinned pages extends their pins
+            self.pins.on_hit(max(m.last_device_node, m.last_host_node, key=_depth))
         node, pages = m.last_device_node, list(m.device_indices)
         load = loaded_node = None
         loaded = 0

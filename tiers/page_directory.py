@@ -44,6 +44,7 @@ from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, Namespace
                              NamespaceSpec)
 from kvtier.tiers.directory_state import NamespaceState as _Namespace
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
+from kvtier.tiers.page_pins import NamespacePins
 from kvtier.tiers.page_store import BackendPageStore, PageStore
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,7 @@ class PageDirectory:
         state = self._get(ns)
         now = self._expire()
         hits = self._leading(state, hashes)
+        state.pins.on_hit(hashes[:hits], now)
         c = state.counters
         c.lookups += 1
         c.hit_pages += hits
@@ -259,7 +261,37 @@ class PageDirectory:
         active = sum(1 for lease in self._leases.values() if lease.namespace == ns)
         return DirectoryStats(ns, len(state.published), len(state.pending),
                               state.info.spec.capacity_pages, active, epoch=state.info.epoch,
-                              doomed_pages=self._deletes.count(ns), **vars(state.counters))
+                              doomed_pages=self._deletes.count(ns), pins=len(state.pins),
+                              pinned_pages=state.pins.pinned_pages(state.published),
+                              expired_pins=state.pins.expired_total, **vars(state.counters))
+
+    # ---- pinned prefixes (page_pins) --------------------------------------------------------
+    def pin(self, ns: str, pin_id: str, hashes: Sequence[str], ttl_s: float,
+            max_fraction: float, tenant: str = "") -> int:
+        """Pin the leading published pages of `hashes` for `ttl_s` past the last hit; pins
+        may hold at most `max_fraction` of the quota. Returns the pages pinned; raises
+        PinRoomError when they do not fit."""
+        state = self._get(ns)
+        now = self._expire()
+        hits = self._leading(state, hashes)
+        cap = state.info.spec.capacity_pages
+        return state.pins.pin(pin_id, hashes[:hits], ttl_s, now,
+                              int(max_fraction * cap) if cap else None,
+                              f"the L3 namespace {ns}", tenant)
+
+    def unpin(self, ns: str, pin_id: str) -> bool:
+        state = self._get(ns)
+        found = state.pins.unpin(pin_id)
+        self._check_quota(state)  # pages it kept may be over the quota
+        return found
+
+    def refresh_pins(self, ns: str, pin_ids: Sequence[str]) -> int:
+        """Hits elsewhere (an instance's L2) extend these pins; how many exist."""
+        return self._get(ns).pins.refresh(pin_ids, self._expire())
+
+    def pins(self, ns: str) -> list[dict]:
+        state = self._get(ns)
+        return state.pins.describe(self._expire(), state.published)
 
     # ---- the eviction pass (page_eviction runs it) -----------------------------------------
     @property
@@ -378,6 +410,8 @@ class PageDirectory:
                 stale.append(h)
             for h in stale:
                 del state.pending[h]
+            if state.pins.expire(now):
+                self._check_quota(state)
             if stale:
                 state.counters.expired_pending_pages += len(stale)
                 self._deletes.add(state.info.namespace, stale)  # a gone writer's parts
@@ -400,7 +434,7 @@ class PageDirectory:
             return
         victims = []
         for h in state.published:
-            if not state.leased.get(h):
+            if not state.leased.get(h) and not state.pins.holds(h):
                 victims.append(h)
                 if len(victims) == excess:
                     break

@@ -149,6 +149,7 @@ class HiRadixTree:
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:pages], child.host_value[pages:]
         upper.lock_ref, upper.host_ref = child.lock_ref, child.host_ref  # path counts
+        upper.pin_ref = child.pin_ref
         upper.hit_count, upper.last_access = child.hit_count, child.last_access
         upper.storage_op = child.storage_op
         upper.children[child.key[: self.page_size]] = child
@@ -304,7 +305,7 @@ class HiRadixTree:
     def release_backup(self, node: TreeNode) -> bool:
         """Give back the L2 copy of a run that is in L1 and stored in L3, unless something
         holds it (a load, a backup); True when it was released."""
-        if node.value is None or node.host_value is None or node.host_ref \
+        if node.value is None or node.host_value is None or node.host_ref or node.pin_ref \
                 or node.storage_op != STORED:
             return False
         self._emit(CacheEventKind.EVICTED, CacheTier.HOST, node)
@@ -328,6 +329,15 @@ class HiRadixTree:
     def release_host(self, node: TreeNode) -> None:
         """Undo one `protect_host(node)`."""
         self.ledger.change_ref(node, "host_ref", -1)
+
+    def pin(self, node: TreeNode) -> None:
+        """Keep the L2 pages from `node` to the root whatever the load (a pinned prefix);
+        L1 eviction may still demote them to L2."""
+        self.ledger.change_ref(node, "pin_ref", 1)
+
+    def unpin(self, node: TreeNode) -> None:
+        """Undo one `pin(node)`."""
+        self.ledger.change_ref(node, "pin_ref", -1)
 
     # ---- eviction (the policy is tree_eviction; these are its mechanisms) -----------------
     def evict_device(self, num_pages: int) -> EvictResult:
@@ -420,10 +430,12 @@ class HiRadixTree:
         return [n for root in self._roots.values() for n in root.descendants()]
 
     def clear(self) -> None:
-        """Drop every unlocked page; raises when something is still locked or protected."""
-        held = [n for n in self.nodes() if n.lock_ref or n.host_ref]
+        """Drop every unlocked page; raises when something is still locked, protected or
+        pinned."""
+        held = [n for n in self.nodes() if n.lock_ref or n.host_ref or n.pin_ref]
         if held:
-            raise CacheUsageError(f"clear() with {len(held)} locked or protected nodes, e.g. {held[0]}")
+            raise CacheUsageError(f"clear() with {len(held)} locked, protected or pinned nodes, "
+                                  f"e.g. {held[0]}")
         for node in self.nodes():
             self._forget(node)
         self.root.children.clear()

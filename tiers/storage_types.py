@@ -37,6 +37,10 @@ class PageDirectoryClient(Protocol):
         """The namespace as registered now (its epoch grows when its storage moves)."""
         ...
 
+    def refresh_pins(self, ns: str, pin_ids: Sequence[str]) -> int:
+        """Hits on pinned pages in a rank's L2 extend those pins in L3 too."""
+        ...
+
 
 @dataclass
 class PrefetchTicket:

@@ -35,7 +35,7 @@ class TreeLedger:
             else:
                 self.device_evictable += sign * len(node.value)
         elif node.host_value is not None:
-            if node.host_ref:
+            if node.host_ref or node.pin_ref:  # pinned L2 pages are not evictable either
                 self.host_protected += sign * len(node.host_value)
             else:
                 self.host_evictable += sign * len(node.host_value)
@@ -51,7 +51,8 @@ class TreeLedger:
         self.host_lru.discard(node)
 
     def change_ref(self, node: TreeNode, field: str, delta: int) -> None:
-        """Change the path count `field` (lock_ref: L1, host_ref: L2) from `node` to the root;
+        """Change the path count `field` (lock_ref: L1, host_ref and pin_ref: L2) from `node`
+        to the root;
         a node whose count crosses zero moves between the evictable and protected counts."""
         if node.parent is not None and getattr(node, field) + delta < 0:
             raise CacheUsageError(f"{field} of a node would go below zero (release without "

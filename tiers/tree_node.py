@@ -25,13 +25,15 @@ class TreeNode:
     `value` holds the L1 page ids (None once evicted from L1), `host_value` the L2 page ids
     (None when not backed up). `lock_ref` protects the L1 pages of the path from this node to
     the root (requests running on it, writes in flight); `host_ref` protects the L2 pages of
-    that path (loads and backups in flight). Both are path counts, so a split copies them.
+    that path (loads and backups in flight). `pin_ref` counts the pins (tiers/cache_pins)
+    whose prefix runs through this node: its L2 pages are never evicted while it is above 0.
+    All three are path counts, so a split copies them.
     """
 
     __slots__ = (
         "id", "key", "parent", "children", "value", "host_value", "lock_ref", "host_ref",
         "hit_count", "last_access", "device_children", "in_device_lru", "in_host_lru",
-        "storage_op", "salt",
+        "storage_op", "salt", "pin_ref",
     )
 
     def __init__(self, node_id: int, key: tuple, parent: "TreeNode | None",
@@ -46,6 +48,7 @@ class TreeNode:
         self.host_value: list[int] | None = None
         self.lock_ref = 0
         self.host_ref = 0
+        self.pin_ref = 0  # pins through this node: L2 eviction skips it
         self.hit_count = 0
         self.last_access = 0
         self.device_children = 0  # children whose value is not None
@@ -77,7 +80,7 @@ class TreeNode:
     def is_host_candidate(self) -> bool:
         return (
             self.value is None and self.host_value is not None and self.host_ref == 0
-            and not self.children
+            and not self.children and not self.pin_ref
         )
 
     def path_to_root(self) -> Iterator["TreeNode"]:

@@ -7,7 +7,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTERS, NAMESPACE_GAUGES,
-                                  ServeMetrics, counter_deltas)
+                                  TIER_GAUGES, ServeMetrics, counter_deltas)
 from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.storage_types import StorageCounters
 
@@ -51,9 +51,11 @@ def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
                    StorageCounters().snapshot() | backend)
     m.update_liveness("a", stalls=1, stalled=False)
     m.observe_redispatch("a")
-    m.update_namespace("ns-1", {"evicted_pages": 3, "published_pages": 40, "capacity_pages": 64})
+    m.update_pins("a", {"pins": 1, "device_pages": 0, "host_pages": 3})
+    m.update_namespace("ns-1", {"evicted_pages": 3, "published_pages": 40, "capacity_pages": 64,
+                                "pins": 1, "pinned_pages": 3})
     fams = families(m)
-    expected = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS)
+    expected = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS) | set(TIER_GAUGES)
     namespaced = set(NAMESPACE_COUNTERS) | set(NAMESPACE_GAUGES)
     assert {f"kvtier_{name}" for name in expected | namespaced} <= set(fams)
     assert all(name.startswith("kvtier_") for name in fams)

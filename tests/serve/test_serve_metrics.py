@@ -34,7 +34,7 @@ from test_metrics import dashboard_series
 
 from kvtier.engine.tp_worker import TinyWeights
 from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTERS,
-                                  NAMESPACE_GAUGES, PREFIX)
+                                  NAMESPACE_GAUGES, PREFIX, TIER_GAUGES)
 from kvtier.serve.settings import ServeSettings
 
 KEY = "test-admin-key-metrics-0123456789"
@@ -64,8 +64,12 @@ ELSEWHERE = {  # faults other tests make
     "instance_stalls": "tests/serve/test_serve_stall.py",
     "redispatched_requests": "tests/serve/test_serve_stall.py",
     "instance_stalled": "tests/serve/test_serve_stall.py",
+    "pins": "tests/serve/test_serve_pins.py",
+    "pinned_pages": "tests/serve/test_serve_pins.py",
+    "l3_pins": "tests/serve/test_serve_pins.py",
+    "l3_pinned_pages": "tests/serve/test_serve_pins.py",
 }
-ALL = {*COUNTERS, *GAUGES, *HISTOGRAMS, *NAMESPACE_COUNTERS, *NAMESPACE_GAUGES}
+ALL = {*COUNTERS, *GAUGES, *HISTOGRAMS, *NAMESPACE_COUNTERS, *NAMESPACE_GAUGES, *TIER_GAUGES}
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,172 @@
+"""The ingress's pinned prefixes: `POST`, `DELETE` and `GET /admin/pin`.
+
+Pinning a prefix: its whole pages are hashed as its requests' pages are (the instances'
+key namespace, the request's salt); when no instance holds all of them and L3 does not
+either, it is prefilled first (a request with one output token, routed like any other);
+then every instance that holds it pins it on all its ranks (actors/instance_pins) and the L3
+namespace pins its published pages. A refusal anywhere (pinned pages past their share) undoes
+the instances' pins and answers 409 with the room missing. The body rules, the pin's id and
+the listing's shape are Ray-free (kvtier.serve.pins); every Ray call of the feature is here or
+in the deployments it calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
+from kvtier.errors import PinRoomError
+from kvtier.keys import KeyNamespace
+from kvtier.serve.openai_requests import ApiError, ApiLimits, check_prompt_tokens
+from kvtier.serve.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
+from kvtier.serve.settings import ServeSettings
+from kvtier.serve.tenants import request_salt
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 120.0
+PREFILL_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
+
+
+class PinDesk:
+    """Answers the pin endpoints: `handle(verb, body)` -> (HTTP status, JSON body)."""
+
+    def __init__(self, router: Any, instances: dict[str, Any], states: RouterStates,
+                 settings: ServeSettings, tokenizer: Any, limits: ApiLimits,
+                 check_s: float) -> None:
+        self.router, self.instances, self.states = router, instances, states
+        self.settings, self.tokenizer, self.limits = settings, tokenizer, limits
+        self.check_s = check_s
+        self._keys: tuple[KeyNamespace, int] | None = None
+
+    async def handle(self, verb: PinVerb, raw: bytes = b"") -> tuple[int, dict]:
+        try:
+            if verb is PinVerb.LIST:
+                return 200, {"pins": await self.list()}
+            body = parse_pin_body(raw, verb is PinVerb.UNPIN, self.settings.max_body_bytes)
+            if body.pin_id:
+                return await self.unpin(body.pin_id)
+            tokens, salt = self._prefix(body)
+            if verb is PinVerb.UNPIN:
+                _, page = await self._key_namespace()
+                return await self.unpin(pin_id(salt, tokens[: len(tokens) // page * page]))
+            return 200, await self.pin(tokens, salt, body.tenant, body.ttl_s)
+        except ApiError as exc:
+            return exc.status, exc.to_body()
+        except PinRoomError as exc:
+            return 409, ApiError(409, str(exc), code="pin_does_not_fit").to_body()
+
+    # ---- the three verbs ------------------------------------------------------------------
+    async def pin(self, tokens: list[int], salt: str, tenant: str, ttl_s: float) -> dict:
+        keys, page = await self._key_namespace()
+        full = len(tokens) // page
+        if full == 0:
+            raise ApiError(400, f"the prefix is {len(tokens)} tokens, shorter than one page "
+                                f"({page} tokens): a pin holds whole pages", param="tokens")
+        tokens = tokens[: full * page]
+        pid, hashes = pin_id(salt, tokens), keys.page_hashes(tokens, page, salt)
+        namespace = await self._namespace()
+        held = await self._each(lambda h: h.held.remote(tokens, salt))
+        in_l3 = await self._l3(namespace, "lookup", hashes) if namespace else None
+        prefilled = max(held.values()) < full and (in_l3 is None or in_l3.hit_pages < full)
+        if prefilled:
+            await self._prefill(tokens, salt)
+        fraction = self.settings.pin_max_fraction
+        results = await self._each(lambda h: h.pin.remote(pid, tokens, salt, ttl_s, fraction,
+                                                          tenant))
+        refused = [r for r in results.values() if "refused" in r]
+        if refused:
+            await self._each(lambda h: h.unpin.remote(pid))
+            r = refused[0]["refused"]
+            raise PinRoomError(r["needed_pages"], r["free_pages"],
+                               f"L2 of instance {refused[0]['instance']}", r["reason"])
+        l3_pages = None
+        if namespace:
+            try:
+                l3_pages = await self._l3(namespace, "pin", pid, hashes, ttl_s, fraction, tenant)
+            except Exception:  # refused (409), or the namespace actor is away (503): no
+                await self._each(lambda h: h.unpin.remote(pid))  # half-made pin stays behind
+                raise
+        log.info("pinned %d pages as %s for %.0f s (%s, L3 %s)", full, pid, ttl_s,
+                 {n: r["pages"] for n, r in results.items()}, l3_pages)
+        return {"id": pid, "tenant": tenant, "tokens": full * page, "pages": full,
+                "ttl_s": ttl_s, "prefilled": prefilled,
+                "instances": {n: r["pages"] for n, r in results.items()},
+                "l3_pages": l3_pages}
+
+    async def unpin(self, pid: str) -> tuple[int, dict]:
+        found = await self._each(lambda h: h.unpin.remote(pid))
+        namespace = await self._namespace()
+        in_l3 = await self._l3(namespace, "unpin", pid) if namespace else None
+        if not any(found.values()) and not in_l3:
+            raise ApiError(404, f"no pin {pid} (expired, unpinned, or never made); GET "
+                                f"/admin/pin lists them", param="id")
+        return 200, {"id": pid, "unpinned": {"instances": found, "l3": in_l3}}
+
+    async def list(self) -> list[dict]:
+        _, page = await self._key_namespace()
+        per_instance = await self._each(lambda h: h.pins.remote())
+        namespace = await self._namespace()
+        l3 = await self._l3(namespace, "pins") if namespace else None
+        return merge_pins(per_instance, l3, page, time.time())
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _prefix(self, body: PinBody) -> tuple[list[int], str]:
+        """The body's tokens (messages rendered as a chat completion renders them, without
+        the assistant header it adds last, so longer conversations extend the prefix) and
+        the salt its tenant's requests carry."""
+        known = set(self.settings.api_keys.values())
+        if body.tenant and body.tenant not in known:
+            raise ApiError(400, f"tenant: {body.tenant!r} is not a tenant of this server "
+                                f"(--api-keys-file names {len(known)})", param="tenant")
+        if body.messages is not None:
+            messages = [{"role": m.role.value, "content": m.content} for m in body.messages]
+            tokens, param = self.tokenizer.encode_chat(messages, add_generation_prompt=False), \
+                "messages"
+        else:
+            tokens, param = list(body.tokens or ()), "tokens"
+        check_prompt_tokens(tokens, self.limits, self.tokenizer.vocab_size, param=param)
+        return tokens, request_salt(body.tenant, body.cache_salt)
+
+    async def _prefill(self, tokens: list[int], salt: str) -> None:
+        """Compute the prefix on the instance the router picks (one output token)."""
+        route = await self.router.choose.remote(tokens, cache_salt=salt)
+        answer = RoutedAnswer(self.router, self.instances, self.states, tokens,
+                              PREFILL_SAMPLING, route["instance"], self.check_s,
+                              cache_salt=salt)
+        async for _ in answer.items():
+            pass
+
+    async def _each(self, call: Callable[[Any], Any]) -> dict[str, Any]:
+        """`call(handle)` on every instance at once; results by instance name."""
+        names = list(self.instances)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(call(self.instances[n]) for n in names)), CALL_TIMEOUT_S)
+        return dict(zip(names, results))
+
+    async def _namespace(self) -> str | None:
+        """The L3 namespace the instances attached (None: no L3)."""
+        handle = next(iter(self.instances.values()))
+        l3 = (await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S))["l3"]
+        return l3["namespace"] if l3 else None
+
+    async def _l3(self, namespace: str, method: str, *args: Any) -> Any:
+        """One namespace-actor call (blocking: run off the event loop)."""
+        def call() -> Any:
+            import ray
+
+            from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+            client = NamespaceClient(ray.get_actor(self.settings.l3_actor,
+                                                   namespace=RAY_NAMESPACE))
+            return getattr(client, method)(namespace, *args)
+        return await asyncio.get_running_loop().run_in_executor(None, call)
+
+    async def _key_namespace(self) -> tuple[KeyNamespace, int]:
+        """The instances' page-key namespace and page size (built alike: any one answers)."""
+        if self._keys is None:
+            desc = await next(iter(self.instances.values())).describe.remote()
+            self._keys = (KeyNamespace(desc["model"], desc["tenant_salt"],
+                                       desc["layout_fingerprint"]), desc["page_size"])
+        return self._keys

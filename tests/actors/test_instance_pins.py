@@ -1,0 +1,115 @@
+"""Pins on a TP=2 instance on Ray over a file L3: every rank pins the same pages (the MIN of
+what they hold, none when one rank lacks the prefix), the L3 namespace pins the pages the
+ranks' backups published, and a hit in the ranks' L2 extends the L3 pin too (rank 0's
+snapshot tells the namespace actor)."""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvtier.actors.instance import Instance
+from kvtier.actors.instance_pins import pin_on_instance
+from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.rank_actor import RankSettings
+from kvtier.config import HiCacheConfig
+from kvtier.demo import namespace_spec
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.tp_worker import TinyWeights
+
+PAGE = 16
+SOURCE = TinyWeights(seed=5)
+CONFIG = HiCacheConfig(page_size=PAGE)
+SETTINGS = RankSettings(SOURCE, CONFIG, device_pages=32, dtype=torch.float32,
+                        chunk_tokens=4 * PAGE, timeout_s=60.0)
+ONE = SamplingParams(max_new_tokens=1)
+_rng = random.Random(3)
+DOC = [_rng.randrange(1, 256) for _ in range(5 * PAGE)]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def setup(shared_ray, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pins")
+    name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
+    client = get_or_create_namespace_actor(name, str(tmp / "state"))
+    inst = None
+    try:
+        spec = namespace_spec(SOURCE, CONFIG, "file", str(tmp / "l3"), "tiny",
+                              f"t-{uuid.uuid4().hex[:6]}", dtype=torch.float32, page_size=PAGE,
+                              tp_size=2)
+        info = client.register(spec)
+        inst = Instance(SETTINGS._replace(l3=info, l3_actor=name), tp_size=2,
+                        num_cpus_per_rank=0.2)
+        yield inst, client, info.namespace, spec.key_namespace.page_hashes(DOC, PAGE)
+    finally:
+        if inst is not None:
+            inst.close()
+        client.shutdown()
+
+
+def pin(inst: Instance, ttl_s: float = 30.0) -> dict:
+    return pin_on_instance(inst, "i0", "p", DOC, "", ttl_s, 0.5, "")
+
+
+def test_every_rank_pins_the_same_pages_or_none(setup):
+    inst, client, ns, hashes = setup
+    inst.generate([DOC + [1, 2, 3]], ONE)
+    inst.quiesce()  # L3 backups done: nothing protects the L2 pages any more
+    inst.rank_call(1, "drop_cache")  # rank 1 lacks the prefix in L1 and L2 now
+    assert pin(inst)["pages"] == 0
+    assert inst.call_all("pins") == [[], []]  # rank 0 holds it, yet pins nothing alone
+    inst.generate([DOC + [4, 5]], ONE)  # both ranks hold it again
+    out = pin(inst)
+    assert out["pages"] == 5 and out["host_pages"] == 5, out
+    per_rank = inst.call_all("pins")
+    assert [[(p["id"], p["pages"], p["host_pages"]) for p in pins] for pins in per_rank] == \
+        [[("p", 5, 5)]] * 2
+    assert client.pin(ns, "p", hashes, 30.0, 0.5) == 5  # published: the backups were waited for
+    inst.drop_cache()  # an operator's flush: pinned pages stay in L2
+    assert inst.call_all("pin_held", DOC, "") == [5, 5]
+
+
+def test_an_l2_hit_extends_the_l3_pin(setup):
+    inst, client, ns, _ = setup
+    [before] = client.pins(ns)
+    time.sleep(1.5)  # the L3 pin's clock runs on; only a hit can set it back
+    out = inst.generate([DOC + [6]], ONE)[0]
+    assert out.lengths.prefix_len + out.lengths.host_loaded_length == 5 * PAGE  # from L1/L2
+    inst.cache_snapshot()  # rank 0 tells the namespace actor which pins a hit extended
+    [after] = client.pins(ns)
+    assert after["expires_in_s"] > before["expires_in_s"] - 0.75, (before, after)
+    assert all(a["locked_nodes"] == a["protected_nodes"] == 0
+               for a in inst.call_all("audit"))  # pins are neither locks nor leaks
+
+
+class ScriptedRanks:
+    """An Instance stand-in (no Ray): each rank's answers to the pin calls, and the calls."""
+
+    def __init__(self, held: list[int], pinned: list[dict]) -> None:
+        self.answers = {"pin_held": held, "pin": pinned, "unpin": [True] * len(held)}
+        self.calls: list[tuple] = []
+
+    def call_all(self, method: str, *args) -> list:
+        self.calls.append((method, *args))
+        return self.answers[method]
+
+    def quiesce(self) -> None:
+        self.calls.append(("quiesce",))
+
+
+def test_the_min_of_the_ranks_is_pinned_and_one_refusal_unpins_every_rank():
+    ok = {"pin_id": "p", "pages": 3, "device_pages": 0, "host_pages": 3, "expires_in_s": 9.0}
+    ranks = ScriptedRanks([5, 3], [ok, ok])
+    assert pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")["pages"] == 3
+    assert ranks.calls[1][:4] == ("pin", "p", DOC, 3)  # every rank pins the MIN: 3 pages
+    assert ranks.calls[-1] == ("quiesce",)  # then the backups reach L3
+    refusal = {"needed_pages": 3, "free_pages": 1, "reason": "over the share"}
+    ranks = ScriptedRanks([5, 5], [ok, {"refused": refusal}])
+    out = pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")
+    assert out == {"instance": "i0", "refused": refusal}
+    assert ranks.calls[-1] == ("unpin", "p")  # the rank that pinned lets go too
