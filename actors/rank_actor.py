@@ -98,6 +98,7 @@ class CacheDescription(NamedTuple):
     storage_backend: str | None
     page_bytes: int = 0  # one page over every KV head and part (a namespace's byte quota)
     kv_heads: int = 1  # the model's KV heads (all ranks'): a namespace's NamespaceSpec.kv_heads
+    sliding: bool = False  # a hybrid model's sliding-window sidecar: NamespaceSpec.sliding
 
 
 class RankCache(RankPins):
@@ -310,7 +311,8 @@ class RankCache(RankPins):
                                 cache.spec.page_size, cache.device_pages,
                                 cache.host_pool.num_pages,
                                 cache.storage.backend.kind.value if cache.storage else None,
-                                cache.spec.page_bytes * self.size, cache.heads.total)
+                                cache.spec.page_bytes * self.size, cache.heads.total,
+                                cache.spec.sliding is not None)
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""

@@ -226,7 +226,8 @@ class InstanceDeployment:
         info = client.register(NamespaceSpec(desc.model, desc.tenant_salt,
                                              desc.layout_fingerprint, kind, options,
                                              kv_heads=desc.kv_heads,
-                                             page_bytes=desc.page_bytes))
+                                             page_bytes=desc.page_bytes,
+                                             sliding=desc.sliding))
         server.call(lambda inst: inst.attach_l3(info, s.l3_actor)).result(CALL_TIMEOUT_S)
         self.l3 = {"backend": kind.value, "namespace": info.namespace,
                    "options": {k: v for k, v in options.items()}}

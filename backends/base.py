@@ -43,6 +43,7 @@ from kvtier.kv_spec import HeadRange
 from kvtier.policies import HitPolicy, StorageBackendKind
 
 KV_POOL = "kv"
+SWA_POOL = "swa"  # a hybrid model's sliding-window layers: objects of the pages ending hits
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _POOL_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _OBJECT_RE = re.compile(r"^([0-9a-f]{64})_h(\d{1,4})_([kv])$")  # object_name's last part

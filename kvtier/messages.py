@@ -180,6 +180,7 @@ class NamespaceSpec(_Record):
     max_pages: int = 0
     max_bytes: int = 0
     page_bytes: int = 0
+    sliding: bool = False  # a hybrid model's: pages also have sliding-window objects (swa pool)
 
     def __post_init__(self) -> None:
         KeyNamespace(self.model, self.tenant_salt, self.layout_fingerprint)  # ConfigError if bad

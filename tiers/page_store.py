@@ -26,7 +26,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from kvtier.backends.base import KV_POOL, PagePart, StorageBackend, StorageTarget
+from kvtier.backends.base import KV_POOL, SWA_POOL, PagePart, StorageBackend, StorageTarget
 from kvtier.backends.registry import backend_class, create_backend
 from kvtier.backends.shared_root import check_marker, shared_root_dir
 from kvtier.errors import ConfigError
@@ -127,6 +127,8 @@ class BackendPageStore:
     def __init__(self, info: NamespaceInfo, pool: str = KV_POOL,
                  num_parts: int = len(PagePart)) -> None:
         self.info, self.pool, self.num_parts = info, pool, num_parts
+        # a hybrid model's pages have sliding-window objects too: they go with the page
+        self._pools = (pool, SWA_POOL) if info.spec.sliding and pool == KV_POOL else (pool,)
         self.listable = backend_class(info.spec.backend).capabilities.listable
         self._options = admin_options(info)
         self._admin: StorageBackend | None = None
@@ -139,8 +141,9 @@ class BackendPageStore:
             client = create_backend(self.info.spec.backend, rank_target(self.info, heads),
                                     self._options)
             try:
-                client.register_pool(self.pool, _PlaceholderPool(heads.count, self.num_parts),
-                                     self.num_parts)
+                for pool in self._pools:
+                    client.register_pool(pool, _PlaceholderPool(heads.count, self.num_parts),
+                                         self.num_parts)
             except BaseException:
                 client.close()
                 raise
@@ -151,7 +154,11 @@ class BackendPageStore:
         """Remove every head's objects of `hashes`; returns how many pages had any."""
         if not hashes:
             return 0
-        return self._client().delete(list(hashes), (self.pool,))
+        client = self._client()
+        removed = client.delete(list(hashes), (self.pool,))
+        if len(self._pools) > 1:
+            client.delete(list(hashes), self._pools[1:])
+        return removed
 
     def list_pages(self) -> dict[str, set[int]]:
         """Page hash -> KV heads whose parts are all stored (NotImplementedError if not

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Sequence
 
-from kvtier.backends.base import StorageBackend
+from kvtier.backends.base import SWA_POOL, StorageBackend
 from kvtier.policies import HitPolicy
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sidecar import NO_SLOT, Sidecar
@@ -26,7 +26,6 @@ from kvtier.tiers.tree_node import TreeNode
 
 log = logging.getLogger(__name__)
 
-SWA_POOL = "swa"
 READ_WAIT_S = 0.5  # a window is a few pages: its read ends long before this unless L3 hangs
 SETTLE_WAIT_S = 0.05
 
