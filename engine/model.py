@@ -20,7 +20,7 @@ from kvtier.engine.model_config import Architecture, LayerKind, ModelConfig
 from kvtier.engine.parallel import SINGLE, TensorParallel
 from kvtier.engine.weights import check_state_dict
 from kvtier.errors import ConfigError
-from kvtier.kv_spec import KVSpec, SlidingSpec
+from kvtier.kv_spec import KVSpec
 from kvtier.tiers.device_pool import default_device
 from kvtier.tiers.sidecar import Sidecar
 
@@ -150,13 +150,10 @@ class PagedLlama(nn.Module):
     def kv_spec(self, page_size: int, dtype: torch.dtype | None = None) -> KVSpec:
         """The geometry of this rank's L1/L2 pools (its KV heads only): the FULL layers keep
         every page, SLIDING ones (a hybrid model's) a sidecar of the pages in their window."""
-        sliding_layers = len(self.config.sliding_layers)
-        sliding = (SlidingSpec(sliding_layers, self.config.sliding_window)
-                   if sliding_layers else None)
-        return KVSpec(num_layers=self.config.num_layers - sliding_layers,
+        return KVSpec(num_layers=self.config.full_layers,
                       num_kv_heads=self.layers[0].attn.num_kv_heads,
                       head_dim=self.config.head_dim, page_size=page_size, dtype=dtype or self.dtype,
-                      sliding=sliding)
+                      sliding=self.config.sliding_spec())
 
     def _pool_layers(self, kv: KVPool, before_layer: LayerHook | None
                      ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], Callable[[], None]]]:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 from kvtier.errors import ConfigError
+from kvtier.kv_spec import SlidingSpec
 from kvtier.policies import _Choice
 
 
@@ -79,6 +80,9 @@ class ModelConfig:
         if len(self.layer_kinds) != self.num_layers:
             raise ConfigError(f"layer_kinds names {len(self.layer_kinds)} layers but the model "
                               f"has {self.num_layers}; give one kind per layer")
+        if self.layer_kinds and LayerKind.FULL not in self.layer_kinds:
+            raise ConfigError("every layer is a sliding-window layer; kvtier keeps pages by "
+                              "their full-attention layers, so a model needs at least one")
         if LayerKind.SLIDING in self.layer_kinds and self.sliding_window < 1:
             raise ConfigError(f"sliding layers need sliding_window >= 1, got "
                               f"{self.sliding_window}")
@@ -104,6 +108,16 @@ class ModelConfig:
     def sliding_layers(self) -> tuple[int, ...]:
         """Indices of the SLIDING layers (their KV past the window is never read)."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k is LayerKind.SLIDING)
+
+    @property
+    def full_layers(self) -> int:
+        """Layers whose KV a pool keeps for every page (all but the sliding ones)."""
+        return self.num_layers - len(self.sliding_layers)
+
+    def sliding_spec(self) -> SlidingSpec | None:
+        """The sliding-window layers' share of a KV spec (None: the model has none)."""
+        n = len(self.sliding_layers)
+        return SlidingSpec(n, self.sliding_window) if n else None
 
     def rope_theta_of(self, kind: LayerKind) -> float:
         if kind is LayerKind.SLIDING and self.rope_local_theta is not None:

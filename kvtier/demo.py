@@ -125,11 +125,12 @@ def namespace_spec(source, config, backend: str, root: str, model: str, tenant_s
     cfg = source.config()
     if cfg.num_kv_heads % tp_size:
         raise ConfigError(f"{cfg.num_kv_heads} KV heads do not split over TP size {tp_size}")
-    spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                  head_dim=cfg.head_dim, page_size=page_size, dtype=dtype)
+    spec = KVSpec(num_layers=cfg.full_layers, num_kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
+                  sliding=cfg.sliding_spec())
     fingerprint = layout_fingerprint(spec, cfg.num_kv_heads)
     return NamespaceSpec(model, tenant_salt, fingerprint, backend, _l3_options(backend, root),
-                         kv_heads=cfg.num_kv_heads)
+                         kv_heads=cfg.num_kv_heads, sliding=spec.sliding is not None)
 
 
 def run(params: DemoParams = DemoParams()) -> tuple[dict, list[Row]]:
