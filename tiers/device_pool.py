@@ -8,7 +8,7 @@ import torch
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.kv_spec import KVSpec
 from kvtier.tiers.allocator import PageAllocator
-from kvtier.tiers.sidecar import Sidecar, sidecar_slots
+from kvtier.tiers.sidecar import DEVICE_SLOT_FRACTION, Sidecar, sidecar_slots
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class DevicePool:
     def __init__(self, spec: KVSpec, num_pages: int, device: torch.device | str | None = None,
                  slots: int | None = None) -> None:
         """A hybrid model's spec (`spec.sliding`) adds a sidecar of `slots` slots for its
-        sliding-window layers (None: `sidecar_slots`)."""
+        sliding-window layers (None: one per page, `sidecar_slots`)."""
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ConfigError(f"the device pool needs a positive page count, got {num_pages!r}")
         self.spec = spec
@@ -36,7 +36,8 @@ class DevicePool:
         self._kv: torch.Tensor | None = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.sidecar: Sidecar | None = None
         if spec.sidecar is not None:
-            slot_pool = DevicePool(spec.sidecar, sidecar_slots(spec, num_pages, slots), self.device)
+            slot_pool = DevicePool(spec.sidecar, sidecar_slots(spec, num_pages, slots,
+                                                              DEVICE_SLOT_FRACTION), self.device)
             self.sidecar = Sidecar(slot_pool, num_pages)
         self.allocator = PageAllocator(num_pages, self.sidecar.drop if self.sidecar else None)
         log.debug("L1 pool: %d pages, %.1f MiB on %s", num_pages, self.nbytes / 2**20, self.device)

@@ -30,13 +30,17 @@ from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.page_copy import CopyPlan, copy_pages
 
 NO_SLOT = -1
-# Slots per page of the pool by default: a quarter, but never fewer than a few windows (a
-# prefilling request holds its window and its chunk's pages; cached windows fill the rest).
-DEFAULT_SLOT_FRACTION = 0.25
+# Slots per page of the pool by default. L1's sidecar is as large as the pool, so a prefill
+# never waits for a slot (a request locks at most one per page it holds); what requests leave
+# there is bounded by their windows all the same (SlidingKV.prune). L2 only caches windows:
+# a quarter of its pages, never fewer than a few windows.
+DEVICE_SLOT_FRACTION = 1.0
+HOST_SLOT_FRACTION = 0.25
 MIN_WINDOWS = 4
 
 
-def sidecar_slots(spec: KVSpec, num_pages: int, slots: int | None = None) -> int:
+def sidecar_slots(spec: KVSpec, num_pages: int, slots: int | None = None,
+                  fraction: float = HOST_SLOT_FRACTION) -> int:
     """How many slots the sidecar of a pool of `num_pages` pages gets (`slots` when given)."""
     if slots is not None:
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
@@ -44,7 +48,7 @@ def sidecar_slots(spec: KVSpec, num_pages: int, slots: int | None = None) -> int
                               f"{slots!r}")
         return slots
     floor = min(num_pages, MIN_WINDOWS * (spec.window_pages + 1))
-    return max(1, floor, int(num_pages * DEFAULT_SLOT_FRACTION))
+    return max(1, floor, int(num_pages * fraction))
 
 
 class SlotPool(Protocol):

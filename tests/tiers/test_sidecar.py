@@ -117,6 +117,8 @@ def test_a_full_destination_keeps_the_trailing_pages():
 def test_slot_count_is_validated_and_defaults_to_a_few_windows():
     with pytest.raises(ConfigError, match="positive slot count"):
         sidecar_slots(SPEC, 16, 0)
-    assert sidecar_slots(SPEC, 1000, None) == 250
+    assert sidecar_slots(SPEC, 1000, None) == 250  # L2: a quarter
+    assert sidecar_slots(SPEC, 1000, None, 1.0) == 1000  # L1: one per page
+    assert DevicePool(SPEC, 40, "cpu").sidecar.slots.num_pages == 40
     assert sidecar_slots(SPEC, 16, None) == 12  # four windows of 2 pages, plus one page each
     assert sidecar_slots(SPEC, 5, None) == 5
