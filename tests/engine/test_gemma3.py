@@ -118,3 +118,21 @@ def test_gemma3_270m_knows_a_capital(gemma3, gemma3_model) -> None:
         _, out, _ = paged_run(gemma3_model, tok.encode_prompt(prompt), 1, page_size=16,
                               chunk=16)
         assert tok.decode(out).startswith(answer)
+
+
+def test_a_gemma3_gguf_by_path_is_the_same_model(gemma3) -> None:
+    """`--model FILE.gguf` of a gemma3 file: accepted from its header, the same config and
+    identity (name and SHA-256) as the packaged alias."""
+    from kvtier.engine.gemma3_package import Gemma3Weights, assembled_gguf
+    from kvtier.engine.gguf_file import GGUFFile
+    from kvtier.serve import served_model
+    from kvtier.serve.settings import ModelChoice, ServeSettings
+
+    path = str(assembled_gguf())
+    settings = ServeSettings(model=path)
+    assert settings.model is ModelChoice.PATH
+    assert settings.served_model_name == "gemma-3-270m-q4_k_m"
+    source = served_model.weight_source(settings)
+    assert source == GGUFFile(path) and source.config() == gemma3[0]
+    assert source.identity() == Gemma3Weights().identity()
+    assert source.identity().endswith("-a5fd3b62230aa5ec")  # the package's published SHA-256
