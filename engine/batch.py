@@ -80,14 +80,19 @@ class ForwardBatch:
             raise CacheUsageError(f"page ids {bad[:4]} are outside the pool's {num_pages} pages")
 
 
+def window_start(position: int, window: int) -> int:
+    """The oldest key a query at `position` sees in a SLIDING layer of `window`: a sequence
+    whose next query sits there never reads that layer's keys before it again."""
+    return max(0, position - window + 1)
+
+
 def attention_mask(seq: SeqChunk, device: torch.device, window: int = 0
                    ) -> torch.Tensor | None:
     """Query i (position q = start_pos+i) sees key k when k <= q (causal, offset by the
     prefix) and, with a `window`, q - k < window: a sliding layer masks keys `window` or
     more positions back. The one place that rule lives (prefill chunks and decode alike).
     None when every query sees every key (one new token, no key out of the window)."""
-    last = seq.end_pos - 1
-    if seq.num_tokens == 1 and not (window and last >= window):
+    if seq.num_tokens == 1 and not (window and window_start(seq.start_pos, window) > 0):
         return None  # the one new token is the last key: it sees everything
     keys = torch.arange(seq.end_pos, device=device)
     queries = torch.arange(seq.start_pos, seq.end_pos, device=device)

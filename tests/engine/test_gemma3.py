@@ -11,7 +11,7 @@ from engine_helpers import hf_gemma3, pages_for
 
 from kvtier.engine import ModelRunner, SeqChunk, chunk_bounds
 from kvtier.engine.architectures import build_model
-from kvtier.engine.batch import attention_mask
+from kvtier.engine.batch import attention_mask, window_start
 from kvtier.engine.model_config import LayerKind, tiny_hybrid_config
 from kvtier.engine.weights import random_state_dict
 from kvtier.errors import ConfigError
@@ -69,6 +69,7 @@ def test_the_window_mask_hides_keys_window_or_more_back() -> None:
     assert attention_mask(SeqChunk([0, 1], 9, 1), torch.device("cpu"), 5)[0].tolist() == \
         [k > 4 for k in range(10)]
     assert attention_mask(SeqChunk([0], 4, 1), torch.device("cpu"), 5) is None
+    assert [window_start(q, 5) for q in (0, 4, 5, 9)] == [0, 0, 1, 5]
 
 
 def test_tiny_hybrid_matches_hf_transformers_past_the_window() -> None:
