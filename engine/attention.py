@@ -31,8 +31,9 @@ def read_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tens
 
 class PagedAttention(nn.Module):
     """q/k/v (fused, column-parallel), q/k norms (if the config has them), rotary, paged SDPA,
-    o_proj (row-parallel + all-reduce). A SLIDING layer's queries see only the keys of its
-    window (the batch's `window_mask`); the pool still holds every key."""
+    o_proj (row-parallel + all-reduce). A SLIDING layer reads only the pages its window
+    reaches and masks the keys before it (the batch's `window` span); the pool still holds
+    every key."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
                  device: torch.device, kind: LayerKind = LayerKind.FULL) -> None:
@@ -82,12 +83,12 @@ class PagedAttention(nn.Module):
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         sliding = self.kind is LayerKind.SLIDING
         for view in batch.views:  # sequences differ in length: one SDPA each
-            keys = read_kv(k_cache, view.pages, view.kv_len).to(q.dtype)
-            values = read_kv(v_cache, view.pages, view.kv_len).to(q.dtype)
+            span = view.window if sliding else view.full
+            keys = read_kv(k_cache, span.pages, span.length).to(q.dtype)
+            values = read_kv(v_cache, span.pages, span.length).to(q.dtype)
             query = q[view.rows].transpose(0, 1)  # (Hq, T, D)
             o = F.scaled_dot_product_attention(query[None], keys[None], values[None],
-                                               attn_mask=view.window_mask if sliding
-                                               else view.mask, scale=self.scale,
+                                               attn_mask=span.mask, scale=self.scale,
                                                enable_gqa=True)
             out[view.rows] = o[0].transpose(0, 1)
         return self.tp.all_reduce(F.linear(out.view(q.shape[0], self.q_size), self.o))

@@ -25,14 +25,21 @@ class SeqChunk(NamedTuple):
         return self.start_pos + self.num_tokens
 
 
+class KeySpan(NamedTuple):
+    """The keys one layer kind's attention reads for a sequence: positions [first, end)."""
+
+    first: int                # a page boundary
+    pages: torch.Tensor       # int64 page ids covering [first, end)
+    length: int               # end - first
+    mask: torch.Tensor | None  # (num_tokens, length) bool, None when every query sees every key
+
+
 class SeqView(NamedTuple):
     """One sequence's share of a ForwardBatch, on the model's device."""
 
     rows: slice               # its rows among the batch's new tokens
-    kv_len: int               # keys attention reads: positions [0, kv_len)
-    pages: torch.Tensor       # int64 page ids covering [0, kv_len)
-    mask: torch.Tensor | None  # (num_tokens, kv_len) bool, None when one token sees all keys
-    window_mask: torch.Tensor | None  # the same for SLIDING layers: causal and in the window
+    full: KeySpan             # FULL layers: every key, [0, end_pos)
+    window: KeySpan           # SLIDING layers: from the page of the chunk's window_start on
 
 
 class ForwardBatch:
@@ -53,10 +60,10 @@ class ForwardBatch:
             positions.extend(pos)
             slots.extend(seq.page_table[p // page_size] * page_size + p % page_size for p in pos)
             pages = torch.tensor(list(seq.page_table[:n_pages]), dtype=torch.int64, device=device)
-            causal = attention_mask(seq, device)
-            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages, causal,
-                                 attention_mask(seq, device, sliding_window)
-                                 if sliding_window else causal))
+            full = KeySpan(0, pages, seq.end_pos, attention_mask(seq, device))
+            views.append(SeqView(slice(row, row + seq.num_tokens), full,
+                                 _window_span(seq, pages, page_size, sliding_window, device)
+                                 if sliding_window else full))
             row += seq.num_tokens
         self.seqs = tuple(seqs)
         self.views = tuple(views)
@@ -78,6 +85,18 @@ class ForwardBatch:
         bad = [p for p in seq.page_table[:needed] if not 0 <= p < num_pages]
         if bad:
             raise CacheUsageError(f"page ids {bad[:4]} are outside the pool's {num_pages} pages")
+
+
+def _window_span(seq: SeqChunk, pages: torch.Tensor, page_size: int, window: int,
+                 device: torch.device) -> KeySpan:
+    """A sliding layer reads only the pages its queries' windows reach (whole pages: the mask
+    hides the keys before each query's window)."""
+    first_page = window_start(seq.start_pos, window) // page_size
+    first = first_page * page_size
+    mask = attention_mask(seq, device, window)
+    if mask is not None:
+        mask = mask[:, first:]
+    return KeySpan(first, pages[first_page:], seq.end_pos - first, mask)
 
 
 def window_start(position: int, window: int) -> int:

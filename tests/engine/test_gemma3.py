@@ -11,7 +11,7 @@ from engine_helpers import hf_gemma3, pages_for
 
 from kvtier.engine import ModelRunner, SeqChunk, chunk_bounds
 from kvtier.engine.architectures import build_model
-from kvtier.engine.batch import attention_mask, window_start
+from kvtier.engine.batch import ForwardBatch, attention_mask, window_start
 from kvtier.engine.model_config import LayerKind, tiny_hybrid_config
 from kvtier.engine.weights import random_state_dict
 from kvtier.errors import ConfigError
@@ -70,6 +70,18 @@ def test_the_window_mask_hides_keys_window_or_more_back() -> None:
         [k > 4 for k in range(10)]
     assert attention_mask(SeqChunk([0], 4, 1), torch.device("cpu"), 5) is None
     assert [window_start(q, 5) for q in (0, 4, 5, 9)] == [0, 0, 1, 5]
+
+
+def test_a_sliding_layer_reads_only_the_pages_its_window_reaches() -> None:
+    """8 new tokens at 96..103, a 40-token window over 16-token pages: the first query sees
+    keys from 57 on, in page 3; FULL layers read all 7 pages."""
+    table = [9, 8, 7, 6, 5, 4, 3]
+    (view,) = ForwardBatch([SeqChunk(table, 96, 8)], 16, 10, torch.device("cpu"), 40).views
+    assert (view.full.first, view.full.pages.tolist(), view.full.length) == (0, table, 104)
+    assert (view.window.first, view.window.pages.tolist(), view.window.length) == \
+        (48, table[3:], 56)
+    assert torch.equal(view.window.mask, attention_mask(SeqChunk(table, 96, 8),
+                                                        torch.device("cpu"), 40)[:, 48:])
 
 
 def test_tiny_hybrid_matches_hf_transformers_past_the_window() -> None:
