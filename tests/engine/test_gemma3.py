@@ -164,3 +164,22 @@ def test_a_gemma3_gguf_by_path_is_the_same_model(gemma3) -> None:
     assert source == GGUFFile(path) and source.config() == gemma3[0]
     assert source.identity() == Gemma3Weights().identity()
     assert source.identity().endswith("-a5fd3b62230aa5ec")  # the package's published SHA-256
+
+
+def test_a_mixed_forward_matches_one_sequence_at_a_time(tiny_hybrid_models) -> None:
+    """One forward with a prefill piece past the window beside decodes inside and past it
+    (each sequence its own window span) equals the sequences' forwards one by one."""
+    model = tiny_hybrid_models[torch.float32]
+    prompts = [tokens(n, 256, seed=n) for n in (20, 70, 100)]
+    with DevicePool(model.kv_spec(16), 24, device="cpu") as pool:
+        runner = ModelRunner(model, pool, 16)
+        tables = [pool.allocator.alloc(pages_for(len(p) + 1, 16)) for p in prompts]
+        for p, t in zip(prompts[:2], tables):
+            runner.prefill(p, 0, t)
+        runner.prefill(prompts[2][:64], 0, tables[2])
+        seqs = [SeqChunk(tables[0], 20, 1), SeqChunk(tables[1], 70, 1), SeqChunk(tables[2], 64, 36)]
+        new = [[7], [9], prompts[2][64:]]
+        mixed = runner.forward([t for n in new for t in n], seqs)
+        single = torch.cat([runner.forward(n, [s]) for n, s in zip(new, seqs)])
+    torch.testing.assert_close(mixed, single, atol=1e-5, rtol=1e-5)
+    assert torch.equal(mixed.argmax(-1), single.argmax(-1))
