@@ -29,7 +29,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, name as dtype_name, resolve
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.engine import Engine
-from kvtier.engine.model import PagedLlama
+from kvtier.engine.architectures import build_model
 from kvtier.engine.parallel import SINGLE
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
@@ -129,8 +129,8 @@ class RankCache(RankPins):
     def _build(self, s: RankSettings) -> Engine:
         cfg = s.source.config()
         device = self.device
-        model = PagedLlama.from_state_dict(cfg, s.source.state_dict(), resolve(s.dtype, device),
-                                           device, self.tp)
+        model = build_model(cfg, s.source.state_dict(), resolve(s.dtype, device), device,
+                            self.tp)
         spec = model.kv_spec(s.config.page_size)
         if s.l3 is None:
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,

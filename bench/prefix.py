@@ -1,4 +1,5 @@
-"""`kvtier bench prefix`: TTFT of one long-document question on SmolLM2, cold and from L1/L2/L3.
+"""`kvtier bench prefix`: TTFT of one long-document question on SmolLM2 (or Gemma-3 270M, or a
+model by path), cold and from L1/L2/L3.
 
 One run, one process, one model object. The prompt is a synthetic document of `--tokens`
 tokens, as given (it need not end on a page or chunk boundary), plus a question. Everything
@@ -39,6 +40,7 @@ from kvtier.dtypes import DType, name as dtype_name, resolve_here
 from kvtier.engine import Engine, Output, SamplingParams
 from kvtier.engine.engine import SMOLLM2_NAMESPACE
 from kvtier.engine.loader import load_smollm2_model
+from kvtier.engine.architectures import build_model
 from kvtier.engine.model import PagedLlama
 from kvtier.engine.request import pages_for
 from kvtier.engine.tokenizer import Tokenizer
@@ -88,25 +90,28 @@ def load_smollm2(dtype: torch.dtype) -> BenchModel:
 
 
 def loader(model: str) -> Callable[[torch.dtype], BenchModel]:
-    """SmolLM2 for "smollm2", else the GGUF file or Hugging Face model directory `model`."""
+    """SmolLM2 for "smollm2", else Gemma-3 270M for "gemma3-270m", else the GGUF file or
+    Hugging Face model directory `model`."""
     if model == "smollm2":
         return load_smollm2
 
-    def load_dir(dtype: torch.dtype) -> BenchModel:
-        from kvtier.engine.local_model import local_model
+    def load_source(dtype: torch.dtype) -> BenchModel:
+        from kvtier.actors.rank_actor import namespace_model
+        from kvtier.engine.local_model import model_source
 
-        source = local_model(model)
-        weights = PagedLlama.from_state_dict(source.config(), source.state_dict(), dtype)
-        return BenchModel(weights, source.tokenizer(), source.identity())
+        source = model_source(model)
+        weights = build_model(source.config(), source.state_dict(), dtype)
+        # the namespace ranks serving it would key with (a GGUF's name may hold spaces)
+        return BenchModel(weights, source.tokenizer(), namespace_model(source))
 
-    return load_dir
+    return load_source
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--model", default="smollm2", metavar="smollm2|DIR|FILE.gguf",
-                   help="SmolLM2 (default), a Hugging Face model directory or a Llama GGUF "
-                        "file")
+    p.add_argument("--model", default="smollm2", metavar="smollm2|gemma3-270m|DIR|FILE.gguf",
+                   help="SmolLM2 (default), gemma3-270m (Gemma-3 270M), a Hugging Face model "
+                        "directory or a Llama or Gemma-3 GGUF file")
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length in tokens, as given (default 2000)")
     p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",
@@ -137,7 +142,7 @@ def document_tokens(tokenizer, num_tokens: int) -> list[int]:
         lines += [f"Record {i}: the sensor in room {i % 17} read {(i * 37) % 101} degrees at "
                   f"{8 + i % 10}:{(i * 7) % 60:02d}; the operator noted nothing unusual."
                   for i in range(len(lines), len(lines) + 64)]
-        ids = tokenizer.encode("Sensor log.\n" + "\n".join(lines))
+        ids = tokenizer.encode_prompt("Sensor log.\n" + "\n".join(lines))
     return ids[:num_tokens]
 
 

@@ -1,15 +1,19 @@
-"""The reference engine: a paged Llama-style model (SmolLM2-135M-Instruct) over kvtier's L1 pool.
+"""The reference engine: paged Llama-style (SmolLM2-135M-Instruct) and Gemma-3 (270M) models
+over kvtier's L1 pool.
 
     model, tok = load_smollm2_model(torch.float32, "cpu")
     out = generate(model, [tok.encode_chat([{"role": "user", "content": "Hi"}])],
                    SamplingParams(max_new_tokens=16, stop_token_ids=tok.stop_token_ids))
 """
+from kvtier.engine.architectures import build_model
 from kvtier.engine.batch import SeqChunk
 from kvtier.engine.engine import Engine
 from kvtier.engine.generate import Generation, generate
 from kvtier.engine.loader import load_smollm2_model, load_tiny_model
+from kvtier.engine.gemma3 import PagedGemma3
 from kvtier.engine.model import PagedLlama
-from kvtier.engine.model_config import ModelConfig, tiny_config
+from kvtier.engine.model_config import (Architecture, LayerKind, ModelConfig, tiny_config,
+                                        tiny_hybrid_config)
 from kvtier.engine.parallel import TensorParallel
 from kvtier.engine.request import CachedTokens, FinishReason, Output, RequestState
 from kvtier.engine.runner import ModelRunner, chunk_bounds
@@ -19,6 +23,7 @@ from kvtier.engine.tokenizer import Tokenizer, apply_chat_template
 from kvtier.engine.weights import ensure_converted, load_smollm2, model_dir, random_state_dict
 
 __all__ = [
+    "Architecture", "LayerKind", "PagedGemma3", "build_model", "tiny_hybrid_config",
     "CachedTokens", "Engine", "FinishReason", "Output", "RequestState", "Scheduler", "StepStats",
     "Generation", "ModelConfig", "ModelRunner", "PagedLlama", "Sampler", "SamplingParams",
     "SeqChunk", "TensorParallel", "Tokenizer", "apply_chat_template", "chunk_bounds",

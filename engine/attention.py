@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine.batch import ForwardBatch
-from kvtier.engine.layers import Rotary, empty_weight
-from kvtier.engine.model_config import ModelConfig
+from kvtier.engine.layers import RMSNorm, Rotary, empty_weight
+from kvtier.engine.model_config import LayerKind, ModelConfig
 from kvtier.engine.parallel import TensorParallel
 
 
@@ -30,12 +30,16 @@ def read_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tens
 
 
 class PagedAttention(nn.Module):
-    """q/k/v (fused, column-parallel), rotary, paged SDPA, o_proj (row-parallel + all-reduce)."""
+    """q/k/v (fused, column-parallel), q/k norms (if the config has them), rotary, paged SDPA,
+    o_proj (row-parallel + all-reduce). A SLIDING layer reads only the pages its window
+    reaches and masks the keys before it (the batch's `window` span); the pool still holds
+    every key."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kind: LayerKind = LayerKind.FULL) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.kind = tp, kind
+        self.scale = config.attention_scale  # None: SDPA's own head_dim ** -0.5
         self.num_heads, self.num_kv_heads = tp.local_heads(config)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -45,6 +49,9 @@ class PagedAttention(nn.Module):
         self.qkv_bias = empty_weight(self.q_size + 2 * self.kv_size, dtype=dtype,
                                      device=device) if config.attention_bias else None
         self.o = empty_weight(config.hidden_size, self.q_size, dtype=dtype, device=device)
+        norm = lambda: RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device,  # noqa: E731
+                               config.norm_style)
+        self.q_norm, self.k_norm = (norm(), norm()) if config.qk_norm else (None, None)
 
     def load(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
              bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -61,9 +68,12 @@ class PagedAttention(nn.Module):
         """q (T, Hq, D), k and v (T, Hkv, D), rotary applied to q and k."""
         q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = Rotary.apply(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = Rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -71,11 +81,14 @@ class PagedAttention(nn.Module):
         write_kv(k_cache, batch.slots, k)
         write_kv(v_cache, batch.slots, v)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        sliding = self.kind is LayerKind.SLIDING
         for view in batch.views:  # sequences differ in length: one SDPA each
-            keys = read_kv(k_cache, view.pages, view.kv_len).to(q.dtype)
-            values = read_kv(v_cache, view.pages, view.kv_len).to(q.dtype)
+            span = view.window if sliding else view.full
+            keys = read_kv(k_cache, span.pages, span.length).to(q.dtype)
+            values = read_kv(v_cache, span.pages, span.length).to(q.dtype)
             query = q[view.rows].transpose(0, 1)  # (Hq, T, D)
             o = F.scaled_dot_product_attention(query[None], keys[None], values[None],
-                                               attn_mask=view.mask, enable_gqa=True)
+                                               attn_mask=span.mask, scale=self.scale,
+                                               enable_gqa=True)
             out[view.rows] = o[0].transpose(0, 1)
         return self.tp.all_reduce(F.linear(out.view(q.shape[0], self.q_size), self.o))

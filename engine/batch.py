@@ -25,20 +25,28 @@ class SeqChunk(NamedTuple):
         return self.start_pos + self.num_tokens
 
 
+class KeySpan(NamedTuple):
+    """The keys one layer kind's attention reads for a sequence: positions [first, end)."""
+
+    first: int                # a page boundary
+    pages: torch.Tensor       # int64 page ids covering [first, end)
+    length: int               # end - first
+    mask: torch.Tensor | None  # (num_tokens, length) bool, None when every query sees every key
+
+
 class SeqView(NamedTuple):
     """One sequence's share of a ForwardBatch, on the model's device."""
 
     rows: slice               # its rows among the batch's new tokens
-    kv_len: int               # keys attention reads: positions [0, kv_len)
-    pages: torch.Tensor       # int64 page ids covering [0, kv_len)
-    mask: torch.Tensor | None  # (num_tokens, kv_len) bool, None when one token sees all keys
+    full: KeySpan             # FULL layers: every key, [0, end_pos)
+    window: KeySpan           # SLIDING layers: from the page of the chunk's window_start on
 
 
 class ForwardBatch:
     """Index tensors built once per forward and shared by every layer."""
 
     def __init__(self, seqs: Sequence[SeqChunk], page_size: int, num_pages: int,
-                 device: torch.device) -> None:
+                 device: torch.device, sliding_window: int = 0) -> None:
         if not seqs:
             raise CacheUsageError("a forward needs at least one sequence")
         positions: list[int] = []
@@ -52,8 +60,10 @@ class ForwardBatch:
             positions.extend(pos)
             slots.extend(seq.page_table[p // page_size] * page_size + p % page_size for p in pos)
             pages = torch.tensor(list(seq.page_table[:n_pages]), dtype=torch.int64, device=device)
-            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages,
-                                 _causal_mask(seq, device)))
+            full = KeySpan(0, pages, seq.end_pos, attention_mask(seq, device))
+            views.append(SeqView(slice(row, row + seq.num_tokens), full,
+                                 _window_span(seq, pages, page_size, sliding_window, device)
+                                 if sliding_window else full))
             row += seq.num_tokens
         self.seqs = tuple(seqs)
         self.views = tuple(views)
@@ -77,10 +87,35 @@ class ForwardBatch:
             raise CacheUsageError(f"page ids {bad[:4]} are outside the pool's {num_pages} pages")
 
 
-def _causal_mask(seq: SeqChunk, device: torch.device) -> torch.Tensor | None:
-    """Query i (position start_pos+i) sees keys 0..start_pos+i: causal, offset by the prefix."""
-    if seq.num_tokens == 1:
+def _window_span(seq: SeqChunk, pages: torch.Tensor, page_size: int, window: int,
+                 device: torch.device) -> KeySpan:
+    """A sliding layer reads only the pages its queries' windows reach (whole pages: the mask
+    hides the keys before each query's window)."""
+    first_page = window_start(seq.start_pos, window) // page_size
+    first = first_page * page_size
+    mask = attention_mask(seq, device, window)
+    if mask is not None:
+        mask = mask[:, first:]
+    return KeySpan(first, pages[first_page:], seq.end_pos - first, mask)
+
+
+def window_start(position: int, window: int) -> int:
+    """The oldest key a query at `position` sees in a SLIDING layer of `window`: a sequence
+    whose next query sits there never reads that layer's keys before it again."""
+    return max(0, position - window + 1)
+
+
+def attention_mask(seq: SeqChunk, device: torch.device, window: int = 0
+                   ) -> torch.Tensor | None:
+    """Query i (position q = start_pos+i) sees key k when k <= q (causal, offset by the
+    prefix) and, with a `window`, q - k < window: a sliding layer masks keys `window` or
+    more positions back. The one place that rule lives (prefill chunks and decode alike).
+    None when every query sees every key (one new token, no key out of the window)."""
+    if seq.num_tokens == 1 and not (window and window_start(seq.start_pos, window) > 0):
         return None  # the one new token is the last key: it sees everything
     keys = torch.arange(seq.end_pos, device=device)
     queries = torch.arange(seq.start_pos, seq.end_pos, device=device)
-    return keys[None, :] <= queries[:, None]
+    mask = keys[None, :] <= queries[:, None]
+    if window:
+        mask &= queries[:, None] - keys[None, :] < window
+    return mask

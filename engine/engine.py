@@ -180,7 +180,7 @@ class Engine:
             if self.tokenizer is None:
                 raise ConfigError("a text prompt needs a tokenizer: pass tokenizer= to Engine, "
                                   "or give token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)  # whole: BOS if the model wants one
         return [int(t) for t in prompt]
 
     def _output(self, req: Request) -> Output:

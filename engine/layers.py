@@ -1,7 +1,7 @@
-"""The building blocks of a Llama layer besides attention: RMSNorm, rotary embedding, SwiGLU MLP.
+"""The building blocks of a decoder layer besides attention: RMSNorm, rotary embedding, gated MLP.
 
-Numerics follow HF transformers' Llama (norm in float32, cos/sin in float32 cast to the
-activation dtype), so logits agree with it closely in float32.
+Numerics follow HF transformers' Llama and Gemma-3 (norm in float32, cos/sin in float32 cast
+to the activation dtype), so logits agree with them closely in float32.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine.model_config import Activation, NormStyle
 from kvtier.engine.parallel import TensorParallel
 from kvtier.errors import CacheUsageError
 
@@ -19,15 +20,20 @@ def empty_weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Pa
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    """PLAIN: w * x (x cast back first, as Llama); OFFSET: x * (1 + w) in float32 (Gemma)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 style: NormStyle = NormStyle.PLAIN) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.style = eps, style
         self.weight = empty_weight(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.style is NormStyle.OFFSET:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -59,13 +65,19 @@ class Rotary(nn.Module):
         return x * cos + rotated * sin
 
 
+_ACTIVATIONS = {Activation.SILU: F.silu,
+                Activation.GELU_TANH: lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up fused and column-parallel, down row-parallel."""
+    """Gated: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU-tanh (Gemma's GeGLU);
+    gate/up fused and column-parallel, down row-parallel."""
 
     def __init__(self, hidden: int, intermediate: int, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, activation: Activation = Activation.SILU) -> None:
         super().__init__()
         self.tp = tp
+        self.act = _ACTIVATIONS[activation]
         self.local = intermediate // tp.size
         self.gate_up = empty_weight(2 * self.local, hidden, dtype=dtype, device=device)
         self.down = empty_weight(hidden, self.local, dtype=dtype, device=device)
@@ -77,4 +89,4 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up).split(self.local, dim=-1)
-        return self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down))
+        return self.tp.all_reduce(F.linear(self.act(gate) * up, self.down))

@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from kvtier.engine.architectures import build_model
 from kvtier.engine.model import PagedLlama
 from kvtier.engine.model_config import ModelConfig, tiny_config
 from kvtier.engine.parallel import SINGLE, TensorParallel
@@ -25,6 +26,7 @@ def load_smollm2_model(dtype: torch.dtype = torch.float32, device: torch.device 
 def load_tiny_model(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                     tp: TensorParallel = SINGLE, seed: int = 0,
                     config: ModelConfig | None = None) -> PagedLlama:
-    """A random-weight model of SmolLM2's architecture (tiny_config() unless given)."""
+    """A random-weight model of `config` (tiny_config(), SmolLM2's architecture, unless given;
+    tiny_hybrid_config() is Gemma-3's)."""
     config = config or tiny_config()
-    return PagedLlama.from_state_dict(config, random_state_dict(config, seed), dtype, device, tp)
+    return build_model(config, random_state_dict(config, seed), dtype, device, tp)

@@ -1,4 +1,9 @@
-"""A Llama-style decoder (SmolLM2's architecture) whose attention reads and writes the L1 pool."""
+"""A Llama-style decoder (SmolLM2's architecture) whose attention reads and writes the L1 pool.
+
+PagedLlama is also the frame other architectures reuse (kvtier.engine.gemma3): embeddings,
+one rotary table per layer kind, the layer loop with its per-layer hook, final norm, LM head,
+the pool checks. A subclass names its decoder layer in `make_layer`.
+"""
 from __future__ import annotations
 
 from functools import partial
@@ -11,7 +16,7 @@ from torch import nn
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.batch import ForwardBatch, SeqChunk
 from kvtier.engine.layers import MLP, RMSNorm, Rotary, empty_weight
-from kvtier.engine.model_config import ModelConfig
+from kvtier.engine.model_config import Architecture, LayerKind, ModelConfig
 from kvtier.engine.parallel import SINGLE, TensorParallel
 from kvtier.engine.weights import check_state_dict
 from kvtier.errors import ConfigError
@@ -31,26 +36,40 @@ class KVPool(Protocol):
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def load_attention_and_mlp(layer: nn.Module, state: Mapping[str, torch.Tensor],
+                           prefix: str) -> None:
+    """`layer.attn` and `layer.mlp` (with biases and q/k norms where they have them) from
+    HF names under `prefix`."""
+    def w(name: str) -> torch.Tensor:
+        return state[prefix + name]
+
+    attn = layer.attn
+    bias = tuple(w(f"self_attn.{p}_proj.bias") for p in "qkv") \
+        if attn.qkv_bias is not None else None
+    attn.load(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+              w("self_attn.v_proj.weight"), w("self_attn.o_proj.weight"), bias)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        attn.q_norm.weight.copy_(w("self_attn.q_norm.weight"))
+        attn.k_norm.weight.copy_(w("self_attn.k_norm.weight"))
+    layer.mlp.load(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"),
+                   w("mlp.down_proj.weight"))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kind: LayerKind = LayerKind.FULL) -> None:
         super().__init__()
+        self.kind = kind
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.attn = PagedAttention(config, tp, dtype, device)
+        self.attn = PagedAttention(config, tp, dtype, device, kind)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, dtype, device)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, dtype, device,
+                       config.activation)
 
     def load(self, state: Mapping[str, torch.Tensor], prefix: str) -> None:
-        def w(name: str) -> torch.Tensor:
-            return state[prefix + name]
-
-        self.input_norm.weight.copy_(w("input_layernorm.weight"))
-        self.post_attn_norm.weight.copy_(w("post_attention_layernorm.weight"))
-        bias = tuple(w(f"self_attn.{p}_proj.bias") for p in "qkv") \
-            if self.attn.qkv_bias is not None else None
-        self.attn.load(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                       w("self_attn.v_proj.weight"), w("self_attn.o_proj.weight"), bias)
-        self.mlp.load(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), w("mlp.down_proj.weight"))
+        self.input_norm.weight.copy_(state[prefix + "input_layernorm.weight"])
+        self.post_attn_norm.weight.copy_(state[prefix + "post_attention_layernorm.weight"])
+        load_attention_and_mlp(self, state, prefix)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv: tuple[torch.Tensor, torch.Tensor], wait: Callable[[], None]) -> torch.Tensor:
@@ -67,22 +86,41 @@ class PagedLlama(nn.Module):
     tables. Holds no KV: every call names the pool it reads and writes.
     """
 
+    ARCHITECTURE = Architecture.LLAMA
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ConfigError(f"model dtype {dtype} is not supported; use float32, bfloat16 "
                               f"or float16")
+        if config.architecture is not self.ARCHITECTURE:
+            raise ConfigError(f"{config.name!r} is a {config.architecture} model, not "
+                              f"{self.ARCHITECTURE}; build it with kvtier.engine.architectures."
+                              f"build_model")
         tp.check(config)
         device = torch.device(device) if device is not None else default_device()
         self.config, self.dtype, self.device, self.tp = config, dtype, device, tp
         self.embed = empty_weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp, dtype, device)
-                                    for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(config, kind, dtype, device)
+                                    for kind in config.layer_kinds)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device,
+                            config.norm_style)
         self.lm_head = self.embed if config.tie_word_embeddings else empty_weight(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position, device)
+        # One table per layer kind: Gemma's sliding layers use another RoPE base.
+        self.rotaries = nn.ModuleDict({
+            kind.value: Rotary(config.head_dim, config.rope_theta_of(kind), config.max_position,
+                               device) for kind in dict.fromkeys(config.layer_kinds)})
+
+    def make_layer(self, config: ModelConfig, kind: LayerKind, dtype: torch.dtype,
+                   device: torch.device) -> nn.Module:
+        return DecoderLayer(config, self.tp, dtype, device, kind)
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's kind: which keep every key (FULL) and which read only their window."""
+        return self.config.layer_kinds
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, state: Mapping[str, torch.Tensor],
@@ -100,6 +138,12 @@ class PagedLlama(nn.Module):
             for i, layer in enumerate(model.layers):
                 layer.load(state, f"model.layers.{i}.")
         return model.eval()
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(tokens.to(self.device), self.embed)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), in the model dtype as HF
+            h = h * torch.tensor(self.config.embed_scale, dtype=self.dtype)
+        return h
 
     def kv_spec(self, page_size: int, dtype: torch.dtype | None = None) -> KVSpec:
         """The geometry of this rank's L1/L2 pools (its KV heads only)."""
@@ -129,15 +173,17 @@ class PagedLlama(nn.Module):
         `before_layer(l)` runs right before layer l's attention touches the pool.
         """
         self.check_pool(kv)
-        batch = ForwardBatch(seqs, kv.spec.page_size, kv.num_pages, self.device)
+        batch = ForwardBatch(seqs, kv.spec.page_size, kv.num_pages, self.device,
+                             self.config.sliding_window)
         if tokens.shape != (batch.num_tokens,):
             raise ConfigError(f"tokens has shape {tuple(tokens.shape)} but the sequences add up "
                               f"to {batch.num_tokens} new tokens")
-        h = F.embedding(tokens.to(self.device), self.embed)
-        cos, sin = self.rotary.table(batch.positions, self.dtype)
+        h = self.embed_tokens(tokens)
+        tables = {kind: rotary.table(batch.positions, self.dtype)
+                  for kind, rotary in self.rotaries.items()}
         for i, layer in enumerate(self.layers):
             wait = partial(before_layer, i) if before_layer is not None else _nothing
-            h = layer(h, cos, sin, batch, kv.layer(i), wait)
+            h = layer(h, *tables[layer.kind.value], batch, kv.layer(i), wait)
         if not all_logits:
             h = h.index_select(0, batch.last_rows)
         return F.linear(self.norm(h), self.lm_head).float()

@@ -1,4 +1,6 @@
-"""SmolLM2's tokenizer: GPT-2 style byte-level BPE rebuilt from GGUF metadata, and its chat template."""
+"""Tokenizers rebuilt from GGUF metadata: GPT-2 style byte-level BPE (SmolLM2) and
+SentencePiece BPE (Gemma-3, kvtier.engine.sentencepiece_bpe), their special tokens and chat
+templates."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
     from kvtier.engine.chat_template import ChatTemplate
 
 _CONTROL = 3  # llama.cpp token type of control (special) tokens
+GEMMA_BOS, GEMMA_EOS, GEMMA_END_OF_TURN = "<bos>", "<eos>", "<end_of_turn>"
 GGUF_PRE_TOKENIZERS = ("smollm",)  # tokenizer.ggml.pre values build_from_gguf rebuilds
 # The default system message inside the Jinja template; "\n" may be escaped or literal there.
 _SYSTEM_IN_TEMPLATE = re.compile(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", re.S)
@@ -28,6 +31,7 @@ class SpecialTokens:
     stop_token_ids: tuple[int, ...]
     default_system_prompt: str | None = None
     special_tokens: tuple[str, ...] = field(default=())
+    add_bos: bool = False  # a prompt starts with bos_token_id (Gemma's do)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -37,14 +41,19 @@ class SpecialTokens:
         return cls(bos_token_id=data["bos_token_id"], eos_token_id=data["eos_token_id"],
                    stop_token_ids=tuple(data["stop_token_ids"]),
                    default_system_prompt=data.get("default_system_prompt"),
-                   special_tokens=tuple(data.get("special_tokens", ())))
+                   special_tokens=tuple(data.get("special_tokens", ())),
+                   add_bos=bool(data.get("add_bos", False)))
 
 
 def check_gguf_tokenizer(meta: Mapping[str, Any]) -> None:
     """Refuse a GGUF tokenizer that `build_from_gguf` would not rebuild exactly."""
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ConfigError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported; "
-                          f"only GPT-2 style byte-level BPE ('gpt2') is")
+    model = meta.get("tokenizer.ggml.model")
+    if model == "llama" and meta.get("general.architecture") == "gemma3":
+        return  # SentencePiece BPE with byte fallback (kvtier.engine.sentencepiece_bpe)
+    if model != "gpt2":
+        raise ConfigError(f"tokenizer model {model!r} is not supported; kvtier rebuilds GPT-2 "
+                          f"style byte-level BPE ('gpt2') and Gemma-3's SentencePiece BPE "
+                          f"('llama' in a gemma3 GGUF)")
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in GGUF_PRE_TOKENIZERS:
         raise ConfigError(f"the GGUF's pre-tokenizer {pre!r} is not supported; kvtier rebuilds "
@@ -57,6 +66,11 @@ def gguf_chat_template(meta: Mapping[str, Any]) -> dict[str, Any] | None:
     """The GGUF's chat template (tokenizer.chat_template) and the special tokens it may name
     (bos_token, eos_token, unk_token, pad_token); None when it has none."""
     source = meta.get("tokenizer.chat_template")
+    if (not isinstance(source, str) or not source) and \
+            meta.get("general.architecture") == "gemma3":
+        from kvtier.engine.chat_template import GEMMA_TEMPLATE
+
+        return {"source": GEMMA_TEMPLATE, "special_tokens": {"bos_token": GEMMA_BOS}}
     if not isinstance(source, str) or not source:
         return None
     tokens = meta["tokenizer.ggml.tokens"]
@@ -74,6 +88,8 @@ def build_from_gguf(meta: Mapping[str, Any]) -> tuple[Any, SpecialTokens]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     check_gguf_tokenizer(meta)
+    if meta.get("tokenizer.ggml.model") == "llama":
+        return _build_gemma(meta)
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -103,6 +119,24 @@ def build_from_gguf(meta: Mapping[str, Any]) -> tuple[Any, SpecialTokens]:
                               stop_token_ids=tuple(stop),
                               default_system_prompt=m.group(1) if m else None,
                               special_tokens=tuple(specials))
+
+
+def _build_gemma(meta: Mapping[str, Any]) -> tuple[Any, SpecialTokens]:
+    """Gemma's SentencePiece tokenizer; its special ids read from the vocabulary itself (GGUF
+    files of Gemma have been seen with bos = eos = unk = pad = 1 in their metadata)."""
+    from kvtier.engine.sentencepiece_bpe import build_sentencepiece
+
+    tok, specials = build_sentencepiece(meta)
+    ids = {}
+    for name in (GEMMA_BOS, GEMMA_EOS, GEMMA_END_OF_TURN):
+        token_id = tok.token_to_id(name)
+        if token_id is None:
+            raise ConfigError(f"the gemma3 GGUF's vocabulary lacks {name}; it is not a Gemma-3 "
+                              f"tokenizer")
+        ids[name] = token_id
+    return tok, SpecialTokens(bos_token_id=ids[GEMMA_BOS], eos_token_id=ids[GEMMA_EOS],
+                              stop_token_ids=(ids[GEMMA_EOS], ids[GEMMA_END_OF_TURN]),
+                              special_tokens=tuple(specials), add_bos=True)
 
 
 def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
@@ -175,9 +209,13 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (a byte-level BPE token may hold part of a
         character; decoding it alone would not give them)."""
+        from kvtier.engine.sentencepiece_bpe import piece_bytes
+
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:
             return b""
+        if getattr(self._tok.model, "byte_fallback", False):  # SentencePiece: <0xAB>, '▁'
+            return piece_bytes(piece)
         if type(self._tok.decoder).__name__ == "ByteLevel":
             table = _byte_level_chars()
             if all(c in table for c in piece):
@@ -185,8 +223,18 @@ class Tokenizer:
         return self._tok.decode([int(token_id)], skip_special_tokens=False).encode()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text become their ids."""
+        """Token ids of `text`; special tokens written in the text become their ids. No BOS is
+        added (pieces of one prompt concatenate): `encode_prompt` starts a whole prompt."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A whole prompt's ids: `encode(text)`, after the BOS token when the model starts
+        every sequence with one (Gemma) and the text does not already."""
+        ids = self.encode(text)
+        bos = self.special.bos_token_id
+        if self.special.add_bos and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -212,7 +260,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]],
                     add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode_prompt(self.apply_chat_template(messages, add_generation_prompt))
 
     def save(self, tokenizer_json: Path) -> None:
         self._tok.save(str(tokenizer_json))

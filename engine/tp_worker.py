@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 import torch
 
 from kvtier.engine.generate import generate
-from kvtier.engine.model import PagedLlama
+from kvtier.engine.architectures import build_model
 from kvtier.engine.model_config import ModelConfig, tiny_config
 from kvtier.engine.parallel import TensorParallel
 from kvtier.engine.sampling import SamplingParams
@@ -75,8 +75,7 @@ def generate_on_rank(tp: TensorParallel, source: WeightSource, prompts: Sequence
                      page_size: int = 16, chunk_tokens: int | None = None) -> RankGeneration:
     """Build rank `tp.rank`'s shard and run `generate` on it; every rank of the group must call
     this with the same arguments (each forward is a sequence of all-reduces across ranks)."""
-    model = PagedLlama.from_state_dict(source.config(), source.state_dict(), dtype,
-                                       rank_device(), tp)
+    model = build_model(source.config(), source.state_dict(), dtype, rank_device(), tp)
     gens = generate(model, prompts, params, page_size=page_size, chunk_tokens=chunk_tokens)
     return RankGeneration(tp.rank, tp.size, model.kv_spec(page_size).num_kv_heads,
                           [g.tokens for g in gens], [g.finish_reason for g in gens])

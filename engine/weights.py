@@ -26,7 +26,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from kvtier.engine.model_config import ModelConfig
+from kvtier.engine.model_config import Architecture, ModelConfig, NormStyle
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ConfigError
 
@@ -76,7 +76,7 @@ def _is_current(directory: Path, fingerprint: dict) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
+def locked(directory: Path) -> Iterator[None]:
     """One converter at a time across processes (TP ranks may start together)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     with open(directory.parent / f".{directory.name}.lock", "w") as lock:
@@ -119,7 +119,7 @@ def ensure_gguf_converted(path: str | os.PathLike, cache_dir: str | os.PathLike 
 def _ensure(gguf_path: Path, fingerprint: dict, target: Path, force: bool = False) -> Path:
     if not force and _is_current(target, fingerprint):
         return target
-    with _locked(target):
+    with locked(target):
         if not force and _is_current(target, fingerprint):  # another process just did it
             return target
         _convert(gguf_path, fingerprint, target)
@@ -129,17 +129,18 @@ def _ensure(gguf_path: Path, fingerprint: dict, target: Path, force: bool = Fals
 def _convert(gguf_path: Path, fingerprint: dict, target: Path) -> None:
     from safetensors.torch import save_file
 
+    from kvtier.engine.gguf_config import config_from_gguf
     from kvtier.engine.gguf_source import GGUFSource, file_sha256
     from kvtier.engine.tokenizer import build_from_gguf, gguf_chat_template
 
     start = time.perf_counter()
     log.info("converting %s into %s (once)", gguf_path, target)
     source = GGUFSource(gguf_path)
-    config = ModelConfig.from_gguf_metadata(source.metadata,
-                                            has_output_weight="output.weight" in source.tensor_names)
+    config = config_from_gguf(source.metadata,
+                              has_output_weight="output.weight" in source.tensor_names)
     backend, special = build_from_gguf(source.metadata)  # refused before the weights are read
     state = {name: torch.from_numpy(array)
-             for name, array in source.tensors(config.num_heads, config.num_kv_heads)}
+             for name, array in source.tensors(config)}
     # Write into a sibling temp dir and swap it in, so a crash never leaves a half cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -182,7 +183,7 @@ def load_smollm2(cache_dir: str | os.PathLike | None = None,
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight of the full model, by HF Llama name."""
+    """Every weight of the full model, by HF name (Llama's, Gemma-3's)."""
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
                                           "model.norm.weight": (h,)}
@@ -200,18 +201,25 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+        if config.architecture is Architecture.GEMMA3:  # sandwich norms around the MLP too
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,)})
     return shapes
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random float32 weights in HF names, scaled so activations stay O(1) through the layers."""
     gen = torch.Generator().manual_seed(seed)
+    offset = 0.0 if config.norm_style is NormStyle.OFFSET else 1.0
     state = {}
     for name, shape in weight_shapes(config).items():
         if name.endswith(".bias"):  # small offsets
             state[name] = 0.1 * torch.randn(shape, generator=gen)
-        elif len(shape) == 1:  # norm scales near 1
-            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:  # norm scales near 1 (Gemma's weights w scale by 1 + w)
+            state[name] = offset + 0.1 * torch.randn(shape, generator=gen)
         else:  # 1/sqrt(hidden or fan_in): unit-scale projections, logits spread around O(1)
             state[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
     return state

@@ -37,3 +37,40 @@ def smollm2_model(smollm2: Checkpoint) -> Callable[[torch.dtype], PagedLlama]:
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[torch.dtype, PagedLlama]:
     return {dtype: load_tiny_model(dtype, "cpu") for dtype in (torch.float32, torch.bfloat16)}
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Gemma-3 270M's (config, float32 state dict, tokenizer): assembled and converted on
+    first use (~30 s), then loaded from the cache (~2 s)."""
+    from kvtier.engine.gemma3_package import Gemma3Weights
+
+    source = Gemma3Weights()
+    return source.config(), source.state_dict(), source.tokenizer()
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(gemma3):
+    """The float32 PagedGemma3 (built once per session)."""
+    from kvtier.engine.architectures import build_model
+
+    config, state, _ = gemma3
+    return build_model(config, state, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer():
+    """Gemma-3 270M's tokenizer alone (the weights converted on first use)."""
+    from kvtier.engine.gemma3_package import Gemma3Weights
+
+    return Gemma3Weights().tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_models():
+    """Gemma-3's architecture in miniature (tiny_hybrid_config: a 40-token window), fp32 and
+    bf16."""
+    from kvtier.engine.model_config import tiny_hybrid_config
+
+    return {dtype: load_tiny_model(dtype, "cpu", config=tiny_hybrid_config())
+            for dtype in (torch.float32, torch.bfloat16)}

@@ -60,19 +60,53 @@ def assert_identical(hit: Run, cold: Run) -> None:
         assert torch.equal(x, y), f"logits differ at step {i}: max {(x - y).abs().max()}"
 
 
+def _hf_shapes(config: ModelConfig) -> dict:
+    """The HF config keys every architecture shares."""
+    return dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, max_position_embeddings=config.max_position,
+        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
+
+
 def hf_llama(config: ModelConfig, state: dict[str, torch.Tensor]):
     """transformers' LlamaForCausalLM with our weights (test-only dependency, nothing downloaded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, max_position_embeddings=config.max_position,
-        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
+        **_hf_shapes(config),
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
     model = LlamaForCausalLM(hf_config)
     result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys
     assert set(result.missing_keys) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    return model.eval()
+
+
+def hf_gemma3(config: ModelConfig, state: dict[str, torch.Tensor]):
+    """transformers' Gemma3ForCausalLM (fp32, eager attention) with our weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from kvtier.engine.model_config import LayerKind
+
+    types = {LayerKind.FULL: "full_attention", LayerKind.SLIDING: "sliding_attention"}
+    hf_config = Gemma3TextConfig(
+        **_hf_shapes(config), query_pre_attn_scalar=round(config.scale ** -2), sliding_window=config.sliding_window,
+        layer_types=[types[k] for k in config.layer_kinds],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": config.rope_local_theta}})
+    hf_config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(hf_config)
+    model.to_empty(device="cpu")
+    model.model.rotary_emb.__init__(hf_config)  # its inv_freq buffers were on the meta device
+    model.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

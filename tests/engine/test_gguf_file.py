@@ -115,7 +115,8 @@ def write_gguf(path, arch: str = "llama", pre: str = "smollm", tokenizer: str = 
 
 
 @pytest.mark.parametrize("kind, match", [
-    ("gemma3", "architecture 'gemma3' is not supported"),
+    ("qwen2", "architecture 'qwen2' is not supported"),
+    ("gemma3-27b", "Gemma-3 27B scales attention by hidden/heads"),
     ("sliding", "sliding-window attention"),
     ("experts", "mixture of experts"),
     ("rope_freqs", "scales RoPE"),
@@ -126,7 +127,8 @@ def write_gguf(path, arch: str = "llama", pre: str = "smollm", tokenizer: str = 
 def test_what_kvtier_does_not_run_is_refused_by_name(tmp_path, kind, match) -> None:
     path = tmp_path / f"{kind}.gguf"
     write_gguf(path, **{
-        "gemma3": dict(arch="gemma3"), "sliding": dict(sliding_window=4096),
+        "qwen2": dict(arch="qwen2"), "gemma3-27b": dict(arch="gemma3", embedding_length=5376),
+        "sliding": dict(sliding_window=4096),
         "experts": dict(expert_count=8), "rope_freqs": dict(tensors=("rope_freqs.weight",)),
         "bias": dict(tensors=("blk.0.attn_q.bias",)), "llama-bpe": dict(pre="llama-bpe"),
         "spm": dict(tokenizer="llama")}[kind])
@@ -136,8 +138,8 @@ def test_what_kvtier_does_not_run_is_refused_by_name(tmp_path, kind, match) -> N
 
 def test_the_converter_refuses_too(tmp_path) -> None:
     """A rank given the file directly (no settings check) fails before writing a cache."""
-    path = write_gguf(tmp_path / "g.gguf", arch="gemma3")
-    with pytest.raises(ConfigError, match="'gemma3' is not supported"):
+    path = write_gguf(tmp_path / "g.gguf", arch="qwen2")
+    with pytest.raises(ConfigError, match="'qwen2' is not supported"):
         GGUFFile(path, cache_dir=str(tmp_path / "cache")).config()
     assert not list((tmp_path / "cache" / "gguf").glob("g-*"))
 
