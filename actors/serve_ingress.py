@@ -252,7 +252,7 @@ class Ingress:
         elif req.is_token_prompt:
             tokens, param = list(req.prompt), "prompt"
         else:
-            tokens, param = self.tokenizer.encode(req.prompt), "prompt"
+            tokens, param = self.tokenizer.encode_prompt(req.prompt), "prompt"
         check_prompt_tokens(tokens, self.limits, self.tokenizer.vocab_size, param=param)
         return tokens
 

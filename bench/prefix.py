@@ -96,11 +96,13 @@ def loader(model: str) -> Callable[[torch.dtype], BenchModel]:
         return load_smollm2
 
     def load_source(dtype: torch.dtype) -> BenchModel:
+        from kvtier.actors.rank_actor import namespace_model
         from kvtier.engine.local_model import model_source
 
         source = model_source(model)
         weights = build_model(source.config(), source.state_dict(), dtype)
-        return BenchModel(weights, source.tokenizer(), source.identity())
+        # the namespace ranks serving it would key with (a GGUF's name may hold spaces)
+        return BenchModel(weights, source.tokenizer(), namespace_model(source))
 
     return load_source
 

@@ -16,7 +16,6 @@ from kvtier.engine.batch import ForwardBatch
 from kvtier.engine.layers import RMSNorm, Rotary, empty_weight
 from kvtier.engine.model_config import LayerKind, ModelConfig
 from kvtier.engine.parallel import TensorParallel
-from kvtier.errors import CacheUsageError
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
@@ -32,8 +31,9 @@ def read_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tens
 
 class PagedAttention(nn.Module):
     """q/k/v (fused, column-parallel), q/k norms (if the config has them), rotary, paged SDPA,
-    o_proj (row-parallel + all-reduce). A SLIDING layer's queries see only the keys of its
-    window (the batch's `window_mask`); the pool still holds every key."""
+    o_proj (row-parallel + all-reduce). A SLIDING layer reads only the pages its window
+    reaches and masks the keys before it (the batch's `window` span), in the pool's sidecar,
+    which keeps sliding-window KV only for the pages some window still needs."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
                  device: torch.device, kind: LayerKind = LayerKind.FULL) -> None:
@@ -78,26 +78,20 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Write k/v into the pool, attend per sequence, project out: (T, hidden). A SLIDING
-        layer's pool is the sidecar: it writes and reads there, only its window's pages."""
+        layer of a pool with a sidecar (`batch.sliding_slots`) writes and reads its window
+        there."""
         sliding = self.kind is LayerKind.SLIDING
-        if sliding and batch.sliding_slots is None:
-            raise CacheUsageError("a sliding-window layer needs the pool's sidecar; build the "
-                                  "pool from model.kv_spec(page_size)")
-        slots = batch.sliding_slots if sliding else batch.slots
+        slots = batch.sliding_slots if sliding and batch.sliding_slots is not None else batch.slots
         write_kv(k_cache, slots, k)
         write_kv(v_cache, slots, v)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for view in batch.views:  # sequences differ in length: one SDPA each
-            if sliding:
-                side = view.sliding
-                pages, length, mask = side.slots, view.kv_len - side.first_key, side.mask
-            else:
-                pages, length, mask = view.pages, view.kv_len, view.mask
-            keys = read_kv(k_cache, pages, length).to(q.dtype)
-            values = read_kv(v_cache, pages, length).to(q.dtype)
+            span = view.window if sliding else view.full
+            keys = read_kv(k_cache, span.pages, span.length).to(q.dtype)
+            values = read_kv(v_cache, span.pages, span.length).to(q.dtype)
             query = q[view.rows].transpose(0, 1)  # (Hq, T, D)
             o = F.scaled_dot_product_attention(query[None], keys[None], values[None],
-                                               attn_mask=mask, scale=self.scale,
+                                               attn_mask=span.mask, scale=self.scale,
                                                enable_gqa=True)
             out[view.rows] = o[0].transpose(0, 1)
         return self.tp.all_reduce(F.linear(out.view(q.shape[0], self.q_size), self.o))

@@ -25,23 +25,22 @@ class SeqChunk(NamedTuple):
         return self.start_pos + self.num_tokens
 
 
-class SlidingView(NamedTuple):
-    """What a SLIDING layer reads of one sequence: keys [first_key, kv_len) of the pages whose
-    sliding-window KV is in the pool's sidecar (older keys are out of every query's window)."""
+class KeySpan(NamedTuple):
+    """The keys one layer kind's attention reads for a sequence: positions [first, end)."""
 
-    first_key: int            # a page boundary
-    slots: torch.Tensor       # int64 sidecar slots of the pages covering [first_key, kv_len)
-    mask: torch.Tensor | None  # (num_tokens, kv_len - first_key): causal and in the window
+    first: int                # a page boundary
+    pages: torch.Tensor       # int64 page ids covering [first, end)
+    length: int               # end - first
+    mask: torch.Tensor | None  # (num_tokens, length) bool, None when every query sees every key
 
 
 class SeqView(NamedTuple):
     """One sequence's share of a ForwardBatch, on the model's device."""
 
     rows: slice               # its rows among the batch's new tokens
-    kv_len: int               # keys attention reads: positions [0, kv_len)
-    pages: torch.Tensor       # int64 page ids covering [0, kv_len)
-    mask: torch.Tensor | None  # (num_tokens, kv_len) bool, None when one token sees all keys
-    sliding: SlidingView | None  # for SLIDING layers (None: the model has none)
+    full: KeySpan             # FULL layers: every key, [0, end_pos)
+    window: KeySpan           # SLIDING layers: from the page of the chunk's window_start on
+    #                           (pages are the pool sidecar's slots when it has one)
 
 
 SlotTable = Callable[[Sequence[int]], list[int]]
@@ -53,13 +52,13 @@ class ForwardBatch:
     def __init__(self, seqs: Sequence[SeqChunk], page_size: int, num_pages: int,
                  device: torch.device, sliding_window: int = 0,
                  slot_table: SlotTable | None = None) -> None:
-        """`sliding_window` and `slot_table` (the pool sidecar's page -> slot map): a hybrid
-        model's, whose SLIDING layers read and write the sidecar."""
+        """`slot_table` (the pool sidecar's page -> slot map): a hybrid model's SLIDING layers
+        read and write their window in the sidecar (`sliding_slots`, the window spans)."""
         if not seqs:
             raise CacheUsageError("a forward needs at least one sequence")
-        if bool(sliding_window) != (slot_table is not None):
-            raise CacheUsageError("a sliding window needs the pool's sidecar slots, and slots "
-                                  "a window; build the pool from model.kv_spec(page_size)")
+        if slot_table is not None and not sliding_window:
+            raise CacheUsageError("sidecar slots without a sliding window: the model has no "
+                                  "sliding layer; build the pool from model.kv_spec(page_size)")
         positions: list[int] = []
         slots: list[int] = []
         side_slots: list[int] = []
@@ -72,22 +71,21 @@ class ForwardBatch:
             positions.extend(pos)
             slots.extend(seq.page_table[p // page_size] * page_size + p % page_size for p in pos)
             pages = torch.tensor(list(seq.page_table[:n_pages]), dtype=torch.int64, device=device)
-            sliding = None
-            if slot_table is not None:
-                sliding = _sliding_view(seq, page_size, sliding_window, slot_table, device)
-                table = slot_table(seq.page_table[seq.start_pos // page_size:n_pages])
-                first = seq.start_pos // page_size
+            full = KeySpan(0, pages, seq.end_pos, attention_mask(seq, device))
+            window = (_window_span(seq, pages, page_size, sliding_window, device, slot_table)
+                      if sliding_window else full)
+            if slot_table is not None:  # where the new tokens' sliding KV goes
+                first = window.first // page_size
+                table = window.pages.tolist()
                 side_slots.extend(table[p // page_size - first] * page_size + p % page_size
                                   for p in pos)
-            views.append(SeqView(slice(row, row + seq.num_tokens), seq.end_pos, pages,
-                                 attention_mask(seq, device), sliding))
+            views.append(SeqView(slice(row, row + seq.num_tokens), full, window))
             row += seq.num_tokens
         self.seqs = tuple(seqs)
         self.views = tuple(views)
         self.num_tokens = row
         self.positions = torch.tensor(positions, dtype=torch.int64, device=device)
         self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
-        # where the new tokens' sliding-window KV goes (None: no sliding layer)
         self.sliding_slots = (torch.tensor(side_slots, dtype=torch.int64, device=device)
                               if slot_table is not None else None)
         self.last_rows = torch.tensor([v.rows.stop - 1 for v in views], dtype=torch.int64,
@@ -107,15 +105,27 @@ class ForwardBatch:
             raise CacheUsageError(f"page ids {bad[:4]} are outside the pool's {num_pages} pages")
 
 
-def _sliding_view(seq: SeqChunk, page_size: int, window: int, slot_table: SlotTable,
-                  device: torch.device) -> SlidingView:
-    first_page = max(0, seq.start_pos - window + 1) // page_size
-    n_pages = -(-seq.end_pos // page_size)
-    slots = torch.tensor(slot_table(seq.page_table[first_page:n_pages]), dtype=torch.int64,
-                         device=device)
+def _window_span(seq: SeqChunk, pages: torch.Tensor, page_size: int, window: int,
+                 device: torch.device, slot_table: SlotTable | None = None) -> KeySpan:
+    """A sliding layer reads only the pages its queries' windows reach (whole pages: the mask
+    hides the keys before each query's window); with a sidecar, their slots there."""
+    first_page = window_start(seq.start_pos, window) // page_size
+    first = first_page * page_size
     mask = attention_mask(seq, device, window)
-    first_key = first_page * page_size
-    return SlidingView(first_key, slots, None if mask is None else mask[:, first_key:])
+    if mask is not None:
+        mask = mask[:, first:]
+    span = pages[first_page:]
+    if slot_table is not None:
+        n_pages = -(-seq.end_pos // page_size)
+        span = torch.tensor(slot_table(seq.page_table[first_page:n_pages]), dtype=torch.int64,
+                            device=device)
+    return KeySpan(first, span, seq.end_pos - first, mask)
+
+
+def window_start(position: int, window: int) -> int:
+    """The oldest key a query at `position` sees in a SLIDING layer of `window`: a sequence
+    whose next query sits there never reads that layer's keys before it again."""
+    return max(0, position - window + 1)
 
 
 def attention_mask(seq: SeqChunk, device: torch.device, window: int = 0
@@ -124,8 +134,7 @@ def attention_mask(seq: SeqChunk, device: torch.device, window: int = 0
     prefix) and, with a `window`, q - k < window: a sliding layer masks keys `window` or
     more positions back. The one place that rule lives (prefill chunks and decode alike).
     None when every query sees every key (one new token, no key out of the window)."""
-    last = seq.end_pos - 1
-    if seq.num_tokens == 1 and not (window and last >= window):
+    if seq.num_tokens == 1 and not (window and window_start(seq.start_pos, window) > 0):
         return None  # the one new token is the last key: it sees everything
     keys = torch.arange(seq.end_pos, device=device)
     queries = torch.arange(seq.start_pos, seq.end_pos, device=device)

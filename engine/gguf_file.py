@@ -1,10 +1,11 @@
-"""A local GGUF file as a weight source: a Llama-architecture model whose weights the `gguf`
-package dequantizes, with the tokenizer and chat template its metadata carries.
+"""A local GGUF file as a weight source: a Llama- or Gemma-3-architecture model whose weights
+the `gguf` package dequantizes, with the tokenizer and chat template its metadata carries
+(Gemma's template built in: its GGUF files carry none).
 
 The file is converted once, as SmolLM2's packaged GGUF is (kvtier.engine.weights), into
 `~/.cache/kvtier/gguf/` (or `$KVTIER_CACHE_DIR/gguf/`), and loaded from there; a changed file
 (another size or modification time) is converted again. What kvtier does not run (another
-architecture, a sliding window, RoPE scaling, experts, a tokenizer it cannot rebuild) is
+architecture, a sliding window on a Llama, RoPE scaling, experts, a tokenizer it cannot rebuild) is
 refused by `check()`, from the file's header, before anything is converted.
 `identity()` names the model and the SHA-256 of the file's bytes (hashed once, at
 conversion), so two GGUF files of one architecture never share cache pages.
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from kvtier.engine.gguf_config import check_gguf_model
-from kvtier.engine.model_config import ModelConfig
+from kvtier.engine.model_config import Architecture, ModelConfig
 from kvtier.engine.tokenizer import SpecialTokens, Tokenizer, check_gguf_tokenizer
 from kvtier.engine.weights import ensure_gguf_converted, load_config, load_state_dict
 from kvtier.errors import ConfigError
@@ -50,7 +51,7 @@ class GGUFFile:
         header = read_header(path)
         check_gguf_model(header.metadata)
         check_gguf_tokenizer(header.metadata)
-        architecture = str(header.metadata["general.architecture"])
+        architecture = Architecture(header.metadata["general.architecture"])  # checked above
         for name in header.tensor_names:
             hf_name(name, architecture)  # an unknown tensor (a bias, a fused projection) is refused
 
@@ -76,7 +77,7 @@ class GGUFFile:
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer rebuilt from the GGUF's vocabulary and merges, with the GGUF's chat
-        template (tokenizer.chat_template; none: ChatML)."""
+        template (tokenizer.chat_template; none: Gemma's for a gemma3 file, else ChatML)."""
         from kvtier.engine.chat_template import ChatTemplate
 
         directory = self.directory()

@@ -44,7 +44,7 @@ _GEMMA3_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_BLOCK_NAMES = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+_BLOCK_NAMES = {Architecture.LLAMA: _LAYER_NAMES, Architecture.GEMMA3: _GEMMA3_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -160,8 +160,8 @@ def _read_value(fh: BinaryIO, kind: int) -> Any:
     return None
 
 
-def hf_name(gguf_name: str, architecture: str = "llama") -> str:
-    """The HF state-dict name of a GGUF tensor name of `architecture` (llama, gemma3)."""
+def hf_name(gguf_name: str, architecture: Architecture = Architecture.LLAMA) -> str:
+    """The HF state-dict name of a GGUF tensor name of `architecture`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
@@ -225,5 +225,5 @@ class GGUFSource:
             elif not gemma and t.name.endswith("attn_k.weight"):
                 array = unpermute_rows(array, config.num_kv_heads)
             # Unquantized tensors come back as read-only views of the memory-mapped file.
-            yield (hf_name(t.name, config.architecture.value),
+            yield (hf_name(t.name, config.architecture),
                    np.array(array, dtype=np.float32, order="C", copy=True))

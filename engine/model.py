@@ -194,9 +194,9 @@ class PagedLlama(nn.Module):
         layer) touches it.
         """
         self.check_pool(kv)
-        sidecar = kv.sidecar if kv.spec.sliding is not None else None
+        sidecar = kv.sidecar if kv.spec.sliding is not None else None  # check_pool: hybrid
         batch = ForwardBatch(seqs, kv.spec.page_size, kv.num_pages, self.device,
-                             self.config.sliding_window if sidecar is not None else 0,
+                             self.config.sliding_window,
                              sidecar.slot_table if sidecar is not None else None)
         if tokens.shape != (batch.num_tokens,):
             raise ConfigError(f"tokens has shape {tuple(tokens.shape)} but the sequences add up "

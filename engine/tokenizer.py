@@ -1,5 +1,5 @@
 """Tokenizers rebuilt from GGUF metadata: GPT-2 style byte-level BPE (SmolLM2) and
-SentencePiece BPE (Gemma-3, kvtier.engine.sentencepiece), their special tokens and chat
+SentencePiece BPE (Gemma-3, kvtier.engine.sentencepiece_bpe), their special tokens and chat
 templates."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def check_gguf_tokenizer(meta: Mapping[str, Any]) -> None:
     """Refuse a GGUF tokenizer that `build_from_gguf` would not rebuild exactly."""
     model = meta.get("tokenizer.ggml.model")
     if model == "llama" and meta.get("general.architecture") == "gemma3":
-        return  # SentencePiece BPE with byte fallback (kvtier.engine.sentencepiece)
+        return  # SentencePiece BPE with byte fallback (kvtier.engine.sentencepiece_bpe)
     if model != "gpt2":
         raise ConfigError(f"tokenizer model {model!r} is not supported; kvtier rebuilds GPT-2 "
                           f"style byte-level BPE ('gpt2') and Gemma-3's SentencePiece BPE "
@@ -124,7 +124,7 @@ def build_from_gguf(meta: Mapping[str, Any]) -> tuple[Any, SpecialTokens]:
 def _build_gemma(meta: Mapping[str, Any]) -> tuple[Any, SpecialTokens]:
     """Gemma's SentencePiece tokenizer; its special ids read from the vocabulary itself (GGUF
     files of Gemma have been seen with bos = eos = unk = pad = 1 in their metadata)."""
-    from kvtier.engine.sentencepiece import build_sentencepiece
+    from kvtier.engine.sentencepiece_bpe import build_sentencepiece
 
     tok, specials = build_sentencepiece(meta)
     ids = {}
@@ -209,7 +209,7 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (a byte-level BPE token may hold part of a
         character; decoding it alone would not give them)."""
-        from kvtier.engine.sentencepiece import piece_bytes
+        from kvtier.engine.sentencepiece_bpe import piece_bytes
 
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:

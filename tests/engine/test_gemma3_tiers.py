@@ -85,3 +85,18 @@ def test_gemma3_270m_through_l2_and_l3(gemma3, gemma3_model, tmp_path) -> None:
     for hit in (l2, l3):
         assert hit.tokens == cold.tokens
         assert torch.equal(hit.prefill_logits, cold.prefill_logits)
+
+
+def test_tiny_hybrid_over_two_tp_processes_answers_as_one_rank(tiny_hybrid_models) -> None:
+    """Real TP (a process per rank, gloo): each rank's sliding layers mask its own KV heads'
+    window; the greedy tokens of prompts past the window equal TP 1's."""
+    from kvtier.engine import generate
+    from kvtier.engine.model_config import tiny_hybrid_config
+    from kvtier.engine.tp_worker import TinyWeights, tp_generate
+
+    prompts = [toks(90, seed=9), toks(57, seed=10)]
+    params = SamplingParams(max_new_tokens=8)
+    tp1 = [g.tokens for g in generate(tiny_hybrid_models[torch.float32], prompts, params)]
+    result = tp_generate(TinyWeights(model_config=tiny_hybrid_config()), prompts, 2, params,
+                         timeout_s=120)
+    assert result.num_kv_heads == 1 and result.tokens == tp1

@@ -116,6 +116,7 @@ def write_gguf(path, arch: str = "llama", pre: str = "smollm", tokenizer: str = 
 
 @pytest.mark.parametrize("kind, match", [
     ("qwen2", "architecture 'qwen2' is not supported"),
+    ("gemma3-27b", "Gemma-3 27B scales attention by hidden/heads"),
     ("sliding", "sliding-window attention"),
     ("experts", "mixture of experts"),
     ("rope_freqs", "scales RoPE"),
@@ -126,7 +127,8 @@ def write_gguf(path, arch: str = "llama", pre: str = "smollm", tokenizer: str = 
 def test_what_kvtier_does_not_run_is_refused_by_name(tmp_path, kind, match) -> None:
     path = tmp_path / f"{kind}.gguf"
     write_gguf(path, **{
-        "qwen2": dict(arch="qwen2"), "sliding": dict(sliding_window=4096),
+        "qwen2": dict(arch="qwen2"), "gemma3-27b": dict(arch="gemma3", embedding_length=5376),
+        "sliding": dict(sliding_window=4096),
         "experts": dict(expert_count=8), "rope_freqs": dict(tensors=("rope_freqs.weight",)),
         "bias": dict(tensors=("blk.0.attn_q.bias",)), "llama-bpe": dict(pre="llama-bpe"),
         "spm": dict(tokenizer="llama")}[kind])

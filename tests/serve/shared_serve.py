@@ -63,3 +63,37 @@ def stop() -> None:
     if _before:
         _before.clear()
         serve_graph.stop()
+
+
+def greedy_chat(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """A greedy chat completion of exactly `max_tokens` tokens (eos ignored): its JSON body."""
+    import requests
+
+    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def in_process_answer(source, tok, prompt: list[int], max_tokens: int) -> str:
+    """What `source`'s model (fp32, one Engine in this process) answers `prompt`, greedy. On
+    one thread, as every rank runs: a matmul's last bits depend on how its sums are split,
+    and a near-tie between two tokens may go either way otherwise."""
+    import torch
+
+    from kvtier.config import HiCacheConfig
+    from kvtier.engine import Engine, SamplingParams, build_model
+    from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+    model = build_model(source.config(), source.state_dict(), torch.float32, "cpu")
+    cache = HierarchicalCache(HiCacheConfig(page_size=16), model.kv_spec(16), 16, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Engine(model, cache, tokenizer=tok, owns_cache=True) as engine:
+            (cold,) = engine.generate([prompt], SamplingParams(max_new_tokens=max_tokens,
+                                                               stop_token_ids=()))
+    finally:
+        torch.set_num_threads(threads)
+    return tok.decode(cold.tokens)

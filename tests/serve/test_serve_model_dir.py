@@ -12,17 +12,13 @@ import shutil
 import pytest
 import requests
 import torch
-from shared_serve import BASE, served
+from shared_serve import BASE, greedy_chat, in_process_answer, served
 
-from kvtier.config import HiCacheConfig
-from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.hf_dir import HFModelDir
-from kvtier.engine.model import PagedLlama
 from kvtier.engine.weights import ensure_converted
 from kvtier.errors import ConfigError
 from kvtier.serve.settings import ModelChoice, ServeSettings
 from kvtier.serve_command import add_arguments, settings_from
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -86,21 +82,13 @@ def test_settings_take_a_directory(model_dir, tmp_path):
 
 def test_answers_equal_the_checkpoint_in_process(app, model_dir):
     messages = [{"role": "user", "content": "Name three colours."}]
-    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120, json={
-        "model": "tiny-llama", "messages": messages, "max_tokens": 12, "temperature": 0,
-        "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    body = r.json()
+    body = greedy_chat("tiny-llama", messages, 12)
     source = HFModelDir(str(model_dir))
     tok = source.tokenizer()
     prompt = tok.encode_chat(messages)
     assert tok.decode(prompt).endswith("assistant\nSure: ")  # the directory's own template
     assert body["usage"]["prompt_tokens"] == len(prompt)
-    model = PagedLlama.from_state_dict(source.config(), source.state_dict(), torch.float32, "cpu")
-    cache = HierarchicalCache(HiCacheConfig(page_size=16), model.kv_spec(16), 16, device="cpu")
-    with Engine(model, cache, tokenizer=tok, owns_cache=True) as engine:
-        (cold,) = engine.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=()))
-    assert body["choices"][0]["message"]["content"] == tok.decode(cold.tokens)
+    assert body["choices"][0]["message"]["content"] == in_process_answer(source, tok, prompt, 12)
     refused = requests.post(f"{BASE}/v1/chat/completions", timeout=60, json={
         "model": "tiny-llama", "messages": [{"role": "system", "content": "x"}] + messages})
     assert refused.status_code == 400 and "no system message" in refused.text
