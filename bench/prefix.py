@@ -74,12 +74,23 @@ class BenchModel(NamedTuple):
     name: str  # the L3 namespace's model part
 
 
+class KeptBytes(NamedTuple):
+    """KV one request left in a cache, per layer kind (a hybrid model's sliding layers are
+    kept only for the pages of their windows; a plain model has none)."""
+
+    full_l2: int
+    swa_l2: int
+    swa_l1: int
+    swa_unbounded: int  # what the sliding layers of every page of the request would take
+
+
 class Runs(NamedTuple):
     cold: Output
     cold_deterministic: Output | None  # None: the main engine is deterministic already
     l1: Output
     l2: Output
     l3: Output
+    kept: KeptBytes
 
     def hits(self) -> dict[str, Output]:
         return {"l1": self.l1, "l2": self.l2, "l3": self.l3}
@@ -212,7 +223,9 @@ def _measure(bm: BenchModel, prompt: list[int], params: PrefixBenchParams,
     with _engine(bm, config, pages, params.chunk_tokens, budget, det) as engine:
         for _ in range(2):  # cold, then a hit: every forward shape the timed requests run
             _ttft(engine, warm, greedy)
+        before = _held(engine)
         cold = _ttft(engine, prompt, greedy)
+        kept = _kept(engine, before, len(prompt) + params.new_tokens)
         cold_det = None
         if not det:  # no L3: its pages would join the main engine's namespace
             with _engine(bm, HiCacheConfig(page_size=page), pages, None, budget, True) as ref:
@@ -227,7 +240,25 @@ def _measure(bm: BenchModel, prompt: list[int], params: PrefixBenchParams,
         with _engine(bm, config, pages, params.chunk_tokens, budget, det) as fresh:
             l3 = _ttft(fresh, prompt, greedy)
         chunk = engine.runner.chunk_tokens
-    return Runs(cold, cold_det, l1, l2, l3), chunk
+    return Runs(cold, cold_det, l1, l2, l3, kept), chunk
+
+
+def _held(engine: Engine) -> tuple[int, int, int]:
+    """(L2 pages, L2 sidecar slots, L1 sidecar slots) in use once copies have landed."""
+    cache = engine.cache
+    cache.flush()
+    host, device = cache.host_pool, cache.device_pool
+    return (host.allocator.num_used, host.sidecar.used_slots if host.sidecar else 0,
+            device.sidecar.used_slots if device.sidecar else 0)
+
+
+def _kept(engine: Engine, before: tuple[int, int, int], tokens: int) -> KeptBytes:
+    """What the request run since `before` (`tokens` long) left in L1 and L2."""
+    spec = engine.cache.spec
+    pages, host_slots, device_slots = (a - b for a, b in zip(_held(engine), before))
+    side = spec.sidecar.page_bytes if spec.sidecar is not None else 0
+    return KeptBytes(pages * spec.page_bytes, host_slots * side, device_slots * side,
+                     pages_for(tokens, spec.page_size) * side)
 
 
 def report(runs: Runs, document_len: int, page_size: int, deterministic: bool) -> dict:
@@ -258,6 +289,12 @@ def report(runs: Runs, document_len: int, page_size: int, deterministic: bool) -
         "logits_equal_to_cold": all(torch.equal(o.prefill_logits, cold.prefill_logits)
                                     for o in hits.values()),
         "decode_tokens_per_s": round(cold.decode_tokens_per_s or 0.0, 2),
+        # KV the cold request left in L2 per layer kind (sliding: only its windows' pages),
+        # its sliding layers' in L1, and what they would take for every page
+        "full_bytes_per_request": runs.kept.full_l2,
+        "swa_bytes_per_request": runs.kept.swa_l2,
+        "swa_device_bytes_per_request": runs.kept.swa_l1,
+        "swa_bytes_without_window_bound": runs.kept.swa_unbounded,
         "targets": bounds, "target_checks": checks, "meets_targets": all(checks.values()),
         "lengths": {k: o.lengths._asdict() for k, o in outputs.items()},
         "cached_tokens": {k: o.cached._asdict() for k, o in hits.items()},
