@@ -20,12 +20,13 @@ what the ranks' MIN agreement already covers: a shorter agreed hit, never a wron
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 from kvtier.errors import CacheUsageError
 from kvtier.tiers.page_pins import check_ttl
 from kvtier.tiers.radix_tree import HiRadixTree
+from kvtier.tiers.sidecar import Sidecar
 from kvtier.tiers.tree_node import TreeNode, as_key
 
 MAX_PINS = 1024  # per rank: pins are paid prefixes, not a cache of their own
@@ -40,6 +41,7 @@ class TreePin:
     pages: int
     ttl_s: float
     expires_at: float
+    window: list[int] = field(default_factory=list)  # L2 pages whose sliding KV it holds
 
 
 class PinRefusal(NamedTuple):
@@ -71,8 +73,13 @@ class CachePins:
 
     def __init__(self, tree: HiRadixTree, host_pages: int,
                  copy_to_host: Callable[[TreeNode], bool], settle: Callable[[], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sidecar: Sidecar | None = None, window_pages: int = 0) -> None:
+        """`sidecar`, `window_pages`: a hybrid model's L2 sidecar, whose slots of the last
+        `window_pages` pages of a pinned prefix (what a hit ending there needs of the sliding
+        layers) the pin keeps too."""
         self.tree, self.host_pages = tree, host_pages
+        self.sidecar, self.window_pages = sidecar, window_pages
         self._copy_to_host, self._settle = copy_to_host, settle  # start L1->L2; land copies
         self.clock = clock
         self._pins: dict[str, TreePin] = {}
@@ -236,6 +243,10 @@ class CachePins:
 
     def _add(self, pin: TreePin) -> TreePin:
         self.tree.pin(pin.node)
+        if self.sidecar is not None:
+            host = [p for n in _path(pin.node) for p in n.host_value or ()]
+            pin.window = host[max(0, len(host) - self.window_pages):]
+            self.sidecar.lock(pin.window)
         self._pins[pin.pin_id] = pin
         self._by_node.setdefault(pin.node.id, set()).add(pin.pin_id)
         self._soonest = min(self._soonest, pin.expires_at)
@@ -248,3 +259,5 @@ class CachePins:
         if not ids:
             del self._by_node[pin.node.id]
         self.tree.unpin(pin.node)
+        if self.sidecar is not None:
+            self.sidecar.unlock(pin.window)

@@ -90,7 +90,8 @@ class HierarchicalCache:
         self.namespace = KeyNamespace(model, tenant_salt,
                                       layout_fingerprint(spec, self.heads.total))
         self.pins = CachePins(self.tree, self.host_pool.num_pages, self._copy_to_host,
-                              self.flush)
+                              self.flush, sidecar=self.host_pool.sidecar,
+                              window_pages=spec.window_pages)
         self.storage: StorageTier | None = None
         self.directory = directory
         self.tp_rank = tp_rank

@@ -130,3 +130,22 @@ def test_a_hit_whose_window_lost_its_sliding_kv_is_shortened_to_where_it_has_it(
         assert shortened == 0 or cache.sliding.window_ok(lookup.device_pages, shortened)
         assert not cache.sliding.window_ok(lookup.device_pages, 8)  # ...or where it still has
         cache.abort(lookup)
+
+
+def test_a_pin_keeps_the_sliding_kv_of_its_window_in_l2():
+    with make_cache() as cache:
+        tokens = list(range(1, 41))  # 10 pages
+        serve(cache, tokens)
+        cache.flush()
+        host = cache.host_pool.sidecar
+        pages = 9  # the whole pages a resend hits
+        assert cache.pins.pin("p", tokens, pages, ttl_s=60.0, max_fraction=1.0).pages == pages
+        host.evict(host.slots.num_pages)  # pressure: every cached L2 slot goes...
+        cache.evict_device(cache.device_pool.num_pages)
+        lookup = cache.lookup(tokens)  # ...but the pinned window loads back from L2
+        for layer in range(SPEC.num_layers):
+            cache.wait_layer(layer)
+        assert usable_pages(cache, lookup, len(tokens)) == pages
+        cache.abort(lookup)
+        assert cache.pins.unpin("p")
+        assert host.locked_slots == 0
