@@ -245,8 +245,7 @@ class CachePins:
         self.tree.pin(pin.node)
         if self.sidecar is not None:
             host = [p for n in _path(pin.node) for p in n.host_value or ()]
-            pin.window = host[max(0, len(host) - self.window_pages):]
-            self.sidecar.lock(pin.window)
+            pin.window = self.sidecar.lock(host[max(0, len(host) - self.window_pages):])
         self._pins[pin.pin_id] = pin
         self._by_node.setdefault(pin.node.id, set()).add(pin.pin_id)
         self._soonest = min(self._soonest, pin.expires_at)

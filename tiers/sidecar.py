@@ -172,13 +172,17 @@ class Sidecar:
         return freed
 
     # ---- readers ------------------------------------------------------------------------
-    def lock(self, pages: Sequence[int]) -> None:
-        """Keep the slots of `pages` (those that have one) until `unlock`."""
+    def lock(self, pages: Sequence[int]) -> list[int]:
+        """Keep the slots of `pages` (those that have one) until `unlock`; returns the pages
+        locked (the ones to unlock)."""
+        locked = []
         for p in pages:
             s = self._slot_of[p]
             if s != NO_SLOT:
                 self._locks[s] += 1
                 self._cached.pop(s, None)
+                locked.append(p)
+        return locked
 
     def unlock(self, pages: Sequence[int]) -> None:
         """Undo `lock`; a slot nobody holds becomes the most recently used cached one. Pages
