@@ -6,10 +6,15 @@ another TP size stored. The run (the demo's model and document, on local Ray):
 2. the writer (TP=W, L3 attached) answers it; its pages reach the L3 namespace;
 3. the reader (TP=R, the same namespace, its L1/L2 empty) answers it from L3.
 
-Fields: `identical` (the reader's answer equals the cold answer and the writer's),
+Fields: `identical` (the reader's answer equals the cold answer and the writer's;
+`reader_tokens_equal_to_cold` counts the leading tokens that agree),
 `storage_hit_tokens` (what the reader's prefix took from L3), `cross_tp_l3_ratio` (the
 reader's TTFT over the cold TTFT; the target is <= 0.25), the three TTFTs and the L3
 namespace's published pages.
+
+Why answers can differ across TP sizes: a TP size sums its all-reduces in its own order, so
+the KV one TP size stores differs from what another computes in the last bits (bf16: in the
+last of 8 mantissa bits). Within one TP size a hit reads the very bytes a cold run computes.
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ def run(params: demo.DemoParams, writer_tp: int, reader_tp: int) -> dict:
         "identical": read.tokens == cold.tokens == written.tokens,
         "reader_equals_cold": read.tokens == cold.tokens,
         "writer_equals_cold": written.tokens == cold.tokens,
+        "answer_tokens": len(cold.tokens),
+        "reader_tokens_equal_to_cold": _common_prefix(read.tokens, cold.tokens),
         "storage_hit_tokens": read.cached.storage,
         "cross_tp_l3_ratio": round(read.ttft_s / cold.ttft_s, 4),
         "target_ratio": TARGET_RATIO,
@@ -88,3 +95,13 @@ def _answer(inst: Any, work: Any, progress: Any, name: str) -> Any:
     inst.quiesce()  # the writer's L2 -> L3 backups have landed before the reader asks
     progress.done()
     return out
+
+
+def _common_prefix(a: tuple, b: tuple) -> int:
+    """How many leading tokens two answers share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

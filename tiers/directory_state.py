@@ -1,10 +1,12 @@
-"""What the page directory keeps per namespace: its pages, their leases and its counters.
+"""What the page directory keeps per namespace (its pages, leases on them, its counters)
+and per lease.
 
 Plain data, owned by kvtier.tiers.page_directory.PageDirectory (the one writer)."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.messages import NamespaceInfo
 from kvtier.tiers.page_store import PageStore
@@ -35,3 +37,9 @@ class NamespaceState:
     leased: Counter[str] = field(default_factory=Counter)  # page -> active leases on it
     counters: DirectoryCounters = field(default_factory=DirectoryCounters)
     needs_pass: bool = False  # the quota may be exceeded: the next eviction pass checks
+
+
+class Lease(NamedTuple):
+    namespace: str
+    hashes: tuple[str, ...]
+    expires_at: float

@@ -369,7 +369,19 @@ class HierarchicalCache:
                                    self.namespace, self._alloc_host,
                                    directory=self.directory)
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
-        for node in self.tree.nodes():  # what L2 holds goes to the new backend too
+        self._back_up_host_pages()  # what L2 holds goes to the new backend too
+
+    def storage_emptied(self) -> None:
+        """The attached L3 was emptied behind this rank (its namespace purged): nothing is
+        believed stored any more and what L2 holds is backed up again; prefetches go on."""
+        if self.storage is None:
+            return
+        self.flush()
+        self.tree.l3.forget_storage()
+        self._back_up_host_pages()
+
+    def _back_up_host_pages(self) -> None:
+        for node in self.tree.nodes():
             if node.host_value is not None:
                 self._back_up_to_storage(node)
 

@@ -158,6 +158,26 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
         assert cache.storage.backend.exists(cache.storage.page_keys(tokens)).usable_pages == 4
 
 
+def test_an_emptied_l3_gets_every_page_written_again(tmp_path):
+    """A purge empties the namespace behind the cache: `storage_emptied` forgets the "in L3"
+    marks and backs up what L2 holds again, over the same backend client."""
+    cfg = HiCacheConfig(page_size=4, storage_backend="file",
+                        storage_options={"root_dir": str(tmp_path)})
+    with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
+        tokens = list(range(1, 17))
+        look = cache.lookup(tokens)
+        cache.finish(look, tokens, cache.allocate(4))
+        cache.flush()
+        cache.storage.drain()
+        keys = cache.storage.page_keys(tokens)
+        backend = cache.storage.backend
+        assert backend.delete(keys) == 4 and backend.exists(keys).usable_pages == 0
+        cache.storage_emptied()
+        cache.flush()
+        cache.storage.drain()
+        assert backend.exists(keys).usable_pages == 4 and cache.storage.backend is backend
+
+
 def test_named_methods_answer_without_reaching_into_the_tree():
     """peek, release_pages, evict_host, drop_unlocked and audit: what admission, rank actors and
     benches use instead of the tree and the allocators."""
