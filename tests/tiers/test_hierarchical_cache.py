@@ -135,6 +135,16 @@ def test_hierarchy_off_keeps_l1_only():
             cache.attach_storage(object())
 
 
+def _stored_in_l3(cache: HierarchicalCache) -> list[int]:
+    """Four pages computed, copied to L2 and backed up to L3; their tokens."""
+    tokens = list(range(1, 17))
+    look = cache.lookup(tokens)
+    cache.finish(look, tokens, cache.allocate(4))
+    cache.flush()
+    cache.storage.drain()
+    return tokens
+
+
 def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
     """Pages marked "in L3" were in the old backend; after detach + attach of an empty one,
     the next backups write them again."""
@@ -144,11 +154,7 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
     cfg = HiCacheConfig(page_size=4, storage_backend="file",
                         storage_options={"root_dir": str(tmp_path / "old")})
     with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
-        tokens = list(range(1, 17))
-        look = cache.lookup(tokens)
-        cache.finish(look, tokens, cache.allocate(4))
-        cache.flush()
-        cache.storage.drain()
+        tokens = _stored_in_l3(cache)
         assert all(n.storage_op for n in cache.tree.nodes())  # stored in the old backend
         cache.detach_storage()
         cache.attach_storage(create_backend("file", StorageTarget(cache.namespace, cache.heads),
@@ -164,11 +170,7 @@ def test_an_emptied_l3_gets_every_page_written_again(tmp_path):
     cfg = HiCacheConfig(page_size=4, storage_backend="file",
                         storage_options={"root_dir": str(tmp_path)})
     with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
-        tokens = list(range(1, 17))
-        look = cache.lookup(tokens)
-        cache.finish(look, tokens, cache.allocate(4))
-        cache.flush()
-        cache.storage.drain()
+        tokens = _stored_in_l3(cache)
         keys = cache.storage.page_keys(tokens)
         backend = cache.storage.backend
         assert backend.delete(keys) == 4 and backend.exists(keys).usable_pages == 0
