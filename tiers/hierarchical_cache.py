@@ -7,6 +7,7 @@ allocator. The L3 tier (storage_tier) owns the prefetch tickets; the cache hands
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -18,7 +19,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import HeadRange, KVSpec
-from kvtier.policies import HostMode, WritePolicy
+from kvtier.policies import HostMode, MemLayout, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
 from kvtier.tiers.controller import CacheController
@@ -364,6 +365,9 @@ class HierarchicalCache:
         if self.storage is not None:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
         self.flush()  # back up only L2 copies that have landed (and drop the ones that failed)
+        if not self.host_pool.layout.is_head_major:  # L3 moves one run of bytes per KV head
+            self.host_pool.relayout(MemLayout.PAGE_HEAD)
+            self.config = dataclasses.replace(self.config, mem_layout=MemLayout.PAGE_HEAD)
         backend.register_pool(KV_POOL, self.host_pool)
         self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
                                    self.namespace, self._alloc_host,

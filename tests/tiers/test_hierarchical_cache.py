@@ -215,3 +215,27 @@ def test_audit_counts_a_lock_that_was_never_released():
         assert audit.locked_nodes >= 1 and audit.leaked_locks >= 1 and audit.leaked_pages == 0
         cache.abort(lookup)
         assert cache.audit().leaked_locks == 0
+
+
+@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST,
+                                    MemLayout.PAGE_FIRST_DIRECT])
+def test_attaching_l3_at_run_time_turns_l2_into_page_head(tmp_path, layout):
+    """A cache built without L3 keeps its own layout; attaching one moves L2 to page_head
+    (same page ids, same bytes): L2 hits stay exact and every page reaches L3."""
+    from kvtier.backends.base import StorageTarget
+    from kvtier.backends.registry import create_backend
+
+    tokens = list(range(1, 33))  # 8 pages
+    with make_cache(layout=layout) as cache:
+        serve(cache, tokens)
+        cache.flush()
+        cache.attach_storage(create_backend("file", StorageTarget(cache.namespace, cache.heads),
+                                            {"root_dir": str(tmp_path)}))
+        assert cache.host_pool.layout is cache.config.mem_layout is MemLayout.PAGE_HEAD
+        cache.flush()
+        cache.storage.drain()
+        keys = cache.storage.page_keys(tokens)
+        assert cache.storage.backend.exists(keys).usable_pages == 8
+        cache.evict_device(cache.device_pool.num_pages)  # what is left is L2's
+        lengths = serve(cache, tokens)  # asserts the loaded KV equals the reference
+        assert lengths.host_loaded_length == 32
