@@ -201,6 +201,19 @@ class NamespaceClient(_Client):
             ray.kill(self.handle, no_restart=True)
 
 
+def purge_namespace(actor: str, ns: str, timeout_s: float = CALL_TIMEOUT_S) -> int:
+    """Empty namespace `ns` of the running namespace actor `actor` (POST /admin/purge): its
+    pages are deleted from storage and its directory starts over under a new epoch, which
+    the ranks follow (they forget what they believed was in L3 and back pages up again).
+    Returns the pages deleted; NamespaceUnavailable when no such actor runs."""
+    try:
+        handle = ray.get_actor(actor, namespace=RAY_NAMESPACE)
+    except ValueError:
+        raise NamespaceUnavailable(f"no L3 namespace actor {actor!r} is running; attach L3 "
+                                   "first (POST /admin/storage/attach)") from None
+    return NamespaceClient(handle, timeout_s).purge(ns)
+
+
 def get_or_create_namespace_actor(name: str = ACTOR_NAME, state_dir: str | None = None, *,
                                   timeout_s: float = CALL_TIMEOUT_S,
                                   ready_timeout_s: float = READY_TIMEOUT_S,

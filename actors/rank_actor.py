@@ -233,7 +233,9 @@ class RankCache(RankPins):
         (new ports, an empty store, a new epoch) and this rank's client still talks to the
         old one, missing every read. Checked between steps, at most every
         L3_EPOCH_CHECK_S; ranks of one instance may switch a few steps apart, which is safe:
-        a rank whose client misses makes the agreed hit shorter, never wrong."""
+        a rank whose client misses makes the agreed hit shorter, never wrong. A new epoch on
+        the same storage is a purge: the rank keeps its client, forgets what it believed was
+        stored and backs its L2 pages up again."""
         cache = self.engine.cache
         l3 = self._l3
         if cache.storage is None or cache.directory is None or l3 is None:
@@ -248,6 +250,12 @@ class RankCache(RankPins):
         except StorageUnavailable:
             return  # the actor is away: L3 misses meanwhile
         if current.epoch == info.epoch:
+            return
+        if current.options == info.options:  # the same storage, emptied on purpose: a purge
+            log.warning("rank %d: L3 namespace %s was purged (epoch %d); backing up L2 again",
+                        self.rank, info.namespace, current.epoch)
+            self._l3 = (current, l3_actor)
+            cache.storage_emptied()
             return
         log.warning("rank %d: L3 namespace %s moved to new storage (epoch %d -> %d); "
                     "re-attaching", self.rank, info.namespace, info.epoch, current.epoch)

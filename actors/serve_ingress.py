@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from kvtier.actors.namespace_actor import purge_namespace
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.actors.serve_pins import PinDesk
@@ -155,6 +156,24 @@ class Ingress:
     @api.post("/admin/storage/detach")
     async def admin_detach(self, request: Request) -> Response:
         return await self._admin(request, lambda h, _: h.detach_l3.remote())
+
+    @api.post("/admin/purge")
+    async def admin_purge(self, request: Request) -> Response:
+        """Empty the deployment's L3 namespace on purpose (every page deleted from storage,
+        the directory reset; the ranks back pages up again); answers the pages deleted."""
+        if (denied := self._check_admin(request)) is not None:
+            return denied
+        shown = await asyncio.gather(*(h.storage.remote() for h in self.instances.values()))
+        ns = next((s["l3"]["namespace"] for s in shown if s["l3"]), None)  # one for all
+        if ns is None:
+            err = ApiError(400, "no L3 is attached, so there is nothing to purge")
+            return JSONResponse(err.to_body(), status_code=400)
+        try:
+            pages = await asyncio.get_running_loop().run_in_executor(
+                None, purge_namespace, self.settings.l3_actor, ns)
+        except Exception as exc:  # noqa: BLE001 - the actor is away: retry later
+            return self._failed(exc)
+        return JSONResponse({"namespace": ns, "purged_pages": pages})
 
     @api.get("/admin/router")
     async def admin_router(self, request: Request) -> Response:

@@ -20,7 +20,8 @@ import os
 import stat
 from typing import Iterable
 
-from kvtier.backends.base import BackendStats, old_format_pages, page_heads, same_model_namespace
+from kvtier.backends.base import BackendStats
+from kvtier.backends.object_names import old_format_pages, page_heads, same_model_namespace
 from kvtier.backends.file_index import ObjectIndex, page_siblings
 from kvtier.backends.file_pool import PoolFiles
 from kvtier.backends.file_root import FileRoot

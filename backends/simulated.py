@@ -11,8 +11,8 @@ import threading
 import xxhash
 
 from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  TransferResult, old_format_pages, page_heads,
-                                  same_model_namespace)
+                                  TransferResult)
+from kvtier.backends.object_names import old_format_pages, page_heads, same_model_namespace
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import SimulatedOptions
 

@@ -6,6 +6,7 @@ collectives a step runs), and the actor-call overhead per step and per request.
     kvtier bench instances --json
     kvtier bench instances --hosts 3 --l3 mooncake --json   # root: across three hosts
     kvtier bench instances --model /models/my-llama --tp 2 --hicache-mem-layout page_first_direct
+    kvtier bench instances --writer-tp 1 --reader-tp 3 --json   # L3 across TP sizes
 
 `--model` and SGLang's `--hicache-*` flags / `--hicache-config` are the demo's
 (kvtier.demo_flags): another model, and every rank's cache config.
@@ -16,6 +17,11 @@ host 2, over B's cold TTFT on host 3), `l3_read_gbps` (kvtier's L3 reads, all ra
 over the longest rank's read time), `raw_mooncake_read_gbps` (Mooncake's own batch_get_into
 of as many objects of the same size between the same hosts, as many readers as ranks),
 `raw_tcp_gbps` (one TCP stream host 2 -> host 3: the ceiling) and `bytes_across_hosts`.
+
+With `--writer-tp W --reader-tp R` it measures L3 across TP sizes instead (bench/cross_tp):
+an instance at TP=W stores the document, one at TP=R reads it from L3; the report has
+`identical`, `storage_hit_tokens` and `cross_tp_l3_ratio` (the reader's TTFT over its cold
+TTFT).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import argparse
 import json
 
 from kvtier import demo, demo_flags, demo_report
+from kvtier.bench import emit
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model and KV dtype (default auto, as kvtier demo)")
     p.add_argument("--hosts", type=int, default=0,
                    help="3: across three hosts made on this machine (root)")
+    p.add_argument("--writer-tp", type=int, default=0,
+                   help="with --reader-tp: an instance of this TP size writes the document to "
+                        "L3, and one of the reader's TP size reads it (L3 across TP sizes)")
+    p.add_argument("--reader-tp", type=int, default=0, help="see --writer-tp")
     demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags, as kvtier demo
 
 
@@ -48,6 +59,8 @@ def params_from(ns: argparse.Namespace) -> demo.DemoParams:
 
 def main(ns: argparse.Namespace) -> int:
     params = params_from(ns)
+    if ns.writer_tp or ns.reader_tp:
+        return _cross_tp(ns, params)
     if ns.hosts:
         from kvtier.demo_hosts import run_on_hosts
 
@@ -60,4 +73,17 @@ def main(ns: argparse.Namespace) -> int:
             print(demo_report.format_table(rows))
     result = {"benchmark": "instances", **result}
     print(json.dumps(result))
+    return 0 if result["identical"] else 1
+
+
+def _cross_tp(ns: argparse.Namespace, params: demo.DemoParams) -> int:
+    from kvtier.bench import cross_tp
+    from kvtier.errors import ConfigError
+
+    if ns.writer_tp < 1 or ns.reader_tp < 1:
+        raise ConfigError("give both --writer-tp and --reader-tp (TP sizes of the model's "
+                          f"KV heads), got {ns.writer_tp} and {ns.reader_tp}")
+    result = {"benchmark": "instances", "mode": "cross_tp",
+              **cross_tp.run(params, ns.writer_tp, ns.reader_tp)}
+    emit(result, ns.json)
     return 0 if result["identical"] else 1

@@ -129,7 +129,7 @@ def run(params: SoakParams = SoakParams(), progress: bool = False) -> SoakResult
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as root:
         cache = HierarchicalCache(_config(), model.kv_spec(PAGE), 48, device="cpu",
                                   model="tiny")
-        faulty = FaultyBackend(create_backend("file", StorageTarget(cache.namespace, 0, 1),
+        faulty = FaultyBackend(create_backend("file", StorageTarget(cache.namespace, cache.heads),
                                               {"root_dir": root}), seed=params.seed)
         cache.attach_storage(faulty)
         engine = Engine(model, cache)

@@ -162,6 +162,11 @@ NAMESPACE_LABEL = "namespace"
 NAMESPACE_COUNTERS = {  # family -> (help, DirectoryStats key)
     "l3_evicted_pages": ("Pages the L3 namespace evicted to stay within its bound (l3_max_gb), "
                          "least recently used first", "evicted_pages"),
+    "l3_old_format_pages_reclaimed": ("Pages of an old object format (named by TP rank) the L3 "
+                                      "namespace found in its storage and deleted; they are "
+                                      "never read", "old_format_pages_reclaimed"),
+    "l3_purged_pages": ("Pages deleted from the L3 namespace by POST /admin/purge",
+                        "purged_pages"),
 }
 NAMESPACE_GAUGES = {  # family -> (help, DirectoryStats key)
     "l3_published_pages": ("Pages the L3 namespace holds for every instance to hit",

@@ -1,10 +1,12 @@
-"""What the page directory keeps per namespace: its pages, their leases and its counters.
+"""What the page directory keeps per namespace (its pages, leases on them, its counters)
+and per lease.
 
 Plain data, owned by kvtier.tiers.page_directory.PageDirectory (the one writer)."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.messages import NamespaceInfo
 from kvtier.tiers.page_pins import NamespacePins
@@ -37,3 +39,9 @@ class NamespaceState:
     counters: DirectoryCounters = field(default_factory=DirectoryCounters)
     pins: NamespacePins = field(default_factory=NamespacePins)  # kept past any quota
     needs_pass: bool = False  # the quota may be exceeded: the next eviction pass checks
+
+
+class Lease(NamedTuple):
+    namespace: str
+    hashes: tuple[str, ...]
+    expires_at: float

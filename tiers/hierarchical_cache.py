@@ -7,6 +7,7 @@ allocator. The L3 tier (storage_tier) owns the prefetch tickets; the cache hands
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Sequence
 
@@ -18,7 +19,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, layout_fingerprint
 from kvtier.kv_spec import HeadRange, KVSpec
-from kvtier.policies import HostMode, WritePolicy
+from kvtier.policies import HostMode, MemLayout, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
 from kvtier.tiers.cache_pins import CachePins
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
@@ -403,6 +404,9 @@ class HierarchicalCache:
         if self.storage is not None:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
         self.flush()  # back up only L2 copies that have landed (and drop the ones that failed)
+        if not self.host_pool.layout.is_head_major:  # L3 moves one run of bytes per KV head
+            self.host_pool.relayout(MemLayout.PAGE_HEAD)
+            self.config = dataclasses.replace(self.config, mem_layout=MemLayout.PAGE_HEAD)
         backend.register_pool(KV_POOL, self.host_pool)
         sliding = (SlidingL3(backend, self.host_pool.sidecar, self.tree, self.spec.window_pages,
                              self.config.storage_batch_pages)
@@ -411,7 +415,19 @@ class HierarchicalCache:
                                    self.namespace, self._alloc_host,
                                    directory=self.directory, sliding=sliding)
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
-        for node in self.tree.nodes():  # what L2 holds goes to the new backend too
+        self._back_up_host_pages()  # what L2 holds goes to the new backend too
+
+    def storage_emptied(self) -> None:
+        """The attached L3 was emptied behind this rank (its namespace purged): nothing is
+        believed stored any more and what L2 holds is backed up again; prefetches go on."""
+        if self.storage is None:
+            return
+        self.flush()
+        self.tree.l3.forget_storage()
+        self._back_up_host_pages()
+
+    def _back_up_host_pages(self) -> None:
+        for node in self.tree.nodes():
             if node.host_value is not None:
                 self._back_up_to_storage(node)
 

@@ -187,6 +187,24 @@ class HostPool:
         assert run.is_contiguous()
         return run.view(-1).view(torch.uint8)
 
+    def relayout(self, layout: MemLayout) -> None:
+        """Hold every page in `layout` from now on: same page ids, same bytes, a new tensor
+        (the old one is dropped). For a cache that attaches L3 at run time: L3 needs
+        page_head. The caller makes sure no copy is in flight; it costs one more pool of host
+        memory for the moment."""
+        layout = MemLayout.parse(layout, "--hicache-mem-layout")
+        if layout is self.layout:
+            return
+        check_host_memory(self.nbytes)
+        old = self.layer_page_view()
+        self._kv = _allocate(_shape(self.spec, self.num_pages, layout), self.spec.dtype,
+                             self.pinned)
+        before, self.layout = self.layout, layout
+        self.layer_page_view().copy_(old)
+        if self.sidecar is not None:  # its slots keep their ids and bytes too
+            self.sidecar.slots.relayout(layout)
+        log.info("L2 pool: %s -> %s (%d pages)", before, layout, self.num_pages)
+
     def page_head_view(self, page: int, head: int, part: int) -> torch.Tensor:
         """K (part 0) or V (part 1) of KV head `head` (this pool's own index) of one page, over
         all layers and tokens: one contiguous uint8 run, one L3 object (page_head only)."""

@@ -16,14 +16,10 @@ pages whose writer is gone) and queues their deletes; `take_deletes` hands them 
 without holding its lock (page_eviction: `run_pass`, and the service's thread). A page a
 reader found missing or corrupt (`report_missing`) is unpublished and its remains queued.
 
-Old format: objects written before heads named objects (format 1, named by TP rank and size,
-under namespaces whose fingerprint said v1) are never read. A rebuild asks the store to
-reclaim them (`PageStore.reclaim_old_format`: the listable backends scan the root's folders
-of the namespace's model for format-1 names and delete them) and counts the pages in
-`old_format_pages_reclaimed`; a backend that cannot list (Mooncake) leaves them to its own
-eviction. `purge` empties a namespace on purpose: every page it knows of or can list is
-deleted and the directory restarts empty under a new epoch, so the ranks, which follow the
-epoch, forget what they believed was in L3 and back their pages up again.
+Old format (objects named by TP rank, written before objects named heads; never read): a
+rebuild has the store reclaim them (`PageStore.reclaim_old_format`, see backends/base) and
+counts `old_format_pages_reclaimed`. `purge` empties a namespace on purpose and starts a new
+epoch, which the ranks follow: they forget what they believed stored and back pages up again.
 
 Plain Python and no Ray: the namespace actor wraps it; tests drive it with a fake clock. Not
 thread-safe: its owner serializes calls. Page bytes never pass through here.
@@ -35,14 +31,14 @@ import logging
 import secrets
 import time
 from dataclasses import replace
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 from kvtier.backends.base import check_page_hash
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, NamespaceInfo,
                              NamespaceSpec)
-from kvtier.tiers.directory_state import NamespaceState as _Namespace
+from kvtier.tiers.directory_state import Lease as _Lease, NamespaceState
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
 from kvtier.tiers.page_pins import NamespacePins
 from kvtier.tiers.page_store import BackendPageStore, PageStore
@@ -54,12 +50,6 @@ DEFAULT_MAX_LEASE_S = 600.0
 StoreFactory = Callable[[NamespaceInfo], PageStore]
 
 
-class _Lease(NamedTuple):
-    namespace: str
-    hashes: tuple[str, ...]
-    expires_at: float
-
-
 class PageDirectory:
     """Namespaces, their published pages, leases and quotas (see the module docstring)."""
 
@@ -69,7 +59,7 @@ class PageDirectory:
                  max_lease_s: float = DEFAULT_MAX_LEASE_S) -> None:
         self._store_factory, self._clock = store_factory, clock
         self.pending_ttl_s, self.max_lease_s = pending_ttl_s, max_lease_s
-        self._ns: dict[str, _Namespace] = {}
+        self._ns: dict[str, NamespaceState] = {}
         self._leases: dict[str, _Lease] = {}
         self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, lease id)
         # Lease ids of an earlier incarnation (an actor restart) must not match new ones.
@@ -93,7 +83,7 @@ class PageDirectory:
             return current.info
         info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch,
                              root_marker)
-        self._ns[ns] = _Namespace(info, self._store_factory(info))
+        self._ns[ns] = NamespaceState(info, self._store_factory(info))
         log.info("L3 namespace %s registered: %s backend, %d KV heads, quota %s pages%s", ns,
                  spec.backend, spec.kv_heads, spec.capacity_pages or "no",
                  " (the backend's own bound, folded in: its clients do not evict)"
@@ -235,12 +225,11 @@ class PageDirectory:
         believed was in L3 and back their pages up again. Returns the pages queued."""
         state = self._get(ns)
         listed: dict[str, set[int]] = {}
-        if state.store.listable:
-            try:
-                listed = state.store.list_pages()
-            except (KvtierError, OSError) as exc:
-                log.error("L3 namespace %s: listing its storage for a purge failed (%s); "
-                          "deleting the pages the directory knows of", ns, exc)
+        try:
+            listed = state.store.list_pages() if state.store.listable else {}
+        except (KvtierError, OSError) as exc:
+            log.error("L3 namespace %s: listing its storage for a purge failed (%s); deleting "
+                      "the pages the directory knows of", ns, exc)
         doomed = [h for h in dict.fromkeys([*state.published, *state.pending, *listed])
                   if not self._deletes.doomed(ns, h)]
         state.published.clear()
@@ -344,14 +333,14 @@ class PageDirectory:
         self.close()
 
     # ---- internals ------------------------------------------------------------------------
-    def _get(self, ns: str) -> _Namespace:
+    def _get(self, ns: str) -> NamespaceState:
         try:
             return self._ns[ns]
         except KeyError:
             raise CacheUsageError(f"L3 namespace {ns!r} is not registered; register its "
                                   "NamespaceSpec first") from None
 
-    def _leading(self, state: _Namespace, hashes: Sequence[str]) -> int:
+    def _leading(self, state: NamespaceState, hashes: Sequence[str]) -> int:
         hits = 0
         for h in hashes:
             if h not in state.published:
@@ -361,13 +350,13 @@ class PageDirectory:
         return hits
 
     @staticmethod
-    def _touch(state: _Namespace, hashes: Sequence[str]) -> None:
+    def _touch(state: NamespaceState, hashes: Sequence[str]) -> None:
         # Why reversed: a chain's later pages are useless without its first ones, so the
         # first page ends up most recent and a prefix loses its tail first.
         for h in reversed(hashes):
             state.published.move_to_end(h)
 
-    def _grant(self, state: _Namespace, hashes: Sequence[str], ttl_s: float, now: float) -> str:
+    def _grant(self, state: NamespaceState, hashes: Sequence[str], ttl_s: float, now: float) -> str:
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) \
                 or not 0 < ttl_s <= self.max_lease_s:
             raise CacheUsageError(f"a lease lasts more than 0 and at most {self.max_lease_s} s, "
@@ -418,13 +407,13 @@ class PageDirectory:
         return now
 
     @staticmethod
-    def _check_quota(state: _Namespace) -> None:
+    def _check_quota(state: NamespaceState) -> None:
         """Mark the namespace for the next pass when it is over its quota (cheap: no delete)."""
         cap = state.info.spec.capacity_pages
         if cap and len(state.published) > cap:
             state.needs_pass = True
 
-    def _enforce_quota(self, state: _Namespace) -> None:
+    def _enforce_quota(self, state: NamespaceState) -> None:
         """Evict least recently used unleased pages until the quota holds (their deletes are
         queued). A leased page is never evicted: when only leased pages are older, the
         newest pages go instead."""

@@ -56,7 +56,9 @@ def test_no_flags_are_the_demo_as_before() -> None:
     assert demo.params_from(parse("demo")) == demo.DemoParams()
     assert instances.params_from(parse("bench", "instances")) == demo.DemoParams()
     config = demo_flags.cache_config("file", 64)
-    assert config == HiCacheConfig(page_size=64, prefetch_policy="wait_complete")
+    assert config == HiCacheConfig(page_size=64,
+                                   prefetch_policy="wait_complete").normalize_for_l3("file")
+    assert config.mem_layout is MemLayout.PAGE_HEAD  # the layout L3's objects need
     assert config.storage_backend is None  # the namespace attaches L3
 
 
@@ -73,9 +75,9 @@ def test_a_model_directory_and_cache_flags_reach_the_ranks(model_dir, tmp_path) 
     work = demo._workload(params._replace(tokens=512), model)
     config = work.settings.config
     assert work.settings.source == HFModelDir(str(model_dir))
-    assert (config.mem_layout, config.write_policy) == (MemLayout.PAGE_FIRST_DIRECT,
+    assert (config.mem_layout, config.write_policy) == (MemLayout.PAGE_HEAD,  # L3 on
                                                         WritePolicy.WRITE_BACK)
-    assert config.io_backend is IoBackend.DIRECT  # normalized: page_first_direct copies pages
+    assert config.io_backend is IoBackend.KERNEL
     assert config.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE  # the demo's own default
     tok = HFModelDir(str(model_dir)).tokenizer()
     assert work.prompts[0][:512] == document_tokens(tok, 512)  # the directory's tokenizer

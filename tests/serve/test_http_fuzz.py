@@ -21,7 +21,7 @@ from kvtier.serve.settings import ServeSettings
 KEY = "fuzz-admin-key-0123456789"
 # Every cache knob off its default (SGLang's names): the running ranks must report them.
 HICACHE = {"write_policy": "write_through_selective", "io_backend": "direct",
-           "mem_layout": "page_first_direct", "host_mode": "cache",
+           "mem_layout": "page_head", "host_mode": "cache",
            "prefetch_policy": "best_effort", "prefetch_threshold_tokens": 64,
            "prefetch_timeout_base_s": 1.5, "prefetch_timeout_per_ki_token_s": 0.2,
            "prefetch_timeout_max_s": 20.0, "load_back_threshold_tokens": 32,

@@ -53,7 +53,8 @@ def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     m.observe_redispatch("a")
     m.update_pins("a", {"pins": 1, "device_pages": 0, "host_pages": 3})
     m.update_namespace("ns-1", {"evicted_pages": 3, "published_pages": 40, "capacity_pages": 64,
-                                "pins": 1, "pinned_pages": 3})
+                                "pins": 1, "pinned_pages": 3, "old_format_pages_reclaimed": 0,
+                                "purged_pages": 0})
     fams = families(m)
     expected = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS) | set(TIER_GAUGES)
     namespaced = set(NAMESPACE_COUNTERS) | set(NAMESPACE_GAUGES)
@@ -74,6 +75,10 @@ def test_the_namespace_figures_are_the_directorys():
     assert value(m, "l3_evicted_pages", "_total", namespace="ns-1") == 5
     assert value(m, "l3_published_pages", "", namespace="ns-1") == 38
     assert value(m, "l3_capacity_pages", "", namespace="ns-1") == 64
+    m.update_namespace("ns-1", {"evicted_pages": 5, "old_format_pages_reclaimed": 7,
+                                "purged_pages": 12})
+    assert value(m, "l3_old_format_pages_reclaimed", "_total", namespace="ns-1") == 7
+    assert value(m, "l3_purged_pages", "_total", namespace="ns-1") == 12
 
 
 def test_tokens_latency_and_gauges():

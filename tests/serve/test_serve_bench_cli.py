@@ -131,7 +131,7 @@ def test_sglang_cache_flags_reach_the_app() -> None:
     ns = parse("--model", "tiny", "--hicache-write-policy", "write_back", "--hicache-ratio", "3",
                "--hicache-mem-layout", "page_first_direct")
     s = serve_bench.serve_settings(ns, True)
-    assert s.hicache == {"write_policy": "write_back", "mem_layout": "page_first_direct"}
+    assert s.hicache == {"write_policy": "write_back", "mem_layout": "page_head"}  # L3 on
     assert s.hicache_ratio == 3.0 and s.page_size == 64
     assert serve_bench.settings_report(ns)["hicache"] == s.hicache
     assert serve_bench.serve_settings(parse(), True).hicache == {}

@@ -26,7 +26,7 @@ def test_sglang_flags_become_settings(tmp_path):
                  "--hicache-load-back-threshold", "48", "--hicache-storage-backend", "file",
                  "--hicache-storage-backend-extra-config", json.dumps({"root_dir": str(tmp_path)}))
     assert (s.page_size, s.hicache_ratio, s.l3, s.l3_root) == (32, 3.0, "file", str(tmp_path))
-    assert s.hicache == {"mem_layout": "page_first_direct", "io_backend": "direct",
+    assert s.hicache == {"mem_layout": "page_head", "io_backend": "direct",  # L3: page_head
                          "write_policy": "write_back", "host_mode": "cache",
                          "prefetch_policy": "wait_complete", "load_back_threshold_tokens": 48}
     c = s.cache_config()
@@ -72,11 +72,11 @@ def test_the_settings_own_page_size_ratio_and_l3():
         ServeSettings(hicache=["write_back"])
 
 
-def test_layer_first_becomes_page_first_with_an_l3():
-    """As SGLang does: an L3 stores each page part as one contiguous object, which layer_first
-    cannot give; the ranks attach L3 later, so the deployment's config is normalized for it."""
+def test_an_l3_takes_the_page_head_layout():
+    """An L3 stores each KV head of a page part as one contiguous object, which only page_head
+    gives; the ranks attach L3 later, so the deployment's config is normalized for it."""
     with_l3 = settings("--hicache-mem-layout", "layer_first")
-    assert with_l3.cache_config().mem_layout.value == "page_first"
+    assert with_l3.cache_config().mem_layout.value == "page_head"
     assert with_l3.cache_config().storage_backend is None  # attached by the namespace actor
     alone = settings("--hicache-mem-layout", "layer_first", "--l3", "none")
     assert alone.cache_config().mem_layout.value == "layer_first"

@@ -100,6 +100,7 @@ def test_the_namespace_carries_the_weights_digest(app, model_dir):
     r = requests.get(f"{BASE}/admin/config", headers={"Authorization": f"Bearer {KEY}"},
                      timeout=30)
     (running,) = r.json()["instances"]
-    assert running["hicache"]["mem_layout"] == "page_first_direct" and running["l3"] == "file"
+    # with L3 every layout becomes page_head (one contiguous run per KV head of a page)
+    assert running["hicache"]["mem_layout"] == "page_head" and running["l3"] == "file"
     identity = HFModelDir(str(model_dir)).identity()
     assert running["model"] == identity and identity.startswith("tiny-llama-")

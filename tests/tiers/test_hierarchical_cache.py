@@ -135,6 +135,16 @@ def test_hierarchy_off_keeps_l1_only():
             cache.attach_storage(object())
 
 
+def _stored_in_l3(cache: HierarchicalCache) -> list[int]:
+    """Four pages computed, copied to L2 and backed up to L3; their tokens."""
+    tokens = list(range(1, 17))
+    look = cache.lookup(tokens)
+    cache.finish(look, tokens, cache.allocate(4))
+    cache.flush()
+    cache.storage.drain()
+    return tokens
+
+
 def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
     """Pages marked "in L3" were in the old backend; after detach + attach of an empty one,
     the next backups write them again."""
@@ -144,11 +154,7 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
     cfg = HiCacheConfig(page_size=4, storage_backend="file",
                         storage_options={"root_dir": str(tmp_path / "old")})
     with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
-        tokens = list(range(1, 17))
-        look = cache.lookup(tokens)
-        cache.finish(look, tokens, cache.allocate(4))
-        cache.flush()
-        cache.storage.drain()
+        tokens = _stored_in_l3(cache)
         assert all(n.storage_op for n in cache.tree.nodes())  # stored in the old backend
         cache.detach_storage()
         cache.attach_storage(create_backend("file", StorageTarget(cache.namespace, cache.heads),
@@ -156,6 +162,22 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
         cache.flush()  # attaching queued the L2 pages' backups to the new backend
         cache.storage.drain()
         assert cache.storage.backend.exists(cache.storage.page_keys(tokens)).usable_pages == 4
+
+
+def test_an_emptied_l3_gets_every_page_written_again(tmp_path):
+    """A purge empties the namespace behind the cache: `storage_emptied` forgets the "in L3"
+    marks and backs up what L2 holds again, over the same backend client."""
+    cfg = HiCacheConfig(page_size=4, storage_backend="file",
+                        storage_options={"root_dir": str(tmp_path)})
+    with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
+        tokens = _stored_in_l3(cache)
+        keys = cache.storage.page_keys(tokens)
+        backend = cache.storage.backend
+        assert backend.delete(keys) == 4 and backend.exists(keys).usable_pages == 0
+        cache.storage_emptied()
+        cache.flush()
+        cache.storage.drain()
+        assert backend.exists(keys).usable_pages == 4 and cache.storage.backend is backend
 
 
 def test_named_methods_answer_without_reaching_into_the_tree():
@@ -193,3 +215,27 @@ def test_audit_counts_a_lock_that_was_never_released():
         assert audit.locked_nodes >= 1 and audit.leaked_locks >= 1 and audit.leaked_pages == 0
         cache.abort(lookup)
         assert cache.audit().leaked_locks == 0
+
+
+@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST,
+                                    MemLayout.PAGE_FIRST_DIRECT])
+def test_attaching_l3_at_run_time_turns_l2_into_page_head(tmp_path, layout):
+    """A cache built without L3 keeps its own layout; attaching one moves L2 to page_head
+    (same page ids, same bytes): L2 hits stay exact and every page reaches L3."""
+    from kvtier.backends.base import StorageTarget
+    from kvtier.backends.registry import create_backend
+
+    tokens = list(range(1, 33))  # 8 pages
+    with make_cache(layout=layout) as cache:
+        serve(cache, tokens)
+        cache.flush()
+        cache.attach_storage(create_backend("file", StorageTarget(cache.namespace, cache.heads),
+                                            {"root_dir": str(tmp_path)}))
+        assert cache.host_pool.layout is cache.config.mem_layout is MemLayout.PAGE_HEAD
+        cache.flush()
+        cache.storage.drain()
+        keys = cache.storage.page_keys(tokens)
+        assert cache.storage.backend.exists(keys).usable_pages == 8
+        cache.evict_device(cache.device_pool.num_pages)  # what is left is L2's
+        lengths = serve(cache, tokens)  # asserts the loaded KV equals the reference
+        assert lengths.host_loaded_length == 32
