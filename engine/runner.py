@@ -116,21 +116,26 @@ class ModelRunner:
 
     def _call(self, tokens: torch.Tensor, seqs: Sequence[SeqChunk],
               all_logits: bool = False) -> torch.Tensor:
-        """The model on `seqs`. A hybrid model's pool: the pages its sliding layers read and
-        write hold sidecar slots for the call (the engine gave its requests' pages theirs
-        already; a bare runner's get them here, cached afterwards)."""
+        """The model on `seqs`. A hybrid model's pool: the pages its new tokens write get
+        sidecar slots (the engine gave its requests' pages theirs already; a bare runner's get
+        them here), and the pages its sliding layers read are held for the call; a page read
+        without one raises (its sliding KV is gone), never reads another page's."""
         sidecar = self.kv.sidecar if self.kv.spec.sliding is not None else None
         if sidecar is None:
             return self.model(tokens, seqs, self.kv, self.before_layer, all_logits)
-        window = self.kv.spec.sliding.window
-        pages = list(dict.fromkeys(p for seq in seqs for p in seq.page_table[
-            max(0, seq.start_pos - window + 1) // self.page_size:
-            -(-seq.end_pos // self.page_size)]))
-        if not sidecar.assign(pages):
+        window, page = self.kv.spec.sliding.window, self.page_size
+        written, read = [], []
+        for seq in seqs:
+            first, new = max(0, seq.start_pos - window + 1) // page, seq.start_pos // page
+            read += seq.page_table[first:new]
+            written += seq.page_table[new:-(-seq.end_pos // page)]
+        if not sidecar.assign(written):
             raise CacheUsageError(f"the pool's sliding-window sidecar has room for "
-                                  f"{sidecar.room()} more pages but this forward reads and "
-                                  f"writes {len(pages)}; give the pool more slots")
+                                  f"{sidecar.room()} more pages but this forward writes "
+                                  f"{len(written)}; give the pool more slots")
+        held = sidecar.lock(read)  # a page read without a slot is an error (slot_table)
         try:
             return self.model(tokens, seqs, self.kv, self.before_layer, all_logits)
         finally:
-            sidecar.unlock(pages)
+            sidecar.unlock(written)
+            sidecar.unlock(held)

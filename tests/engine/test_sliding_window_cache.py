@@ -3,6 +3,7 @@ is shortened to where it has one, and what a request leaves in L1 and L2 of the 
 is bounded by the window whatever the prompt's length."""
 from __future__ import annotations
 
+import pytest
 import torch
 from test_scheduler import assert_no_leaks, make_cache, toks
 
@@ -68,3 +69,20 @@ def test_sliding_kv_left_per_request_is_bounded_by_the_window(tiny_hybrid_models
         # the window where a resend resumes and the one at its end (one page apart here)
         assert 0 < l1_slots <= 2 * WINDOW_PAGES + 1 and 0 < l2_slots <= 2 * WINDOW_PAGES + 1
     assert long[1:] == short[1:]  # whatever the length
+
+
+def test_a_forward_never_reads_a_page_whose_sliding_kv_is_gone(tiny_hybrid_models) -> None:
+    from kvtier.engine import ModelRunner
+    from kvtier.errors import AllocatorError
+    from kvtier.tiers.device_pool import DevicePool
+
+    model = tiny_hybrid_models[torch.float32]
+    prompt = toks(4 * PAGE, seed=41)
+    with DevicePool(model.kv_spec(PAGE), 8, device="cpu") as pool:
+        runner = ModelRunner(model, pool, PAGE)
+        pages = [0, 1, 2, 3, 4]
+        runner.prefill(prompt, 0, pages)
+        runner.decode([1], [(pages, len(prompt))])  # reads pages 1-3: in the window
+        assert pool.sidecar.release([pages[2]]) == 1
+        with pytest.raises(AllocatorError, match="no sliding-window KV"):
+            runner.decode([1], [(pages, len(prompt) + 1)])
