@@ -64,6 +64,8 @@ ELSEWHERE = {  # faults other tests make
     "instance_stalls": "tests/serve/test_serve_stall.py",
     "redispatched_requests": "tests/serve/test_serve_stall.py",
     "instance_stalled": "tests/serve/test_serve_stall.py",
+    "l3_old_format_pages_reclaimed": "tests/tiers/test_old_format_and_purge.py (old objects)",
+    "l3_purged_pages": "tests/serve/test_serve_app.py (POST /admin/purge)",
 }
 ALL = {*COUNTERS, *GAUGES, *HISTOGRAMS, *NAMESPACE_COUNTERS, *NAMESPACE_GAUGES}
 
