@@ -83,7 +83,6 @@ class HierarchicalCache:
                                       layout_fingerprint(spec, self.heads.total))
         self.storage: StorageTier | None = None
         self.directory = directory
-        self.tp_rank = tp_rank
         self.events = CacheEventFeed(self.namespace, spec.page_size)
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, self.heads)
