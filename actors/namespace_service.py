@@ -299,6 +299,11 @@ class NamespaceService:
             _kill_stale_master(entry)
         epochs = state.get("epochs", {})
         for raw in state.get("namespaces", []):
+            if isinstance(raw, dict) and "tp_size" in raw:  # format 1: objects named by rank
+                log.warning("L3 namespace of %r from %s dropped: it is of the old object format "
+                            "(by TP rank), never read again; a namespace of the model registered "
+                            "now reclaims its objects", raw.get("model"), STATE_FILE)
+                continue
             try:
                 spec = NamespaceSpec.from_map(raw)
                 epoch = epochs.get(spec.namespace, 0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
@@ -35,8 +36,17 @@ from kvtier.storage_options import NixlOptions, NixlPlugin
 log = logging.getLogger(__name__)
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-MAX_OBJECTS_PER_TRANSFER = 1024  # bounds open files per request (one per object); larger
-# calls split (a page has one object per owned KV head and part)
+
+
+def _objects_per_transfer() -> int:
+    """Objects (open files) one NIXL request may hold: 2,048, and at most half the process's
+    open-file limit. Larger calls split into whole requests, one after another (each costs a
+    round of NIXL's fixed overhead, so fewer is faster)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 2048 if soft < 0 else max(64, min(2048, soft // 2))
+
+
+MAX_OBJECTS_PER_TRANSFER = _objects_per_transfer()
 PARALLEL_HASH_BYTES = 8 << 20  # below this, threads cost more than they save
 HASH_THREADS = 2  # xxh3 releases the GIL; more threads than cores only contend
 

@@ -190,12 +190,12 @@ class NamespaceSpec(_Record):
             check_int(getattr(self, name), f"NamespaceSpec.{name}", 0, 1 << 62)
         if self.max_bytes and not self.page_bytes:
             raise MessageError("NamespaceSpec: max_bytes needs page_bytes (bytes of one page over "
-                               "all TP ranks and parts); set it, or use max_pages")
+                               "all KV heads and parts); set it, or use max_pages")
         if self.backend_bound.max_bytes and not self.page_bytes:  # validates the options too
             raise MessageError(
                 f"NamespaceSpec: options.max_size_bytes={self.backend_bound.max_bytes} becomes "
                 "the namespace's page quota (only the namespace directory evicts), which needs "
-                "page_bytes (bytes of one page over all TP ranks and parts): set page_bytes, "
+                "page_bytes (bytes of one page over all KV heads and parts): set page_bytes, "
                 "or drop max_size_bytes and set max_pages")
 
     @property

@@ -90,7 +90,6 @@ class HierarchicalCache(CacheL3):
                               window_pages=spec.window_pages)
         self.storage: StorageTier | None = None
         self.directory = directory
-        self.tp_rank = tp_rank
         self.events = CacheEventFeed(self.namespace, spec.page_size)
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, self.heads)
@@ -315,7 +314,7 @@ class HierarchicalCache(CacheL3):
         Page hashes are this cache's chain keys (`self.namespace.page_hashes`), the ones a
         router computes from a request's tokens. L2 entries are told when the copy has landed,
         L3 ones when this rank's backup has written them (with a page directory, the page is
-        published once every TP rank has). With no listener the tree skips all of this.
+        published once every KV head is stored). With no listener the tree skips all of this.
         """
         self.events.listener = fn
         self.tree.listener = self.events.on_tree_event if fn is not None else None

@@ -95,6 +95,25 @@ def test_registered_namespaces_persist_and_rebuild_from_storage(tmp_path):
         second.close()
 
 
+def test_an_old_format_namespace_in_the_state_file_is_dropped(tmp_path, caplog):
+    """A namespace an earlier version registered (a TP size, objects named by rank) is not
+    restored, and not kept: its objects are reclaimed by the model's new namespace."""
+    new = file_spec(tmp_path / "l3")
+    old = {**new.to_map(), "tp_size": 2}
+    del old["kv_heads"]
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / STATE_FILE).write_text(json.dumps(
+        {"version": 1, "namespaces": [old, new.to_map()], "epochs": {}, "masters": {}}))
+    client = FakeNamespaceClient(str(tmp_path / "state"))
+    try:
+        assert client.namespaces() == [new.namespace]
+        assert "old object format" in caplog.text
+        saved = json.loads((tmp_path / "state" / STATE_FILE).read_text())
+        assert [n.get("tp_size") for n in saved["namespaces"]] == [None]
+    finally:
+        client.close()
+
+
 def test_a_broken_state_file_starts_empty(tmp_path, caplog):
     (tmp_path / STATE_FILE).write_text("{not json")
     client = FakeNamespaceClient(str(tmp_path))

@@ -1,6 +1,7 @@
 """The mooncake backend against a real mooncake_master on 127.0.0.1 (module-scoped)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -282,3 +283,51 @@ def test_what_a_client_listens_on(master):
         assert all(15000 <= l.port <= 17000 for l in opened), opened
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_one_batch_call_carries_every_heads_objects_of_many_pages(master, verify):
+    """Per-head objects must not multiply the calls: with 3 KV heads, 5 pages are one
+    batch_put_from and one batch_get_into of 5 x 3 x 2 objects (plus one checksum object per
+    head and page when verifying), read back byte for byte by a reader owning one head."""
+    from kvtier.kv_spec import HeadRange
+
+    spec3 = KVSpec(num_layers=2, num_kv_heads=3, head_dim=8, page_size=4, dtype=torch.bfloat16)
+    opts = MooncakeOptions(master_address=master.address, verify_checksums=verify, **SMALL)
+    ns = KeyNamespace(f"mc-test-{next(_COUNTER)}", "t", "fp")
+    with MooncakeBackend(opts, StorageTarget(ns, HeadRange.all_of(3))) as w, \
+            MooncakeBackend(opts, StorageTarget(ns, HeadRange(1, 2, 3))) as r, \
+            HostPool(spec3, 8, MemLayout.PAGE_HEAD) as pool, \
+            HostPool(dataclasses.replace(spec3, num_kv_heads=1), 8, MemLayout.PAGE_HEAD) as one:
+        pool.kv.copy_(torch.randn(pool.kv.shape).to(pool.kv.dtype))
+        w.register_pool(KV_POOL, pool)
+        r.register_pool(KV_POOL, one)
+        calls: list = []
+        w.store = _CountingStore(w.store, calls)
+        ks = keys(5, salt=700 + verify)
+        assert w.set_from(KV_POOL, ks, [0, 1, 2, 3, 4]).ok == [True] * 5
+        assert w.get_into(KV_POOL, ks, [5, 6, 7, 0, 1]).ok == [True] * 5
+        per_page = 3 * 2 + (3 if verify else 0)
+        assert calls == [("batch_put_from", 5 * per_page), ("batch_get_into", 5 * per_page)]
+        assert r.get_into(KV_POOL, ks[:2], [2, 3]).ok == [True, True]  # head 1 alone
+        for src, dst in zip([5, 6], [2, 3]):
+            assert all(torch.equal(pool.page_head_view(src, 1, p), one.page_head_view(dst, 0, p))
+                       for p in (0, 1))
+
+
+class _CountingStore:
+    """The client, with its batch transfer calls recorded as (name, objects)."""
+
+    def __init__(self, inner, calls: list) -> None:
+        self._inner, self._calls = inner, calls
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if name not in ("batch_put_from", "batch_get_into"):
+            return attr
+
+        def counted(names, *args):
+            self._calls.append((name, len(names)))
+            return attr(names, *args)
+        return counted
+

@@ -289,7 +289,7 @@ def test_wrong_admin_keys_are_a_401_and_change_nothing(app, headers):
     original = storage()
     for method, path, body in [("post", "/admin/storage/detach", b""),
                                ("post", "/admin/storage/attach", {"backend": "file"}),
-                               ("post", "/admin/flush", b""),
+                               ("post", "/admin/flush", b""), ("post", "/admin/purge", b""),
                                ("get", "/admin/storage", None), ("get", "/admin/router", None)]:
         if method == "get":
             r = requests.get(f"{BASE}{path}", headers=headers, timeout=TIMEOUT_S)

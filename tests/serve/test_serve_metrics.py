@@ -68,6 +68,8 @@ ELSEWHERE = {  # faults other tests make
     "pinned_pages": "tests/serve/test_serve_pins.py",
     "l3_pins": "tests/serve/test_serve_pins.py",
     "l3_pinned_pages": "tests/serve/test_serve_pins.py",
+    "l3_old_format_pages_reclaimed": "tests/tiers/test_old_format_and_purge.py (old objects)",
+    "l3_purged_pages": "tests/serve/test_serve_app.py (POST /admin/purge)",
 }
 ALL = {*COUNTERS, *GAUGES, *HISTOGRAMS, *NAMESPACE_COUNTERS, *NAMESPACE_GAUGES, *TIER_GAUGES}
 

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.backends import simulated
 from kvtier.backends.file_object import write_object
+from kvtier.errors import CacheUsageError, ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import NamespaceInfo, NamespaceSpec
@@ -119,3 +120,18 @@ def test_purge_deletes_every_page_and_starts_a_new_epoch(kind, tmp_path):
         assert not any(n.startswith(f"{ns}/") for n in stored_names(kind, opts))
         assert d.report_stored(ns, pages[:1], HeadRange.all_of(2)) == pages[:1]  # backed up again
         assert d.purge(ns) == 1 and d.info(ns).epoch == info.epoch + 2
+
+
+def test_a_rank_of_another_model_is_refused_with_a_clear_error(tmp_path):
+    """Any TP size of the same model shares the namespace; another head count is another
+    model: its rank client is refused, and so is its report to the directory."""
+    new = spec("file", {"root_dir": str(tmp_path)})  # 2 KV heads
+    info = NamespaceInfo(new.namespace, new, new.options)
+    with pytest.raises(ConfigError, match="2 KV heads, this rank's model has 6"):
+        open_rank_backend(info, HeadRange(0, 3, 6))
+    with open_rank_backend(info, HeadRange(1, 2, 2)):  # TP=2 rank 1: fine
+        pass
+    with PageDirectory() as d:
+        ns = d.register(new).namespace
+        with pytest.raises(CacheUsageError, match="with 2 KV heads"):
+            d.report_stored(ns, new.key_namespace.page_hashes(TOKENS, 4), HeadRange(0, 1, 3))
