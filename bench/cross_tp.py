@@ -15,6 +15,9 @@ namespace's published pages.
 Why answers can differ across TP sizes: a TP size sums its all-reduces in its own order, so
 the KV one TP size stores differs from what another computes in the last bits (bf16: in the
 last of 8 mantissa bits). Within one TP size a hit reads the very bytes a cold run computes.
+So `--dtype auto` runs this mode in fp32, where the three answers agree; in bf16 a near-tie
+between the two best tokens can flip between TP sizes, with or without L3 (measured: SmolLM2's
+first answer token at TP 1 -> 3).
 """
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2000, help="document tokens (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
     p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
-                   help="model and KV dtype (default auto, as kvtier demo)")
+                   help="model and KV dtype (default auto, as kvtier demo; with --writer-tp/"
+                        "--reader-tp auto is fp32: bf16 rounds differently per TP size)")
     p.add_argument("--hosts", type=int, default=0,
                    help="3: across three hosts made on this machine (root)")
     p.add_argument("--writer-tp", type=int, default=0,
@@ -78,11 +79,14 @@ def main(ns: argparse.Namespace) -> int:
 
 def _cross_tp(ns: argparse.Namespace, params: demo.DemoParams) -> int:
     from kvtier.bench import cross_tp
+    from kvtier.dtypes import DType
     from kvtier.errors import ConfigError
 
     if ns.writer_tp < 1 or ns.reader_tp < 1:
         raise ConfigError("give both --writer-tp and --reader-tp (TP sizes of the model's "
                           f"KV heads), got {ns.writer_tp} and {ns.reader_tp}")
+    if params.dtype == DType.AUTO.value:  # see cross_tp's docstring: bf16 near-ties may flip
+        params = params._replace(dtype=DType.FP32.value)
     result = {"benchmark": "instances", "mode": "cross_tp",
               **cross_tp.run(params, ns.writer_tp, ns.reader_tp)}
     emit(result, ns.json)
