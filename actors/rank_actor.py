@@ -21,33 +21,26 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
+from kvtier.actors.rank_l3 import RankL3
 from kvtier.actors.rank_pins import RankPins
 from kvtier.actors.step_wire import Progress, StepReport, encode_output, encode_report
-from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, name as dtype_name, resolve
 from kvtier.engine.agreement import CollectiveAgreement
-from kvtier.engine.engine import Engine
 from kvtier.engine.architectures import build_model
+from kvtier.engine.engine import Engine
 from kvtier.engine.parallel import SINGLE
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.tp_worker import WeightSource
 from kvtier.errors import ConfigError
-from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
-from kvtier.tiers.page_store import open_rank_backend
-from kvtier.tiers.storage_types import PageDirectoryClient
 
 log = logging.getLogger(__name__)
 
 RANK_NUM_CPUS = 0.5  # fractional: a TP=2 instance fits a 2-CPU Ray next to the driver
-# How often a rank asks the namespace actor whether its namespace moved to new storage (a
-# Mooncake master restarted on new ports: a new epoch); one small call between steps.
-L3_EPOCH_CHECK_S = 2.0
 
 
 class RankSettings(NamedTuple):
@@ -101,7 +94,7 @@ class CacheDescription(NamedTuple):
     sliding: bool = False  # a hybrid model's sliding-window sidecar: NamespaceSpec.sliding
 
 
-class RankCache(RankPins):
+class RankCache(RankPins, RankL3):
     """One rank: joins the TP group, builds its shard and cache, and steps its Engine."""
 
     def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
@@ -145,65 +138,6 @@ class RankCache(RankPins):
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True,
                       deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 
-    def _l3_cache(self, s: RankSettings, spec, device) -> HierarchicalCache:
-        """A cache keyed like the namespace `s.l3`, with this rank's own client of it as L3."""
-        info = s.l3
-        assert info is not None
-        if s.config.storage_backend is not None:
-            raise ConfigError("RankSettings: give either config.storage_backend or l3 (a "
-                              "registered namespace), not both")
-        # the L2 layout an attached L3 needs (page_head), whatever the settings' own layout
-        config = s.config.normalize_for_l3(info.spec.backend)
-        cache = HierarchicalCache(config, spec, s.device_pages, device=device,
-                                  model=info.spec.model, tenant_salt=info.spec.tenant_salt,
-                                  tp_rank=self.rank, tp_size=self.size)
-        try:
-            self._attach(cache, info, s.l3_actor)
-        except BaseException:
-            cache.close()
-            raise
-        return cache
-
-    def _attach(self, cache: HierarchicalCache, info: NamespaceInfo,
-                l3_actor: str | None) -> str:
-        """Attach this rank's own client of namespace `info` as the L3 of `cache`, the
-        namespace actor `l3_actor`'s directory gating hits; the backend's kind."""
-        # Any TP size may use a namespace of the same model: objects name KV heads, not ranks.
-        if info.spec.kv_heads != cache.heads.total:
-            raise ConfigError(f"L3 namespace {info.namespace} is of a model with "
-                              f"{info.spec.kv_heads} KV heads, this rank's model has "
-                              f"{cache.heads.total}: register a namespace of this model "
-                              f"(kv_heads={cache.heads.total}, describe())")
-        if info.spec.key_namespace != cache.namespace:
-            raise ConfigError(f"L3 namespace {info.namespace} keys pages as "
-                              f"{info.spec.key_namespace} (layout fingerprint "
-                              f"{info.spec.layout_fingerprint!r}), this rank as "
-                              f"{cache.namespace}: register the namespace with the rank's "
-                              f"model, tenant salt and layout fingerprint (describe())")
-        if cache.storage is not None:
-            raise ConfigError("an L3 backend is attached already; detach it first")
-        self._l3 = (info, l3_actor)  # what a re-attach after an epoch change starts from
-        cache.directory = None if l3_actor is None else self._directory(l3_actor)
-        backend = self._open_backend(info, cache.heads)
-        try:
-            cache.attach_storage(backend)
-        except BaseException:
-            backend.close()
-            raise
-        return backend.kind.value
-
-    def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
-        """This rank's client of the namespace's storage (a subclass may wrap it): a Mooncake
-        client registers this node's address when the master is not on loopback; a file or
-        nixl root must show the namespace actor's marker (actors/l3_hosts, shared_root)."""
-        address = node_address()
-        return open_rank_backend(rank_client_info(info, address), heads, node_label(address))
-
-    def _directory(self, l3_actor: str) -> PageDirectoryClient:
-        """This rank's client of the namespace actor's page directory (a subclass may wrap
-        it)."""
-        return _directory_client(l3_actor)
-
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
                     cache_salt: str = "") -> int:
@@ -228,40 +162,6 @@ class RankCache(RankPins):
         return encode_report(StepReport(finished, self._progress(),
                                         None if batch is None else batch.to_msgpack()))
 
-    def _follow_l3(self) -> None:
-        """Re-attach when the namespace moved to new storage: its Mooncake master restarted
-        (new ports, an empty store, a new epoch) and this rank's client still talks to the
-        old one, missing every read. Checked between steps, at most every
-        L3_EPOCH_CHECK_S; ranks of one instance may switch a few steps apart, which is safe:
-        a rank whose client misses makes the agreed hit shorter, never wrong. A new epoch on
-        the same storage is a purge: the rank keeps its client, forgets what it believed was
-        stored and backs its L2 pages up again."""
-        cache = self.engine.cache
-        l3 = self._l3
-        if cache.storage is None or cache.directory is None or l3 is None:
-            return
-        now = time.monotonic()
-        if now < self._l3_next_check:
-            return
-        self._l3_next_check = now + L3_EPOCH_CHECK_S
-        info, l3_actor = l3
-        try:
-            current = cache.directory.info(info.namespace)
-        except StorageUnavailable:
-            return  # the actor is away: L3 misses meanwhile
-        if current.epoch == info.epoch:
-            return
-        if current.options == info.options:  # the same storage, emptied on purpose: a purge
-            log.warning("rank %d: L3 namespace %s was purged (epoch %d); backing up L2 again",
-                        self.rank, info.namespace, current.epoch)
-            self._l3 = (current, l3_actor)
-            cache.storage_emptied()
-            return
-        log.warning("rank %d: L3 namespace %s moved to new storage (epoch %d -> %d); "
-                    "re-attaching", self.rank, info.namespace, info.epoch, current.epoch)
-        self.detach_l3()
-        self._attach(cache, current, l3_actor)
-
     def _progress(self) -> dict[int, Progress]:
         """Running requests whose output changed since the last step: their output so far."""
         changed = {}
@@ -285,16 +185,6 @@ class RankCache(RankPins):
         from kvtier.serve.cache_events import CacheEventLog
         self._events = CacheEventLog(instance)
         self.engine.cache.set_event_listener(self._events)
-
-    def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
-        """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3."""
-        return self._attach(self.engine.cache, NamespaceInfo.from_msgpack(info), l3_actor)
-
-    def detach_l3(self) -> None:
-        """Stop using L3 (queued backups finish first; nothing leaks)."""
-        cache = self.engine.cache
-        cache.detach_storage()
-        cache.directory = None
 
     def running_config(self) -> dict:
         """What this rank runs with: its cache config (SGLang's knob names, normalized; an L3
@@ -411,18 +301,6 @@ def _own_device(gpu: bool) -> torch.device:
                           f"emptied); install torch's CUDA build on the GPU nodes, or set "
                           f"gpus_per_rank to 0")
     return torch.device("cuda", 0)
-
-
-def _directory_client(actor_name: str):
-    """A client of the namespace actor `actor_name` (its page directory), found by name."""
-    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
-    try:
-        handle = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
-    except ValueError as exc:
-        raise ConfigError(f"RankSettings.l3_actor: no L3 namespace actor named {actor_name!r} "
-                          f"in Ray namespace {RAY_NAMESPACE!r} (create it with "
-                          "get_or_create_namespace_actor), or set l3_actor=None") from exc
-    return NamespaceClient(handle)
 
 
 def namespace_model(source: WeightSource) -> str:
