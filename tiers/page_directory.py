@@ -40,7 +40,6 @@ from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, Namespace
                              NamespaceSpec)
 from kvtier.tiers.directory_state import Lease as _Lease, NamespaceState
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
-from kvtier.tiers.page_pins import NamespacePins
 from kvtier.tiers.page_store import BackendPageStore, PageStore
 
 log = logging.getLogger(__name__)
