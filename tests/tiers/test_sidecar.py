@@ -122,3 +122,16 @@ def test_slot_count_is_validated_and_defaults_to_a_few_windows():
     assert DevicePool(SPEC, 40, "cpu").sidecar.slots.num_pages == 40
     assert sidecar_slots(SPEC, 16, None) == 12  # four windows of 2 pages, plus one page each
     assert sidecar_slots(SPEC, 5, None) == 5
+
+
+def test_relayout_for_l3_moves_the_sidecar_with_its_pool():
+    host = HostPool(SPEC, 8, MemLayout.PAGE_FIRST, slots=4)
+    pages = host.allocator.alloc(2)
+    assert host.sidecar.assign(pages, locked=False)
+    for p, value in zip(pages, (3.0, 4.0)):
+        _fill(host, p, value)
+    before = [_read(host, p).clone() for p in pages]
+    host.relayout(MemLayout.PAGE_HEAD)
+    assert host.sidecar.slots.layout is MemLayout.PAGE_HEAD
+    assert all(torch.equal(_read(host, p), b) for p, b in zip(pages, before))
+    host.sidecar.slots.page_head_view(host.sidecar.slot(pages[0]), 0, 0)  # objects in place
