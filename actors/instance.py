@@ -21,10 +21,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.cluster_placement import unplaced_message
+from kvtier.actors.instance_handoff import InstanceHandoff, PendingRequest
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
                                       RankStats, create_rank_actor)
 from kvtier.actors.step_wire import Progress, decode_output, decode_report
 from kvtier.engine.agreement import AgreementError
+from kvtier.engine.handoff import HandoffSent
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
@@ -58,17 +60,10 @@ class InstanceStep(NamedTuple):
     finished: list[Output]  # by instance request id
     progress: dict[int, Progress]  # running requests whose output changed: all of it so far
     events: bytes | None  # rank 0's CacheEventBatch (msgpack), when watching
+    handoffs: dict[int, list[HandoffSent]] = {}  # prefill side: id -> each rank's transfer
 
 
-class _Pending(NamedTuple):
-    """A request the instance has not returned yet: enough to run it again from its prompt."""
-
-    tokens: tuple[int, ...]
-    sampling: SamplingParams
-    cache_salt: str = ""
-
-
-class Instance:
+class Instance(InstanceHandoff):
     """`tp_size` RankCache actors over one request stream; `generate` or `add_request`+`step`.
 
     Faults: when a rank dies, hangs past `step_timeout_s` or fails a call, the TP group is
@@ -105,13 +100,15 @@ class Instance:
         self.divergences = 0  # of those, the ones caused by ranks out of step
         self._failures_in_a_row = 0
         self._next_id = 0
-        self._pending: dict[int, _Pending] = {}  # instance id -> request, in arrival order
+        self._pending: dict[int, PendingRequest] = {}  # instance id -> request, in arrival order
         self._rank_id: dict[int, int] = {}  # instance id -> the current ranks' request id
         self._instance_id: dict[int, int] = {}  # the reverse
         self._done: dict[int, Output] = {}
         self.call_s = 0.0  # driver time inside step calls (for the actor-call overhead)
         self._l3: tuple[bytes, str | None] | None = None  # what attach_l3 was given
         self._watch: str | None = None  # the name watch_cache was given
+        self._transport: str | None = None  # the hand-off transport handoff_open was given
+        self._handed: dict[int, int] = {}  # prefill side: instance id -> ranks' request id
         bundle = rank_bundle(num_cpus_per_rank, int(settings.gpu), resources)
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         self.ranks: list[Any] = []
@@ -147,6 +144,8 @@ class Instance:
             self._all("attach_l3", _current_info(*self._l3), self._l3[1])
         if self._watch is not None:
             self.rank_call(0, "watch_cache", self._watch)
+        if self._transport is not None:
+            self._all("handoff_open", self._transport)
 
     def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
         """Wait for `refs`, failing as soon as any one fails (a dead rank must not leave the
@@ -175,14 +174,25 @@ class Instance:
         refs = [getattr(a, method).remote(*args) for a in self.ranks]
         return self._get(refs, timeout_s or self.step_timeout_s, f"calling {method}")
 
+    def _each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+        """Call every rank with its own arguments (`per_rank[r]` for rank r)."""
+        if len(per_rank) != self.size:
+            raise InstanceError(f"{method}: {len(per_rank)} ranks' arguments for {self.size} "
+                                f"ranks")
+        refs = [getattr(a, method).remote(*args) for a, args in zip(self.ranks, per_rank)]
+        return self._get(refs, self.step_timeout_s, f"calling {method}")
+
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
                     cache_salt: str = "") -> int:
         """Queue a request on every rank; its id (the instance's, stable across restarts).
         `cache_salt`: its tenant (it hits only prefixes cached with the same salt)."""
+        return self._add(PendingRequest(tuple(int(t) for t in tokens), sampling,
+                                  check_cache_salt(cache_salt)))
+
+    def _add(self, pending: PendingRequest) -> int:
         req_id, self._next_id = self._next_id, self._next_id + 1
-        self._pending[req_id] = _Pending(tuple(int(t) for t in tokens), sampling,
-                                         check_cache_salt(cache_salt))
+        self._pending[req_id] = pending
         try:
             self._submit(req_id)
         except RankFailure as exc:
@@ -191,7 +201,13 @@ class Instance:
 
     def _submit(self, req_id: int) -> None:
         req = self._pending[req_id]
-        ids = self._all("add_request", list(req.tokens), req.sampling, req.cache_salt)
+        args = (list(req.tokens), req.sampling, req.cache_salt)
+        if req.targets is not None:
+            ids = self._each("add_handoff_request", [(*args, t) for t in req.targets])
+        elif req.incoming is not None:
+            ids = self._each("add_received", [(*args, kv) for kv in req.incoming])
+        else:
+            ids = self._all("add_request", *args)
         if len(set(ids)) != 1:
             raise InstanceError(f"ranks gave request ids {ids}: their streams are out of step")
         self._rank_id[req_id], self._instance_id[ids[0]] = ids[0], req_id
@@ -224,10 +240,14 @@ class Instance:
         self._failures_in_a_row = 0
         progress = {self._instance_id[i]: p for i, p in first.progress.items()
                     if i in self._instance_id}
-        return InstanceStep([self._finish(o) for o in first.finished], progress, first.events)
+        handoffs = self._collect_handoffs(per_rank)
+        return InstanceStep([self._finish(o) for o in first.finished], progress, first.events,
+                            handoffs)
 
     def _finish(self, out: Output) -> Output:
         req_id = self._instance_id.pop(out.request_id)
+        if self._pending[req_id].targets is not None:  # its pages wait for release_handoff
+            self._handed[req_id] = self._rank_id[req_id]
         del self._rank_id[req_id], self._pending[req_id]
         return dataclasses.replace(out, request_id=req_id)
 
@@ -244,6 +264,7 @@ class Instance:
         self._kill_ranks()
         self._rank_id.clear()
         self._instance_id.clear()
+        self._handed.clear()  # their pages died with the ranks
         self.restarts += 1
         try:
             self._start_ranks()

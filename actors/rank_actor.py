@@ -21,6 +21,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvtier.actors.rank_handoff import RankHandoff
 from kvtier.actors.rank_l3 import RankL3
 from kvtier.actors.rank_pins import RankPins
 from kvtier.actors.step_wire import Progress, StepReport, encode_output, encode_report
@@ -94,7 +95,7 @@ class CacheDescription(NamedTuple):
     sliding: bool = False  # a hybrid model's sliding-window sidecar: NamespaceSpec.sliding
 
 
-class RankCache(RankPins, RankL3):
+class RankCache(RankHandoff, RankPins, RankL3):
     """One rank: joins the TP group, builds its shard and cache, and steps its Engine."""
 
     def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
@@ -154,13 +155,15 @@ class RankCache(RankPins, RankL3):
             finished = self.engine.step()
             self.engine.cache.pins.expire()
             self._follow_l3()
+            handoffs = self._send_handoffs()
         finally:
             self.step_s += time.perf_counter() - start
         if self.rank != 0:
-            return encode_report(StepReport(finished, {}, None))
+            return encode_report(StepReport(finished, {}, None, handoffs))
         batch = self._events.drain() if self._events is not None else None
         return encode_report(StepReport(finished, self._progress(),
-                                        None if batch is None else batch.to_msgpack()))
+                                        None if batch is None else batch.to_msgpack(),
+                                        handoffs))
 
     def _progress(self) -> dict[int, Progress]:
         """Running requests whose output changed since the last step: their output so far."""
@@ -288,6 +291,7 @@ class RankCache(RankPins, RankL3):
 
     def close(self) -> None:
         self.engine.close()
+        self._close_handoff()
         destroy_tp()
 
 

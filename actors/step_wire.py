@@ -32,6 +32,7 @@ class StepReport(NamedTuple):
     finished: list[Output]  # requests that finished in the step (prefill logits dropped)
     progress: dict[int, Progress]  # rank 0: request id -> its output so far, changed ones
     events: bytes | None  # rank 0: a CacheEventBatch (msgpack) when watching, else None
+    handoffs: list = []  # [request id, HandoffSent wire] per request this rank handed off
 
 
 def logprobs_to_wire(logprobs: tuple[TokenLogprob, ...] | None) -> list | None:
@@ -85,13 +86,15 @@ def encode_report(report: StepReport) -> bytes:
     return msgpack.packb({"finished": [_output_map(o) for o in report.finished],
                           "progress": [[i, list(p.tokens), logprobs_to_wire(p.logprobs)]
                                        for i, p in report.progress.items()],
-                          "events": report.events}, use_bin_type=True)
+                          "events": report.events, "handoffs": report.handoffs},
+                         use_bin_type=True)
 
 
 def decode_report(data: bytes) -> StepReport:
     m = unpack_payload("StepReport", data)
-    if not isinstance(m, dict) or set(m) != {"finished", "progress", "events"}:
-        raise MessageError("a StepReport record needs exactly finished, progress, events")
+    if not isinstance(m, dict) or set(m) != {"finished", "progress", "events", "handoffs"}:
+        raise MessageError("a StepReport record needs exactly finished, progress, events, "
+                           "handoffs")
     if m["events"] is not None and not isinstance(m["events"], bytes):
         raise MessageError("StepReport.events: expected bytes or nil")
     try:
@@ -99,4 +102,8 @@ def decode_report(data: bytes) -> StepReport:
                     for i, toks, lps in m["progress"]}
     except (TypeError, ValueError) as exc:
         raise MessageError(f"StepReport.progress: {exc}") from exc
-    return StepReport([_output(o) for o in m["finished"]], progress, m["events"])
+    try:
+        handoffs = [[int(i), list(sent)] for i, sent in m["handoffs"]]
+    except (TypeError, ValueError) as exc:
+        raise MessageError(f"StepReport.handoffs: {exc}") from exc
+    return StepReport([_output(o) for o in m["finished"]], progress, m["events"], handoffs)

@@ -32,6 +32,7 @@ from typing import NamedTuple, Sequence
 from kvtier.engine.agreement import (AGREEMENT_SLOTS, NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
                                      SLOT_SKIPPED, Agree, AgreementPayload, ids_digest,
                                      local_agree)
+from kvtier.engine.handoff_intake import HandoffIntake
 from kvtier.engine.request import CachedTokens, Request, RequestState, pages_for
 from kvtier.engine.runner import ModelRunner, chunk_bounds
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
@@ -122,6 +123,7 @@ class Admission:
         self.max_load_pages = max_load_pages  # memory quota for one request's load-back
         self.agree = agree  # None: one rank, nothing to agree on (TP=1)
         self.rolled_back = 0  # reservations undone because some rank could not make them
+        self.handoffs = HandoffIntake(cache)  # decode side: adopting received prompt KV
         self._strikes: dict[int, int] = {}  # request id -> steps refused with nothing running
 
     def admit(self, waiting: Sequence[Request], busy: bool, budget: Budget, *,
@@ -139,8 +141,7 @@ class Admission:
         seen = frozenset(r.id for r, at in zip(slots, reached) if at)
         if agreed.terminate:
             for res in held:
-                if res is not None and not res.released:
-                    self.cache.abort(res.lookup, res.fresh or [])
+                self._roll_back(res)
             return AdmissionResult((), (), ready, bool(agreed.decode_short), True, seen)
         admitted, refused = self._commit(slots, held, agreed, busy, budget)
         return AdmissionResult(admitted, refused, ready, bool(agreed.decode_short), False, seen)
@@ -170,6 +171,9 @@ class Admission:
             if local.left <= 0:
                 break
             reached[i] = True
+            if req.incoming is not None:  # a hand-off: its pages are held, nothing to compute
+                held[i] = self._reserve_handoff(req)
+                continue
             if req.ticket is not None:
                 continue  # waits for its prefetch; the requests behind it may go
             load, first_chunk = self._estimate(req)
@@ -248,19 +252,20 @@ class Admission:
         for i, req in enumerate(slots):
             res = held[i]
             if agreed.waiting[i]:  # some rank still fetches its L3 pages: not this step,
-                if res is not None and not res.released:  # but nobody behind it waits
-                    self.cache.abort(res.lookup, res.fresh or [])
-                    self.rolled_back += int(res.fresh is not None)
+                self._roll_back(res)  # but nobody behind it waits
                 budget.charge_load(agreed.loaded[i])
                 continue
+            if req.incoming is not None and agreed.committable(i):
+                assert res is not None, "every rank reserved this slot, this one included"
+                if self.handoffs.adopt(res.req, res.lookup, agreed.usable[i]):
+                    admitted.append(Admitted(req, req.pos))  # decodes from the next step
+                continue  # or recomputed from its prompt from the next step on
             if not stopped and agreed.committable(i):
                 assert res is not None, "every rank reserved this slot, this one included"
                 self._commit_one(res, agreed.usable[i], agreed.loaded[i], budget)
                 admitted.append(Admitted(req, budget.plan_chunks(req)))
                 continue
-            if res is not None and not res.released:
-                self.cache.abort(res.lookup, res.fresh or [])  # loaded pages stay in the tree
-                self.rolled_back += int(res.fresh is not None)
+            self._roll_back(res)  # loaded pages stay in the tree
             if stopped:
                 continue
             budget.charge_load(agreed.loaded[i])  # the copy has started, whatever follows
@@ -275,6 +280,25 @@ class Admission:
                 continue  # nothing else is running: the next request may still fit
             stopped = True  # FCFS: it stays waiting, holding nothing, and nobody overtakes it
         return tuple(admitted), tuple(refused)
+
+    def _roll_back(self, res: _Reservation | None) -> None:
+        """Give back what a reservation this step does not commit holds on this rank (a
+        hand-off keeps its received pages for the next step)."""
+        if res is None or res.released:
+            return
+        if res.req.incoming is not None:
+            self.cache.abort(res.lookup)
+            return
+        self.cache.abort(res.lookup, res.fresh or [])
+        self.rolled_back += int(res.fresh is not None)
+
+    def _reserve_handoff(self, req: Request) -> _Reservation:
+        """A hand-off's slot: reserved (its pages are held since bootstrap), usable the whole
+        prompt when its pages arrived whole on this rank, else nothing (MIN: all recompute)."""
+        assert req.incoming is not None
+        lookup = self.cache.lookup((), salt=req.cache_salt)  # locks nothing but its root
+        usable = len(req.prompt) if self.handoffs.arrived(req.incoming) else 0
+        return _Reservation(req, lookup, list(req.incoming.pages), usable, 0)
 
     def _commit_one(self, res: _Reservation, usable: int, loaded: int, budget: Budget) -> None:
         req, lookup, n, p = res.req, res.lookup, len(res.req.prompt), self.page_size

@@ -18,9 +18,11 @@ import torch
 
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, resolve
+from kvtier.engine.handoff import HandoffTarget, IncomingKV, check_handoff_spec
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, HandoffDesk
 from kvtier.engine.loader import load_smollm2_model
 from kvtier.engine.model import PagedLlama
-from kvtier.engine.request import Output, Request
+from kvtier.engine.request import Output, Request, pages_for
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, StepStats
@@ -85,6 +87,7 @@ class Engine:
                                   before_layer=cache.wait_layer, deterministic=deterministic)
         self.scheduler = Scheduler(cache, self.runner, token_budget, max_load_pages,
                                    policy=schedule_policy)
+        self.handoffs = HandoffDesk(cache)  # decode side: pages reserved for hand-offs
         self._owns_cache = owns_cache
         self._ids = itertools.count()
         self._done: dict[int, Output] = {}  # finished inside generate(), not yet returned
@@ -116,9 +119,53 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
-                    cache_salt: str = "") -> int:
+                    cache_salt: str = "", handoff_to: HandoffTarget | None = None) -> int:
         """Queue a prompt (text needs a tokenizer; token ids are used as given); its id.
-        `cache_salt`: its tenant (it hits only prefixes cached with the same salt)."""
+        `cache_salt`: its tenant (it hits only prefixes cached with the same salt).
+        `handoff_to`: a prefill instance's request whose prompt KV goes to a decode rank's
+        reserved pages; it keeps its pages after it finishes until `release_handoff`."""
+        req = self._request(prompt, sampling, cache_salt)
+        if handoff_to is not None:
+            check_handoff_spec(self.cache.spec)
+            if len(handoff_to.pages) != pages_for(len(req.prompt), self.cache.spec.page_size):
+                raise ConfigError(f"hand-off {handoff_to.handoff_id}: {len(handoff_to.pages)} "
+                                  f"reserved pages for a {len(req.prompt)}-token prompt")
+            req.handoff_to = handoff_to
+        self.scheduler.add(req)
+        return req.id
+
+    def add_received(self, prompt: Sequence[int], sampling: SamplingParams,
+                     incoming: IncomingKV, cache_salt: str = "") -> int:
+        """Queue a decode request whose prompt KV a prefill rank wrote into the pages this
+        engine reserved (`reserve_handoff`); it decodes from `incoming.first_token` once every
+        rank has the pages whole, or is recomputed from its prompt (also when the
+        reservation is gone)."""
+        pages = self.handoffs.take(incoming.handoff_id)
+        if pages is None or tuple(pages) != tuple(incoming.pages):
+            # Expired, cancelled, or this rank was replaced: it still queues as a hand-off
+            # (every rank of the instance must), with no pages, so the ranks agree to
+            # recompute it; a mismatched reservation is given back.
+            log.warning("hand-off %s has no reservation here; the request is recomputed",
+                        incoming.handoff_id)
+            self.cache.release_pages(pages or [])
+            incoming = incoming._replace(pages=())
+        req = self._request(prompt, sampling, cache_salt)
+        req.incoming = incoming
+        self.scheduler.add_received(req)
+        return req.id
+
+    def reserve_handoff(self, handoff_id: str, num_tokens: int,
+                        hold_s: float = DEFAULT_HOLD_S) -> list[int] | None:
+        """Decode side: L1 pages for a prompt of `num_tokens` a prefill rank will write
+        (None: no room, serve the request mixed)."""
+        check_handoff_spec(self.cache.spec)
+        return self.handoffs.reserve(handoff_id, num_tokens, hold_s)
+
+    def release_handoff(self, request_id: int) -> bool:
+        """Prefill side: the decode side holds the request's KV; its pages join the cache."""
+        return self.scheduler.release_handoff(request_id)
+
+    def _request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str) -> Request:
         if self._closed:
             raise ClosedError("the engine is closed; create a new Engine")
         tokens = tuple(self._encode(prompt))
@@ -126,15 +173,14 @@ class Engine:
             raise ConfigError("an empty prompt has no token to compute; give at least one")
         if sampling.stop_token_ids is None and self.tokenizer is not None:
             sampling = dataclasses.replace(sampling, stop_token_ids=self.tokenizer.stop_token_ids)
-        req = Request(next(self._ids), tokens, sampling, self.model.device,
-                      cache_salt=check_cache_salt(cache_salt))
-        self.scheduler.add(req)
-        return req.id
+        return Request(next(self._ids), tokens, sampling, self.model.device,
+                       cache_salt=check_cache_salt(cache_salt))
 
     def step(self) -> list[Output]:
         """One scheduling step; the outputs of requests that finished in it (and of requests
         added with `add_request` that finished during a `generate` call)."""
         held, self._done = list(self._done.values()), {}
+        self.handoffs.expire()  # reservations whose prefill never came
         return held + self._step()
 
     def _step(self) -> list[Output]:
@@ -197,6 +243,9 @@ class Engine:
             return
         for req_id in sorted(self._unreturned()):
             self.scheduler.abort(req_id)
+        for req_id in list(self.scheduler.handed):
+            self.scheduler.release_handoff(req_id)
+        self.handoffs.close()
         self._closed = True
         if self._owns_cache:
             self.cache.close()

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvtier.engine.handoff import HandoffTarget, IncomingKV
 from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.storage_types import PrefetchTicket
@@ -93,6 +94,9 @@ class Request:
     agreed_hit: int = 0  # prompt tokens every rank held in L1/L2 at the last agreement
     waited_steps: int = 0  # scheduling steps spent waiting (the lpm aging bound counts them)
     cache_salt: str = ""  # its tenant's: it hits only prefixes cached under the same salt
+    handoff_to: HandoffTarget | None = None  # prefill side: where its prompt's KV goes
+    incoming: IncomingKV | None = None  # decode side: its prompt's KV, written by a prefill rank
+    kv_ready_s: float | None = None  # decode side: when every rank agreed its KV arrived
     sampler: Sampler = field(init=False)
 
     def __post_init__(self) -> None:

@@ -115,6 +115,20 @@ class Sampler:
             self.logprobs.append(self._logprob(logits, token))
         return token
 
+    def state(self) -> bytes:
+        """The generator's state (empty when greedy): what `resume` needs elsewhere."""
+        if self.generator is None:
+            return b""
+        return bytes(self.generator.get_state().numpy().tobytes())
+
+    def resume(self, token: int, state: bytes) -> None:
+        """Continue a request whose `token` another sampler chose (its prefill instance's):
+        count it as chosen and take that sampler's generator `state`, so the next token is
+        the one the first sampler would have drawn."""
+        self._output[token] += 1
+        if self.generator is not None and state:
+            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
     def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
         logp = torch.log_softmax(logits.float(), dim=-1)
         top = torch.topk(logp, self.params.logprobs) if self.params.logprobs else None

@@ -45,6 +45,7 @@ from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
+HANDED_HOLD_S = 30.0  # a handed-off request's pages wait this long for the decode side's word
 RETRY_PREFETCH_S = 0.05  # a waiting request asks L3 again at most this often
 RETRIES_PER_STEP = 4  # and a step asks for at most this many requests
 
@@ -100,6 +101,10 @@ class Scheduler:
         # finished prefetch landed (the MIN): what each rank takes from it
         self._decode_short = False  # this step, a rank could not give a decoding sequence a page
         self._reached: frozenset[int] = frozenset()  # ids the last admission scan reached
+        # prefill side of a hand-off: finished requests whose pages wait (untouched) until
+        # the decode side has their KV; id -> (request, monotonic deadline)
+        self.handed: dict[int, tuple[Request, float]] = {}
+        self.handed_hold_s = HANDED_HOLD_S
 
     # Admission holds these; they stay readable (and `agree` settable: a rank actor sets it
     # after the Engine is built) here, as before admission had its own module.
@@ -138,9 +143,16 @@ class Scheduler:
         req.prefetch_asked_s = time.monotonic()
         self.waiting.append(req)
 
+    def add_received(self, req: Request) -> None:
+        """Queue a decode request whose prompt KV a prefill rank wrote (`req.incoming`):
+        admission adopts it once every rank has it whole (no L3 prefetch: nothing to fetch)."""
+        assert req.incoming is not None
+        self.waiting.append(req)
+
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""
         self.cache.poll()
+        self._expire_handed()
         self._finalize_prefetches()
         self._retry_prefetches()
         self.waiting = order_waiting(self.waiting, self.policy, self.max_wait_steps)
@@ -310,26 +322,50 @@ class Scheduler:
                 req.lookup = self.cache.commit(req.lookup, computed, req.pages[:full])
                 req.committed_pages = full
 
+    # ---- hand-off (prefill side) ---------------------------------------------------------------
+    def release_handoff(self, request_id: int) -> bool:
+        """The decode side has the handed-off request's KV (or gave up on it): its pages go to
+        this cache like any finished request's (prompt pages as cached prefixes)."""
+        held = self.handed.pop(request_id, None)
+        if held is None:
+            return False
+        self._store_decoded(held[0])
+        return True
+
+    def _expire_handed(self) -> None:
+        now = time.monotonic()
+        for req_id in [i for i, (_, deadline) in self.handed.items() if deadline <= now]:
+            log.warning("request %d: no word from the decode side in %.0f s; releasing its "
+                        "handed-off pages", req_id, self.handed_hold_s)
+            self.release_handoff(req_id)
+
     # ---- release ---------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
         """Hand the request's pages back: to the tree (a complete prompt) or the free list."""
         cache = self.cache
         if req.state is RequestState.DECODING:
-            # Default: prompt and output pages go to the tree (all but the last token, whose
-            # KV was never computed). Deterministic: only the prompt's prefill-computed pages;
-            # decode writes one row per forward, which is not bit-identical to prefilling the
-            # same tokens, so a later prompt containing them would get KV a cold run does not.
-            # The tree returns duplicates (the fresh copy of a fully cached prompt's
-            # recomputed page) and the partial last page; finish frees those.
-            tokens = req.prompt if self.deterministic else req.computed
-            kept = pages_for(len(tokens), self.page_size)
-            cache.finish(req.lookup, tokens, req.pages[:kept])
-            cache.release_pages(req.pages[kept:])
+            self._store_decoded(req)
         elif req.state is RequestState.PREFILLING:
             cache.abort(req.lookup, req.own_pages)  # partial KV: never cached
         elif req.ticket is not None:
             cache.abort_prefetch(req.ticket)
             req.ticket = None
+        elif req.incoming is not None:  # a decode request whose KV never got adopted
+            cache.release_pages(req.incoming.pages)
+            req.incoming = None
+
+    def _store_decoded(self, req: Request) -> None:
+        """A request that computed its prompt: its pages to the tree, the rest freed."""
+        # Default: prompt and output pages go to the tree (all but the last token, whose
+        # KV was never computed). Deterministic: only the prompt's prefill-computed pages;
+        # decode writes one row per forward, which is not bit-identical to prefilling the
+        # same tokens, so a later prompt containing them would get KV a cold run does not.
+        # The tree returns duplicates (the fresh copy of a fully cached prompt's recomputed
+        # page) and the partial last page; finish frees those.
+        tokens = req.prompt if self.deterministic else req.computed
+        kept = pages_for(len(tokens), self.page_size)
+        self.cache.finish(req.lookup, tokens, req.pages[:kept])
+        self.cache.release_pages(req.pages[kept:])
 
     def _preempt(self, req: Request) -> None:
         log.info("request %d preempted (L1 full): it restarts from its prompt", req.id)
@@ -340,7 +376,12 @@ class Scheduler:
         self._preempted += 1
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:
-        self._release(req)
+        if (req.handoff_to is not None and req.state is RequestState.DECODING
+                and reason is not FinishReason.ABORTED):
+            # its pages are read by the transfer to the decode side: kept until it says so
+            self.handed[req.id] = (req, time.monotonic() + self.handed_hold_s)
+        else:
+            self._release(req)
         self.admission.forgive(req)
         (self.running if req in self.running else self.waiting).remove(req)
         req.state, req.finish_reason = RequestState.FINISHED, reason

@@ -34,7 +34,7 @@ def _command(sub, name: str, module, help_text: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import demo
     from kvtier import serve_command
-    from kvtier.bench import instances, matrix, prefix, serve_bench, soak, storage, transfer, tree
+    from kvtier.bench import instances, matrix, pd, prefix, serve_bench, soak, storage, transfer, tree
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(bench, "prefix", prefix, "SmolLM2 TTFT: cold vs L1, L2 and L3 hits")
     _command(bench, "instances", instances, "the demo's two instances at TP=3: TTFT per tier, "
              "agreement time per step, actor-call overhead")
+    _command(bench, "pd", pd, "prefill/decode disaggregation: TTFT and KV transfer GB/s "
+             "next to a mixed instance and the bare transport")
     _command(bench, "matrix", matrix, "experiment matrix: workloads A-E x configurations 0-5")
     _command(bench, "serve", serve_bench, "multi-turn chat load on the serve graph, cache on/off")
     _command(bench, "soak", soak, "mixed traffic with aborts and L3 faults: answers checked, "

@@ -89,3 +89,7 @@ class FaultyRankCache(SoakRankCache):
             return real(num_pages)
 
         cache.allocate = allocate  # type: ignore[method-assign]
+
+    def corrupt_l1_page(self, page: int) -> None:
+        """Flip bytes of one L1 page in place (a hand-off's page damaged on arrival)."""
+        self.engine.cache.device_pool.kv[:, :, page] += 1.0

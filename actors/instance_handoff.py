@@ -1,0 +1,123 @@
+"""The prefill/decode hand-off calls of an Instance (over its ranks' `RankHandoff` calls).
+
+A base of `Instance`, apart so the instance's module keeps to its noun. Rank r of a prefill
+instance writes into rank r of its decode instance (equal TP sizes: each rank holds the same
+KV heads on both sides), so every per-rank value is a list in rank order.
+
+    decode.handoff_open("nixl"); prefill.handoff_open("nixl")
+    targets = decode.reserve_handoff("req-1", len(prompt))      # bootstrap (None: no room)
+    pid = prefill.add_prefill(prompt, SamplingParams(max_new_tokens=1), targets)
+    ... prefill.step_report().handoffs[pid]                      # each rank's HandoffSent
+    did = decode.add_received(prompt, sampling, incoming_kv(...))  # KV-ready, then decode
+    prefill.release_handoff(pid)                                 # once the decode side has it
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+from kvtier.engine.handoff import HandoffSent, HandoffTarget
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.keys import check_cache_salt
+
+if TYPE_CHECKING:
+    from kvtier.actors.step_wire import StepReport
+
+
+class PendingRequest(NamedTuple):
+    """A request the instance has not returned yet: enough to run it again from its prompt
+    (a prefill again to the same decode pages; a decode request over its pages, which a
+    replaced rank no longer has: it is then recomputed)."""
+
+    tokens: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str = ""
+    targets: tuple[list, ...] | None = None  # prefill side: each rank's HandoffTarget (wire)
+    incoming: tuple[list, ...] | None = None  # decode side: each rank's IncomingKV (wire)
+
+
+class InstanceHandoff:
+    """Hand-off calls over `self.ranks` (`_all`, `_each`, `_add` come from Instance)."""
+
+    size: int
+    _transport: str | None
+    _handed: dict[int, int]
+    _instance_id: dict[int, int]
+
+    def handoff_open(self, transport: str) -> list[bytes]:
+        """Every rank opens its endpoint (kept across rank restarts); their addresses."""
+        addresses = self._all("handoff_open", transport)
+        self._transport = transport
+        return addresses
+
+    # ---- decode side -------------------------------------------------------------------------
+    def reserve_handoff(self, handoff_id: str, num_tokens: int,
+                        hold_s: float = DEFAULT_HOLD_S) -> list[HandoffTarget] | None:
+        """Bootstrap: every rank reserves L1 pages for the prompt; each rank's target, or None
+        (and nothing held) when any rank has no room."""
+        got = self._all("handoff_reserve", handoff_id, num_tokens, hold_s)
+        if any(t is None for t in got):
+            self._all("handoff_cancel", handoff_id)
+            return None
+        return [HandoffTarget.from_wire(t) for t in got]
+
+    def cancel_handoff(self, handoff_id: str) -> None:
+        self._all("handoff_cancel", handoff_id)
+
+    def add_received(self, tokens: Sequence[int], sampling: SamplingParams,
+                     sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],
+                     first_token: int, cache_salt: str = "") -> int:
+        """Queue the decode request whose prompt KV each prefill rank r wrote into
+        `targets[r]` (`sent[r]` its sums); it decodes from `first_token` on once every rank
+        verified its pages (KV-ready), or is recomputed from its prompt."""
+        if len(sent) != self.size or len(targets) != self.size:
+            raise ConfigError(f"{len(sent)} transfers for a TP={self.size} decode instance; "
+                              f"prefill and decode ranks pair one to one")
+        incoming = tuple([t.handoff_id, list(t.pages), list(s.sums), int(first_token),
+                          s.sampler_state] for s, t in zip(sent, targets))
+        return self._add(PendingRequest(tuple(int(t) for t in tokens), sampling,
+                                              check_cache_salt(cache_salt), None, incoming))
+
+    # ---- prefill side ------------------------------------------------------------------------
+    def add_prefill(self, tokens: Sequence[int], sampling: SamplingParams,
+                    targets: Sequence[HandoffTarget], cache_salt: str = "") -> int:
+        """Queue a prefill whose prompt KV rank r sends to `targets[r]` once computed (its
+        `step_report().handoffs` then has each rank's HandoffSent); its pages stay held until
+        `release_handoff`."""
+        if len(targets) != self.size:
+            raise ConfigError(f"{len(targets)} decode ranks for a TP={self.size} prefill "
+                              f"instance; give both the same TP size")
+        return self._add(PendingRequest(tuple(int(t) for t in tokens), sampling,
+                                              check_cache_salt(cache_salt),
+                                              tuple(t.to_wire() for t in targets)))
+
+    def release_handoff(self, request_id: int) -> bool:
+        """The decode side has the request's KV (or gave up on it): the prefill ranks give its
+        pages to their caches."""
+        rank_id = self._handed.pop(request_id, None)
+        if rank_id is None:
+            return False
+        return all(self._all("release_handoff", rank_id))
+
+    def handoff_counters(self) -> list[dict]:
+        """Every rank's hand-off counters (transport bytes and pages, reservations, checks)."""
+        return self._all("handoff_counters")
+
+    def _collect_handoffs(self, per_rank: Sequence["StepReport"]) -> dict[int, list[HandoffSent]]:
+        """id -> each rank's HandoffSent, for the requests this step handed off."""
+        out: dict[int, list[HandoffSent]] = {}
+        for report in per_rank:
+            for rank_id, wire in report.handoffs:
+                req_id = self._instance_id.get(rank_id)
+                if req_id is not None:
+                    out.setdefault(req_id, []).append(HandoffSent.from_wire(wire))
+        return out
+
+    # provided by Instance
+    def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        raise NotImplementedError
+
+    def _add(self, pending: Any) -> int:
+        raise NotImplementedError
+

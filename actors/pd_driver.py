@@ -1,0 +1,262 @@
+"""Prefill/decode disaggregation over Instances: each request is prefilled on a prefill
+instance and decoded on a decode instance that received its prompt's KV.
+
+    with PDDriver([prefill], [decode], transport="nixl") as pd:
+        (out,) = pd.generate([prompt], SamplingParams(max_new_tokens=16))
+        out.tokens, out.mode, out.stages      # HandoffStages: the time of each stage
+
+Per request (`add`, then `step` until it is returned):
+  bootstrap  the least loaded decode instance (then the one with the fewest reserved pages)
+             reserves L1 pages for the prompt on every rank; none has room: the request is
+             served mixed on a prefill instance (mode MIXED)
+  prefill    the prefill instance computes the prompt and samples the first token: TTFT
+  transfer   its ranks write the prompt's pages into the reserved ones (in the same step)
+  KV-ready   the decode instance's ranks verify every page and agree; the prefill side then
+             releases its pages (they stay in its cache as prefixes)
+  decode     the decode instance continues from the second token
+A transfer that failed, or pages some decode rank found corrupt, make the decode instance
+recompute the request from its prompt (mode RECOMPUTED); a decode instance whose ranks were
+replaced recomputes its requests the same way; a prefill instance whose ranks were replaced
+prefills again into the same reservation. Nothing is lost, and the answer is the one a mixed
+instance gives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+from kvtier.actors.instance import Instance, InstanceError, InstanceStep
+from kvtier.engine.handoff import HandoffSent, HandoffStages, HandoffTarget
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
+from kvtier.engine.request import CachedTokens, FinishReason, Output
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.tiers.cache_types import RequestLengths
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.0005
+
+
+class PDMode(enum.Enum):
+    HANDOFF = "handoff"        # decoded over the KV its prefill instance sent
+    RECOMPUTED = "recomputed"  # the hand-off failed: the decode instance computed the prompt
+    MIXED = "mixed"            # no decode instance had room: one instance did it all
+
+
+class PDOutput(NamedTuple):
+    request_id: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    finish_reason: FinishReason
+    mode: PDMode
+    stages: HandoffStages
+    ttft_s: float | None     # arrival to the first token (the prefill instance samples it)
+    cached: CachedTokens     # the prompt tokens the prefill side reused, by tier
+    lengths: RequestLengths  # the prefill side's five lengths
+    transfer_bytes: int = 0  # over every rank
+    prefill_instance: int = -1
+    decode_instance: int = -1
+
+
+@dataclass
+class _Flight:
+    """One request on its way through the stages."""
+
+    id: int
+    tokens: tuple[int, ...]
+    sampling: SamplingParams
+    salt: str
+    arrival_s: float = field(default_factory=time.perf_counter)
+    mode: PDMode = PDMode.HANDOFF
+    handoff_id: str = ""
+    targets: list[HandoffTarget] | None = None
+    prefill: int = -1   # instance index
+    decode: int = -1
+    pid: int | None = None  # request id on the prefill instance
+    did: int | None = None  # on the decode instance
+    stages: dict = field(default_factory=dict)
+    prefill_out: Output | None = None
+    first_token_s: float | None = None
+    added_to_decode_s: float | None = None
+    kv_ready_s: float | None = None
+    transfer_bytes: int = 0
+
+
+class PDDriver:
+    """Prefill instances and decode instances (equal TP sizes), stepped together."""
+
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance],
+                 transport: str = "nixl", hold_s: float = DEFAULT_HOLD_S) -> None:
+        if not prefill or not decode:
+            raise ConfigError("prefill/decode disaggregation needs at least one prefill and "
+                              "one decode instance")
+        sizes = {inst.size for inst in [*prefill, *decode]}
+        if len(sizes) != 1:
+            raise ConfigError(f"prefill and decode instances have TP sizes {sorted(sizes)}; "
+                              f"give them the same TP size")
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.hold_s = hold_s
+        for inst in [*self.prefill, *self.decode]:
+            inst.handoff_open(transport)
+        self._ids = itertools.count()
+        self._flights: dict[int, _Flight] = {}
+        self._by_pid: dict[tuple[int, int], _Flight] = {}
+        self._by_did: dict[tuple[int, int], _Flight] = {}
+        self._done: list[PDOutput] = []
+        self._next_prefill = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
+            cache_salt: str = "") -> int:
+        f = _Flight(next(self._ids), tuple(int(t) for t in tokens), sampling, cache_salt)
+        self._flights[f.id] = f
+        f.prefill = self._pick_prefill()
+        start = time.perf_counter()
+        f.handoff_id = f"pd-{uuid.uuid4().hex[:12]}-{f.id}"
+        f.decode, f.targets = self._bootstrap(f)
+        f.stages["bootstrap_s"] = time.perf_counter() - start
+        inst = self.prefill[f.prefill]
+        if f.targets is None:
+            f.mode = PDMode.MIXED
+            log.info("request %d: no decode instance has room; serving it mixed", f.id)
+            f.pid = inst.add_request(f.tokens, sampling, cache_salt)
+        else:
+            first_only = dataclasses.replace(sampling, max_new_tokens=1)
+            f.pid = inst.add_prefill(f.tokens, first_only, f.targets, cache_salt)
+        self._by_pid[(f.prefill, f.pid)] = f
+        return f.id
+
+    def _pick_prefill(self) -> int:
+        i = self._next_prefill % len(self.prefill)
+        self._next_prefill += 1
+        return i
+
+    def _bootstrap(self, f: _Flight) -> tuple[int, list[HandoffTarget] | None]:
+        """The least loaded decode instance that can reserve the prompt's pages."""
+        order = sorted(range(len(self.decode)), key=lambda i: self.decode[i].num_pending)
+        for i in order:
+            targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens), self.hold_s)
+            if targets is not None:
+                return i, targets
+        return -1, None
+
+    def step(self) -> list[PDOutput]:
+        """Step every instance once; the requests that finished."""
+        for i, inst in enumerate(self.prefill):
+            self._on_prefill_step(i, inst.step_report())
+        for i, inst in enumerate(self.decode):
+            self._on_decode_step(i, inst.step_report())
+        done, self._done = self._done, []
+        return done
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling: SamplingParams = SamplingParams(),
+                 max_steps: int = 100_000) -> list[PDOutput]:
+        ids = [self.add(p, sampling) for p in prompts]
+        got: dict[int, PDOutput] = {}
+        for _ in range(max_steps):
+            if len(got) == len(ids):
+                break
+            outs = self.step()
+            got.update((o.request_id, o) for o in outs)
+            if not outs:
+                time.sleep(IDLE_WAIT_S)
+        else:
+            raise InstanceError(f"requests {sorted(set(ids) - set(got))} unfinished after "
+                                f"{max_steps} steps; raise max_steps")
+        return [got[i] for i in ids]
+
+    # ---- stages ----------------------------------------------------------------------------
+    def _on_prefill_step(self, index: int, step: InstanceStep) -> None:
+        now = time.perf_counter()
+        for out in step.finished:
+            f = self._by_pid.pop((index, out.request_id), None)
+            if f is None:
+                continue
+            f.first_token_s = f.first_token_s or now
+            if f.mode is PDMode.MIXED:
+                self._finish(f, out, out)
+                continue
+            f.prefill_out = out
+            f.stages["prefill_s"] = now - f.arrival_s - f.stages["bootstrap_s"]
+            self._after_prefill(f, out, step.handoffs.get(out.request_id, []))
+        for req_id, progress in step.progress.items():
+            f = self._by_pid.get((index, req_id))
+            if f is not None and progress.tokens and f.first_token_s is None:
+                f.first_token_s = now  # a mixed request's first token
+
+    def _after_prefill(self, f: _Flight, out: Output, sent: list[HandoffSent]) -> None:
+        decode, prefill = self.decode[f.decode], self.prefill[f.prefill]
+        if out.finish_reason is not FinishReason.LENGTH or f.sampling.max_new_tokens <= 1:
+            decode.cancel_handoff(f.handoff_id)  # the first token ended it
+            prefill.release_handoff(out.request_id)
+            self._finish(f, out, out)
+            return
+        f.transfer_bytes = sum(s.bytes for s in sent)
+        if sent:
+            f.stages["transfer_s"] = max(s.seconds for s in sent)
+        f.added_to_decode_s = time.perf_counter()
+        if len(sent) == decode.size and all(s.ok for s in sent):
+            f.did = decode.add_received(f.tokens, f.sampling, sent, f.targets, out.tokens[0],
+                                        f.salt)
+        else:
+            why = "; ".join(s.error for s in sent if not s.ok) or "no transfer reported"
+            log.warning("request %d: the hand-off failed (%s); the decode instance "
+                        "recomputes it", f.id, why)
+            f.mode = PDMode.RECOMPUTED
+            decode.cancel_handoff(f.handoff_id)
+            prefill.release_handoff(out.request_id)
+            f.did = decode.add_request(f.tokens, f.sampling, f.salt)
+        self._by_did[(f.decode, f.did)] = f
+
+    def _on_decode_step(self, index: int, step: InstanceStep) -> None:
+        now = time.perf_counter()
+        for req_id, progress in step.progress.items():
+            f = self._by_did.get((index, req_id))
+            if f is not None:
+                self._on_decode_progress(f, len(progress.tokens), now)
+        for out in step.finished:
+            f = self._by_did.pop((index, out.request_id), None)
+            if f is not None:
+                self._on_decode_progress(f, len(out.tokens), now)
+                self._finish(f, f.prefill_out or out, out)
+
+    def _on_decode_progress(self, f: _Flight, tokens: int, now: float) -> None:
+        if f.kv_ready_s is None and tokens >= 1:
+            f.kv_ready_s = now
+            f.stages["kv_ready_s"] = now - (f.added_to_decode_s or now)
+            if f.mode is PDMode.HANDOFF:  # the decode ranks have it: free the prefill side
+                self.prefill[f.prefill].release_handoff(f.pid)
+        if "decode_queue_s" not in f.stages and tokens >= 2:
+            f.stages["decode_queue_s"] = now - f.kv_ready_s
+
+    def _finish(self, f: _Flight, first: Output, last: Output) -> None:
+        del self._flights[f.id]
+        ttft = None if f.first_token_s is None else f.first_token_s - f.arrival_s
+        self._done.append(PDOutput(
+            f.id, f.tokens, last.tokens, last.finish_reason, f.mode,
+            HandoffStages(**f.stages), ttft, first.cached, first.lengths, f.transfer_bytes,
+            f.prefill, f.decode))
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return len(self._flights)
+
+    def close(self) -> None:
+        """Close every instance."""
+        for inst in [*self.prefill, *self.decode]:
+            inst.close()
+
+    def __enter__(self) -> "PDDriver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

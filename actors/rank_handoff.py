@@ -1,0 +1,141 @@
+"""The prefill/decode hand-off calls of a rank actor (kvtier.engine.handoff over the rank's
+engine and one transport endpoint).
+
+A base of `RankCache`. The endpoint (NIXL or Mooncake) is opened by `handoff_open` with
+this rank's L1 pool registered; a prefill rank writes through it, a decode rank is written
+into. Every rank of an instance gets the same calls in the same order; per-rank values
+(a rank's reservation, its prefill rank's sums) come as that rank's argument. Records
+travel as msgpack-able lists (`to_wire`), never pickles; KV bytes never travel here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+from kvtier.engine.handoff import HandoffTarget, IncomingKV, pool_regions
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
+from kvtier.engine.handoff_sender import TRANSFER_TIMEOUT_S, HandoffSender
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class RankHandoff:
+    """The rank's hand-off calls, over `self.engine`."""
+
+    engine: "Engine"
+    rank: int
+    size: int
+    _endpoint: Any = None
+    _sender: HandoffSender | None = None
+
+    def handoff_open(self, transport: str) -> bytes:
+        """Open this rank's endpoint (once; the same transport again is a no-op) with its L1
+        pool registered; its address, which peers write to."""
+        from kvtier.backends.handoff_base import open_endpoint
+        from kvtier.policies import HandoffTransportKind
+
+        kind = HandoffTransportKind.parse(transport, "--pd-transport")
+        if self._endpoint is not None:
+            if self._endpoint.kind is not kind:
+                raise ConfigError(f"rank {self.rank} has a {self._endpoint.kind.value} "
+                                  f"endpoint already; one transport per instance")
+            return self._endpoint.address()
+        self._endpoint = open_endpoint(kind, f"kvtier-rank{self.rank}of{self.size}")
+        self._sender = HandoffSender(self._endpoint, self.engine.cache.device_pool)
+        return self._endpoint.address()
+
+    # ---- decode side -------------------------------------------------------------------------
+    def handoff_reserve(self, handoff_id: str, num_tokens: int,
+                        hold_s: float = DEFAULT_HOLD_S) -> list | None:
+        """Bootstrap: reserve L1 pages for a prompt; this rank's HandoffTarget (wire), or
+        None when L1 has no room."""
+        endpoint = self._need_endpoint()
+        pages = self.engine.reserve_handoff(handoff_id, num_tokens, hold_s)
+        if pages is None:
+            return None
+        pool = self.engine.cache.device_pool
+        return HandoffTarget(handoff_id, endpoint.address(), pool.kv.data_ptr(),
+                             pool.num_pages, tuple(pages),
+                             time.time() + hold_s / 2).to_wire()
+
+    def handoff_cancel(self, handoff_id: str) -> bool:
+        return self.engine.handoffs.cancel(handoff_id)
+
+    def add_received(self, tokens: Sequence[int], sampling: SamplingParams, cache_salt: str,
+                     incoming: list) -> int:
+        """Queue a decode request over its received pages (IncomingKV, wire form); its id.
+        Without its reservation (expired; a replaced rank) it is recomputed."""
+        hid, pages, sums, first, state = incoming
+        kv = IncomingKV(str(hid), tuple(int(p) for p in pages), tuple(int(s) for s in sums),
+                        int(first), bytes(state))
+        return self.engine.add_received([int(t) for t in tokens], sampling, kv, cache_salt)
+
+    # ---- prefill side ------------------------------------------------------------------------
+    def add_handoff_request(self, tokens: Sequence[int], sampling: SamplingParams,
+                            cache_salt: str, target: list) -> int:
+        """Queue a prefill request whose prompt KV goes to `target` (this rank's decode rank's
+        HandoffTarget, wire form) once computed; the step that finishes it sends it."""
+        self._need_endpoint()
+        return self.engine.add_request([int(t) for t in tokens], sampling, cache_salt,
+                                       handoff_to=HandoffTarget.from_wire(target))
+
+    def release_handoff(self, request_id: int) -> bool:
+        """The decode side holds the request's KV now: its pages join this rank's cache."""
+        if self._sender is not None:
+            self._sender.forget(request_id)
+        return self.engine.release_handoff(request_id)
+
+    def _send_handoffs(self) -> list[list]:
+        """After a step: transfer each newly handed-off request; [request id, HandoffSent
+        wire] per request."""
+        if self._sender is None or not self.engine.scheduler.handed:
+            return []
+        handed = [req for req, _ in self.engine.scheduler.handed.values()]
+        sent = self._sender.send_new(handed)
+        ids = {req.handoff_to.handoff_id: req.id for req in handed if req.handoff_to}
+        return [[ids[s.handoff_id], s.to_wire()] for s in sent]
+
+    def handoff_raw_write(self, target: list) -> tuple[int, float]:
+        """The benchmark's baseline: the transport alone moves this rank's first pages into
+        `target`'s (the same descriptor list a hand-off of that many pages writes); (bytes,
+        seconds)."""
+        endpoint = self._need_endpoint()
+        t = HandoffTarget.from_wire(target)
+        pool = self.engine.cache.device_pool
+        local = pool_regions(pool.spec, pool.kv.data_ptr(), pool.num_pages,
+                             list(range(len(t.pages))))
+        remote = pool_regions(pool.spec, t.base_addr, t.pool_pages, t.pages)
+        seconds = endpoint.raw_write(t.peer, local, remote, TRANSFER_TIMEOUT_S)
+        return int(local[:, 1].sum()), seconds
+
+    def handoff_counters(self) -> dict:
+        """This rank's hand-off counters: the transport's bytes and pages, reservations,
+        verifications."""
+        out: dict[str, Any] = {
+            **{f"desk_{k}": v for k, v in self.engine.handoffs.counters._asdict().items()},
+            **{f"intake_{k}": v for k, v in
+               self.engine.scheduler.admission.handoffs.counters._asdict().items()},
+            "reserved_pages": self.engine.handoffs.held_pages,
+            "handed_requests": len(self.engine.scheduler.handed)}
+        if self._endpoint is not None:
+            out["transport"] = self._endpoint.kind.value
+            out.update({f"transport_{k}": v for k, v in
+                        self._endpoint.counters._asdict().items()})
+        return out
+
+    def _need_endpoint(self) -> Any:
+        if self._endpoint is None:
+            raise ConfigError(f"rank {self.rank} has no hand-off endpoint; call handoff_open "
+                              f"(kvtier serve --pd-transport) first")
+        return self._endpoint
+
+    def _close_handoff(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = self._sender = None

@@ -1,0 +1,161 @@
+"""`kvtier bench pd`: prefill/decode disaggregation next to one mixed instance.
+
+    kvtier bench pd --pd-transport nixl --json
+    kvtier bench pd --pd-transport mooncake --tokens 2048 --json
+
+On local Ray, three instances of the demo's model (TP=--tp each): a mixed one, a prefill one
+and a decode one. Each of `--requests` documents (the demo's document, a different opening
+sentence each, so every prefill is cold) is answered by the mixed instance, then through
+prefill -> transfer -> decode. Then, between the same two rank processes, the transport
+alone moves the same bytes with the same descriptor list (the request's pages' regions)
+`--raw-repeats` times.
+
+Fields:
+- `identical`: every PD answer equals the mixed answer (greedy);
+- `ttft_pd_s`, `ttft_mixed_s`: arrival to the first token (the prefill instance samples it),
+  the mean over requests, and `ttft_ratio` (target <= 1.3 with prompts of 2,000+ tokens);
+- `transfer_gbps`: the hand-off writes' bytes over their seconds, and `raw_transport_gbps`:
+  the transport alone (target: transfer >= 0.8 x raw); both the median over their runs;
+- `stage_s`: the mean seconds of each stage (bootstrap, prefill, transfer, kv_ready,
+  decode_queue); `transferred_bytes`, `transferred_pages` per request; `modes`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+from kvtier import demo, demo_flags
+from kvtier.errors import ConfigError
+
+TARGET_TTFT_RATIO = 1.3
+TARGET_TRANSFER_RATIO = 0.8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object (no table)")
+    p.add_argument("--pd-transport", choices=["nixl", "mooncake"], default="nixl",
+                   help="how prefill ranks write KV into decode ranks' pages (default nixl)")
+    p.add_argument("--tp", type=int, default=1, help="TP ranks per instance (default 1)")
+    p.add_argument("--tokens", type=int, default=2048, help="document tokens (default 2048)")
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per answer")
+    p.add_argument("--requests", type=int, default=3, help="documents answered (default 3)")
+    p.add_argument("--raw-repeats", type=int, default=5,
+                   help="runs of the bare transport over the same descriptors (default 5)")
+    p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
+                   help="model and KV dtype (default auto, as kvtier demo)")
+    demo_flags.add_arguments(p)
+
+
+def main(ns: argparse.Namespace) -> int:
+    if ns.requests < 1 or ns.raw_repeats < 1:
+        raise ConfigError("--requests and --raw-repeats must be >= 1")
+    cache = demo_flags.cache_from_args(ns)
+    params = demo.DemoParams(tokens=ns.tokens, new_tokens=ns.new_tokens, progress=not ns.json,
+                             tp_size=ns.tp, dtype=ns.dtype, model=ns.model, **cache._asdict())
+    result = run(params, ns.pd_transport, ns.requests, ns.raw_repeats)
+    if not ns.json:
+        for key in ("identical", "ttft_pd_s", "ttft_mixed_s", "ttft_ratio", "transfer_gbps",
+                    "raw_transport_gbps", "transfer_ratio", "stage_s"):
+            print(f"{key:>20}: {result[key]}")
+    print(json.dumps(result))
+    return 0 if result["identical"] else 1
+
+
+def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int) -> dict:
+    from kvtier.actors.instance import Instance
+    from kvtier.actors.pd_driver import PDDriver
+    from kvtier.actors.rank_actor import RANK_NUM_CPUS
+    from kvtier.actors.ray_env import start_local_ray
+    from kvtier.dtypes import name as dtype_name, resolve_here
+
+    model = demo.demo_model(params.model)
+    demo._check_tp(params, model)
+    demo._import_everything()
+    work = demo._workload(params, model)
+    prompts = _documents(work, model, requests)
+    settings = work.settings._replace(config=demo_flags.cache_config(None, params.page_size,
+                                                                     params.hicache))
+    start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
+    with demo._Cluster() as cluster:
+        for name in ("mixed", "prefill", "decode"):
+            cluster.instances[name] = Instance(settings, tp_size=params.tp_size)
+        mixed, prefill, decode = (cluster.instances[n] for n in ("mixed", "prefill", "decode"))
+        for inst in (mixed, prefill, decode):
+            inst.generate([work.warmup], work.greedy)  # first-call costs out of the timings
+        pd = PDDriver([prefill], [decode], transport=transport)
+        pd.generate([work.warmup], work.greedy)
+        want = [_mixed_answer(mixed, p, work.greedy) for p in prompts]
+        got = [pd.generate([p], work.greedy)[0] for p in prompts]
+        raw = _raw_runs(prefill, decode, len(prompts[0]), raw_repeats)
+        counters = prefill.handoff_counters()[0]
+    sent_gbps = [o.transfer_bytes / o.stages.transfer_s / 1e9 for o in got
+                 if o.stages.transfer_s]
+    raw_gbps = statistics.median(raw)
+    transfer_gbps = statistics.median(sent_gbps) if sent_gbps else 0.0
+    ttft_pd = statistics.fmean(o.ttft_s for o in got)
+    ttft_mixed = statistics.fmean(t for _, t in want)
+    stages = {k: round(statistics.fmean(getattr(o.stages, k) for o in got
+                                        if getattr(o.stages, k) is not None), 4)
+              for k in got[0].stages._fields
+              if any(getattr(o.stages, k) is not None for o in got)}
+    return {
+        "benchmark": "pd", "transport": transport, "model": model.label, "tp": params.tp_size,
+        "prompt_tokens": [len(p) for p in prompts], "requests": len(prompts),
+        "identical": all(o.tokens == w.tokens for o, (w, _) in zip(got, want)),
+        "modes": [o.mode.value for o in got],
+        "ttft_pd_s": round(ttft_pd, 4), "ttft_mixed_s": round(ttft_mixed, 4),
+        "ttft_ratio": round(ttft_pd / ttft_mixed, 4), "target_ttft_ratio": TARGET_TTFT_RATIO,
+        "transfer_gbps": round(transfer_gbps, 3), "raw_transport_gbps": round(raw_gbps, 3),
+        "transfer_ratio": round(transfer_gbps / raw_gbps, 3) if raw_gbps else None,
+        "target_transfer_ratio": TARGET_TRANSFER_RATIO,
+        "transfer_gbps_runs": [round(g, 3) for g in sent_gbps],
+        "raw_transport_gbps_runs": [round(g, 3) for g in raw],
+        "stage_s": stages,
+        "transferred_bytes": got[0].transfer_bytes,
+        "transport_bytes_total": counters.get("transport_bytes"),
+        "transport_descriptors_total": counters.get("transport_descriptors"),
+        "dtype": params.dtype, "dtype_resolved": dtype_name(resolve_here(params.dtype)),
+    }
+
+
+def _documents(work: Any, model: Any, n: int) -> list[list[int]]:
+    """The demo's first prompt, behind a different opening sentence per request (so no
+    prefill hits another's pages)."""
+    tok = model.tokenizer
+    return [tok.encode(f"Document {i}: read it and answer.\n") + work.prompts[0]
+            for i in range(n)]
+
+
+def _mixed_answer(inst: Any, prompt: list[int], sampling: Any) -> tuple[Any, float]:
+    """The mixed instance's answer and its TTFT, timed as the PD driver times its requests:
+    from the add to the step that reports the first token."""
+    start = time.perf_counter()
+    req = inst.add_request(prompt, sampling)
+    first = None
+    while True:
+        step = inst.step_report()
+        now = time.perf_counter()
+        if first is None and (req in step.progress or step.finished):
+            first = now - start
+        for out in step.finished:
+            if out.request_id == req:
+                return out, first
+
+
+def _raw_runs(prefill: Any, decode: Any, num_tokens: int, repeats: int) -> list[float]:
+    """GB/s of the bare transport moving a prompt's pages between the two rank-0 processes."""
+    out = []
+    for i in range(repeats):
+        targets = decode.reserve_handoff(f"raw-{i}", num_tokens)
+        if targets is None:
+            raise ConfigError("the decode instance had no room for the raw transfer run")
+        try:
+            nbytes, seconds = prefill.rank_call(0, "handoff_raw_write", targets[0].to_wire())
+        finally:
+            decode.cancel_handoff(f"raw-{i}")
+        out.append(nbytes / seconds / 1e9)
+    return out

@@ -1,0 +1,151 @@
+"""Prefill/decode hand-off: a request's KV moves from the L1 pages a prefill rank computed
+into the L1 pages a decode rank reserved for it, and each side can tell it arrived whole.
+
+The protocol, one request at a time (each step visible in `HandoffStages`):
+  bootstrap  the decode rank reserves one L1 page per prompt page (`HandoffDesk`) and
+             answers with a `HandoffTarget`: where those pages are in its pool
+  prefill    the prefill rank computes the prompt (reusing its cache) and samples the
+             first token
+  transfer   the prefill rank writes each prompt page, region by region (a page is 2 x
+             layers runs of (page_size, heads, head_dim) in the pool), into the reserved
+             pages over a `HandoffEndpoint` (NIXL or Mooncake), then reports a
+             `HandoffSent` with an xxh3 sum per page as it sent it
+  KV-ready   the decode rank sums the pages it received (`page_sums`); the decode ranks
+             agree in their step's one MIN collective that every page landed and matched
+             (kvtier.engine.admission), and the request starts decoding from its second
+             token; on a mismatch any rank saw, every rank recomputes it instead
+  decode     as any request; the prefill rank gives its request's pages to its own cache
+             (prefix pages stay as cached prefixes) once the decode side is ready
+
+Why the pages' addresses travel and not the bytes: the KV never passes through an actor's
+arguments or Ray's object store; only these small records do (msgpack, `to_wire`).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from kvtier.errors import ConfigError
+from kvtier.kv_spec import KVSpec
+from kvtier.messages import MessageError
+
+
+class HandoffTarget(NamedTuple):
+    """One decode rank's reservation for a request, as its prefill rank needs it."""
+
+    handoff_id: str
+    peer: bytes             # the decode rank's endpoint address (HandoffEndpoint.address)
+    base_addr: int          # its L1 pool's first byte
+    pool_pages: int         # its L1 pool's page count (the pool's shape: where a page lies)
+    pages: tuple[int, ...]  # the reserved L1 page ids, one per prompt page, in order
+    write_by: float = 0.0   # wall-clock time after which the prefill rank must not write:
+    # half the reservation's hold, so a late writer never touches pages the decode rank
+    # freed at the hold's end and gave to another request (0: no deadline)
+
+    def to_wire(self) -> list:
+        return [self.handoff_id, self.peer, self.base_addr, self.pool_pages, list(self.pages),
+                self.write_by]
+
+    @classmethod
+    def from_wire(cls, m: Any) -> "HandoffTarget":
+        try:
+            hid, peer, base, pool_pages, pages, write_by = m
+            return cls(str(hid), bytes(peer), int(base), int(pool_pages),
+                       tuple(int(p) for p in pages), float(write_by))
+        except (TypeError, ValueError) as exc:
+            raise MessageError(f"a bad HandoffTarget record: {exc}") from exc
+
+
+class HandoffSent(NamedTuple):
+    """What one prefill rank's transfer of one request did."""
+
+    handoff_id: str
+    ok: bool                 # every page written (False: the decode side must recompute)
+    sums: tuple[int, ...]    # xxh3_64 of each page as sent (page_sums)
+    bytes: int
+    descriptors: int
+    seconds: float
+    error: str = ""          # why not ok
+    sampler_state: bytes = b""  # the request's sampler generator after its first token
+
+    def to_wire(self) -> list:
+        return [self.handoff_id, self.ok, [int(s) for s in self.sums], self.bytes,
+                self.descriptors, self.seconds, self.error, self.sampler_state]
+
+    @classmethod
+    def from_wire(cls, m: Any) -> "HandoffSent":
+        try:
+            hid, ok, sums, nbytes, desc, secs, err, state = m
+            return cls(str(hid), bool(ok), tuple(int(s) for s in sums), int(nbytes),
+                       int(desc), float(secs), str(err), bytes(state))
+        except (TypeError, ValueError) as exc:
+            raise MessageError(f"a bad HandoffSent record: {exc}") from exc
+
+
+class IncomingKV(NamedTuple):
+    """A decode request's received prompt KV: its pages, what their sums must be, and what
+    the prefill side sampled."""
+
+    handoff_id: str
+    pages: tuple[int, ...]
+    sums: tuple[int, ...]
+    first_token: int
+    sampler_state: bytes = b""
+
+
+class HandoffStages(NamedTuple):
+    """Seconds per stage of one PD request (None: the stage did not happen)."""
+
+    bootstrap_s: float | None = None   # reserving the decode pages
+    prefill_s: float | None = None     # prefill arrival to its first token
+    transfer_s: float | None = None    # the slowest prefill rank's write
+    kv_ready_s: float | None = None    # decode arrival to every decode rank agreeing
+    decode_queue_s: float | None = None  # KV-ready to its first decoded token
+
+    def to_dict(self) -> dict[str, float | None]:
+        return self._asdict()
+
+
+def region_bytes(spec: KVSpec) -> int:
+    """One run of a page in an L1 pool: a (page_size, heads, head_dim) block of one layer's
+    K or V."""
+    return spec.page_layer_bytes
+
+
+def pool_regions(spec: KVSpec, base_addr: int, pool_pages: int,
+                 pages: Sequence[int]) -> np.ndarray:
+    """(2 * layers * len(pages), 2) uint64 rows (addr, nbytes) of `pages` in an L1 pool of
+    shape (2, layers, pool_pages, page_size, heads, head_dim) starting at `base_addr`; page
+    by page, and within a page part then layer."""
+    n = region_bytes(spec)
+    ids = np.asarray(pages, dtype=np.uint64)
+    if ids.size and int(ids.max()) >= pool_pages:
+        raise ConfigError(f"page {int(ids.max())} is outside a pool of {pool_pages} pages")
+    runs = np.arange(2 * spec.num_layers, dtype=np.uint64)  # part * layers + layer
+    offsets = (runs[None, :] * np.uint64(pool_pages) + ids[:, None]) * np.uint64(n)
+    rows = np.empty((offsets.size, 2), dtype=np.uint64)
+    rows[:, 0] = offsets.reshape(-1) + np.uint64(base_addr)
+    rows[:, 1] = n
+    return rows
+
+
+def page_sums(kv: torch.Tensor, pages: Sequence[int]) -> tuple[int, ...]:
+    """xxh3_64 of each page's bytes in an L1 pool tensor (2, layers, pages, ...): the same
+    value on both sides of a hand-off when the page arrived whole."""
+    sums = []
+    for page in pages:
+        data = kv[:, :, page].contiguous()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        sums.append(xxhash.xxh3_64_intdigest(data.view(torch.uint8).numpy()))
+    return tuple(sums)
+
+
+def check_handoff_spec(spec: KVSpec) -> None:
+    """A hybrid model's sliding-window KV lives in a sidecar no hand-off moves yet."""
+    if spec.sliding is not None:
+        raise ConfigError("prefill/decode hand-off moves full-attention KV only; a hybrid "
+                          "model (sliding-window layers) must be served mixed")

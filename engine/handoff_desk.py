@@ -1,0 +1,103 @@
+"""The decode side's reservations: L1 pages held for requests whose KV a prefill instance is
+about to write, until the request arrives (`take`), is called off (`cancel`) or its
+deadline passes (`expire`: the prefill side died or gave up; the pages go back, none leak).
+
+Pages come from the cache's L1 allocator (evicting cached prefixes as any allocation does)
+and are the request's own once taken: the tree never sees them until the request stores
+its prompt like any other."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from kvtier.engine.request import pages_for
+from kvtier.errors import ConfigError
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOLD_S = 30.0  # how long a reservation waits for its request
+
+
+class _Held(NamedTuple):
+    pages: list[int]
+    deadline: float  # monotonic
+
+
+class DeskCounters(NamedTuple):
+    reserved: int  # reservations made
+    refused: int   # reservations L1 could not hold
+    taken: int     # reservations whose request arrived
+    cancelled: int
+    expired: int   # reservations freed at their deadline
+
+
+class HandoffDesk:
+    """Reservations of one rank's L1 pages, by hand-off id."""
+
+    def __init__(self, cache: HierarchicalCache) -> None:
+        self.cache = cache
+        self._held: dict[str, _Held] = {}
+        self._counts = {name: 0 for name in DeskCounters._fields}
+
+    def reserve(self, handoff_id: str, num_tokens: int,
+                hold_s: float = DEFAULT_HOLD_S) -> list[int] | None:
+        """One L1 page per page of a `num_tokens` prompt, held for `hold_s`; None when L1
+        cannot make room (the request is then served mixed)."""
+        if handoff_id in self._held:
+            raise ConfigError(f"hand-off {handoff_id!r} is reserved already; ids must be unique")
+        if num_tokens < 1 or hold_s <= 0:
+            raise ConfigError(f"a reservation needs num_tokens >= 1 and hold_s > 0, got "
+                              f"{num_tokens} and {hold_s}")
+        self.expire()
+        pages = self.cache.allocate(pages_for(num_tokens, self.cache.spec.page_size))
+        if pages is None:
+            self._counts["refused"] += 1
+            return None
+        self._held[handoff_id] = _Held(pages, time.monotonic() + hold_s)
+        self._counts["reserved"] += 1
+        return list(pages)
+
+    def take(self, handoff_id: str) -> list[int] | None:
+        """The reserved pages, now the caller's; None when unknown or expired."""
+        held = self._held.pop(handoff_id, None)
+        if held is None:
+            return None
+        self._counts["taken"] += 1
+        return held.pages
+
+    def cancel(self, handoff_id: str) -> bool:
+        held = self._held.pop(handoff_id, None)
+        if held is None:
+            return False
+        self.cache.release_pages(held.pages)
+        self._counts["cancelled"] += 1
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        """Free the reservations whose deadline passed; how many."""
+        now = time.monotonic() if now is None else now
+        late = [hid for hid, h in self._held.items() if h.deadline <= now]
+        for hid in late:
+            log.warning("hand-off %s: no request came within its hold; freeing %d L1 pages",
+                        hid, len(self._held[hid].pages))
+            self.cache.release_pages(self._held.pop(hid).pages)
+        self._counts["expired"] += len(late)
+        return len(late)
+
+    def close(self) -> None:
+        for hid in list(self._held):
+            self.cancel(hid)
+
+    @property
+    def held_pages(self) -> int:
+        return sum(len(h.pages) for h in self._held.values())
+
+    @property
+    def pending(self) -> int:
+        return len(self._held)
+
+    @property
+    def counters(self) -> DeskCounters:
+        return DeskCounters(**self._counts)

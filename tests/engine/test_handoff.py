@@ -1,0 +1,251 @@
+"""Prefill/decode hand-off between two engines in one process: a decode engine that takes
+the prompt KV a prefill engine sent gives the mixed engine's answer; a corrupt page or a
+failed transfer makes it recompute; reservations and handed-off pages never leak."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from kvtier.backends.handoff_base import HandoffTransferError, open_endpoint
+from kvtier.config import HiCacheConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.handoff import HandoffTarget, IncomingKV, page_sums, pool_regions
+from kvtier.engine.handoff_sender import HandoffSender
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+PAGE = 4
+
+
+def _engine(model, deterministic=False, pages=64) -> Engine:
+    cache = HierarchicalCache(HiCacheConfig(page_size=PAGE), model.kv_spec(PAGE), pages,
+                              device="cpu", model="tiny")
+    return Engine(model, cache, owns_cache=True, deterministic=deterministic)
+
+
+class _Pair:
+    """A prefill engine and a decode engine joined by simulated endpoints."""
+
+    def __init__(self, model, deterministic=False, transport="simulated"):
+        self.P, self.D = _engine(model, deterministic), _engine(model, deterministic)
+        self.ep_p = open_endpoint(transport, "test-prefill")
+        self.ep_d = open_endpoint(transport, "test-decode")
+        kv = self.D.cache.device_pool.kv
+        self.ep_d.register(kv.data_ptr(), kv.numel() * kv.element_size())
+        self.sender = HandoffSender(self.ep_p, self.P.cache.device_pool)
+
+    def target(self, hid, n, hold_s=30.0, write_by=0.0):
+        pages = self.D.reserve_handoff(hid, n, hold_s)
+        assert pages is not None
+        pool = self.D.cache.device_pool
+        return HandoffTarget(hid, self.ep_d.address(), pool.kv.data_ptr(), pool.num_pages,
+                             tuple(pages), write_by)
+
+    def prefill(self, prompt, target, sampling):
+        pid = self.P.add_request(prompt, dataclasses.replace(sampling, max_new_tokens=1),
+                                 handoff_to=target)
+        outs = []
+        while not outs:
+            outs = self.P.step()
+        sent = self.sender.send_new([r for r, _ in self.P.scheduler.handed.values()])
+        return pid, outs[0], sent[0]
+
+    def decode(self, prompt, target, first, sent, sampling, corrupt=None):
+        if corrupt is not None:
+            self.D.cache.device_pool.kv[0, 0, target.pages[corrupt]] += 1.0
+        did = self.D.add_received(prompt, sampling, IncomingKV(
+            target.handoff_id, target.pages, sent.sums, first, sent.sampler_state))
+        return did
+
+    def run(self, prompt, sampling, hid="h", corrupt=None):
+        t = self.target(hid, len(prompt))
+        pid, out, sent = self.prefill(prompt, t, sampling)
+        assert sent.ok, sent.error
+        self.decode(prompt, t, out.tokens[0], sent, sampling, corrupt)
+        self.P.release_handoff(pid)
+        res = []
+        while not res:
+            res = self.D.step()
+        return res[0]
+
+    def audit(self):
+        for e in (self.P, self.D):
+            e.cache.flush()
+            assert not any(e.cache.audit()), e.cache.audit()
+
+    def close(self):
+        self.P.close(), self.D.close(), self.ep_p.close(), self.ep_d.close()
+
+
+@pytest.fixture
+def tiny(tiny_models):
+    return tiny_models[torch.float32]
+
+
+PROMPTS = [list(range(5, 35)), list(range(40, 72)), [7] * 3]  # partial, whole pages, short
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_pd_answers_equal_mixed(tiny, deterministic):
+    sp = SamplingParams(max_new_tokens=9)
+    mixed = _engine(tiny, deterministic)
+    want = [o.tokens for o in mixed.generate(PROMPTS, sp)]
+    pair = _Pair(tiny, deterministic)
+    try:
+        got = [pair.run(p, sp, hid=f"h{i}").tokens for i, p in enumerate(PROMPTS)]
+        assert got == want
+        counters = pair.D.scheduler.admission.handoffs.counters
+        assert counters.adopted == len(PROMPTS) and counters.recomputed == 0
+        assert pair.D.cache.counters.device_hit_tokens == 0  # nothing came from its cache
+        pair.audit()
+    finally:
+        pair.close()
+        mixed.close()
+
+
+def test_pd_seeded_sampling_equal_mixed(tiny):
+    """The decode side continues the prefill sampler's generator."""
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    mixed = _engine(tiny)
+    (want,) = mixed.generate([PROMPTS[0]], sp)
+    pair = _Pair(tiny)
+    try:
+        assert pair.run(PROMPTS[0], sp).tokens == want.tokens
+    finally:
+        pair.close()
+        mixed.close()
+
+
+def test_corrupt_page_is_recomputed(tiny):
+    sp = SamplingParams(max_new_tokens=6)
+    mixed = _engine(tiny)
+    (want,) = mixed.generate([PROMPTS[0]], sp)
+    pair = _Pair(tiny)
+    try:
+        out = pair.run(PROMPTS[0], sp, corrupt=2)
+        assert out.tokens == want.tokens
+        c = pair.D.scheduler.admission.handoffs.counters
+        assert (c.adopted, c.recomputed, c.pages_corrupt) == (0, 1, 1)
+        assert out.lengths.extend_len == len(PROMPTS[0])  # computed from its prompt
+        pair.audit()
+    finally:
+        pair.close()
+        mixed.close()
+
+
+def test_prefill_pages_held_until_release_then_cached(tiny):
+    sp = SamplingParams(max_new_tokens=4)
+    pair = _Pair(tiny)
+    try:
+        t = pair.target("h", len(PROMPTS[1]))
+        pid, out, sent = pair.prefill(PROMPTS[1], t, sp)
+        assert pid in pair.P.scheduler.handed
+        free = pair.P.cache.free_device_pages
+        pair.P.cache.evict_device(pair.P.cache.device_pages)  # nothing handed off is evictable
+        assert pair.P.cache.free_device_pages == free
+        assert pair.P.release_handoff(pid) and not pair.P.scheduler.handed
+        assert pair.P.cache.peek(PROMPTS[1]).device_hit_length == len(PROMPTS[1])
+        pair.D.handoffs.cancel("h")
+        pair.audit()
+    finally:
+        pair.close()
+
+
+def test_unreleased_handoff_expires(tiny):
+    pair = _Pair(tiny)
+    try:
+        pair.P.scheduler.handed_hold_s = 0.05
+        t = pair.target("h", len(PROMPTS[0]), hold_s=0.05)
+        pair.prefill(PROMPTS[0], t, SamplingParams(max_new_tokens=4))
+        time.sleep(0.06)
+        pair.P.step()
+        assert not pair.P.scheduler.handed
+        assert pair.D.handoffs.expire() == 1 and pair.D.handoffs.held_pages == 0
+        pair.audit()
+    finally:
+        pair.close()
+
+
+def test_missing_reservation_recomputes(tiny):
+    """A decode request whose reservation expired is computed from its prompt."""
+    sp = SamplingParams(max_new_tokens=5)
+    mixed = _engine(tiny)
+    (want,) = mixed.generate([PROMPTS[0]], sp)
+    pair = _Pair(tiny)
+    try:
+        t = pair.target("h", len(PROMPTS[0]))
+        pid, out, sent = pair.prefill(PROMPTS[0], t, sp)
+        pair.D.handoffs.cancel("h")
+        pair.decode(PROMPTS[0], t, out.tokens[0], sent, sp)
+        pair.P.release_handoff(pid)
+        res = []
+        while not res:
+            res = pair.D.step()
+        assert res[0].tokens == want.tokens
+        assert pair.D.scheduler.admission.handoffs.counters.recomputed == 1
+        pair.audit()
+    finally:
+        pair.close()
+        mixed.close()
+
+
+def test_write_deadline_passed_sends_nothing(tiny):
+    pair = _Pair(tiny)
+    try:
+        t = pair.target("h", len(PROMPTS[0]), write_by=time.time() - 1)
+        pid, _, sent = pair.prefill(PROMPTS[0], t, SamplingParams(max_new_tokens=4))
+        assert not sent.ok and "deadline" in sent.error
+        assert pair.ep_p.counters.bytes == 0
+        pair.P.release_handoff(pid)
+        pair.D.handoffs.cancel("h")
+        pair.audit()
+    finally:
+        pair.close()
+
+
+def test_failed_transfer_is_reported(tiny):
+    pair = _Pair(tiny)
+    try:
+        t = pair.target("h", len(PROMPTS[0]))
+        bad = t._replace(base_addr=t.base_addr + (1 << 40))  # outside anything registered
+        pid, _, sent = pair.prefill(PROMPTS[0], bad, SamplingParams(max_new_tokens=4))
+        assert not sent.ok and sent.error
+        pair.P.release_handoff(pid)
+        pair.D.handoffs.cancel("h")
+        pair.audit()
+    finally:
+        pair.close()
+
+
+def test_reservation_refused_when_l1_full(tiny):
+    d = _engine(tiny, pages=4)
+    try:
+        assert d.reserve_handoff("a", 4 * PAGE) is not None
+        assert d.reserve_handoff("b", PAGE) is None
+        assert d.handoffs.counters.refused == 1
+        with pytest.raises(ConfigError):
+            d.reserve_handoff("a", PAGE)  # ids are unique
+        assert d.handoffs.cancel("a") and d.cache.free_device_pages == 4
+    finally:
+        d.close()
+
+
+def test_regions_cover_each_page_once(tiny):
+    spec = tiny.kv_spec(PAGE)
+    with HierarchicalCache(HiCacheConfig(page_size=PAGE), spec, 8, device="cpu",
+                           model="tiny") as cache:
+        kv = cache.device_pool.kv
+        rows = pool_regions(spec, kv.data_ptr(), 8, [3, 0])
+        assert len(rows) == 2 * 2 * spec.num_layers
+        assert int(rows[:, 1].sum()) == 2 * spec.page_bytes
+        kv[:, :, 3] = 1.5
+        view = torch.frombuffer(bytearray(kv.numpy().tobytes()), dtype=torch.uint8)
+        base = kv.data_ptr()
+        for addr, n in rows[: len(rows) // 2].tolist():
+            part = view[addr - base: addr - base + n].view(kv.dtype)
+            assert torch.all(part == 1.5)
+        assert page_sums(kv, [3]) != page_sums(kv, [0])
