@@ -10,7 +10,7 @@ from kvtier.errors import ConfigError
 from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
 from kvtier.policies import SchedulePolicy
 from kvtier.serve.placement import PlacementMode, RankGpus
-from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, ServeSettings
+from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, PDTransport, ServeSettings
 from kvtier.serve.tenants import load_api_keys
 
 
@@ -36,7 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(Llama, Mistral (no sliding window) or Qwen2 architecture, "
                         "safetensors weights, tokenizer.json) or a Llama or Gemma-3 GGUF file "
                         "(its tokenizer and chat template inside; Gemma's template is built in)")
-    p.add_argument("--instances", type=int, default=2)
+    p.add_argument("--instances", type=int, default=None,
+                   help="model replicas behind the router, each prefilling and decoding its "
+                        "requests (default 2)")
+    p.add_argument("--prefill-instances", type=int, default=0, metavar="P",
+                   help="prefill/decode disaggregation: P instances compute every prompt and "
+                        "hand its KV to a decode instance (with --decode-instances, in place "
+                        "of --instances)")
+    p.add_argument("--decode-instances", type=int, default=0, metavar="D",
+                   help="prefill/decode disaggregation: D instances decode every answer from "
+                        "the KV a prefill instance sent them (with --prefill-instances)")
+    p.add_argument("--pd-transport", choices=[m.value for m in PDTransport], default=None,
+                   help="how prefill instances write KV into decode instances' memory: nixl "
+                        "(default) or mooncake; only with --prefill-instances/--decode-instances")
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
     p.add_argument("--l3", default=None,
                    help="file, mooncake, nixl or none (default file; SGLang's "
@@ -91,7 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from(ns: argparse.Namespace) -> ServeSettings:
     cache = _cache_settings(ns)
-    return ServeSettings(model=ns.model, instances=ns.instances, tp_size=ns.tp, **cache,
+    if ns.instances is not None and ns.instances < 1:  # 0 is the setting's "not given"
+        raise ConfigError(f"--instances {ns.instances}: give at least 1")
+    return ServeSettings(model=ns.model, instances=ns.instances or 0,
+                         prefill_instances=ns.prefill_instances,
+                         decode_instances=ns.decode_instances, pd_transport=ns.pd_transport,
+                         tp_size=ns.tp, **cache,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,

@@ -21,12 +21,14 @@ from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
+from kvtier.serve.pd_settings import PDTransport, pd_graph
 from kvtier.serve.placement import (HEAD_RESOURCE, INSTANCE_RESOURCE, PlacementMode,
                                     RankGpus, check_resource_name)
 from kvtier.serve.tenants import check_api_keys, load_api_keys
 from kvtier.storage_options import check_abs_path, check_float, check_int
 
 MAX_INSTANCES = 64
+DEFAULT_INSTANCES = 2
 GGUF_SUFFIX = ".gguf"
 L3_NONE = "none"
 # HiCacheConfig knobs a deployment sets with its own settings (knob -> setting)
@@ -52,7 +54,12 @@ class ServeSettings:
     model: ModelChoice = ModelChoice.SMOLLM2  # or a model directory's or .gguf file's path
     model_path: str = ""  # with model "path": the directory or .gguf file (every node must
     # have it)
-    instances: int = 2
+    instances: int = 0  # model replicas behind the router (0: 2, or a PD graph's P + D)
+    # Prefill/decode disaggregation: P instances prefill every prompt and hand its KV to one
+    # of D instances, which decode it (both 0: every instance does both, `instances` of them)
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    pd_transport: PDTransport | None = None  # how the KV moves (a PD graph: default nixl)
     tp_size: int = 1
     page_size: int = 64
     chunk_tokens: int = 512  # most new tokens one forward computes (prefill + decodes)
@@ -103,7 +110,7 @@ class ServeSettings:
         set_("schedule_policy", SchedulePolicy.parse(self.schedule_policy, "schedule_policy"))
         check_resource_name(self.head_resource, "head_resource")
         check_resource_name(self.instance_resource, "instance_resource")
-        check_int(self.instances, "instances", 1, MAX_INSTANCES)
+        self._resolve_pd()
         check_int(self.tp_size, "tp_size", 1, 8)
         if self.model is ModelChoice.GEMMA3_270M and self.tp_size != 1:
             raise ConfigError(f"tp_size {self.tp_size}: Gemma-3 270M has one KV head, so it runs "
@@ -200,6 +207,23 @@ class ServeSettings:
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "model_path", path)
 
+    def _resolve_pd(self) -> None:
+        """`instances` and `pd_transport` from the prefill and decode counts
+        (kvtier.serve.pd_settings)."""
+        graph = pd_graph(self.instances, self.prefill_instances, self.decode_instances,
+                         self.pd_transport, DEFAULT_INSTANCES, MAX_INSTANCES)
+        if graph.transport is not None and self.model is ModelChoice.GEMMA3_270M:
+            raise ConfigError("model gemma3_270m has sliding-window layers, whose KV no "
+                              "prefill/decode hand-off moves yet: serve it with --instances "
+                              "instead of --prefill-instances/--decode-instances")
+        object.__setattr__(self, "instances", graph.instances)
+        object.__setattr__(self, "pd_transport", graph.transport)
+
+    @property
+    def pd(self) -> bool:
+        """A prefill/decode graph (prefill_instances and decode_instances given)."""
+        return self.prefill_instances > 0
+
     def _check_hicache(self, knobs: Any) -> dict[str, Any]:
         if not isinstance(knobs, Mapping):
             raise ConfigError(f"hicache: expected a mapping of cache knobs, got "
@@ -252,6 +276,7 @@ class ServeSettings:
         out["placement"] = self.placement.value
         out["gpus_per_rank"] = self.gpus_per_rank.value
         out["schedule_policy"] = self.schedule_policy.value
+        out["pd_transport"] = self.pd_transport and self.pd_transport.value
         return out
 
     @property
