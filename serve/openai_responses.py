@@ -1,6 +1,7 @@
 """OpenAI-compatible responses: completion and chat bodies, streaming chunks as server-sent
 events, usage with cached tokens (and kvtier's own field: cached tokens by tier, the five
-lengths), the model list. Plain dicts and strings, ready to send."""
+lengths, and in a prefill/decode graph how the request went through its stages), the model
+list. Plain dicts and strings, ready to send."""
 from __future__ import annotations
 
 import enum
@@ -8,6 +9,7 @@ import json
 import uuid
 from collections.abc import Mapping
 
+from kvtier.engine.handoff import HandoffStages
 from kvtier.serve.openai_requests import Role
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -62,10 +64,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: Mapping | tuple,
             "prompt_tokens_details": {"cached_tokens": total}}
 
 
-def kvtier_field(cached: Mapping | tuple, lengths: Mapping | tuple) -> dict:
-    """The extra top-level `kvtier` field: where the cached prompt came from, and the five
-    lengths of DESIGN.md. OpenAI clients ignore unknown fields."""
-    return {"cached_tokens": _plain(cached, CACHED_KEYS), "lengths": _plain(lengths, LENGTH_KEYS)}
+def kvtier_field(cached: Mapping | tuple, lengths: Mapping | tuple,
+                 pd: Mapping | None = None) -> dict:
+    """The extra top-level `kvtier` field: where the cached prompt came from, the five
+    lengths of DESIGN.md, and `pd` (`pd_field`) in a prefill/decode graph. OpenAI clients
+    ignore unknown fields."""
+    out = {"cached_tokens": _plain(cached, CACHED_KEYS), "lengths": _plain(lengths, LENGTH_KEYS)}
+    if pd is not None:
+        out["pd"] = dict(pd)
+    return out
+
+
+def pd_field(mode: str, transport: str, prefill_instance: str, decode_instance: str | None,
+             stages: HandoffStages, transfer_bytes: int, transfer_pages: int) -> dict:
+    """`kvtier.pd`: how a prefill/decode graph served the request (`mode` handoff,
+    recomputed or mixed), on which instances, each stage's seconds (None: it did not
+    happen), and the KV bytes and prompt pages the hand-off moved over `transport`."""
+    return {"mode": mode, "transport": transport, "prefill_instance": prefill_instance,
+            "decode_instance": decode_instance, "stages": stages.to_dict(),
+            "transfer_bytes": int(transfer_bytes), "transfer_pages": int(transfer_pages)}
 
 
 def _envelope(obj: str, request_id: str, model: str, created: int, choice: dict,
