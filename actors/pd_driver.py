@@ -5,7 +5,8 @@ instance and decoded on a decode instance that received its prompt's KV.
         (out,) = pd.generate([prompt], SamplingParams(max_new_tokens=16))
         out.tokens, out.mode, out.stages      # HandoffStages: the time of each stage
 
-Per request (`add`, then `step` until it is returned):
+Per request (`add`, then `step` until it is returned; `step_report` also gives the tokens of
+the requests that grew, for streaming; `abort` stops one wherever it is):
   bootstrap  the least loaded decode instance (then the one with the fewest reserved pages)
              reserves L1 pages for the prompt on every rank; none has room: the request is
              served mixed on a prefill instance (mode MIXED)
@@ -31,11 +32,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-from kvtier.actors.instance import Instance, InstanceError, InstanceStep
+from kvtier.actors.instance import Instance, InstanceError, InstanceStep, RankFailure
+from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffSent, HandoffStages, HandoffTarget
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.request import CachedTokens, FinishReason, Output
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.tiers.cache_types import RequestLengths
 
@@ -63,6 +65,15 @@ class PDOutput(NamedTuple):
     transfer_bytes: int = 0  # over every rank
     prefill_instance: int = -1
     decode_instance: int = -1
+    transfer_pages: int = 0  # prompt pages written (each over every rank)
+    queue_s: float | None = None  # the prefill side's arrival to first admission
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when it asked
+
+
+class PDStep(NamedTuple):
+    finished: list[PDOutput]
+    progress: dict[int, Progress]  # requests whose output grew: all of it so far (the first
+    # token once the prefill instance sampled it, then the decode instance's)
 
 
 @dataclass
@@ -87,6 +98,7 @@ class _Flight:
     added_to_decode_s: float | None = None
     kv_ready_s: float | None = None
     transfer_bytes: int = 0
+    transfer_pages: int = 0
 
 
 class PDDriver:
@@ -110,6 +122,7 @@ class PDDriver:
         self._by_pid: dict[tuple[int, int], _Flight] = {}
         self._by_did: dict[tuple[int, int], _Flight] = {}
         self._done: list[PDOutput] = []
+        self._progress: dict[int, Progress] = {}  # this step's, by request id
         self._next_prefill = 0
 
     # ---- requests --------------------------------------------------------------------------
@@ -139,22 +152,53 @@ class PDDriver:
         return i
 
     def _bootstrap(self, f: _Flight) -> tuple[int, list[HandoffTarget] | None]:
-        """The least loaded decode instance that can reserve the prompt's pages."""
+        """The least loaded decode instance that can reserve the prompt's pages (one whose
+        ranks fail is passed over: its next step replaces them)."""
         order = sorted(range(len(self.decode)), key=lambda i: self.decode[i].num_pending)
         for i in order:
-            targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens), self.hold_s)
+            try:
+                targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens),
+                                                         self.hold_s)
+            except RankFailure as exc:
+                log.warning("request %d: decode instance %d failed to reserve pages (%s)",
+                            f.id, i, exc)
+                continue
             if targets is not None:
                 return i, targets
         return -1, None
 
+    def abort(self, request_id: int) -> bool:
+        """Stop a request wherever it is, freeing what it holds on either side (the decode
+        reservation, the prefill side's handed-off pages); False when it is not in flight."""
+        f = self._flights.pop(request_id, None)
+        if f is None:
+            return False
+        self._progress.pop(f.id, None)
+        if self._by_pid.pop((f.prefill, f.pid), None) is not None:
+            prefill = self.prefill[f.prefill]
+            prefill.abort(f.pid)
+            if f.mode is not PDMode.MIXED:
+                self.decode[f.decode].cancel_handoff(f.handoff_id)
+                prefill.release_handoff(f.pid)
+        elif self._by_did.pop((f.decode, f.did), None) is not None:
+            self.decode[f.decode].abort(f.did)  # its received pages too
+            if f.mode is PDMode.HANDOFF and f.kv_ready_s is None:
+                self.prefill[f.prefill].release_handoff(f.pid)
+        return True
+
     def step(self) -> list[PDOutput]:
         """Step every instance once; the requests that finished."""
+        return self.step_report().finished
+
+    def step_report(self) -> PDStep:
+        """`step`, with the output so far of the requests that grew."""
         for i, inst in enumerate(self.prefill):
             self._on_prefill_step(i, inst.step_report())
         for i, inst in enumerate(self.decode):
             self._on_decode_step(i, inst.step_report())
         done, self._done = self._done, []
-        return done
+        progress, self._progress = self._progress, {}
+        return PDStep(done, progress)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams = SamplingParams(),
@@ -191,6 +235,8 @@ class PDDriver:
             f = self._by_pid.get((index, req_id))
             if f is not None and progress.tokens and f.first_token_s is None:
                 f.first_token_s = now  # a mixed request's first token
+            if f is not None and f.mode is PDMode.MIXED:
+                self._progress[f.id] = progress
 
     def _after_prefill(self, f: _Flight, out: Output, sent: list[HandoffSent]) -> None:
         decode, prefill = self.decode[f.decode], self.prefill[f.prefill]
@@ -202,6 +248,10 @@ class PDDriver:
         f.transfer_bytes = sum(s.bytes for s in sent)
         if sent:
             f.stages["transfer_s"] = max(s.seconds for s in sent)
+            f.transfer_pages = min(len(s.sums) for s in sent) if all(s.ok for s in sent) \
+                else 0
+        first = out.logprobs[:1] if out.logprobs is not None else None
+        self._progress[f.id] = Progress(out.tokens[:1], first)  # streamed before decode
         f.added_to_decode_s = time.perf_counter()
         if len(sent) == decode.size and all(s.ok for s in sent):
             f.did = decode.add_received(f.tokens, f.sampling, sent, f.targets, out.tokens[0],
@@ -222,6 +272,9 @@ class PDDriver:
             f = self._by_did.get((index, req_id))
             if f is not None:
                 self._on_decode_progress(f, len(progress.tokens), now)
+                if progress.tokens:
+                    self._progress[f.id] = Progress(progress.tokens,
+                                                    self._logprobs(f, progress))
         for out in step.finished:
             f = self._by_did.pop((index, out.request_id), None)
             if f is not None:
@@ -237,18 +290,34 @@ class PDDriver:
         if "decode_queue_s" not in f.stages and tokens >= 2:
             f.stages["decode_queue_s"] = now - f.kv_ready_s
 
+    def _logprobs(self, f: _Flight, out: Output | Progress
+                  ) -> tuple[TokenLogprob, ...] | None:
+        """The decode side's log-probabilities behind the prefill side's first token's (a
+        decode request over received KV did not compute that one)."""
+        got, first = out.logprobs, f.prefill_out
+        if got is None or first is None or first.logprobs is None \
+                or len(got) != len(out.tokens) - 1:
+            return got
+        return tuple(first.logprobs[:1]) + tuple(got)
+
     def _finish(self, f: _Flight, first: Output, last: Output) -> None:
         del self._flights[f.id]
+        self._progress.pop(f.id, None)
         ttft = None if f.first_token_s is None else f.first_token_s - f.arrival_s
         self._done.append(PDOutput(
             f.id, f.tokens, last.tokens, last.finish_reason, f.mode,
             HandoffStages(**f.stages), ttft, first.cached, first.lengths, f.transfer_bytes,
-            f.prefill, f.decode))
+            f.prefill, f.decode, f.transfer_pages, first.queue_s, self._logprobs(f, last)))
 
     # ---- lifetime ----------------------------------------------------------------------------
     @property
     def num_pending(self) -> int:
         return len(self._flights)
+
+    @property
+    def restarts(self) -> int:
+        """Rank sets replaced over every instance's life."""
+        return sum(inst.restarts for inst in [*self.prefill, *self.decode])
 
     def close(self) -> None:
         """Close every instance."""
