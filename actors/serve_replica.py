@@ -1,0 +1,204 @@
+"""What every serving deployment of the graph shares: one `InstanceServer` in its replica
+(over an Instance, or over a prefill/decode driver's instances), a request's answer streamed
+from it, the router's poll, health, and L3 attached on every instance it serves with.
+
+A base of `InstanceDeployment` and `PDDeployment`: each reads its settings (`_open`), builds
+its server (`_serve`) and says what a request's last item adds (`_final`) and which Instances
+it serves with (`_members`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import torch
+
+from kvtier.actors.instance import Instance, InstanceError
+from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.ray_env import keep_serve_replica_on_loopback
+from kvtier.actors.step_wire import logprobs_to_wire
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.messages import NamespaceSpec
+from kvtier.policies import StorageBackendKind
+from kvtier.serve.placement import head_resources
+from kvtier.serve.settings import ServeSettings
+from kvtier.storage_options import parse_storage_options
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 120.0
+
+
+def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None) -> dict:
+    """The backend options a namespace is registered with (validated); file and nixl keep
+    their pages under the deployment's L3 directory unless the caller names one, bounded by
+    l3_max_gb (the namespace's quota) unless the caller bounds them."""
+    opts = dict(options or {})
+    on_disk = kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL)
+    if on_disk and "root_dir" not in opts:
+        if not s.l3_root:
+            raise ConfigError("the file and nixl backends need a directory: set l3_root or "
+                              "give options.root_dir")
+        opts["root_dir"] = s.l3_root
+    if s.l3_max_gb and on_disk:
+        opts.setdefault("max_size_bytes", int(s.l3_max_gb * 2**30))
+    elif s.l3_max_gb:
+        raise ConfigError(f"l3_max_gb bounds a file or nixl L3; a {kind.value} store is bounded "
+                          f"by its own configuration (Mooncake: the master's segment size)")
+    parse_storage_options(kind, opts)  # ConfigError names a bad key or value
+    return opts
+
+
+def final_fields(out: Any, name: str) -> dict:
+    """What an answer's last item says of its run: finish reason, cached tokens by tier, the
+    five lengths, the instance-side TTFT and queue time, the instance."""
+    return {"finish_reason": out.finish_reason.value, "cached": out.cached._asdict(),
+            "lengths": out.lengths._asdict(), "ttft_s": out.ttft_s, "queue_s": out.queue_s,
+            "instance": name}
+
+
+def _logprobs(logprobs: tuple | None, start: int) -> dict:
+    """{"logprobs": the wire form of those from `start` on} when the request asked, or {}."""
+    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs[start:])}
+
+
+class ServedReplica:
+    """`generate`, `poll`, `describe`, `attach_l3`/`detach_l3`/`storage`, health and
+    maintenance calls over `self.server`."""
+
+    name: str
+    settings: ServeSettings
+    server: InstanceServer
+    l3: dict[str, Any] | None = None
+
+    def _open(self, name: str, settings: dict) -> ServeSettings:
+        """The replica's process set up for serving (loopback, one torch thread: the ranks
+        compute); this deployment's settings."""
+        keep_serve_replica_on_loopback()
+        torch.set_num_threads(1)
+        self.name, self.settings = name, ServeSettings.from_mapping(settings)
+        return self.settings
+
+    def _serve(self, server: InstanceServer) -> None:
+        """Serve with `server`, L3 attached as the settings say."""
+        self.server, s = server, self.settings
+        if s.storage_backend is not None:
+            self._attach(s.storage_backend, l3_options(s.storage_backend, s, None))
+
+    def _final(self, out: Any) -> dict:
+        """What a request's last item adds to its tokens (`final_fields` and more)."""
+        raise NotImplementedError
+
+    def _members(self, target: Any) -> list[Instance]:
+        """The Instances behind what `self.server` drives (`target`)."""
+        raise NotImplementedError
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(self, tokens: list[int], sampling: dict,
+                       cache_salt: str = "") -> AsyncIterator[dict]:
+        """Stream `{"tokens": [...new ids]}` items (and their log-probabilities when it
+        asked), the last one with `_final`: the finish reason, cached tokens by tier, the five
+        lengths, the instance-side TTFT. `cache_salt`: the request's tenant (it hits only
+        prefixes cached with the same salt). A caller that goes away (disconnect, stop
+        string) cancels it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        key = self.server.submit(tokens, SamplingParams(**sampling),
+                                 lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+                                 cache_salt)
+        emitted, finished = 0, False
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "tokens":  # a Progress: the output so far
+                    if len(value.tokens) > emitted:
+                        yield {"tokens": list(value.tokens[emitted:]),
+                               **_logprobs(value.logprobs, emitted)}
+                        emitted = len(value.tokens)
+                elif kind == "done":
+                    finished = True
+                    yield {"tokens": list(value.tokens[emitted:]),
+                           **_logprobs(value.logprobs, emitted), **self._final(value)}
+                    return
+                else:
+                    finished = True
+                    raise InstanceError(f"instance {self.name}: {value}")
+        finally:
+            if not finished:  # the caller went away (disconnect, stop string): free it
+                self.server.cancel(key)
+
+    # ---- router and operator calls ------------------------------------------------------------
+    async def poll(self) -> dict:
+        return self.server.poll()._asdict()
+
+    async def describe(self) -> dict:
+        """The first instance's cache (every instance is built from the same settings)."""
+        desc = await self._call(lambda target: self._members(target)[0].describe())
+        return {**desc._asdict(), "instance": self.name, "tp_size": self.settings.tp_size}
+
+    async def attach_l3(self, backend: str, options: dict | None) -> dict:
+        kind = StorageBackendKind.parse(backend, "backend")
+        opts = l3_options(kind, self.settings, options)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self._attach(kind, opts))
+
+    async def detach_l3(self) -> dict:
+        await self._call(lambda target: [inst.detach_l3() for inst in self._members(target)])
+        self.l3 = None
+        return {"instance": self.name, "l3": None}
+
+    async def storage(self) -> dict:
+        return {"instance": self.name, "l3": self.l3}
+
+    def check_health(self) -> None:
+        if self.server.broken:
+            raise RuntimeError(f"instance {self.name} stopped serving: {self.server.broken}")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+
+    # ---- helpers ------------------------------------------------------------------------------
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(target)` in the server's driver thread, between two steps."""
+        future = self.server.call(fn)
+        return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+
+    def _attach(self, kind: StorageBackendKind, options: dict) -> dict:
+        """Register the namespace of this deployment's instances with the namespace actor
+        (created if need be; idempotent: every deployment of the graph registers the same
+        one) and attach it on every rank of every instance."""
+        from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+
+        if self.l3 is not None:
+            raise ConfigError(f"instance {self.name} has L3 attached already "
+                              f"({self.l3['backend']}); detach it first")
+        server, s = self.server, self.settings
+        desc = server.call(lambda target: self._members(target)[0].describe()
+                           ).result(CALL_TIMEOUT_S)
+        client = get_or_create_namespace_actor(s.l3_actor, s.l3_state_dir or None,
+                                               resources=head_resources(s))
+        info = client.register(NamespaceSpec(desc.model, desc.tenant_salt,
+                                             desc.layout_fingerprint, kind, options,
+                                             kv_heads=desc.kv_heads,
+                                             page_bytes=desc.page_bytes,
+                                             sliding=desc.sliding))
+        server.call(lambda target: [inst.attach_l3(info, s.l3_actor)
+                                    for inst in self._members(target)]).result(CALL_TIMEOUT_S)
+        self.l3 = {"backend": kind.value, "namespace": info.namespace,
+                   "options": {k: v for k, v in options.items()}}
+        log.info("instance %s: L3 %s attached (namespace %s)", self.name, kind.value,
+                 info.namespace)
+        return {"instance": self.name, "l3": self.l3}
+
+
+def instance_snapshot(inst: Instance) -> dict:
+    """Rank 0's counters and pool use (the ranks of an instance mirror each other), with the
+    instance's rank restarts and divergences."""
+    snap = inst.cache_snapshot()[0]
+    return {**snap, "counters": {**snap["counters"], "rank_restarts": inst.restarts,
+                                 "rank_divergences": inst.divergences},
+            "restarts": inst.restarts}
