@@ -248,8 +248,8 @@ class PDDriver:
         f.transfer_bytes = sum(s.bytes for s in sent)
         if sent:
             f.stages["transfer_s"] = max(s.seconds for s in sent)
-            f.transfer_pages = min(len(s.sums) for s in sent) if all(s.ok for s in sent) \
-                else 0
+            if all(s.ok for s in sent) and f.targets:
+                f.transfer_pages = len(f.targets[0].pages)  # one per prompt page
         first = out.logprobs[:1] if out.logprobs is not None else None
         self._progress[f.id] = Progress(out.tokens[:1], first)  # streamed before decode
         f.added_to_decode_s = time.perf_counter()
