@@ -1,7 +1,8 @@
 """An Instance behind a thread, for a server: requests come and go while the ranks step.
 
 `Instance` is driven by one caller at a time (every call is a lockstep round over its rank
-actors). A server has many concurrent requests, so `InstanceServer` owns the instance in one
+actors). A server has many concurrent requests, so `InstanceServer` owns the instance (or
+anything that steps like one: a prefill/decode driver's instances, actors/serve_pd) in one
 driver thread: callers hand it commands (add a request, cancel one, run a maintenance call
 between steps) and get results through thread-safe callbacks. While any request is pending
 the thread steps; otherwise it sleeps until a command arrives.

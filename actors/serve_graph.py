@@ -1,5 +1,6 @@
-"""The serve graph: HTTP ingress -> router -> N instance deployments, plus the L3 namespace
-actor (created by the first instance that attaches L3), and `kvtier serve`.
+"""The serve graph: HTTP ingress -> router -> N instance deployments (or one prefill/decode
+deployment of P + D instances, actors/serve_pd), plus the L3 namespace actor (created by the
+first instance that attaches L3), and `kvtier serve`.
 
     kvtier serve --host 127.0.0.1 --port 8000            # a local Ray cluster, SmolLM2, file L3
     serve run examples/serve_config.yaml                  # the same graph from a Serve config
@@ -21,6 +22,7 @@ from kvtier.actors.cluster_placement import place
 from kvtier.actors.rank_actor import RankCache
 from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
+from kvtier.actors.serve_pd import PD_NAME, PDDeployment
 from kvtier.actors.serve_router import RouterDeployment
 from kvtier.policies import StorageBackendKind
 from kvtier.serve.placement import PlacementMode
@@ -56,13 +58,17 @@ _ON_HEAD = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
 
 
 def build_app(settings: ServeSettings, rank_class: type[RankCache] = RankCache) -> Any:
-    """The bound application: `Ingress(router, instances)`. `rank_class`: what the rank
-    actors run (tests pass one that injects faults)."""
+    """The bound application: `Ingress(router, instances)` (a prefill/decode graph: one
+    deployment, `pd`, in place of the instances). `rank_class`: what the rank actors run
+    (tests pass one that injects faults)."""
     s = resolve(settings)
     values = s.to_mapping()
     on_head = {"ray_actor_options": _ON_HEAD} if s.placement is PlacementMode.RESOURCES else {}
     instances = {}
-    for i in range(s.instances):
+    if s.pd:
+        instances[PD_NAME] = PDDeployment.options(name=PD_NAME, **on_head).bind(
+            PD_NAME, values, rank_class)
+    for i in range(0 if s.pd else s.instances):
         name = f"instance-{i}"
         instances[name] = InstanceDeployment.options(name=name, **on_head).bind(
             name, values, rank_class)
@@ -145,9 +151,11 @@ def serve_forever(settings: ServeSettings, host: str, port: int, address: str | 
         signal.signal(sig, lambda *_: done.set())
     try:
         start(settings, host, port, address)
+        shape = (f"{settings.prefill_instances} prefill + {settings.decode_instances} decode "
+                 f"instances over {settings.pd_transport}" if settings.pd
+                 else f"{settings.instances} instances")
         print(f"kvtier: serving {settings.served_model_name} on http://{host}:{port}/v1 "
-              f"({settings.instances} instances, TP={settings.tp_size}, L3={settings.l3})",
-              flush=True)
+              f"({shape}, TP={settings.tp_size}, L3={settings.l3})", flush=True)
         print(f"kvtier: admin key: {settings.admin_key}", flush=True)
         done.wait()
     finally:

@@ -7,7 +7,7 @@ Per request: parse and validate the body (`kvtier.serve.openai_requests`), token
 template for chat), ask the router which instance, stream token ids from that instance and
 turn them into text (`TextStream`: incremental detokenizing, stop strings), and answer in
 OpenAI's shapes with `usage.prompt_tokens_details.cached_tokens` and a `kvtier` field
-(cached tokens by tier, the five lengths). A request without a seed gets one here, so that a
+(cached tokens by tier, the five lengths; in a prefill/decode graph, `pd`: its stages). A request without a seed gets one here, so that a
 rank restart, which recomputes the request, reproduces the tokens already streamed, and so
 does another instance when the router declares the first one stalled (`RoutedAnswer`).
 """
@@ -36,6 +36,7 @@ from kvtier.serve.openai_logprobs import chat_logprobs, completion_logprobs
 from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
                                           ErrorType, check_prompt_tokens, parse_chat,
                                           parse_completion)
+from kvtier.serve.pd_metrics import PDMetrics
 from kvtier.serve.pins import PinVerb
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import ApiKeys, request_salt
@@ -91,6 +92,8 @@ class Ingress:
                                 max_prompt_tokens=s.max_prompt_tokens,
                                 max_new_tokens=s.max_new_tokens, max_body_bytes=s.max_body_bytes)
         self.metrics = ServeMetrics()
+        self.pd_metrics = (PDMetrics(self.metrics.registry, next(iter(instances)),
+                                     s.pd_transport.value) if s.pd else None)
         self.created = int(time.time())
         self.snapshots = SnapshotFeed(router, instances, self.metrics, s.l3_actor)
         self._seeds = random.SystemRandom()
@@ -197,6 +200,12 @@ class Ingress:
     async def _pin(self, request: Request, verb: PinVerb) -> Response:
         if (denied := self._check_admin(request)) is not None:
             return denied
+        if self.settings.pd:
+            err = ApiError(400, "pinned prefixes are not supported with prefill/decode "
+                                "disaggregation (--prefill-instances/--decode-instances); "
+                                "serve with --instances to pin prefixes",
+                           code="not_supported_with_pd")
+            return JSONResponse(err.to_body(), status_code=400)
         try:
             status, body = await self.pins.handle(verb, await request.body())
         except Exception as exc:  # noqa: BLE001 - an instance or the L3 actor failed
@@ -363,7 +372,7 @@ class Ingress:
         lengths = final["lengths"] or {"prefix_len": 0, "host_hit_length": 0,
                                        "host_loaded_length": 0, "storage_hit_length": 0,
                                        "extend_len": prompt_tokens}
-        kvtier = out.kvtier_field(final["cached"], lengths)
+        kvtier = out.kvtier_field(final["cached"], lengths, final.get("pd"))
         kvtier["instance"] = final.get("instance")  # which instance served it (routing)
         kvtier["route"] = {"reason": gen.route["reason"], "expected_pages": gen.route["hits"]}
         answered = sum(g.tokens for g in gens)
@@ -380,6 +389,8 @@ class Ingress:
         self.metrics.observe_request(gen.answer.instance, gen.first_token_s or total, tpot,
                                      cached, gen.finish_reason, prompt_tokens, gen.tokens, total,
                                      queue)
+        if self.pd_metrics is not None and gen.final and gen.final.get("pd"):
+            self.pd_metrics.observe(gen.answer.instance, gen.final["pd"])
 
     @staticmethod
     def _failed(exc: Exception) -> Response:

@@ -46,13 +46,18 @@ class SnapshotFeed:
                 except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
                     log.debug("snapshot of %s failed: %s", name, exc)
                     continue
-                self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
-                                          snap["host_total_tokens"], snap["storage"])
-                self.metrics.update_gauges(name, snap.get("gauges", {}))
-                self.metrics.update_pins(name, snap.get("pins", {}))
-                self.metrics.observe_agreement(name, snap["agreement_s"])
+                # a prefill/decode deployment: each of its instances by its own name
+                for part, one in snap.get("instances", {name: snap}).items():
+                    self._observe_snapshot(part, one)
             await self._observe_namespace(stalled)
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+
+    def _observe_snapshot(self, name: str, snap: dict) -> None:
+        self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
+                                  snap["host_total_tokens"], snap["storage"])
+        self.metrics.update_gauges(name, snap.get("gauges", {}))
+        self.metrics.update_pins(name, snap.get("pins", {}))
+        self.metrics.observe_agreement(name, snap["agreement_s"])
 
     async def _observe_liveness(self) -> set[str]:
         """Feed the router's per-instance stall counts to the metrics; the stalled ones."""

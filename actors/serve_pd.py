@@ -1,0 +1,129 @@
+"""The prefill/decode deployment of the serve graph: P prefill instances and D decode
+instances (each built as an instance deployment builds its one) driven by one `PDDriver`
+behind an `InstanceServer`, streaming each request's tokens back to the ingress.
+
+Why one deployment that looks like one instance to the router and the ingress: every stage
+of a request (a decode instance reserving pages, the prefill, the transfer, KV-ready, decode)
+is a step of the driver, which must see both sides at once; so the router's single choice is
+this deployment, and the ingress streams from it as from any instance (re-dispatch, cancel
+on disconnect, n answers, log-probabilities all unchanged). Inside, the driver takes the
+prefill instances in turn (round robin: no prefix-aware choice among them yet) and the least
+loaded decode instance with room. Each answer's last item tells how it went (`kvtier.pd`).
+
+Pinned prefixes are refused at the ingress; flush, config, L3 attach and detach cover every
+instance; the metrics feed gets each instance's snapshot by its own name (`prefill-0`, ...).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from kvtier.actors.instance import Instance, InstanceStep
+from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.pd_driver import PDDriver, PDOutput
+from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.serve_instance import build_instance
+from kvtier.actors.serve_replica import ServedReplica, final_fields, instance_snapshot
+from kvtier.engine.sampling import SamplingParams
+from kvtier.serve.openai_responses import pd_field
+from kvtier.serve.settings import ServeSettings
+
+PD_NAME = "pd"
+
+
+def member_names(s: ServeSettings) -> list[str]:
+    """The instances of a prefill/decode deployment: `prefill-<i>`, then `decode-<i>`."""
+    return ([f"prefill-{i}" for i in range(s.prefill_instances)]
+            + [f"decode-{i}" for i in range(s.decode_instances)])
+
+
+class PDInstances:
+    """A PDDriver as `InstanceServer` drives an Instance (`add_request`, `abort`,
+    `step_report`...). It reports no cache events: the router has one deployment to choose."""
+
+    def __init__(self, driver: PDDriver) -> None:
+        self.driver = driver
+        self.members: list[Instance] = [*driver.prefill, *driver.decode]
+
+    def watch_cache(self, name: str) -> None:
+        pass
+
+    def drain_events(self) -> None:
+        return None
+
+    def add_request(self, tokens: Any, sampling: SamplingParams, cache_salt: str = "") -> int:
+        return self.driver.add(tokens, sampling, cache_salt)
+
+    def abort(self, request_id: int) -> None:
+        self.driver.abort(request_id)
+
+    def step_report(self) -> InstanceStep:
+        step = self.driver.step_report()
+        return InstanceStep(step.finished, step.progress, None)
+
+    @property
+    def num_pending(self) -> int:
+        return self.driver.num_pending
+
+    @property
+    def restarts(self) -> int:
+        return self.driver.restarts
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  health_check_period_s=5, graceful_shutdown_timeout_s=20)
+class PDDeployment(ServedReplica):
+    def __init__(self, name: str, settings: dict,
+                 rank_class: type[RankCache] = RankCache) -> None:
+        """`rank_class`: what the rank actors run (tests pass one that injects faults)."""
+        s = self._open(name, settings)
+        self.names = member_names(s)
+        built: list[Instance] = []
+        try:
+            for _ in self.names:
+                built.append(build_instance(s, rank_class))
+            driver = PDDriver(built[:s.prefill_instances], built[s.prefill_instances:],
+                              transport=s.pd_transport.value)
+        except BaseException:
+            for inst in built:
+                inst.close()
+            raise
+        self._serve(InstanceServer(PDInstances(driver), name))
+
+    def _members(self, target: PDInstances) -> list[Instance]:
+        return target.members
+
+    def _final(self, out: PDOutput) -> dict:
+        s = self.settings
+        decode = None if out.decode_instance < 0 else self.names[s.prefill_instances
+                                                                 + out.decode_instance]
+        return {**final_fields(out, self.name),
+                "pd": pd_field(out.mode.value, s.pd_transport.value,
+                               self.names[out.prefill_instance], decode, out.stages,
+                               out.transfer_bytes, out.transfer_pages)}
+
+    # ---- operator calls -----------------------------------------------------------------------
+    async def snapshot(self) -> dict:
+        """Each instance's snapshot (`instance_snapshot`) by its name."""
+        return {"instances": await self._call(lambda target: {
+            name: instance_snapshot(inst) for name, inst in zip(self.names, target.members)})}
+
+    async def flush(self) -> dict:
+        """Drop every unlocked L1 and L2 page of every instance (L3 is untouched)."""
+        free = await self._call(lambda target: [inst.drop_cache()[0]
+                                                for inst in target.members])
+        return {"instance": self.name, "free_device_pages": dict(zip(self.names, free))}
+
+    async def config(self) -> dict:
+        """What the instances' ranks run with (the first instance's rank 0 speaks for all:
+        they are built from the same settings), and the prefill/decode layout."""
+        running = await self._call(lambda target: target.members[0].running_config())
+        s = self.settings
+        return {"instance": self.name, **running,
+                "prefill_instances": self.names[:s.prefill_instances],
+                "decode_instances": self.names[s.prefill_instances:],
+                "pd_transport": s.pd_transport.value}

@@ -1,0 +1,94 @@
+"""The prefill/decode deployment's driver thread without a cluster: `InstanceServer` drives a
+PD driver through `PDInstances` as it drives an Instance: each request's output so far as it
+grows, then its PDOutput; a cancelled request is aborted in the driver."""
+from __future__ import annotations
+
+import threading
+
+from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.pd_driver import PDMode, PDOutput, PDStep
+from kvtier.actors.serve_pd import PDInstances, member_names
+from kvtier.actors.step_wire import Progress
+from kvtier.engine.handoff import HandoffStages
+from kvtier.engine.request import CachedTokens, FinishReason
+from kvtier.engine.sampling import SamplingParams
+from kvtier.serve.settings import ServeSettings
+from kvtier.tiers.cache_types import RequestLengths
+
+
+class FakeDriver:
+    """Answers each request with 7, 8, 9, ... one token per step."""
+
+    prefill: list = []
+    decode: list = []
+    restarts = 0
+
+    def __init__(self) -> None:
+        self.running: dict[int, tuple[int, list[int]]] = {}  # id -> (prompt length, tokens)
+        self.aborted: list[int] = []
+        self.closed = False
+        self._next = 0
+
+    def add(self, tokens, sampling: SamplingParams, cache_salt: str = "") -> int:
+        self._next += 1
+        self.running[self._next] = (sampling.max_new_tokens, [])
+        return self._next
+
+    def abort(self, request_id: int) -> bool:
+        self.aborted.append(request_id)
+        return self.running.pop(request_id, None) is not None
+
+    def step_report(self) -> PDStep:
+        finished, progress = [], {}
+        for rid, (most, out) in list(self.running.items()):
+            out.append(7 + len(out))
+            if len(out) < most:
+                progress[rid] = Progress(tuple(out))
+                continue
+            del self.running[rid]
+            finished.append(PDOutput(rid, (1, 2), tuple(out), FinishReason.LENGTH,
+                                     PDMode.HANDOFF, HandoffStages(0.1, 0.2, 0.3, 0.4, 0.5),
+                                     0.3, CachedTokens(0, 0, 0), RequestLengths(0, 0, 0, 0, 2),
+                                     4096, 0, 0, transfer_pages=1))
+        return PDStep(finished, progress)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.running)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_server_streams_a_pd_request_and_aborts_a_cancelled_one():
+    driver = FakeDriver()
+    server = InstanceServer(PDInstances(driver), "pd")
+    items, done = [], threading.Event()
+
+    def sink(item):
+        items.append(item)
+        if item[0] != "tokens":
+            done.set()
+
+    try:
+        server.submit([1, 2], SamplingParams(max_new_tokens=3), sink)
+        assert done.wait(10), items
+        assert [i[1].tokens for i in items[:-1]] == [(7,), (7, 8)]
+        kind, out = items[-1]
+        assert kind == "done" and out.tokens == (7, 8, 9) and out.mode is PDMode.HANDOFF
+        key = server.submit([1, 2], SamplingParams(max_new_tokens=10_000), lambda _: None)
+        server.cancel(key)
+        for _ in range(200):
+            if driver.aborted:
+                break
+            threading.Event().wait(0.01)
+        assert driver.aborted == [2] and not driver.running
+        assert server.poll().load == 0
+    finally:
+        server.close()
+    assert driver.closed
+
+
+def test_the_instances_are_named_by_role():
+    s = ServeSettings(model="tiny", prefill_instances=2, decode_instances=1)
+    assert member_names(s) == ["prefill-0", "prefill-1", "decode-0"]
