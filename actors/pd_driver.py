@@ -90,21 +90,20 @@ class _Flight:
 
 
 class PDDriver:
-    """Prefill instances and decode instances (equal TP sizes), stepped together."""
+    """Prefill instances and decode instances, stepped together. With equal TP sizes each
+    prefill rank writes L1 pages into its decode rank's; with different ones every hand-off
+    is staged through L2 in `page_head`, head object by head object."""
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance],
                  transport: str = "nixl", hold_s: float = DEFAULT_HOLD_S) -> None:
         if not prefill or not decode:
             raise ConfigError("prefill/decode disaggregation needs at least one prefill and "
                               "one decode instance")
-        sizes = {inst.size for inst in [*prefill, *decode]}
-        if len(sizes) != 1:
-            raise ConfigError(f"prefill and decode instances have TP sizes {sorted(sizes)}; "
-                              f"give them the same TP size")
         self.prefill, self.decode = list(prefill), list(decode)
         self.hold_s = hold_s
+        self.staged = len({inst.size for inst in [*prefill, *decode]}) > 1
         for inst in [*self.prefill, *self.decode]:
-            inst.handoff_open(transport)
+            inst.handoff_open(transport, self.staged)
         self._ids = itertools.count()
         self._flights: dict[int, _Flight] = {}
         self._by_pid: dict[tuple[int, int], _Flight] = {}
@@ -142,7 +141,8 @@ class PDDriver:
         """The least loaded decode instance that can reserve the prompt's pages."""
         order = sorted(range(len(self.decode)), key=lambda i: self.decode[i].num_pending)
         for i in order:
-            targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens), self.hold_s)
+            targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens), self.hold_s,
+                                                     self.staged)
             if targets is not None:
                 return i, targets
         return -1, None
@@ -203,7 +203,7 @@ class PDDriver:
         if sent:
             f.stages["transfer_s"] = max(s.seconds for s in sent)
         f.added_to_decode_s = time.perf_counter()
-        if len(sent) == decode.size and all(s.ok for s in sent):
+        if len(sent) == prefill.size and all(s.ok for s in sent):
             f.did = decode.add_received(f.tokens, f.sampling, sent, f.targets, out.tokens[0],
                                         f.salt)
         else:

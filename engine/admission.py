@@ -297,7 +297,7 @@ class Admission:
         prompt when its pages arrived whole on this rank, else nothing (MIN: all recompute)."""
         assert req.incoming is not None
         lookup = self.cache.lookup((), salt=req.cache_salt)  # locks nothing but its root
-        usable = len(req.prompt) if self.handoffs.arrived(req.incoming) else 0
+        usable = len(req.prompt) if self.handoffs.arrived(req) else 0
         return _Reservation(req, lookup, list(req.incoming.pages), usable, 0)
 
     def _commit_one(self, res: _Reservation, usable: int, loaded: int, budget: Budget) -> None:

@@ -20,8 +20,16 @@ log = logging.getLogger(__name__)
 DEFAULT_HOLD_S = 30.0  # how long a reservation waits for its request
 
 
-class _Held(NamedTuple):
+class Reservation(NamedTuple):
+    """What a reservation holds: L1 pages, and L2 staging pages for a prefill instance of
+    another TP size (kvtier.engine.handoff_staging)."""
+
     pages: list[int]
+    staged: list[int]
+
+
+class _Held(NamedTuple):
+    held: Reservation
     deadline: float  # monotonic
 
 
@@ -41,39 +49,50 @@ class HandoffDesk:
         self._held: dict[str, _Held] = {}
         self._counts = {name: 0 for name in DeskCounters._fields}
 
-    def reserve(self, handoff_id: str, num_tokens: int,
-                hold_s: float = DEFAULT_HOLD_S) -> list[int] | None:
-        """One L1 page per page of a `num_tokens` prompt, held for `hold_s`; None when L1
-        cannot make room (the request is then served mixed)."""
+    def reserve(self, handoff_id: str, num_tokens: int, hold_s: float = DEFAULT_HOLD_S,
+                staged: bool = False) -> Reservation | None:
+        """One L1 page per page of a `num_tokens` prompt (and as many L2 staging pages when
+        `staged`), held for `hold_s`; None when L1 (or L2) cannot make room (the request is
+        then served mixed)."""
         if handoff_id in self._held:
             raise ConfigError(f"hand-off {handoff_id!r} is reserved already; ids must be unique")
         if num_tokens < 1 or hold_s <= 0:
             raise ConfigError(f"a reservation needs num_tokens >= 1 and hold_s > 0, got "
                               f"{num_tokens} and {hold_s}")
         self.expire()
-        pages = self.cache.allocate(pages_for(num_tokens, self.cache.spec.page_size))
-        if pages is None:
+        n = pages_for(num_tokens, self.cache.spec.page_size)
+        pages = self.cache.allocate(n)
+        staging: list[int] | None = []
+        if pages is not None and staged:
+            staging = self.cache.allocate_host(n)
+        if pages is None or staging is None:
+            self.cache.release_pages(pages or [])
             self._counts["refused"] += 1
             return None
-        self._held[handoff_id] = _Held(pages, time.monotonic() + hold_s)
+        held = Reservation(list(pages), list(staging))
+        self._held[handoff_id] = _Held(held, time.monotonic() + hold_s)
         self._counts["reserved"] += 1
-        return list(pages)
+        return held
 
-    def take(self, handoff_id: str) -> list[int] | None:
+    def take(self, handoff_id: str) -> Reservation | None:
         """The reserved pages, now the caller's; None when unknown or expired."""
         held = self._held.pop(handoff_id, None)
         if held is None:
             return None
         self._counts["taken"] += 1
-        return held.pages
+        return held.held
 
     def cancel(self, handoff_id: str) -> bool:
         held = self._held.pop(handoff_id, None)
         if held is None:
             return False
-        self.cache.release_pages(held.pages)
+        self.free(held.held)
         self._counts["cancelled"] += 1
         return True
+
+    def free(self, held: Reservation) -> None:
+        self.cache.release_pages(held.pages)
+        self.cache.release_host_pages(held.staged)
 
     def expire(self, now: float | None = None) -> int:
         """Free the reservations whose deadline passed; how many."""
@@ -81,8 +100,8 @@ class HandoffDesk:
         late = [hid for hid, h in self._held.items() if h.deadline <= now]
         for hid in late:
             log.warning("hand-off %s: no request came within its hold; freeing %d L1 pages",
-                        hid, len(self._held[hid].pages))
-            self.cache.release_pages(self._held.pop(hid).pages)
+                        hid, len(self._held[hid].held.pages))
+            self.free(self._held.pop(hid).held)
         self._counts["expired"] += len(late)
         return len(late)
 
@@ -92,7 +111,7 @@ class HandoffDesk:
 
     @property
     def held_pages(self) -> int:
-        return sum(len(h.pages) for h in self._held.values())
+        return sum(len(h.held.pages) + len(h.held.staged) for h in self._held.values())
 
     @property
     def pending(self) -> int:

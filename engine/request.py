@@ -94,7 +94,8 @@ class Request:
     agreed_hit: int = 0  # prompt tokens every rank held in L1/L2 at the last agreement
     waited_steps: int = 0  # scheduling steps spent waiting (the lpm aging bound counts them)
     cache_salt: str = ""  # its tenant's: it hits only prefixes cached under the same salt
-    handoff_to: HandoffTarget | None = None  # prefill side: where its prompt's KV goes
+    handoff_to: tuple[HandoffTarget, ...] = ()  # prefill side: every decode rank's pages
+    # its prompt's KV goes to (this rank writes to those holding its heads)
     incoming: IncomingKV | None = None  # decode side: its prompt's KV, written by a prefill rank
     kv_ready_s: float | None = None  # decode side: when every rank agreed its KV arrived
     sampler: Sampler = field(init=False)

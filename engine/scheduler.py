@@ -352,6 +352,7 @@ class Scheduler:
             req.ticket = None
         elif req.incoming is not None:  # a decode request whose KV never got adopted
             cache.release_pages(req.incoming.pages)
+            cache.release_host_pages(req.incoming.staged)
             req.incoming = None
 
     def _store_decoded(self, req: Request) -> None:
@@ -376,7 +377,7 @@ class Scheduler:
         self._preempted += 1
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:
-        if (req.handoff_to is not None and req.state is RequestState.DECODING
+        if (req.handoff_to and req.state is RequestState.DECODING
                 and reason is not FinishReason.ABORTED):
             # its pages are read by the transfer to the decode side: kept until it says so
             self.handed[req.id] = (req, time.monotonic() + self.handed_hold_s)

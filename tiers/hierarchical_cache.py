@@ -351,6 +351,15 @@ class HierarchicalCache(CacheL3):
         m = self.tree.match_prefix(tokens, touch=False, salt=salt)
         return PrefixPeek(m.device_hit_length, m.host_hit_length)
 
+    def allocate_host(self, num_pages: int) -> list[int] | None:
+        """`num_pages` L2 pages outside the tree (evicting cached ones as needed), e.g. to
+        stage a hand-off; None when L2 cannot make room. Give them back with
+        `release_host_pages`."""
+        return self._alloc_host(num_pages)
+
+    def release_host_pages(self, pages: Sequence[int]) -> None:
+        self.host_pool.allocator.free(pages)
+
     def release_pages(self, pages: Sequence[int]) -> None:
         """Give back fresh L1 pages from `allocate` that no request or tree node kept."""
         self.device_pool.allocator.free(pages)
