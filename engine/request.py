@@ -18,6 +18,7 @@ class RequestState(enum.Enum):
     WAITING = "waiting"        # queued; may have an L3 prefetch in flight
     PREFILLING = "prefilling"  # admitted: holds a locked lookup and its own pages
     DECODING = "decoding"      # prompt done, generating one token per step
+    RETRACTED = "retracted"    # decoding, pushed out of L1: its KV in L2 (engine.retraction)
     FINISHED = "finished"
 
 
@@ -136,6 +137,17 @@ class Request:
         self.committed_pages = 0
         self.output, self.prefill_logits, self.first_token_s = [], None, None
         self.sampler = Sampler(self.params, self.device, self.prompt)
+
+    def retract(self) -> None:
+        """Out of L1, holding nothing there, its KV kept elsewhere (engine.retraction): it
+        keeps its output and sampler, and `resume` goes on decoding where it stopped."""
+        self.state, self.lookup, self.pages, self.num_shared = \
+            RequestState.RETRACTED, None, [], 0
+        self.committed_pages = 0
+
+    def resume(self, lookup: CacheLookup, pages: list[int]) -> None:
+        """Back in L1 after `retract`: `pages` (all its own) hold its KV again."""
+        self.state, self.lookup, self.pages = RequestState.DECODING, lookup, pages
 
     def to_output(self, text: str | None = None) -> Output:
         ttft = None if self.first_token_s is None else self.first_token_s - self.arrival_s
