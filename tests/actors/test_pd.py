@@ -196,3 +196,33 @@ def test_decode_side_writes_the_finished_conversation_to_l3_for_the_next_turn(
         for inst in made:
             inst.close()
         client.shutdown()
+
+
+def test_decode_instance_short_of_l1_retracts_to_l2_and_restores(instance_factory):
+    """Three hand-offs whose answers outgrow the decode instance's L1: it retracts requests
+    to L2 and restores them (no token recomputed), and the answers are the mixed ones."""
+    long = SamplingParams(max_new_tokens=40)
+    with instance_factory(SETTINGS, tp_size=1) as mixed:
+        want = [o.tokens for o in mixed.generate(PROMPTS, long)]
+    small = SETTINGS._replace(device_pages=12)  # the prompts fit (9 pages), the answers not
+    with instance_factory(SETTINGS, tp_size=1) as p, instance_factory(small, tp_size=1) as d:
+        pd = PDDriver([p], [d], transport="nixl")
+        outs = pd.generate(PROMPTS, long)
+        assert [o.tokens for o in outs] == want
+        assert [o.mode for o in outs] == [PDMode.HANDOFF] * 3
+        (counts,) = d.call_all("retraction_counters")
+        assert counts["restored_requests"] >= 1
+        assert counts["restored_requests"] == counts["retracted_requests"]
+        _no_leaks(p, d)
+
+
+def test_transfer_timeout_on_one_prefill_rank_makes_the_decode_side_recompute(
+        instance_factory, mixed_answers):
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
+            instance_factory(SETTINGS, tp_size=2) as d:
+        pd = PDDriver([p], [d], transport="nixl")
+        p.rank_call(1, "time_out_next_handoff")
+        outs = pd.generate(PROMPTS[:2], GREEDY)
+        assert [o.tokens for o in outs] == mixed_answers[:2]
+        assert [o.mode for o in outs] == [PDMode.RECOMPUTED, PDMode.HANDOFF]
+        _no_leaks(p, d)
