@@ -65,8 +65,10 @@ class InstanceHandoff:
             return None
         return [HandoffTarget.from_wire(t) for t in got]
 
-    def cancel_handoff(self, handoff_id: str) -> None:
-        self._all("handoff_cancel", handoff_id)
+    def cancel_handoff(self, handoff_id: str, linger_s: float = 0.0) -> None:
+        """Call a reservation off on every rank: its pages are freed now, or after
+        `linger_s` when a write to them failed (it may still be running)."""
+        self._all("handoff_cancel", handoff_id, linger_s)
 
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams,
                      sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],

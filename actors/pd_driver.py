@@ -6,10 +6,11 @@ instance and decoded on a decode instance that received its prompt's KV.
         out.tokens, out.mode, out.stages      # HandoffStages: the time of each stage
 
 Per request (`add`, then `step` until it is returned):
-  bootstrap  the least loaded decode instance (then the one with the fewest reserved pages)
+  bootstrap  the least loaded decode instance (then the one holding most of the prompt)
              reserves L1 pages for the prompt on every rank; none has room: the request is
              served mixed on a prefill instance (mode MIXED)
-  prefill    the prefill instance computes the prompt and samples the first token: TTFT
+  prefill    the prefill instance holding most of the prompt (then the least loaded)
+             computes the rest of it and samples the first token: TTFT
   transfer   its ranks write the prompt's pages into the reserved ones (in the same step)
   KV-ready   the decode instance's ranks verify every page and agree; the prefill side then
              releases its pages (they stay in its cache as prefixes)
@@ -33,7 +34,7 @@ from typing import NamedTuple, Sequence
 
 from kvtier.actors.instance import Instance, InstanceError, InstanceStep
 from kvtier.engine.handoff import HandoffSent, HandoffStages, HandoffTarget
-from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, FAILED_WRITE_LINGER_S
 from kvtier.engine.request import CachedTokens, FinishReason, Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
@@ -95,12 +96,15 @@ class PDDriver:
     is staged through L2 in `page_head`, head object by head object."""
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance],
-                 transport: str = "nixl", hold_s: float = DEFAULT_HOLD_S) -> None:
+                 transport: str = "nixl", hold_s: float = DEFAULT_HOLD_S,
+                 linger_s: float = FAILED_WRITE_LINGER_S) -> None:
+        """`hold_s`: how long a decode reservation waits for its prefill; `linger_s`: how
+        long pages a failed write targeted stay held (the write may still be running)."""
         if not prefill or not decode:
             raise ConfigError("prefill/decode disaggregation needs at least one prefill and "
                               "one decode instance")
         self.prefill, self.decode = list(prefill), list(decode)
-        self.hold_s = hold_s
+        self.hold_s, self.linger_s = hold_s, linger_s
         self.staged = len({inst.size for inst in [*prefill, *decode]}) > 1
         for inst in [*self.prefill, *self.decode]:
             inst.handoff_open(transport, self.staged)
@@ -109,14 +113,13 @@ class PDDriver:
         self._by_pid: dict[tuple[int, int], _Flight] = {}
         self._by_did: dict[tuple[int, int], _Flight] = {}
         self._done: list[PDOutput] = []
-        self._next_prefill = 0
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
             cache_salt: str = "") -> int:
         f = _Flight(next(self._ids), tuple(int(t) for t in tokens), sampling, cache_salt)
         self._flights[f.id] = f
-        f.prefill = self._pick_prefill()
+        f.prefill = self._pick_prefill(f)
         start = time.perf_counter()
         f.handoff_id = f"pd-{uuid.uuid4().hex[:12]}-{f.id}"
         f.decode, f.targets = self._bootstrap(f)
@@ -132,14 +135,28 @@ class PDDriver:
         self._by_pid[(f.prefill, f.pid)] = f
         return f.id
 
-    def _pick_prefill(self) -> int:
-        i = self._next_prefill % len(self.prefill)
-        self._next_prefill += 1
-        return i
+    def _pick_prefill(self, f: _Flight) -> int:
+        """The prefill instance holding most of the prompt in L1/L2 (it reuses it), then the
+        least loaded."""
+        if len(self.prefill) == 1:
+            return 0
+        return min(range(len(self.prefill)),
+                   key=lambda i: (-self._held(self.prefill[i], f), self.prefill[i].num_pending))
+
+    def _held(self, inst: Instance, f: _Flight) -> int:
+        """Whole pages of the prompt every rank of `inst` holds in L1 or L2."""
+        return min(inst.call_all("pin_held", list(f.tokens), f.salt))
 
     def _bootstrap(self, f: _Flight) -> tuple[int, list[HandoffTarget] | None]:
-        """The least loaded decode instance that can reserve the prompt's pages."""
-        order = sorted(range(len(self.decode)), key=lambda i: self.decode[i].num_pending)
+        """The least loaded decode instance (then the one holding most of the prompt: its
+        conversation's earlier turns, for its next turn's cache) that can reserve the
+        prompt's pages."""
+        if len(self.decode) == 1:
+            order = [0]
+        else:
+            order = sorted(range(len(self.decode)),
+                           key=lambda i: (self.decode[i].num_pending,
+                                          -self._held(self.decode[i], f)))
         for i in order:
             targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens), self.hold_s,
                                                      self.staged)
@@ -211,7 +228,7 @@ class PDDriver:
             log.warning("request %d: the hand-off failed (%s); the decode instance "
                         "recomputes it", f.id, why)
             f.mode = PDMode.RECOMPUTED
-            decode.cancel_handoff(f.handoff_id)
+            decode.cancel_handoff(f.handoff_id, self.linger_s)
             prefill.release_handoff(out.request_id)
             f.did = decode.add_request(f.tokens, f.sampling, f.salt)
         self._by_did[(f.decode, f.did)] = f

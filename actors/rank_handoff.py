@@ -74,8 +74,8 @@ class RankHandoff:
                              pool.num_pages, tuple(held.pages), time.time() + hold_s / 2,
                              (cache.heads.start, cache.heads.stop), staging).to_wire()
 
-    def handoff_cancel(self, handoff_id: str) -> bool:
-        return self.engine.handoffs.cancel(handoff_id)
+    def handoff_cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
+        return self.engine.handoffs.cancel(handoff_id, linger_s)
 
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams, cache_salt: str,
                      incoming: list) -> int:

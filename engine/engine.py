@@ -200,7 +200,9 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or hand-off pages held (reservations, handed-off requests): the
+        steps that release them when their time is up must keep coming."""
+        return bool(self.scheduler.has_work or self.handoffs.pending or self.scheduler.handed)
 
     @property
     def last_step(self) -> StepStats:

@@ -17,7 +17,10 @@ from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOLD_S = 30.0  # how long a reservation waits for its request
+DEFAULT_HOLD_S = 60.0  # how long a reservation waits for its request
+# A failed write may still be running in the transport (Mooncake's own timeout is 30 s): its
+# pages stay held this long after the failure, so no other request's KV is overwritten.
+FAILED_WRITE_LINGER_S = 30.0
 
 
 class Reservation(NamedTuple):
@@ -47,6 +50,7 @@ class HandoffDesk:
     def __init__(self, cache: HierarchicalCache) -> None:
         self.cache = cache
         self._held: dict[str, _Held] = {}
+        self._lingering: set[str] = set()  # cancelled, freed at their deadline
         self._counts = {name: 0 for name in DeskCounters._fields}
 
     def reserve(self, handoff_id: str, num_tokens: int, hold_s: float = DEFAULT_HOLD_S,
@@ -75,19 +79,29 @@ class HandoffDesk:
         return held
 
     def take(self, handoff_id: str) -> Reservation | None:
-        """The reserved pages, now the caller's; None when unknown or expired."""
+        """The reserved pages, now the caller's; None when unknown, cancelled or expired."""
+        if handoff_id in self._lingering:
+            return None
         held = self._held.pop(handoff_id, None)
         if held is None:
             return None
         self._counts["taken"] += 1
         return held.held
 
-    def cancel(self, handoff_id: str) -> bool:
-        held = self._held.pop(handoff_id, None)
+    def cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
+        """Call a reservation off: its pages are freed now, or after `linger_s` (a write
+        to them that failed may still be running)."""
+        held = self._held.get(handoff_id)
         if held is None:
             return False
-        self.free(held.held)
         self._counts["cancelled"] += 1
+        if linger_s > 0:
+            deadline = min(held.deadline, time.monotonic() + linger_s)
+            self._held[handoff_id] = held._replace(deadline=deadline)
+            self._lingering.add(handoff_id)
+            return True
+        del self._held[handoff_id]
+        self.free(held.held)
         return True
 
     def free(self, held: Reservation) -> None:
@@ -99,15 +113,19 @@ class HandoffDesk:
         now = time.monotonic() if now is None else now
         late = [hid for hid, h in self._held.items() if h.deadline <= now]
         for hid in late:
-            log.warning("hand-off %s: no request came within its hold; freeing %d L1 pages",
-                        hid, len(self._held[hid].held.pages))
+            if hid in self._lingering:
+                self._lingering.discard(hid)
+            else:
+                log.warning("hand-off %s: no request came within its hold; freeing %d L1 "
+                            "pages", hid, len(self._held[hid].held.pages))
+                self._counts["expired"] += 1
             self.free(self._held.pop(hid).held)
-        self._counts["expired"] += len(late)
         return len(late)
 
     def close(self) -> None:
         for hid in list(self._held):
-            self.cancel(hid)
+            self.free(self._held.pop(hid).held)
+        self._lingering.clear()
 
     @property
     def held_pages(self) -> int:

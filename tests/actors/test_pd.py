@@ -37,7 +37,16 @@ def mixed_answers(instance_factory):
         return [o.tokens for o in inst.generate(PROMPTS, GREEDY)]
 
 
-def _no_leaks(*instances) -> None:
+LINGER_S = 0.3  # failed writes' pages stay held this long in these tests
+
+
+def _no_leaks(*instances, settle: bool = False) -> None:
+    """Nothing held outside the caches' trees; `settle`: after the pages a failed write
+    targeted were let go (their linger, then a step)."""
+    if settle:
+        time.sleep(LINGER_S + 0.1)
+        for inst in instances:
+            inst.step()
     for inst in instances:
         for audit in inst.call_all("audit"):
             assert not any(audit.values()), audit
@@ -45,14 +54,16 @@ def _no_leaks(*instances) -> None:
             assert c["reserved_pages"] == 0 and c["handed_requests"] == 0, c
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (2, 2), (1, 2), (2, 1)])
+@pytest.mark.parametrize("transport, prefill_tp, decode_tp", [
+    ("nixl", 1, 1), ("nixl", 2, 2), ("nixl", 1, 2), ("nixl", 2, 1),
+    ("mooncake", 1, 1), ("mooncake", 2, 1)])
 def test_pd_answers_equal_mixed_and_bytes_go_through_the_transport(
-        instance_factory, mixed_answers, prefill_tp, decode_tp):
+        instance_factory, mixed_answers, transport, prefill_tp, decode_tp):
     """Equal TP sizes: L1 pages to L1 pages. Different ones: staged through L2, each prefill
     rank writing its heads' objects to the decode ranks that hold those heads."""
     with instance_factory(SETTINGS, tp_size=prefill_tp) as p, \
             instance_factory(SETTINGS, tp_size=decode_tp) as d:
-        pd = PDDriver([p], [d], transport="nixl")
+        pd = PDDriver([p], [d], transport=transport)
         assert pd.staged is (prefill_tp != decode_tp)
         outs = pd.generate(PROMPTS, GREEDY)
         assert [o.tokens for o in outs] == mixed_answers
@@ -65,7 +76,7 @@ def test_pd_answers_equal_mixed_and_bytes_go_through_the_transport(
         page_bytes = d.describe().page_bytes  # over every KV head
         pages = sum(pages_for(len(t), PAGE) for t in PROMPTS)
         for c in p.handoff_counters():  # each prefill rank moved its heads' share, no more
-            assert c["transport"] == "nixl"
+            assert c["transport"] == transport
             assert c["transport_bytes"] == pages * page_bytes // prefill_tp
         for c in d.handoff_counters():
             assert c["intake_adopted"] == len(PROMPTS)
@@ -132,7 +143,7 @@ def test_prefill_past_its_write_deadline_leaves_the_decode_side_to_recompute(
     """A prefill that finishes after its write deadline (it restarted too late) writes
     nothing: the decode instance recomputes, and its reservation is freed."""
     with instance_factory(SETTINGS, tp_size=1) as p, instance_factory(SETTINGS, tp_size=1) as d:
-        pd = PDDriver([p], [d], transport="nixl", hold_s=0.2)
+        pd = PDDriver([p], [d], transport="nixl", hold_s=0.2, linger_s=LINGER_S)
         rid = pd.add(PROMPTS[0], GREEDY)
         time.sleep(0.3)  # past write_by (hold/2) and the hold itself, before any step
         outs = []
@@ -143,7 +154,7 @@ def test_prefill_past_its_write_deadline_leaves_the_decode_side_to_recompute(
         assert outs[0].request_id == rid and outs[0].mode is PDMode.RECOMPUTED
         assert outs[0].tokens == mixed_answers[0]
         assert p.handoff_counters()[0]["transport_bytes"] == 0
-        _no_leaks(p, d)
+        _no_leaks(p, d, settle=True)
 
 
 def test_no_room_on_decode_serves_mixed(instance_factory, mixed_answers):
@@ -220,9 +231,11 @@ def test_transfer_timeout_on_one_prefill_rank_makes_the_decode_side_recompute(
         instance_factory, mixed_answers):
     with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
-        pd = PDDriver([p], [d], transport="nixl")
+        pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
         p.rank_call(1, "time_out_next_handoff")
         outs = pd.generate(PROMPTS[:2], GREEDY)
         assert [o.tokens for o in outs] == mixed_answers[:2]
         assert [o.mode for o in outs] == [PDMode.RECOMPUTED, PDMode.HANDOFF]
-        _no_leaks(p, d)
+        # the timed-out write's target pages are held for the linger, then freed
+        assert any(c["reserved_pages"] for c in d.handoff_counters())
+        _no_leaks(p, d, settle=True)
