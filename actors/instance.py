@@ -107,7 +107,7 @@ class Instance(InstanceHandoff):
         self.call_s = 0.0  # driver time inside step calls (for the actor-call overhead)
         self._l3: tuple[bytes, str | None] | None = None  # what attach_l3 was given
         self._watch: str | None = None  # the name watch_cache was given
-        self._transport: str | None = None  # the hand-off transport handoff_open was given
+        self._transport: tuple[str, bool] | None = None  # what handoff_open was given
         self._handed: dict[int, int] = {}  # prefill side: instance id -> ranks' request id
         bundle = rank_bundle(num_cpus_per_rank, int(settings.gpu), resources)
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
@@ -145,7 +145,7 @@ class Instance(InstanceHandoff):
         if self._watch is not None:
             self.rank_call(0, "watch_cache", self._watch)
         if self._transport is not None:
-            self._all("handoff_open", self._transport)
+            self._all("handoff_open", *self._transport)
 
     def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
         """Wait for `refs`, failing as soon as any one fails (a dead rank must not leave the

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-from kvtier.engine.handoff import HandoffSent, HandoffTarget
+from kvtier.engine.handoff import HandoffSent, HandoffTarget, rank_sums
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
@@ -41,56 +41,63 @@ class InstanceHandoff:
     """Hand-off calls over `self.ranks` (`_all`, `_each`, `_add` come from Instance)."""
 
     size: int
-    _transport: str | None
+    _transport: tuple[str, bool] | None
     _handed: dict[int, int]
     _instance_id: dict[int, int]
 
-    def handoff_open(self, transport: str) -> list[bytes]:
-        """Every rank opens its endpoint (kept across rank restarts); their addresses."""
-        addresses = self._all("handoff_open", transport)
-        self._transport = transport
+    def handoff_open(self, transport: str, staged: bool = False) -> list[bytes]:
+        """Every rank opens its endpoint (kept across rank restarts); their addresses.
+        `staged`: the peers have another TP size (hand-offs go through L2)."""
+        addresses = self._all("handoff_open", transport, staged)
+        self._transport = (transport, staged)
         return addresses
 
     # ---- decode side -------------------------------------------------------------------------
     def reserve_handoff(self, handoff_id: str, num_tokens: int,
-                        hold_s: float = DEFAULT_HOLD_S) -> list[HandoffTarget] | None:
-        """Bootstrap: every rank reserves L1 pages for the prompt; each rank's target, or None
-        (and nothing held) when any rank has no room."""
-        got = self._all("handoff_reserve", handoff_id, num_tokens, hold_s)
+                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False
+                        ) -> list[HandoffTarget] | None:
+        """Bootstrap: every rank reserves L1 pages for the prompt (and L2 staging pages when
+        `staged`: the prefill instance has another TP size); each rank's target, or None (and
+        nothing held) when any rank has no room."""
+        got = self._all("handoff_reserve", handoff_id, num_tokens, hold_s, staged)
         if any(t is None for t in got):
             self._all("handoff_cancel", handoff_id)
             return None
         return [HandoffTarget.from_wire(t) for t in got]
 
-    def cancel_handoff(self, handoff_id: str) -> None:
-        self._all("handoff_cancel", handoff_id)
+    def cancel_handoff(self, handoff_id: str, linger_s: float = 0.0) -> None:
+        """Call a reservation off on every rank: its pages are freed now, or after
+        `linger_s` when a write to them failed (it may still be running)."""
+        self._all("handoff_cancel", handoff_id, linger_s)
 
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams,
                      sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],
                      first_token: int, cache_salt: str = "") -> int:
-        """Queue the decode request whose prompt KV each prefill rank r wrote into
-        `targets[r]` (`sent[r]` its sums); it decodes from `first_token` on once every rank
-        verified its pages (KV-ready), or is recomputed from its prompt."""
-        if len(sent) != self.size or len(targets) != self.size:
-            raise ConfigError(f"{len(sent)} transfers for a TP={self.size} decode instance; "
-                              f"prefill and decode ranks pair one to one")
-        incoming = tuple([t.handoff_id, list(t.pages), list(s.sums), int(first_token),
-                          s.sampler_state] for s, t in zip(sent, targets))
+        """Queue the decode request whose prompt KV the prefill ranks wrote into `targets`
+        (this instance's ranks' reservations; `sent`: each prefill rank's transfer, with its
+        sums); it decodes from `first_token` on once every rank verified its pages
+        (KV-ready), or is recomputed from its prompt."""
+        if len(targets) != self.size:
+            raise ConfigError(f"{len(targets)} reservations for a TP={self.size} decode "
+                              f"instance; give every rank's")
+        state = sent[0].sampler_state if sent else b""
+        incoming = tuple([t.handoff_id, list(t.pages), list(rank_sums(t, sent)),
+                          int(first_token), state,
+                          list(t.staging.pages) if t.staging is not None else []]
+                         for t in targets)
         return self._add(PendingRequest(tuple(int(t) for t in tokens), sampling,
                                               check_cache_salt(cache_salt), None, incoming))
 
     # ---- prefill side ------------------------------------------------------------------------
     def add_prefill(self, tokens: Sequence[int], sampling: SamplingParams,
                     targets: Sequence[HandoffTarget], cache_salt: str = "") -> int:
-        """Queue a prefill whose prompt KV rank r sends to `targets[r]` once computed (its
-        `step_report().handoffs` then has each rank's HandoffSent); its pages stay held until
-        `release_handoff`."""
-        if len(targets) != self.size:
-            raise ConfigError(f"{len(targets)} decode ranks for a TP={self.size} prefill "
-                              f"instance; give both the same TP size")
+        """Queue a prefill whose prompt KV goes to the decode ranks' `targets` once computed
+        (each rank writes its KV heads to the ranks holding them; `step_report().handoffs`
+        then has each rank's HandoffSent); its pages stay held until `release_handoff`."""
+        wire = [t.to_wire() for t in targets]
         return self._add(PendingRequest(tuple(int(t) for t in tokens), sampling,
-                                              check_cache_salt(cache_salt),
-                                              tuple(t.to_wire() for t in targets)))
+                                        check_cache_salt(cache_salt),
+                                        tuple(wire for _ in range(self.size))))
 
     def release_handoff(self, request_id: int) -> bool:
         """The decode side has the request's KV (or gave up on it): the prefill ranks give its

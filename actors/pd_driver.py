@@ -7,10 +7,11 @@ instance and decoded on a decode instance that received its prompt's KV.
 
 Per request (`add`, then `step` until it is returned; `step_report` also gives the tokens of
 the requests that grew, for streaming; `abort` stops one wherever it is):
-  bootstrap  the least loaded decode instance (then the one with the fewest reserved pages)
+  bootstrap  the least loaded decode instance (then the one holding most of the prompt)
              reserves L1 pages for the prompt on every rank; none has room: the request is
              served mixed on a prefill instance (mode MIXED)
-  prefill    the prefill instance computes the prompt and samples the first token: TTFT
+  prefill    the prefill instance holding most of the prompt (then the least loaded)
+             computes the rest of it and samples the first token: TTFT
   transfer   its ranks write the prompt's pages into the reserved ones (in the same step)
   KV-ready   the decode instance's ranks verify every page and agree; the prefill side then
              releases its pages (they stay in its cache as prefixes)
@@ -35,7 +36,7 @@ from typing import NamedTuple, Sequence
 from kvtier.actors.instance import Instance, InstanceError, InstanceStep, RankFailure
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffSent, HandoffStages, HandoffTarget
-from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, FAILED_WRITE_LINGER_S
 from kvtier.engine.request import CachedTokens, FinishReason, Output
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
@@ -102,35 +103,36 @@ class _Flight:
 
 
 class PDDriver:
-    """Prefill instances and decode instances (equal TP sizes), stepped together."""
+    """Prefill instances and decode instances, stepped together. With equal TP sizes each
+    prefill rank writes L1 pages into its decode rank's; with different ones every hand-off
+    is staged through L2 in `page_head`, head object by head object."""
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance],
-                 transport: str = "nixl", hold_s: float = DEFAULT_HOLD_S) -> None:
+                 transport: str = "nixl", hold_s: float = DEFAULT_HOLD_S,
+                 linger_s: float = FAILED_WRITE_LINGER_S) -> None:
+        """`hold_s`: how long a decode reservation waits for its prefill; `linger_s`: how
+        long pages a failed write targeted stay held (the write may still be running)."""
         if not prefill or not decode:
             raise ConfigError("prefill/decode disaggregation needs at least one prefill and "
                               "one decode instance")
-        sizes = {inst.size for inst in [*prefill, *decode]}
-        if len(sizes) != 1:
-            raise ConfigError(f"prefill and decode instances have TP sizes {sorted(sizes)}; "
-                              f"give them the same TP size")
         self.prefill, self.decode = list(prefill), list(decode)
-        self.hold_s = hold_s
+        self.hold_s, self.linger_s = hold_s, linger_s
+        self.staged = len({inst.size for inst in [*prefill, *decode]}) > 1
         for inst in [*self.prefill, *self.decode]:
-            inst.handoff_open(transport)
+            inst.handoff_open(transport, self.staged)
         self._ids = itertools.count()
         self._flights: dict[int, _Flight] = {}
         self._by_pid: dict[tuple[int, int], _Flight] = {}
         self._by_did: dict[tuple[int, int], _Flight] = {}
         self._done: list[PDOutput] = []
         self._progress: dict[int, Progress] = {}  # this step's, by request id
-        self._next_prefill = 0
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
             cache_salt: str = "") -> int:
         f = _Flight(next(self._ids), tuple(int(t) for t in tokens), sampling, cache_salt)
         self._flights[f.id] = f
-        f.prefill = self._pick_prefill()
+        f.prefill = self._pick_prefill(f)
         start = time.perf_counter()
         f.handoff_id = f"pd-{uuid.uuid4().hex[:12]}-{f.id}"
         f.decode, f.targets = self._bootstrap(f)
@@ -146,19 +148,36 @@ class PDDriver:
         self._by_pid[(f.prefill, f.pid)] = f
         return f.id
 
-    def _pick_prefill(self) -> int:
-        i = self._next_prefill % len(self.prefill)
-        self._next_prefill += 1
-        return i
+    def _pick_prefill(self, f: _Flight) -> int:
+        """The prefill instance holding most of the prompt in L1/L2 (it reuses it), then the
+        least loaded."""
+        if len(self.prefill) == 1:
+            return 0
+        return min(range(len(self.prefill)),
+                   key=lambda i: (-self._held(self.prefill[i], f), self.prefill[i].num_pending))
+
+    def _held(self, inst: Instance, f: _Flight) -> int:
+        """Whole pages of the prompt every rank of `inst` holds in L1 or L2 (0 when its ranks
+        fail: its next step replaces them)."""
+        try:
+            return min(inst.call_all("pin_held", list(f.tokens), f.salt))
+        except RankFailure:
+            return 0
 
     def _bootstrap(self, f: _Flight) -> tuple[int, list[HandoffTarget] | None]:
-        """The least loaded decode instance that can reserve the prompt's pages (one whose
-        ranks fail is passed over: its next step replaces them)."""
-        order = sorted(range(len(self.decode)), key=lambda i: self.decode[i].num_pending)
+        """The least loaded decode instance (then the one holding most of the prompt: its
+        conversation's earlier turns, for its next turn's cache) that can reserve the
+        prompt's pages (one whose ranks fail is passed over: its next step replaces them)."""
+        if len(self.decode) == 1:
+            order = [0]
+        else:
+            order = sorted(range(len(self.decode)),
+                           key=lambda i: (self.decode[i].num_pending,
+                                          -self._held(self.decode[i], f)))
         for i in order:
             try:
                 targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens),
-                                                         self.hold_s)
+                                                         self.hold_s, self.staged)
             except RankFailure as exc:
                 log.warning("request %d: decode instance %d failed to reserve pages (%s)",
                             f.id, i, exc)
@@ -253,7 +272,7 @@ class PDDriver:
         first = out.logprobs[:1] if out.logprobs is not None else None
         self._progress[f.id] = Progress(out.tokens[:1], first)  # streamed before decode
         f.added_to_decode_s = time.perf_counter()
-        if len(sent) == decode.size and all(s.ok for s in sent):
+        if len(sent) == prefill.size and all(s.ok for s in sent):
             f.did = decode.add_received(f.tokens, f.sampling, sent, f.targets, out.tokens[0],
                                         f.salt)
         else:
@@ -261,7 +280,7 @@ class PDDriver:
             log.warning("request %d: the hand-off failed (%s); the decode instance "
                         "recomputes it", f.id, why)
             f.mode = PDMode.RECOMPUTED
-            decode.cancel_handoff(f.handoff_id)
+            decode.cancel_handoff(f.handoff_id, self.linger_s)
             prefill.release_handoff(out.request_id)
             f.did = decode.add_request(f.tokens, f.sampling, f.salt)
         self._by_did[(f.decode, f.did)] = f

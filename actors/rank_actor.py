@@ -230,7 +230,8 @@ class RankCache(RankHandoff, RankPins, RankL3):
                   "device_total_tokens": cache.device_pages * page,
                   "running_requests": len(sched.running), "waiting_requests": len(sched.waiting)}
         # the L1<->L2 copies' bytes and seconds (TransferStats) join the token counters
-        counters = {**cache.counters.snapshot(), **cache.controller.stats()._asdict()}
+        counters = {**cache.counters.snapshot(), **cache.controller.stats()._asdict(),
+                    **sched.retraction.counters.snapshot()}
         return {"counters": counters, "storage": storage,
                 "host_used_tokens": cache.used_host_pages * page,
                 "host_total_tokens": cache.host_pool.num_pages * page, "gauges": gauges,
@@ -244,6 +245,10 @@ class RankCache(RankHandoff, RankPins, RankL3):
         new = min(agr.rounds - self._snapshot_rounds, len(agr.times_s))
         self._snapshot_rounds = agr.rounds
         return tuple(agr.times_s)[len(agr.times_s) - new:] if new else ()
+
+    def retraction_counters(self) -> dict[str, int]:
+        """Requests this rank retracted to L2 and restored, and the fallbacks to recompute."""
+        return self.engine.scheduler.retraction.counters.snapshot()
 
     def abort(self, request_id: int) -> bytes:
         """The aborted request's output so far (msgpack; nil when it is unknown or done)."""

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from kvtier.engine.handoff import HandoffTarget, IncomingKV, pool_regions
+from kvtier.engine.handoff import HandoffTarget, IncomingKV, Staging, pool_regions
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.handoff_sender import TRANSFER_TIMEOUT_S, HandoffSender
 from kvtier.engine.sampling import SamplingParams
@@ -34,56 +34,66 @@ class RankHandoff:
     _endpoint: Any = None
     _sender: HandoffSender | None = None
 
-    def handoff_open(self, transport: str) -> bytes:
+    def handoff_open(self, transport: str, staged: bool = False) -> bytes:
         """Open this rank's endpoint (once; the same transport again is a no-op) with its L1
-        pool registered; its address, which peers write to."""
-        from kvtier.backends.handoff_base import open_endpoint
+        pool registered; its address, which peers write to. `staged`: peers have another TP
+        size, so hand-offs go through L2 in `page_head` (relaid out here if needed) and L2 is
+        registered too."""
+        from kvtier.backends.handoff_registry import open_endpoint
         from kvtier.policies import HandoffTransportKind
 
         kind = HandoffTransportKind.parse(transport, "--pd-transport")
-        if self._endpoint is not None:
-            if self._endpoint.kind is not kind:
-                raise ConfigError(f"rank {self.rank} has a {self._endpoint.kind.value} "
-                                  f"endpoint already; one transport per instance")
-            return self._endpoint.address()
-        self._endpoint = open_endpoint(kind, f"kvtier-rank{self.rank}of{self.size}")
-        self._sender = HandoffSender(self._endpoint, self.engine.cache.device_pool)
+        if self._endpoint is not None and self._endpoint.kind is not kind:
+            raise ConfigError(f"rank {self.rank} has a {self._endpoint.kind.value} "
+                              f"endpoint already; one transport per instance")
+        if self._endpoint is None:
+            self._endpoint = open_endpoint(kind, f"kvtier-rank{self.rank}of{self.size}")
+            heads = self.engine.cache.heads
+            self._sender = HandoffSender(self._endpoint, self.engine.cache,
+                                         (heads.start, heads.stop))
+        if staged:
+            self.engine.cache.use_head_major_host()
+            self._sender.register_host()
         return self._endpoint.address()
 
     # ---- decode side -------------------------------------------------------------------------
     def handoff_reserve(self, handoff_id: str, num_tokens: int,
-                        hold_s: float = DEFAULT_HOLD_S) -> list | None:
-        """Bootstrap: reserve L1 pages for a prompt; this rank's HandoffTarget (wire), or
-        None when L1 has no room."""
+                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False) -> list | None:
+        """Bootstrap: reserve L1 pages for a prompt (and L2 staging pages when the prefill
+        instance has another TP size); this rank's HandoffTarget (wire), or None when there
+        is no room."""
         endpoint = self._need_endpoint()
-        pages = self.engine.reserve_handoff(handoff_id, num_tokens, hold_s)
-        if pages is None:
+        held = self.engine.reserve_handoff(handoff_id, num_tokens, hold_s, staged)
+        if held is None:
             return None
-        pool = self.engine.cache.device_pool
+        cache = self.engine.cache
+        pool, host = cache.device_pool, cache.host_pool
+        staging = Staging(host.kv.data_ptr(), host.num_pages, tuple(held.staged)) \
+            if staged else None
         return HandoffTarget(handoff_id, endpoint.address(), pool.kv.data_ptr(),
-                             pool.num_pages, tuple(pages),
-                             time.time() + hold_s / 2).to_wire()
+                             pool.num_pages, tuple(held.pages), time.time() + hold_s / 2,
+                             (cache.heads.start, cache.heads.stop), staging).to_wire()
 
-    def handoff_cancel(self, handoff_id: str) -> bool:
-        return self.engine.handoffs.cancel(handoff_id)
+    def handoff_cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
+        return self.engine.handoffs.cancel(handoff_id, linger_s)
 
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams, cache_salt: str,
                      incoming: list) -> int:
         """Queue a decode request over its received pages (IncomingKV, wire form); its id.
         Without its reservation (expired; a replaced rank) it is recomputed."""
-        hid, pages, sums, first, state = incoming
+        hid, pages, sums, first, state, staged = incoming
         kv = IncomingKV(str(hid), tuple(int(p) for p in pages), tuple(int(s) for s in sums),
-                        int(first), bytes(state))
+                        int(first), bytes(state), tuple(int(p) for p in staged))
         return self.engine.add_received([int(t) for t in tokens], sampling, kv, cache_salt)
 
     # ---- prefill side ------------------------------------------------------------------------
     def add_handoff_request(self, tokens: Sequence[int], sampling: SamplingParams,
-                            cache_salt: str, target: list) -> int:
-        """Queue a prefill request whose prompt KV goes to `target` (this rank's decode rank's
+                            cache_salt: str, targets: list) -> int:
+        """Queue a prefill request whose prompt KV goes to `targets` (every decode rank's
         HandoffTarget, wire form) once computed; the step that finishes it sends it."""
         self._need_endpoint()
         return self.engine.add_request([int(t) for t in tokens], sampling, cache_salt,
-                                       handoff_to=HandoffTarget.from_wire(target))
+                                       handoff_to=[HandoffTarget.from_wire(t) for t in targets])
 
     def release_handoff(self, request_id: int) -> bool:
         """The decode side holds the request's KV now: its pages join this rank's cache."""
@@ -98,7 +108,7 @@ class RankHandoff:
             return []
         handed = [req for req, _ in self.engine.scheduler.handed.values()]
         sent = self._sender.send_new(handed)
-        ids = {req.handoff_to.handoff_id: req.id for req in handed if req.handoff_to}
+        ids = {req.handoff_to[0].handoff_id: req.id for req in handed if req.handoff_to}
         return [[ids[s.handoff_id], s.to_wire()] for s in sent]
 
     def handoff_raw_write(self, target: list) -> tuple[int, float]:

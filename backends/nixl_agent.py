@@ -42,6 +42,23 @@ _FAST_POLL_S = 0.0005  # a poll that took longer than this did I/O itself: poll 
 _MAX_SLEEP_S = 0.001
 
 
+def wait_xfer(agent, handle, state: str, deadline: float, busy_s: float = _FAST_POLL_S,
+              max_sleep_s: float = _MAX_SLEEP_S) -> str:
+    """Poll a NIXL transfer until DONE/ERR or the deadline (bounded; never an endless spin).
+
+    A poll that took longer than `busy_s` moved data itself: poll again at once; a poll that
+    returned at once found nothing to do: sleep, doubling up to `max_sleep_s`."""
+    sleep_s = 0.0
+    while state == "PROC" and time.monotonic() <= deadline:
+        if sleep_s:
+            time.sleep(sleep_s)
+        t0 = time.perf_counter()
+        state = agent.check_xfer_state(handle)
+        busy = time.perf_counter() - t0 > busy_s
+        sleep_s = 0.0 if busy else min(max_sleep_s, max(2 * sleep_s, 2e-5))
+    return state
+
+
 class TransferTimeout(PagesStillInUse):
     """A NIXL transfer did not finish in time and could not be cancelled."""
 
@@ -150,20 +167,9 @@ class PosixAgent:
         return state == "DONE"
 
     def _wait(self, handle, state: str, deadline: float) -> str:
-        """Poll until DONE/ERR or the deadline (bounded; never an endless spin)."""
-        sleep_s = 0.0
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                return state
-            if sleep_s:
-                time.sleep(sleep_s)
-            t0 = time.perf_counter()
-            state = self._agent.check_xfer_state(handle)
-            # With Linux AIO on cached files the poll itself submits the next I/Os: if it
-            # worked for a while, poll again at once; if it returned at once, back off.
-            busy = time.perf_counter() - t0 > _FAST_POLL_S
-            sleep_s = 0.0 if busy else min(_MAX_SLEEP_S, max(2 * sleep_s, 2e-5))
-        return state
+        # With Linux AIO on cached files the poll itself submits the next I/Os: if it
+        # worked for a while, poll again at once; if it returned at once, back off.
+        return wait_xfer(self._agent, handle, state, deadline)
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

@@ -26,7 +26,7 @@ import json
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from kvtier import demo, demo_flags
 from kvtier.errors import ConfigError
@@ -65,18 +65,31 @@ def main(ns: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
-def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int) -> dict:
+class PDSession(NamedTuple):
+    """What one bench/demo session measured."""
+
+    model: Any  # demo.DemoModel
+    prompts: list[list[int]]
+    mixed: list[tuple[Any, float]]  # each prompt's mixed Output and its TTFT
+    pd: list[Any]  # each prompt's PDOutput
+    raw_gbps: list[float]  # the bare transport's runs
+    counters: dict  # the prefill rank 0's hand-off counters
+
+
+def session(params: demo.DemoParams, transport: str, prompts_of: Callable[[Any, Any], list],
+            raw_repeats: int) -> PDSession:
+    """On local Ray: a mixed, a prefill and a decode instance; each prompt answered mixed,
+    then through PD; then the bare transport's runs over the first prompt's pages."""
     from kvtier.actors.instance import Instance
     from kvtier.actors.pd_driver import PDDriver
     from kvtier.actors.rank_actor import RANK_NUM_CPUS
     from kvtier.actors.ray_env import start_local_ray
-    from kvtier.dtypes import name as dtype_name, resolve_here
 
     model = demo.demo_model(params.model)
     demo._check_tp(params, model)
     demo._import_everything()
     work = demo._workload(params, model)
-    prompts = _documents(work, model, requests)
+    prompts = prompts_of(work, model)
     settings = work.settings._replace(config=demo_flags.cache_config(None, params.page_size,
                                                                      params.hicache))
     start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
@@ -92,6 +105,15 @@ def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int
         got = [pd.generate([p], work.greedy)[0] for p in prompts]
         raw = _raw_runs(prefill, decode, len(prompts[0]), raw_repeats)
         counters = prefill.handoff_counters()[0]
+    return PDSession(model, prompts, want, got, raw, counters)
+
+
+def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int) -> dict:
+    from kvtier.dtypes import name as dtype_name, resolve_here
+
+    s = session(params, transport, lambda work, model: _documents(work, model, requests),
+                raw_repeats)
+    model, prompts, want, got, raw, counters = s
     sent_gbps = [o.transfer_bytes / o.stages.transfer_s / 1e9 for o in got
                  if o.stages.transfer_s]
     raw_gbps = statistics.median(raw)

@@ -30,8 +30,8 @@ import time
 from typing import NamedTuple, Sequence
 
 from kvtier.engine.agreement import (AGREEMENT_SLOTS, NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
-                                     SLOT_SKIPPED, Agree, AgreementPayload, ids_digest,
-                                     local_agree)
+                                     SLOT_SKIPPED, Agree, AgreementPayload, RetractionVote,
+                                     ids_digest, local_agree)
 from kvtier.engine.handoff_intake import HandoffIntake
 from kvtier.engine.request import CachedTokens, Request, RequestState, pages_for
 from kvtier.engine.runner import ModelRunner, chunk_bounds
@@ -94,6 +94,7 @@ class AdmissionResult(NamedTuple):
     decode_short: bool              # some rank lacks a decoding sequence's page
     terminate: bool                 # some rank asked to stop: abort every request
     reached: frozenset[int] = frozenset()  # ids of the requests this rank's scan reached
+    vote: RetractionVote = RetractionVote()  # the ranks' agreed say on retraction
 
 
 class _Reservation(NamedTuple):
@@ -127,13 +128,15 @@ class Admission:
         self._strikes: dict[int, int] = {}  # request id -> steps refused with nothing running
 
     def admit(self, waiting: Sequence[Request], busy: bool, budget: Budget, *,
-              terminate: bool = False, decode_short: bool = False) -> AdmissionResult:
+              terminate: bool = False, decode_short: bool = False,
+              vote: RetractionVote = RetractionVote()) -> AdmissionResult:
         """Reserve on this rank, agree across ranks (once per step), commit what all reserved.
-        `busy`: something is running, so a refusal is L1 being full for now, not for good."""
+        `busy`: something is running, so a refusal is L1 being full for now, not for good.
+        `vote` rides along in the same round (kvtier.engine.retraction acts on it)."""
         slots = list(waiting[:AGREEMENT_SLOTS] if self.agree else waiting)
         held, reached = self._reserve(slots, busy, budget)
         agreed = (self.agree or local_agree)(self._payload(slots, held, reached, terminate,
-                                                           decode_short))
+                                                           decode_short, vote))
         for req, hit in zip(slots, agreed.hit):
             req.agreed_hit = hit
         ready = {r.id: pages for r, ok, pages in zip(slots, agreed.ready, agreed.fetched)
@@ -142,9 +145,11 @@ class Admission:
         if agreed.terminate:
             for res in held:
                 self._roll_back(res)
-            return AdmissionResult((), (), ready, bool(agreed.decode_short), True, seen)
+            return AdmissionResult((), (), ready, bool(agreed.decode_short), True, seen,
+                                   agreed.vote)
         admitted, refused = self._commit(slots, held, agreed, busy, budget)
-        return AdmissionResult(admitted, refused, ready, bool(agreed.decode_short), False, seen)
+        return AdmissionResult(admitted, refused, ready, bool(agreed.decode_short), False, seen,
+                               agreed.vote)
 
     def strike(self, req: Request) -> bool:
         """True when `req` has now been refused with nothing running often enough to give up:
@@ -222,7 +227,8 @@ class Admission:
         return _Reservation(req, lookup, fresh, usable, need)
 
     def _payload(self, slots: list[Request], held: list[_Reservation | None],
-                 reached: list[bool], terminate: bool, decode_short: bool) -> AgreementPayload:
+                 reached: list[bool], terminate: bool, decode_short: bool,
+                 vote: RetractionVote) -> AgreementPayload:
         mine = [(r.usable, r.status, r.need, r.lookup.host_loaded_length) if r is not None
                 else (0, SLOT_SKIPPED, 0, 0) for r in held]
         usable, ok, need, loaded = (tuple(col) for col in zip(*mine)) if mine else ((),) * 4
@@ -235,7 +241,8 @@ class Admission:
                           else r.ticket.start_page + r.ticket.done_pages for r in slots),
             hit=tuple(self._hit(r) for r in slots) if self.share_hits else (),
             count=len(slots), ids=ids_digest([r.id for r in slots]),
-            terminate=int(terminate), decode_short=int(decode_short))
+            terminate=int(terminate), decode_short=int(decode_short),
+            retract_failed=vote.retract_failed, restore_ok=vote.restore_ok)
 
     def _hit(self, req: Request) -> int:
         peek = self.cache.peek(req.prompt, req.cache_salt)
@@ -297,7 +304,7 @@ class Admission:
         prompt when its pages arrived whole on this rank, else nothing (MIN: all recompute)."""
         assert req.incoming is not None
         lookup = self.cache.lookup((), salt=req.cache_salt)  # locks nothing but its root
-        usable = len(req.prompt) if self.handoffs.arrived(req.incoming) else 0
+        usable = len(req.prompt) if self.handoffs.arrived(req) else 0
         return _Reservation(req, lookup, list(req.incoming.pages), usable, 0)
 
     def _commit_one(self, res: _Reservation, usable: int, loaded: int, budget: Budget) -> None:

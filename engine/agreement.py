@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 AGREEMENT_SLOTS = 32  # waiting requests considered per step; later ones wait their turn
 _FIELDS = 8  # per slot: usable, ok, need, loaded, ready, waiting, fetched, hit
 NO_TICKET = 1 << 40  # `fetched` of a rank with no prefetch: never the MIN
-_HEADER = 6  # count, -count, ids hash, -ids hash, -terminate, -decode_short
+_HEADER = 8  # count, -count, ids hash, -ids hash, -terminate, -decode_short,
+#              -retract_failed, restore_ok
 
 
 class AgreementError(KvtierError, RuntimeError):
@@ -47,6 +48,13 @@ def ids_digest(ids: Sequence[int]) -> int:
     """A 62-bit digest of the ordered request ids a rank packed (negatable in int64)."""
     raw = hashlib.blake2b(b",".join(str(i).encode() for i in ids), digest_size=8).digest()
     return int.from_bytes(raw, "little") >> 2
+
+
+class RetractionVote(NamedTuple):
+    """A rank's say on retraction (kvtier.engine.retraction), in the step's one round."""
+
+    retract_failed: int = 0  # 1: this rank holds no L2 copy of a request retracted last step
+    restore_ok: int = 0      # 1: this rank holds L1 pages, loaded, for the restore candidate
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,10 @@ class AgreementPayload:
       ids        MIN and MAX  `ids_digest` of their request ids
       terminate    MAX  1 when any rank asks the instance to stop (every request is aborted)
       decode_short MAX  1 when a rank could not give a decoding sequence its next page
+      retract_failed MAX  1 when a rank could not keep an L2 copy of a request retracted
+                   last step (every rank recomputes it instead)
+      restore_ok   MIN  1 when a rank reserved L1 for this step's restore candidate and
+                   loaded its KV there (a retracted request resumes only where all did)
     After a reduce, `count`/`ids` hold the MIN and `count_max`/`ids_max` the MAX.
     """
 
@@ -85,6 +97,8 @@ class AgreementPayload:
     ids: int = 0
     terminate: int = 0
     decode_short: int = 0
+    retract_failed: int = 0
+    restore_ok: int = 0
     count_max: int | None = None  # set by a reduce; None: this rank's own (= count)
     ids_max: int | None = None
 
@@ -99,6 +113,10 @@ class AgreementPayload:
         if any(k != n for k in lengths):
             raise AgreementError(f"admission fields have lengths {[n, *lengths]}; give one "
                                  "entry per slot in each")
+
+    @property
+    def vote(self) -> RetractionVote:
+        return RetractionVote(self.retract_failed, self.restore_ok)
 
     @property
     def num_slots(self) -> int:
@@ -129,7 +147,8 @@ def pack(p: AgreementPayload, slots: int = AGREEMENT_SLOTS) -> torch.Tensor:
     if p.num_slots > slots:
         raise AgreementError(f"{p.num_slots} slots packed into a tensor of {slots}")
     pad = slots - p.num_slots
-    values = [p.count, -p.count, p.ids, -p.ids, -p.terminate, -p.decode_short]
+    values = [p.count, -p.count, p.ids, -p.ids, -p.terminate, -p.decode_short,
+              -p.retract_failed, p.restore_ok]
     for field, sign, fill in (("usable", 1, 0), ("ok", 1, SLOT_SKIPPED), ("need", -1, 0),
                               ("loaded", -1, 0), ("ready", 1, 1), ("waiting", -1, 0),
                               ("fetched", 1, NO_TICKET), ("hit", 1, 0)):
@@ -151,6 +170,7 @@ def unpack(t: torch.Tensor, num_slots: int) -> AgreementPayload:
                             tuple(-x for x in loaded), tuple(ready), tuple(-x for x in waiting),
                             tuple(fetched), tuple(hit),
                             count=v[0], ids=v[2], terminate=-v[4], decode_short=-v[5],
+                            retract_failed=-v[6], restore_ok=v[7],
                             count_max=-v[1], ids_max=-v[3])
 
 

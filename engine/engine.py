@@ -19,7 +19,7 @@ import torch
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, resolve
 from kvtier.engine.handoff import HandoffTarget, IncomingKV, check_handoff_spec
-from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, HandoffDesk
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, HandoffDesk, Reservation
 from kvtier.engine.loader import load_smollm2_model
 from kvtier.engine.model import PagedLlama
 from kvtier.engine.request import Output, Request, pages_for
@@ -119,18 +119,21 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
-                    cache_salt: str = "", handoff_to: HandoffTarget | None = None) -> int:
+                    cache_salt: str = "", handoff_to: Sequence[HandoffTarget] = ()) -> int:
         """Queue a prompt (text needs a tokenizer; token ids are used as given); its id.
         `cache_salt`: its tenant (it hits only prefixes cached with the same salt).
-        `handoff_to`: a prefill instance's request whose prompt KV goes to a decode rank's
-        reserved pages; it keeps its pages after it finishes until `release_handoff`."""
+        `handoff_to`: a prefill instance's request whose prompt KV goes to the decode ranks'
+        reserved pages (every decode rank's target); it keeps its pages after it finishes
+        until `release_handoff`."""
         req = self._request(prompt, sampling, cache_salt)
-        if handoff_to is not None:
+        if handoff_to:
             check_handoff_spec(self.cache.spec)
-            if len(handoff_to.pages) != pages_for(len(req.prompt), self.cache.spec.page_size):
-                raise ConfigError(f"hand-off {handoff_to.handoff_id}: {len(handoff_to.pages)} "
-                                  f"reserved pages for a {len(req.prompt)}-token prompt")
-            req.handoff_to = handoff_to
+            need = pages_for(len(req.prompt), self.cache.spec.page_size)
+            for t in handoff_to:
+                if len(t.pages) != need:
+                    raise ConfigError(f"hand-off {t.handoff_id}: {len(t.pages)} reserved pages "
+                                      f"for a {len(req.prompt)}-token prompt")
+            req.handoff_to = tuple(handoff_to)
         self.scheduler.add(req)
         return req.id
 
@@ -140,26 +143,29 @@ class Engine:
         engine reserved (`reserve_handoff`); it decodes from `incoming.first_token` once every
         rank has the pages whole, or is recomputed from its prompt (also when the
         reservation is gone)."""
-        pages = self.handoffs.take(incoming.handoff_id)
-        if pages is None or tuple(pages) != tuple(incoming.pages):
+        held = self.handoffs.take(incoming.handoff_id)
+        if held is None or (tuple(held.pages), tuple(held.staged)) != \
+                (tuple(incoming.pages), tuple(incoming.staged)):
             # Expired, cancelled, or this rank was replaced: it still queues as a hand-off
             # (every rank of the instance must), with no pages, so the ranks agree to
             # recompute it; a mismatched reservation is given back.
             log.warning("hand-off %s has no reservation here; the request is recomputed",
                         incoming.handoff_id)
-            self.cache.release_pages(pages or [])
-            incoming = incoming._replace(pages=())
+            if held is not None:
+                self.handoffs.free(held)
+            incoming = incoming._replace(pages=(), staged=())
         req = self._request(prompt, sampling, cache_salt)
         req.incoming = incoming
         self.scheduler.add_received(req)
         return req.id
 
     def reserve_handoff(self, handoff_id: str, num_tokens: int,
-                        hold_s: float = DEFAULT_HOLD_S) -> list[int] | None:
-        """Decode side: L1 pages for a prompt of `num_tokens` a prefill rank will write
-        (None: no room, serve the request mixed)."""
+                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False
+                        ) -> Reservation | None:
+        """Decode side: L1 pages for a prompt of `num_tokens` a prefill rank will write, and
+        L2 staging pages when it has another TP size (None: no room, serve it mixed)."""
         check_handoff_spec(self.cache.spec)
-        return self.handoffs.reserve(handoff_id, num_tokens, hold_s)
+        return self.handoffs.reserve(handoff_id, num_tokens, hold_s, staged)
 
     def release_handoff(self, request_id: int) -> bool:
         """Prefill side: the decode side holds the request's KV; its pages join the cache."""
@@ -194,7 +200,9 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or hand-off pages held (reservations, handed-off requests): the
+        steps that release them when their time is up must keep coming."""
+        return bool(self.scheduler.has_work or self.handoffs.pending or self.scheduler.handed)
 
     @property
     def last_step(self) -> StepStats:

@@ -44,19 +44,41 @@ class HandoffTarget(NamedTuple):
     write_by: float = 0.0   # wall-clock time after which the prefill rank must not write:
     # half the reservation's hold, so a late writer never touches pages the decode rank
     # freed at the hold's end and gave to another request (0: no deadline)
+    heads: tuple[int, int] = (0, 0)  # the decode rank's KV heads [start, stop) of the model's
+    staging: "Staging | None" = None  # different TP sizes: its L2 pages to write head objects to
 
     def to_wire(self) -> list:
         return [self.handoff_id, self.peer, self.base_addr, self.pool_pages, list(self.pages),
-                self.write_by]
+                self.write_by, list(self.heads),
+                None if self.staging is None else self.staging.to_wire()]
 
     @classmethod
     def from_wire(cls, m: Any) -> "HandoffTarget":
         try:
-            hid, peer, base, pool_pages, pages, write_by = m
+            hid, peer, base, pool_pages, pages, write_by, heads, staging = m
+            start, stop = heads
             return cls(str(hid), bytes(peer), int(base), int(pool_pages),
-                       tuple(int(p) for p in pages), float(write_by))
+                       tuple(int(p) for p in pages), float(write_by), (int(start), int(stop)),
+                       None if staging is None else Staging.from_wire(staging))
         except (TypeError, ValueError) as exc:
             raise MessageError(f"a bad HandoffTarget record: {exc}") from exc
+
+
+class Staging(NamedTuple):
+    """A decode rank's L2 staging pages (`page_head` layout), for prefill ranks of another
+    TP size: they write whole head objects there (kvtier.engine.handoff_staging)."""
+
+    base_addr: int
+    pool_pages: int
+    pages: tuple[int, ...]
+
+    def to_wire(self) -> list:
+        return [self.base_addr, self.pool_pages, list(self.pages)]
+
+    @classmethod
+    def from_wire(cls, m: Any) -> "Staging":
+        base, pool_pages, pages = m
+        return cls(int(base), int(pool_pages), tuple(int(p) for p in pages))
 
 
 class HandoffSent(NamedTuple):
@@ -70,17 +92,22 @@ class HandoffSent(NamedTuple):
     seconds: float
     error: str = ""          # why not ok
     sampler_state: bytes = b""  # the request's sampler generator after its first token
+    heads: tuple[int, int] = (0, 0)  # the prefill rank's KV heads [start, stop)
+    staged: bool = False  # sums are per (page, head) of head objects, not per L1 page
 
     def to_wire(self) -> list:
         return [self.handoff_id, self.ok, [int(s) for s in self.sums], self.bytes,
-                self.descriptors, self.seconds, self.error, self.sampler_state]
+                self.descriptors, self.seconds, self.error, self.sampler_state,
+                list(self.heads), self.staged]
 
     @classmethod
     def from_wire(cls, m: Any) -> "HandoffSent":
         try:
-            hid, ok, sums, nbytes, desc, secs, err, state = m
+            hid, ok, sums, nbytes, desc, secs, err, state, heads, staged = m
+            start, stop = heads
             return cls(str(hid), bool(ok), tuple(int(s) for s in sums), int(nbytes),
-                       int(desc), float(secs), str(err), bytes(state))
+                       int(desc), float(secs), str(err), bytes(state), (int(start), int(stop)),
+                       bool(staged))
         except (TypeError, ValueError) as exc:
             raise MessageError(f"a bad HandoffSent record: {exc}") from exc
 
@@ -94,6 +121,8 @@ class IncomingKV(NamedTuple):
     sums: tuple[int, ...]
     first_token: int
     sampler_state: bytes = b""
+    staged: tuple[int, ...] = ()  # different TP sizes: the L2 staging pages the head objects
+    # were written to (sums then per page and head, in the rank's head order)
 
 
 class HandoffStages(NamedTuple):
@@ -107,6 +136,26 @@ class HandoffStages(NamedTuple):
 
     def to_dict(self) -> dict[str, float | None]:
         return self._asdict()
+
+
+def rank_sums(target: HandoffTarget, sent: Sequence[HandoffSent]) -> tuple[int, ...]:
+    """The sums one decode rank checks its received KV against: the page sums of the prefill
+    rank with its heads (equal TP sizes), or, staged, its heads' object sums page by page
+    then head, each from the prefill rank that holds the head. () when a rank's transfer is
+    missing or failed: the check then fails and the request is recomputed."""
+    for s in sent:
+        if s.heads == target.heads and not s.staged:
+            return s.sums if s.ok else ()
+    if target.staging is None:
+        return ()
+    owners = []
+    for head in range(*target.heads):
+        owner = next((s for s in sent if s.staged and s.heads[0] <= head < s.heads[1]), None)
+        if owner is None or not owner.ok:
+            return ()
+        owners.append((owner, head - owner.heads[0], owner.heads[1] - owner.heads[0]))
+    return tuple(s.sums[page * width + index] for page in range(len(target.pages))
+                 for s, index, width in owners)
 
 
 def region_bytes(spec: KVSpec) -> int:

@@ -17,11 +17,22 @@ from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOLD_S = 30.0  # how long a reservation waits for its request
+DEFAULT_HOLD_S = 60.0  # how long a reservation waits for its request
+# A failed write may still be running in the transport (Mooncake's own timeout is 30 s): its
+# pages stay held this long after the failure, so no other request's KV is overwritten.
+FAILED_WRITE_LINGER_S = 30.0
+
+
+class Reservation(NamedTuple):
+    """What a reservation holds: L1 pages, and L2 staging pages for a prefill instance of
+    another TP size (kvtier.engine.handoff_staging)."""
+
+    pages: list[int]
+    staged: list[int]
 
 
 class _Held(NamedTuple):
-    pages: list[int]
+    held: Reservation
     deadline: float  # monotonic
 
 
@@ -39,60 +50,86 @@ class HandoffDesk:
     def __init__(self, cache: HierarchicalCache) -> None:
         self.cache = cache
         self._held: dict[str, _Held] = {}
+        self._lingering: set[str] = set()  # cancelled, freed at their deadline
         self._counts = {name: 0 for name in DeskCounters._fields}
 
-    def reserve(self, handoff_id: str, num_tokens: int,
-                hold_s: float = DEFAULT_HOLD_S) -> list[int] | None:
-        """One L1 page per page of a `num_tokens` prompt, held for `hold_s`; None when L1
-        cannot make room (the request is then served mixed)."""
+    def reserve(self, handoff_id: str, num_tokens: int, hold_s: float = DEFAULT_HOLD_S,
+                staged: bool = False) -> Reservation | None:
+        """One L1 page per page of a `num_tokens` prompt (and as many L2 staging pages when
+        `staged`), held for `hold_s`; None when L1 (or L2) cannot make room (the request is
+        then served mixed)."""
         if handoff_id in self._held:
             raise ConfigError(f"hand-off {handoff_id!r} is reserved already; ids must be unique")
         if num_tokens < 1 or hold_s <= 0:
             raise ConfigError(f"a reservation needs num_tokens >= 1 and hold_s > 0, got "
                               f"{num_tokens} and {hold_s}")
         self.expire()
-        pages = self.cache.allocate(pages_for(num_tokens, self.cache.spec.page_size))
-        if pages is None:
+        n = pages_for(num_tokens, self.cache.spec.page_size)
+        pages = self.cache.allocate(n)
+        staging: list[int] | None = []
+        if pages is not None and staged:
+            staging = self.cache.allocate_host(n)
+        if pages is None or staging is None:
+            self.cache.release_pages(pages or [])
             self._counts["refused"] += 1
             return None
-        self._held[handoff_id] = _Held(pages, time.monotonic() + hold_s)
+        held = Reservation(list(pages), list(staging))
+        self._held[handoff_id] = _Held(held, time.monotonic() + hold_s)
         self._counts["reserved"] += 1
-        return list(pages)
+        return held
 
-    def take(self, handoff_id: str) -> list[int] | None:
-        """The reserved pages, now the caller's; None when unknown or expired."""
+    def take(self, handoff_id: str) -> Reservation | None:
+        """The reserved pages, now the caller's; None when unknown, cancelled or expired."""
+        if handoff_id in self._lingering:
+            return None
         held = self._held.pop(handoff_id, None)
         if held is None:
             return None
         self._counts["taken"] += 1
-        return held.pages
+        return held.held
 
-    def cancel(self, handoff_id: str) -> bool:
-        held = self._held.pop(handoff_id, None)
+    def cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
+        """Call a reservation off: its pages are freed now, or after `linger_s` (a write
+        to them that failed may still be running)."""
+        held = self._held.get(handoff_id)
         if held is None:
             return False
-        self.cache.release_pages(held.pages)
         self._counts["cancelled"] += 1
+        if linger_s > 0:
+            deadline = min(held.deadline, time.monotonic() + linger_s)
+            self._held[handoff_id] = held._replace(deadline=deadline)
+            self._lingering.add(handoff_id)
+            return True
+        del self._held[handoff_id]
+        self.free(held.held)
         return True
+
+    def free(self, held: Reservation) -> None:
+        self.cache.release_pages(held.pages)
+        self.cache.release_host_pages(held.staged)
 
     def expire(self, now: float | None = None) -> int:
         """Free the reservations whose deadline passed; how many."""
         now = time.monotonic() if now is None else now
         late = [hid for hid, h in self._held.items() if h.deadline <= now]
         for hid in late:
-            log.warning("hand-off %s: no request came within its hold; freeing %d L1 pages",
-                        hid, len(self._held[hid].pages))
-            self.cache.release_pages(self._held.pop(hid).pages)
-        self._counts["expired"] += len(late)
+            if hid in self._lingering:
+                self._lingering.discard(hid)
+            else:
+                log.warning("hand-off %s: no request came within its hold; freeing %d L1 "
+                            "pages", hid, len(self._held[hid].held.pages))
+                self._counts["expired"] += 1
+            self.free(self._held.pop(hid).held)
         return len(late)
 
     def close(self) -> None:
         for hid in list(self._held):
-            self.cancel(hid)
+            self.free(self._held.pop(hid).held)
+        self._lingering.clear()
 
     @property
     def held_pages(self) -> int:
-        return sum(len(h.pages) for h in self._held.values())
+        return sum(len(h.held.pages) + len(h.held.staged) for h in self._held.values())
 
     @property
     def pending(self) -> int:

@@ -13,7 +13,8 @@ import logging
 import time
 from typing import NamedTuple
 
-from kvtier.engine.handoff import IncomingKV, page_sums
+from kvtier.engine.handoff import page_sums
+from kvtier.engine.handoff_staging import copy_to_device, head_sums
 from kvtier.engine.request import CachedTokens, Request, RequestState
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -36,13 +37,20 @@ class HandoffIntake:
         self._verdicts: dict[str, bool] = {}  # handoff id -> its pages matched on this rank
         self._counts = {name: 0 for name in IntakeCounters._fields}
 
-    def arrived(self, incoming: IncomingKV) -> bool:
-        """Every received page's sum equals its prefill rank's (checked once, remembered)."""
+    def arrived(self, req: Request) -> bool:
+        """Every received page's sum equals its prefill rank's (checked once, remembered).
+        Staged head objects (another TP size) that match are copied into the L1 pages; the
+        staging pages are freed either way."""
+        incoming = req.incoming
+        assert incoming is not None
         verdict = self._verdicts.get(incoming.handoff_id)
         if verdict is None:
-            got = page_sums(self.cache.device_pool.kv, incoming.pages)
+            if incoming.staged:
+                got = self._staged(req)
+            else:
+                got = page_sums(self.cache.device_pool.kv, incoming.pages)
             bad = sum(a != b for a, b in zip(got, incoming.sums))
-            verdict = bad == 0 and len(incoming.sums) == len(incoming.pages) > 0
+            verdict = bad == 0 and len(incoming.sums) == len(got) > 0
             self._counts["pages_verified"] += len(got) - bad
             self._counts["pages_corrupt"] += bad
             if not verdict:
@@ -51,6 +59,18 @@ class HandoffIntake:
                             max(bad, 1), len(incoming.pages))
             self._verdicts[incoming.handoff_id] = verdict
         return verdict
+
+    def _staged(self, req: Request) -> tuple[int, ...]:
+        """Sums of the staged head objects; when all match, the pages go to L1. The staging
+        pages are given back here."""
+        incoming, cache = req.incoming, self.cache
+        heads = range(cache.spec.num_kv_heads)
+        got = head_sums(cache.host_pool, incoming.staged, heads)
+        if got == incoming.sums:
+            copy_to_device(cache.host_pool, cache.device_pool, incoming.staged, incoming.pages)
+        cache.release_host_pages(incoming.staged)
+        req.incoming = incoming._replace(staged=())
+        return got
 
     def adopt(self, req: Request, lookup: CacheLookup, agreed_usable: int) -> bool:
         """KV-ready: the request decodes from its second token over the received pages when

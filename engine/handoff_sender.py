@@ -14,10 +14,12 @@ from typing import Any, Iterable
 
 import torch
 
-from kvtier.engine.handoff import HandoffSent, page_sums, pool_regions
+from kvtier.backends.handoff_base import HandoffTransferError
+from kvtier.engine.handoff import HandoffSent, HandoffTarget, page_sums, pool_regions
+from kvtier.engine.handoff_staging import copy_to_host, head_regions, head_sums
 from kvtier.engine.request import Request, pages_for
 from kvtier.errors import KvtierError
-from kvtier.tiers.device_pool import DevicePool
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +27,28 @@ TRANSFER_TIMEOUT_S = 30.0
 
 
 class HandoffSender:
-    """Sends each handed-off request once; `forget` when the scheduler released it."""
+    """Sends each handed-off request once; `forget` when the scheduler released it.
 
-    def __init__(self, endpoint: Any, pool: DevicePool,
+    `heads`: this rank's KV heads [start, stop) of the model's. A request's targets are every
+    decode rank's: with the same heads as this rank (equal TP sizes) its L1 pages go to that
+    rank's L1 pages; otherwise its pages are staged through L2 (`page_head`) and each head
+    object goes to the decode rank holding that head (kvtier.engine.handoff_staging)."""
+
+    def __init__(self, endpoint: Any, cache: HierarchicalCache, heads: tuple[int, int],
                  timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
-        self.endpoint, self.pool, self.timeout_s = endpoint, pool, timeout_s
-        kv = pool.kv
+        self.endpoint, self.cache, self.timeout_s = endpoint, cache, timeout_s
+        self.pool, self.heads = cache.device_pool, heads
+        kv = self.pool.kv
         endpoint.register(kv.data_ptr(), kv.numel() * kv.element_size(), str(kv.device))
+        self._host_registered: int | None = None
         self._sent: set[int] = set()
+
+    def register_host(self) -> None:
+        """Let peers of another TP size stage through this rank's L2 (`page_head`)."""
+        kv = self.cache.host_pool.kv
+        if self._host_registered != kv.data_ptr():
+            self.endpoint.register(kv.data_ptr(), kv.numel() * kv.element_size(), "cpu")
+            self._host_registered = kv.data_ptr()
 
     def send_new(self, handed: Iterable[Request]) -> list[HandoffSent]:
         """Transfer every request in `handed` not sent yet; one record each."""
@@ -47,28 +63,67 @@ class HandoffSender:
         self._sent.discard(request_id)
 
     def send(self, req: Request) -> HandoffSent:
-        target = req.handoff_to
-        assert target is not None
-        spec, kv = self.pool.spec, self.pool.kv
-        pages = req.pages[:pages_for(len(req.prompt), spec.page_size)]
-        if kv.is_cuda:  # the prefill's writes must have landed before the NIC reads them
-            torch.cuda.current_stream(kv.device).synchronize()
-        local = pool_regions(spec, kv.data_ptr(), self.pool.num_pages, pages)
-        remote = pool_regions(spec, target.base_addr, target.pool_pages, target.pages)
-        state = req.sampler.state()
-        start = time.perf_counter()
-        if target.write_by and time.time() > target.write_by:
+        targets = req.handoff_to
+        assert targets
+        hid, state = targets[0].handoff_id, req.sampler.state()
+        pages = req.pages[:pages_for(len(req.prompt), self.pool.spec.page_size)]
+        if self.pool.kv.is_cuda:  # the prefill's writes must land before the NIC reads them
+            torch.cuda.current_stream(self.pool.kv.device).synchronize()
+        failed = HandoffSent(hid, False, (), 0, 0, 0.0, "", state, self.heads)
+        if any(t.write_by and time.time() > t.write_by for t in targets):
             log.warning("hand-off %s: past its write deadline; not writing (the decode side "
-                        "may have freed the pages)", target.handoff_id)
-            return HandoffSent(target.handoff_id, False, (), 0, 0, 0.0,
-                               "past the write deadline", state)
+                        "may have freed the pages)", hid)
+            return failed._replace(error="past the write deadline")
+        same = [t for t in targets if t.staging is None and t.heads == self.heads]
         try:
-            wrote = self.endpoint.write(target.peer, local, remote, self.timeout_s)
+            if same:
+                return self._send_pages(same[0], pages, state)
+            return self._send_staged(targets, pages, state)
         except KvtierError as exc:
             log.warning("hand-off %s: the transfer failed (%s); the decode side recomputes",
-                        target.handoff_id, exc)
-            return HandoffSent(target.handoff_id, False, (), 0, 0,
-                               time.perf_counter() - start, str(exc), state)
-        sums = page_sums(kv, pages)
-        return HandoffSent(target.handoff_id, True, sums, wrote.bytes, wrote.descriptors,
-                           wrote.seconds, "", state)
+                        hid, exc)
+            return failed._replace(error=str(exc))
+
+    def _send_pages(self, target: HandoffTarget, pages: list[int], state: bytes) -> HandoffSent:
+        """Equal TP sizes: L1 pages into the decode rank's L1 pages, in one write."""
+        spec, kv = self.pool.spec, self.pool.kv
+        local = pool_regions(spec, kv.data_ptr(), self.pool.num_pages, pages)
+        remote = pool_regions(spec, target.base_addr, target.pool_pages, target.pages)
+        wrote = self.endpoint.write(target.peer, local, remote, self.timeout_s)
+        return HandoffSent(target.handoff_id, True, page_sums(kv, pages), wrote.bytes,
+                           wrote.descriptors, wrote.seconds, "", state, self.heads)
+
+    def _send_staged(self, targets: list[HandoffTarget], pages: list[int],
+                     state: bytes) -> HandoffSent:
+        """Other TP sizes: this rank's heads of each page, staged in L2, written head object
+        by head object to the decode ranks holding those heads (one write per rank)."""
+        cache, (lo, hi) = self.cache, self.heads
+        self.register_host()
+        staging = cache.allocate_host(len(pages))
+        if staging is None:
+            raise HandoffTransferError(f"no L2 room to stage {len(pages)} pages; raise "
+                                       f"--hicache-ratio on the prefill instances")
+        try:
+            copy_to_host(self.pool, cache.host_pool, pages, staging)
+            host, spec = cache.host_pool, cache.spec
+            nbytes = descriptors = 0
+            seconds = 0.0
+            for t in targets:
+                t_lo, t_hi = t.heads
+                heads = range(max(lo, t_lo), min(hi, t_hi))
+                if not heads or t.staging is None:
+                    continue
+                local = head_regions(spec, hi - lo, host.kv.data_ptr(), host.num_pages, staging,
+                                     [h - lo for h in heads])
+                remote = head_regions(spec, t_hi - t_lo, t.staging.base_addr,
+                                      t.staging.pool_pages, t.staging.pages,
+                                      [h - t_lo for h in heads])
+                wrote = self.endpoint.write(t.peer, local, remote, self.timeout_s)
+                nbytes += wrote.bytes
+                descriptors += wrote.descriptors
+                seconds += wrote.seconds
+            sums = head_sums(host, staging, range(hi - lo))
+        finally:
+            cache.release_host_pages(staging)
+        return HandoffSent(targets[0].handoff_id, True, sums, nbytes, descriptors, seconds, "",
+                           state, self.heads, staged=True)

@@ -18,6 +18,7 @@ class RequestState(enum.Enum):
     WAITING = "waiting"        # queued; may have an L3 prefetch in flight
     PREFILLING = "prefilling"  # admitted: holds a locked lookup and its own pages
     DECODING = "decoding"      # prompt done, generating one token per step
+    RETRACTED = "retracted"    # decoding, pushed out of L1: its KV in L2 (engine.retraction)
     FINISHED = "finished"
 
 
@@ -94,7 +95,8 @@ class Request:
     agreed_hit: int = 0  # prompt tokens every rank held in L1/L2 at the last agreement
     waited_steps: int = 0  # scheduling steps spent waiting (the lpm aging bound counts them)
     cache_salt: str = ""  # its tenant's: it hits only prefixes cached under the same salt
-    handoff_to: HandoffTarget | None = None  # prefill side: where its prompt's KV goes
+    handoff_to: tuple[HandoffTarget, ...] = ()  # prefill side: every decode rank's pages
+    # its prompt's KV goes to (this rank writes to those holding its heads)
     incoming: IncomingKV | None = None  # decode side: its prompt's KV, written by a prefill rank
     kv_ready_s: float | None = None  # decode side: when every rank agreed its KV arrived
     sampler: Sampler = field(init=False)
@@ -135,6 +137,17 @@ class Request:
         self.committed_pages = 0
         self.output, self.prefill_logits, self.first_token_s = [], None, None
         self.sampler = Sampler(self.params, self.device, self.prompt)
+
+    def retract(self) -> None:
+        """Out of L1, holding nothing there, its KV kept elsewhere (engine.retraction): it
+        keeps its output and sampler, and `resume` goes on decoding where it stopped."""
+        self.state, self.lookup, self.pages, self.num_shared = \
+            RequestState.RETRACTED, None, [], 0
+        self.committed_pages = 0
+
+    def resume(self, lookup: CacheLookup, pages: list[int]) -> None:
+        """Back in L1 after `retract`: `pages` (all its own) hold its KV again."""
+        self.state, self.lookup, self.pages = RequestState.DECODING, lookup, pages
 
     def to_output(self, text: str | None = None) -> Output:
         ttft = None if self.first_token_s is None else self.first_token_s - self.arrival_s

@@ -7,7 +7,8 @@ One step:
      finished, timed out, or best_effort and reached by admission); ask L3 again for a few
      waiting requests the last scan did not reach whose prefetch found too little (rate-limited);
   3. order the waiting queue (lpm: longest agreed hit first, with aging; or fcfs);
-  4. reserve the L1 page each decoding sequence needs, preempting the newest request if L1 is full;
+  4. reserve the L1 page each decoding sequence needs; if L1 is full, retract the newest
+     request (its KV to L2, kept: kvtier.engine.retraction) or preempt it where it cannot be;
   5. plan prefill: running prefills continue first, then admission in queue order: lookup
      (match + load-back within the memory quota), usable prefix, pages for the rest. Load-back,
      prefill and decode tokens count against `token_budget`; the scan stops when the budget or
@@ -37,6 +38,7 @@ from kvtier.engine.admission import Admission, Budget
 from kvtier.engine.agreement import Agree
 from kvtier.engine.queue_order import DEFAULT_MAX_WAIT_STEPS, order_waiting
 from kvtier.engine.request import FinishReason, Request, RequestState, pages_for
+from kvtier.engine.retraction import Retraction
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.step_forwards import StepForwards
 from kvtier.errors import ConfigError, TransferError
@@ -59,7 +61,7 @@ class StepStats(NamedTuple):
     prefill_tokens: int  # prompt tokens computed
     decode_tokens: int   # sequences decoded (one token each)
     admitted: int
-    preempted: int
+    preempted: int       # restarted from the prompt (retractions: Retraction.counters)
     finished: int
     forwards: int = 0    # model calls this step
 
@@ -92,8 +94,9 @@ class Scheduler:
         self.admission = Admission(cache, runner, max_load_pages, agree,
                                    share_hits=self.policy is SchedulePolicy.LPM)
         self.forwards = StepForwards(runner, cache.sliding)
+        self.retraction = Retraction(cache, self.page_size)  # retracted requests' L2 copies
         self.waiting: list[Request] = []  # in admission order (see queue_order)
-        self.running: list[Request] = []  # prefilling and decoding, admission order
+        self.running: list[Request] = []  # prefilling, decoding, retracted; admission order
         self.last_step = StepStats(0, 0, 0, 0, 0, 0)
         self._preempted = 0
         self.terminate_requested = False  # set locally; the agreed flag aborts everything
@@ -237,11 +240,17 @@ class Scheduler:
     def _admit(self, budget: Budget, plan: list[tuple[Request, int]],
                finished: list[Request]) -> int:
         """Run admission, then move what it decided between the queues (which this owns)."""
-        result = self.admission.admit(self.waiting, bool(self.running), budget,
+        vote = self.retraction.vote(self.running)  # restore before new prompts take L1
+        result = self.admission.admit([] if self.retraction.holding else self.waiting,
+                                      bool(self.running), budget,
                                       terminate=self.terminate_requested,
-                                      decode_short=self._decode_short)
+                                      decode_short=self._decode_short, vote=vote)
         self._agreed_ready, self._decode_short = result.ready, result.decode_short
         self._reached = result.reached
+        settled = self.retraction.settle(result.vote, bool(self._holders()),
+                                         self.agree is not None)
+        for req in settled.fallbacks:
+            self._preempt(req)
         if result.terminate:
             self._terminate(finished)
             return 0
@@ -285,8 +294,8 @@ class Scheduler:
                 elif self.agree is not None:
                     self._decode_short = True  # decided by all ranks after the agreement
                     break
-                elif len(self.running) > 1:
-                    self._preempt(self.running[-1])
+                elif len(self._holders()) > 1:
+                    self._push_out(self._holders()[-1])
                 else:
                     log.warning("request %d: L1 is full with nothing left to preempt; "
                                 "stopping it after %d tokens", req.id, len(req.output))
@@ -295,16 +304,28 @@ class Scheduler:
         return [r for r in self.running if r.state is RequestState.DECODING]
 
     def _make_decode_room(self, finished: list[Request]) -> None:
-        """TP ranks: preempt the newest request (pages allocated meanwhile stay with their
-        sequences); a lone request is stopped when the shortage persists for two steps."""
-        if len(self.running) > 1:
-            self._preempt(self.running[-1])
-        elif self.running and self.admission.strike(self.running[0]):
-            req = self.running[0]
+        """TP ranks: retract or preempt the newest request (pages allocated meanwhile stay
+        with their sequences); a lone request is stopped when the shortage persists for two
+        steps."""
+        holders = self._holders()
+        if len(holders) > 1:
+            self._push_out(holders[-1])
+        elif holders and self.admission.strike(holders[0]):
+            req = holders[0]
             log.warning("request %d: L1 is full on some rank with nothing left to preempt; "
                         "stopping it after %d tokens", req.id, len(req.output))
             self._finish(req, FinishReason.NO_MEMORY)
             finished.append(req)
+
+    def _holders(self) -> list[Request]:
+        """The running requests that hold L1 pages (a retracted one holds none), oldest first."""
+        return [r for r in self.running if r.state is not RequestState.RETRACTED]
+
+    def _push_out(self, req: Request) -> None:
+        """Make room in L1: retract `req` (its KV to L2, its output kept), or where that
+        cannot be (not decoding, no L2 room, a hybrid model) preempt it."""
+        if not self.retraction.retract(req, self._release, agreed=self.agree is not None):
+            self._preempt(req)
 
     def _commit_filled_pages(self) -> None:
         """Default mode: hand each decoding request's newly filled pages to the tree (its
@@ -347,11 +368,14 @@ class Scheduler:
             self._store_decoded(req)
         elif req.state is RequestState.PREFILLING:
             cache.abort(req.lookup, req.own_pages)  # partial KV: never cached
+        elif req.state is RequestState.RETRACTED:
+            self.retraction.drop(req)  # its own L2 copy; its L1 pages went when it retracted
         elif req.ticket is not None:
             cache.abort_prefetch(req.ticket)
             req.ticket = None
         elif req.incoming is not None:  # a decode request whose KV never got adopted
             cache.release_pages(req.incoming.pages)
+            cache.release_host_pages(req.incoming.staged)
             req.incoming = None
 
     def _store_decoded(self, req: Request) -> None:
@@ -376,7 +400,7 @@ class Scheduler:
         self._preempted += 1
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:
-        if (req.handoff_to is not None and req.state is RequestState.DECODING
+        if (req.handoff_to and req.state is RequestState.DECODING
                 and reason is not FinishReason.ABORTED):
             # its pages are read by the transfer to the decode side: kept until it says so
             self.handed[req.id] = (req, time.monotonic() + self.handed_hold_s)

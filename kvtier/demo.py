@@ -410,6 +410,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file/nixl L3 directory: on a cluster, one mounted on every node")
     g.add_argument("--place", action="append", default=[], metavar="NAME=ADDRESS",
                    help="run instance NAME (cold, A or B) on the node with this address")
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--pd", action="store_true",
+                   help="answer through a prefill and a decode instance (KV handed over), "
+                        "each answer checked against a mixed instance's")
+    g.add_argument("--pd-transport", choices=["nixl", "mooncake"], default="nixl",
+                   help="with --pd: how prefill ranks write KV into decode ranks' pages")
     demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags
 
 
@@ -429,6 +435,12 @@ def params_from(ns: argparse.Namespace) -> DemoParams:
 def main(ns: argparse.Namespace) -> int:
     params = params_from(ns)
     _check_params(params)
+    if ns.pd:
+        if params.hosts or params.address:
+            raise ConfigError("--pd runs on local Ray only; drop --hosts/--address")
+        from kvtier.demo_pd import main as main_pd
+
+        return main_pd(params, ns.pd_transport, ns.json_only)
     if params.hosts:
         from kvtier.demo_hosts import main as main_on_hosts
 

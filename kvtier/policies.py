@@ -82,6 +82,14 @@ class StorageBackendKind(_Choice):
     SIMULATED = "simulated"  # deterministic bandwidth/latency model for GPU-free tests
 
 
+class HandoffTransportKind(_Choice):
+    """How a prefill rank writes a request's KV into a decode rank's pages."""
+
+    NIXL = "nixl"  # NIXL agent, UCX backend, between registered pools
+    MOONCAKE = "mooncake"  # Mooncake transfer engine (TCP here, RDMA where present)
+    SIMULATED = "simulated"  # in-process memmove between registered regions (unit tests only)
+
+
 class HostMode(_Choice):
     """What the L2 host pool is for."""
 

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # folder -> layer; `kvtier/` is split between the bottom and the top (COMMAND_MODULES)
 LAYERS = {"kvtier": 0, "backends": 1, "tiers": 2, "engine": 3, "serve": 4, "actors": 5,
           "bench": 6, "hosts": 6}
-COMMAND_MODULES = {"cli", "demo", "demo_hosts", "serve_command", "__main__"}
+COMMAND_MODULES = {"cli", "demo", "demo_hosts", "demo_pd", "serve_command", "__main__"}
 TOP = 6
 RAY_ALLOWED = {"actors"}
 

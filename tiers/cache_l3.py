@@ -41,10 +41,7 @@ class CacheL3:
                                   "stage its pages; enable it to attach a backend")
         if self.storage is not None:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
-        self.flush()  # back up only L2 copies that have landed (and drop the ones that failed)
-        if not self.host_pool.layout.is_head_major:  # L3 moves one run of bytes per KV head
-            self.host_pool.relayout(MemLayout.PAGE_HEAD)
-            self.config = dataclasses.replace(self.config, mem_layout=MemLayout.PAGE_HEAD)
+        self.use_head_major_host()  # L3 moves one run of bytes per KV head
         backend.register_pool(KV_POOL, self.host_pool)
         sliding = (SlidingL3(backend, self.host_pool.sidecar, self.tree, self.spec.window_pages,
                              self.config.storage_batch_pages)
@@ -54,6 +51,14 @@ class CacheL3:
                                    directory=self.directory, sliding=sliding)
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
         self._back_up_host_pages()  # what L2 holds goes to the new backend too
+
+    def use_head_major_host(self: "HierarchicalCache") -> None:
+        """Hold L2 in `page_head` from now on (L3 and a hand-off across TP sizes move one run
+        of bytes per KV head), after the copies in flight have landed."""
+        self.flush()  # back up only L2 copies that have landed (and drop the ones that failed)
+        if not self.host_pool.layout.is_head_major:
+            self.host_pool.relayout(MemLayout.PAGE_HEAD)
+            self.config = dataclasses.replace(self.config, mem_layout=MemLayout.PAGE_HEAD)
 
     def storage_emptied(self: "HierarchicalCache") -> None:
         """The attached L3 was emptied behind this rank (its namespace purged): nothing is

@@ -22,6 +22,7 @@ from kvtier.policies import HostMode, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
 from kvtier.tiers.cache_l3 import CacheL3, depth
 from kvtier.tiers.cache_pins import CachePins
+from kvtier.tiers.cache_swap import CacheSwap
 from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
@@ -38,9 +39,9 @@ from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, Tree
 log = logging.getLogger(__name__)
 
 
-class HierarchicalCache(CacheL3):
-    """L1 + L2 for one TP rank (and L3: CacheL3). Single-threaded use; the controller does
-    the copying."""
+class HierarchicalCache(CacheL3, CacheSwap):
+    """L1 + L2 for one TP rank (and L3: CacheL3; a request's own L2 copy: CacheSwap).
+    Single-threaded use; the controller does the copying."""
 
     def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
                  device: torch.device | str | None = None, model: str = "kvtier-model",
@@ -350,6 +351,15 @@ class HierarchicalCache(CacheL3):
         """What `lookup` would find, without locking, loading or touching LRU order."""
         m = self.tree.match_prefix(tokens, touch=False, salt=salt)
         return PrefixPeek(m.device_hit_length, m.host_hit_length)
+
+    def allocate_host(self, num_pages: int) -> list[int] | None:
+        """`num_pages` L2 pages outside the tree (evicting cached ones as needed), e.g. to
+        stage a hand-off; None when L2 cannot make room. Give them back with
+        `release_host_pages`."""
+        return self._alloc_host(num_pages)
+
+    def release_host_pages(self, pages: Sequence[int]) -> None:
+        self.host_pool.allocator.free(pages)
 
     def release_pages(self, pages: Sequence[int]) -> None:
         """Give back fresh L1 pages from `allocate` that no request or tree node kept."""

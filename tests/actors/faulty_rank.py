@@ -93,3 +93,20 @@ class FaultyRankCache(SoakRankCache):
     def corrupt_l1_page(self, page: int) -> None:
         """Flip bytes of one L1 page in place (a hand-off's page damaged on arrival)."""
         self.engine.cache.device_pool.kv[:, :, page] += 1.0
+
+    def time_out_next_handoff(self) -> None:
+        """This rank's next hand-off write times out (a slow or hung link)."""
+        from kvtier.backends.handoff_base import HandoffTimeout
+
+        sender = self._sender
+        real = sender.endpoint
+
+        class _Stalling:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def write(self, *args, **kwargs):
+                sender.endpoint = real  # once
+                raise HandoffTimeout("the write did not finish in time (injected)")
+
+        sender.endpoint = _Stalling()

@@ -76,3 +76,10 @@ def test_every_rank_takes_the_pages_all_ranks_landed():
     landed_5 = AgreementPayload(**{**landed_3.__dict__, "fetched": (5, NO_TICKET)})
     agreed = reduce_min(landed_3, no_ticket, landed_5)
     assert agreed.fetched == (3, NO_TICKET) and agreed.waiting == (1, 0)
+
+
+def test_retraction_vote_fails_if_any_rank_lacks_a_copy_and_restores_only_if_all_can():
+    kept = AgreementPayload(retract_failed=0, restore_ok=1)
+    lacking = AgreementPayload(retract_failed=1, restore_ok=0)
+    assert reduce_min(kept, lacking).vote == (1, 0)
+    assert reduce_min(kept, kept).vote == (0, 1)

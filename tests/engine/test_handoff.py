@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from kvtier.backends.handoff_base import HandoffTransferError, open_endpoint
+from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.config import HiCacheConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.handoff import HandoffTarget, IncomingKV, page_sums, pool_regions
+from kvtier.engine.handoff import (HandoffTarget, IncomingKV, Staging, page_sums, pool_regions,
+                                   rank_sums)
 from kvtier.engine.handoff_sender import HandoffSender
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
@@ -21,33 +22,38 @@ from kvtier.tiers.hierarchical_cache import HierarchicalCache
 PAGE = 4
 
 
-def _engine(model, deterministic=False, pages=64) -> Engine:
-    cache = HierarchicalCache(HiCacheConfig(page_size=PAGE), model.kv_spec(PAGE), pages,
-                              device="cpu", model="tiny")
+def _engine(model, deterministic=False, pages=64, layout="page_first") -> Engine:
+    cache = HierarchicalCache(HiCacheConfig(page_size=PAGE, mem_layout=layout),
+                              model.kv_spec(PAGE), pages, device="cpu", model="tiny")
     return Engine(model, cache, owns_cache=True, deterministic=deterministic)
 
 
 class _Pair:
     """A prefill engine and a decode engine joined by simulated endpoints."""
 
-    def __init__(self, model, deterministic=False, transport="simulated"):
-        self.P, self.D = _engine(model, deterministic), _engine(model, deterministic)
+    def __init__(self, model, deterministic=False, transport="simulated", staged=False):
+        layout = "page_head" if staged else "page_first"
+        self.P, self.D = (_engine(model, deterministic, layout=layout) for _ in range(2))
+        self.staged = staged
         self.ep_p = open_endpoint(transport, "test-prefill")
         self.ep_d = open_endpoint(transport, "test-decode")
-        kv = self.D.cache.device_pool.kv
-        self.ep_d.register(kv.data_ptr(), kv.numel() * kv.element_size())
-        self.sender = HandoffSender(self.ep_p, self.P.cache.device_pool)
+        for pool in (self.D.cache.device_pool, self.D.cache.host_pool):
+            self.ep_d.register(pool.kv.data_ptr(), pool.kv.numel() * pool.kv.element_size())
+        self.heads = (0, self.P.cache.spec.num_kv_heads)
+        self.sender = HandoffSender(self.ep_p, self.P.cache, self.heads)
 
     def target(self, hid, n, hold_s=30.0, write_by=0.0):
-        pages = self.D.reserve_handoff(hid, n, hold_s)
-        assert pages is not None
-        pool = self.D.cache.device_pool
+        held = self.D.reserve_handoff(hid, n, hold_s, staged=self.staged)
+        assert held is not None
+        pool, host = self.D.cache.device_pool, self.D.cache.host_pool
+        staging = Staging(host.kv.data_ptr(), host.num_pages, tuple(held.staged)) \
+            if self.staged else None
         return HandoffTarget(hid, self.ep_d.address(), pool.kv.data_ptr(), pool.num_pages,
-                             tuple(pages), write_by)
+                             tuple(held.pages), write_by, self.heads, staging)
 
     def prefill(self, prompt, target, sampling):
         pid = self.P.add_request(prompt, dataclasses.replace(sampling, max_new_tokens=1),
-                                 handoff_to=target)
+                                 handoff_to=[target])
         outs = []
         while not outs:
             outs = self.P.step()
@@ -55,10 +61,14 @@ class _Pair:
         return pid, outs[0], sent[0]
 
     def decode(self, prompt, target, first, sent, sampling, corrupt=None):
-        if corrupt is not None:
+        if corrupt is not None and self.staged:
+            self.D.cache.host_pool.layer_page_view()[0, 0, target.staging.pages[corrupt]] += 1.0
+        elif corrupt is not None:
             self.D.cache.device_pool.kv[0, 0, target.pages[corrupt]] += 1.0
+        staged = target.staging.pages if self.staged else ()
         did = self.D.add_received(prompt, sampling, IncomingKV(
-            target.handoff_id, target.pages, sent.sums, first, sent.sampler_state))
+            target.handoff_id, target.pages, rank_sums(target, [sent]), first,
+            sent.sampler_state, staged))
         return did
 
     def run(self, prompt, sampling, hid="h", corrupt=None):
@@ -89,12 +99,14 @@ def tiny(tiny_models):
 PROMPTS = [list(range(5, 35)), list(range(40, 72)), [7] * 3]  # partial, whole pages, short
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_pd_answers_equal_mixed(tiny, deterministic):
+@pytest.mark.parametrize("deterministic, staged", [(False, False), (True, False),
+                                                    (False, True)])
+def test_pd_answers_equal_mixed(tiny, deterministic, staged):
+    """Straight into L1, and staged through L2 head objects (as for another TP size)."""
     sp = SamplingParams(max_new_tokens=9)
     mixed = _engine(tiny, deterministic)
     want = [o.tokens for o in mixed.generate(PROMPTS, sp)]
-    pair = _Pair(tiny, deterministic)
+    pair = _Pair(tiny, deterministic, staged=staged)
     try:
         got = [pair.run(p, sp, hid=f"h{i}").tokens for i, p in enumerate(PROMPTS)]
         assert got == want
@@ -120,16 +132,17 @@ def test_pd_seeded_sampling_equal_mixed(tiny):
         mixed.close()
 
 
-def test_corrupt_page_is_recomputed(tiny):
+@pytest.mark.parametrize("staged", [False, True])
+def test_corrupt_page_is_recomputed(tiny, staged):
     sp = SamplingParams(max_new_tokens=6)
     mixed = _engine(tiny)
     (want,) = mixed.generate([PROMPTS[0]], sp)
-    pair = _Pair(tiny)
+    pair = _Pair(tiny, staged=staged)
     try:
         out = pair.run(PROMPTS[0], sp, corrupt=2)
         assert out.tokens == want.tokens
         c = pair.D.scheduler.admission.handoffs.counters
-        assert (c.adopted, c.recomputed, c.pages_corrupt) == (0, 1, 1)
+        assert (c.adopted, c.recomputed) == (0, 1) and c.pages_corrupt >= 1
         assert out.lengths.extend_len == len(PROMPTS[0])  # computed from its prompt
         pair.audit()
     finally:

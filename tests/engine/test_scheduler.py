@@ -152,6 +152,9 @@ def test_admission_stops_cleanly_when_l1_is_full(tiny_models) -> None:
     with engine(model, make_cache(model)) as eng:
         reference = [eng.generate([p], params)[0].tokens for p in prompts]
     with engine(model, make_cache(model, device_pages=13)) as eng:
+        # preemption (recompute) is what this test checks; test_retraction the retraction
+        # that otherwise keeps a pushed-out request's KV in L2
+        eng.scheduler.retraction.enabled = False
         for p in prompts:
             eng.add_request(p, params)
         eng.step()

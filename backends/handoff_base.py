@@ -1,0 +1,271 @@
+"""The contract of the prefill -> decode KV handoff: one endpoint per rank, one-sided writes.
+
+A decode rank registers its KV pool tensors and hands `address()` to the prefill rank (through
+the engine's bootstrap message; the bytes are opaque). The prefill rank `write()`s rows
+`(addr, nbytes)` of its own registered memory into rows of the peer's: row i of `local` lands
+in row i of `remote`, whole. Pages never travel through Ray's object store.
+
+What every transport shares lives here (the template around `_write`): row validation
+(shapes, equal sizes, local rows inside local registrations, remote rows inside the peer's
+advertised registrations), the per-address peer cache, counters, close. Each transport module
+adds only its library calls. `raw_write` is the benchmark's baseline: the transport's same
+library calls with none of this around them.
+
+Errors: a caller bug (mismatched rows, a local row outside registered memory) raises
+CacheUsageError; anything the peer or the wire causes raises HandoffTransferError (the
+engine then recomputes or retries the request), HandoffTimeout when `timeout_s` ran out.
+"""
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import NamedTuple
+
+import numpy as np
+
+from kvtier.backends import handoff_address
+from kvtier.backends.handoff_address import PeerAddress
+from kvtier.backends.handoff_regions import Region, RegionTable, as_rows, parse_device
+from kvtier.errors import CacheUsageError, ClosedError, TransferError
+from kvtier.policies import HandoffTransportKind
+
+log = logging.getLogger(__name__)
+MAX_PEERS = 1024  # cached peer addresses (and their connections) per endpoint, least recent go
+_IDS = itertools.count()
+
+
+class HandoffWrite(NamedTuple):
+    """What one write moved."""
+
+    bytes: int
+    descriptors: int
+    seconds: float
+
+
+class HandoffCounters(NamedTuple):
+    """Monotonic totals of one endpoint's write() calls (raw_write is not counted)."""
+
+    bytes: int
+    descriptors: int
+    writes: int
+    failures: int
+
+
+class HandoffTransferError(TransferError):
+    """A handoff write failed: the peer is gone or unreachable, its address is stale, or a
+    remote row lies outside what the peer registered. The message says what to check."""
+
+
+class HandoffTimeout(HandoffTransferError):
+    """A handoff write did not finish within its timeout (the peer may be hung or overloaded)."""
+
+
+class HandoffUnavailable(TransferError):
+    """The transport cannot be set up in this process (library missing or refusing)."""
+
+
+class Target(NamedTuple):
+    """A decoded peer address plus this endpoint's connection to it."""
+
+    address: PeerAddress
+    table: RegionTable
+    conn: object  # the library's handle: NIXL agent name, Mooncake session id, ...
+
+
+class Rows(NamedTuple):
+    """A validated write: both row arrays and the region index of every row on each side."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    local_region: np.ndarray
+    remote_region: np.ndarray
+
+
+class HandoffEndpoint(abc.ABC):
+    kind: HandoffTransportKind
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # unique in the process and across processes: what peers (and NIXL) know us by
+        self.unique_name = f"{name}-{os.getpid()}-{next(_IDS)}"
+        self._regions = RegionTable()
+        self._peers: OrderedDict[bytes, Target] = OrderedDict()
+        self._peer_lock = threading.RLock()  # the cache's order and its connections
+        self._count_lock = threading.Lock()
+        self._totals = [0, 0, 0, 0]  # bytes, descriptors, writes, failures
+        self.closed = False
+
+    # ---- memory ------------------------------------------------------------------------
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
+        """Let peers write into (and this side read from) `nbytes` at `addr`: a pool tensor's
+        data_ptr() and nbytes. Idempotent per (addr, nbytes). Register before address()."""
+        self._check_open()
+        kind, index = parse_device(device)
+        region = Region(int(addr), int(nbytes), "cpu" if kind == "cpu" else f"cuda:{index}")
+        if self._regions.add(region):
+            try:
+                self._register(region)
+            except BaseException:
+                self._regions = RegionTable(r for r in self._regions.regions if r != region)
+                raise
+
+    def address(self) -> bytes:
+        """Opaque bytes a peer passes to write(): how to reach this endpoint's memory."""
+        self._check_open()
+        return handoff_address.encode(PeerAddress(self.kind, self.unique_name, os.getpid(),
+                                                  tuple(self._regions.regions), self._blob()))
+
+    # ---- writes ------------------------------------------------------------------------
+    def write(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
+              timeout_s: float) -> HandoffWrite:
+        """Write row i of `local` (this side's registered memory) into row i of `remote` (the
+        peer's), all rows as one transfer; blocks until done or `timeout_s` has passed."""
+        self._check_open()
+        t0 = time.perf_counter()
+        if not timeout_s > 0:
+            raise CacheUsageError(f"timeout_s must be a positive number of seconds: {timeout_s}")
+        rows = self._local_rows(local, remote)
+        nbytes = int(rows.local[:, 1].sum())
+        try:
+            target = self._target(peer)
+            rows = rows._replace(remote_region=self._remote_regions(target, rows.remote))
+            if len(rows.local):
+                self._write(target, rows, float(timeout_s))
+        except HandoffTransferError:
+            self._count(0, 0, 0, 1)
+            raise
+        self._count(nbytes, len(rows.local), 1, 0)
+        return HandoffWrite(nbytes, len(rows.local), time.perf_counter() - t0)
+
+    def raw_write(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
+                  timeout_s: float) -> float:
+        """The benchmark baseline: the transport's library calls for the same rows, without
+        kvtier's checks or counters (the peer must be reachable; rows uint64 (n, 2)).
+        Returns seconds; raises HandoffTransferError on failure."""
+        target = self._peers.get(peer) or self._target(peer)
+        t0 = time.perf_counter()
+        self._raw_write(target, local, remote, float(timeout_s))
+        return time.perf_counter() - t0
+
+    def disconnect(self, peer: bytes) -> None:
+        """Forget `peer` (and drop this side's connection to it); a later write reconnects."""
+        with self._peer_lock:
+            target = self._peers.pop(bytes(peer), None)
+            if target is not None and all(t.conn != target.conn for t in self._peers.values()):
+                self._disconnect(target)
+
+    @property
+    def counters(self) -> HandoffCounters:
+        with self._count_lock:
+            return HandoffCounters(*self._totals)
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the library's resources (idempotent). Writes after close raise ClosedError."""
+        if self.closed:
+            return
+        self.closed = True
+        self._close()
+
+    def __enter__(self) -> "HandoffEndpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.unique_name!r}, {len(self._regions)} regions, "
+                f"{'closed' if self.closed else 'open'})")
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"the {self.kind} handoff endpoint {self.unique_name} is closed; "
+                              "open a new one")
+
+    def _count(self, nbytes: int, descriptors: int, writes: int, failures: int) -> None:
+        with self._count_lock:
+            for i, v in enumerate((nbytes, descriptors, writes, failures)):
+                self._totals[i] += v
+
+    def _local_rows(self, local: np.ndarray, remote: np.ndarray) -> Rows:
+        local, remote = as_rows(local, "local"), as_rows(remote, "remote")
+        if local.shape != remote.shape:
+            raise CacheUsageError(f"{len(local)} local rows but {len(remote)} remote rows: "
+                                  "row i of local is written to row i of remote")
+        if not np.array_equal(local[:, 1], remote[:, 1]):
+            i = int(np.flatnonzero(local[:, 1] != remote[:, 1])[0])
+            raise CacheUsageError(f"row {i}: {int(local[i, 1])} local bytes but "
+                                  f"{int(remote[i, 1])} remote bytes; each row pair moves "
+                                  "one region whole, so sizes must match")
+        idx = self._regions.locate(local)
+        outside = self._regions.first_outside(local, idx)
+        if outside:
+            raise CacheUsageError(f"local {outside} of this endpoint: register the source pool "
+                                  "before writing from it")
+        empty = np.zeros(0, np.int64)
+        return Rows(local, remote, idx, empty)
+
+    def _remote_regions(self, target: Target, remote: np.ndarray) -> np.ndarray:
+        idx = target.table.locate(remote)
+        outside = target.table.first_outside(remote, idx)
+        if outside:
+            raise HandoffTransferError(
+                f"remote {outside} of peer {target.address.name}: the decode side's page "
+                "addresses do not match the memory it registered (stale address or wrong pool)")
+        return idx
+
+    def _target(self, peer: bytes) -> Target:
+        """The cached target of `peer`, decoded and connected on first use."""
+        key = bytes(peer)
+        with self._peer_lock:
+            target = self._peers.get(key)
+            if target is not None:
+                self._peers.move_to_end(key)
+                return target
+            return self._add_target(key)
+
+    def _add_target(self, key: bytes) -> Target:
+        try:
+            address = handoff_address.decode(key)
+        except ValueError as exc:
+            raise HandoffTransferError(f"cannot write to this peer: {exc}; pass the bytes the "
+                                       "peer endpoint's address() returned") from exc
+        if address.kind != self.kind:
+            raise HandoffTransferError(f"the peer {address.name} is a {address.kind} endpoint; "
+                                       f"a {self.kind} endpoint cannot write to it (both ranks "
+                                       "must use the same handoff transport)")
+        target = Target(address, address.table(), None)
+        target = target._replace(conn=self._connect(target))
+        self._peers[key] = target
+        while len(self._peers) > MAX_PEERS:
+            self.disconnect(next(iter(self._peers)))
+        return target
+
+    # ---- what each transport implements --------------------------------------------------
+    @abc.abstractmethod
+    def _register(self, region: Region) -> None: ...
+
+    @abc.abstractmethod
+    def _blob(self) -> bytes: ...
+
+    @abc.abstractmethod
+    def _connect(self, target: Target) -> object: ...
+
+    def _disconnect(self, target: Target) -> None:
+        """Drop the library's connection to `target` (nothing by default)."""
+
+    @abc.abstractmethod
+    def _write(self, target: Target, rows: Rows, timeout_s: float) -> None: ...
+
+    @abc.abstractmethod
+    def _raw_write(self, target: Target, local: np.ndarray, remote: np.ndarray,
+                   timeout_s: float) -> None: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
