@@ -78,10 +78,11 @@ def kvtier_field(cached: Mapping | tuple, lengths: Mapping | tuple,
 def pd_field(mode: str, transport: str, prefill_instance: str, decode_instance: str | None,
              stages: HandoffStages, transfer_bytes: int, transfer_pages: int) -> dict:
     """`kvtier.pd`: how a prefill/decode graph served the request (`mode` handoff,
-    recomputed or mixed), on which instances, each stage's seconds (None: it did not
-    happen), and the KV bytes and prompt pages the hand-off moved over `transport`."""
+    recomputed or mixed), on which instances, each stage's seconds to the microsecond (None:
+    it did not happen), and the KV bytes and prompt pages the hand-off moved over `transport`."""
+    seconds = {k: None if v is None else round(v, 6) for k, v in stages.to_dict().items()}
     return {"mode": mode, "transport": transport, "prefill_instance": prefill_instance,
-            "decode_instance": decode_instance, "stages": stages.to_dict(),
+            "decode_instance": decode_instance, "stages": seconds,
             "transfer_bytes": int(transfer_bytes), "transfer_pages": int(transfer_pages)}
 
 
