@@ -155,3 +155,9 @@ def test_endpoints_serve_every_instance_or_say_what_pd_lacks(app):
         (["prefill-0"], ["decode-0"], "nixl")
     storage = requests.get(f"{BASE}/admin/storage", headers=ADMIN, timeout=30).json()
     assert storage["instances"][0]["l3"]["backend"] == "file"
+    off = requests.post(f"{BASE}/admin/storage/detach", headers=ADMIN, timeout=60).json()
+    assert off["instances"][0]["l3"] is None
+    assert greedy_chat(MODEL, [{"role": "user", "content": "without L3"}], 4)["kvtier"]["pd"]
+    on = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=60,
+                       json={"backend": "file"})
+    assert on.status_code == 200 and on.json()["instances"][0]["l3"]["backend"] == "file"
