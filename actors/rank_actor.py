@@ -116,6 +116,7 @@ class RankCache(RankHandoff, RankPins, RankL3):
         self.engine.scheduler.agree = self.agreement
         self.steps = 0
         self.step_s = 0.0
+        self.max_report_bytes = 0  # the largest step report so far
         self._reported: dict[int, int] = {}  # request id -> output tokens reported so far
         self._events = None  # a CacheEventLog once watch_cache() is called
         self._snapshot_rounds = 0  # agreement rounds already reported by cache_snapshot
@@ -159,11 +160,16 @@ class RankCache(RankHandoff, RankPins, RankL3):
         finally:
             self.step_s += time.perf_counter() - start
         if self.rank != 0:
-            return encode_report(StepReport(finished, {}, None, handoffs))
+            return self._reported_bytes(encode_report(StepReport(finished, {}, None, handoffs)))
         batch = self._events.drain() if self._events is not None else None
-        return encode_report(StepReport(finished, self._progress(),
-                                        None if batch is None else batch.to_msgpack(),
-                                        handoffs))
+        return self._reported_bytes(encode_report(StepReport(
+            finished, self._progress(), None if batch is None else batch.to_msgpack(),
+            handoffs)))
+
+    def _reported_bytes(self, report: bytes) -> bytes:
+        """Keep the largest step report's size (what a step sends through Ray)."""
+        self.max_report_bytes = max(self.max_report_bytes, len(report))
+        return report
 
     def _progress(self) -> dict[int, Progress]:
         """Running requests whose output changed since the last step: their output so far."""

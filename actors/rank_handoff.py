@@ -132,6 +132,7 @@ class RankHandoff:
             **{f"intake_{k}": v for k, v in
                self.engine.scheduler.admission.handoffs.counters._asdict().items()},
             "reserved_pages": self.engine.handoffs.held_pages,
+            "max_report_bytes": getattr(self, "max_report_bytes", 0),  # through Ray, per step
             "handed_requests": len(self.engine.scheduler.handed)}
         if self._endpoint is not None:
             out["transport"] = self._endpoint.kind.value

@@ -99,6 +99,10 @@ class HandoffIntake:
         self._counts["adopted"] += 1
         return True
 
+    def forget(self, handoff_id: str) -> None:
+        """The request was aborted before adoption: drop its verdict."""
+        self._verdicts.pop(handoff_id, None)
+
     @property
     def counters(self) -> IntakeCounters:
         return IntakeCounters(**self._counts)

@@ -376,6 +376,7 @@ class Scheduler:
         elif req.incoming is not None:  # a decode request whose KV never got adopted
             cache.release_pages(req.incoming.pages)
             cache.release_host_pages(req.incoming.staged)
+            self.admission.handoffs.forget(req.incoming.handoff_id)
             req.incoming = None
 
     def _store_decoded(self, req: Request) -> None:

@@ -81,6 +81,9 @@ def test_pd_answers_equal_mixed_and_bytes_go_through_the_transport(
         for c in d.handoff_counters():
             assert c["intake_adopted"] == len(PROMPTS)
         assert sum(o.transfer_bytes for o in outs) == pages * page_bytes
+        # ...and none through Ray: no step report of either side carried even one page
+        for c in p.handoff_counters() + d.handoff_counters():
+            assert 0 < c["max_report_bytes"] < page_bytes // max(prefill_tp, decode_tp)
         _no_leaks(p, d)
 
 

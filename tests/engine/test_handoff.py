@@ -262,3 +262,16 @@ def test_regions_cover_each_page_once(tiny):
             part = view[addr - base: addr - base + n].view(kv.dtype)
             assert torch.all(part == 1.5)
         assert page_sums(kv, [3]) != page_sums(kv, [0])
+
+
+def test_abort_before_adoption_frees_the_received_pages(tiny):
+    pair = _Pair(tiny)
+    try:
+        t = pair.target("h", len(PROMPTS[0]))
+        pid, out, sent = pair.prefill(PROMPTS[0], t, SamplingParams(max_new_tokens=4))
+        did = pair.decode(PROMPTS[0], t, out.tokens[0], sent, SamplingParams(max_new_tokens=4))
+        pair.P.release_handoff(pid)
+        assert pair.D.abort(did) is not None
+        pair.audit()
+    finally:
+        pair.close()
