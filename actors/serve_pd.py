@@ -97,6 +97,13 @@ class PDDeployment(ServedReplica):
     def _members(self, target: PDInstances) -> list[Instance]:
         return target.members
 
+    def _l3_members(self, target: PDInstances) -> list[Instance]:
+        """Every instance, or the prefill ones only with --no-pd-decode-l3 (decode instances
+        then keep finished conversations in their own L1/L2)."""
+        if self.settings.pd_decode_l3:
+            return target.members
+        return target.members[:self.settings.prefill_instances]
+
     def _final(self, out: PDOutput) -> dict:
         s = self.settings
         decode = None if out.decode_instance < 0 else self.names[s.prefill_instances

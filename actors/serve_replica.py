@@ -145,7 +145,7 @@ class ServedReplica:
             None, lambda: self._attach(kind, opts))
 
     async def detach_l3(self) -> dict:
-        await self._call(lambda target: [inst.detach_l3() for inst in self._members(target)])
+        await self._call(lambda target: [inst.detach_l3() for inst in self._l3_members(target)])
         self.l3 = None
         return {"instance": self.name, "l3": None}
 
@@ -167,6 +167,10 @@ class ServedReplica:
         future = self.server.call(fn)
         return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
 
+    def _l3_members(self, target: Any) -> list[Instance]:
+        """The instances that attach the deployment's L3 namespace."""
+        return self._members(target)
+
     def _attach(self, kind: StorageBackendKind, options: dict) -> dict:
         """Register the namespace of this deployment's instances with the namespace actor
         (created if need be; idempotent: every deployment of the graph registers the same
@@ -187,7 +191,8 @@ class ServedReplica:
                                              page_bytes=desc.page_bytes,
                                              sliding=desc.sliding))
         server.call(lambda target: [inst.attach_l3(info, s.l3_actor)
-                                    for inst in self._members(target)]).result(CALL_TIMEOUT_S)
+                                    for inst in self._l3_members(target)]
+                    ).result(CALL_TIMEOUT_S)
         self.l3 = {"backend": kind.value, "namespace": info.namespace,
                    "options": {k: v for k, v in options.items()}}
         log.info("instance %s: L3 %s attached (namespace %s)", self.name, kind.value,

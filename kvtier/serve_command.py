@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-transport", choices=[m.value for m in PDTransport], default=None,
                    help="how prefill instances write KV into decode instances' memory: nixl "
                         "(default) or mooncake; only with --prefill-instances/--decode-instances")
+    p.add_argument("--pd-decode-l3", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode instances store the conversations they finish in L3, so the "
+                        "next turn's prefill hits the answer too (default on; "
+                        "--no-pd-decode-l3: prefill instances only use L3)")
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
     p.add_argument("--l3", default=None,
                    help="file, mooncake, nixl or none (default file; SGLang's "
@@ -108,6 +112,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
     return ServeSettings(model=ns.model, instances=ns.instances or 0,
                          prefill_instances=ns.prefill_instances,
                          decode_instances=ns.decode_instances, pd_transport=ns.pd_transport,
+                         pd_decode_l3=ns.pd_decode_l3,
                          tp_size=ns.tp, **cache,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,

@@ -60,6 +60,8 @@ class ServeSettings:
     prefill_instances: int = 0
     decode_instances: int = 0
     pd_transport: PDTransport | None = None  # how the KV moves (a PD graph: default nixl)
+    pd_decode_l3: bool = True  # a PD graph's decode instances store the conversations they
+    # finish in L3, so the next turn's prefill hits the answer's pages too
     tp_size: int = 1
     page_size: int = 64
     chunk_tokens: int = 512  # most new tokens one forward computes (prefill + decodes)
@@ -129,7 +131,7 @@ class ServeSettings:
         check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
         check_float(self.pin_max_fraction, "pin_max_fraction", 0.0, 1.0)
         check_float(self.l3_max_gb, "l3_max_gb", 0.0, 1e6)
-        for name in ("hierarchical", "deterministic"):
+        for name in ("hierarchical", "deterministic", "pd_decode_l3"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got "
                                   f"{getattr(self, name)!r}")
@@ -216,6 +218,9 @@ class ServeSettings:
             raise ConfigError("model gemma3_270m has sliding-window layers, whose KV no "
                               "prefill/decode hand-off moves yet: serve it with --instances "
                               "instead of --prefill-instances/--decode-instances")
+        if not self.pd_decode_l3 and graph.transport is None:
+            raise ConfigError("pd_decode_l3 (--no-pd-decode-l3) is only for a prefill/decode "
+                              "graph: give --prefill-instances and --decode-instances too")
         object.__setattr__(self, "instances", graph.instances)
         object.__setattr__(self, "pd_transport", graph.transport)
 

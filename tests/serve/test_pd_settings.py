@@ -97,3 +97,15 @@ def test_help_shows_the_flags():
     for flag in ("--prefill-instances", "--decode-instances", "--pd-transport"):
         assert flag in text
     assert "nixl" in text and "mooncake" in text
+
+
+def test_decode_instances_store_finished_conversations_in_l3_unless_told_not_to():
+    on = settings("--prefill-instances", "1", "--decode-instances", "1")
+    assert on.pd_decode_l3 is True  # the default
+    off = settings("--prefill-instances", "1", "--decode-instances", "1", "--no-pd-decode-l3")
+    assert off.pd_decode_l3 is False
+    assert ServeSettings.from_mapping(off.to_mapping()).pd_decode_l3 is False
+    with pytest.raises(ConfigError, match="pd_decode_l3.*--no-pd-decode-l3"):
+        settings("--no-pd-decode-l3")  # only for a PD graph
+    with pytest.raises(ConfigError, match="pd_decode_l3"):
+        ServeSettings(prefill_instances=1, decode_instances=1, pd_decode_l3="no")
