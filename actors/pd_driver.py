@@ -298,6 +298,9 @@ class PDDriver:
             f = self._by_did.pop((index, out.request_id), None)
             if f is not None:
                 self._on_decode_progress(f, len(out.tokens), now)
+                if f.mode is PDMode.HANDOFF and out.lengths.extend_len:
+                    f.mode = PDMode.RECOMPUTED  # some decode rank lacked a page, or its ranks
+                    # were replaced: it computed the prompt itself
                 self._finish(f, f.prefill_out or out, out)
 
     def _on_decode_progress(self, f: _Flight, tokens: int, now: float) -> None:

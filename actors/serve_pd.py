@@ -7,8 +7,9 @@ of a request (a decode instance reserving pages, the prefill, the transfer, KV-r
 is a step of the driver, which must see both sides at once; so the router's single choice is
 this deployment, and the ingress streams from it as from any instance (re-dispatch, cancel
 on disconnect, n answers, log-probabilities all unchanged). Inside, the driver takes the
-prefill instances in turn (round robin: no prefix-aware choice among them yet) and the least
-loaded decode instance with room. Each answer's last item tells how it went (`kvtier.pd`).
+prefill instance holding most of the prompt in L1/L2 (then the least loaded) and the least
+loaded decode instance with room (then the one holding most of the prompt). Each answer's
+last item tells how it went (`kvtier.pd`).
 
 Pinned prefixes are refused at the ingress; flush, config, L3 attach and detach cover every
 instance; the metrics feed gets each instance's snapshot by its own name (`prefill-0`, ...).

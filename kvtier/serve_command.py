@@ -109,7 +109,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
     cache = _cache_settings(ns)
     if ns.instances is not None and ns.instances < 1:  # 0 is the setting's "not given"
         raise ConfigError(f"--instances {ns.instances}: give at least 1")
-    return ServeSettings(model=ns.model, instances=ns.instances or 0,
+    return ServeSettings(model=ns.model, instances=ns.instances,
                          prefill_instances=ns.prefill_instances,
                          decode_instances=ns.decode_instances, pd_transport=ns.pd_transport,
                          pd_decode_l3=ns.pd_decode_l3,

@@ -30,21 +30,22 @@ def _where(name: str) -> str:
     return f"{name} (--{name.replace('_', '-')})"
 
 
-def _count(value: Any, name: str, most: int) -> int:
+def _count(value: Any, name: str, most: int, least: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{_where(name)}: expected an integer, got {value!r}")
-    if not 0 <= value <= most:  # 0: not given
+    if not least <= value <= most:  # a PD count of 0: not given
         raise ConfigError(f"{_where(name)} {value}: give 1 to {most}")
     return value
 
 
 def pd_graph(instances: Any, prefill: Any, decode: Any, transport: Any, default_instances: int,
              most: int) -> PDGraph:
-    """The instance count and hand-off transport of these settings (0 counts: not given);
+    """The instance count and hand-off transport of these settings (`instances` None and PD
+    counts of 0: not given);
     a ConfigError naming the setting and its flag for a count out of range, one of the PD
     counts without the other, `instances` other than P + D beside them, or a transport
     without them."""
-    n = _count(instances, "instances", most)
+    n = None if instances is None else _count(instances, "instances", most, least=1)
     p = _count(prefill, "prefill_instances", most)
     d = _count(decode, "decode_instances", most)
     if bool(p) != bool(d):
@@ -59,7 +60,7 @@ def pd_graph(instances: Any, prefill: Any, decode: Any, transport: Any, default_
                               f"prefill/decode graph: add --prefill-instances and "
                               f"--decode-instances, or drop it")
         return PDGraph(n or default_instances, None)
-    if n not in (0, p + d):
+    if n not in (None, p + d):
         raise ConfigError(f"{_where('instances')} {n} conflicts with prefill_instances {p} + "
                           f"decode_instances {d}: a prefill/decode graph has those instead; "
                           f"drop --instances (or give --instances {p + d})")

@@ -54,7 +54,8 @@ class ServeSettings:
     model: ModelChoice = ModelChoice.SMOLLM2  # or a model directory's or .gguf file's path
     model_path: str = ""  # with model "path": the directory or .gguf file (every node must
     # have it)
-    instances: int = 0  # model replicas behind the router (0: 2, or a PD graph's P + D)
+    instances: int | None = None  # model replicas behind the router (None: 2, or a PD
+    # graph's P + D)
     # Prefill/decode disaggregation: P instances prefill every prompt and hand its KV to one
     # of D instances, which decode it (both 0: every instance does both, `instances` of them)
     prefill_instances: int = 0

@@ -123,6 +123,7 @@ def test_decode_rank_dies_before_kv_ready(instance_factory, mixed_answers):
         d.rank_call(1, "crash_after", 0)  # at its next step: the one that would adopt the KV
         outs = pd.generate(PROMPTS[:2], GREEDY)
         assert [o.tokens for o in outs] == mixed_answers[:2]
+        assert [o.mode for o in outs] == [PDMode.RECOMPUTED] * 2
         assert d.restarts == 1
         _no_leaks(p, d)
 

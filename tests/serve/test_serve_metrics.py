@@ -45,7 +45,8 @@ PAGE_BYTES = 2 * _TINY.num_layers * _TINY.num_kv_heads * _TINY.head_dim * PAGE *
 SETTINGS = ServeSettings(model="tiny", instances=1, tp_size=2, page_size=PAGE,
                          chunk_tokens=4 * PAGE, device_pages=24, hicache_ratio=2.0,
                          max_new_tokens=32, dtype="fp32", admin_key=KEY,
-                         hicache={"prefetch_threshold_tokens": 2 * PAGE},
+                         hicache={"prefetch_threshold_tokens": 2 * PAGE,
+                                  "load_back_threshold_tokens": 2 * PAGE},
                          l3_max_gb=48 * PAGE_BYTES / 2**30)
 MODEL = SETTINGS.served_model_name
 SNAPSHOT_WAIT_S = 30.0  # the ingress folds instance snapshots in every 2 s
@@ -176,6 +177,11 @@ def test_after_traffic_every_family_has_moved_but_the_fault_ones(app) -> None:
     again = complete(shared + ids(8))
     assert again["kvtier"]["cached_tokens"]["storage"] > 0  # L3, prefetched (in time)
     complete(ids(PAGE + 4))  # a one-page tail: below the prefetch threshold
+    other = ids(2 * PAGE)
+    complete(other + ids(8))
+    for _ in range(3):  # it leaves L1, stays in L2
+        complete(ids(10 * PAGE))
+    complete(other[:PAGE] + ids(8))  # a one-page L2 hit: below the load-back threshold
     seen = burst_until_queued()
 
     wait_moved(ALL - set(FAULT_FAMILIES) - set(ELSEWHERE) - seen)
