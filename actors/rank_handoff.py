@@ -111,17 +111,20 @@ class RankHandoff:
         ids = {req.handoff_to[0].handoff_id: req.id for req in handed if req.handoff_to}
         return [[ids[s.handoff_id], s.to_wire()] for s in sent]
 
-    def handoff_raw_write(self, target: list) -> tuple[int, float]:
+    def handoff_raw_write(self, target: list, through_kvtier: bool = False) -> tuple[int, float]:
         """The benchmark's baseline: the transport alone moves this rank's first pages into
         `target`'s (the same descriptor list a hand-off of that many pages writes); (bytes,
-        seconds)."""
+        seconds). `through_kvtier`: the endpoint's checked `write` instead, outside a step."""
         endpoint = self._need_endpoint()
         t = HandoffTarget.from_wire(target)
         pool = self.engine.cache.device_pool
         local = pool_regions(pool.spec, pool.kv.data_ptr(), pool.num_pages,
                              list(range(len(t.pages))))
         remote = pool_regions(pool.spec, t.base_addr, t.pool_pages, t.pages)
-        seconds = endpoint.raw_write(t.peer, local, remote, TRANSFER_TIMEOUT_S)
+        if through_kvtier:
+            seconds = endpoint.write(t.peer, local, remote, TRANSFER_TIMEOUT_S).seconds
+        else:
+            seconds = endpoint.raw_write(t.peer, local, remote, TRANSFER_TIMEOUT_S)
         return int(local[:, 1].sum()), seconds
 
     def handoff_counters(self) -> dict:

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance (default 1)")
     p.add_argument("--tokens", type=int, default=2048, help="document tokens (default 2048)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per answer")
-    p.add_argument("--requests", type=int, default=3, help="documents answered (default 3)")
+    p.add_argument("--requests", type=int, default=5, help="documents answered (default 5)")
     p.add_argument("--raw-repeats", type=int, default=5,
                    help="runs of the bare transport over the same descriptors (default 5)")
     p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
@@ -168,15 +168,19 @@ def _mixed_answer(inst: Any, prompt: list[int], sampling: Any) -> tuple[Any, flo
                 return out, first
 
 
-def _raw_runs(prefill: Any, decode: Any, num_tokens: int, repeats: int) -> list[float]:
-    """GB/s of the bare transport moving a prompt's pages between the two rank-0 processes."""
+def _raw_runs(prefill: Any, decode: Any, num_tokens: int, repeats: int,
+              gap_s: float = 0.0, through_kvtier: bool = False) -> list[float]:
+    """GB/s of the bare transport moving a prompt's pages between the two rank-0 processes,
+    each run after `gap_s` without traffic between them."""
     out = []
     for i in range(repeats):
+        time.sleep(gap_s)
         targets = decode.reserve_handoff(f"raw-{i}", num_tokens)
         if targets is None:
             raise ConfigError("the decode instance had no room for the raw transfer run")
         try:
-            nbytes, seconds = prefill.rank_call(0, "handoff_raw_write", targets[0].to_wire())
+            nbytes, seconds = prefill.rank_call(0, "handoff_raw_write", targets[0].to_wire(),
+                                                through_kvtier)
         finally:
             decode.cancel_handoff(f"raw-{i}")
         out.append(nbytes / seconds / 1e9)

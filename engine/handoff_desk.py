@@ -17,10 +17,13 @@ from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOLD_S = 60.0  # how long a reservation waits for its request
+# How long a reservation waits for its request. A prefill rank writes only in its first half
+# (HandoffTarget.write_by), and a write gives up after TRANSFER_TIMEOUT_S (40 s), so no write
+# to the pages can still run when they are freed.
+DEFAULT_HOLD_S = 90.0
 # A failed write may still be running in the transport (Mooncake's own timeout is 30 s): its
 # pages stay held this long after the failure, so no other request's KV is overwritten.
-FAILED_WRITE_LINGER_S = 30.0
+FAILED_WRITE_LINGER_S = 40.0
 
 
 class Reservation(NamedTuple):

@@ -23,7 +23,7 @@ from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
-TRANSFER_TIMEOUT_S = 30.0
+TRANSFER_TIMEOUT_S = 40.0  # past Mooncake's own 30 s, so its call needs no helper thread
 
 
 class HandoffSender:
