@@ -107,6 +107,13 @@ class InstanceHandoff:
             return False
         return all(self._all("release_handoff", rank_id))
 
+    def raw_handoff_writes(self, targets: Sequence[HandoffTarget],
+                           through_kvtier: bool = False) -> list[tuple[int, float]]:
+        """The benchmark's baseline: every rank r at once moves as many of its pages as
+        `targets[r]` holds with the bare transport (equal TP sizes); each rank's (bytes,
+        seconds)."""
+        return self._each("handoff_raw_write", [(t.to_wire(), through_kvtier) for t in targets])
+
     def handoff_counters(self) -> list[dict]:
         """Every rank's hand-off counters (transport bytes and pages, reservations, checks)."""
         return self._all("handoff_counters")
@@ -126,5 +133,8 @@ class InstanceHandoff:
         raise NotImplementedError
 
     def _add(self, pending: Any) -> int:
+        raise NotImplementedError
+
+    def _each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
         raise NotImplementedError
 

@@ -14,8 +14,9 @@ Fields:
 - `identical`: every PD answer equals the mixed answer (greedy);
 - `ttft_pd_s`, `ttft_mixed_s`: arrival to the first token (the prefill instance samples it),
   the mean over requests, and `ttft_ratio` (target <= 1.3 with prompts of 2,000+ tokens);
-- `transfer_gbps`: the hand-off writes' bytes over their seconds, and `raw_transport_gbps`:
-  the transport alone (target: transfer >= 0.8 x raw); both the median over their runs;
+- `transfer_gbps`: a hand-off's bytes per rank over its slowest rank's write time, and
+  `raw_transport_gbps`: the transport alone, every rank pair at once, the same way (target:
+  transfer >= 0.8 x raw); both the median over their runs;
 - `stage_s`: the mean seconds of each stage (bootstrap, prefill, transfer, kv_ready,
   decode_queue); `transferred_bytes`, `transferred_pages` per request; `modes`.
 """
@@ -114,7 +115,9 @@ def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int
     s = session(params, transport, lambda work, model: _documents(work, model, requests),
                 raw_repeats)
     model, prompts, want, got, raw, counters = s
-    sent_gbps = [o.transfer_bytes / o.stages.transfer_s / 1e9 for o in got
+    # per rank pair (each prefill rank writes its share; the slowest rank's time), as the
+    # bare transport's runs move one rank's share between one pair of rank processes
+    sent_gbps = [o.transfer_bytes / params.tp_size / o.stages.transfer_s / 1e9 for o in got
                  if o.stages.transfer_s]
     raw_gbps = statistics.median(raw)
     transfer_gbps = statistics.median(sent_gbps) if sent_gbps else 0.0
@@ -170,8 +173,9 @@ def _mixed_answer(inst: Any, prompt: list[int], sampling: Any) -> tuple[Any, flo
 
 def _raw_runs(prefill: Any, decode: Any, num_tokens: int, repeats: int,
               gap_s: float = 0.0, through_kvtier: bool = False) -> list[float]:
-    """GB/s of the bare transport moving a prompt's pages between the two rank-0 processes,
-    each run after `gap_s` without traffic between them."""
+    """GB/s per rank pair of the bare transport moving a prompt's pages between every
+    prefill rank and its decode rank at once (as a hand-off does: a rank's share over the
+    slowest rank's time), each run after `gap_s` without traffic between them."""
     out = []
     for i in range(repeats):
         time.sleep(gap_s)
@@ -179,9 +183,8 @@ def _raw_runs(prefill: Any, decode: Any, num_tokens: int, repeats: int,
         if targets is None:
             raise ConfigError("the decode instance had no room for the raw transfer run")
         try:
-            nbytes, seconds = prefill.rank_call(0, "handoff_raw_write", targets[0].to_wire(),
-                                                through_kvtier)
+            runs = prefill.raw_handoff_writes(targets, through_kvtier)
         finally:
             decode.cancel_handoff(f"raw-{i}")
-        out.append(nbytes / seconds / 1e9)
+        out.append(sum(b for b, _ in runs) / len(runs) / max(s for _, s in runs) / 1e9)
     return out
