@@ -66,6 +66,10 @@ CACHE_SOURCES = (
     _src("load_back_refused_tokens", "unloaded_device_capacity_tokens", reason="device_capacity"),
     _src("rank_restarts", "rank_restarts"),
     _src("rank_divergences", "rank_divergences"),
+    # the scheduler's RetractionCounters, merged into the rank's counters
+    _src("retractions", "retracted_requests", outcome="retracted"),
+    _src("retractions", "restored_requests", outcome="restored"),
+    _src("retractions", "retract_fallbacks", outcome="recomputed"),
 )
 
 # StorageCounters.snapshot(), optionally merged with the backend's BackendStats
@@ -118,6 +122,8 @@ COUNTERS = {  # family -> (help, extra label names)
                        ("op",)),
     "storage_corrupt_objects": ("L3 objects that failed their check on read (and were "
                                 "removed)", ()),
+    "retractions": ("Decoding requests moved out of a full L1: retracted to L2, restored "
+                    "from it, or recomputed where L2 had no room", ("outcome",)),
     "rank_restarts": ("Times an instance replaced its rank actors after a fault", ()),
     "rank_divergences": ("Of those, the times its ranks had fallen out of step (their "
                          "agreement saw different queues)", ()),
