@@ -109,10 +109,10 @@ class InstanceHandoff:
 
     def raw_handoff_writes(self, targets: Sequence[HandoffTarget],
                            through_kvtier: bool = False) -> list[tuple[int, float]]:
-        """The benchmark's baseline: every rank r at once moves as many of its pages as
-        `targets[r]` holds with the bare transport (equal TP sizes); each rank's (bytes,
-        seconds)."""
-        return self._each("handoff_raw_write", [(t.to_wire(), through_kvtier) for t in targets])
+        """The benchmark's baseline: every rank at once makes, with the bare transport, the
+        writes a hand-off to the decode ranks' `targets` makes; each rank's (bytes, seconds)."""
+        wire = [t.to_wire() for t in targets]
+        return self._all("handoff_raw_write", wire, through_kvtier)
 
     def handoff_counters(self) -> list[dict]:
         """Every rank's hand-off counters (transport bytes and pages, reservations, checks)."""
@@ -135,6 +135,4 @@ class InstanceHandoff:
     def _add(self, pending: Any) -> int:
         raise NotImplementedError
 
-    def _each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
-        raise NotImplementedError
 

@@ -13,9 +13,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from kvtier.engine.handoff import HandoffTarget, IncomingKV, Staging, pool_regions
+from kvtier.engine.handoff import HandoffTarget, IncomingKV, Staging
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
-from kvtier.engine.handoff_sender import TRANSFER_TIMEOUT_S, HandoffSender
+from kvtier.engine.handoff_sender import HandoffSender
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 
@@ -111,21 +111,14 @@ class RankHandoff:
         ids = {req.handoff_to[0].handoff_id: req.id for req in handed if req.handoff_to}
         return [[ids[s.handoff_id], s.to_wire()] for s in sent]
 
-    def handoff_raw_write(self, target: list, through_kvtier: bool = False) -> tuple[int, float]:
-        """The benchmark's baseline: the transport alone moves this rank's first pages into
-        `target`'s (the same descriptor list a hand-off of that many pages writes); (bytes,
-        seconds). `through_kvtier`: the endpoint's checked `write` instead, outside a step."""
-        endpoint = self._need_endpoint()
-        t = HandoffTarget.from_wire(target)
-        pool = self.engine.cache.device_pool
-        local = pool_regions(pool.spec, pool.kv.data_ptr(), pool.num_pages,
-                             list(range(len(t.pages))))
-        remote = pool_regions(pool.spec, t.base_addr, t.pool_pages, t.pages)
-        if through_kvtier:
-            seconds = endpoint.write(t.peer, local, remote, TRANSFER_TIMEOUT_S).seconds
-        else:
-            seconds = endpoint.raw_write(t.peer, local, remote, TRANSFER_TIMEOUT_S)
-        return int(local[:, 1].sum()), seconds
+    def handoff_raw_write(self, targets: list, through_kvtier: bool = False
+                          ) -> tuple[int, float]:
+        """The benchmark's baseline: the transport alone makes the writes a hand-off to
+        `targets` (every decode rank's, wire form) makes from this rank, from its first pages;
+        (bytes, seconds). `through_kvtier`: the endpoint's checked `write`, outside a step."""
+        self._need_endpoint()
+        return self._sender.raw_writes([HandoffTarget.from_wire(t) for t in targets],
+                                       through_kvtier)
 
     def handoff_counters(self) -> dict:
         """This rank's hand-off counters: the transport's bytes and pages, reservations,

@@ -8,7 +8,8 @@ and a decode one. Each of `--requests` documents (the demo's document, a differe
 sentence each, so every prefill is cold) is answered by the mixed instance, then through
 prefill -> transfer -> decode. Then, between the same two rank processes, the transport
 alone moves the same bytes with the same descriptor list (the request's pages' regions)
-`--raw-repeats` times.
+`--raw-repeats` times. With `--decode-tp` the decode instance has another TP size: the
+hand-offs are staged through L2 head objects, and so are the bare transport's writes.
 
 Fields:
 - `identical`: every PD answer equals the mixed answer (greedy);
@@ -41,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-transport", choices=["nixl", "mooncake"], default="nixl",
                    help="how prefill ranks write KV into decode ranks' pages (default nixl)")
     p.add_argument("--tp", type=int, default=1, help="TP ranks per instance (default 1)")
+    p.add_argument("--decode-tp", type=int, default=0,
+                   help="the decode instance's TP size when it differs from --tp (the "
+                        "hand-off is then staged through L2 head objects; --dtype auto is "
+                        "fp32 then: TP sizes round bf16 KV differently)")
     p.add_argument("--tokens", type=int, default=2048, help="document tokens (default 2048)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per answer")
     p.add_argument("--requests", type=int, default=5, help="documents answered (default 5)")
@@ -57,7 +62,10 @@ def main(ns: argparse.Namespace) -> int:
     cache = demo_flags.cache_from_args(ns)
     params = demo.DemoParams(tokens=ns.tokens, new_tokens=ns.new_tokens, progress=not ns.json,
                              tp_size=ns.tp, dtype=ns.dtype, model=ns.model, **cache._asdict())
-    result = run(params, ns.pd_transport, ns.requests, ns.raw_repeats)
+    decode_tp = ns.decode_tp or ns.tp
+    if decode_tp != ns.tp and params.dtype == "auto":
+        params = params._replace(dtype="fp32")
+    result = run(params, ns.pd_transport, ns.requests, ns.raw_repeats, decode_tp)
     if not ns.json:
         for key in ("identical", "ttft_pd_s", "ttft_mixed_s", "ttft_ratio", "transfer_gbps",
                     "raw_transport_gbps", "transfer_ratio", "stage_s"):
@@ -78,7 +86,7 @@ class PDSession(NamedTuple):
 
 
 def session(params: demo.DemoParams, transport: str, prompts_of: Callable[[Any, Any], list],
-            raw_repeats: int) -> PDSession:
+            raw_repeats: int, decode_tp: int = 0) -> PDSession:
     """On local Ray: a mixed, a prefill and a decode instance; each prompt answered mixed,
     then through PD; then the bare transport's runs over the first prompt's pages."""
     from kvtier.actors.instance import Instance
@@ -87,16 +95,20 @@ def session(params: demo.DemoParams, transport: str, prompts_of: Callable[[Any, 
     from kvtier.actors.ray_env import start_local_ray
 
     model = demo.demo_model(params.model)
-    demo._check_tp(params, model)
+    decode_tp = decode_tp or params.tp_size
+    for tp in (params.tp_size, decode_tp):
+        demo._check_tp(params._replace(tp_size=tp), model)
     demo._import_everything()
     work = demo._workload(params, model)
     prompts = prompts_of(work, model)
     settings = work.settings._replace(config=demo_flags.cache_config(None, params.page_size,
                                                                      params.hicache))
-    start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
+    ranks = 2 * params.tp_size + decode_tp
+    start_local_ray(num_cpus=max(2, math.ceil(ranks * RANK_NUM_CPUS)))
     with demo._Cluster() as cluster:
         for name in ("mixed", "prefill", "decode"):
-            cluster.instances[name] = Instance(settings, tp_size=params.tp_size)
+            tp = decode_tp if name == "decode" else params.tp_size
+            cluster.instances[name] = Instance(settings, tp_size=tp)
         mixed, prefill, decode = (cluster.instances[n] for n in ("mixed", "prefill", "decode"))
         for inst in (mixed, prefill, decode):
             inst.generate([work.warmup], work.greedy)  # first-call costs out of the timings
@@ -104,16 +116,18 @@ def session(params: demo.DemoParams, transport: str, prompts_of: Callable[[Any, 
         pd.generate([work.warmup], work.greedy)
         want = [_mixed_answer(mixed, p, work.greedy) for p in prompts]
         got = [pd.generate([p], work.greedy)[0] for p in prompts]
-        raw = _raw_runs(prefill, decode, len(prompts[0]), raw_repeats)
+        raw = _raw_runs(prefill, decode, len(prompts[0]), raw_repeats, staged=pd.staged)
         counters = prefill.handoff_counters()[0]
     return PDSession(model, prompts, want, got, raw, counters)
 
 
-def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int) -> dict:
+def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int,
+        decode_tp: int = 0) -> dict:
     from kvtier.dtypes import name as dtype_name, resolve_here
 
+    decode_tp = decode_tp or params.tp_size
     s = session(params, transport, lambda work, model: _documents(work, model, requests),
-                raw_repeats)
+                raw_repeats, decode_tp)
     model, prompts, want, got, raw, counters = s
     # per rank pair (each prefill rank writes its share; the slowest rank's time), as the
     # bare transport's runs move one rank's share between one pair of rank processes
@@ -129,6 +143,7 @@ def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int
               if any(getattr(o.stages, k) is not None for o in got)}
     return {
         "benchmark": "pd", "transport": transport, "model": model.label, "tp": params.tp_size,
+        "decode_tp": decode_tp, "staged": decode_tp != params.tp_size,
         "prompt_tokens": [len(p) for p in prompts], "requests": len(prompts),
         "identical": all(o.tokens == w.tokens for o, (w, _) in zip(got, want)),
         "modes": [o.mode.value for o in got],
@@ -172,14 +187,15 @@ def _mixed_answer(inst: Any, prompt: list[int], sampling: Any) -> tuple[Any, flo
 
 
 def _raw_runs(prefill: Any, decode: Any, num_tokens: int, repeats: int,
-              gap_s: float = 0.0, through_kvtier: bool = False) -> list[float]:
+              gap_s: float = 0.0, through_kvtier: bool = False,
+              staged: bool = False) -> list[float]:
     """GB/s per rank pair of the bare transport moving a prompt's pages between every
     prefill rank and its decode rank at once (as a hand-off does: a rank's share over the
     slowest rank's time), each run after `gap_s` without traffic between them."""
     out = []
     for i in range(repeats):
         time.sleep(gap_s)
-        targets = decode.reserve_handoff(f"raw-{i}", num_tokens)
+        targets = decode.reserve_handoff(f"raw-{i}", num_tokens, staged=staged)
         if targets is None:
             raise ConfigError("the decode instance had no room for the raw transfer run")
         try:

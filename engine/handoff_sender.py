@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 import torch
 
@@ -74,26 +76,71 @@ class HandoffSender:
             log.warning("hand-off %s: past its write deadline; not writing (the decode side "
                         "may have freed the pages)", hid)
             return failed._replace(error="past the write deadline")
-        same = [t for t in targets if t.staging is None and t.heads == self.heads]
         try:
-            if same:
-                return self._send_pages(same[0], pages, state)
+            if self._straight(targets) is not None:
+                return self._send_pages(targets, pages, state)
             return self._send_staged(targets, pages, state)
         except KvtierError as exc:
             log.warning("hand-off %s: the transfer failed (%s); the decode side recomputes",
                         hid, exc)
             return failed._replace(error=str(exc))
 
-    def _send_pages(self, target: HandoffTarget, pages: list[int], state: bytes) -> HandoffSent:
+    def plan(self, targets: Sequence[HandoffTarget], pages: Sequence[int],
+             staging: Sequence[int] = ()) -> list[tuple[HandoffTarget, np.ndarray, np.ndarray]]:
+        """The writes a hand-off of this rank's L1 `pages` makes, one per decode rank written
+        to: (target, local rows, remote rows). Staged (other TP sizes), the local rows are
+        head objects of the L2 `staging` pages the L1 pages were copied to."""
+        straight = self._straight(targets)
+        if straight is not None:
+            spec, kv = self.pool.spec, self.pool.kv
+            return [(straight, pool_regions(spec, kv.data_ptr(), self.pool.num_pages, pages),
+                     pool_regions(spec, straight.base_addr, straight.pool_pages,
+                                  straight.pages))]
+        host, spec, (lo, hi) = self.cache.host_pool, self.cache.spec, self.heads
+        writes = []
+        for t in targets:
+            t_lo, t_hi = t.heads
+            heads = range(max(lo, t_lo), min(hi, t_hi))
+            if not heads or t.staging is None:
+                continue
+            local = head_regions(spec, hi - lo, host.kv.data_ptr(), host.num_pages, staging,
+                                 [h - lo for h in heads])
+            remote = head_regions(spec, t_hi - t_lo, t.staging.base_addr, t.staging.pool_pages,
+                                  t.staging.pages, [h - t_lo for h in heads])
+            writes.append((t, local, remote))
+        return writes
+
+    def raw_writes(self, targets: Sequence[HandoffTarget],
+                   through_kvtier: bool = False) -> tuple[int, float]:
+        """The benchmark's baseline: the writes a hand-off of as many pages as the targets
+        hold makes (this rank's first L1 pages, or first L2 pages staged), by the bare
+        transport (or, `through_kvtier`, the checked `write`); (bytes, seconds)."""
+        n = len(targets[0].pages)
+        if self._straight(targets) is None:
+            self.register_host()
+        nbytes, seconds = 0, 0.0
+        for t, local, remote in self.plan(targets, range(n), range(n)):
+            if through_kvtier:
+                seconds += self.endpoint.write(t.peer, local, remote, self.timeout_s).seconds
+            else:
+                seconds += self.endpoint.raw_write(t.peer, local, remote, self.timeout_s)
+            nbytes += int(local[:, 1].sum())
+        return nbytes, seconds
+
+    def _straight(self, targets: Sequence[HandoffTarget]) -> HandoffTarget | None:
+        """The decode rank holding exactly this rank's heads, written L1 to L1 (equal TP
+        sizes); None: the hand-off is staged."""
+        return next((t for t in targets if t.staging is None and t.heads == self.heads), None)
+
+    def _send_pages(self, targets: Sequence[HandoffTarget], pages: list[int],
+                    state: bytes) -> HandoffSent:
         """Equal TP sizes: L1 pages into the decode rank's L1 pages, in one write."""
-        spec, kv = self.pool.spec, self.pool.kv
-        local = pool_regions(spec, kv.data_ptr(), self.pool.num_pages, pages)
-        remote = pool_regions(spec, target.base_addr, target.pool_pages, target.pages)
+        ((target, local, remote),) = self.plan(targets, pages)
         wrote = self.endpoint.write(target.peer, local, remote, self.timeout_s)
-        return HandoffSent(target.handoff_id, True, page_sums(kv, pages), wrote.bytes,
+        return HandoffSent(target.handoff_id, True, page_sums(self.pool.kv, pages), wrote.bytes,
                            wrote.descriptors, wrote.seconds, "", state, self.heads)
 
-    def _send_staged(self, targets: list[HandoffTarget], pages: list[int],
+    def _send_staged(self, targets: Sequence[HandoffTarget], pages: list[int],
                      state: bytes) -> HandoffSent:
         """Other TP sizes: this rank's heads of each page, staged in L2, written head object
         by head object to the decode ranks holding those heads (one write per rank)."""
@@ -105,24 +152,14 @@ class HandoffSender:
                                        f"--hicache-ratio on the prefill instances")
         try:
             copy_to_host(self.pool, cache.host_pool, pages, staging)
-            host, spec = cache.host_pool, cache.spec
             nbytes = descriptors = 0
             seconds = 0.0
-            for t in targets:
-                t_lo, t_hi = t.heads
-                heads = range(max(lo, t_lo), min(hi, t_hi))
-                if not heads or t.staging is None:
-                    continue
-                local = head_regions(spec, hi - lo, host.kv.data_ptr(), host.num_pages, staging,
-                                     [h - lo for h in heads])
-                remote = head_regions(spec, t_hi - t_lo, t.staging.base_addr,
-                                      t.staging.pool_pages, t.staging.pages,
-                                      [h - t_lo for h in heads])
+            for t, local, remote in self.plan(targets, pages, staging):
                 wrote = self.endpoint.write(t.peer, local, remote, self.timeout_s)
                 nbytes += wrote.bytes
                 descriptors += wrote.descriptors
                 seconds += wrote.seconds
-            sums = head_sums(host, staging, range(hi - lo))
+            sums = head_sums(cache.host_pool, staging, range(hi - lo))
         finally:
             cache.release_host_pages(staging)
         return HandoffSent(targets[0].handoff_id, True, sums, nbytes, descriptors, seconds, "",
