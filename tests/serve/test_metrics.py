@@ -47,7 +47,8 @@ def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     backend = {"bytes_read": 0, "bytes_written": 0, "evicted_pages": 0, "write_failures": 0,
                "corrupt_objects": 0}
     restarts = {"rank_restarts": 0, "rank_divergences": 0}
-    m.update_cache("a", cache_snapshot(lookups=1) | transfers | restarts, 10, 100,
+    retractions = {"retracted_requests": 1, "restored_requests": 1, "retract_fallbacks": 0}
+    m.update_cache("a", cache_snapshot(lookups=1) | transfers | restarts | retractions, 10, 100,
                    StorageCounters().snapshot() | backend)
     m.update_liveness("a", stalls=1, stalled=False)
     m.observe_redispatch("a")
