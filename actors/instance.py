@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -41,6 +41,8 @@ READY_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 60.0
 MAX_RESTARTS = 3  # rank-set replacements in a row without a completed step
 IDLE_WAIT_S = 0.0005
+
+T = TypeVar("T")
 
 
 class InstanceError(KvtierError, RuntimeError):
@@ -272,6 +274,18 @@ class Instance(InstanceHandoff):
                 self._submit(req_id)
         except RankFailure as exc:
             self._recover(exc)
+
+    def _recovering(self, call: Callable[[], T], on_failure: T) -> T:
+        """`call()` over the ranks, recovered like a failed step when a rank fails in it (the
+        ranks replaced, every pending request added again); `on_failure` is then the answer.
+        Every call a driver makes between steps goes through here or through `step_report`:
+        one failed rank never reaches the caller as an exception (only InstanceError does,
+        when the ranks keep failing)."""
+        try:
+            return call()
+        except RankFailure as exc:
+            self._recover(exc)
+            return on_failure
 
     def abort(self, request_id: int) -> Output | None:
         if request_id not in self._pending:
