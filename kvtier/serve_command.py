@@ -9,6 +9,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
 from kvtier.policies import SchedulePolicy
+from kvtier.serve.admin_key_file import save_admin_key
 from kvtier.serve.placement import PlacementMode, RankGpus
 from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, PDTransport, ServeSettings
 from kvtier.serve.tenants import load_api_keys
@@ -76,7 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with aging; default) or fcfs (arrival order)")
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
-    p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
+    p.add_argument("--admin-key", default="",
+                   help="the admin endpoints' bearer key, at least 16 characters (default: a "
+                        "random key, written to $XDG_STATE_HOME/kvtier/admin-key, else "
+                        "~/.local/state/kvtier/admin-key, readable by you only)")
     p.add_argument("--api-key", default=os.environ.get("KVTIER_API_KEY", ""),
                    help="the OpenAI endpoints answer 401 without 'Authorization: Bearer KEY' "
                         "(default: $KVTIER_API_KEY, else open)")
@@ -149,5 +153,8 @@ def _cache_settings(ns: argparse.Namespace) -> dict[str, Any]:
 def main(ns: argparse.Namespace) -> int:
     from kvtier.actors.serve_graph import serve_forever
 
-    serve_forever(settings_from(ns), ns.host, ns.port, ns.address)
+    settings = settings_from(ns)
+    # a generated key goes to a file of the user's only (a given one is written nowhere)
+    key_file = None if ns.admin_key else str(save_admin_key(settings.admin_key))
+    serve_forever(settings, ns.host, ns.port, ns.address, key_file)
     return 0
