@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an instance with work that completes no step (or answers no poll) "
                         "for this long is routed around and its unanswered requests are sent "
                         "to another instance, until it steps again (default 2)")
+    p.add_argument("--request-timeout-s", type=float, default=ServeSettings.request_timeout_s,
+                   help="a request still unanswered this long after it arrived is stopped: its "
+                        "answers are cancelled and the client gets a 504 (default 300)")
     p.add_argument("--pin-max-fraction", type=float, default=ServeSettings.pin_max_fraction,
                    help="pinned prefixes (POST /admin/pin) may hold at most this share of "
                         "each rank's L2 and of the L3 bound (0-1, default 0.5); a pin past it "
@@ -123,6 +126,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,
                          served_model_name=ns.served_model_name, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
+                         request_timeout_s=ns.request_timeout_s,
                          l3_max_gb=ns.l3_max_gb, pin_max_fraction=ns.pin_max_fraction,
                          placement=ns.placement, gpus_per_rank=ns.gpus_per_rank,
                          api_keys=load_api_keys(ns.api_keys_file) if ns.api_keys_file else {})
