@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
 from kvtier.actors.instance import Instance, InstanceError
-from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.instance_server import InstanceServer, ServerEventKind
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
-from kvtier.actors.step_wire import logprobs_to_wire
-from kvtier.engine.sampling import SamplingParams
+from kvtier.actors.step_wire import logprobs_to_wire, resume_from_wire
+from kvtier.engine.request import FinishReason
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
@@ -59,9 +60,17 @@ def final_fields(out: Any, name: str) -> dict:
             "instance": name}
 
 
-def _logprobs(logprobs: tuple | None, start: int) -> dict:
-    """{"logprobs": the wire form of those from `start` on} when the request asked, or {}."""
-    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs[start:])}
+def _logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict:
+    """{"logprobs": their wire form} when the request asked for them, or {}."""
+    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs)}
+
+
+def _last_item(out: Any, have: int) -> dict:
+    """A finished answer's tokens after the first `have` (and their log-probabilities,
+    which belong to the answer's last tokens)."""
+    rest = tuple(out.tokens[have:])
+    lps = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(rest):]
+    return {"tokens": list(rest), **_logprobs(lps)}
 
 
 class ServedReplica:
@@ -96,35 +105,42 @@ class ServedReplica:
         raise NotImplementedError
 
     # ---- requests ---------------------------------------------------------------------------
-    async def generate(self, tokens: list[int], sampling: dict,
-                       cache_salt: str = "") -> AsyncIterator[dict]:
+    async def generate(self, tokens: list[int], sampling: dict, cache_salt: str = "",
+                       resume: list | None = None) -> AsyncIterator[dict]:
         """Stream `{"tokens": [...new ids]}` items (and their log-probabilities when it
         asked), the last one with `_final`: the finish reason, cached tokens by tier, the five
-        lengths, the instance-side TTFT. `cache_salt`: the request's tenant (it hits only
-        prefixes cached with the same salt). A caller that goes away (disconnect, stop
-        string) cancels it."""
+        lengths, the instance-side TTFT; or, when this request alone failed, with "error"
+        (why, in words a client may read) instead. `cache_salt`: the request's tenant (it
+        hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
+        start of its answer the caller already has (it ran on another instance): the answer
+        goes on after it and those tokens are not sent again. A caller that goes away
+        (disconnect, stop string) cancels it. The instance stopping raises InstanceError."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        key = self.server.submit(tokens, SamplingParams(**sampling),
-                                 lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-                                 cache_salt)
-        emitted, finished = 0, False
+        events: asyncio.Queue = asyncio.Queue()
+        got = resume_from_wire(resume)
+        key = self.server.submit(
+            tokens, SamplingParams(**sampling),
+            lambda event: loop.call_soon_threadsafe(events.put_nowait, event), cache_salt, got)
+        have, finished = (0 if got is None else len(got.tokens)), False
         try:
             while True:
-                kind, value = await queue.get()
-                if kind == "tokens":  # a Progress: the output so far
-                    if len(value.tokens) > emitted:
-                        yield {"tokens": list(value.tokens[emitted:]),
-                               **_logprobs(value.logprobs, emitted)}
-                        emitted = len(value.tokens)
-                elif kind == "done":
-                    finished = True
-                    yield {"tokens": list(value.tokens[emitted:]),
-                           **_logprobs(value.logprobs, emitted), **self._final(value)}
+                event = await events.get()
+                if event.kind is ServerEventKind.TOKENS:
+                    new = event.progress.after(have)
+                    if new is not None:
+                        yield {"tokens": list(new.tokens), **_logprobs(new.logprobs)}
+                        have = new.stop
+                elif event.kind is ServerEventKind.DONE:
+                    finished, out = True, event.output
+                    if out.finish_reason is FinishReason.ERROR:
+                        yield {**_last_item(out, have), "error": out.error or "it failed"}
+                    else:
+                        yield {**_last_item(out, have), **self._final(out)}
                     return
                 else:
                     finished = True
-                    raise InstanceError(f"instance {self.name}: {value}")
+                    raise InstanceError(f"instance {self.name} stopped serving: "
+                                        f"{event.message}")
         finally:
             if not finished:  # the caller went away (disconnect, stop string): free it
                 self.server.cancel(key)

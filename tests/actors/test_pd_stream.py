@@ -57,9 +57,11 @@ def test_progress_streams_the_mixed_answer_with_its_logprobs(pd):
     rid = driver.add(PROMPT, SAMPLING)
     seen, out = run(driver, rid)
     assert out.mode is PDMode.HANDOFF and out.tokens == want.tokens
-    assert seen[0].tokens == want.tokens[:1]  # the prefill instance's first token, at once
-    for a, b in zip(seen, seen[1:]):
-        assert b.tokens[:len(a.tokens)] == a.tokens  # it only grows
+    assert seen[0].start == 0 and seen[0].tokens == want.tokens[:1]  # the prefill
+    # instance's first token, at once; then each token once, in order
+    assert [p.start for p in seen] == [sum(len(q.tokens) for q in seen[:i])
+                                       for i in range(len(seen))]
+    assert sum((p.tokens for p in seen), ()) == out.tokens[:seen[-1].stop]
     for got in [*seen, out]:
         assert len(got.logprobs) == len(got.tokens)
         assert [lp.token for lp in got.logprobs] == list(got.tokens)
@@ -76,7 +78,7 @@ def test_abort_in_either_stage_frees_both_sides(pd, stage):
     if stage == "decode":  # until the decode instance has produced tokens of its own
         for _ in range(500):
             step = driver.step_report()
-            if rid in step.progress and len(step.progress[rid].tokens) >= 3:
+            if rid in step.progress and step.progress[rid].stop >= 3:
                 break
         else:
             raise AssertionError("no decode progress")
