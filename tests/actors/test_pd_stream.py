@@ -87,3 +87,32 @@ def test_abort_in_either_stage_frees_both_sides(pd, stage):
     for _ in range(3):
         assert driver.step_report().finished == []  # nothing of it comes back
     no_leaks(driver)
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_rank_lost_mid_answer_never_splices_the_stream(pd, victim):
+    """A decode rank killed after the decode side streamed tokens (its instance replaces its
+    ranks and the request goes on after what it returned), or a prefill rank killed while
+    the answer decodes (nothing of it is lost): every token comes once, in order, and the
+    answer is whole."""
+    driver, _ = pd
+    sampling = SamplingParams(max_new_tokens=16, logprobs=2)
+    with_kill = driver.add(PROMPT, sampling)
+    streamed, out, killed = [], None, False
+    for _ in range(500):
+        step = driver.step_report()
+        got = step.progress.get(with_kill)
+        if got is not None:
+            assert got.start == len(streamed)
+            streamed += got.tokens
+        out = next((o for o in step.finished if o.request_id == with_kill), out)
+        if out is not None:
+            break
+        if not killed and len(streamed) >= 4:
+            inst = driver.decode[0] if victim == "decode" else driver.prefill[0]
+            inst.kill_rank(0)
+            killed = True
+    assert killed and out is not None
+    assert tuple(streamed) == out.tokens[:len(streamed)] and len(out.tokens) == 16
+    assert len(out.logprobs) == 16
+    no_leaks(driver)
