@@ -286,11 +286,14 @@ class RankCache(RankHandoff, RankPins, RankL3):
         return cache.free_device_pages
 
     def quiesce(self) -> None:
-        """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request)."""
+        """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request); after
+        an L3 directory outage, check the namespace now, so what waited is reported."""
         cache = self.engine.cache
         cache.flush()
         if cache.storage is not None:
             cache.storage.drain()
+            if cache.storage.directory_away:
+                self._follow_l3(force=True)
 
     def evict_device(self) -> int:
         """Evict every unlocked L1 page on this rank (backed-up runs stay in L2); free L1
