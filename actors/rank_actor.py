@@ -134,7 +134,8 @@ class RankCache(RankHandoff, RankPins, RankL3):
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,
                                       model=_key_model(_identity(s.source, cfg)),
                                       tenant_salt=s.tenant_salt,
-                                      tp_rank=self.rank, tp_size=self.size)
+                                      tp_rank=self.rank, tp_size=self.size,
+                                      deterministic=s.deterministic)
         else:
             cache = self._l3_cache(s, spec, model.device)
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True,

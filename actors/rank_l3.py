@@ -54,7 +54,8 @@ class RankL3:
         config = s.config.normalize_for_l3(info.spec.backend)
         cache = HierarchicalCache(config, spec, s.device_pages, device=device,
                                   model=info.spec.model, tenant_salt=info.spec.tenant_salt,
-                                  tp_rank=self.rank, tp_size=self.size)
+                                  tp_rank=self.rank, tp_size=self.size,
+                                  deterministic=s.deterministic)
         try:
             self._attach(cache, info, s.l3_actor)
         except BaseException:
