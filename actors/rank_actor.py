@@ -135,7 +135,8 @@ class RankCache(RankHandoff, RankPins, RankL3):
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,
                                       model=_key_model(_identity(s.source, cfg)),
                                       tenant_salt=s.tenant_salt,
-                                      tp_rank=self.rank, tp_size=self.size)
+                                      tp_rank=self.rank, tp_size=self.size,
+                                      deterministic=s.deterministic)
         else:
             cache = self._l3_cache(s, spec, model.device)
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True,
@@ -299,11 +300,14 @@ class RankCache(RankHandoff, RankPins, RankL3):
         return cache.free_device_pages
 
     def quiesce(self) -> None:
-        """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request)."""
+        """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request); after
+        an L3 directory outage, check the namespace now, so what waited is reported."""
         cache = self.engine.cache
         cache.flush()
         if cache.storage is not None:
             cache.storage.drain()
+            if cache.storage.directory_away:
+                self._follow_l3(force=True)
 
     def evict_device(self) -> int:
         """Evict every unlocked L1 page on this rank (backed-up runs stay in L2); free L1

@@ -23,6 +23,7 @@ from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
+from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.serve.placement import head_resources
 from kvtier.serve.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
@@ -35,7 +36,11 @@ CALL_TIMEOUT_S = 120.0
 def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None) -> dict:
     """The backend options a namespace is registered with (validated); file and nixl keep
     their pages under the deployment's L3 directory unless the caller names one, bounded by
-    l3_max_gb (the namespace's quota) unless the caller bounds them."""
+    l3_max_gb (the namespace's quota) unless the caller bounds them (max_size_bytes; 0:
+    unbounded). An `auto` bound still unmeasured is measured at the root now: callers that
+    attach several instances at once measure it first, once (serve_graph.resolve at start,
+    `bound_attach_options` for the admin API), since every instance registers the same spec.
+    Mooncake's master bounds its own store: l3_max_gb does not apply to it."""
     opts = dict(options or {})
     on_disk = kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL)
     if on_disk and "root_dir" not in opts:
@@ -43,13 +48,23 @@ def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None)
             raise ConfigError("the file and nixl backends need a directory: set l3_root or "
                               "give options.root_dir")
         opts["root_dir"] = s.l3_root
-    if s.l3_max_gb and on_disk:
-        opts.setdefault("max_size_bytes", int(s.l3_max_gb * 2**30))
-    elif s.l3_max_gb:
-        raise ConfigError(f"l3_max_gb bounds a file or nixl L3; a {kind.value} store is bounded "
-                          f"by its own configuration (Mooncake: the master's segment size)")
+    if on_disk and "max_size_bytes" not in opts and s.l3_max_gb is not L3Bound.UNBOUNDED:
+        gb = s.l3_max_gb
+        if gb is L3Bound.AUTO:
+            gb = auto_l3_gb(str(opts["root_dir"]))
+        opts["max_size_bytes"] = max(1, int(gb * GiB))
     parse_storage_options(kind, opts)  # ConfigError names a bad key or value
     return opts
+
+
+def bound_attach_options(s: ServeSettings, body: dict) -> dict | None:
+    """The options of an admin attach (`body`: its JSON), with an `auto` bound measured once
+    for every instance: written into `body`, which each instance's call then reads."""
+    kind = StorageBackendKind.parse(body["backend"], "backend")
+    if kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL) \
+            and s.l3_max_gb is L3Bound.AUTO and "max_size_bytes" not in (body.get("options") or {}):
+        body["options"] = l3_options(kind, s, body.get("options"))
+    return body.get("options")
 
 
 def final_fields(out: Any, name: str) -> dict:

@@ -62,6 +62,18 @@ def engine_chunk_tokens(chunk_tokens: int | None, page_size: int, deterministic:
                               token_budget // page_size * page_size))
 
 
+def _check_pages_mode(cache: HierarchicalCache, deterministic: bool) -> None:
+    """A cache whose pages are shared (an L3 attached) must be keyed in the engine's mode:
+    a deterministic engine would otherwise read batched pages (and lose bit-identity), a
+    default one would store batched pages where deterministic readers look. A private cache
+    may differ: its pages never leave the engine."""
+    if cache.storage is not None and cache.deterministic != deterministic:
+        modes = {True: "deterministic", False: "default"}
+        raise ConfigError(f"the engine runs in {modes[deterministic]} mode but its cache, with "
+                          f"L3 attached, keys {modes[cache.deterministic]}-mode pages: build the "
+                          f"HierarchicalCache with deterministic={deterministic}")
+
+
 class Engine:
     """Requests in, outputs out: `add_request` + `step`, or `generate` for a whole batch.
 
@@ -80,6 +92,7 @@ class Engine:
                  tokenizer: Tokenizer | None = None, owns_cache: bool = False, *,
                  deterministic: bool = False,
                  schedule_policy: SchedulePolicy = SchedulePolicy.LPM) -> None:
+        _check_pages_mode(cache, deterministic)
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         page = cache.spec.page_size
         chunk = engine_chunk_tokens(chunk_tokens, page, deterministic, token_budget)
@@ -108,7 +121,7 @@ class Engine:
         model, tokenizer = load_smollm2_model(resolve(dtype, device), device, cache_dir=cache_dir)
         cache = HierarchicalCache(config, model.kv_spec(config.page_size), device_pages,
                                   device=model.device, model=SMOLLM2_NAMESPACE,
-                                  tenant_salt=tenant_salt)
+                                  tenant_salt=tenant_salt, deterministic=deterministic)
         try:
             return cls(model, cache, chunk_tokens, token_budget, tokenizer=tokenizer,
                        owns_cache=True, deterministic=deterministic,
