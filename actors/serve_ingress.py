@@ -39,8 +39,9 @@ from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, Comp
                                           check_prompt_tokens, parse_chat, parse_completion)
 from kvtier.serve.pd_metrics import PDMetrics
 from kvtier.serve.pins import PinVerb
+from kvtier.serve.redispatch import InstanceUnavailable
 from kvtier.serve.request_failures import (AnswerFailed, answer_failed, generation_failed,
-                                           timed_out, unreadable)
+                                           timed_out, unavailable, unreadable)
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import ApiKeys, request_salt
 from kvtier.serve.text_stream import TextStream
@@ -428,6 +429,9 @@ class Ingress:
         if isinstance(exc, AnswerFailed):
             log.warning("request %s: an instance ended an answer: %s", rid, exc.message)
             return answer_failed(rid, exc)
+        if isinstance(exc, InstanceUnavailable):  # foreseen (stalls, stops): no traceback
+            log.warning("request %s: %s", rid, exc)
+            return unavailable(rid)
         log.error("request %s failed", rid, exc_info=exc)
         return generation_failed(rid)
 

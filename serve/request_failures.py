@@ -35,6 +35,14 @@ def generation_failed(request_id: str) -> ApiError:
                         f"server's operator")
 
 
+def unavailable(request_id: str) -> ApiError:
+    """A 503: the request's instance stalled or stopped and no other one is live
+    (`redispatch.InstanceUnavailable`)."""
+    return _server(503, f"no instance can serve the request now (request id {request_id}); "
+                        f"retry shortly, and if it keeps failing, report the request id to the "
+                        f"server's operator", code="no_instance_available")
+
+
 def answer_failed(request_id: str, failure: AnswerFailed) -> ApiError:
     """A 500: an instance could not sample this request's answer (its other requests went on)."""
     return _server(500, f"{failure.message} (request id {request_id}); retry with other "

@@ -23,6 +23,7 @@ from kvtier.actors.serve_ingress import Ingress, _Generation
 from kvtier.errors import ConfigError
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.openai_requests import ApiLimits
+from kvtier.serve.redispatch import InstanceUnavailable
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import ApiKeys
 from kvtier.serve.text_stream import TextStream
@@ -196,6 +197,17 @@ def test_a_remote_failure_gives_no_traceback_and_the_log_has_it(stream, caplog):
     logged = "\n".join(r.getMessage() + (str(r.exc_info[1]) if r.exc_info else "")
                        for r in caplog.records)
     assert rid in logged and SECRET in logged  # the operator finds the details by the id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_live_instance_is_a_503_saying_retry_shortly(stream):
+    answer = Answer({"tokens": [5]}, InstanceUnavailable(
+        "instance instance-0 stalled and no other instance is live"))
+    status, got = serve(ingress([answer]), stream=stream)
+    error = got[-2]["error"] if stream else got["error"]
+    assert status == (200 if stream else 503) and error["code"] == "no_instance_available"
+    message = server_error(error, 503)
+    assert "retry shortly" in message and "request id cmpl-" in message
 
 
 def test_a_bug_while_reading_the_request_is_a_500_without_its_text(caplog):
