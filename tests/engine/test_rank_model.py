@@ -279,3 +279,85 @@ def test_tp3_ranks_order_the_queue_by_the_agreed_hit_under_lpm():
         assert local == [64, 64, 0]
     finally:
         ranks.close()
+
+
+def _run(ranks: Ranks, until, max_steps: int = 400) -> dict[int, tuple[int, ...]]:
+    """Step every rank (checking they stay in step) until `until(answers)`; the answers."""
+    answers: dict[int, tuple[int, ...]] = {}
+    for _ in range(max_steps):
+        results = ranks.step()
+        states = [_state(engine) for engine in ranks.engines]
+        assert all(s == states[0] for s in states), "ranks diverged"
+        answers.update((o.request_id, o.tokens) for o in results[0])
+        if until(answers):
+            break
+    return answers
+
+
+def test_tp3_ranks_reach_every_request_of_a_long_queue_in_turn():
+    """200 waiting requests, more than the agreement's slots: the first 40 wait for L3
+    prefetches that hang on rank 1, the 160 behind them are admitted meanwhile (in turn: the
+    window's rotating slots), and once the hang ends the 40 are answered too, each answer the
+    cold one (deterministic mode: bit-identical)."""
+    def tokens(seed: int, n: int) -> list[int]:
+        return torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    doc = tokens(1, 3 * PAGE)
+    stalled = [doc + tokens(100 + i, 3) for i in range(40)]
+    behind = [tokens(1000 + i, 8) for i in range(160)]
+    cold = Ranks(device_pages=64)
+    try:
+        ids = [cold.add(p) for p in stalled + behind]
+        want = _run(cold, lambda a: len(a) == len(ids))
+        want = [want[i] for i in ids]
+    finally:
+        cold.close()
+    ranks = Ranks(device_pages=64)
+    try:
+        ranks.add(doc + [5])  # the document's pages reach every rank's L3, then only L3
+        _run(ranks, lambda a: len(a) == 1)
+        for engine in ranks.engines:
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            engine.cache.drop_unlocked()
+        ranks.backends[1].inject(StorageOp.GET, FaultKind.HANG, times=-1)
+        stalled_ids = [ranks.add(p) for p in stalled]
+        behind_ids = [ranks.add(p) for p in behind]
+        got = _run(ranks, lambda a: set(behind_ids) <= set(a))
+        assert set(behind_ids) <= set(got), "requests behind the stalled ones were starved"
+        assert not set(stalled_ids) <= set(got), "the hang held none of them back"
+        ranks.backends[1].clear()  # the hung reads fail: those requests are recomputed
+        got.update(_run(ranks, lambda a: not any(e.has_unfinished for e in ranks.engines)))
+        assert [got[i] for i in stalled_ids + behind_ids] == want
+        for engine in ranks.engines:
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            audit = engine.cache.audit()
+            assert audit.leaked_pages == 0 and audit.leaked_locks == 0, audit
+            assert audit.open_prefetches == 0, audit
+    finally:
+        ranks.close()
+
+
+def test_tp3_lpm_refreshes_the_hit_of_a_request_far_back_in_the_queue():
+    """lpm orders by agreed hits; a request behind 40 others (more than the agreement's slots)
+    gets its hit agreed within a few steps, and goes first."""
+    ranks = Ranks(deterministic=False, token_budget=32)
+    try:
+        ranks.add(PREFIXES[1] + [5])
+        for _ in range(100):
+            ranks.step()
+            if not any(e.has_unfinished for e in ranks.engines):
+                break
+        ranks.add(list(range(1, 250)))  # a long prompt takes the whole budget for many steps
+        ranks.step()
+        misses = [ranks.add([200 + i, 3, 4]) for i in range(40)]
+        hit = ranks.add(PREFIXES[1] + SUFFIXES[2])  # 64 tokens cached on every rank
+        for _ in range(3):
+            ranks.step()
+        for engine in ranks.engines:
+            first = engine.scheduler.waiting[0]
+            assert (first.id, first.agreed_hit) == (hit, 64)
+            assert len(engine.scheduler.waiting) == len(misses) + 1  # nothing admitted yet
+    finally:
+        ranks.close()
