@@ -27,6 +27,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"        # reached max_new_tokens
     ABORTED = "aborted"      # the caller aborted it
     NO_MEMORY = "no_memory"  # L1 cannot hold the sequence even with nothing else running
+    ERROR = "error"          # its forwards kept reading KV that failed to load (see the log)
 
 
 class CachedTokens(NamedTuple):
