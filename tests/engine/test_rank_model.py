@@ -339,25 +339,34 @@ def test_tp3_ranks_reach_every_request_of_a_long_queue_in_turn():
         ranks.close()
 
 
-def test_tp3_lpm_refreshes_the_hit_of_a_request_far_back_in_the_queue():
-    """lpm orders by agreed hits; a request behind 40 others (more than the agreement's slots)
-    gets its hit agreed within a few steps, and goes first."""
-    ranks = Ranks(deterministic=False, token_budget=32)
+def test_tp3_a_request_far_back_in_the_queue_ends_its_prefetch_and_is_ordered_by_its_hit():
+    """A request behind 40 others (more than the agreement's slots) whose prefix only L3 holds:
+    within a few steps every rank ends its finished prefetch (the pages join the tree in L2),
+    its hit is agreed, and lpm puts it first."""
+    ranks = Ranks(device_pages=40, deterministic=False, token_budget=32)
     try:
         ranks.add(PREFIXES[1] + [5])
         for _ in range(100):
             ranks.step()
             if not any(e.has_unfinished for e in ranks.engines):
                 break
-        ranks.add(list(range(1, 250)))  # a long prompt takes the whole budget for many steps
+        for engine in ranks.engines:  # its pages: in L3 only
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            engine.cache.drop_unlocked()
+        ranks.add([1 + i % 250 for i in range(399)])  # takes the whole budget for many steps
         ranks.step()
         misses = [ranks.add([200 + i, 3, 4]) for i in range(40)]
-        hit = ranks.add(PREFIXES[1] + SUFFIXES[2])  # 64 tokens cached on every rank (more
-        for _ in range(3):  # where an earlier test left its pages in the simulated L3)
+        hit = ranks.add(PREFIXES[1] + SUFFIXES[2])  # 64 tokens of it in L3
+        for _ in range(8):  # the long prompt still runs
             ranks.step()
+            if all(e.scheduler.waiting[0].id == hit for e in ranks.engines):
+                break
         for engine in ranks.engines:
             first = engine.scheduler.waiting[0]
             assert first.id == hit and first.agreed_hit >= 64
+            assert first.ticket is None and first.storage_hit >= 64
+            assert engine.cache.peek(first.prompt).host_hit_length >= 64
             assert len(engine.scheduler.waiting) == len(misses) + 1  # nothing admitted yet
     finally:
         ranks.close()
