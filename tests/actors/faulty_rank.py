@@ -35,7 +35,7 @@ class LateDirectory(FlakyDirectory):
 
 class FaultyRankCache(SoakRankCache):
     """The soak's rank (L3 and directory faults) plus `crash_after`, `refuse_allocations`,
-    `publish_late` and `hold_host_pages`."""
+    `publish_late`, `hold_host_pages` and `fail_next_load`."""
 
     _crash_at: int | None = None
     _refusals: int = 0
@@ -89,6 +89,26 @@ class FaultyRankCache(SoakRankCache):
             return real(num_pages)
 
         cache.allocate = allocate  # type: ignore[method-assign]
+
+    def fail_next_load(self) -> None:
+        """This rank's next L2->L1 load fails in its first copy, leaving garbage in its L1
+        pages (the controller's copy is patched in this rank's process only)."""
+        import torch
+
+        from kvtier.tiers import controller
+
+        real = controller.copy_pages
+        device = self.engine.cache.device_pool.layer_page_view().data_ptr()
+
+        def copy(src, dst, plan, backend, layers=slice(None), non_blocking=False):
+            if dst.data_ptr() != device:
+                return real(src, dst, plan, backend, layers, non_blocking)
+            controller.copy_pages = real  # once
+            dst[:, layers].index_fill_(2, torch.tensor(list(plan.dst_pages)), 7.0)
+            log.warning("rank %d: failing an L2->L1 load (injected)", self.rank)
+            raise RuntimeError("injected: this rank's L2->L1 copy failed")
+
+        controller.copy_pages = copy
 
     def corrupt_l1_page(self, page: int) -> None:
         """Flip bytes of one L1 page in place (a hand-off's page damaged on arrival)."""

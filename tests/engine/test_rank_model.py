@@ -280,3 +280,94 @@ def test_tp3_ranks_order_the_queue_by_the_agreed_hit_under_lpm():
         assert local == [64, 64, 0]
     finally:
         ranks.close()
+
+
+def _run(ranks: Ranks, until, max_steps: int = 400) -> dict[int, tuple[int, ...]]:
+    """Step every rank (checking they stay in step) until `until(answers)`; the answers."""
+    answers: dict[int, tuple[int, ...]] = {}
+    for _ in range(max_steps):
+        results = ranks.step()
+        states = [_state(engine) for engine in ranks.engines]
+        assert all(s == states[0] for s in states), "ranks diverged"
+        answers.update((o.request_id, o.tokens) for o in results[0])
+        if until(answers):
+            break
+    return answers
+
+
+def test_tp3_ranks_reach_every_request_of_a_long_queue_in_turn():
+    """200 waiting requests, more than the agreement's slots: the first 40 wait for L3
+    prefetches that hang on rank 1, the 160 behind them are admitted meanwhile (in turn: the
+    window's rotating slots), and once the hang ends the 40 are answered too, each answer the
+    cold one (deterministic mode: bit-identical)."""
+    def tokens(seed: int, n: int) -> list[int]:
+        return torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    doc = tokens(1, 3 * PAGE)
+    stalled = [doc + tokens(100 + i, 3) for i in range(40)]
+    behind = [tokens(1000 + i, 8) for i in range(160)]
+    cold = Ranks(device_pages=64)
+    try:
+        ids = [cold.add(p) for p in stalled + behind]
+        want = _run(cold, lambda a: len(a) == len(ids))
+        want = [want[i] for i in ids]
+    finally:
+        cold.close()
+    ranks = Ranks(device_pages=64)
+    try:
+        ranks.add(doc + [5])  # the document's pages reach every rank's L3, then only L3
+        _run(ranks, lambda a: len(a) == 1)
+        for engine in ranks.engines:
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            engine.cache.drop_unlocked()
+        ranks.backends[1].inject(StorageOp.GET, FaultKind.HANG, times=-1)
+        stalled_ids = [ranks.add(p) for p in stalled]
+        behind_ids = [ranks.add(p) for p in behind]
+        got = _run(ranks, lambda a: set(behind_ids) <= set(a))
+        assert set(behind_ids) <= set(got), "requests behind the stalled ones were starved"
+        assert not set(stalled_ids) <= set(got), "the hang held none of them back"
+        ranks.backends[1].clear()  # the hung reads fail: those requests are recomputed
+        got.update(_run(ranks, lambda a: not any(e.has_unfinished for e in ranks.engines)))
+        assert [got[i] for i in stalled_ids + behind_ids] == want
+        for engine in ranks.engines:
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            audit = engine.cache.audit()
+            assert audit.leaked_pages == 0 and audit.leaked_locks == 0, audit
+            assert audit.open_prefetches == 0, audit
+    finally:
+        ranks.close()
+
+
+def test_tp3_a_request_far_back_in_the_queue_ends_its_prefetch_and_is_ordered_by_its_hit():
+    """A request behind 40 others (more than the agreement's slots) whose prefix only L3 holds:
+    within a few steps every rank ends its finished prefetch (the pages join the tree in L2),
+    its hit is agreed, and lpm puts it first."""
+    ranks = Ranks(device_pages=40, deterministic=False, token_budget=32)
+    try:
+        ranks.add(PREFIXES[1] + [5])
+        for _ in range(100):
+            ranks.step()
+            if not any(e.has_unfinished for e in ranks.engines):
+                break
+        for engine in ranks.engines:  # its pages: in L3 only
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            engine.cache.drop_unlocked()
+        ranks.add([1 + i % 250 for i in range(399)])  # takes the whole budget for many steps
+        ranks.step()
+        misses = [ranks.add([200 + i, 3, 4]) for i in range(40)]
+        hit = ranks.add(PREFIXES[1] + SUFFIXES[2])  # 64 tokens of it in L3
+        for _ in range(8):  # the long prompt still runs
+            ranks.step()
+            if all(e.scheduler.waiting[0].id == hit for e in ranks.engines):
+                break
+        for engine in ranks.engines:
+            first = engine.scheduler.waiting[0]
+            assert first.id == hit and first.agreed_hit >= 64
+            assert first.ticket is None and first.storage_hit >= 64
+            assert engine.cache.peek(first.prompt).host_hit_length >= 64
+            assert len(engine.scheduler.waiting) == len(misses) + 1  # nothing admitted yet
+    finally:
+        ranks.close()
