@@ -98,6 +98,7 @@ def test_hangs_end_with_the_timeout_policy_and_l3_works_after(model, cold, tmp_p
     faulty.inject(StorageOp.GET, FaultKind.HANG, times=1)
     first = serve(model, cache, PROMPTS[:1])[0]
     assert first.tokens == cold[0] and first.cached.storage == 0  # waited 0.3 s, recomputed
+    assert faulty.faults.injected == {"get:hang": 1}  # the read hung: not merely missed
     faulty.release()
     later = serve(model, cache, PROMPTS[1:2])[0]
     assert later.tokens == cold[1] and later.cached.storage > 0  # L3 serves again
@@ -113,6 +114,7 @@ def test_partial_and_failed_writes_are_counted_and_never_hit(model, cold, tmp_pa
         writer.flush()
         writer.storage.drain()
         assert writer.storage.counters.backup_failed_tokens > 0
+        assert faulty.faults.injected.get("set:partial", 0) >= 1
         faulty.clear()
     reader, _ = faulty_cache(model, tmp_path, config())
     outs = serve(model, reader, PROMPTS[:2])
@@ -134,6 +136,7 @@ def test_detach_while_prefetches_are_in_flight_leaks_nothing(model, cold, tmp_pa
     while eng.has_unfinished:
         outs.update({o.request_id: o for o in eng.step()})
     assert [outs[i].tokens for i in ids] == cold
+    assert faulty.faults.injected.get("get:delay", 0) >= 1  # a read was in flight at detach
     assert_no_leaks(cache)
     cache.close()
 

@@ -267,6 +267,7 @@ def test_best_effort_uses_the_pages_that_landed_while_its_request_waited(tiny_mo
             outs += eng.step()
         (out,) = [o for o in outs if o.request_id == req_id]
         assert out.cached.storage == 64
+        assert backend.faults.injected.get("get:delay", 0) >= 1  # its reads were slow
         check_lengths(out)
 
 
