@@ -12,7 +12,13 @@ margin); a poll ends as soon as the condition holds.
     pid = eventually(lambda: find_pid(), 10, "the server started", retry_on=(OSError,))
 
 A condition may do work each round (step an instance, send a request): it is called until it
-returns something true, and that value is returned.
+returns something true, and that value is returned. To have the failure say what the state
+was, let the condition assert it and retry on AssertionError (the last one is reported):
+
+    def drained():
+        assert not (left := pool.used_pages()), f"still used: {left}"
+        return True
+    eventually(drained, 10, "the pool drained", retry_on=(AssertionError,))
 """
 from __future__ import annotations
 

@@ -51,3 +51,16 @@ def test_retried_exceptions_are_reported_and_others_raise():
                    sleep=clock.sleep)
     with pytest.raises(ConnectionRefusedError):
         eventually(refused, 0.05, "server up", clock=clock, sleep=clock.sleep)
+
+
+def test_an_asserting_condition_reports_its_last_words():
+    clock, left = FakeClock(), iter([[3, 4], [4], [4]])
+
+    def drained() -> bool:
+        now = next(left, [4])
+        assert not now, f"still used: {now}"
+        return True
+
+    with pytest.raises(AssertionError, match=r"the pool drained.*still used: \[4\]"):
+        eventually(drained, 0.03, "the pool drained", retry_on=(AssertionError,), clock=clock,
+                   sleep=clock.sleep)
