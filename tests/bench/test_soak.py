@@ -94,10 +94,11 @@ def test_a_short_soak_on_the_actor_system_at_tp3_with_two_instances(capsys):
     result = json.loads(lines[-1])
     assert rc == 0, result
     assert result["sent"] > 0 and result["faults_injected"] >= 5
+    assert result["faults_hit"] >= 1  # armed L3 and lookup faults met calls, not only armed
     assert result["answered"] + result["aborted"] == result["sent"]
     assert result["wrong"] == 0 and result["hangs"] == 0 and "near_ties" in result
     assert result["leaked_pages"] == 0 and result["leaked_locks"] == 0
-    assert {"divergences", "rank_restarts", "faults_hit"} <= set(result)
+    assert {"divergences", "rank_restarts"} <= set(result)
 
 
 def test_the_actor_soak_takes_a_model_directory(tmp_path):
