@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.backends.base import StorageTarget
@@ -201,6 +201,7 @@ def test_ranks_stay_in_step_under_rank_local_faults():
     @settings(max_examples=12, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow])
     @given(STREAM)
+    @example([(1, 0, 0, "lookup_fails", 2), (1, 1, 0, "refuse", 1)])  # both fire here
     def streams(stream):
         fired.update(_run_stream(stream))
 
