@@ -73,11 +73,16 @@ def test_tp2_matches_tp1_with_one_agreement_per_step(instance, reference) -> Non
         assert steps > 0 and a.agreement_rounds - b.agreement_rounds == steps
 
 
+def _refused(instance) -> int:
+    return instance.rank_call(1, "faults_fired").get("allocation_refused", 0)
+
+
 def test_rank_local_allocation_failure_is_rolled_back_everywhere(instance, reference) -> None:
-    before = instance.stats()
+    before, refused = instance.stats(), _refused(instance)
     instance.rank_call(1, "refuse_allocations", 1)
     (out,) = instance.generate(PROMPTS["c"], GREEDY)
     after = instance.stats()
+    assert _refused(instance) == refused + 1
     assert out.tokens == reference["c"][0]
     # Rank 0 reserved, rank 1 could not: rank 0 undid its reservation; the next step admitted.
     assert after[0].rolled_back - before[0].rolled_back == 1
@@ -109,6 +114,7 @@ def test_rank_local_decode_page_shortage_preempts_on_every_rank(instance, refere
     before = instance.stats()
     instance.step()  # both admitted and prefilled
     instance.step()  # first decode: the 31-token prompt's KV still fits its two pages
+    refused = _refused(instance)
     instance.rank_call(1, "refuse_allocations", 1)  # the next decode needs a third page
     done = {}
     for _ in range(50):
@@ -116,6 +122,7 @@ def test_rank_local_decode_page_shortage_preempts_on_every_rank(instance, refere
         if len(done) == len(ids):
             break
     assert [done[i].tokens for i in ids] == reference["decode"]
+    assert _refused(instance) == refused + 1  # rank 1 was short of the page
     after = instance.stats()
     assert after[0].steps - before[0].steps == after[1].steps - before[1].steps
     free = [instance.rank_call(r, "drop_cache") for r in range(2)]

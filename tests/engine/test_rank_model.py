@@ -4,15 +4,18 @@ HierarchicalCache and its own L3 backend, one MIN collective per step between th
 Hypothesis drives random request streams over shared prefixes with rank-local faults (one rank
 drops its L1/L2, one rank's L3 lookups fail, one rank refuses an allocation). After every step
 every rank must hold the same requests in the same states with the same agreed hit lengths;
-every answer must equal the cold answer; at the end no rank leaks a page or a lock.
+every answer must equal the cold answer; at the end no rank leaks a page or a lock; and over
+the run every kind of fault really happened (a lookup failed, an allocation was refused), not
+only was armed.
 """
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.backends.base import StorageTarget
@@ -108,6 +111,7 @@ class Ranks:
         self.engines: list[Engine] = []
         self.backends: list[FaultyBackend] = []
         self.refusals = [0] * SIZE
+        self.refused = 0  # allocations refused so far, all ranks
         for rank in range(SIZE):
             tp = TensorParallel(rank, SIZE, reduce_fn=self.coll.reduce_for(rank))
             model = load_tiny_model(torch.float32, "cpu", tp=tp)
@@ -131,6 +135,7 @@ class Ranks:
         def allocate(num_pages: int):
             if self.refusals[rank] > 0:
                 self.refusals[rank] -= 1
+                self.refused += 1
                 return None
             return real(num_pages)
 
@@ -143,6 +148,11 @@ class Ranks:
 
     def step(self) -> list:
         return step_in_threads(self.engines, self.coll)
+
+    def faults_fired(self) -> Counter:
+        """The rank-local faults that happened (a drop always does)."""
+        lookups = sum(b.faults.injected.get("exists:error", 0) for b in self.backends)
+        return Counter(lookup_fails=lookups, refuse=self.refused)
 
     def close(self) -> None:
         for engine in self.engines:
@@ -186,10 +196,22 @@ STREAM = st.lists(st.tuples(st.integers(0, len(PREFIXES) - 1),
                   min_size=2, max_size=7)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(STREAM)
-def test_ranks_stay_in_step_under_rank_local_faults(stream):
+def test_ranks_stay_in_step_under_rank_local_faults():
+    fired: Counter = Counter()
+
+    @settings(max_examples=12, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(STREAM)
+    @example([(1, 0, 0, "lookup_fails", 2), (1, 1, 0, "refuse", 1)])  # both fire here
+    def streams(stream):
+        fired.update(_run_stream(stream))
+
+    streams()
+    assert fired["lookup_fails"] >= 1 and fired["refuse"] >= 1, fired
+
+
+def _run_stream(stream) -> Counter:
+    """One stream through fresh ranks, checked step by step; the faults that fired."""
     ranks = Ranks()
     prompts: dict[int, list[int]] = {}
     answers: dict[int, tuple[int, ...]] = {}
@@ -223,6 +245,7 @@ def test_ranks_stay_in_step_under_rank_local_faults(stream):
             audit = engine.cache.audit()
             assert audit.leaked_pages == 0 and audit.leaked_locks == 0, (rank, audit)
             assert audit.open_prefetches == 0, (rank, audit)
+        return ranks.faults_fired()
     finally:
         ranks.close()
 
@@ -262,6 +285,7 @@ def test_tp3_ranks_order_the_queue_by_the_agreed_hit_under_lpm():
                     break
         ranks.engines[2].cache.drop_unlocked()
         ranks.backends[2].inject(StorageOp.EXISTS, FaultKind.ERROR, times=-1)
+        lookups_failed = ranks.faults_fired()["lookup_fails"]
         ranks.add(PREFIXES[0] + [5])  # rank 2 has this one again, the others still do
         for _ in range(100):
             ranks.step()
@@ -278,6 +302,7 @@ def test_tp3_ranks_order_the_queue_by_the_agreed_hit_under_lpm():
         assert orders == [[(shorter, 32), (miss, 0), (longer, 0)]] * SIZE
         local = [e.cache.peek(PREFIXES[1] + SUFFIXES[1]).device_hit_length for e in ranks.engines]
         assert local == [64, 64, 0]
+        assert ranks.faults_fired()["lookup_fails"] > lookups_failed  # rank 2 did look, and failed
     finally:
         ranks.close()
 
