@@ -100,6 +100,7 @@ class Instance(InstanceHandoff):
         self._settings, self._num_cpus = settings, num_cpus_per_rank
         self._rank_class = rank_class
         self.restarts = 0  # rank sets replaced after a fault, over the instance's life
+        self.recovering = False  # replacing its ranks now (read by other threads: a poll)
         self.divergences = 0  # of those, the ones caused by ranks out of step
         self._failures_in_a_row = 0
         self._next_id = 0
@@ -267,6 +268,13 @@ class Instance(InstanceHandoff):
 
     def _recover(self, cause: RankFailure) -> None:
         """Replace every rank and queue the pending requests again, in arrival order."""
+        self.recovering = True
+        try:
+            self._replace_ranks(cause)
+        finally:
+            self.recovering = False
+
+    def _replace_ranks(self, cause: RankFailure) -> None:
         self._failures_in_a_row += 1
         if self._failures_in_a_row > self.max_restarts:
             raise InstanceError(f"{cause}; the ranks failed {self._failures_in_a_row} times "
@@ -285,7 +293,7 @@ class Instance(InstanceHandoff):
             for req_id in list(self._pending):
                 self._submit(req_id)
         except RankFailure as exc:
-            self._recover(exc)
+            self._replace_ranks(exc)
 
     def _recovering(self, call: Callable[[], T], on_failure: T) -> T:
         """`call()` over the ranks, recovered like a failed step when a rank fails in it (the

@@ -74,6 +74,7 @@ class ServerPoll(NamedTuple):
     events: list[bytes]  # CacheEventBatch msgpack records since the last poll, oldest first
     broken: str | None  # why the instance stopped serving, or None
     steps: int  # steps completed so far: the router's deadline watches it grow while load > 0
+    recovering: bool = False  # replacing its ranks (kvtier.serve.liveness: RECOVERING)
 
 
 class InstanceServer:
@@ -138,7 +139,7 @@ class InstanceServer:
             events = list(self._events)
             self._events.clear()
             return ServerPoll(self._load, self.instance.restarts, events, self.broken,
-                              self._steps)
+                              self._steps, self.instance.recovering)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self._stop = True

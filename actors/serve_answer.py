@@ -37,8 +37,8 @@ class RouterStates:
         self._at = -math.inf
         self._fetch: asyncio.Task | None = None
 
-    async def stalled(self, name: str) -> bool:
-        """Whether the router holds `name` stalled (False while the router cannot say)."""
+    async def state(self, name: str) -> InstanceState:
+        """The router's state of `name` (LIVE while the router cannot say)."""
         if time.monotonic() - self._at >= self._max_age_s:
             if self._fetch is None or self._fetch.done():
                 self._fetch = asyncio.get_running_loop().create_task(self._refresh())
@@ -46,7 +46,7 @@ class RouterStates:
                 await asyncio.shield(self._fetch)
             except Exception as exc:  # noqa: BLE001 - keep waiting on what we have
                 log.warning("the router's instance states are unavailable: %s", exc)
-        return self._states.get(name) == InstanceState.STALLED.value
+        return InstanceState.parse(self._states.get(name, InstanceState.LIVE.value), "state")
 
     async def _refresh(self) -> None:
         self._states = await asyncio.wait_for(self._router.states.remote(),
@@ -80,8 +80,12 @@ class RoutedAnswer:
                 self._next = asyncio.ensure_future(self._stream.__anext__())
             done, _ = await asyncio.wait({self._next}, timeout=self._check_s)
             if not done:
-                if await self._states.stalled(self.instance):
+                state = await self._states.state(self.instance)
+                if state is InstanceState.STALLED:
                     await self._move(f"instance {self.instance} stalled", failed=False)
+                elif state is InstanceState.RECOVERING:  # with nowhere else, it waits
+                    await self._move(f"instance {self.instance} is replacing its ranks",
+                                     failed=False, patient=True)
                 continue
             next_, self._next = self._next, None
             try:
@@ -116,10 +120,11 @@ class RoutedAnswer:
             self._tokens, self._sampling, self._salt,
             self.sent.resume(self._sampling.get("logprobs") is not None))
 
-    async def _move(self, why: str, failed: bool) -> None:
+    async def _move(self, why: str, failed: bool, patient: bool = False) -> None:
         """Send the request to another live instance, which goes on after what was passed
         on. With none: a failed stream (`failed`) gives up at once; a stalled instance is
-        waited on for `give_up_s`. Either way InstanceUnavailable when given up."""
+        waited on for `give_up_s`, one replacing its ranks (`patient`) as long as it takes.
+        InstanceUnavailable when given up."""
         choice = None
         try:
             choice = await asyncio.wait_for(
@@ -131,6 +136,9 @@ class RoutedAnswer:
                         self.instance, exc)
         if choice is None or choice["instance"] is None:
             now = time.monotonic()
+            if patient:
+                self._alone_since = None
+                return
             self._alone_since = self._alone_since or now
             if failed or now - self._alone_since >= self._give_up_s:
                 self.cancel()

@@ -73,6 +73,10 @@ class PDInstances:
     def restarts(self) -> int:
         return self.driver.restarts
 
+    @property
+    def recovering(self) -> bool:
+        return any(inst.recovering for inst in self.members)
+
     def close(self) -> None:
         self.driver.close()
 

@@ -80,7 +80,8 @@ class RouterDeployment:
                 "reasons": dict(self.reasons)}
 
     async def states(self) -> dict[str, str]:
-        """Each instance's state, "live" or "stalled" (what the ingress watches)."""
+        """Each instance's state, "live", "stalled" or "recovering" (what the ingress
+        watches)."""
         self._ensure_poller()
         return {n: self.liveness.state(n).value for n in self.handles}
 
@@ -135,7 +136,8 @@ class RouterDeployment:
         for data in poll["events"]:
             self.router.apply(CacheEventBatch.from_msgpack(data))
         self.loads[name] = poll["load"]
-        self.liveness.answered(name, poll["steps"], busy=poll["load"] > 0)
+        self.liveness.answered(name, poll["steps"], busy=poll["load"] > 0,
+                               recovering=poll["recovering"])
 
     async def _key_namespace(self) -> tuple[KeyNamespace, int]:
         """The instances' page-key namespace (they are built alike: any one answers)."""

@@ -6,7 +6,11 @@ its requests wait. So the router keeps a deadline of its own, from what it polls
 is STALLED when it has work and has completed no step for `stall_timeout_s`, or when none of
 its polls has been answered for that long (a cut link: the router cannot tell whether it has
 work). An idle instance that answers is LIVE however long ago it stepped. A stalled instance
-is LIVE again as soon as a poll shows a new step, or shows it idle.
+is LIVE again as soon as a poll shows a new step, or shows it idle. An instance that answers
+its polls while it replaces its rank actors (a rank died: it recomputes its requests on a
+fresh set) is RECOVERING once that takes longer than the deadline: not chosen, and its
+requests move where another instance is live, but with no other one they wait for it
+(its own restart limit ends a recovery that keeps failing), never a stall's 503.
 
 An instance's deadline starts when the router first asks about it (when polling starts), not
 when the router is built: Serve may build it long before the first request.
@@ -29,6 +33,7 @@ log = logging.getLogger(__name__)
 class InstanceState(_Choice):
     LIVE = "live"
     STALLED = "stalled"
+    RECOVERING = "recovering"  # quiet past the deadline, replacing its ranks
 
 
 class LivenessView(NamedTuple):
@@ -45,6 +50,7 @@ class _Track:
     progress_s: float  # the last poll that showed a new step, or no work
     steps: int = -1
     busy: bool = False
+    recovering: bool = False  # the last answered poll said it replaces its ranks
     state: InstanceState = InstanceState.LIVE
     stalls: int = 0
 
@@ -58,13 +64,15 @@ class Liveness:
         self._names = tuple(names)
         self._tracks: dict[str, _Track] = {}
 
-    def answered(self, name: str, steps: int, busy: bool) -> InstanceState:
-        """A poll came back: `steps` completed so far, `busy` = requests queued or running."""
+    def answered(self, name: str, steps: int, busy: bool,
+                 recovering: bool = False) -> InstanceState:
+        """A poll came back: `steps` completed so far, `busy` = requests queued or running,
+        `recovering` = it is replacing its ranks."""
         track, now = self._track(name), self._clock()
         track.answered_s = now
         if steps != track.steps or not busy:
             track.progress_s = now
-        track.steps, track.busy = steps, busy
+        track.steps, track.busy, track.recovering = steps, busy, recovering
         return self.state(name)
 
     def unanswered(self, name: str) -> InstanceState:
@@ -72,18 +80,24 @@ class Liveness:
         return self.state(name)
 
     def state(self, name: str) -> InstanceState:
-        """LIVE or STALLED now (a change is counted and logged here)."""
+        """LIVE, STALLED or RECOVERING now (a change is counted and logged here)."""
         track = self._track(name)
         quiet_s = self._quiet_s(track)
-        state = InstanceState.STALLED if quiet_s >= self.stall_timeout_s else InstanceState.LIVE
+        answering = self._clock() - track.answered_s < self.stall_timeout_s
+        state = InstanceState.LIVE
+        if quiet_s >= self.stall_timeout_s:
+            state = InstanceState.RECOVERING if track.recovering and answering \
+                else InstanceState.STALLED
         if state is not track.state:
             track.state = state
             if state is InstanceState.STALLED:
                 track.stalls += 1
-                answering = self._clock() - track.answered_s < self.stall_timeout_s
                 log.warning("instance %s stalled: %s for %.1f s; routing around it", name,
                             "no step with work waiting" if answering else "no poll answered",
                             quiet_s)
+            elif state is InstanceState.RECOVERING:
+                log.warning("instance %s is replacing its ranks (%.1f s without a step); "
+                            "routing around it", name, quiet_s)
             else:
                 log.warning("instance %s steps again; routing to it again", name)
         return state

@@ -118,6 +118,7 @@ class FakeStream:
                  fail: bool = False, error: bool = False) -> None:
         self.items, self.hang, self.cancelled, self.fail = [], hang, False, fail
         self.error = error  # the last item says the request failed by itself
+        self.delay_s = 0.001  # before each item
         at = 0
         for item in items:
             self.items.append(item[max(0, have - at):])
@@ -134,7 +135,7 @@ class FakeStream:
                 raise RuntimeError("instance a stopped serving: remote traceback ...")
             raise StopAsyncIteration
         tokens = self.items.pop(0)
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(self.delay_s)
         if self.items or self.hang or self.fail:
             return {"tokens": tokens}
         if self.error:
@@ -150,6 +151,7 @@ class FakeInstance:
                  error: bool = False) -> None:
         self.items, self.hang, self.fail, self.streams, self.salts = items, hang, fail, [], []
         self.error = error
+        self.delay_s = 0.001
         self.resumes: list = []
 
     def options(self, stream: bool):
@@ -164,14 +166,18 @@ class FakeInstance:
         self.resumes.append(resume)
         have = 0 if resume is None else len(resume[0])
         self.streams.append(FakeStream(self.items, self.hang, have, self.fail, self.error))
+        self.streams[-1].delay_s = self.delay_s
         return self.streams[-1]
 
 
 class FakeRouter:
-    """Says `stalled` is stalled once asked `stall_after` times; choose gives `other`."""
+    """Says `stalled` is stalled (or `state`) once asked `stall_after` times; choose gives
+    `other`."""
 
-    def __init__(self, stalled: str, other: str | None, stall_after: int = 2) -> None:
+    def __init__(self, stalled: str, other: str | None, stall_after: int = 2,
+                 state: str = "stalled") -> None:
         self.stalled, self.other, self.stall_after = stalled, other, stall_after
+        self.state = state
         self.asked, self.avoided, self.salts = 0, [], []
         self.states, self.choose = self._Call(self._states), self._Call(self._choose)
 
@@ -184,7 +190,7 @@ class FakeRouter:
 
     def _states(self) -> dict:
         self.asked += 1
-        return {self.stalled: "stalled" if self.asked > self.stall_after else "live"}
+        return {self.stalled: self.state if self.asked > self.stall_after else "live"}
 
     def _choose(self, tokens, avoid=(), cache_salt="") -> dict:
         self.avoided.append(tuple(avoid))
@@ -266,6 +272,38 @@ def test_without_another_live_instance_the_answer_waits_then_gives_up():
     assert asyncio.run(first_items()) == ANSWER[:2]
     assert len(a.streams) == 1 and a.streams[0].cancelled
     assert router.avoided and set(router.avoided) == {("a",)}
+
+
+def test_an_instance_replacing_its_ranks_is_recovering_not_stalled():
+    clock = Clock()
+    live = Liveness(["a"], stall_timeout_s=2.0, clock=clock)
+    live.answered("a", steps=1, busy=True, recovering=True)
+    clock.now += 1.0
+    assert live.answered("a", steps=1, busy=True, recovering=True) is InstanceState.LIVE
+    clock.now += 1.5  # past the deadline without a step, answering: recovering
+    assert live.answered("a", steps=1, busy=True, recovering=True) is \
+        InstanceState.RECOVERING
+    assert live.live() == set() and live.view("a").stalls == 0  # not chosen; no stall
+    clock.now += 3.0  # its polls go unanswered too: stalled
+    assert live.unanswered("a") is InstanceState.STALLED and live.view("a").stalls == 1
+    assert live.answered("a", steps=2, busy=True) is InstanceState.LIVE  # it stepped
+
+
+def test_a_recovering_instance_with_nowhere_else_is_waited_on():
+    a = FakeInstance([ANSWER[:2], ANSWER[2:]])
+    a.delay_s = 0.3  # each item comes long after give_up_s
+    router = FakeRouter("a", None, stall_after=0, state="recovering")
+
+    async def go() -> list[int]:
+        answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1], {},
+                              "a", check_s=0.01, give_up_s=0.05)
+        got = []
+        async for item in answer.items():
+            got += item["tokens"]
+        return got
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) == ANSWER
+    assert len(a.streams) == 1 and router.avoided  # it looked for another, then waited
 
 
 def test_the_deadline_starts_when_first_asked_not_when_built():
