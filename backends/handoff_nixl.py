@@ -172,8 +172,9 @@ class NixlEndpoint(HandoffEndpoint):
                 return self._agent.add_remote_agent(target.address.blob)
         except Exception as exc:
             raise HandoffTransferError(f"NIXL cannot load the metadata of peer "
-                                       f"{target.address.name} ({exc}): its address is corrupt "
-                                       "or from another NIXL version") from exc
+                                       f"{target.address.name} ({exc}): its process may be "
+                                       "gone, or its address is corrupt or from another NIXL "
+                                       "version") from exc
 
     def _disconnect(self, target: Target) -> None:
         try:
