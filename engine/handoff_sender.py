@@ -67,15 +67,16 @@ class HandoffSender:
     def send_new(self, handed: Iterable[Request]) -> list[HandoffSent]:
         """Transfer every request in `handed` (all the scheduler's handed-off requests) not
         sent yet; one record each. A request no longer in `handed` (released, or its hold
-        expired) is forgotten. One whose first token was a stop token is not sent: it ended
-        there, so the decode side never needs its KV."""
+        expired) is forgotten. Only one that reached its token limit goes on decoding: one
+        that ended otherwise (its first token a stop token, an error) is not sent, the
+        decode side never needs its KV."""
         handed = list(handed)
         self._sent &= {req.id for req in handed}
         out = []
         for req in handed:
             if req.id not in self._sent:
                 self._sent.add(req.id)
-                if req.finish_reason is not FinishReason.STOP:
+                if req.finish_reason is FinishReason.LENGTH:
                     out.append(self.send(req))
         return out
 
@@ -90,17 +91,17 @@ class HandoffSender:
     def send(self, req: Request) -> HandoffSent:
         targets = req.handoff_to
         assert targets
-        hid, state = targets[0].handoff_id, req.sampler.state()
+        hid = targets[0].handoff_id
         pages = req.pages[:pages_for(len(req.prompt), self.pool.spec.page_size)]
         if self.pool.kv.is_cuda:  # the prefill's writes must land before the NIC reads them
             torch.cuda.current_stream(self.pool.kv.device).synchronize()
-        failed = HandoffSent(hid, False, (), 0, 0, 0.0, "", state, self.heads)
+        failed = HandoffSent(hid, False, (), 0, 0, 0.0, "", self.heads)
         try:
             for t in targets:  # none is written when any is late (nothing to copy either)
                 self._time_left_s(t)
             if self._straight(targets) is not None:
-                return self._send_pages(targets, pages, state)
-            return self._send_staged(targets, pages, state)
+                return self._send_pages(targets, pages)
+            return self._send_staged(targets, pages)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed send, never a step's
             # (a transport library's own error too: the decode side recomputes either way)
             log.warning("hand-off %s: the transfer failed (%s: %s); the decode side recomputes",
@@ -166,16 +167,14 @@ class HandoffSender:
         sizes); None: the hand-off is staged."""
         return next((t for t in targets if t.staging is None and t.heads == self.heads), None)
 
-    def _send_pages(self, targets: Sequence[HandoffTarget], pages: list[int],
-                    state: bytes) -> HandoffSent:
+    def _send_pages(self, targets: Sequence[HandoffTarget], pages: list[int]) -> HandoffSent:
         """Equal TP sizes: L1 pages into the decode rank's L1 pages, in one write."""
         ((target, local, remote),) = self.plan(targets, pages)
         wrote = self.endpoint.write(target.peer, local, remote, self._time_left_s(target))
         return HandoffSent(target.handoff_id, True, page_sums(self.pool.kv, pages), wrote.bytes,
-                           wrote.descriptors, wrote.seconds, "", state, self.heads)
+                           wrote.descriptors, wrote.seconds, "", self.heads)
 
-    def _send_staged(self, targets: Sequence[HandoffTarget], pages: list[int],
-                     state: bytes) -> HandoffSent:
+    def _send_staged(self, targets: Sequence[HandoffTarget], pages: list[int]) -> HandoffSent:
         """Other TP sizes: this rank's heads of each page, staged in L2, written head object
         by head object to the decode ranks holding those heads (one write per rank)."""
         cache, (lo, hi) = self.cache, self.heads
@@ -197,4 +196,4 @@ class HandoffSender:
         finally:
             cache.release_host_pages(staging)
         return HandoffSent(targets[0].handoff_id, True, sums, nbytes, descriptors, seconds, "",
-                           state, self.heads, staged=True)
+                           self.heads, staged=True)

@@ -8,7 +8,9 @@ from typing import Any
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
-from kvtier.policies import SchedulePolicy
+from kvtier.policies import SchedulePolicy, StorageBackendKind
+from kvtier.serve.admin_key_file import save_admin_key
+from kvtier.serve.l3_bound import describe_l3_bound
 from kvtier.serve.placement import PlacementMode, RankGpus
 from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, PDTransport, ServeSettings
 from kvtier.serve.tenants import load_api_keys
@@ -58,9 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file, mooncake, nixl or none (default file; SGLang's "
                         "--hicache-storage-backend says the same)")
     p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
-    p.add_argument("--l3-max-gb", type=float, default=0.0,
-                   help="file/nixl: the L3 namespace's size; past it the least recently used "
-                        "pages are evicted (default 0: unbounded)")
+    p.add_argument("--l3-max-gb", default="auto", metavar="GIB|auto|unbounded",
+                   help="file/nixl: the L3 namespace's size in GiB; past it the least recently "
+                        "used pages are evicted. Default auto: half the disk space free where "
+                        "--l3-root lives at start (printed then); unbounded: no bound, the "
+                        "disk fills up with pages")
     p.add_argument("--device-pages", type=int, default=160, help="L1 pages per rank")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="most new tokens one forward computes: prefill pieces of several "
@@ -76,7 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with aging; default) or fcfs (arrival order)")
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
-    p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
+    p.add_argument("--admin-key", default="",
+                   help="the admin endpoints' bearer key, at least 16 characters (default: a "
+                        "random key, written to $XDG_STATE_HOME/kvtier/admin-key, else "
+                        "~/.local/state/kvtier/admin-key, readable by you only)")
     p.add_argument("--api-key", default=os.environ.get("KVTIER_API_KEY", ""),
                    help="the OpenAI endpoints answer 401 without 'Authorization: Bearer KEY' "
                         "(default: $KVTIER_API_KEY, else open)")
@@ -95,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an instance with work that completes no step (or answers no poll) "
                         "for this long is routed around and its unanswered requests are sent "
                         "to another instance, until it steps again (default 2)")
+    p.add_argument("--request-timeout-s", type=float, default=ServeSettings.request_timeout_s,
+                   help="a request still unanswered this long after it arrived is stopped: its "
+                        "answers are cancelled and the client gets a 504 (default 300)")
     p.add_argument("--pin-max-fraction", type=float, default=ServeSettings.pin_max_fraction,
                    help="pinned prefixes (POST /admin/pin) may hold at most this share of "
                         "each rank's L2 and of the L3 bound (0-1, default 0.5); a pin past it "
@@ -119,6 +129,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,
                          served_model_name=ns.served_model_name, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
+                         request_timeout_s=ns.request_timeout_s,
                          l3_max_gb=ns.l3_max_gb, pin_max_fraction=ns.pin_max_fraction,
                          placement=ns.placement, gpus_per_rank=ns.gpus_per_rank,
                          api_keys=load_api_keys(ns.api_keys_file) if ns.api_keys_file else {})
@@ -147,7 +158,14 @@ def _cache_settings(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from kvtier.actors.serve_graph import serve_forever
+    from kvtier.actors.serve_graph import resolve, serve_forever
 
-    serve_forever(settings_from(ns), ns.host, ns.port, ns.address)
+    asked = settings_from(ns)
+    settings = resolve(asked)  # the L3 root and its bound, fixed once for every instance
+    if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL):
+        line = describe_l3_bound(asked.l3_max_gb, settings.l3_max_gb, settings.l3_root)
+        print(f"kvtier: {line}", flush=True)
+    # a generated key goes to a file of the user's only (a given one is written nowhere)
+    key_file = None if ns.admin_key else str(save_admin_key(settings.admin_key))
+    serve_forever(settings, ns.host, ns.port, ns.address, key_file)
     return 0

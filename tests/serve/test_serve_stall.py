@@ -14,8 +14,8 @@ import time
 import pytest
 import requests
 
-from shared_serve import BASE, served
-from stalling_rank import StallingRankCache, arm_stall, stall_file
+from shared_serve import BASE
+from stalling_rank import arm_stall, served_stalling, stall_file
 
 from kvtier.serve.settings import ServeSettings
 
@@ -31,12 +31,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def app():
-    try:
-        with served(SETTINGS, rank_class=StallingRankCache):
-            yield
-    finally:
-        if os.path.exists(stall_file()):
-            os.remove(stall_file())
+    with served_stalling(SETTINGS):
+        yield
 
 
 def complete(prompt: str, max_tokens: int) -> dict:
