@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.cluster_placement import unplaced_message
-from kvtier.actors.instance_handoff import InstanceHandoff, PendingRequest
+from kvtier.actors.instance_handoff import Handed, InstanceHandoff, PendingRequest
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
                                       RankStats, create_rank_actor)
 from kvtier.actors.step_wire import Progress, decode_output, decode_report, resume_to_wire
@@ -112,7 +112,7 @@ class Instance(InstanceHandoff):
         self._l3: tuple[bytes, str | None] | None = None  # what attach_l3 was given
         self._watch: str | None = None  # the name watch_cache was given
         self._transport: tuple[str, bool] | None = None  # what handoff_open was given
-        self._handed: dict[int, int] = {}  # prefill side: instance id -> ranks' request id
+        self._handed: dict[int, Handed] = {}  # prefill side: instance id -> held pages
         bundle = rank_bundle(num_cpus_per_rank, int(settings.gpu), resources)
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         self.ranks: list[Any] = []
@@ -262,7 +262,7 @@ class Instance(InstanceHandoff):
     def _finish(self, out: Output) -> Output:
         req_id = self._instance_id.pop(out.request_id)
         if self._pending[req_id].targets is not None:  # its pages wait for release_handoff
-            self._handed[req_id] = self._rank_id[req_id]
+            self._hand(req_id, self._rank_id[req_id], out.finish_reason)
         del self._rank_id[req_id], self._pending[req_id]
         return dataclasses.replace(out, request_id=req_id)
 

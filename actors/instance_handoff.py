@@ -10,21 +10,29 @@ KV heads on both sides), so every per-rank value is a list in rank order.
     ... prefill.step_report().handoffs[pid]                      # each rank's HandoffSent
     did = decode.add_received(prompt, sampling, incoming_kv(...))  # KV-ready, then decode
     prefill.release_handoff(pid)                                 # once the decode side has it
+
+Every call recovers the instance when a rank fails in it, as a step does (`_recovering`: the
+ranks replaced, pending requests added again): what the failed ranks held died with them (a
+reservation, handed-off pages), and the call answers as if it were gone (None, False).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence, TypeVar
 
 from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, rank_sums
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
-from kvtier.engine.request import Resume
+from kvtier.engine.request import FinishReason, Resume
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
+from kvtier.engine.scheduler import HANDED_HOLD_S
 from kvtier.errors import ConfigError
 from kvtier.keys import check_cache_salt
 
 if TYPE_CHECKING:
     from kvtier.actors.step_wire import Progress, StepReport
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,17 +69,27 @@ class PendingRequest:
         return new
 
 
+class Handed(NamedTuple):
+    """A finished prefill whose pages its ranks hold for the decode side."""
+
+    rank_id: int     # its id on the current ranks
+    deadline: float  # monotonic: the ranks have given the pages back by then (their hold)
+
+
 class InstanceHandoff:
-    """Hand-off calls over `self.ranks` (`_all`, `_each`, `_add` come from Instance)."""
+    """Hand-off calls over `self.ranks` (`_all`, `_each`, `_add`, `_recovering` come from
+    Instance)."""
 
     size: int
     _transport: tuple[str, bool] | None
-    _handed: dict[int, int]
+    _handed: dict[int, Handed]
     _instance_id: dict[int, int]
+    handed_hold_s = HANDED_HOLD_S  # how long the ranks hold a handed-off request's pages
 
     def handoff_open(self, transport: str, staged: bool = False) -> list[bytes]:
         """Every rank opens its endpoint (kept across rank restarts); their addresses.
-        `staged`: the peers have another TP size (hand-offs go through L2)."""
+        `staged`: the peers have another TP size (hand-offs go through L2). Setup, not
+        recovered: a failure here (a bad transport) raises."""
         addresses = self._all("handoff_open", transport, staged)
         self._transport = (transport, staged)
         return addresses
@@ -82,17 +100,26 @@ class InstanceHandoff:
                         ) -> list[HandoffTarget] | None:
         """Bootstrap: every rank reserves L1 pages for the prompt (and L2 staging pages when
         `staged`: the prefill instance has another TP size); each rank's target, or None (and
-        nothing held) when any rank has no room."""
-        got = self._all("handoff_reserve", handoff_id, num_tokens, hold_s, staged)
-        if any(t is None for t in got):
-            self._all("handoff_cancel", handoff_id)
-            return None
-        return [HandoffTarget.from_wire(t) for t in got]
+        nothing held) when any rank has no room or a rank failed (the instance recovers)."""
+        def reserve() -> list[HandoffTarget] | None:
+            got = self._all("handoff_reserve", handoff_id, num_tokens, hold_s, staged)
+            if any(t is None for t in got):
+                self._all("handoff_cancel", handoff_id)
+                return None
+            return [HandoffTarget.from_wire(t) for t in got]
+        return self._recovering(reserve, None)
 
     def cancel_handoff(self, handoff_id: str, linger_s: float = 0.0) -> None:
         """Call a reservation off on every rank: its pages are freed now, or after
-        `linger_s` when a write to them failed (it may still be running)."""
-        self._all("handoff_cancel", handoff_id, linger_s)
+        `linger_s` when a write to them failed (it may still be running). A rank that fails
+        here is replaced with the others: the reservation died with them."""
+        self._recovering(lambda: self._all("handoff_cancel", handoff_id, linger_s), None)
+
+    def prompt_pages_held(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Whole pages of the prompt every rank holds in L1 or L2 (0 when a rank fails: the
+        instance recovers, its new ranks hold nothing)."""
+        return self._recovering(
+            lambda: min(self._all("pin_held", [int(t) for t in tokens], cache_salt)), 0)
 
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams,
                      sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],
@@ -126,11 +153,32 @@ class InstanceHandoff:
 
     def release_handoff(self, request_id: int) -> bool:
         """The decode side has the request's KV (or gave up on it): the prefill ranks give its
-        pages to their caches."""
-        rank_id = self._handed.pop(request_id, None)
-        if rank_id is None:
+        pages to their caches. False when they hold none for it (released already, their
+        hold ended, or a rank failed: the pages died with the ranks)."""
+        held = self._handed.pop(request_id, None)
+        if held is None:
             return False
-        return all(self._all("release_handoff", rank_id))
+        return self._recovering(lambda: all(self._all("release_handoff", held.rank_id)), False)
+
+    @property
+    def handed_requests(self) -> int:
+        """Finished prefills whose pages the ranks hold until `release_handoff`."""
+        self._forget_expired()
+        return len(self._handed)
+
+    def _hand(self, request_id: int, rank_id: int, reason: FinishReason) -> None:
+        """A prefill finished: its ranks hold its pages for the decode side unless it was
+        aborted (as their scheduler does); remembered until released or their hold ends."""
+        self._forget_expired()
+        if reason is not FinishReason.ABORTED:
+            self._handed[request_id] = Handed(rank_id, time.monotonic() + self.handed_hold_s)
+
+    def _forget_expired(self) -> None:
+        """The ranks released these at their hold's end already; a release that never came
+        must not keep them here."""
+        now = time.monotonic()
+        for req_id in [i for i, h in self._handed.items() if h.deadline <= now]:
+            del self._handed[req_id]
 
     def raw_handoff_writes(self, targets: Sequence[HandoffTarget],
                            through_kvtier: bool = False) -> list[tuple[int, float]]:
@@ -158,6 +206,9 @@ class InstanceHandoff:
         raise NotImplementedError
 
     def _add(self, pending: Any) -> int:
+        raise NotImplementedError
+
+    def _recovering(self, call: Callable[[], T], on_failure: T) -> T:
         raise NotImplementedError
 
 

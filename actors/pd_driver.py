@@ -8,7 +8,8 @@ instance and decoded on a decode instance that received its prompt's KV.
 Per request (`add`, then `step` until it is returned; `step_report` also gives the tokens of
 the requests that grew, for streaming; `abort` stops one wherever it is):
   bootstrap  the least loaded decode instance (then the one holding most of the prompt)
-             reserves L1 pages for the prompt on every rank; none has room: the request is
+             reserves L1 pages for the prompt on every rank; none has room, or the request
+             asks for one token only (its prefill ends it: no KV to move), the request is
              served mixed on a prefill instance (mode MIXED)
   prefill    the prefill instance holding most of the prompt (then the least loaded)
              computes the rest of it and samples the first token: TTFT
@@ -19,8 +20,13 @@ the requests that grew, for streaming; `abort` stops one wherever it is):
 A transfer that failed, or pages some decode rank found corrupt, make the decode instance
 recompute the request from its prompt (mode RECOMPUTED); a decode instance whose ranks were
 replaced recomputes its requests the same way; a prefill instance whose ranks were replaced
-prefills again into the same reservation. Nothing is lost, and the answer is the one a mixed
-instance gives.
+prefills again into the same reservation. Every call the driver makes to an instance
+recovers that instance when one of its ranks fails in it (Instance._recovering), so a dead
+rank costs its own instance a restart and its requests a recomputation, never anyone else's
+answer. Nothing is lost, and the answer is the one a mixed instance gives.
+
+A write that failed or timed out may still be running in the transport: its reservation
+lingers (`linger_s`) before its pages go back, whether the request goes on or not.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-from kvtier.actors.instance import Instance, InstanceError, InstanceStep, RankFailure
+from kvtier.actors.instance import Instance, InstanceError, InstanceStep
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffSent, HandoffStages, HandoffTarget
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, FAILED_WRITE_LINGER_S
@@ -50,7 +56,8 @@ IDLE_WAIT_S = 0.0005
 class PDMode(enum.Enum):
     HANDOFF = "handoff"        # decoded over the KV its prefill instance sent
     RECOMPUTED = "recomputed"  # the hand-off failed: the decode instance computed the prompt
-    MIXED = "mixed"            # no decode instance had room: one instance did it all
+    MIXED = "mixed"            # one instance did it all (no decode instance had room, or
+    # only one token was asked for)
 
 
 class PDOutput(NamedTuple):
@@ -142,14 +149,16 @@ class PDDriver:
             f.pid = self.prefill[f.prefill].add_request(f.tokens, sampling, cache_salt, resume)
             self._by_pid[(f.prefill, f.pid)] = f
             return f.id
-        start = time.perf_counter()
-        f.handoff_id = f"pd-{uuid.uuid4().hex[:12]}-{f.id}"
-        f.decode, f.targets = self._bootstrap(f)
-        f.stages["bootstrap_s"] = time.perf_counter() - start
+        if sampling.max_new_tokens > 1:  # else its prefill ends it: no KV to move
+            start = time.perf_counter()
+            f.handoff_id = f"pd-{uuid.uuid4().hex[:12]}-{f.id}"
+            f.decode, f.targets = self._bootstrap(f)
+            f.stages["bootstrap_s"] = time.perf_counter() - start
+            if f.targets is None:
+                log.info("request %d: no decode instance has room; serving it mixed", f.id)
         inst = self.prefill[f.prefill]
         if f.targets is None:
             f.mode = PDMode.MIXED
-            log.info("request %d: no decode instance has room; serving it mixed", f.id)
             f.pid = inst.add_request(f.tokens, sampling, cache_salt)
         else:
             first_only = dataclasses.replace(sampling, max_new_tokens=1)
@@ -167,16 +176,13 @@ class PDDriver:
 
     def _held(self, inst: Instance, f: _Flight) -> int:
         """Whole pages of the prompt every rank of `inst` holds in L1 or L2 (0 when its ranks
-        fail: its next step replaces them)."""
-        try:
-            return min(inst.call_all("pin_held", list(f.tokens), f.salt))
-        except RankFailure:
-            return 0
+        fail: they are replaced)."""
+        return inst.prompt_pages_held(f.tokens, f.salt)
 
     def _bootstrap(self, f: _Flight) -> tuple[int, list[HandoffTarget] | None]:
         """The least loaded decode instance (then the one holding most of the prompt: its
         conversation's earlier turns, for its next turn's cache) that can reserve the
-        prompt's pages (one whose ranks fail is passed over: its next step replaces them)."""
+        prompt's pages (one whose ranks fail is passed over: they are replaced)."""
         if len(self.decode) == 1:
             order = [0]
         else:
@@ -184,13 +190,8 @@ class PDDriver:
                            key=lambda i: (self.decode[i].num_pending,
                                           -self._held(self.decode[i], f)))
         for i in order:
-            try:
-                targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens),
-                                                         self.hold_s, self.staged)
-            except RankFailure as exc:
-                log.warning("request %d: decode instance %d failed to reserve pages (%s)",
-                            f.id, i, exc)
-                continue
+            targets = self.decode[i].reserve_handoff(f.handoff_id, len(f.tokens), self.hold_s,
+                                                     self.staged)
             if targets is not None:
                 return i, targets
         return -1, None
@@ -269,7 +270,10 @@ class PDDriver:
     def _after_prefill(self, f: _Flight, out: Output, sent: list[HandoffSent]) -> None:
         decode, prefill = self.decode[f.decode], self.prefill[f.prefill]
         if out.finish_reason is not FinishReason.LENGTH or f.sampling.max_new_tokens <= 1:
-            decode.cancel_handoff(f.handoff_id)  # the first token ended it
+            # the first token ended it (a stop token: nothing was sent); a write that failed
+            # may still be running, so its pages linger as on the recompute path below
+            clean = all(s.ok for s in sent)
+            decode.cancel_handoff(f.handoff_id, 0.0 if clean else self.linger_s)
             prefill.release_handoff(out.request_id)
             self._finish(f, out, out)
             return
@@ -335,6 +339,8 @@ class PDDriver:
         f.sent = new.stop
 
     def _finish(self, f: _Flight, first: Output, last: Output) -> None:
+        if f.mode is not PDMode.MIXED:  # its prefill side's pages, if the decode side never
+            self.prefill[f.prefill].release_handoff(f.pid)  # said (no token: no KV-ready)
         del self._flights[f.id]
         self._progress.pop(f.id, None)
         ttft = None if f.first_token_s is None else f.first_token_s - f.arrival_s

@@ -101,8 +101,9 @@ class RankHandoff:
 
     def _send_handoffs(self) -> list[list]:
         """After a step: transfer each newly handed-off request; [request id, HandoffSent
-        wire] per request."""
-        if self._sender is None or not self.engine.scheduler.handed:
+        wire] per request. Called with none handed off too: the sender then forgets those
+        whose hold expired."""
+        if self._sender is None:
             return []
         handed = [req for req, _ in self.engine.scheduler.handed.values()]
         sent = self._sender.send_new(handed)
@@ -127,7 +128,8 @@ class RankHandoff:
                self.engine.scheduler.admission.handoffs.counters._asdict().items()},
             "reserved_pages": self.engine.handoffs.held_pages,
             "max_report_bytes": getattr(self, "max_report_bytes", 0),  # through Ray, per step
-            "handed_requests": len(self.engine.scheduler.handed)}
+            "handed_requests": len(self.engine.scheduler.handed),
+            "sent_unreleased": self._sender.unreleased if self._sender is not None else 0}
         if self._endpoint is not None:
             out["transport"] = self._endpoint.kind.value
             out.update({f"transport_{k}": v for k, v in

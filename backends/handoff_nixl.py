@@ -44,7 +44,7 @@ import numpy as np
 from kvtier.backends.handoff_base import (HandoffEndpoint, HandoffTimeout, HandoffTransferError,
                                           HandoffUnavailable, Rows, Target)
 from kvtier.backends.handoff_regions import Region, RegionTable, parse_device
-from kvtier.backends.nixl_agent import wait_xfer
+from kvtier.backends.nixl_agent import release_or_keep, wait_xfer
 from kvtier.policies import HandoffTransportKind
 
 log = logging.getLogger(__name__)
@@ -172,8 +172,9 @@ class NixlEndpoint(HandoffEndpoint):
                 return self._agent.add_remote_agent(target.address.blob)
         except Exception as exc:
             raise HandoffTransferError(f"NIXL cannot load the metadata of peer "
-                                       f"{target.address.name} ({exc}): its address is corrupt "
-                                       "or from another NIXL version") from exc
+                                       f"{target.address.name} ({exc}): its process may be "
+                                       "gone, or its address is corrupt or from another NIXL "
+                                       "version") from exc
 
     def _disconnect(self, target: Target) -> None:
         try:
@@ -195,26 +196,32 @@ class NixlEndpoint(HandoffEndpoint):
                 handle = a.initialize_xfer("WRITE", a.get_xfer_descs(larr, lmem),
                                            a.get_xfer_descs(rarr, rmem), target.conn,
                                            backends=[BACKEND])
-                state = a.transfer(handle)
             except Exception as exc:
                 raise HandoffTransferError(f"NIXL refused a write of {len(larr)} rows to {peer} "
                                            f"({exc}): {_why(exc)}") from exc
-            state = wait_xfer(a, handle, state, deadline, _BUSY_POLL_S, _MAX_SLEEP_S)
-            self._release(handle, state, f"{len(larr)} rows to {peer}", timeout_s)
+            self._finish(handle, deadline, f"{len(larr)} rows to {peer}", timeout_s)
 
-    def _release(self, handle, state: str, what: str, timeout_s: float) -> None:
+    def _finish(self, handle, deadline: float, what: str, timeout_s: float,
+                busy_s: float = _BUSY_POLL_S) -> None:
+        """Post the transfer, poll it until done or `deadline`, release its handle whatever
+        happened (a raising `transfer` or poll too); HandoffTransferError unless DONE.
+        `busy_s` 0: poll without sleeping (the bare library loop of raw_write)."""
+        a, error = self._agent, None
         try:
-            self._agent.release_xfer_handle(handle)  # cancels a transfer still running
-        except Exception:  # noqa: BLE001 - cannot cancel: UCX may still touch the memory
-            self._stuck.append(handle)
+            state = wait_xfer(a, handle, a.transfer(handle), deadline, busy_s, _MAX_SLEEP_S)
+        except Exception as exc:  # noqa: BLE001 - NIXL's own error: this write failed
+            state, error = "ERR", exc
+        release_or_keep(a, handle, self._stuck)  # cancels a transfer still running
         if state == "PROC":
             raise HandoffTimeout(f"a NIXL write of {what} did not finish in {timeout_s:.2f} s: "
                                  "the peer may be hung or not progressing (is its endpoint open "
                                  "and its process alive?)")
         if state != "DONE":
-            raise HandoffTransferError(f"NIXL failed a write of {what} ({state}): check that the "
+            why = state if error is None else f"{type(error).__name__}: {error}; {_why(error)}"
+            raise HandoffTransferError(f"NIXL failed a write of {what} ({why}): check that the "
                                        "peer's process and endpoint are alive and that UCX can "
-                                       "reach it (UCX_NET_DEVICES, UCX_TLS on both sides)")
+                                       "reach it (UCX_NET_DEVICES, UCX_TLS on both sides)"
+                                       ) from error
 
     def _raw_write(self, target: Target, local: np.ndarray, remote: np.ndarray,
                    timeout_s: float) -> None:
@@ -228,10 +235,8 @@ class NixlEndpoint(HandoffEndpoint):
             handle = a.initialize_xfer("WRITE", a.get_xfer_descs(larr, _MEM[lkind]),
                                        a.get_xfer_descs(rarr, _MEM[rkind]), target.conn,
                                        backends=[BACKEND])
-            state, deadline = a.transfer(handle), time.monotonic() + timeout_s
-            while state == "PROC" and time.monotonic() < deadline:
-                state = a.check_xfer_state(handle)
-            self._release(handle, state, f"{len(larr)} rows (raw)", timeout_s)
+            self._finish(handle, time.monotonic() + timeout_s, f"{len(larr)} rows (raw)",
+                         timeout_s, busy_s=0.0)
 
     # ---- lifetime ----------------------------------------------------------------------
     def _close(self) -> None:

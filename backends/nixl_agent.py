@@ -59,6 +59,19 @@ def wait_xfer(agent, handle, state: str, deadline: float, busy_s: float = _FAST_
     return state
 
 
+def release_or_keep(agent, handle, stuck: list) -> bool:
+    """Release a transfer handle (NIXL cancels a transfer still running); True when done.
+    When NIXL refuses, the handle goes to `stuck`: the transfer may still touch the memory it
+    names, which must then stay registered (and the handle alive) until exit."""
+    try:
+        agent.release_xfer_handle(handle)
+        return True
+    except Exception as exc:  # noqa: BLE001 - cannot cancel: keep it, say so
+        log.warning("NIXL could not release a transfer handle (%s); keeping it", exc)
+        stuck.append(handle)
+        return False
+
+
 class TransferTimeout(PagesStillInUse):
     """A NIXL transfer did not finish in time and could not be cancelled."""
 
@@ -146,22 +159,22 @@ class PosixAgent:
         return done
 
     def _run(self, op: str, local, remote, timeout_s: float) -> bool:
-        """initialize_xfer + transfer + bounded wait + release; True when DONE."""
+        """initialize_xfer + transfer + bounded wait + release; True when DONE. The handle is
+        released however the transfer ended (kept in `_stuck` when NIXL cannot cancel it)."""
         a = self._agent
         handle = a.initialize_xfer(op, local, remote, self.name, backends=[PLUGIN])
         try:
             state = self._wait(handle, a.transfer(handle), time.monotonic() + timeout_s)
-        except Exception:
-            state = "ERR"  # released below; NIXL cancels what it can
-        if state == "PROC":
-            try:
-                a.release_xfer_handle(handle)  # NIXL tries to cancel; POSIX usually cannot
-            except Exception:
-                self._stuck.append(handle)  # the kernel may still touch these pages
+        except Exception as exc:  # noqa: BLE001 - released below; NIXL cancels what it can
+            log.warning("NIXL %s of %d objects raised: %s", op, local.descCount(), exc)
+            state = "ERR"
+        released = release_or_keep(a, handle, self._stuck)  # POSIX usually cannot cancel
+        if state == "PROC" or not released:  # the kernel may still touch these pages
+            how = f"did not finish in {timeout_s:.1f} s" if state == "PROC" else \
+                f"ended ({state}) but NIXL could not release it"
             raise TransferTimeout(
-                f"a NIXL {op} of {local.descCount()} objects did not finish in {timeout_s:.1f} s; "
-                "the storage is too slow or hung: check the disk under root_dir, then restart")
-        a.release_xfer_handle(handle)
+                f"a NIXL {op} of {local.descCount()} objects {how}; the storage is too slow "
+                "or hung: check the disk under root_dir, then restart")
         if state != "DONE":
             log.warning("NIXL %s of %d objects failed (%s)", op, local.descCount(), state)
         return state == "DONE"

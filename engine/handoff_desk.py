@@ -18,8 +18,9 @@ from kvtier.tiers.hierarchical_cache import HierarchicalCache
 log = logging.getLogger(__name__)
 
 # How long a reservation waits for its request. A prefill rank writes only in its first half
-# (HandoffTarget.write_by), and a write gives up after TRANSFER_TIMEOUT_S (40 s), so no write
-# to the pages can still run when they are freed.
+# (HandoffTarget.write_by): each write may run only until then, so no write to the pages can
+# still run when they are freed (a Mooncake write given up at write_by ends within Mooncake's
+# own 30 s timeout, before the hold's second half is over).
 DEFAULT_HOLD_S = 90.0
 # A failed write may still be running in the transport (Mooncake's own timeout is 30 s): its
 # pages stay held this long after the failure, so no other request's KV is overwritten.

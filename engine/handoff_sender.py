@@ -5,12 +5,17 @@ The endpoint (kvtier.backends.handoff_base.HandoffEndpoint: NIXL or Mooncake) ha
 rank's L1 pool registered; the decode rank's pool is named by its `HandoffTarget`. One
 write per request moves every region of every page (page-aligned, in one batch); the sums
 of what was sent let the decode ranks verify each page.
+
+No write runs past its target's `write_by`: each write is given only the time left before it
+(and one that would start later is not started), because the decode rank frees the pages at
+its hold's end and gives them to other requests. Whatever a write raises, the send fails
+(`HandoffSent.ok` False) and the decode side recomputes; the step goes on.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -19,13 +24,17 @@ import torch
 from kvtier.backends.handoff_base import HandoffTransferError
 from kvtier.engine.handoff import HandoffSent, HandoffTarget, page_sums, pool_regions
 from kvtier.engine.handoff_staging import copy_to_host, head_regions, head_sums
-from kvtier.engine.request import Request, pages_for
+from kvtier.engine.request import FinishReason, Request, pages_for
 from kvtier.errors import KvtierError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT_S = 40.0  # past Mooncake's own 30 s, so its call needs no helper thread
+
+
+class WriteDeadlinePassed(HandoffTransferError):
+    """A hand-off write would start after its target's `write_by`: it is not started."""
 
 
 class HandoffSender:
@@ -37,13 +46,16 @@ class HandoffSender:
     object goes to the decode rank holding that head (kvtier.engine.handoff_staging)."""
 
     def __init__(self, endpoint: Any, cache: HierarchicalCache, heads: tuple[int, int],
-                 timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+                 timeout_s: float = TRANSFER_TIMEOUT_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`clock`: wall-clock seconds, what `HandoffTarget.write_by` is in (tests inject
+        one)."""
         self.endpoint, self.cache, self.timeout_s = endpoint, cache, timeout_s
-        self.pool, self.heads = cache.device_pool, heads
+        self.pool, self.heads, self.clock = cache.device_pool, heads, clock
         kv = self.pool.kv
         endpoint.register(kv.data_ptr(), kv.numel() * kv.element_size(), str(kv.device))
         self._host_registered: int | None = None
-        self._sent: set[int] = set()
+        self._sent: set[int] = set()  # handed-off requests seen, while they are handed off
 
     def register_host(self) -> None:
         """Let peers of another TP size stage through this rank's L2 (`page_head`)."""
@@ -53,16 +65,28 @@ class HandoffSender:
             self._host_registered = kv.data_ptr()
 
     def send_new(self, handed: Iterable[Request]) -> list[HandoffSent]:
-        """Transfer every request in `handed` not sent yet; one record each."""
+        """Transfer every request in `handed` (all the scheduler's handed-off requests) not
+        sent yet; one record each. A request no longer in `handed` (released, or its hold
+        expired) is forgotten. Only one that reached its token limit goes on decoding: one
+        that ended otherwise (its first token a stop token, an error) is not sent, the
+        decode side never needs its KV."""
+        handed = list(handed)
+        self._sent &= {req.id for req in handed}
         out = []
         for req in handed:
             if req.id not in self._sent:
                 self._sent.add(req.id)
-                out.append(self.send(req))
+                if req.finish_reason is FinishReason.LENGTH:
+                    out.append(self.send(req))
         return out
 
     def forget(self, request_id: int) -> None:
         self._sent.discard(request_id)
+
+    @property
+    def unreleased(self) -> int:
+        """Requests seen handed off and not released yet (0 once every one was)."""
+        return len(self._sent)
 
     def send(self, req: Request) -> HandoffSent:
         targets = req.handoff_to
@@ -72,18 +96,29 @@ class HandoffSender:
         if self.pool.kv.is_cuda:  # the prefill's writes must land before the NIC reads them
             torch.cuda.current_stream(self.pool.kv.device).synchronize()
         failed = HandoffSent(hid, False, (), 0, 0, 0.0, "", self.heads)
-        if any(t.write_by and time.time() > t.write_by for t in targets):
-            log.warning("hand-off %s: past its write deadline; not writing (the decode side "
-                        "may have freed the pages)", hid)
-            return failed._replace(error="past the write deadline")
         try:
+            for t in targets:  # none is written when any is late (nothing to copy either)
+                self._time_left_s(t)
             if self._straight(targets) is not None:
                 return self._send_pages(targets, pages)
             return self._send_staged(targets, pages)
-        except KvtierError as exc:
-            log.warning("hand-off %s: the transfer failed (%s); the decode side recomputes",
-                        hid, exc)
-            return failed._replace(error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed send, never a step's
+            # (a transport library's own error too: the decode side recomputes either way)
+            log.warning("hand-off %s: the transfer failed (%s: %s); the decode side recomputes",
+                        hid, type(exc).__name__, exc, exc_info=not isinstance(exc, KvtierError))
+            return failed._replace(error=str(exc) or type(exc).__name__)
+
+    def _time_left_s(self, target: HandoffTarget) -> float:
+        """How long a write to `target` may run: TRANSFER_TIMEOUT_S, or what is left before
+        its `write_by` when that is sooner. Raises WriteDeadlinePassed when nothing is left:
+        the decode rank may free the pages before such a write ends."""
+        if not target.write_by:
+            return self.timeout_s
+        left = target.write_by - self.clock()
+        if left <= 0:
+            raise WriteDeadlinePassed(f"past the write deadline by {-left:.3f} s; not writing "
+                                      f"(the decode side may have freed the pages)")
+        return min(self.timeout_s, left)
 
     def plan(self, targets: Sequence[HandoffTarget], pages: Sequence[int],
              staging: Sequence[int] = ()) -> list[tuple[HandoffTarget, np.ndarray, np.ndarray]]:
@@ -135,7 +170,7 @@ class HandoffSender:
     def _send_pages(self, targets: Sequence[HandoffTarget], pages: list[int]) -> HandoffSent:
         """Equal TP sizes: L1 pages into the decode rank's L1 pages, in one write."""
         ((target, local, remote),) = self.plan(targets, pages)
-        wrote = self.endpoint.write(target.peer, local, remote, self.timeout_s)
+        wrote = self.endpoint.write(target.peer, local, remote, self._time_left_s(target))
         return HandoffSent(target.handoff_id, True, page_sums(self.pool.kv, pages), wrote.bytes,
                            wrote.descriptors, wrote.seconds, "", self.heads)
 
@@ -153,7 +188,7 @@ class HandoffSender:
             nbytes = descriptors = 0
             seconds = 0.0
             for t, local, remote in self.plan(targets, pages, staging):
-                wrote = self.endpoint.write(t.peer, local, remote, self.timeout_s)
+                wrote = self.endpoint.write(t.peer, local, remote, self._time_left_s(t))
                 nbytes += wrote.bytes
                 descriptors += wrote.descriptors
                 seconds += wrote.seconds

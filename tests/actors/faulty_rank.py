@@ -106,6 +106,30 @@ class FaultyRankCache(SoakRankCache):
             os._exit(1)
         return super().step()
 
+    _crash_in: str | None = None
+
+    def crash_in_next(self, method: str) -> None:
+        """Kill this rank's process in its next `method` call ("release_handoff",
+        "handoff_cancel"): it dies between steps, in a call the PD driver makes."""
+        self._crash_in = method
+
+    def _crash_if_in(self, method: str) -> None:
+        if self._crash_in == method:
+            log.error("rank %d: crashing in %s (injected)", self.rank, method)
+            os._exit(1)
+
+    def release_handoff(self, request_id: int) -> bool:
+        self._crash_if_in("release_handoff")
+        return super().release_handoff(request_id)
+
+    def handoff_cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
+        self._crash_if_in("handoff_cancel")
+        return super().handoff_cancel(handoff_id, linger_s)
+
+    def hold_handed_for(self, seconds: float) -> None:
+        """How long this rank holds a handed-off request's pages for the decode side's word."""
+        self.engine.scheduler.handed_hold_s = seconds
+
     def refuse_allocations(self, count: int) -> None:
         """Make this rank's next `count` L1 allocations fail (a rank-local out-of-memory)."""
         self._refusals += count

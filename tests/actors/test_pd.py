@@ -11,12 +11,15 @@ import torch
 from eventually import eventually
 from faulty_rank import FaultyRankCache
 
+from kvtier.actors.instance import InstanceStep
 from kvtier.actors.pd_driver import PDDriver, PDMode
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
-from kvtier.engine.request import pages_for
+from kvtier.engine.handoff import HandoffSent, HandoffTarget
+from kvtier.engine.request import CachedTokens, FinishReason, Output, pages_for
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_worker import TinyWeights
+from kvtier.tiers.cache_types import RequestLengths
 
 PAGE = 16
 SETTINGS = RankSettings(TinyWeights(seed=3), HiCacheConfig(page_size=PAGE), device_pages=48,
@@ -46,7 +49,9 @@ def _held(*instances) -> list:
     """Whatever is held outside the caches' trees: rank audits, hand-off counters."""
     audits = [a for inst in instances for a in inst.call_all("audit") if any(a.values())]
     return audits + [c for inst in instances for c in inst.handoff_counters()
-                     if c["reserved_pages"] or c["handed_requests"]]
+                     if c["reserved_pages"] or c["handed_requests"] or c["sent_unreleased"]] \
+        + [f"{inst.handed_requests} handed-off requests" for inst in instances
+           if inst.handed_requests]
 
 
 def _no_leaks(*instances, settle: bool = False) -> None:
@@ -61,6 +66,20 @@ def _no_leaks(*instances, settle: bool = False) -> None:
         eventually(stepped_clean, LINGER_S + 30, "the pages a failed write targeted were let "
                    "go after their linger", interval_s=0.05)
     assert not _held(*instances), _held(*instances)
+
+
+def _answered_once(pd: PDDriver, ids: list[int], max_steps: int = 2000) -> dict:
+    """Step until nothing is in flight; each request's output by id (each came once)."""
+    got: dict = {}
+    for _ in range(max_steps):
+        if not pd.num_pending:
+            break
+        for out in pd.step():
+            assert out.request_id not in got, f"request {out.request_id} answered twice"
+            got[out.request_id] = out
+        time.sleep(0.001)
+    assert sorted(got) == sorted(ids) and not pd.num_pending
+    return got
 
 
 @pytest.mark.parametrize("transport, prefill_tp, decode_tp", [
@@ -253,3 +272,140 @@ def test_transfer_timeout_on_one_prefill_rank_makes_the_decode_side_recompute(
         # the timed-out write's target pages are held for the linger, then freed
         assert any(c["reserved_pages"] for c in d.handoff_counters())
         _no_leaks(p, d, settle=True)
+
+
+def test_a_prefill_rank_that_dies_in_a_release_costs_its_instance_a_restart_only(
+        instance_factory, mixed_answers):
+    """A prefill rank dies in the release the driver makes once the decode side has a
+    request's KV: that instance replaces its ranks (the pages it held died with them), and
+    every request is still answered once, from the KV the decode side has."""
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
+            instance_factory(SETTINGS, tp_size=2) as d:
+        pd = PDDriver([p], [d], transport="nixl")
+        p.rank_call(1, "crash_in_next", "release_handoff")
+        ids = [pd.add(t, GREEDY) for t in PROMPTS]
+        outs = _answered_once(pd, ids)
+        assert [outs[i].tokens for i in ids] == mixed_answers
+        assert [outs[i].mode for i in ids] == [PDMode.HANDOFF] * len(PROMPTS)
+        assert (p.restarts, d.restarts) == (1, 0)
+        _no_leaks(p, d)
+
+
+def test_a_decode_rank_that_dies_in_a_cancel_costs_its_instance_a_restart_only(
+        instance_factory, mixed_answers):
+    """One prefill rank's write times out, and a decode rank dies in the cancel that follows:
+    the decode instance replaces its ranks (its reservations died with them) and computes
+    both requests from their prompts; each is answered once, as a mixed instance does."""
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
+            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as d:
+        pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
+        p.rank_call(1, "time_out_next_handoff")
+        d.rank_call(0, "crash_in_next", "handoff_cancel")
+        ids = [pd.add(t, GREEDY) for t in PROMPTS[:2]]
+        outs = _answered_once(pd, ids)
+        assert [outs[i].tokens for i in ids] == mixed_answers[:2]
+        assert [outs[i].mode for i in ids] == [PDMode.RECOMPUTED] * 2
+        assert (p.restarts, d.restarts) == (0, 1)
+        _no_leaks(p, d, settle=True)
+
+
+def test_an_abort_whose_cancel_kills_a_decode_rank_leaves_the_others_answered(
+        instance_factory, mixed_answers):
+    """A request aborted in its prefill stage; a decode rank dies in the cancel of its
+    reservation. The other request's reservation died with that rank: its prefill's write
+    fails, and the decode instance (new ranks) computes it from its prompt."""
+    with instance_factory(SETTINGS, tp_size=1) as p, \
+            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as d:
+        pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
+        gone, kept = pd.add(PROMPTS[0], GREEDY), pd.add(PROMPTS[1], GREEDY)
+        d.rank_call(1, "crash_in_next", "handoff_cancel")
+        assert pd.abort(gone)
+        out = _answered_once(pd, [kept])[kept]
+        assert out.tokens == mixed_answers[1] and out.mode is PDMode.RECOMPUTED
+        assert (p.restarts, d.restarts) == (0, 1)
+        _no_leaks(p, d, settle=True)
+
+
+def test_a_request_its_prefill_ends_moves_no_kv(instance_factory, mixed_answers):
+    """One token asked for: served by the prefill instance alone (no reservation, no
+    transfer). A first token that is a stop token: its reservation is called off and
+    nothing is written."""
+    with instance_factory(SETTINGS, tp_size=1) as p, instance_factory(SETTINGS, tp_size=1) as d:
+        pd = PDDriver([p], [d], transport="nixl")
+        one = SamplingParams(max_new_tokens=1)
+        stop = SamplingParams(max_new_tokens=6, stop_token_ids=(mixed_answers[0][0],))
+        ids = [pd.add(PROMPTS[1], one), pd.add(PROMPTS[0], stop)]
+        outs = _answered_once(pd, ids)
+        assert outs[ids[0]].tokens == mixed_answers[1][:1] and outs[ids[0]].mode is PDMode.MIXED
+        assert outs[ids[1]].tokens == mixed_answers[0][:1]
+        assert outs[ids[1]].finish_reason.value == "stop"
+        assert p.handoff_counters()[0]["transport_bytes"] == 0
+        (desk,) = d.handoff_counters()
+        assert (desk["desk_reserved"], desk["desk_cancelled"]) == (1, 1)
+        _no_leaks(p, d)
+
+
+def test_a_prefill_never_released_is_forgotten_when_its_hold_ends(instance_factory):
+    """The instance and its ranks keep nothing for a finished prefill whose release never
+    comes (once the ranks' hold ended), nor for an aborted one."""
+    with instance_factory(SETTINGS, tp_size=1, rank_class=FaultyRankCache) as p, \
+            instance_factory(SETTINGS, tp_size=1) as d:
+        p.handoff_open("nixl"), d.handoff_open("nixl")
+        one = SamplingParams(max_new_tokens=1)
+        aborted = p.add_prefill(PROMPTS[1], one, d.reserve_handoff("a", len(PROMPTS[1])))
+        assert p.abort(aborted) is not None and p.handed_requests == 0
+        p.rank_call(0, "hold_handed_for", 0.0)
+        p.handed_hold_s = 0.0
+        pid = p.add_prefill(PROMPTS[0], one, d.reserve_handoff("b", len(PROMPTS[0])))
+        (out,) = p.wait([pid])
+        assert p.handed_requests == 0
+        p.step()  # the ranks give the pages back at their hold's end
+        d.cancel_handoff("a"), d.cancel_handoff("b")
+        _no_leaks(p, d)
+
+
+class ScriptedInstance:
+    """An Instance stand-in (no Ray): reserves what it is asked, steps what the test scripts,
+    and records the hand-off calls the driver makes."""
+
+    size, restarts, num_pending = 1, 0, 0
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.steps: list[InstanceStep] = []
+
+    def handoff_open(self, transport: str, staged: bool = False) -> None:
+        pass
+
+    def reserve_handoff(self, handoff_id, num_tokens, hold_s, staged):
+        self.calls.append(("reserve", handoff_id))
+        return [HandoffTarget(handoff_id, b"", 0, 64, tuple(range(pages_for(num_tokens, PAGE))))]
+
+    def add_prefill(self, tokens, sampling, targets, cache_salt=""):
+        return 0
+
+    def step_report(self) -> InstanceStep:
+        return self.steps.pop(0) if self.steps else InstanceStep([], {}, None)
+
+    def cancel_handoff(self, handoff_id, linger_s=0.0) -> None:
+        self.calls.append(("cancel", handoff_id, linger_s))
+
+    def release_handoff(self, request_id) -> bool:
+        self.calls.append(("release", request_id))
+        return True
+
+
+def test_a_request_its_first_token_ended_after_a_failed_write_lingers():
+    """The first token ended the request, but a write to its reservation failed (it may still
+    be running): the reservation lingers before its pages go back, as on the recompute path."""
+    p, d = ScriptedInstance(), ScriptedInstance()
+    pd = PDDriver([p], [d], transport="simulated", linger_s=7.0)
+    rid = pd.add(PROMPTS[0], GREEDY)
+    ((_, hid),) = d.calls
+    out = Output(0, tuple(PROMPTS[0]), (5,), None, FinishReason.STOP,
+                 RequestLengths(0, 0, 0, 0, len(PROMPTS[0])), CachedTokens(0, 0, 0), 0.1, None)
+    timed_out = HandoffSent(hid, False, (), 0, 0, 40.0, "the write did not finish in time")
+    p.steps.append(InstanceStep([out], {}, None, {0: [timed_out]}))
+    (done,) = pd.step()
+    assert done.request_id == rid and done.tokens == (5,)
+    assert ("cancel", hid, 7.0) in d.calls and ("release", 0) in p.calls

@@ -247,6 +247,54 @@ def test_a_peer_that_died_fails_the_write_at_once(kind):
         side.endpoint.close()
 
 
+class _FailingAgent:
+    """A NIXL agent whose `transfer` (or, with "poll", its first `check_xfer_state` after a
+    transfer that reports "PROC") raises; records the handles released."""
+
+    def __init__(self, real, where: str):
+        self.real, self.where, self.released = real, where, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def transfer(self, handle, *args, **kwargs):
+        if self.where == "transfer":
+            raise RuntimeError("NIXL_ERR_BACKEND (injected in transfer)")
+        self.real.transfer(handle, *args, **kwargs)
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        raise RuntimeError("NIXL_ERR_BACKEND (injected in a poll)")
+
+    def release_xfer_handle(self, handle):
+        self.released.append(handle)
+        return self.real.release_xfer_handle(handle)
+
+
+@pytest.mark.parametrize("where", ["transfer", "poll"])
+def test_a_nixl_error_in_a_transfer_fails_the_write_and_releases_its_handle(where):
+    """Whatever NIXL raises once a transfer exists, the write fails as a HandoffTransferError
+    (never NIXL's own exception), its handle is released, and the endpoint goes on."""
+    pytest.importorskip("nixl._api")
+    side, peer = Side("nixl"), ProcessPeer("nixl", KV_BYTES, KV_BYTES)
+    ep = side.endpoint
+    local, remote = page_rows(side.kv.data_ptr(), [0]), page_rows(peer.base, [0])
+    try:
+        ep.write(peer.address, local, remote, timeout_s=30)  # connected
+        real = ep._agent
+        ep._agent = failing = _FailingAgent(real, where)
+        with pytest.raises(HandoffTransferError, match="injected"):
+            ep.write(peer.address, local, page_rows(peer.base, [1]), timeout_s=5)
+        ep._agent = real
+        assert len(failing.released) == 1 and ep._stuck == []
+        assert ep.counters.failures == 1
+        ep.write(peer.address, local, page_rows(peer.base, [2]), timeout_s=30)
+        assert np.array_equal(page_view(peer.read(), 2), page_view(side.kv_bytes, 0))
+    finally:
+        peer.shutdown()
+        side.endpoint.close()
+
+
 def test_a_closed_simulated_peer_is_refused():
     side, peer = Side("simulated"), InProcessPeer("simulated", KV_BYTES, KV_BYTES)
     peer.close_endpoint()

@@ -276,6 +276,25 @@ def test_hung_transfer_disables_the_backend(open_backend, monkeypatch):
         b.exists(ks)
 
 
+def test_a_transfer_nixl_cannot_release_keeps_its_handle_and_disables_the_backend(
+        open_backend, monkeypatch):
+    """`transfer` raises and NIXL then refuses to release the handle: the I/O may still run,
+    so the handle (and the files it names) stay registered and the backend stops."""
+    b = open_backend()
+    b.register_pool(KV_POOL, make_pool())
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+
+    monkeypatch.setattr(b.agent._agent, "transfer", refuse)
+    monkeypatch.setattr(b.agent._agent, "release_xfer_handle", refuse)
+    with pytest.raises(StorageUnavailable, match="could not release"):
+        b.set_from(KV_POOL, keys(1), [0])
+    assert len(b.agent._stuck) == 2  # the transfer's handle and its files' registration
+    with pytest.raises(StorageUnavailable, match="disabled"):
+        b.exists(keys(1))
+
+
 def test_layer_first_pool_is_refused(open_backend):
     b = open_backend()
     with pytest.raises(CacheUsageError, match="page_head"):

@@ -276,3 +276,115 @@ def test_abort_before_adoption_frees_the_received_pages(tiny):
         pair.audit()
     finally:
         pair.close()
+
+
+def test_a_first_token_that_stops_sends_nothing(tiny):
+    """The prefill's first token is a stop token: the request ended there, so no KV moves."""
+    pair = _Pair(tiny)
+    try:
+        (cold,) = _engine(tiny).generate([PROMPTS[0]], SamplingParams(max_new_tokens=1))
+        t = pair.target("h", len(PROMPTS[0]))
+        stop = SamplingParams(max_new_tokens=1, stop_token_ids=(cold.tokens[0],))
+        pid = pair.P.add_request(PROMPTS[0], stop, handoff_to=[t])
+        outs = []
+        while not outs:
+            outs = pair.P.step()
+        assert outs[0].finish_reason.value == "stop"
+        assert pair.sender.send_new(r for r, _ in pair.P.scheduler.handed.values()) == []
+        assert pair.ep_p.counters.bytes == 0
+        pair.P.release_handoff(pid)
+        pair.sender.send_new([])
+        assert pair.sender.unreleased == 0
+        pair.D.handoffs.cancel("h")
+        pair.audit()
+    finally:
+        pair.close()
+
+
+def test_the_sender_forgets_requests_whose_hold_expired(tiny):
+    """A handed-off request whose release never came: the scheduler frees its pages at the
+    hold's end, and the sender stops tracking it (no entry per such request is kept)."""
+    pair = _Pair(tiny)
+    try:
+        pair.P.scheduler.handed_hold_s = 0.0  # expires at the next step
+        t = pair.target("h", len(PROMPTS[0]))
+        _, _, sent = pair.prefill(PROMPTS[0], t, SamplingParams(max_new_tokens=4))
+        assert sent.ok and pair.sender.unreleased == 1
+        pair.P.step()
+        assert not pair.P.scheduler.handed
+        assert pair.sender.send_new(r for r, _ in pair.P.scheduler.handed.values()) == []
+        assert pair.sender.unreleased == 0
+        pair.D.handoffs.cancel("h")
+        pair.audit()
+    finally:
+        pair.close()
+
+
+class _Clocked:
+    """An endpoint whose writes each take `write_s` of an injected wall clock, recording the
+    timeout each was given (and raising `error` instead, when set)."""
+
+    def __init__(self, real, now: list[float], write_s: float, error: Exception | None = None):
+        self.real, self.now, self.write_s, self.error = real, now, write_s, error
+        self.timeouts: list[float] = []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def write(self, peer, local, remote, timeout_s):
+        self.timeouts.append(timeout_s)
+        if self.error is not None:
+            raise self.error
+        self.now[0] += self.write_s
+        return self.real.write(peer, local, remote, timeout_s)
+
+
+def _two_staged_targets(pair, n):
+    """One reservation, written as two decode ranks holding half the KV heads each."""
+    t = pair.target("h", n)
+    half = pair.heads[1] // 2
+    return [t._replace(heads=(0, half), write_by=1010.0),
+            t._replace(heads=(half, pair.heads[1]), write_by=1010.0)]
+
+
+@pytest.mark.parametrize("write_s, timeouts, ok", [(4.0, [10.0, 6.0], True),
+                                                   (11.0, [10.0], False)])
+def test_each_staged_write_gets_only_the_time_left_before_write_by(tiny, write_s, timeouts, ok):
+    """Every write to a decode rank may run only until `write_by`; one that would start past
+    it is not started (the decode rank may have freed its staging pages by then)."""
+    pair = _Pair(tiny, staged=True)
+    now = [1000.0]
+    clocked = _Clocked(pair.ep_p, now, write_s)
+    pair.sender = HandoffSender(clocked, pair.P.cache, pair.heads, clock=lambda: now[0])
+    try:
+        targets = _two_staged_targets(pair, len(PROMPTS[0]))
+        pid = pair.P.add_request(PROMPTS[0], SamplingParams(max_new_tokens=1),
+                                 handoff_to=targets)
+        while not pair.P.step():
+            pass
+        (sent,) = pair.sender.send_new(r for r, _ in pair.P.scheduler.handed.values())
+        assert clocked.timeouts == timeouts
+        assert sent.ok is ok and (ok or "deadline" in sent.error)
+        pair.P.release_handoff(pid)
+        pair.D.handoffs.cancel("h")
+        pair.audit()  # the L2 staging pages went back either way
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_transport_error_of_any_kind_is_a_failed_send(tiny, staged):
+    """A transport library's own exception (not a kvtier error) fails the send, logged; it
+    never escapes into the rank's step."""
+    pair = _Pair(tiny, staged=staged)
+    broken = _Clocked(pair.ep_p, [0.0], 0.0, error=RuntimeError("NIXL_ERR_BACKEND"))
+    pair.sender = HandoffSender(broken, pair.P.cache, pair.heads)
+    try:
+        t = pair.target("h", len(PROMPTS[0]))
+        pid, _, sent = pair.prefill(PROMPTS[0], t, SamplingParams(max_new_tokens=4))
+        assert not sent.ok and "NIXL_ERR_BACKEND" in sent.error and broken.timeouts
+        pair.P.release_handoff(pid)
+        pair.D.handoffs.cancel("h")
+        pair.audit()
+    finally:
+        pair.close()
