@@ -220,7 +220,8 @@ class Instance(InstanceHandoff):
         else:
             ids = self._all("add_request", *args, resume_to_wire(req.resume()))
         if len(set(ids)) != 1:
-            raise InstanceError(f"ranks gave request ids {ids}: their streams are out of step")
+            raise RankDivergence(f"ranks gave request ids {ids}: their streams are out of "
+                                 f"step")  # recovered like any divergence
         self._rank_id[req_id], self._instance_id[ids[0]] = ids[0], req_id
 
     def step(self) -> list[Output]:
