@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 # How often a rank asks the namespace actor whether its namespace moved to new storage (a
 # Mooncake master restarted on new ports: a new epoch); one small call between steps.
 L3_EPOCH_CHECK_S = 2.0
+# A rank's directory calls run inside its scheduling steps, which the router's stall deadline
+# (2 s by default) watches: the actor answers in about a millisecond, so a call that takes a
+# second is the actor restarting or gone, and an L3 miss is the right answer (a register cut
+# short by it finishes in the actor and is seen at the next check).
+RANK_CALL_TIMEOUT_S = 1.0
 
 
 class RankL3:
@@ -211,4 +216,4 @@ def _directory_client(actor_name: str):
         raise ConfigError(f"RankSettings.l3_actor: no L3 namespace actor named {actor_name!r} "
                           f"in Ray namespace {RAY_NAMESPACE!r} (create it with "
                           "get_or_create_namespace_actor), or set l3_actor=None") from exc
-    return NamespaceClient(handle)
+    return NamespaceClient(handle, RANK_CALL_TIMEOUT_S)
