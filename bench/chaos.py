@@ -3,13 +3,15 @@ it; every greedy answer checked against a cold run, the ranks audited for leaks 
 
     kvtier bench chaos --minutes 2 --l3 file --json
     kvtier bench chaos --minutes 2 --l3 mooncake --pd --json
-    kvtier bench chaos --minutes 1 --model tiny --json        (the run `make test` makes)
+    kvtier bench chaos --minutes 2 --model smollm2 --json    (the real model, at TP 3)
 
 The graph is the one `kvtier serve` deploys (actors/serve_graph.py) on a new local Ray
 cluster on 127.0.0.1: two mixed instances at TP 2 (`--pd`: one prefill and one decode
 instance), in fp32 (`--dtype`: in bf16 a batch's composition moves greedy answers), with an
-L3 of `--l3` shared through the namespace actor. SmolLM2-135M's three KV heads do not split
-over two ranks: with it the TP size is 3, the smallest that does (`--tp` to choose).
+L3 of `--l3` shared through the namespace actor. The model is the tiny one by default
+(random weights over SmolLM2's vocabulary and tokenizer): on two cores SmolLM2 at TP 3 (its
+three KV heads do not split over two ranks; `--tp` chooses) serves a few requests a minute,
+and the run is about the serving machinery under faults, not the model's speed.
 
 The clients (bench/chaos_clients.py): conversations (multi-turn chat about a few shared
 documents, greedy, half streamed), an adversary (random bodies with extreme values,
@@ -90,7 +92,7 @@ class ChaosParams(NamedTuple):
     minutes: float = 2.0
     l3: str = "file"
     pd: bool = False
-    model: str = "smollm2"
+    model: str = "tiny"
     dtype: str = "fp32"
     tp: int | None = None  # None: 2, or the smallest size that splits the model
     fault_every_s: float | None = None  # None: spread so each kind comes once, 5-30 s apart
@@ -402,8 +404,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shared L3 (mooncake: its master is restarted as a fault too)")
     p.add_argument("--pd", action="store_true",
                    help="one prefill and one decode instance in place of two mixed ones")
-    p.add_argument("--model", default="smollm2", metavar="smollm2|tiny|DIR|FILE.gguf",
-                   help="what the instances serve (default smollm2; tiny: random weights, fast)")
+    p.add_argument("--model", default="tiny", metavar="tiny|smollm2|DIR|FILE.gguf",
+                   help="what the instances serve (default tiny: random weights over SmolLM2's "
+                        "vocabulary, fast enough that the serving, not the model, is what runs; "
+                        "smollm2 runs at TP 3)")
     p.add_argument("--dtype", choices=[m.value for m in DType], default="fp32",
                    help="model and KV dtype (default fp32: in bf16 a batch's composition moves "
                         "greedy answers)")
