@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import enum
 import logging
 import random
@@ -353,6 +354,15 @@ def run(p: ChaosParams) -> dict:
     return result_json(p, settings, served, judged)
 
 
+def errors_between(faults: list[FaultRecord], error_times: list[float]) -> list[int]:
+    """How many errors came before the first fault, then after each fault until the next."""
+    starts = [f.at_s for f in faults]
+    counts = [0] * (len(faults) + 1)
+    for t in error_times:
+        counts[bisect.bisect_right(starts, t)] += 1
+    return counts
+
+
 def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
                 judged: Judgement) -> dict:
     t, audit = served.tally, served.audit
@@ -377,7 +387,10 @@ def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
         "answers_by_kind": dict(Counter(a.kind.value for a in t.answers)),
         "faults_not_armed": not_armed,
         "faults": [{"kind": f.kind.value, "at_s": round(f.at_s, 1), "armed": f.armed,
-                    "where": f.where} for f in served.faults],
+                    "where": f.where, "errors_until_next": n}
+                   for f, n in zip(served.faults, errors_between(served.faults,
+                                                                 t.error_times)[1:])],
+        "errors_before_faults": errors_between(served.faults, t.error_times)[0],
         "lost": served.lost, "rank_epochs": served.epochs, "stalls": served.stalls,
         "went_idle": served.idle,
         "open_tickets": audit.open_tickets if audit is not None else None,

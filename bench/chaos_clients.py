@@ -76,16 +76,19 @@ class Tally:
     answers: list = field(default_factory=list)
     adversarial_answered: int = 0
     statuses: Counter = field(default_factory=Counter)  # adversarial bodies: HTTP status
+    error_times: list = field(default_factory=list)  # when each error came, from the start
 
-    def error(self, well_formed: bool, kind: str, detail: str, at_s: float) -> None:
+    def error(self, well_formed: bool, kind: str, detail: str, sent_s: float,
+              failed_s: float) -> None:
         if well_formed:
             self.server_errors += 1
         else:
             self.adversarial_server_errors += 1
         self.error_kinds[kind] += 1
+        self.error_times.append(failed_s)
         if len(self.error_samples) < ERROR_SAMPLES:
-            self.error_samples.append({"at_s": round(at_s, 1), "kind": kind,
-                                       "well_formed": well_formed,
+            self.error_samples.append({"sent_s": round(sent_s, 1), "failed_s": round(failed_s, 1),
+                                       "kind": kind, "well_formed": well_formed,
                                        "detail": error_cause(detail)})
 
 
@@ -193,10 +196,10 @@ class Traffic:
             texts, tokens = await (self._read_stream(session, body, n) if stream
                                    else self._read_whole(session, body, n))
         except ServerError as exc:
-            self.tally.error(True, exc.kind, exc.detail, at)
+            self.tally.error(True, exc.kind, exc.detail, at, self._now())
             return None
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self.tally.error(True, type(exc).__name__, str(exc), at)
+            self.tally.error(True, type(exc).__name__, str(exc), at, self._now())
             return None
         self.tally.answered += 1
         self.tally.answers.append(Answer(kind, tuple(dict(m) for m in messages), max_tokens,
@@ -249,7 +252,8 @@ class Traffic:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self.tally.error(False, type(exc).__name__, f"{body.data[:200]!r}: {exc}", at)
+            self.tally.error(False, type(exc).__name__, f"{body.data[:200]!r}: {exc}", at,
+                             self._now())
             return
         self.tally.statuses[status] += 1
         if 400 <= status < 500:
@@ -259,7 +263,7 @@ class Traffic:
             self.tally.adversarial_answered += 1
         else:
             self.tally.error(False, f"adversarial_http_{status}",
-                             f"{body.data[:200]!r} -> {raw[:ERROR_BYTES]!r}", at)
+                             f"{body.data[:200]!r} -> {raw[:ERROR_BYTES]!r}", at, self._now())
 
     async def _cancelled_stream(self, session: aiohttp.ClientSession,
                                 rng: random.Random) -> None:
@@ -282,9 +286,9 @@ class Traffic:
                         return
             self.tally.answered += 1  # it ended before the client could cut it
         except ServerError as exc:
-            self.tally.error(True, exc.kind, exc.detail, at)
+            self.tally.error(True, exc.kind, exc.detail, at, self._now())
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self.tally.error(True, type(exc).__name__, str(exc), at)
+            self.tally.error(True, type(exc).__name__, str(exc), at, self._now())
 
     async def _pause(self, seconds: float) -> None:
         end = min(time.monotonic() + seconds, self.deadline)

@@ -163,6 +163,14 @@ def test_the_result_names_each_target_missed():
     json.dumps(out)
 
 
+def test_errors_are_told_by_the_fault_before_them():
+    F, R = chaos.Fault, chaos.FaultRecord
+    faults = [R(F.KILL_RANK, 10.0, True, "instance-0 rank 1"),
+              R(F.KILL_NAMESPACE, 20.0, True, "namespace actor")]
+    assert chaos.errors_between(faults, [1.0, 10.0, 12.5, 19.9, 25.0]) == [1, 3, 1]
+    assert chaos.errors_between([], [3.0]) == [1]
+
+
 def test_an_error_keeps_its_cause():
     body = json.dumps({"error": {"message": "generation failed: \x1b[36mray::X\x1b[39m "
                                             + "trace " * 200 + "CacheUsageError: not registered"}})
