@@ -24,10 +24,10 @@ from kvtier.actors.cluster_placement import unplaced_message
 from kvtier.actors.instance_handoff import InstanceHandoff, PendingRequest
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
                                       RankStats, create_rank_actor)
-from kvtier.actors.step_wire import Progress, decode_output, decode_report
+from kvtier.actors.step_wire import Progress, decode_output, decode_report, resume_to_wire
 from kvtier.engine.agreement import AgreementError
 from kvtier.engine.handoff import HandoffSent
-from kvtier.engine.request import Output
+from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import loopback_init_method
 from kvtier.errors import ConfigError, KvtierError, PlacementError
@@ -60,7 +60,7 @@ class RankDivergence(RankFailure):
 
 class InstanceStep(NamedTuple):
     finished: list[Output]  # by instance request id
-    progress: dict[int, Progress]  # running requests whose output changed: all of it so far
+    progress: dict[int, Progress]  # running requests whose answer grew: the new tokens
     events: bytes | None  # rank 0's CacheEventBatch (msgpack), when watching
     handoffs: dict[int, list[HandoffSent]] = {}  # prefill side: id -> each rank's transfer
 
@@ -71,10 +71,11 @@ class Instance(InstanceHandoff):
     Faults: when a rank dies, hangs past `step_timeout_s` or fails a call, the TP group is
     broken for every rank (a collective cannot re-admit one member), so the instance kills
     all its ranks, starts a fresh set in the same placement-group bundles, and adds every
-    request it has not returned yet again, from its prompt: they are recomputed (hitting L3
-    where the namespace has their pages) and answered, none lost; a seeded sampler restarts
-    with its seed, so the answers are the ones the first run would have given. Request ids
-    are the instance's own and survive a restart. After `max_restarts` restarts in a row
+    request it has not returned yet again: each goes on after the answer tokens it already
+    returned (their KV and the prompt's recomputed, hitting L3 where the namespace has their
+    pages; in deterministic mode the answer is recomputed from the prompt and must repeat
+    them), so none is lost and no answer is spliced from two runs. Request ids are the
+    instance's own and survive a restart. After `max_restarts` restarts in a row
     with no step completed between them, the instance gives up with an InstanceError.
     """
 
@@ -186,11 +187,16 @@ class Instance(InstanceHandoff):
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                    cache_salt: str = "") -> int:
+                    cache_salt: str = "", resume: Resume | None = None) -> int:
         """Queue a request on every rank; its id (the instance's, stable across restarts).
-        `cache_salt`: its tenant (it hits only prefixes cached with the same salt)."""
-        return self._add(PendingRequest(tuple(int(t) for t in tokens), sampling,
-                                  check_cache_salt(cache_salt)))
+        `cache_salt`: its tenant (it hits only prefixes cached with the same salt).
+        `resume`: the start of its answer the caller has already (it ran elsewhere): it goes
+        on after those tokens, which its progress never reports again."""
+        pending = PendingRequest(tuple(int(t) for t in tokens), sampling,
+                                 check_cache_salt(cache_salt))
+        if resume is not None:
+            pending.answer, pending.logprobs = list(resume.tokens), list(resume.logprobs or ())
+        return self._add(pending)
 
     def _add(self, pending: PendingRequest) -> int:
         req_id, self._next_id = self._next_id, self._next_id + 1
@@ -202,14 +208,16 @@ class Instance(InstanceHandoff):
         return req_id
 
     def _submit(self, req_id: int) -> None:
+        """Queue pending request `req_id` on every rank: new, or again after a restart, when
+        it goes on after the answer it has (its hand-off pages died with the old ranks)."""
         req = self._pending[req_id]
         args = (list(req.tokens), req.sampling, req.cache_salt)
         if req.targets is not None:
             ids = self._each("add_handoff_request", [(*args, t) for t in req.targets])
-        elif req.incoming is not None:
+        elif req.incoming is not None and not req.answer:
             ids = self._each("add_received", [(*args, kv) for kv in req.incoming])
         else:
-            ids = self._all("add_request", *args)
+            ids = self._all("add_request", *args, resume_to_wire(req.resume()))
         if len(set(ids)) != 1:
             raise InstanceError(f"ranks gave request ids {ids}: their streams are out of step")
         self._rank_id[req_id], self._instance_id[ids[0]] = ids[0], req_id
@@ -220,9 +228,9 @@ class Instance(InstanceHandoff):
         return self.step_report().finished
 
     def step_report(self) -> InstanceStep:
-        """`step`, with the tokens of running requests that changed (by instance id: all of
-        each one's tokens so far; after a restart a request starts again from none) and
-        rank 0's cache events when `watch_cache` asked for them."""
+        """`step`, with the new tokens of running requests whose answer grew (by instance id;
+        each token once, also across a restart: a request goes on after the tokens it
+        returned) and rank 0's cache events when `watch_cache` asked for them."""
         start = time.perf_counter()
         try:
             per_rank = self._all("step")
@@ -240,8 +248,12 @@ class Instance(InstanceHandoff):
                 self._recover(RankDivergence(f"rank {rank} finished {got} but rank 0 {want}"))
                 return InstanceStep([], {}, None)
         self._failures_in_a_row = 0
-        progress = {self._instance_id[i]: p for i, p in first.progress.items()
-                    if i in self._instance_id}
+        progress = {}
+        for rank_id, got in first.progress.items():
+            req_id = self._instance_id.get(rank_id)
+            new = None if req_id is None else self._pending[req_id].take(got)
+            if new is not None:
+                progress[req_id] = new
         handoffs = self._collect_handoffs(per_rank)
         return InstanceStep([self._finish(o) for o in first.finished], progress, first.events,
                             handoffs)

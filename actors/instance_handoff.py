@@ -13,28 +13,52 @@ KV heads on both sides), so every per-rank value is a list in rank order.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
 
-from kvtier.engine.handoff import HandoffSent, HandoffTarget, rank_sums
+from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, rank_sums
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.request import Resume
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.keys import check_cache_salt
 
 if TYPE_CHECKING:
-    from kvtier.actors.step_wire import StepReport
+    from kvtier.actors.step_wire import Progress, StepReport
 
 
-class PendingRequest(NamedTuple):
-    """A request the instance has not returned yet: enough to run it again from its prompt
-    (a prefill again to the same decode pages; a decode request over its pages, which a
-    replaced rank no longer has: it is then recomputed)."""
+@dataclass
+class PendingRequest:
+    """A request the instance has not returned yet: enough to run it again (a prefill again
+    to the same decode pages; a decode request over its pages, which a replaced rank no
+    longer has: it is then recomputed), and the answer so far, which a run again goes on
+    after (`resume`)."""
 
     tokens: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str = ""
     targets: tuple[list, ...] | None = None  # prefill side: each rank's HandoffTarget (wire)
     incoming: tuple[list, ...] | None = None  # decode side: each rank's IncomingKV (wire)
+    answer: list[int] = field(default_factory=list)  # tokens returned so far (progress)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when it asked
+
+    def resume(self) -> Resume | None:
+        """What a run again goes on after (None: nothing returned yet)."""
+        if not self.answer:
+            return None
+        logprobs = tuple(self.logprobs) if self.sampling.logprobs is not None else None
+        return Resume(tuple(self.answer), logprobs)
+
+    def take(self, progress: "Progress") -> "Progress | None":
+        """Keep what `progress` adds to the answer; that part (None: nothing new)."""
+        new = progress.after(len(self.answer))
+        if new is None:
+            return None
+        assert new.start == len(self.answer), "a step skipped answer tokens"
+        self.answer += new.tokens
+        if new.logprobs is not None:
+            self.logprobs += new.logprobs
+        return new
 
 
 class InstanceHandoff:
@@ -72,18 +96,19 @@ class InstanceHandoff:
 
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams,
                      sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],
-                     first_token: int, cache_salt: str = "") -> int:
+                     first_token: int, cache_salt: str = "",
+                     first_logprob: TokenLogprob | None = None) -> int:
         """Queue the decode request whose prompt KV the prefill ranks wrote into `targets`
         (this instance's ranks' reservations; `sent`: each prefill rank's transfer, with its
-        sums); it decodes from `first_token` on once every rank verified its pages
-        (KV-ready), or is recomputed from its prompt."""
+        sums); it decodes from `first_token` (with `first_logprob`, when it asked for them)
+        on once every rank verified its pages (KV-ready), or goes on after that token with
+        its prompt recomputed."""
         if len(targets) != self.size:
             raise ConfigError(f"{len(targets)} reservations for a TP={self.size} decode "
                               f"instance; give every rank's")
-        state = sent[0].sampler_state if sent else b""
-        incoming = tuple([t.handoff_id, list(t.pages), list(rank_sums(t, sent)),
-                          int(first_token), state,
-                          list(t.staging.pages) if t.staging is not None else []]
+        incoming = tuple(IncomingKV(t.handoff_id, t.pages, rank_sums(t, sent), int(first_token),
+                                    first_logprob,
+                                    t.staging.pages if t.staging is not None else ()).to_wire()
                          for t in targets)
         return self._add(PendingRequest(tuple(int(t) for t in tokens), sampling,
                                               check_cache_salt(cache_salt), None, incoming))

@@ -4,30 +4,50 @@
 actors). A server has many concurrent requests, so `InstanceServer` owns the instance (or
 anything that steps like one: a prefill/decode driver's instances, actors/serve_pd) in one
 driver thread: callers hand it commands (add a request, cancel one, run a maintenance call
-between steps) and get results through thread-safe callbacks. While any request is pending
-the thread steps; otherwise it sleeps until a command arrives.
+between steps) through a thread-safe queue and get results through thread-safe callbacks.
+While any request is pending the thread steps; otherwise it sleeps until a command arrives.
 
-Per request the callback receives, in order: `("tokens", all_tokens_so_far)` whenever they
-grow (after a rank restart a request starts again from none, then regrows the same tokens),
-then one `("done", Output)` or `("error", message)`.
+Per request the callback receives, in order: a `ServerEvent` of kind TOKENS whenever its
+answer grows (a `Progress`: only the new tokens, each once, also across a rank restart),
+then one of kind DONE (the `Output`; a request that failed by itself has
+FinishReason.ERROR) or ERROR (the instance stopped serving: `message` says why).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import itertools
 import logging
+import queue
 import threading
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
 from kvtier.actors.instance import Instance, InstanceError
+from kvtier.actors.step_wire import Progress
+from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[tuple[str, Any]], None]
 MAX_EVENT_BATCHES = 4096  # undrained cache-event batches kept; older ones are dropped
 IDLE_WAIT_S = 0.05
+
+
+class ServerEventKind(enum.Enum):
+    TOKENS = "tokens"  # `progress`: the answer's new tokens
+    DONE = "done"      # `output`: the request finished (its FinishReason says how)
+    ERROR = "error"    # `message`: the instance stopped serving; the request is not answered
+
+
+class ServerEvent(NamedTuple):
+    kind: ServerEventKind
+    progress: Progress | None = None
+    output: Any = None  # an Output (or what the driven instance returns: a PDOutput)
+    message: str = ""
+
+
+Sink = Callable[[ServerEvent], None]
 
 
 class _Add(NamedTuple):
@@ -36,6 +56,11 @@ class _Add(NamedTuple):
     sampling: SamplingParams
     cache_salt: str
     sink: Sink
+    resume: Resume | None
+
+
+class _Cancel(NamedTuple):
+    key: int
 
 
 class _Call(NamedTuple):
@@ -57,15 +82,15 @@ class InstanceServer:
     def __init__(self, instance: Instance, name: str) -> None:
         self.instance, self.name = instance, name
         instance.watch_cache(name)
-        self._commands: deque = deque()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._keys = itertools.count(1)
         self._sinks: dict[int, Sink] = {}  # instance request id -> its caller
         self._ids: dict[int, int] = {}  # key -> instance request id
         self._key_of: dict[int, int] = {}  # instance request id -> key
-        self._cancelled: set[int] = set()
         self._events: deque[bytes] = deque(maxlen=MAX_EVENT_BATCHES)
-        self._lock = threading.Lock()  # guards _events and the counters read by poll
+        self._lock = threading.Lock()  # guards broken, the queue's last puts, _events and
+        # the counters read by poll
         self._load = 0
         self._steps = 0
         self.broken: str | None = None
@@ -75,29 +100,38 @@ class InstanceServer:
 
     # ---- callers (any thread) ---------------------------------------------------------------
     def submit(self, tokens: list[int], sampling: SamplingParams, sink: Sink,
-               cache_salt: str = "") -> int:
-        """Queue a request (`cache_salt`: its tenant's); its key (for `cancel`)."""
-        if self.broken:
-            raise InstanceError(f"instance {self.name} stopped serving: {self.broken}")
+               cache_salt: str = "", resume: Resume | None = None) -> int:
+        """Queue a request (`cache_salt`: its tenant's; `resume`: the start of its answer
+        the caller already has); its key (for `cancel`)."""
         key = next(self._keys)
-        with self._lock:
+        with self._lock:  # after _fail_all nothing is queued that nobody would answer
+            if self.broken:
+                raise InstanceError(f"instance {self.name} stopped serving: {self.broken}")
             self._load += 1
-        self._commands.append(_Add(key, tuple(tokens), sampling, cache_salt, sink))
+            self._commands.put(_Add(key, tuple(tokens), sampling, cache_salt, sink, resume))
         self._wake.set()
         return key
 
     def cancel(self, key: int) -> None:
         """Abort the request `key` (a client went away); its sink hears nothing more."""
-        self._commands.append(("cancel", key))
-        self._wake.set()
+        self._put(_Cancel(key))
 
     def call(self, fn: Callable[[Instance], Any]) -> concurrent.futures.Future:
         """Run `fn(instance)` in the driver thread between two steps (maintenance: flush,
         attach L3, stats); its result as a future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.append(_Call(fn, future))
-        self._wake.set()
+        self._put(_Call(fn, future))
         return future
+
+    def _put(self, cmd: Any) -> None:
+        with self._lock:
+            if self.broken:  # nobody drains the queue any more
+                if isinstance(cmd, _Call):
+                    cmd.future.set_exception(InstanceError(
+                        f"instance {self.name} stopped serving: {self.broken}"))
+                return
+            self._commands.put(cmd)
+        self._wake.set()
 
     def poll(self) -> ServerPoll:
         with self._lock:
@@ -127,8 +161,13 @@ class InstanceServer:
             self._fail_all(f"{type(exc).__name__}: {exc}")
 
     def _drain_commands(self) -> None:
-        while self._commands:
-            cmd = self._commands.popleft()
+        """Every command queued so far, in order (a request's cancel always comes after its
+        add: the caller has the key only once `submit` queued the add)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Call):
@@ -139,23 +178,17 @@ class InstanceServer:
                         cmd.future.set_exception(exc)
                     self._keep_events(self.instance.drain_events())
             else:
-                self._cancel(cmd[1])
+                self._cancel(cmd.key)
 
     def _add(self, cmd: _Add) -> None:
-        if cmd.key in self._cancelled:
-            self._cancelled.discard(cmd.key)
-            self._done_one()
-            return
-        req_id = self.instance.add_request(cmd.tokens, cmd.sampling, cmd.cache_salt)
+        req_id = self.instance.add_request(cmd.tokens, cmd.sampling, cmd.cache_salt,
+                                           cmd.resume)
         self._sinks[req_id] = cmd.sink
         self._ids[cmd.key], self._key_of[req_id] = req_id, cmd.key
 
     def _cancel(self, key: int) -> None:
         req_id = self._ids.pop(key, None)
-        if req_id is None:  # not added yet (or finished): drop it when it comes
-            if not any(isinstance(c, _Add) and c.key == key for c in self._commands):
-                return
-            self._cancelled.add(key)
+        if req_id is None:  # finished already (its add was handled before this cancel)
             return
         self._key_of.pop(req_id, None)
         if self._sinks.pop(req_id, None) is not None:
@@ -170,12 +203,12 @@ class InstanceServer:
         for req_id, progress in report.progress.items():
             sink = self._sinks.get(req_id)
             if sink is not None:
-                sink(("tokens", progress))
+                sink(ServerEvent(ServerEventKind.TOKENS, progress=progress))
         for out in report.finished:
             sink = self._sinks.pop(out.request_id, None)
             self._ids.pop(self._key_of.pop(out.request_id, -1), None)
             if sink is not None:
-                sink(("done", out))
+                sink(ServerEvent(ServerEventKind.DONE, output=out))
                 self._done_one()
 
     def _keep_events(self, batch: bytes | None) -> None:
@@ -188,13 +221,18 @@ class InstanceServer:
             self._load -= 1
 
     def _fail_all(self, why: str) -> None:
-        self.broken = why
+        with self._lock:  # no command is queued after this
+            self.broken = why
+        failed = ServerEvent(ServerEventKind.ERROR, message=why)
         for sink in self._sinks.values():
-            sink(("error", why))
+            sink(failed)
         self._sinks.clear()
-        while self._commands:
-            cmd = self._commands.popleft()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
             if isinstance(cmd, _Add):
-                cmd.sink(("error", why))
+                cmd.sink(failed)
             elif isinstance(cmd, _Call):
                 cmd.future.set_exception(InstanceError(why))

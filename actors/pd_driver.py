@@ -37,7 +37,7 @@ from kvtier.actors.instance import Instance, InstanceError, InstanceStep, RankFa
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffSent, HandoffStages, HandoffTarget
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, FAILED_WRITE_LINGER_S
-from kvtier.engine.request import CachedTokens, FinishReason, Output
+from kvtier.engine.request import CachedTokens, FinishReason, Output, Resume
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.tiers.cache_types import RequestLengths
@@ -69,12 +69,13 @@ class PDOutput(NamedTuple):
     transfer_pages: int = 0  # prompt pages written (each over every rank)
     queue_s: float | None = None  # the prefill side's arrival to first admission
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when it asked
+    error: str | None = None  # FinishReason.ERROR: why this request failed
 
 
 class PDStep(NamedTuple):
     finished: list[PDOutput]
-    progress: dict[int, Progress]  # requests whose output grew: all of it so far (the first
-    # token once the prefill instance sampled it, then the decode instance's)
+    progress: dict[int, Progress]  # requests whose answer grew: the new tokens (the first
+    # once the prefill instance sampled it, then the decode instance's)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class _Flight:
     kv_ready_s: float | None = None
     transfer_bytes: int = 0
     transfer_pages: int = 0
+    sent: int = 0  # answer tokens passed on (step_report's progress)
 
 
 class PDDriver:
@@ -129,10 +131,17 @@ class PDDriver:
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
-            cache_salt: str = "") -> int:
+            cache_salt: str = "", resume: Resume | None = None) -> int:
+        """Queue a request; its id. `resume`: the start of its answer the caller already has
+        (it ran elsewhere): it is served mixed on a prefill instance, going on after it."""
         f = _Flight(next(self._ids), tuple(int(t) for t in tokens), sampling, cache_salt)
         self._flights[f.id] = f
         f.prefill = self._pick_prefill(f)
+        if resume is not None and resume.tokens:
+            f.mode, f.sent = PDMode.MIXED, len(resume.tokens)
+            f.pid = self.prefill[f.prefill].add_request(f.tokens, sampling, cache_salt, resume)
+            self._by_pid[(f.prefill, f.pid)] = f
+            return f.id
         start = time.perf_counter()
         f.handoff_id = f"pd-{uuid.uuid4().hex[:12]}-{f.id}"
         f.decode, f.targets = self._bootstrap(f)
@@ -252,10 +261,10 @@ class PDDriver:
             self._after_prefill(f, out, step.handoffs.get(out.request_id, []))
         for req_id, progress in step.progress.items():
             f = self._by_pid.get((index, req_id))
-            if f is not None and progress.tokens and f.first_token_s is None:
+            if f is not None and f.first_token_s is None:
                 f.first_token_s = now  # a mixed request's first token
             if f is not None and f.mode is PDMode.MIXED:
-                self._progress[f.id] = progress
+                self._emit(f, progress)
 
     def _after_prefill(self, f: _Flight, out: Output, sent: list[HandoffSent]) -> None:
         decode, prefill = self.decode[f.decode], self.prefill[f.prefill]
@@ -270,11 +279,11 @@ class PDDriver:
             if all(s.ok for s in sent) and f.targets:
                 f.transfer_pages = len(f.targets[0].pages)  # one per prompt page
         first = out.logprobs[:1] if out.logprobs is not None else None
-        self._progress[f.id] = Progress(out.tokens[:1], first)  # streamed before decode
+        self._emit(f, Progress(0, out.tokens[:1], first))  # streamed before decode
         f.added_to_decode_s = time.perf_counter()
         if len(sent) == prefill.size and all(s.ok for s in sent):
             f.did = decode.add_received(f.tokens, f.sampling, sent, f.targets, out.tokens[0],
-                                        f.salt)
+                                        f.salt, first[0] if first else None)
         else:
             why = "; ".join(s.error for s in sent if not s.ok) or "no transfer reported"
             log.warning("request %d: the hand-off failed (%s); the decode instance "
@@ -282,7 +291,9 @@ class PDDriver:
             f.mode = PDMode.RECOMPUTED
             decode.cancel_handoff(f.handoff_id, self.linger_s)
             prefill.release_handoff(out.request_id)
-            f.did = decode.add_request(f.tokens, f.sampling, f.salt)
+            # it goes on after the first token, which its client may have already
+            f.did = decode.add_request(f.tokens, f.sampling, f.salt,
+                                       Resume(out.tokens[:1], first))
         self._by_did[(f.decode, f.did)] = f
 
     def _on_decode_step(self, index: int, step: InstanceStep) -> None:
@@ -290,10 +301,8 @@ class PDDriver:
         for req_id, progress in step.progress.items():
             f = self._by_did.get((index, req_id))
             if f is not None:
-                self._on_decode_progress(f, len(progress.tokens), now)
-                if progress.tokens:
-                    self._progress[f.id] = Progress(progress.tokens,
-                                                    self._logprobs(f, progress))
+                self._on_decode_progress(f, progress.stop, now)
+                self._emit(f, progress)
         for out in step.finished:
             f = self._by_did.pop((index, out.request_id), None)
             if f is not None:
@@ -312,15 +321,18 @@ class PDDriver:
         if "decode_queue_s" not in f.stages and tokens >= 2:
             f.stages["decode_queue_s"] = now - f.kv_ready_s
 
-    def _logprobs(self, f: _Flight, out: Output | Progress
-                  ) -> tuple[TokenLogprob, ...] | None:
-        """The decode side's log-probabilities behind the prefill side's first token's (a
-        decode request over received KV did not compute that one)."""
-        got, first = out.logprobs, f.prefill_out
-        if got is None or first is None or first.logprobs is None \
-                or len(got) != len(out.tokens) - 1:
-            return got
-        return tuple(first.logprobs[:1]) + tuple(got)
+    def _emit(self, f: _Flight, progress: Progress) -> None:
+        """Pass on what `progress` adds to what the flight's caller has (this step's)."""
+        new = progress.after(f.sent)
+        if new is None:
+            return
+        old = self._progress.get(f.id)
+        if old is not None:  # two in one step (the prefill side's first token, then more)
+            lps = None if old.logprobs is None or new.logprobs is None \
+                else old.logprobs + new.logprobs
+            new = Progress(old.start, old.tokens + new.tokens, lps)
+        self._progress[f.id] = new
+        f.sent = new.stop
 
     def _finish(self, f: _Flight, first: Output, last: Output) -> None:
         del self._flights[f.id]
@@ -329,7 +341,7 @@ class PDDriver:
         self._done.append(PDOutput(
             f.id, f.tokens, last.tokens, last.finish_reason, f.mode,
             HandoffStages(**f.stages), ttft, first.cached, first.lengths, f.transfer_bytes,
-            f.prefill, f.decode, f.transfer_pages, first.queue_s, self._logprobs(f, last)))
+            f.prefill, f.decode, f.transfer_pages, first.queue_s, last.logprobs, last.error))
 
     # ---- lifetime ----------------------------------------------------------------------------
     @property

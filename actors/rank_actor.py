@@ -24,7 +24,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from kvtier.actors.rank_handoff import RankHandoff
 from kvtier.actors.rank_l3 import RankL3
 from kvtier.actors.rank_pins import RankPins
-from kvtier.actors.step_wire import Progress, StepReport, encode_output, encode_report
+from kvtier.actors.step_wire import (Progress, StepReport, encode_output, encode_report,
+                                     resume_from_wire)
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, name as dtype_name, resolve
 from kvtier.engine.agreement import CollectiveAgreement
@@ -134,7 +135,8 @@ class RankCache(RankHandoff, RankPins, RankL3):
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,
                                       model=_key_model(_identity(s.source, cfg)),
                                       tenant_salt=s.tenant_salt,
-                                      tp_rank=self.rank, tp_size=self.size)
+                                      tp_rank=self.rank, tp_size=self.size,
+                                      deterministic=s.deterministic)
         else:
             cache = self._l3_cache(s, spec, model.device)
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True,
@@ -142,8 +144,15 @@ class RankCache(RankHandoff, RankPins, RankL3):
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
-                    cache_salt: str = "") -> int:
-        return self.engine.add_request([int(t) for t in tokens], sampling, cache_salt)
+                    cache_salt: str = "", resume: list | None = None) -> int:
+        """Queue a request; `resume` (a Resume's wire form, `resume_to_wire`): the start of its
+        answer the caller has already, which it goes on after and never reports again."""
+        got = resume_from_wire(resume)
+        req_id = self.engine.add_request([int(t) for t in tokens], sampling, cache_salt,
+                                         resume=got)
+        if got is not None:
+            self._reported[req_id] = len(got.tokens)
+        return req_id
 
     def step(self) -> bytes:
         """One scheduling step: a msgpack `StepReport` (actors.step_wire). Finished outputs
@@ -172,15 +181,20 @@ class RankCache(RankHandoff, RankPins, RankL3):
         return report
 
     def _progress(self) -> dict[int, Progress]:
-        """Running requests whose output changed since the last step: their output so far."""
-        changed = {}
-        for req in self.engine.scheduler.running:
-            if len(req.output) != self._reported.get(req.id, 0):
-                changed[req.id] = Progress(tuple(req.output), req.logprobs)
-                self._reported[req.id] = len(req.output)
-        live = {r.id for r in self.engine.scheduler.running}
-        for req_id in [i for i in self._reported if i not in live]:
-            del self._reported[req_id]
+        """Running requests whose answer grew since the last step: the new tokens only (a
+        preempted request keeps its answer and goes on after it; one that runs again from
+        its prompt in deterministic mode repeats its tokens, reported once)."""
+        sched, changed = self.engine.scheduler, {}
+        for req in sched.running:
+            have, n = self._reported.get(req.id, 0), len(req.resumed) + len(req.output)
+            if n > have:
+                tokens, logprobs = req.tail(n - have)
+                changed[req.id] = Progress(have, tokens, logprobs)
+                self._reported[req.id] = n
+        if len(self._reported) > len(sched.running):  # forget finished and aborted ones
+            live = {r.id for r in sched.running} | {r.id for r in sched.waiting}
+            for req_id in [i for i in self._reported if i not in live]:
+                del self._reported[req_id]
         return changed
 
     def drain_events(self) -> bytes | None:
@@ -286,11 +300,14 @@ class RankCache(RankHandoff, RankPins, RankL3):
         return cache.free_device_pages
 
     def quiesce(self) -> None:
-        """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request)."""
+        """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request); after
+        an L3 directory outage, check the namespace now, so what waited is reported."""
         cache = self.engine.cache
         cache.flush()
         if cache.storage is not None:
             cache.storage.drain()
+            if cache.storage.directory_away:
+                self._follow_l3(force=True)
 
     def evict_device(self) -> int:
         """Evict every unlocked L1 page on this rank (backed-up runs stay in L2); free L1

@@ -81,10 +81,8 @@ class RankHandoff:
                      incoming: list) -> int:
         """Queue a decode request over its received pages (IncomingKV, wire form); its id.
         Without its reservation (expired; a replaced rank) it is recomputed."""
-        hid, pages, sums, first, state, staged = incoming
-        kv = IncomingKV(str(hid), tuple(int(p) for p in pages), tuple(int(s) for s in sums),
-                        int(first), bytes(state), tuple(int(p) for p in staged))
-        return self.engine.add_received([int(t) for t in tokens], sampling, kv, cache_salt)
+        return self.engine.add_received([int(t) for t in tokens], sampling,
+                                        IncomingKV.from_wire(incoming), cache_salt)
 
     # ---- prefill side ------------------------------------------------------------------------
     def add_handoff_request(self, tokens: Sequence[int], sampling: SamplingParams,

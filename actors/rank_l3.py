@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import ray
 
 from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
-from kvtier.backends.base import StorageBackend, StorageUnavailable
-from kvtier.errors import ConfigError
+from kvtier.backends.base import StorageBackend
+from kvtier.errors import ConfigError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -54,7 +54,8 @@ class RankL3:
         config = s.config.normalize_for_l3(info.spec.backend)
         cache = HierarchicalCache(config, spec, s.device_pages, device=device,
                                   model=info.spec.model, tenant_salt=info.spec.tenant_salt,
-                                  tp_rank=self.rank, tp_size=self.size)
+                                  tp_rank=self.rank, tp_size=self.size,
+                                  deterministic=s.deterministic)
         try:
             self._attach(cache, info, s.l3_actor)
         except BaseException:
@@ -63,9 +64,10 @@ class RankL3:
         return cache
 
     def _attach(self, cache: HierarchicalCache, info: NamespaceInfo,
-                l3_actor: str | None) -> str:
-        """Attach this rank's own client of namespace `info` as the L3 of `cache`, the
-        namespace actor `l3_actor`'s directory gating hits; the backend's kind."""
+                l3_actor: str | None, backend: StorageBackend | None = None) -> str:
+        """Attach this rank's own client of namespace `info` (`backend`, or one opened now)
+        as the L3 of `cache`, the namespace actor `l3_actor`'s directory gating hits; the
+        backend's kind."""
         # Any TP size may use a namespace of the same model: objects name KV heads, not ranks.
         if info.spec.kv_heads != cache.heads.total:
             raise ConfigError(f"L3 namespace {info.namespace} is of a model with "
@@ -82,12 +84,16 @@ class RankL3:
             raise ConfigError("an L3 backend is attached already; detach it first")
         self._l3 = (info, l3_actor)  # what a re-attach after an epoch change starts from
         cache.directory = None if l3_actor is None else self._directory(l3_actor)
-        backend = self._open_backend(info, cache.heads)
+        if backend is None:
+            backend = self._open_backend(info, cache.heads)
         try:
             cache.attach_storage(backend)
         except BaseException:
             backend.close()
             raise
+        # The actor may come back without the namespace or with other storage: stored pages
+        # wait for `_follow_l3` to see it is the namespace attached (storage_tier).
+        cache.storage.confirm_return = l3_actor is not None
         return backend.kind.value
 
     def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
@@ -102,39 +108,80 @@ class RankL3:
         it)."""
         return _directory_client(l3_actor)
 
-    def _follow_l3(self) -> None:
-        """Re-attach when the namespace moved to new storage: its Mooncake master restarted
-        (new ports, an empty store, a new epoch) and this rank's client still talks to the
-        old one, missing every read. Checked between steps, at most every
-        L3_EPOCH_CHECK_S; ranks of one instance may switch a few steps apart, which is safe:
-        a rank whose client misses makes the agreed hit shorter, never wrong. A new epoch on
-        the same storage is a purge: the rank keeps its client, forgets what it believed was
-        stored and backs its L2 pages up again."""
-        cache = self.engine.cache
-        l3 = self._l3
-        if cache.storage is None or cache.directory is None or l3 is None:
+    def _follow_l3(self, force: bool = False) -> None:
+        """Follow the namespace attached, between steps, at most every L3_EPOCH_CHECK_S
+        (`force`: now). Never raises: an L3 metadata error is an L3 miss, counted in the
+        storage's `directory_errors`, and the check runs again next time.
+
+        - The namespace actor does not answer (down, restarting, timing out) or answers
+          nonsense: the storage is away (L3 misses, stored pages unreported) until it does.
+        - It answers that the namespace is unknown (it restarted without it: a failed
+          restore, a corrupt state file, a Mooncake master that did not start): this rank
+          registers the namespace's spec again. Registration is idempotent, so every rank of
+          every instance may do it, whoever is first; the ranks are the ones that notice
+          (they ask every few seconds) and each holds the spec it attached, so nothing else
+          has to watch the actor. The directory rebuilds from the storage's listing.
+        - The namespace is the one attached (same epoch, same storage): what waited is
+          reported (`directory_back`).
+        - A new epoch on the same storage is a purge: the rank keeps its client, forgets what
+          it believed was stored (and the reports that waited) and backs its L2 pages up
+          again.
+        - Other storage (a Mooncake master restarted on new ports, a new root marker): the
+          rank opens a client of the new storage first and only then swaps it in; until that
+          works it keeps the old one, away. Ranks of one instance may switch a few steps
+          apart, which is safe: a rank that misses makes the agreed hit shorter, never wrong.
+        """
+        cache, l3 = self.engine.cache, self._l3
+        if l3 is None or cache.directory is None:
             return
         now = time.monotonic()
-        if now < self._l3_next_check:
+        if now < self._l3_next_check and not force:
             return
         self._l3_next_check = now + L3_EPOCH_CHECK_S
         info, l3_actor = l3
         try:
-            current = cache.directory.info(info.namespace)
-        except StorageUnavailable:
-            return  # the actor is away: L3 misses meanwhile
-        if current.epoch == info.epoch:
-            return
-        if current.options == info.options:  # the same storage, emptied on purpose: a purge
-            log.warning("rank %d: L3 namespace %s was purged (epoch %d); backing up L2 again",
-                        self.rank, info.namespace, current.epoch)
-            self._l3 = (current, l3_actor)
-            cache.storage_emptied()
+            if cache.storage is None:  # an earlier swap failed half-way: attach again
+                self._attach(cache, info, l3_actor)
+                return
+            self._check_namespace(cache, info, l3_actor)
+        except Exception as exc:  # noqa: BLE001 - an L3 metadata error is a miss, not a failure
+            if cache.storage is not None:
+                cache.storage.directory_failed(f"following namespace {info.namespace}", exc)
+            else:
+                log.warning("rank %d: attaching L3 namespace %s failed (%s: %s); retrying in "
+                            "%.0f s", self.rank, info.namespace, type(exc).__name__, exc,
+                            L3_EPOCH_CHECK_S)
+
+    def _check_namespace(self, cache: HierarchicalCache, info: NamespaceInfo,
+                         l3_actor: str | None) -> None:
+        """One round of `_follow_l3` with the storage attached (may raise)."""
+        current = self._namespace_now(cache.directory, info)
+        storage = cache.storage
+        assert storage is not None
+        if same_storage(current, info):
+            if current.epoch != info.epoch:  # the same storage, emptied on purpose: a purge
+                log.warning("rank %d: L3 namespace %s was purged (epoch %d); backing up L2 "
+                            "again", self.rank, info.namespace, current.epoch)
+                self._l3 = (current, l3_actor)
+                cache.storage_emptied()
+            storage.directory_back()
             return
         log.warning("rank %d: L3 namespace %s moved to new storage (epoch %d -> %d); "
                     "re-attaching", self.rank, info.namespace, info.epoch, current.epoch)
-        self.detach_l3()
-        self._attach(cache, current, l3_actor)
+        backend = self._open_backend(current, cache.heads)  # raises: the old one stays, away
+        cache.detach_storage()
+        self._attach(cache, current, l3_actor, backend)
+
+    def _namespace_now(self, directory: PageDirectoryClient, info: NamespaceInfo
+                       ) -> NamespaceInfo:
+        """The namespace as the actor knows it now, registered again if it lost it."""
+        try:
+            return directory.info(info.namespace)
+        except UnknownNamespaceError:
+            log.warning("rank %d: the L3 namespace actor does not know namespace %s (it "
+                        "restarted without it); registering it again", self.rank,
+                        info.namespace)
+            return directory.register(info.spec)
 
     def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
         """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3."""
@@ -145,6 +192,14 @@ class RankL3:
         cache = self.engine.cache
         cache.detach_storage()
         cache.directory = None
+        self._l3 = None
+
+
+def same_storage(a: NamespaceInfo, b: NamespaceInfo) -> bool:
+    """Do `a` and `b` name the same storage (whatever their epochs)? The same options (a
+    restarted Mooncake master has a new address) and the same shared-root marker (a root
+    that lost its marker is not the one the rank wrote to)."""
+    return a.options == b.options and a.root_marker == b.root_marker
 
 
 def _directory_client(actor_name: str):

@@ -1,12 +1,15 @@
 """One request's answer as the ingress reads it: from the instance the router chose, or, if
-the router declares that instance stalled while the answer is outstanding, from another one.
+that instance stalls (the router says so) or its stream fails while the answer is
+outstanding, from another one, going on after the tokens already passed on.
 
-The pure half is `kvtier.serve.redispatch` (which tokens are new) and `kvtier.serve.liveness`
+The pure half is `kvtier.serve.redispatch` (what was passed on) and `kvtier.serve.liveness`
 (when an instance is stalled, decided by the router); this module holds the Ray calls. While
 no item comes, the answer asks the router's states every `check_s`; when its instance is
-stalled it asks the router for another live one, sends the request there from its prompt,
-cancels the first stream (the instance aborts the request if the cancel reaches it; if not,
-its late items are never read) and passes on only the tokens the client does not have yet.
+stalled it asks the router for another live one, sends the request there with the tokens
+already passed on as the start of its answer, and cancels the first stream (the instance
+aborts the request if the cancel reaches it; if not, its late items are never read). With no
+other live instance it waits `give_up_s` for the stalled one to step again, then raises
+InstanceUnavailable (the client gets a 503), never waiting without end.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from kvtier.serve.liveness import InstanceState
-from kvtier.serve.redispatch import SentTokens
+from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +55,19 @@ class RouterStates:
 
 
 class RoutedAnswer:
-    """`items()`: the answer's items (`kvtier.actors.serve_instance` shapes), each with only
+    """`items()`: the answer's items (`kvtier.actors.serve_replica` shapes), each with only
     the tokens not passed on before; `cancel()` frees the instance serving it."""
 
     def __init__(self, router: Any, instances: dict[str, Any], states: RouterStates,
                  tokens: list[int], sampling: dict, instance: str, check_s: float,
-                 on_move: Callable[[str], None] = lambda _: None, cache_salt: str = "") -> None:
+                 on_move: Callable[[str], None] = lambda _: None, cache_salt: str = "",
+                 give_up_s: float | None = None) -> None:
         self._router, self._instances, self._states = router, instances, states
         self._tokens, self._sampling, self._check_s = tokens, sampling, check_s
         self._salt = cache_salt
-        self._on_move = on_move  # called with the stalled instance's name
+        self._on_move = on_move  # called with the name of the instance the answer left
+        self._give_up_s = 4 * check_s if give_up_s is None else give_up_s
+        self._alone_since: float | None = None  # stalled with nowhere to go since then
         self.instance = instance
         self.sent = SentTokens()
         self._stream = self._open(instance)
@@ -75,21 +81,25 @@ class RoutedAnswer:
             done, _ = await asyncio.wait({self._next}, timeout=self._check_s)
             if not done:
                 if await self._states.stalled(self.instance):
-                    await self._move()
+                    await self._move(f"instance {self.instance} stalled", failed=False)
                 continue
             next_, self._next = self._next, None
             try:
                 item = next_.result()
-            except StopAsyncIteration:
-                return
-            final = "finish_reason" in item
-            new = self.sent.take(item["tokens"], final=final)  # the tail not passed on yet
-            item = {**item, "tokens": new}
-            if "logprobs" in item:
-                item["logprobs"] = item["logprobs"][len(item["logprobs"]) - len(new):]
-            self._finished = final
+            except StopAsyncIteration:  # ended without its last item: the replica went away
+                await self._move(f"instance {self.instance} ended the answer early",
+                                 failed=True)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the instance stopped or its replica died
+                log.warning("instance %s failed with a request in flight: %s", self.instance,
+                            exc)
+                await self._move(f"instance {self.instance} stopped serving", failed=True)
+                continue
+            self._alone_since = None
+            self.sent.add(item["tokens"], item.get("logprobs"))
+            self._finished = "finish_reason" in item or "error" in item
             yield item
-            if final:
+            if self._finished:
                 return
 
     def cancel(self) -> None:
@@ -102,26 +112,35 @@ class RoutedAnswer:
 
     def _open(self, instance: str) -> Any:
         handle = self._instances[instance]
-        return handle.options(stream=True).generate.remote(self._tokens, self._sampling,
-                                                           self._salt)
+        return handle.options(stream=True).generate.remote(
+            self._tokens, self._sampling, self._salt,
+            self.sent.resume(self._sampling.get("logprobs") is not None))
 
-    async def _move(self) -> None:
-        """Send the request to another live instance, if the router has one."""
+    async def _move(self, why: str, failed: bool) -> None:
+        """Send the request to another live instance, which goes on after what was passed
+        on. With none: a failed stream (`failed`) gives up at once; a stalled instance is
+        waited on for `give_up_s`. Either way InstanceUnavailable when given up."""
+        choice = None
         try:
             choice = await asyncio.wait_for(
                 self._router.choose.remote(self._tokens, avoid=(self.instance,),
                                            cache_salt=self._salt),
                 ROUTER_CALL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - keep waiting where it is
+        except Exception as exc:  # noqa: BLE001 - as if no other instance were live
             log.warning("re-dispatching from %s: the router did not answer: %s",
                         self.instance, exc)
-            return
-        if choice["instance"] is None:
-            return  # no other instance is live: wait here, the deadline is checked again
-        stalled, self.instance = self.instance, choice["instance"]
-        log.warning("instance %s stalled with a request in flight (%d tokens sent): "
-                    "re-dispatched to %s", stalled, len(self.sent.ids), self.instance)
+        if choice is None or choice["instance"] is None:
+            now = time.monotonic()
+            self._alone_since = self._alone_since or now
+            if failed or now - self._alone_since >= self._give_up_s:
+                self.cancel()
+                raise InstanceUnavailable(f"{why} and no other instance is live")
+            return  # wait where it is: the deadline is checked again
+        left, self.instance = self.instance, choice["instance"]
+        log.warning("%s with a request in flight (%d tokens sent): re-dispatched to %s", why,
+                    len(self.sent.ids), self.instance)
         self.cancel()
+        self._alone_since = None
         self._stream = self._open(self.instance)
-        self.sent.restart()
-        self._on_move(stalled)
+        self.sent.moves += 1
+        self._on_move(left)

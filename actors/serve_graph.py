@@ -36,7 +36,8 @@ APP_NAME = "kvtier"
 def resolve(settings: ServeSettings) -> ServeSettings:
     """Settings every deployment can use as they are: a file/nixl L3 without a directory gets
     one temporary directory, shared by all instances (they must see each other's pages), and
-the namespace actor a registry beside it."""
+    the namespace actor a registry beside it; an `auto` L3 bound is measured there, once
+    (serve/l3_bound.py)."""
     import dataclasses
 
     if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL) \
@@ -47,7 +48,7 @@ the namespace actor a registry beside it."""
         state = (os.path.join(settings.l3_root, ".kvtier-l3-state") if settings.l3_root
                  else tempfile.mkdtemp(prefix="kvtier-serve-l3-state-"))
         settings = dataclasses.replace(settings, l3_state_dir=state)
-    return settings
+    return settings.with_l3_bound()
 
 
 # On a cluster the ingress, the router and each instance's driver (its deployment replica)

@@ -26,6 +26,7 @@ from kvtier.actors.namespace_actor import purge_namespace
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.actors.serve_pins import PinDesk
+from kvtier.actors.serve_replica import bound_attach_options
 from kvtier.actors.serve_snapshots import SnapshotFeed
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve import openai_responses as out
@@ -152,9 +153,8 @@ class Ingress:
     @api.post("/admin/storage/attach")
     async def admin_attach(self, request: Request) -> Response:
         """Body: {"backend": "file"|"mooncake"|"nixl", "options": {...}} (options optional)."""
-        return await self._admin(request, lambda h, b: h.attach_l3.remote(b["backend"],
-                                                                           b.get("options")),
-                                 needs=("backend",))
+        return await self._admin(request, lambda h, b: h.attach_l3.remote(
+            b["backend"], bound_attach_options(self.settings, b)), needs=("backend",))
 
     @api.post("/admin/storage/detach")
     async def admin_detach(self, request: Request) -> Response:

@@ -26,6 +26,7 @@ from kvtier.actors.pd_driver import PDDriver, PDOutput
 from kvtier.actors.rank_actor import RankCache
 from kvtier.actors.serve_instance import build_instance
 from kvtier.actors.serve_replica import ServedReplica, final_fields, instance_snapshot
+from kvtier.engine.request import Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.openai_responses import pd_field
 from kvtier.serve.settings import ServeSettings
@@ -53,8 +54,9 @@ class PDInstances:
     def drain_events(self) -> None:
         return None
 
-    def add_request(self, tokens: Any, sampling: SamplingParams, cache_salt: str = "") -> int:
-        return self.driver.add(tokens, sampling, cache_salt)
+    def add_request(self, tokens: Any, sampling: SamplingParams, cache_salt: str = "",
+                    resume: Resume | None = None) -> int:
+        return self.driver.add(tokens, sampling, cache_salt, resume)
 
     def abort(self, request_id: int) -> None:
         self.driver.abort(request_id)

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
 from kvtier.actors.instance import Instance, InstanceError
-from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.instance_server import InstanceServer, ServerEventKind
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
-from kvtier.actors.step_wire import logprobs_to_wire
-from kvtier.engine.sampling import SamplingParams
+from kvtier.actors.step_wire import logprobs_to_wire, resume_from_wire
+from kvtier.engine.request import FinishReason
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
+from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.serve.placement import head_resources
 from kvtier.serve.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
@@ -34,7 +36,11 @@ CALL_TIMEOUT_S = 120.0
 def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None) -> dict:
     """The backend options a namespace is registered with (validated); file and nixl keep
     their pages under the deployment's L3 directory unless the caller names one, bounded by
-    l3_max_gb (the namespace's quota) unless the caller bounds them."""
+    l3_max_gb (the namespace's quota) unless the caller bounds them (max_size_bytes; 0:
+    unbounded). An `auto` bound still unmeasured is measured at the root now: callers that
+    attach several instances at once measure it first, once (serve_graph.resolve at start,
+    `bound_attach_options` for the admin API), since every instance registers the same spec.
+    Mooncake's master bounds its own store: l3_max_gb does not apply to it."""
     opts = dict(options or {})
     on_disk = kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL)
     if on_disk and "root_dir" not in opts:
@@ -42,13 +48,23 @@ def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None)
             raise ConfigError("the file and nixl backends need a directory: set l3_root or "
                               "give options.root_dir")
         opts["root_dir"] = s.l3_root
-    if s.l3_max_gb and on_disk:
-        opts.setdefault("max_size_bytes", int(s.l3_max_gb * 2**30))
-    elif s.l3_max_gb:
-        raise ConfigError(f"l3_max_gb bounds a file or nixl L3; a {kind.value} store is bounded "
-                          f"by its own configuration (Mooncake: the master's segment size)")
+    if on_disk and "max_size_bytes" not in opts and s.l3_max_gb is not L3Bound.UNBOUNDED:
+        gb = s.l3_max_gb
+        if gb is L3Bound.AUTO:
+            gb = auto_l3_gb(str(opts["root_dir"]))
+        opts["max_size_bytes"] = max(1, int(gb * GiB))
     parse_storage_options(kind, opts)  # ConfigError names a bad key or value
     return opts
+
+
+def bound_attach_options(s: ServeSettings, body: dict) -> dict | None:
+    """The options of an admin attach (`body`: its JSON), with an `auto` bound measured once
+    for every instance: written into `body`, which each instance's call then reads."""
+    kind = StorageBackendKind.parse(body["backend"], "backend")
+    if kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL) \
+            and s.l3_max_gb is L3Bound.AUTO and "max_size_bytes" not in (body.get("options") or {}):
+        body["options"] = l3_options(kind, s, body.get("options"))
+    return body.get("options")
 
 
 def final_fields(out: Any, name: str) -> dict:
@@ -59,9 +75,17 @@ def final_fields(out: Any, name: str) -> dict:
             "instance": name}
 
 
-def _logprobs(logprobs: tuple | None, start: int) -> dict:
-    """{"logprobs": the wire form of those from `start` on} when the request asked, or {}."""
-    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs[start:])}
+def _logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict:
+    """{"logprobs": their wire form} when the request asked for them, or {}."""
+    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs)}
+
+
+def _last_item(out: Any, have: int) -> dict:
+    """A finished answer's tokens after the first `have` (and their log-probabilities,
+    which belong to the answer's last tokens)."""
+    rest = tuple(out.tokens[have:])
+    lps = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(rest):]
+    return {"tokens": list(rest), **_logprobs(lps)}
 
 
 class ServedReplica:
@@ -96,35 +120,42 @@ class ServedReplica:
         raise NotImplementedError
 
     # ---- requests ---------------------------------------------------------------------------
-    async def generate(self, tokens: list[int], sampling: dict,
-                       cache_salt: str = "") -> AsyncIterator[dict]:
+    async def generate(self, tokens: list[int], sampling: dict, cache_salt: str = "",
+                       resume: list | None = None) -> AsyncIterator[dict]:
         """Stream `{"tokens": [...new ids]}` items (and their log-probabilities when it
         asked), the last one with `_final`: the finish reason, cached tokens by tier, the five
-        lengths, the instance-side TTFT. `cache_salt`: the request's tenant (it hits only
-        prefixes cached with the same salt). A caller that goes away (disconnect, stop
-        string) cancels it."""
+        lengths, the instance-side TTFT; or, when this request alone failed, with "error"
+        (why, in words a client may read) instead. `cache_salt`: the request's tenant (it
+        hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
+        start of its answer the caller already has (it ran on another instance): the answer
+        goes on after it and those tokens are not sent again. A caller that goes away
+        (disconnect, stop string) cancels it. The instance stopping raises InstanceError."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        key = self.server.submit(tokens, SamplingParams(**sampling),
-                                 lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-                                 cache_salt)
-        emitted, finished = 0, False
+        events: asyncio.Queue = asyncio.Queue()
+        got = resume_from_wire(resume)
+        key = self.server.submit(
+            tokens, SamplingParams(**sampling),
+            lambda event: loop.call_soon_threadsafe(events.put_nowait, event), cache_salt, got)
+        have, finished = (0 if got is None else len(got.tokens)), False
         try:
             while True:
-                kind, value = await queue.get()
-                if kind == "tokens":  # a Progress: the output so far
-                    if len(value.tokens) > emitted:
-                        yield {"tokens": list(value.tokens[emitted:]),
-                               **_logprobs(value.logprobs, emitted)}
-                        emitted = len(value.tokens)
-                elif kind == "done":
-                    finished = True
-                    yield {"tokens": list(value.tokens[emitted:]),
-                           **_logprobs(value.logprobs, emitted), **self._final(value)}
+                event = await events.get()
+                if event.kind is ServerEventKind.TOKENS:
+                    new = event.progress.after(have)
+                    if new is not None:
+                        yield {"tokens": list(new.tokens), **_logprobs(new.logprobs)}
+                        have = new.stop
+                elif event.kind is ServerEventKind.DONE:
+                    finished, out = True, event.output
+                    if out.finish_reason is FinishReason.ERROR:
+                        yield {**_last_item(out, have), "error": out.error or "it failed"}
+                    else:
+                        yield {**_last_item(out, have), **self._final(out)}
                     return
                 else:
                     finished = True
-                    raise InstanceError(f"instance {self.name}: {value}")
+                    raise InstanceError(f"instance {self.name} stopped serving: "
+                                        f"{event.message}")
         finally:
             if not finished:  # the caller went away (disconnect, stop string): free it
                 self.server.cancel(key)

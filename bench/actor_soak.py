@@ -133,7 +133,8 @@ class _Soak:
         spec = namespace_spec(self.model.source, settings.config, params.l3, f"{tmp}/l3",
                               self.model.name, f"soak-{uuid.uuid4().hex[:8]}",
                               dtype=self.model.dtype, page_size=self.model.page_size,
-                              tp_size=params.tp)
+                              tp_size=params.tp, deterministic=settings.deterministic,
+                              gpu=settings.gpu)
         info = self.client.register(spec)
         self.instances: list[Any] = []
         self.expected = self._cold_answers(Instance, settings, per_rank)

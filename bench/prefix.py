@@ -197,7 +197,7 @@ def _ttft(engine: Engine, prompt: list[int], params: SamplingParams) -> Output:
 def _engine(bm: BenchModel, config: HiCacheConfig, device_pages: int, chunk_tokens: int | None,
             token_budget: int, deterministic: bool) -> Engine:
     cache = HierarchicalCache(config, bm.model.kv_spec(config.page_size), device_pages,
-                              device=bm.model.device, model=bm.name)
+                              device=bm.model.device, model=bm.name, deterministic=deterministic)
     try:
         return Engine(bm.model, cache, chunk_tokens, token_budget, tokenizer=bm.tokenizer,
                       owns_cache=True, deterministic=deterministic)

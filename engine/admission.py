@@ -221,8 +221,10 @@ class Admission:
         fresh, need = None, usable  # never write into a shared page
         if self.agree is not None and shared:
             # Another rank may hit less: with every prompt page fresh, any agreed prefix fits.
-            fresh, need = cache.allocate(pages_for(n, p)), 0
-        if fresh is None:
+            fresh = cache.allocate(pages_for(n, p))
+            if fresh is not None:
+                need = 0
+        if fresh is None:  # only its own hit's share: the agreed prefix must be as long
             fresh = cache.allocate(pages_for(n, p) - shared)
         return _Reservation(req, lookup, fresh, usable, need)
 

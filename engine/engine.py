@@ -22,7 +22,7 @@ from kvtier.engine.handoff import HandoffTarget, IncomingKV, check_handoff_spec
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, HandoffDesk, Reservation
 from kvtier.engine.loader import load_smollm2_model
 from kvtier.engine.model import PagedLlama
-from kvtier.engine.request import Output, Request, pages_for
+from kvtier.engine.request import Output, Request, Resume, pages_for
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, StepStats
@@ -62,6 +62,18 @@ def engine_chunk_tokens(chunk_tokens: int | None, page_size: int, deterministic:
                               token_budget // page_size * page_size))
 
 
+def _check_pages_mode(cache: HierarchicalCache, deterministic: bool) -> None:
+    """A cache whose pages are shared (an L3 attached) must be keyed in the engine's mode:
+    a deterministic engine would otherwise read batched pages (and lose bit-identity), a
+    default one would store batched pages where deterministic readers look. A private cache
+    may differ: its pages never leave the engine."""
+    if cache.storage is not None and cache.deterministic != deterministic:
+        modes = {True: "deterministic", False: "default"}
+        raise ConfigError(f"the engine runs in {modes[deterministic]} mode but its cache, with "
+                          f"L3 attached, keys {modes[cache.deterministic]}-mode pages: build the "
+                          f"HierarchicalCache with deterministic={deterministic}")
+
+
 class Engine:
     """Requests in, outputs out: `add_request` + `step`, or `generate` for a whole batch.
 
@@ -80,6 +92,7 @@ class Engine:
                  tokenizer: Tokenizer | None = None, owns_cache: bool = False, *,
                  deterministic: bool = False,
                  schedule_policy: SchedulePolicy = SchedulePolicy.LPM) -> None:
+        _check_pages_mode(cache, deterministic)
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         page = cache.spec.page_size
         chunk = engine_chunk_tokens(chunk_tokens, page, deterministic, token_budget)
@@ -108,7 +121,7 @@ class Engine:
         model, tokenizer = load_smollm2_model(resolve(dtype, device), device, cache_dir=cache_dir)
         cache = HierarchicalCache(config, model.kv_spec(config.page_size), device_pages,
                                   device=model.device, model=SMOLLM2_NAMESPACE,
-                                  tenant_salt=tenant_salt)
+                                  tenant_salt=tenant_salt, deterministic=deterministic)
         try:
             return cls(model, cache, chunk_tokens, token_budget, tokenizer=tokenizer,
                        owns_cache=True, deterministic=deterministic,
@@ -119,13 +132,21 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
-                    cache_salt: str = "", handoff_to: Sequence[HandoffTarget] = ()) -> int:
+                    cache_salt: str = "", handoff_to: Sequence[HandoffTarget] = (),
+                    resume: Resume | None = None) -> int:
         """Queue a prompt (text needs a tokenizer; token ids are used as given); its id.
         `cache_salt`: its tenant (it hits only prefixes cached with the same salt).
         `handoff_to`: a prefill instance's request whose prompt KV goes to the decode ranks'
         reserved pages (every decode rank's target); it keeps its pages after it finishes
-        until `release_handoff`."""
+        until `release_handoff`. `resume`: the start of its answer the caller already has
+        (the request ran before and lost its KV): it goes on after those tokens, which its
+        output includes and its steps never report again (Request)."""
         req = self._request(prompt, sampling, cache_salt)
+        if resume is not None and resume.tokens:
+            if handoff_to:
+                raise ConfigError("a hand-off's prefill starts an answer; it cannot resume "
+                                  "one (serve a resumed request without a hand-off)")
+            req.continue_after(resume, fold=not self.scheduler.deterministic)
         if handoff_to:
             check_handoff_spec(self.cache.spec)
             need = pages_for(len(req.prompt), self.cache.spec.page_size)
@@ -238,7 +259,13 @@ class Engine:
         return [int(t) for t in prompt]
 
     def _output(self, req: Request) -> Output:
-        text = self.tokenizer.decode(req.output) if self.tokenizer is not None else None
+        text = None
+        if self.tokenizer is not None:
+            try:
+                text = self.tokenizer.decode(list(req.answer))
+            except Exception:  # noqa: BLE001 - this request's failure, not the engine's
+                log.exception("request %d: its answer could not be turned into text", req.id)
+                req.fail("its answer could not be turned into text")
         out = req.to_output(text)
         log.debug("request %d finished (%s): %d tokens, ttft %s s, %s", req.id,
                   out.finish_reason.value, len(out.tokens), out.ttft_s, out.lengths.describe())

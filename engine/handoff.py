@@ -30,6 +30,7 @@ import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.kv_spec import KVSpec
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.messages import MessageError
 
 
@@ -91,22 +92,20 @@ class HandoffSent(NamedTuple):
     descriptors: int
     seconds: float
     error: str = ""          # why not ok
-    sampler_state: bytes = b""  # the request's sampler generator after its first token
     heads: tuple[int, int] = (0, 0)  # the prefill rank's KV heads [start, stop)
     staged: bool = False  # sums are per (page, head) of head objects, not per L1 page
 
     def to_wire(self) -> list:
         return [self.handoff_id, self.ok, [int(s) for s in self.sums], self.bytes,
-                self.descriptors, self.seconds, self.error, self.sampler_state,
-                list(self.heads), self.staged]
+                self.descriptors, self.seconds, self.error, list(self.heads), self.staged]
 
     @classmethod
     def from_wire(cls, m: Any) -> "HandoffSent":
         try:
-            hid, ok, sums, nbytes, desc, secs, err, state, heads, staged = m
+            hid, ok, sums, nbytes, desc, secs, err, heads, staged = m
             start, stop = heads
             return cls(str(hid), bool(ok), tuple(int(s) for s in sums), int(nbytes),
-                       int(desc), float(secs), str(err), bytes(state), (int(start), int(stop)),
+                       int(desc), float(secs), str(err), (int(start), int(stop)),
                        bool(staged))
         except (TypeError, ValueError) as exc:
             raise MessageError(f"a bad HandoffSent record: {exc}") from exc
@@ -114,15 +113,32 @@ class HandoffSent(NamedTuple):
 
 class IncomingKV(NamedTuple):
     """A decode request's received prompt KV: its pages, what their sums must be, and what
-    the prefill side sampled."""
+    the prefill side sampled (its first token, and that token's log-probability when the
+    request asked for them)."""
 
     handoff_id: str
     pages: tuple[int, ...]
     sums: tuple[int, ...]
     first_token: int
-    sampler_state: bytes = b""
+    first_logprob: TokenLogprob | None = None
     staged: tuple[int, ...] = ()  # different TP sizes: the L2 staging pages the head objects
     # were written to (sums then per page and head, in the rank's head order)
+
+    def to_wire(self) -> list:
+        return [self.handoff_id, list(self.pages), [int(s) for s in self.sums],
+                self.first_token,
+                None if self.first_logprob is None else self.first_logprob.to_wire(),
+                list(self.staged)]
+
+    @classmethod
+    def from_wire(cls, m: Any) -> "IncomingKV":
+        try:
+            hid, pages, sums, first, logprob, staged = m
+            return cls(str(hid), tuple(int(p) for p in pages), tuple(int(s) for s in sums),
+                       int(first), None if logprob is None else TokenLogprob.from_wire(logprob),
+                       tuple(int(p) for p in staged))
+        except (TypeError, ValueError) as exc:
+            raise MessageError(f"a bad IncomingKV record: {exc}") from exc
 
 
 class HandoffStages(NamedTuple):

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from kvtier.engine.handoff import page_sums
 from kvtier.engine.handoff_staging import copy_to_device, head_sums
-from kvtier.engine.request import CachedTokens, Request, RequestState
+from kvtier.engine.request import CachedTokens, Request, RequestState, Resume
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
@@ -87,11 +87,16 @@ class HandoffIntake:
             self._counts["recomputed"] += 1
             log.warning("hand-off %s: a decode rank lacks its KV; recomputing request %d",
                         incoming.handoff_id, req.id)
+            # Its first token is the prefill side's (a client may have it): it goes on after
+            # it, with the prompt's KV and that token's recomputed (also in deterministic
+            # mode, where a prefill instance of another TP size may not match bit for bit).
+            first = (incoming.first_logprob,) if incoming.first_logprob is not None else None
+            req.continue_after(Resume((incoming.first_token,), first), fold=True)
             return False
         now = time.perf_counter()
         req.lookup, req.pages, req.num_shared, req.pos = lookup, list(incoming.pages), 0, n
         req.lengths, req.cached = RequestLengths(0, 0, 0, 0, 0), CachedTokens(0, 0, 0)
-        req.sampler.resume(incoming.first_token, incoming.sampler_state)
+        req.sampler.resume(incoming.first_token, incoming.first_logprob)
         req.state = RequestState.DECODING
         req.append(incoming.first_token)
         req.admitted_s = req.admitted_s or now

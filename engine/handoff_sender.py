@@ -67,19 +67,19 @@ class HandoffSender:
     def send(self, req: Request) -> HandoffSent:
         targets = req.handoff_to
         assert targets
-        hid, state = targets[0].handoff_id, req.sampler.state()
+        hid = targets[0].handoff_id
         pages = req.pages[:pages_for(len(req.prompt), self.pool.spec.page_size)]
         if self.pool.kv.is_cuda:  # the prefill's writes must land before the NIC reads them
             torch.cuda.current_stream(self.pool.kv.device).synchronize()
-        failed = HandoffSent(hid, False, (), 0, 0, 0.0, "", state, self.heads)
+        failed = HandoffSent(hid, False, (), 0, 0, 0.0, "", self.heads)
         if any(t.write_by and time.time() > t.write_by for t in targets):
             log.warning("hand-off %s: past its write deadline; not writing (the decode side "
                         "may have freed the pages)", hid)
             return failed._replace(error="past the write deadline")
         try:
             if self._straight(targets) is not None:
-                return self._send_pages(targets, pages, state)
-            return self._send_staged(targets, pages, state)
+                return self._send_pages(targets, pages)
+            return self._send_staged(targets, pages)
         except KvtierError as exc:
             log.warning("hand-off %s: the transfer failed (%s); the decode side recomputes",
                         hid, exc)
@@ -132,16 +132,14 @@ class HandoffSender:
         sizes); None: the hand-off is staged."""
         return next((t for t in targets if t.staging is None and t.heads == self.heads), None)
 
-    def _send_pages(self, targets: Sequence[HandoffTarget], pages: list[int],
-                    state: bytes) -> HandoffSent:
+    def _send_pages(self, targets: Sequence[HandoffTarget], pages: list[int]) -> HandoffSent:
         """Equal TP sizes: L1 pages into the decode rank's L1 pages, in one write."""
         ((target, local, remote),) = self.plan(targets, pages)
         wrote = self.endpoint.write(target.peer, local, remote, self.timeout_s)
         return HandoffSent(target.handoff_id, True, page_sums(self.pool.kv, pages), wrote.bytes,
-                           wrote.descriptors, wrote.seconds, "", state, self.heads)
+                           wrote.descriptors, wrote.seconds, "", self.heads)
 
-    def _send_staged(self, targets: Sequence[HandoffTarget], pages: list[int],
-                     state: bytes) -> HandoffSent:
+    def _send_staged(self, targets: Sequence[HandoffTarget], pages: list[int]) -> HandoffSent:
         """Other TP sizes: this rank's heads of each page, staged in L2, written head object
         by head object to the decode ranks holding those heads (one write per rank)."""
         cache, (lo, hi) = self.cache, self.heads
@@ -163,4 +161,4 @@ class HandoffSender:
         finally:
             cache.release_host_pages(staging)
         return HandoffSent(targets[0].handoff_id, True, sums, nbytes, descriptors, seconds, "",
-                           state, self.heads, staged=True)
+                           self.heads, staged=True)

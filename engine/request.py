@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +27,8 @@ class FinishReason(enum.Enum):
     LENGTH = "length"        # reached max_new_tokens
     ABORTED = "aborted"      # the caller aborted it
     NO_MEMORY = "no_memory"  # L1 cannot hold the sequence even with nothing else running
+    ERROR = "error"          # this request alone could not be computed (Output.error: why);
+    # its batch-mates, the rank and the instance go on
 
 
 class CachedTokens(NamedTuple):
@@ -58,6 +60,27 @@ class Output:
     queue_s: float | None = None  # arrival to first admission (None: never admitted)
     # one per output token when the request asked for them (SamplingParams.logprobs)
     logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None  # FinishReason.ERROR: what failed, in words a client may read
+
+
+class Resume(NamedTuple):
+    """The start of an answer its caller already has (streamed to a client before the request
+    lost its KV: its ranks were replaced, its instance stalled). The request continues after
+    these tokens and never sends them again; `logprobs`, one per token, when it asked."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def to_wire(self) -> list:
+        """[tokens, [TokenLogprob wire, ...] or nil]."""
+        lps = None if self.logprobs is None else [lp.to_wire() for lp in self.logprobs]
+        return [list(self.tokens), lps]
+
+    @classmethod
+    def from_wire(cls, m: Any) -> "Resume":
+        tokens, lps = m
+        return cls(tuple(int(t) for t in tokens),
+                   None if lps is None else tuple(TokenLogprob.from_wire(x) for x in lps))
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -68,7 +91,14 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class Request:
     """Mutable scheduler state. `pages` is the page table: the first `num_shared` ids are the
     cache's (locked by `lookup`), the rest the request's own, freed or handed to the tree
-    (default mode: a decoding request's first `committed_pages` are in the tree already)."""
+    (default mode: a decoding request's first `committed_pages` are in the tree already).
+
+    The answer is `resumed + output`. A request that loses its KV goes on from the answer it
+    has, never from scratch (a recomputed answer in default mode need not be the same, and a
+    client may have half of it): by default its answer so far joins its prompt (`fold`: their
+    KV is recomputed as prompt, as vLLM does on preemption); in deterministic mode it runs
+    again from its prompt, which gives the same tokens bit for bit, checked against `replay`
+    (`restart`)."""
 
     id: int
     prompt: tuple[int, ...]
@@ -99,10 +129,50 @@ class Request:
     # its prompt's KV goes to (this rank writes to those holding its heads)
     incoming: IncomingKV | None = None  # decode side: its prompt's KV, written by a prefill rank
     kv_ready_s: float | None = None  # decode side: when every rank agreed its KV arrived
+    resumed: tuple[int, ...] = ()  # answer tokens folded into `prompt` (its last ones)
+    given_logprobs: tuple[TokenLogprob, ...] = ()  # a Resume's: for its first tokens
+    replay: tuple[int, ...] = ()  # deterministic mode: the answer an earlier run gave,
+    # which the recomputed one must repeat
+    error: str | None = None  # FinishReason.ERROR: why
     sampler: Sampler = field(init=False)
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params, self.device, self.prompt)
+
+    @property
+    def asked(self) -> tuple[int, ...]:
+        """The prompt the caller gave (without folded answer tokens)."""
+        return self.prompt[:len(self.prompt) - len(self.resumed)]
+
+    @property
+    def answer(self) -> tuple[int, ...]:
+        """Every token of its answer so far, the folded ones first."""
+        return self.resumed + tuple(self.output)
+
+    def tail(self, n: int) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...] | None]:
+        """The answer's last `n` tokens and their log-probabilities (those it has: the
+        log-probabilities always belong to the answer's last tokens), without copying the
+        rest: what a step reports as new."""
+        out = self.output
+        tokens = tuple(out[len(out) - n:]) if n <= len(out) else self.answer[-n:]
+        if self.params.logprobs is None:
+            return tokens, None
+        mine = self.sampler.logprobs
+        lps = tuple(mine[len(mine) - n:]) if n <= len(mine) else \
+            (self.given_logprobs + tuple(mine))[-n:]
+        return tokens, lps
+
+    def continue_after(self, resume: Resume, fold: bool) -> None:
+        """Start after an answer the caller already has (a new request: nothing computed).
+        `fold` (default mode): the tokens join the prompt; else they are replayed."""
+        if not resume.tokens:
+            return
+        if fold:
+            self.prompt, self.resumed = self.prompt + resume.tokens, resume.tokens
+            self.given_logprobs = tuple(resume.logprobs or ())
+        else:
+            self.replay = resume.tokens
+        self.sampler = Sampler(self.params, self.device, self.asked, self.resumed)
 
     @property
     def own_pages(self) -> list[int]:
@@ -118,25 +188,60 @@ class Request:
         """The tokens whose KV is in `pages` once decoding (prompt + output but the last)."""
         return self.prompt + tuple(self.output[:-1])
 
+    @property
+    def done(self) -> bool:
+        """Its answer is complete already (a Resume may bring all of it)."""
+        answer = self.answer
+        return len(answer) >= self.params.max_new_tokens or \
+            any(t in self.params.stops for t in answer)
+
     def append(self, token: int) -> bool:
         """Record a sampled token; True when it ends the request."""
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
+        at = len(self.resumed) + len(self.output)
+        if at >= self.params.max_new_tokens:  # a continuation whose answer was complete
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        if at < len(self.replay) and token != self.replay[at]:
+            self.fail(f"its answer was recomputed after its KV was lost and differs at token "
+                      f"{at} from the one already given")
+            return True
         self.output.append(token)
         if token in self.params.stops:
             self.finish_reason = FinishReason.STOP
-        elif len(self.output) >= self.params.max_new_tokens:
+        elif at + 1 >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None
 
-    def reset(self) -> None:
-        """Back to WAITING with nothing held (after preemption): it restarts from its prompt,
-        and a fresh sampler with the same seed makes the restart reproduce its tokens."""
+    def fail(self, why: str) -> None:
+        """End this request alone: what its client is told (FinishReason.ERROR)."""
+        self.finish_reason, self.error = FinishReason.ERROR, why
+
+    def _unhold(self) -> None:
         self.state, self.lookup, self.pages, self.num_shared, self.pos = \
             RequestState.WAITING, None, [], 0, 0
         self.committed_pages = 0
-        self.output, self.prefill_logits, self.first_token_s = [], None, None
-        self.sampler = Sampler(self.params, self.device, self.prompt)
+        self.prefill_logits = None
+
+    def fold(self) -> None:
+        """Back to WAITING with nothing held (preempted, default mode), keeping its answer:
+        the tokens so far join the prompt (their KV is recomputed with it) and it goes on
+        after them; its sampler keeps counting and seeding from where it is."""
+        self._unhold()
+        self.prompt += tuple(self.output)
+        self.resumed += tuple(self.output)
+        self.output = []
+
+    def restart(self) -> None:
+        """Back to WAITING with nothing held (preempted, deterministic mode): it runs again
+        from its prompt and must give the same answer (`replay`), which per-position seeds
+        and bit-identical KV make so; its first token's time stays the first run's."""
+        self._unhold()
+        if len(self.answer) > len(self.replay):
+            self.replay = self.answer
+        self.output = []
+        self.sampler = Sampler(self.params, self.device, self.asked, self.resumed)
 
     def retract(self) -> None:
         """Out of L1, holding nothing there, its KV kept elsewhere (engine.retraction): it
@@ -157,11 +262,14 @@ class Request:
             rate = (len(self.output) - 1) / elapsed if elapsed > 0 else None
         assert self.finish_reason is not None
         queue = None if self.admitted_s is None else self.admitted_s - self.arrival_s
-        return Output(self.id, self.prompt, tuple(self.output), text, self.finish_reason,
+        return Output(self.id, self.asked, self.answer, text, self.finish_reason,
                       self.lengths, self.cached, ttft, rate, self.prefill_logits, queue,
-                      self.logprobs)
+                      self.logprobs, self.error)
 
     @property
     def logprobs(self) -> tuple[TokenLogprob, ...] | None:
-        """Its output tokens' log-probabilities so far (None when it did not ask for them)."""
-        return None if self.params.logprobs is None else tuple(self.sampler.logprobs)
+        """Its answer's log-probabilities so far, one per token (None when it did not ask
+        for them); a Resume without them leaves its tokens' out."""
+        if self.params.logprobs is None:
+            return None
+        return self.given_logprobs + tuple(self.sampler.logprobs)

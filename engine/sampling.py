@@ -1,16 +1,30 @@
 """Choosing the next token: penalties, then greedy or temperature + top-k / min-p / top-p with
-a seeded generator (vLLM's order and meanings)."""
+a seeded generator (vLLM's order and meanings).
+
+Why each token has a generator seed of its own (derived from the request's seed and the
+token's place in the answer) instead of one generator advanced token by token: a request
+that runs again after its KV was lost (a preemption, a rank restart, another instance after a
+stall) continues after the tokens its client already has, and its next token must be the
+one the first run would have drawn. With a seed per position, that holds wherever and
+however often the answer is resumed, with nothing to carry but the tokens.
+"""
 from __future__ import annotations
 
+import hashlib
+import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvtierError
 
 MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs limit)
+
+
+class SamplingError(KvtierError, RuntimeError):
+    """This request's next token cannot be chosen (the model gave it no finite logit)."""
 
 
 class TokenLogprob(NamedTuple):
@@ -19,6 +33,15 @@ class TokenLogprob(NamedTuple):
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
+
+    def to_wire(self) -> list:
+        """Plain lists: [token, logprob, [[token, logprob], ...]]."""
+        return [self.token, self.logprob, [list(p) for p in self.top]]
+
+    @classmethod
+    def from_wire(cls, m: Any) -> "TokenLogprob":
+        token, logprob, top = m
+        return cls(int(token), float(logprob), tuple((int(i), float(v)) for i, v in top))
 
 
 @dataclass(frozen=True)
@@ -87,50 +110,58 @@ class SamplingParams:
                 or self.frequency_penalty != 0)
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of the token at `position` of an answer sampled with `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class Sampler:
-    """One request's sampler; its generator advances with every sampled token, and it counts
-    the tokens it chose (the output, for the penalties). With `params.logprobs` set it keeps
-    each chosen token's TokenLogprob in `logprobs`."""
+    """One request's sampler. It counts the tokens of the answer (`answered`: those an
+    earlier run already chose, then its own: the penalties see them all) and seeds each
+    draw by the request's seed and the token's position (see the module docstring). With
+    `params.logprobs` set it keeps each token it chose's TokenLogprob in `logprobs`."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
-                 prompt: Sequence[int] = ()) -> None:
+                 prompt: Sequence[int] = (), answered: Sequence[int] = ()) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
         self._prompt = frozenset(prompt) if params.repetition_penalty != 1 else frozenset()
-        self._output: Counter[int] = Counter()
+        self._output: Counter[int] = Counter(int(t) for t in answered)
+        self.position = len(answered)  # the answer's index of the next token
         self.logprobs: list[TokenLogprob] = []
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
         if not params.greedy:
             self.generator = torch.Generator(device=device)
-            if params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(params.seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """The next token from (vocab,) logits."""
-        token = self._choose(self._penalize(logits.float()) if self.params.penalized
-                             else logits.float())
+        """The next token from (vocab,) logits. Raises SamplingError when no logit is
+        finite; otherwise always a token (an overflow of logits / temperature is the
+        temperature's limit, greedy)."""
+        logits = logits.float()
+        finite = torch.isfinite(logits)
+        if not bool(finite.any()):
+            raise SamplingError("the model gave no finite logit for this request")
+        if not bool(finite.all()):  # NaN never wins; +inf is the most likely token
+            logits = torch.nan_to_num(logits, nan=float("-inf"),
+                                      posinf=float(torch.finfo(torch.float32).max))
+        token = self._choose(self._penalize(logits) if self.params.penalized else logits)
         self._output[token] += 1
         if self.params.logprobs is not None:
             self.logprobs.append(self._logprob(logits, token))
+        self.position += 1
         return token
 
-    def state(self) -> bytes:
-        """The generator's state (empty when greedy): what `resume` needs elsewhere."""
-        if self.generator is None:
-            return b""
-        return bytes(self.generator.get_state().numpy().tobytes())
-
-    def resume(self, token: int, state: bytes) -> None:
-        """Continue a request whose `token` another sampler chose (its prefill instance's):
-        count it as chosen and take that sampler's generator `state`, so the next token is
-        the one the first sampler would have drawn."""
+    def resume(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Continue a request whose `token` (the next one) another sampler chose (its
+        prefill instance's): count it as chosen, with its log-probability when it asked."""
         self._output[token] += 1
-        if self.generator is not None and state:
-            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self.position += 1
+        if self.params.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
 
     def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, self.params.logprobs) if self.params.logprobs else None
         pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
         return TokenLogprob(token, float(logp[token]), pairs)
@@ -155,7 +186,10 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / p.temperature, dim=-1)
+        scaled = logits / p.temperature
+        if not bool(torch.isfinite(scaled.max())):  # a temperature too small for these
+            return int(torch.argmax(logits))  # logits: its limit is greedy
+        probs = torch.softmax(scaled, dim=-1)
         floor = None  # the least probability a token needs to stay (top_k, min_p)
         if p.top_k and p.top_k < probs.numel():
             floor = torch.topk(probs, p.top_k).values[-1]
@@ -165,6 +199,8 @@ class Sampler:
         if floor is not None:
             probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
             probs = probs / probs.sum()
+        assert self.generator is not None
+        self.generator.manual_seed(position_seed(self.seed, self.position))
         if p.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
             # Keep the smallest head of the distribution whose mass reaches top_p (>= 1 token).

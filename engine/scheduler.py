@@ -108,6 +108,7 @@ class Scheduler:
         # the decode side has their KV; id -> (request, monotonic deadline)
         self.handed: dict[int, tuple[Request, float]] = {}
         self.handed_hold_s = HANDED_HOLD_S
+        self._settled: list[Request] = []  # finished when added (`_settle`): the next step's
 
     # Admission holds these; they stay readable (and `agree` settable: a rank actor sets it
     # after the Engine is built) here, as before admission had its own module.
@@ -133,10 +134,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._settled)
 
     def add(self, req: Request) -> None:
         need = pages_for(len(req.prompt), self.page_size)
+        if req.done or (req.resumed and need > self.cache.device_pages):
+            self._settle(req, need)  # a Resume that brought the whole answer, or that made
+            return  # the prompt too long for L1 (the answer had grown that long)
         if need > self.cache.device_pages:
             raise ConfigError(f"a {len(req.prompt)}-token prompt needs {need} L1 pages but the "
                               f"device pool has {self.cache.device_pages}; raise "
@@ -145,6 +149,21 @@ class Scheduler:
         req.ticket = self.cache.prefetch(req.prompt, salt=req.cache_salt)
         req.prefetch_asked_s = time.monotonic()
         self.waiting.append(req)
+
+    def _settle(self, req: Request, need: int) -> None:
+        """Finish a request that was just added without running it (the next step returns
+        it): its answer is complete, or L1 cannot hold what it must recompute."""
+        if req.done:
+            stopped = any(t in req.params.stops for t in req.answer)
+            reason = FinishReason.STOP if stopped else FinishReason.LENGTH
+        else:
+            log.warning("request %d: going on after %d answer tokens needs %d L1 pages, the "
+                        "device pool has %d; stopping it there", req.id, len(req.answer), need,
+                        self.cache.device_pages)
+            reason = FinishReason.NO_MEMORY
+        req.state, req.finish_reason = RequestState.FINISHED, reason
+        req.finish_s = time.perf_counter()
+        self._settled.append(req)
 
     def add_received(self, req: Request) -> None:
         """Queue a decode request whose prompt KV a prefill rank wrote (`req.incoming`):
@@ -159,7 +178,8 @@ class Scheduler:
         self._finalize_prefetches()
         self._retry_prefetches()
         self.waiting = order_waiting(self.waiting, self.policy, self.max_wait_steps)
-        self._preempted, finished, self._decode_short = 0, [], False
+        finished, self._settled = self._settled, []
+        self._preempted, self._decode_short = 0, False
         decoding = self._reserve_decode_pages(finished)
         budget = Budget(self._prefill_budget(len(decoding)), self.chunk, self.deterministic)
         plan = [(r, budget.plan_chunks(r)) for r in self.running
@@ -393,16 +413,23 @@ class Scheduler:
         self.cache.release_pages(req.pages[kept:])
 
     def _preempt(self, req: Request) -> None:
-        log.info("request %d preempted (L1 full): it restarts from its prompt", req.id)
+        """Back to waiting, holding nothing, its answer kept: by default it goes on after the
+        tokens it has (their KV recomputed as prompt), in deterministic mode it runs again from
+        its prompt and must repeat them (Request.fold / restart)."""
+        log.info("request %d preempted (L1 full) after %d tokens; it is recomputed", req.id,
+                 len(req.answer))
         self._release(req)
         self.running.remove(req)
-        req.reset()
+        if self.deterministic:
+            req.restart()
+        else:
+            req.fold()
         self.waiting = order_waiting(self.waiting + [req], self.policy, self.max_wait_steps)
         self._preempted += 1
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:
         if (req.handoff_to and req.state is RequestState.DECODING
-                and reason is not FinishReason.ABORTED):
+                and reason not in (FinishReason.ABORTED, FinishReason.ERROR)):
             # its pages are read by the transfer to the decode side: kept until it says so
             self.handed[req.id] = (req, time.monotonic() + self.handed_hold_s)
         else:

@@ -13,6 +13,7 @@ failure in a later forward leaves what earlier ones finished reported).
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -21,7 +22,10 @@ from kvtier.engine.batch import SeqChunk
 from kvtier.engine.forward_plan import Forward, Piece, pack_forwards
 from kvtier.engine.request import Request, RequestState
 from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import SamplingError
 from kvtier.tiers.sliding_kv import SlidingKV
+
+log = logging.getLogger(__name__)
 
 
 class StepForwards:
@@ -106,11 +110,23 @@ class StepForwards:
 def _first_token(req: Request, logits: torch.Tensor, ended: list[Request]) -> None:
     req.prefill_logits = logits.float().cpu()
     req.state = RequestState.DECODING
-    if req.append(req.sampler(logits)):
-        ended.append(req)
+    _take(req, logits, ended)
 
 
 def _sample(batch: Sequence[Request], logits: torch.Tensor, ended: list[Request]) -> None:
     for row, req in enumerate(batch):
-        if req.append(req.sampler(logits[row])):
-            ended.append(req)
+        _take(req, logits[row], ended)
+
+
+def _take(req: Request, logits: torch.Tensor, ended: list[Request]) -> None:
+    """Sample `req`'s next token and record it; a failure ends this request alone (every TP
+    rank sees the same logits, so every rank ends it alike)."""
+    try:
+        done = req.append(req.sampler(logits))
+    except Exception as exc:  # noqa: BLE001 - one request's failure must not stop its batch
+        log.exception("request %d: choosing its next token failed; ending it alone", req.id)
+        detail = f": {exc}" if isinstance(exc, SamplingError) else ""  # ours: safe to show
+        req.fail(f"choosing its next token failed ({type(exc).__name__}{detail})")
+        done = True
+    if done:
+        ended.append(req)

@@ -101,7 +101,8 @@ def _namespace_spec(params: DemoParams, work: "_Workload", root: str):
     return namespace_spec(work.model.source, work.settings.config, params.l3, root,
                           work.model.name, f"demo-{uuid.uuid4().hex[:8]}",
                           dtype=_torch_dtype(params), page_size=params.page_size,
-                          tp_size=params.tp_size)
+                          tp_size=params.tp_size, deterministic=work.settings.deterministic,
+                          gpu=work.settings.gpu)
 
 
 def _torch_dtype(params: DemoParams):
@@ -112,13 +113,15 @@ def _torch_dtype(params: DemoParams):
 
 
 def namespace_spec(source, config, backend: str, root: str, model: str, tenant_salt: str, *,
-                   dtype, page_size: int, tp_size: int = 1):
+                   dtype, page_size: int, tp_size: int = 1, deterministic: bool = False,
+                   gpu: bool = False):
     """A NamespaceSpec whose layout fingerprint matches the pages ranks built from `source`
-    (a WeightSource), `config` and `dtype` write; `root` holds file/nixl pages. Objects name
-    KV heads, not ranks, so the spec is the same for every TP size (`tp_size` only checks
-    that it splits the model's heads), and for every L2 layout of `config` (objects are
-    always head-major)."""
-    from kvtier.keys import layout_fingerprint
+    (a WeightSource), `config`, `dtype` and RankSettings' `deterministic` and `gpu` write;
+    `root` holds file/nixl pages. Objects name KV heads, not ranks, so by default the spec is
+    the same for every TP size (`tp_size` then only checks that it splits the model's heads)
+    and for every L2 layout of `config` (objects are always head-major); deterministic pages
+    are keyed by TP size and device too (kvtier.keys.PageCompute)."""
+    from kvtier.keys import PageCompute, layout_fingerprint
     from kvtier.kv_spec import KVSpec
     from kvtier.messages import NamespaceSpec
 
@@ -128,7 +131,8 @@ def namespace_spec(source, config, backend: str, root: str, model: str, tenant_s
     spec = KVSpec(num_layers=cfg.full_layers, num_kv_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
                   sliding=cfg.sliding_spec())
-    fingerprint = layout_fingerprint(spec, cfg.num_kv_heads)
+    compute = PageCompute(deterministic, tp_size, "cuda" if gpu else "cpu")
+    fingerprint = layout_fingerprint(spec, cfg.num_kv_heads, compute=compute)
     return NamespaceSpec(model, tenant_salt, fingerprint, backend, _l3_options(backend, root),
                          kv_heads=cfg.num_kv_heads, sliding=spec.sliding is not None)
 

@@ -37,6 +37,12 @@ class CacheUsageError(KvtierError, ValueError):
     lists of the wrong length): a bug in the caller, reported instead of corrupting state."""
 
 
+class UnknownNamespaceError(CacheUsageError):
+    """The L3 page directory does not hold this namespace: never registered, or lost when its
+    namespace actor restarted without it (a failed restore, a corrupt state file). Register
+    its NamespaceSpec again: registration is idempotent."""
+
+
 class PlacementError(KvtierError, RuntimeError):
     """The Ray cluster cannot place what a deployment asks for (no node offers a custom
     resource, or not enough of it): raised before anything is created, naming the resource,

@@ -137,14 +137,52 @@ FORMAT_VERSION = 2  # 2: one object per KV head, named by head (1: per TP rank, 
 OBJECT_LAYOUT = "page_head"  # a stored object: one head's K or V of a page, (layer, token, dim)
 
 
+@dataclass(frozen=True)
+class PageCompute:
+    """How pages were computed, where that decides their bits: part of the fingerprint.
+
+    Deterministic mode promises answers bit-identical to a cold run (one-page prefill chunks,
+    one sequence per forward), which only pages computed exactly as the reader's own cold run
+    would give: in that mode, and by the same TP size (its all-reduces sum partial products in
+    an order of their own) on the same kind of device (other kernels). By default pages
+    differ in the last bits from run to run anyway (how many tokens ran together), so they are
+    shared across TP sizes and devices, and never with deterministic ones, whose readers would
+    read batched pages.
+    """
+
+    deterministic: bool = False
+    tp_size: int = 1  # counts only in deterministic mode
+    device: str = "cpu"  # a torch device type ("cpu", "cuda"); counts only in deterministic mode
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"PageCompute.deterministic must be a bool, got "
+                              f"{self.deterministic!r}")
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) \
+                or self.tp_size < 1:
+            raise ConfigError(f"PageCompute.tp_size must be a positive int, got {self.tp_size!r}")
+        _check_part("device type", self.device)
+
+    @property
+    def fingerprint_part(self) -> str | None:
+        """What the fingerprint adds (None by default: pages of any TP size and device)."""
+        return f"deterministic/tp{self.tp_size}/{self.device}" if self.deterministic else None
+
+
+BATCHED = PageCompute()  # the default mode
+
+
 def layout_fingerprint(spec: object, total_kv_heads: int,
-                       format_version: int = FORMAT_VERSION) -> str:
+                       format_version: int = FORMAT_VERSION,
+                       compute: PageCompute = BATCHED) -> str:
     """A short digest of everything that decides the bytes of a stored page.
 
     The reference names objects without the layout, so changing it reads bytes in the wrong
     order; kvtier puts this fingerprint in the namespace instead. It holds the model's total
-    KV heads, never a rank's share or the TP size, so instances of any TP size share pages;
-    the object layout is always head-major (OBJECT_LAYOUT), whatever the host pool's layout.
+    KV heads, never a rank's share, so instances of any TP size share pages; the object
+    layout is always head-major (OBJECT_LAYOUT), whatever the host pool's layout; and how the
+    pages were computed (`compute`: deterministic mode, with its TP size and device). The
+    model's weights are the namespace's model part, not this.
     """
     parts = [
         f"v{format_version}",
@@ -158,4 +196,6 @@ def layout_fingerprint(spec: object, total_kv_heads: int,
     sliding = getattr(spec, "sliding", None)
     if sliding is not None:  # a hybrid model's sliding layers: a pool of their own
         parts.append(f"sliding{sliding.num_layers}w{sliding.window}")
+    if compute.fingerprint_part is not None:
+        parts.append(compute.fingerprint_part)
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -8,7 +8,8 @@ from typing import Any
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
-from kvtier.policies import SchedulePolicy
+from kvtier.policies import SchedulePolicy, StorageBackendKind
+from kvtier.serve.l3_bound import describe_l3_bound
 from kvtier.serve.placement import PlacementMode, RankGpus
 from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, PDTransport, ServeSettings
 from kvtier.serve.tenants import load_api_keys
@@ -58,9 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file, mooncake, nixl or none (default file; SGLang's "
                         "--hicache-storage-backend says the same)")
     p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
-    p.add_argument("--l3-max-gb", type=float, default=0.0,
-                   help="file/nixl: the L3 namespace's size; past it the least recently used "
-                        "pages are evicted (default 0: unbounded)")
+    p.add_argument("--l3-max-gb", default="auto", metavar="GIB|auto|unbounded",
+                   help="file/nixl: the L3 namespace's size in GiB; past it the least recently "
+                        "used pages are evicted. Default auto: half the disk space free where "
+                        "--l3-root lives at start (printed then); unbounded: no bound, the "
+                        "disk fills up with pages")
     p.add_argument("--device-pages", type=int, default=160, help="L1 pages per rank")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="most new tokens one forward computes: prefill pieces of several "
@@ -147,7 +150,12 @@ def _cache_settings(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from kvtier.actors.serve_graph import serve_forever
+    from kvtier.actors.serve_graph import resolve, serve_forever
 
-    serve_forever(settings_from(ns), ns.host, ns.port, ns.address)
+    asked = settings_from(ns)
+    settings = resolve(asked)  # the L3 root and its bound, fixed once for every instance
+    if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL):
+        line = describe_l3_bound(asked.l3_max_gb, settings.l3_max_gb, settings.l3_root)
+        print(f"kvtier: {line}", flush=True)
+    serve_forever(settings, ns.host, ns.port, ns.address)
     return 0

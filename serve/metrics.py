@@ -88,6 +88,7 @@ STORAGE_SOURCES = (
     _src("storage_read_bytes", "bytes_read"),
     _src("storage_write_bytes", "bytes_written"),
     _src("directory_errors", "directory_errors"),
+    _src("l3_directory_misses", "directory_miss_lookups"),
     _src("storage_errors", "lookup_errors", op="lookup"),
     _src("storage_errors", "write_failures", op="write"),
     _src("storage_corrupt_objects", "corrupt_objects"),
@@ -118,6 +119,9 @@ COUNTERS = {  # family -> (help, extra label names)
     "storage_read_bytes": ("Bytes read from L3", ()),
     "storage_write_bytes": ("Bytes written to L3", ()),
     "directory_errors": ("Failed calls to the L3 page directory", ()),
+    "l3_directory_misses": ("L3 lookups answered as misses because the namespace's page "
+                            "directory could not answer (its actor down or restarting, the "
+                            "namespace lost)", ()),
     "storage_errors": ("Failed L3 backend calls (each a miss or a dropped write), by op",
                        ("op",)),
     "storage_corrupt_objects": ("L3 objects that failed their check on read (and were "

@@ -1,55 +1,43 @@
-"""One answer, possibly from two instances: the tokens already sent are not sent again.
+"""One answer, possibly from several instances: what the client already has, and when to give
+up on an instance.
 
-When the router declares the instance serving a request stalled, the request is sent again,
-from its prompt, to another instance. Its sampling is seeded (greedy, or the seed the ingress
-gave it), so the new answer starts with the tokens the client already has: `SentTokens`
-checks and skips that prefix and passes on only what is new. If the new answer disagrees
-with what was sent, the text would be inconsistent, so it raises `AnswerDiverged` and the
-stream ends with an error instead. The first instance's stream is cancelled and never read
-again: a late answer from it is dropped, so nothing is answered twice.
+When the router declares the instance serving a request stalled, or the instance's stream
+fails (its replica died, the instance stopped serving), the request is sent to another
+instance, which goes on after the tokens the client already has (`SentTokens.resume`): their
+KV is recomputed as part of the prompt, so the answer is never spliced from two runs and
+never fails for the move. The first instance's stream is cancelled and never read again: a
+late answer from it is dropped, so nothing is answered twice. A request that failed by itself
+(its last item says "error") is never sent again.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvtier.errors import KvtierError
 
 
-class AnswerDiverged(KvtierError, RuntimeError):
-    """The re-dispatched answer differs from the tokens the client already received."""
+class InstanceUnavailable(KvtierError, RuntimeError):
+    """No instance can serve the request now (its instance stalled or stopped, and no other
+    one is live): the client should retry shortly."""
 
 
 class SentTokens:
-    """Token ids passed on so far; `take(new)` -> the ones not passed on before;
-    `restart()` when the answer starts again from its first token on another instance."""
+    """Token ids passed on so far and their log-probabilities (wire entries, when asked);
+    `moves` counts the instances the answer left."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self._pos = 0  # how far the current answer has come (its replayed prefix included)
-        self.restarts = 0
+        self.logprobs: list[Any] = []
+        self.moves = 0
 
-    def restart(self) -> None:
-        self._pos = 0
-        self.restarts += 1
+    def add(self, tokens: Sequence[int], logprobs: Sequence[Any] | None = None) -> None:
+        self.ids += [int(t) for t in tokens]
+        if logprobs:
+            self.logprobs += list(logprobs)
 
-    def take(self, tokens: Sequence[int], final: bool = False) -> list[int]:
-        """`final`: these are the answer's last tokens (it must have caught up by then)."""
-        new: list[int] = []
-        for token in tokens:
-            token = int(token)
-            if self._pos < len(self.ids):
-                if self.ids[self._pos] != token:
-                    raise AnswerDiverged(
-                        f"the request was re-sent to another instance after its first one "
-                        f"stalled, and the new answer differs at token {self._pos} "
-                        f"({token} instead of {self.ids[self._pos]}); retry the request")
-            else:
-                self.ids.append(token)
-                new.append(token)
-            self._pos += 1
-        if final and self._pos < len(self.ids):
-            raise AnswerDiverged(
-                f"the request was re-sent to another instance after its first one stalled, "
-                f"and the new answer ended after {self._pos} tokens, before the "
-                f"{len(self.ids)} already sent; retry the request")
-        return new
+    def resume(self, with_logprobs: bool) -> list | None:
+        """What another instance goes on after, as `generate`'s `resume` takes it (a Resume's
+        wire form); None when nothing was passed on yet."""
+        if not self.ids:
+            return None
+        return [list(self.ids), list(self.logprobs) if with_logprobs else None]

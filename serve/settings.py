@@ -21,6 +21,7 @@ from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
 from kvtier.keys import KeyNamespace
+from kvtier.serve.l3_bound import L3Bound, auto_l3_gb, parse_l3_max_gb
 from kvtier.serve.pd_settings import PDTransport, pd_graph
 from kvtier.serve.placement import (HEAD_RESOURCE, INSTANCE_RESOURCE, PlacementMode,
                                     RankGpus, check_resource_name)
@@ -75,8 +76,9 @@ class ServeSettings:
     hierarchical: bool = True
     l3: str = "file"  # a StorageBackendKind value, or "none"
     l3_root: str = ""  # file/nixl: the directory ("" = a temp dir per run)
-    l3_max_gb: float = 0.0  # file/nixl: the namespace's bound; its least recently used pages
-    # go past it (0 = unbounded; Mooncake's master bounds its own store)
+    l3_max_gb: float | L3Bound = L3Bound.AUTO  # file/nixl: the namespace's bound in GiB; its
+    # least recently used pages go past it. auto: half the disk space free where l3_root lives
+    # at start; unbounded (or 0): none. Mooncake's master bounds its own store (l3_bound.py)
     l3_actor: str = "kvtier-l3"  # the namespace actor's name
     l3_state_dir: str = ""  # where that actor keeps its registry ("" = next to the L3 pages,
     # or a temp dir): a fresh L3 directory gets a fresh registry
@@ -131,7 +133,7 @@ class ServeSettings:
         check_float(self.stall_timeout_s, "stall_timeout_s", 0.2, 3600.0)
         check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
         check_float(self.pin_max_fraction, "pin_max_fraction", 0.0, 1.0)
-        check_float(self.l3_max_gb, "l3_max_gb", 0.0, 1e6)
+        set_("l3_max_gb", parse_l3_max_gb(self.l3_max_gb))
         for name in ("hierarchical", "deterministic", "pd_decode_l3"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got "
@@ -140,8 +142,8 @@ class ServeSettings:
             StorageBackendKind.parse(self.l3, "l3")
         if not self.hierarchical and self.l3 != L3_NONE:
             set_("l3", L3_NONE)  # the cache off has no tier below L1
-        if self.l3_max_gb and self.l3 not in (StorageBackendKind.FILE.value,
-                                              StorageBackendKind.NIXL.value):
+        if isinstance(self.l3_max_gb, float) \
+                and self.storage_backend is StorageBackendKind.MOONCAKE:
             raise ConfigError(f"l3_max_gb bounds a file or nixl L3, not {self.l3!r} (Mooncake's "
                               f"master bounds its own store); drop it or use l3 file")
         for name in ("l3_root", "l3_actor", "l3_state_dir", "tenant_salt", "admin_key",
@@ -282,8 +284,19 @@ class ServeSettings:
         out["placement"] = self.placement.value
         out["gpus_per_rank"] = self.gpus_per_rank.value
         out["schedule_policy"] = self.schedule_policy.value
+        out["l3_max_gb"] = (self.l3_max_gb.value if isinstance(self.l3_max_gb, L3Bound)
+                            else self.l3_max_gb)
         out["pd_transport"] = self.pd_transport and self.pd_transport.value
         return out
+
+    def with_l3_bound(self) -> "ServeSettings":
+        """These settings with an `auto` L3 bound measured where l3_root lives, once, before
+        any instance registers the namespace (each registers the same spec, bound included);
+        as they are without l3_root, or when Mooncake (which bounds itself) is the L3."""
+        if self.l3_max_gb is not L3Bound.AUTO or not self.l3_root \
+                or self.storage_backend is StorageBackendKind.MOONCAKE:
+            return self
+        return dataclasses.replace(self, l3_max_gb=auto_l3_gb(self.l3_root))
 
     @property
     def storage_backend(self) -> StorageBackendKind | None:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, InvalidTokensError
-from kvtier.keys import FORMAT_VERSION, KeyNamespace, layout_fingerprint, page_hashes
+from kvtier.keys import FORMAT_VERSION, KeyNamespace, PageCompute, layout_fingerprint, page_hashes
 from kvtier.kv_spec import KVSpec
 
 VECTOR = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
@@ -63,3 +63,17 @@ def test_namespace_parts_cannot_escape(model):
 def test_namespace_name_is_path_safe():
     ns = KeyNamespace("HuggingFaceTB/SmolLM2-135M-Instruct", "t1")
     assert "/" not in ns.name and ns.name.startswith("HuggingFaceTB-SmolLM2")
+
+
+def test_the_fingerprint_keys_deterministic_pages_apart_by_tp_size_and_device():
+    """Deterministic pages are bit-exact only where they were computed the same way: their
+    own fingerprint, per TP size and device; default pages are shared across both."""
+    spec = KVSpec(num_layers=2, num_kv_heads=3, head_dim=4, page_size=4)
+    batched = {layout_fingerprint(spec, 3, compute=PageCompute(False, tp, device))
+               for tp in (1, 3) for device in ("cpu", "cuda")}
+    assert batched == {layout_fingerprint(spec, 3)}  # the default mode, as before
+    det = {layout_fingerprint(spec, 3, compute=PageCompute(True, tp, device))
+           for tp in (1, 3) for device in ("cpu", "cuda")}
+    assert len(det) == 4 and not det & batched
+    with pytest.raises(ConfigError, match="tp_size"):
+        PageCompute(True, 0)

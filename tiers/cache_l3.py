@@ -66,6 +66,7 @@ class CacheL3:
         if self.storage is None:
             return
         self.flush()
+        self.storage.forget_reports()  # written before the purge: gone with it
         self.tree.l3.forget_storage()
         self._back_up_host_pages()
 

@@ -16,7 +16,7 @@ from kvtier.backends.base import StorageBackend, StorageTarget
 from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
-from kvtier.keys import KeyNamespace, layout_fingerprint
+from kvtier.keys import KeyNamespace, PageCompute, layout_fingerprint
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.policies import HostMode, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
@@ -47,9 +47,12 @@ class HierarchicalCache(CacheL3, CacheSwap):
                  device: torch.device | str | None = None, model: str = "kvtier-model",
                  tenant_salt: str = "", storage: StorageBackend | None = None,
                  tp_rank: int = 0, tp_size: int = 1,
-                 directory: PageDirectoryClient | None = None) -> None:
+                 directory: PageDirectoryClient | None = None,
+                 deterministic: bool = False) -> None:
         """`directory`: the L3 namespace's page directory; with it, L3 hits are the pages it
-        has published and this rank reports what its backups wrote (None: ask the backend)."""
+        has published and this rank reports what its backups wrote (None: ask the backend).
+        `deterministic`: the pages are an Engine's in deterministic mode, keyed apart from
+        batched ones (kvtier.keys.PageCompute); the Engine checks it agrees."""
         config = config.normalize()
         if spec.page_size != config.page_size:
             raise CacheUsageError(
@@ -84,8 +87,10 @@ class HierarchicalCache(CacheL3, CacheSwap):
         # This rank's KV heads of the model's: L3 objects name global heads, so any TP size
         # of the same model shares them (the fingerprint holds the total, not the share).
         self.heads = HeadRange.of_rank(spec.num_kv_heads * tp_size, tp_rank, tp_size)
+        self.deterministic = deterministic
+        compute = PageCompute(deterministic, tp_size, self.device_pool.device.type)
         self.namespace = KeyNamespace(model, tenant_salt,
-                                      layout_fingerprint(spec, self.heads.total))
+                                      layout_fingerprint(spec, self.heads.total, compute=compute))
         self.pins = CachePins(self.tree, self.host_pool.num_pages, self._copy_to_host,
                               self.flush, sidecar=self.host_pool.sidecar,
                               window_pages=spec.window_pages)

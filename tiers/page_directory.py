@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from kvtier.backends.base import check_page_hash
-from kvtier.errors import CacheUsageError, ConfigError, KvtierError
+from kvtier.errors import CacheUsageError, ConfigError, KvtierError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, NamespaceInfo,
                              NamespaceSpec)
@@ -336,8 +336,8 @@ class PageDirectory:
         try:
             return self._ns[ns]
         except KeyError:
-            raise CacheUsageError(f"L3 namespace {ns!r} is not registered; register its "
-                                  "NamespaceSpec first") from None
+            raise UnknownNamespaceError(f"L3 namespace {ns!r} is not registered; register its "
+                                        "NamespaceSpec first") from None
 
     def _leading(self, state: NamespaceState, hashes: Sequence[str]) -> int:
         hits = 0

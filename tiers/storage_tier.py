@@ -11,7 +11,17 @@ hit only when the directory has published it (every KV head of it stored, by whi
 ranks): the prefetch asks the directory, under a lease held until the prefetch ends, instead
 of the backend; and each rank reports the pages its backups fully wrote, with the KV heads it
 owns. A directory call that fails makes that request an L3 miss (counted in
-`directory_errors`), never an error.
+`directory_errors` and, for lookups, `directory_miss_lookups`), never an error.
+
+After a failed call the directory is "away": what this rank stores meanwhile waits,
+unreported. By default the next poll reports it again (an in-process directory cannot lose the
+namespace). A rank under a namespace actor sets `confirm_return`: the actor may come back
+without the namespace, or with other storage behind it, so until the rank has seen that the
+namespace is the one it attached (`directory_back`) the directory is neither asked (lookups
+are misses) nor told anything, and the pages stored meanwhile wait, or are dropped with the
+storage (`storage_emptied`, a re-attach): a page is never published on the word of a writer
+whose storage the directory may no longer have, nor read from storage the rank has not
+checked is the namespace's.
 """
 from __future__ import annotations
 
@@ -64,7 +74,9 @@ class StorageTier:
         self._orphans: list[tuple[StorageOp, list[int]]] = []  # see _free_when_settled
         self._tickets: dict[int, PrefetchTicket] = {}  # op id -> open ticket: the one registry
         self.directory = directory  # None: the backend's exists() says what L3 holds
-        self._unreported: list[str] = []  # stored pages whose report to the directory failed
+        self._unreported: list[str] = []  # stored pages not reported yet (a failure, away)
+        self.directory_away = False  # a directory call failed since it last answered
+        self.confirm_return = False  # away: hold reports until `directory_back` (docstring)
         # storage_only: the cache gives back L2 copies once stored (take_stored)
         self._keep_stored = config.host_mode is HostMode.STORAGE_ONLY
         self._stored_nodes: list[TreeNode] = []
@@ -144,23 +156,59 @@ class StorageTier:
             return 0
 
     def _directory_lookup(self, keys: list[str]) -> tuple[int, str]:
-        """(published leading pages, lease id) from the directory; (0, "") when it fails."""
+        """(published leading pages, lease id) from the directory; (0, "") when it fails
+        or is away under `confirm_return` (it is not asked then)."""
         assert self.directory is not None
+        if self._held:
+            self.counters.directory_miss_lookups += 1
+            return 0, ""
         try:
             res = self.directory.lookup(self.namespace.name, keys, self.lease_ttl_s)
             hit, lease_id = int(res.hit_pages), str(res.lease_id or "")
         except Exception as exc:  # noqa: BLE001 - any directory failure is an L3 miss
-            self.counters.directory_errors += 1
-            log.warning("L3 directory lookup failed (%s: %s); treating it as a miss",
-                        type(exc).__name__, exc)
+            self.counters.directory_miss_lookups += 1
+            self.directory_failed("a lookup", exc)
             return 0, ""
         if not 0 <= hit <= len(keys):
-            self.counters.directory_errors += 1
-            log.warning("L3 directory answered %d hit pages for %d asked; treating it as a miss",
-                        hit, len(keys))
+            self.counters.directory_miss_lookups += 1
+            self.directory_failed("a lookup", ValueError(f"{hit} hit pages for {len(keys)} "
+                                                         "asked"))
             self._release(lease_id)
             return 0, ""
+        if not self.confirm_return:
+            self.directory_away = False  # it answers again (module docstring)
         return hit, lease_id
+
+    def directory_failed(self, call: str, exc: BaseException) -> None:
+        """Count a failed directory call (the rank's own, too: its namespace checks) and mark
+        the directory away (module docstring). The first failure of an outage is a warning,
+        the rest debug: an outage is one message, not one per request."""
+        self.counters.directory_errors += 1
+        level = logging.DEBUG if self.directory_away else logging.WARNING
+        self.directory_away = True
+        log.log(level, "L3 page directory: %s failed (%s: %s); L3 misses and stored pages "
+                "unpublished until it answers", call, type(exc).__name__, exc)
+
+    @property
+    def _held(self) -> bool:
+        """Away under `confirm_return`: the directory is not asked nor told anything (misses,
+        reports wait) until the owner has seen the namespace back (`directory_back`)."""
+        return self.directory_away and self.confirm_return
+
+    def directory_back(self) -> None:
+        """The owner saw the namespace as it attached it (`confirm_return`): report what
+        waited."""
+        self.directory_away = False
+        if self._unreported:
+            self._report([])
+
+    def forget_reports(self) -> None:
+        """Drop the pages waiting to be reported: the storage they were written to is gone or
+        was emptied (a purge, a new master)."""
+        if self._unreported:
+            log.info("dropping %d stored L3 pages never reported: their storage changed",
+                     len(self._unreported))
+        self._unreported = []
 
     def _release(self, lease_id: str) -> None:
         if not lease_id or self.directory is None:
@@ -168,9 +216,7 @@ class StorageTier:
         try:
             self.directory.release(lease_id)
         except Exception as exc:  # noqa: BLE001 - the lease lapses at its TTL anyway
-            self.counters.directory_errors += 1
-            log.warning("releasing L3 directory lease %s failed (%s: %s); it lapses at its TTL",
-                        lease_id, type(exc).__name__, exc)
+            self.directory_failed(f"releasing lease {lease_id}", exc)
 
     def ready(self, ticket: PrefetchTicket, now_s: float | None = None,
               at_admission: bool = True) -> bool:
@@ -252,14 +298,12 @@ class StorageTier:
         (deleted behind the directory's back): tell it, so it unpublishes them. Only when
         the read answered (not a cancelled, failed or hung op: those say nothing of the
         page). A failed report is a missed chance, counted, never an error."""
-        if self.directory is None:
+        if self.directory is None or self._held:  # a later reader that misses reports
             return
         try:
             self.directory.report_missing(self.namespace.name, keys)
         except Exception as exc:  # noqa: BLE001 - the next reader that misses reports again
-            self.counters.directory_errors += 1
-            log.warning("reporting %d missing L3 pages to the directory failed (%s: %s)",
-                        len(keys), type(exc).__name__, exc)
+            self.directory_failed(f"reporting {len(keys)} missing pages", exc)
 
     @property
     def open_tickets(self) -> int:
@@ -377,21 +421,23 @@ class StorageTier:
 
     def _report(self, keys: list[str]) -> None:
         """Tell the directory this rank's heads of `keys` (and of any earlier report that
-        failed) are written; it publishes a page once every KV head is. On failure the pages
-        wait, unpublished (readers see a miss), for the next poll to report them again; a
-        restarted directory also finds them when it rebuilds from the backend."""
+        waits) are written; it publishes a page once every KV head is. On failure, and while
+        the directory is away under `confirm_return`, the pages wait, unpublished (readers see
+        a miss), for a later report (module docstring); a restarted directory also finds them
+        when it rebuilds from the backend."""
         assert self.directory is not None
         keys = self._unreported + keys
         self._unreported = []
+        if self._held:
+            self._unreported = keys[-MAX_UNREPORTED_PAGES:]
+            return
         try:
             self.directory.report_stored(self.namespace.name, keys, self.backend.target.heads)
         except Exception as exc:  # noqa: BLE001 - an unpublished page is only a missed hit
-            self.counters.directory_errors += 1
             self._unreported = keys[-MAX_UNREPORTED_PAGES:]
-            log.warning("reporting %d stored pages to the L3 directory failed (%s: %s); they "
-                        "stay unpublished until a later report gets through", len(keys),
-                        type(exc).__name__, exc)
+            self.directory_failed(f"reporting {len(keys)} stored pages", exc)
             return
+        self.directory_away = False
         self.counters.directory_reported_pages += len(keys)
 
     def drain(self, timeout_s: float = 60.0) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import NamespaceInfo
+from kvtier.messages import NamespaceInfo, NamespaceSpec
 from kvtier.tiers.storage_worker import StorageOp
 from kvtier.tiers.tree_node import TreeNode
 
@@ -34,7 +34,13 @@ class PageDirectoryClient(Protocol):
     def report_missing(self, ns: str, hashes: Sequence[str]) -> int: ...
 
     def info(self, ns: str) -> NamespaceInfo:
-        """The namespace as registered now (its epoch grows when its storage moves)."""
+        """The namespace as registered now (its epoch grows when its storage moves); raises
+        kvtier.errors.UnknownNamespaceError when the directory does not hold it."""
+        ...
+
+    def register(self, spec: NamespaceSpec) -> NamespaceInfo:
+        """Register a namespace (idempotent): a rank whose namespace the directory lost
+        registers it again."""
         ...
 
     def refresh_pins(self, ns: str, pin_ids: Sequence[str]) -> int:
@@ -74,6 +80,7 @@ class StorageCounters:
     backed_up_tokens: int = 0
     backup_failed_tokens: int = 0
     directory_errors: int = 0  # directory calls that failed (lookups count as L3 misses)
+    directory_miss_lookups: int = 0  # lookups answered as misses: the directory did not answer
     lookup_errors: int = 0  # backend lookups that failed (counted as L3 misses)
     directory_reported_pages: int = 0  # pages this rank reported stored to the directory
     quarantined_pages: int = 0  # L2 pages a gave-up transfer may still touch: never reused

@@ -13,6 +13,7 @@ import torch
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import _BACKOFF_MAX_S, get_or_create_namespace_actor
+from kvtier.actors.namespace_service import STATE_FILE
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
@@ -96,6 +97,63 @@ def test_instances_keep_serving_through_a_namespace_actor_restart(shared_ray, tm
         assert out.cached.storage == 4 * PAGE and out.tokens == reference[3]
     finally:
         for inst in instances:
+            inst.close()
+        client.shutdown()
+
+
+def storage_counter(inst: Instance, name: str) -> int:
+    return inst.cache_snapshot()[0]["storage"][name]
+
+
+def test_an_instance_keeps_answering_when_the_actor_comes_back_without_the_namespace(
+        shared_ray, tmp_path, reference):
+    """The actor restarts with a corrupt state file, so without the namespace: the instance
+    keeps answering right (its L3 lookups are misses, counted), its rank registers the
+    namespace again, the directory rebuilds from the files and L3 hits come back, for pages
+    written before the restart and while the actor was away."""
+    name = f"kvtier-l3-lost-{uuid.uuid4().hex[:6]}"
+    state = tmp_path / "state"
+    client = get_or_create_namespace_actor(name, str(state))
+    inst = None
+    try:
+        info = client.register(namespace_spec(SETTINGS.source, CONFIG, "file",
+                                              str(tmp_path / "l3"), "tiny", "lost",
+                                              dtype=SETTINGS.dtype, page_size=PAGE))
+        inst = Instance(SETTINGS._replace(l3=info, l3_actor=name), tp_size=1,
+                        ready_timeout_s=90, step_timeout_s=30)
+        assert inst.generate([PROMPTS[0]], GREEDY)[0].tokens == reference[0]
+        inst.quiesce()
+        misses = storage_counter(inst, "directory_miss_lookups")
+
+        before = client.ping()
+        (state / STATE_FILE).write_text("{ a corrupt state file")
+        in_flight = inst.add_request(PROMPTS[1], GREEDY)
+        inst.step()
+        client.kill()
+        late = inst.add_request(PROMPTS[2], GREEDY)
+        outs = inst.wait([in_flight, late])
+        assert [o.tokens for o in outs] == [reference[1], reference[2]]
+        deadline = time.monotonic() + 60
+        while client.wait_ready(timeout_s=60) == before:
+            assert time.monotonic() < deadline, "the namespace actor did not come back"
+            time.sleep(0.1)
+
+        # Back, without the namespace, until a rank's next check registers it again; every
+        # answer meanwhile is right, and the lookups that could not ask are counted misses.
+        deadline = time.monotonic() + 60
+        while info.namespace not in client.namespaces():
+            assert time.monotonic() < deadline, "no rank registered the namespace again"
+            inst.drop_cache()
+            assert inst.generate([PROMPTS[0]], GREEDY)[0].tokens == reference[0]
+        assert storage_counter(inst, "directory_miss_lookups") > misses
+        inst.quiesce()  # what waited for the directory is reported now
+
+        for i in range(3):  # written before the restart (0) and while the actor was away
+            inst.drop_cache()
+            out = inst.generate([PROMPTS[i]], GREEDY)[0]
+            assert out.cached.storage == 4 * PAGE and out.tokens == reference[i], (i, out)
+    finally:
+        if inst is not None:
             inst.close()
         client.shutdown()
 

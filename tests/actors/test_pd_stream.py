@@ -57,9 +57,11 @@ def test_progress_streams_the_mixed_answer_with_its_logprobs(pd):
     rid = driver.add(PROMPT, SAMPLING)
     seen, out = run(driver, rid)
     assert out.mode is PDMode.HANDOFF and out.tokens == want.tokens
-    assert seen[0].tokens == want.tokens[:1]  # the prefill instance's first token, at once
-    for a, b in zip(seen, seen[1:]):
-        assert b.tokens[:len(a.tokens)] == a.tokens  # it only grows
+    assert seen[0].start == 0 and seen[0].tokens == want.tokens[:1]  # the prefill
+    # instance's first token, at once; then each token once, in order
+    assert [p.start for p in seen] == [sum(len(q.tokens) for q in seen[:i])
+                                       for i in range(len(seen))]
+    assert sum((p.tokens for p in seen), ()) == out.tokens[:seen[-1].stop]
     for got in [*seen, out]:
         assert len(got.logprobs) == len(got.tokens)
         assert [lp.token for lp in got.logprobs] == list(got.tokens)
@@ -76,7 +78,7 @@ def test_abort_in_either_stage_frees_both_sides(pd, stage):
     if stage == "decode":  # until the decode instance has produced tokens of its own
         for _ in range(500):
             step = driver.step_report()
-            if rid in step.progress and len(step.progress[rid].tokens) >= 3:
+            if rid in step.progress and step.progress[rid].stop >= 3:
                 break
         else:
             raise AssertionError("no decode progress")
@@ -84,4 +86,33 @@ def test_abort_in_either_stage_frees_both_sides(pd, stage):
     assert driver.num_pending == 0
     for _ in range(3):
         assert driver.step_report().finished == []  # nothing of it comes back
+    no_leaks(driver)
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_rank_lost_mid_answer_never_splices_the_stream(pd, victim):
+    """A decode rank killed after the decode side streamed tokens (its instance replaces its
+    ranks and the request goes on after what it returned), or a prefill rank killed while
+    the answer decodes (nothing of it is lost): every token comes once, in order, and the
+    answer is whole."""
+    driver, _ = pd
+    sampling = SamplingParams(max_new_tokens=16, logprobs=2)
+    with_kill = driver.add(PROMPT, sampling)
+    streamed, out, killed = [], None, False
+    for _ in range(500):
+        step = driver.step_report()
+        got = step.progress.get(with_kill)
+        if got is not None:
+            assert got.start == len(streamed)
+            streamed += got.tokens
+        out = next((o for o in step.finished if o.request_id == with_kill), out)
+        if out is not None:
+            break
+        if not killed and len(streamed) >= 4:
+            inst = driver.decode[0] if victim == "decode" else driver.prefill[0]
+            inst.kill_rank(0)
+            killed = True
+    assert killed and out is not None
+    assert tuple(streamed) == out.tokens[:len(streamed)] and len(out.tokens) == 16
+    assert len(out.logprobs) == 16
     no_leaks(driver)

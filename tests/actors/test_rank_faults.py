@@ -73,6 +73,38 @@ def test_a_rank_killed_between_steps_is_replaced_and_nothing_is_lost(instance, r
     assert all(s.free_device_pages > 0 for s in stats)
 
 
+def test_a_restart_mid_answer_goes_on_after_the_tokens_returned(instance, reference):
+    """The answers' streamed tokens (step_report's progress) come once each, in order, and
+    are the start of the final answer, across a restart in the middle of decoding: the
+    requests go on after what they returned instead of starting again."""
+    long = SamplingParams(max_new_tokens=24)
+    seeded = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=1234,
+                            logprobs=2)
+    ids = [instance.add_request(PROMPTS[0], long), instance.add_request(PROMPTS[2], seeded)]
+    streamed: dict[int, list] = {i: [] for i in ids}
+    lps: dict[int, list] = {i: [] for i in ids}
+    outs, before, killed = {}, instance.restarts, False
+    for _ in range(500):
+        if len(outs) == len(ids):
+            break
+        step = instance.step_report()
+        for req_id, p in step.progress.items():
+            assert p.start == len(streamed[req_id]), "each token once, in order"
+            streamed[req_id] += p.tokens
+            lps[req_id] += p.logprobs or ()
+        outs.update((o.request_id, o) for o in step.finished)
+        if not killed and all(len(streamed[i]) >= 5 for i in ids):
+            instance.kill_rank(0)
+            killed = True
+    assert killed and instance.restarts == before + 1
+    for req_id in ids:
+        out = outs[req_id]
+        assert tuple(streamed[req_id]) == out.tokens[:len(streamed[req_id])]
+        assert len(out.tokens) == 24
+    assert outs[ids[1]].logprobs[:len(lps[ids[1]])] == tuple(lps[ids[1]])
+    assert len(outs[ids[1]].logprobs) == 24
+
+
 def test_a_rank_dying_inside_a_step_is_replaced_and_nothing_is_lost(instance, reference):
     before = instance.restarts
     instance.rank_call(0, "crash_after", 3)

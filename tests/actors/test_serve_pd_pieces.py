@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.instance_server import InstanceServer, ServerEvent, ServerEventKind
 from kvtier.actors.pd_driver import PDMode, PDOutput, PDStep
 from kvtier.actors.serve_pd import PDInstances, member_names
 from kvtier.actors.step_wire import Progress
@@ -29,7 +29,7 @@ class FakeDriver:
         self.closed = False
         self._next = 0
 
-    def add(self, tokens, sampling: SamplingParams, cache_salt: str = "") -> int:
+    def add(self, tokens, sampling: SamplingParams, cache_salt: str = "", resume=None) -> int:
         self._next += 1
         self.running[self._next] = (sampling.max_new_tokens, [])
         return self._next
@@ -43,7 +43,7 @@ class FakeDriver:
         for rid, (most, out) in list(self.running.items()):
             out.append(7 + len(out))
             if len(out) < most:
-                progress[rid] = Progress(tuple(out))
+                progress[rid] = Progress(len(out) - 1, tuple(out[-1:]))
                 continue
             del self.running[rid]
             finished.append(PDOutput(rid, (1, 2), tuple(out), FinishReason.LENGTH,
@@ -65,17 +65,19 @@ def test_the_server_streams_a_pd_request_and_aborts_a_cancelled_one():
     server = InstanceServer(PDInstances(driver), "pd")
     items, done = [], threading.Event()
 
-    def sink(item):
-        items.append(item)
-        if item[0] != "tokens":
+    def sink(event: ServerEvent):
+        items.append(event)
+        if event.kind is not ServerEventKind.TOKENS:
             done.set()
 
     try:
         server.submit([1, 2], SamplingParams(max_new_tokens=3), sink)
         assert done.wait(10), items
-        assert [i[1].tokens for i in items[:-1]] == [(7,), (7, 8)]
-        kind, out = items[-1]
-        assert kind == "done" and out.tokens == (7, 8, 9) and out.mode is PDMode.HANDOFF
+        assert [(e.progress.start, e.progress.tokens) for e in items[:-1]] == [(0, (7,)),
+                                                                               (1, (8,))]
+        last = items[-1]
+        assert last.kind is ServerEventKind.DONE and last.output.tokens == (7, 8, 9)
+        assert last.output.mode is PDMode.HANDOFF
         key = server.submit([1, 2], SamplingParams(max_new_tokens=10_000), lambda _: None)
         server.cancel(key)
         for _ in range(200):

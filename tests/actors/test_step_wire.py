@@ -21,7 +21,9 @@ OUT = Output(7, (1, 2, 3), (4, 5), None, FinishReason.STOP, RequestLengths(16, 0
 def test_round_trips():
     logprobs = (TokenLogprob(4, -0.5, ((4, -0.5), (6, -1.25))), TokenLogprob(5, -0.125, ()))
     with_logprobs = dataclasses.replace(OUT, logprobs=logprobs)
-    report = StepReport([OUT, with_logprobs], {3: Progress((9, 8)), 4: Progress((4,), logprobs[:1])},
+    failed = dataclasses.replace(OUT, finish_reason=FinishReason.ERROR, error="it failed")
+    report = StepReport([OUT, with_logprobs, failed],
+                        {3: Progress(0, (9, 8)), 4: Progress(5, (4,), logprobs[:1])},
                         b"\x01events")
     assert decode_report(encode_report(report)) == report
     assert decode_output(encode_output(OUT)) == OUT
@@ -35,8 +37,32 @@ def test_round_trips():
     b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"finished": [], "progress": []}),
     msgpack.packb({"finished": [{"id": 1}], "progress": [], "events": None}),
     msgpack.packb({"finished": [], "progress": [["x", [1]]], "events": None}),
+    msgpack.packb({"finished": [], "progress": [[1, "x", [1], None]], "events": None,
+                   "handoffs": []}),
     msgpack.packb({"finished": [], "progress": [], "events": "text"}),
 ])
 def test_bad_payloads_are_message_errors(payload):
     with pytest.raises(MessageError):
         decode_report(payload)
+
+
+def test_progress_after_what_a_caller_has():
+    lps = (TokenLogprob(4, -0.5, ()), TokenLogprob(5, -1.0, ()), TokenLogprob(6, -2.0, ()))
+    p = Progress(3, (4, 5, 6), lps)
+    assert p.stop == 6
+    assert p.after(3) == p and p.after(0) == p
+    assert p.after(4) == Progress(4, (5, 6), lps[1:])
+    assert p.after(6) is None and p.after(9) is None
+    assert Progress(0, (1, 2)).after(1) == Progress(1, (2,), None)
+
+
+def test_resume_round_trips():
+    from kvtier.actors.step_wire import resume_from_wire, resume_to_wire
+    from kvtier.engine.request import Resume
+
+    r = Resume((4, 5), (TokenLogprob(4, -0.5, ((4, -0.5),)), TokenLogprob(5, -0.1, ())))
+    assert resume_from_wire(resume_to_wire(r)) == r
+    assert resume_from_wire(resume_to_wire(Resume((1,)))) == Resume((1,))
+    assert resume_to_wire(None) is None and resume_from_wire(None) is None
+    with pytest.raises(MessageError):
+        resume_from_wire([["x"], None])

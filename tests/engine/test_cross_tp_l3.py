@@ -7,6 +7,8 @@ model (6 KV heads) splits at TP 1, 2, 3 and 6. The reader's answer must equal it
 answer (same TP size, nothing cached) and the writer's, and come from an L3 hit. Logits are
 compared to float rounding: TP sizes sum their all-reduces in different orders, so KV written
 at one TP size differs from another's in the last bits (within one size a hit is bit-exact).
+That is why the engines run in the default mode, with one-page chunks: deterministic mode
+keys its pages by TP size (kvtier.keys.PageCompute), since it promises bit-identity.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class Instance:
             if directory is not None:
                 info = directory.register(namespace_spec(cache, root))
                 cache.attach_storage(open_rank_backend(info, cache.heads))
-            engine = Engine(model, cache, PAGE, 8192, owns_cache=True, deterministic=True)
+            engine = Engine(model, cache, PAGE, 8192, owns_cache=True)
             engine.scheduler.agree = self.coll.agree_for(rank)
             self.engines.append(engine)
 

@@ -26,7 +26,7 @@ def serve_from_every_tier(model, prompt_a, prompt_b, cold: Output | None, l3_dir
                           deterministic: bool = True) -> Output:
     """Warm with A, then serve B from L1, L2, L3 (same cache), L3 (a second cache); each
     equals `cold`, or (None) the L1 hit, which it returns."""
-    cache = make_cache(model, l3_dir=l3_dir, page=page)
+    cache = make_cache(model, l3_dir=l3_dir, page=page, deterministic=deterministic)
     with Engine(model, cache, chunk_tokens, tokenizer=tokenizer, owns_cache=True,
                 deterministic=deterministic) as eng:
         eng.generate([prompt_a], PARAMS)
@@ -49,7 +49,7 @@ def serve_from_every_tier(model, prompt_a, prompt_b, cold: Output | None, l3_dir
         assert l3.cached.device == 0 and l3.cached.storage > 0
         assert_same(l3, cold)
         assert_no_leaks(cache)
-    other = make_cache(model, l3_dir=l3_dir, page=page)
+    other = make_cache(model, l3_dir=l3_dir, page=page, deterministic=deterministic)
     with Engine(model, other, chunk_tokens, tokenizer=tokenizer, owns_cache=True,
                 deterministic=deterministic) as eng:
         l3 = eng.generate([prompt_b], PARAMS)[0]

@@ -68,7 +68,7 @@ def test_gemma3_270m_through_l2_and_l3(gemma3, gemma3_model, tmp_path) -> None:
             knobs.update(storage_backend="file", storage_options={"root_dir": str(tmp_path)},
                          prefetch_policy="wait_complete", prefetch_threshold_tokens=page)
         return HierarchicalCache(HiCacheConfig.from_dict(knobs), gemma3_model.kv_spec(page),
-                                 16, device="cpu", model="gemma3-test")
+                                 16, device="cpu", model="gemma3-test", deterministic=True)
 
     with Engine(gemma3_model, cache(True), tokenizer=tok, owns_cache=True,
                 deterministic=True) as eng:

@@ -67,8 +67,7 @@ class _Pair:
             self.D.cache.device_pool.kv[0, 0, target.pages[corrupt]] += 1.0
         staged = target.staging.pages if self.staged else ()
         did = self.D.add_received(prompt, sampling, IncomingKV(
-            target.handoff_id, target.pages, rank_sums(target, [sent]), first,
-            sent.sampler_state, staged))
+            target.handoff_id, target.pages, rank_sums(target, [sent]), first, None, staged))
         return did
 
     def run(self, prompt, sampling, hid="h", corrupt=None):
@@ -143,7 +142,9 @@ def test_corrupt_page_is_recomputed(tiny, staged):
         assert out.tokens == want.tokens
         c = pair.D.scheduler.admission.handoffs.counters
         assert (c.adopted, c.recomputed) == (0, 1) and c.pages_corrupt >= 1
-        assert out.lengths.extend_len == len(PROMPTS[0])  # computed from its prompt
+        # computed from its prompt, going on after the prefill side's first token (a client
+        # may have it already): that token's KV is computed as part of the prompt too
+        assert out.lengths.extend_len == len(PROMPTS[0]) + 1
         pair.audit()
     finally:
         pair.close()

@@ -112,7 +112,8 @@ class Ranks:
             tp = TensorParallel(rank, SIZE, reduce_fn=self.coll.reduce_for(rank))
             model = load_tiny_model(torch.float32, "cpu", tp=tp)
             cache = HierarchicalCache(_config(), model.kv_spec(PAGE), device_pages,
-                                      device="cpu", model="tiny", tp_rank=rank, tp_size=SIZE)
+                                      device="cpu", model="tiny", tp_rank=rank, tp_size=SIZE,
+                                      deterministic=deterministic)
             backend = FaultyBackend(create_backend(
                 "simulated", StorageTarget(cache.namespace, cache.heads), {"seed": rank}),
                 seed=rank)

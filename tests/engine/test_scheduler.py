@@ -19,13 +19,14 @@ def toks(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def make_cache(model, device_pages: int = 64, l3_dir=None, page: int = PAGE) -> HierarchicalCache:
+def make_cache(model, device_pages: int = 64, l3_dir=None, page: int = PAGE,
+               deterministic: bool = False) -> HierarchicalCache:
     knobs = {"page_size": page, "hicache_ratio": 4.0, "load_back_threshold_tokens": page}
     if l3_dir is not None:
         knobs.update(storage_backend="file", storage_options={"root_dir": str(l3_dir)},
                      prefetch_policy="wait_complete", prefetch_threshold_tokens=page)
     return HierarchicalCache(HiCacheConfig.from_dict(knobs), model.kv_spec(page), device_pages,
-                             device="cpu", model="tiny")
+                             device="cpu", model="tiny", deterministic=deterministic)
 
 
 def engine(model, cache: HierarchicalCache, **kw) -> Engine:

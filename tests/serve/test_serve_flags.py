@@ -89,9 +89,14 @@ def test_l3_max_gb_bounds_a_file_namespace():
     s = settings("--l3-max-gb", "2", "--l3-root", "/tmp/kvtier-l3")
     assert l3_options(StorageBackendKind.FILE, s, None) == {"root_dir": "/tmp/kvtier-l3",
                                                           "max_size_bytes": 2 << 30}
-    assert "max_size_bytes" not in l3_options(StorageBackendKind.FILE,
-                                              settings("--l3-root", "/tmp/x"), None)
+    for unbounded in ("unbounded", "0"):  # asked for: no bound
+        s = settings("--l3-max-gb", unbounded, "--l3-root", "/tmp/x")
+        assert "max_size_bytes" not in l3_options(StorageBackendKind.FILE, s, None)
     with pytest.raises(ConfigError, match="l3_max_gb"):
         settings("--l3", "mooncake", "--l3-max-gb", "1")
-    with pytest.raises(ConfigError, match="l3_max_gb"):
-        settings("--l3-max-gb", "-1")
+    mooncake = settings("--l3", "mooncake")  # auto: its master bounds it, nothing to measure
+    assert mooncake.with_l3_bound() == mooncake
+    assert "max_size_bytes" not in l3_options(StorageBackendKind.MOONCAKE, mooncake, None)
+    for bad in ("-1", "lots", "nan"):
+        with pytest.raises(ConfigError, match="l3_max_gb"):
+            settings("--l3-max-gb", bad)

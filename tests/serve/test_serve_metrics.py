@@ -58,6 +58,7 @@ FAULT_FAMILIES = {
     "storage_errors": "an L3 write that fails (lookups go through the directory here)",
     "dropped_backup_tokens": "an L3 write that fails (or an L2 with no page to spare)",
     "directory_errors": "the namespace actor killed (restarting)",
+    "l3_directory_misses": "the namespace actor killed (restarting)",
     "rank_restarts": "a rank process killed",
 }
 ELSEWHERE = {  # faults other tests make
@@ -285,6 +286,7 @@ def test_the_fault_families_move_under_real_faults(app) -> None:
 
     ray.kill(ray.get_actor(SETTINGS.l3_actor, namespace=RAY_NAMESPACE), no_restart=False)
     until_moved("directory_errors", lambda: complete(ids(3 * PAGE + 4)))
+    until_moved("l3_directory_misses", lambda: complete(ids(3 * PAGE + 4)))
 
     # A rank process killed: the instance replaces its ranks and answers.
     ranks = [pid for pid in pids if b"RankCache" in cmdline(pid)]

@@ -11,7 +11,7 @@ from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import ConfigError
 from kvtier.serve.liveness import InstanceState, Liveness, candidates
 from kvtier.serve.metrics import ServeMetrics
-from kvtier.serve.redispatch import AnswerDiverged, SentTokens
+from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve_command import add_arguments, settings_from
 
@@ -71,23 +71,14 @@ def test_candidates_leave_out_broken_stalled_and_avoided():
     assert candidates({"a": 1}, {"a"}) == {}
 
 
-def test_sent_tokens_skip_the_replayed_prefix():
+def test_sent_tokens_are_what_another_instance_goes_on_after():
     sent = SentTokens()
-    assert sent.take([1, 2]) == [1, 2] and sent.take([3]) == [3]
-    sent.restart()  # the answer starts again on another instance
-    assert sent.take([1]) == [] and sent.take([2, 3, 4]) == [4]
-    assert sent.take([5], final=True) == [5] and sent.ids == [1, 2, 3, 4, 5]
-
-
-def test_sent_tokens_refuse_a_different_or_shorter_answer():
-    sent = SentTokens()
-    sent.take([1, 2, 3])
-    sent.restart()
-    with pytest.raises(AnswerDiverged, match="differs at token 1"):
-        sent.take([1, 9])
-    sent.restart()
-    with pytest.raises(AnswerDiverged, match="ended after 2 tokens"):
-        sent.take([1, 2], final=True)
+    assert sent.resume(with_logprobs=True) is None  # nothing sent: from the prompt
+    sent.add([1, 2], [["lp1"], ["lp2"]])
+    sent.add([3])
+    assert sent.ids == [1, 2, 3]
+    assert sent.resume(with_logprobs=False) == [[1, 2, 3], None]
+    assert sent.resume(with_logprobs=True) == [[1, 2, 3], [["lp1"], ["lp2"]]]
 
 
 def test_stall_timeout_is_validated():
@@ -119,11 +110,18 @@ ANSWER = [10, 11, 12, 13, 14, 15]
 
 
 class FakeStream:
-    """An instance's answer: `items` (each a list of tokens; the last one final), then, if
-    `hang`, nothing more until cancelled."""
+    """An instance's answer going on after `have` tokens: the tokens of `items` past them
+    (each item a list of tokens; the last one final), then, if `hang`, nothing more until
+    cancelled; `fail`: raises instead of ending (the instance stopped)."""
 
-    def __init__(self, items: list[list[int]], hang: bool) -> None:
-        self.items, self.hang, self.cancelled = list(items), hang, False
+    def __init__(self, items: list[list[int]], hang: bool, have: int = 0,
+                 fail: bool = False, error: bool = False) -> None:
+        self.items, self.hang, self.cancelled, self.fail = [], hang, False, fail
+        self.error = error  # the last item says the request failed by itself
+        at = 0
+        for item in items:
+            self.items.append(item[max(0, have - at):])
+            at += len(item)
 
     def __aiter__(self):
         return self
@@ -132,11 +130,15 @@ class FakeStream:
         if not self.items:
             if self.hang:
                 await asyncio.sleep(3600)
+            if self.fail:
+                raise RuntimeError("instance a stopped serving: remote traceback ...")
             raise StopAsyncIteration
         tokens = self.items.pop(0)
         await asyncio.sleep(0.001)
-        if self.items or self.hang:
+        if self.items or self.hang or self.fail:
             return {"tokens": tokens}
+        if self.error:
+            return {"tokens": tokens, "error": "choosing its next token failed"}
         return {"tokens": tokens, "finish_reason": "length", "instance": "?"}
 
     def cancel(self) -> None:
@@ -144,8 +146,11 @@ class FakeStream:
 
 
 class FakeInstance:
-    def __init__(self, items: list[list[int]], hang: bool = False) -> None:
-        self.items, self.hang, self.streams, self.salts = items, hang, [], []
+    def __init__(self, items: list[list[int]], hang: bool = False, fail: bool = False,
+                 error: bool = False) -> None:
+        self.items, self.hang, self.fail, self.streams, self.salts = items, hang, fail, [], []
+        self.error = error
+        self.resumes: list = []
 
     def options(self, stream: bool):
         return self
@@ -154,9 +159,11 @@ class FakeInstance:
     def generate(self):
         return self
 
-    def remote(self, tokens, sampling, cache_salt="") -> FakeStream:
+    def remote(self, tokens, sampling, cache_salt="", resume=None) -> FakeStream:
         self.salts.append(cache_salt)
-        self.streams.append(FakeStream(self.items, self.hang))
+        self.resumes.append(resume)
+        have = 0 if resume is None else len(resume[0])
+        self.streams.append(FakeStream(self.items, self.hang, have, self.fail, self.error))
         return self.streams[-1]
 
 
@@ -198,43 +205,67 @@ def run_answer(instances: dict, router: FakeRouter) -> tuple[list[int], RoutedAn
         return got, answer
 
     got, answer = asyncio.run(asyncio.wait_for(go(), 10))
-    assert moved == ["a"] * answer.sent.restarts
+    assert moved == ["a"] * answer.sent.moves
     return got, answer
 
 
-def test_a_stalled_answer_moves_and_the_client_gets_each_token_once():
+def test_a_stalled_answer_moves_and_goes_on_after_what_the_client_has():
     a = FakeInstance([ANSWER[:2], ANSWER[2:3]], hang=True)  # three tokens, then nothing
     b = FakeInstance([ANSWER[:4], ANSWER[4:]])
     got, answer = run_answer({"a": a, "b": b}, FakeRouter("a", "b"))
-    assert got == ANSWER and answer.instance == "b" and answer.sent.restarts == 1
+    assert got == ANSWER and answer.instance == "b" and answer.sent.moves == 1
+    assert a.resumes == [None] and b.resumes == [[ANSWER[:3], None]]  # b goes on after 3
     assert a.streams[0].cancelled and not b.streams[0].cancelled  # a's late answer: dropped
     assert a.salts == b.salts == ["salt-1"]  # the request keeps its tenant where it moves
 
 
-def test_without_another_live_instance_the_answer_waits_where_it_is():
+def test_a_failed_stream_moves_at_once():
+    a = FakeInstance([ANSWER[:2]], fail=True)  # two tokens, then the instance stops
+    b = FakeInstance([ANSWER])
+    router = FakeRouter("a", "b", stall_after=10**6)  # never says stalled
+    got, answer = run_answer({"a": a, "b": b}, router)
+    assert got == ANSWER and b.resumes == [[ANSWER[:2], None]]
+
+
+def test_a_failed_stream_with_nowhere_to_go_is_unavailable():
+    a = FakeInstance([ANSWER[:2]], fail=True)
+    with pytest.raises(InstanceUnavailable, match="stopped serving"):
+        run_answer({"a": a}, FakeRouter("a", None, stall_after=10**6))
+
+
+def test_a_request_that_failed_by_itself_is_not_sent_again():
+    a, b = FakeInstance([ANSWER[:1]], error=True), FakeInstance([ANSWER])
+
+    async def go() -> list[dict]:
+        router = FakeRouter("a", "b", stall_after=10**6)
+        answer = RoutedAnswer(router, {"a": a, "b": b}, RouterStates(router, max_age_s=0.0),
+                              [1], {}, "a", check_s=0.01)
+        return [item async for item in answer.items()]
+
+    items = asyncio.run(asyncio.wait_for(go(), 10))
+    assert items == [{"tokens": ANSWER[:1], "error": "choosing its next token failed"}]
+    assert b.streams == []
+
+
+def test_without_another_live_instance_the_answer_waits_then_gives_up():
     a = FakeInstance([ANSWER[:2]], hang=True)
     router = FakeRouter("a", None)
 
     async def first_items() -> list[int]:
         answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1],
-                              {}, "a", check_s=0.01)
+                              {}, "a", check_s=0.01, give_up_s=0.3)
         items = answer.items()
         got = (await items.__anext__())["tokens"]
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(items.__anext__(), 0.2)
-        answer.cancel()
+        with pytest.raises(asyncio.TimeoutError):  # it waits for the stalled one a while
+            await asyncio.wait_for(asyncio.shield(next_item := asyncio.ensure_future(
+                items.__anext__())), 0.1)
+        with pytest.raises(InstanceUnavailable, match="stalled"):  # then gives up
+            await asyncio.wait_for(next_item, 5)
         return got
 
     assert asyncio.run(first_items()) == ANSWER[:2]
     assert len(a.streams) == 1 and a.streams[0].cancelled
     assert router.avoided and set(router.avoided) == {("a",)}
-
-
-def test_a_re_dispatched_answer_that_differs_ends_with_an_error():
-    a = FakeInstance([ANSWER[:3]], hang=True)
-    b = FakeInstance([[10, 11, 99, 13]])
-    with pytest.raises(AnswerDiverged):
-        run_answer({"a": a, "b": b}, FakeRouter("a", "b"))
 
 
 def test_the_deadline_starts_when_first_asked_not_when_built():

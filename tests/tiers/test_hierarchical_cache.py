@@ -239,3 +239,30 @@ def test_attaching_l3_at_run_time_turns_l2_into_page_head(tmp_path, layout):
         cache.evict_device(cache.device_pool.num_pages)  # what is left is L2's
         lengths = serve(cache, tokens)  # asserts the loaded KV equals the reference
         assert lengths.host_loaded_length == 32
+
+
+def test_deterministic_and_default_caches_on_one_root_never_read_each_others_pages(tmp_path):
+    """Deterministic mode promises answers bit-identical to a cold run, which pages computed
+    in batches (the default mode) break: the modes key their pages apart (the layout
+    fingerprint), so over one L3 root neither reads what the other stored."""
+    from kvtier.tiers.reference_kv import serve_reference
+
+    cfg = HiCacheConfig(page_size=4, storage_backend="file", prefetch_policy="wait_complete",
+                        prefetch_threshold_tokens=4, storage_options={"root_dir": str(tmp_path)})
+    docs = {True: list(range(1, 17)), False: list(range(101, 117))}  # by the mode storing it
+
+    def cache(deterministic: bool) -> HierarchicalCache:
+        return HierarchicalCache(cfg, SPEC, 16, device="cpu", deterministic=deterministic)
+
+    for deterministic, doc in docs.items():
+        with cache(deterministic) as writer:
+            serve_reference(writer, doc)
+            writer.flush()
+            writer.storage.drain()
+    for deterministic, own in docs.items():
+        with cache(deterministic) as reader:
+            other = docs[not deterministic]
+            assert serve_reference(reader, other + [7]).lengths().storage_hit_length == 0
+            assert serve_reference(reader, own + [7]).lengths().storage_hit_length == 16
+    with cache(True) as det, cache(False) as batched:
+        assert det.namespace.layout_fingerprint != batched.namespace.layout_fingerprint

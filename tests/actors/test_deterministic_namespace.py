@@ -1,0 +1,59 @@
+"""Every place that computes an L3 namespace's fingerprint agrees on the engine's mode: the
+rank's cache (RankSettings.deterministic), the namespace the demo and the benches register
+(kvtier.demo.namespace_spec) and the Engine's own check, so a deterministic deployment never
+attaches a namespace of batched pages (no Ray: ranks in-process)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.actors.namespace_actor import FakeNamespaceClient
+from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.config import HiCacheConfig
+from kvtier.demo import namespace_spec
+from kvtier.engine.engine import Engine
+from kvtier.engine.loader import load_tiny_model
+from kvtier.engine.tp_worker import TinyWeights
+from kvtier.errors import ConfigError
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+PAGE = 16
+CONFIG = HiCacheConfig(page_size=PAGE)
+SETTINGS = RankSettings(TinyWeights(seed=6), CONFIG, device_pages=16, dtype=torch.float32,
+                        chunk_tokens=PAGE, tenant_salt="modes")
+
+
+def spec(root, deterministic: bool):
+    return namespace_spec(SETTINGS.source, CONFIG, "file", str(root), "tiny", "modes",
+                          dtype=SETTINGS.dtype, page_size=PAGE, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_rank_and_the_registered_namespace_agree_on_the_mode(tmp_path, deterministic):
+    with FakeNamespaceClient() as client:
+        info = client.register(spec(tmp_path, deterministic))
+        other = client.register(spec(tmp_path, not deterministic))
+        assert info.namespace != other.namespace
+        rank = RankCache(0, 1, "", SETTINGS._replace(deterministic=deterministic))
+        try:
+            assert rank.describe().layout_fingerprint == info.spec.layout_fingerprint
+            with pytest.raises(ConfigError, match="layout fingerprint"):
+                rank.attach_l3(other.to_msgpack(), None)  # the other mode's pages: refused
+            assert rank.attach_l3(info.to_msgpack(), None) == "file"
+        finally:
+            rank.close()
+
+
+def test_an_engine_refuses_a_shared_cache_keyed_for_the_other_mode(tmp_path):
+    model = load_tiny_model(torch.float32, "cpu")
+    config = HiCacheConfig(page_size=PAGE, storage_backend="file",
+                           storage_options={"root_dir": str(tmp_path)})
+    for deterministic in (False, True):
+        cache = HierarchicalCache(config, model.kv_spec(PAGE), 16, device="cpu", model="tiny",
+                                  deterministic=not deterministic)
+        with cache, pytest.raises(ConfigError, match="deterministic="):
+            Engine(model, cache, deterministic=deterministic)
+    private = HierarchicalCache(HiCacheConfig(page_size=PAGE), model.kv_spec(PAGE), 16,
+                                device="cpu", model="tiny")  # no L3: its pages stay here
+    with Engine(model, private, owns_cache=True, deterministic=True):
+        pass
