@@ -58,6 +58,7 @@ from kvtier.bench.chaos_monitor import Monitor, get_json, idle
 from kvtier.bench.serve_bench import stdout_to_stderr
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
+from kvtier.policies import StorageBackendKind
 from kvtier.serve.settings import ModelChoice, ServeSettings
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ READY_TIMEOUT_S = 600.0
 MAX_FAULT_GAP_S = 30.0
 MIN_FAULT_GAP_S = 5.0
 WRONG_SAMPLES = 8
+L3_KINDS = (StorageBackendKind.FILE, StorageBackendKind.MOONCAKE)
 TARGETS = ("wrong", "server_errors", "adversarial_server_errors", "instances_lost",
            "leaked_pages", "leaked_locks")
 
@@ -81,20 +83,21 @@ class Fault(enum.Enum):
     RESTART_MOONCAKE_MASTER = "restart_mooncake_master"  # killed; its supervisor restarts it
 
 
-def fault_kinds(l3: str, pd: bool) -> list[Fault]:
+def fault_kinds(l3: StorageBackendKind, pd: bool) -> list[Fault]:
+    """The faults a run of this graph injects, each in turn."""
     kinds = [Fault.KILL_PREFILL_RANK, Fault.KILL_DECODE_RANK] if pd else [Fault.KILL_RANK]
     kinds += [Fault.KILL_NAMESPACE, Fault.NAMESPACE_STATE_LOST]
-    if l3 == "mooncake":
+    if l3 is StorageBackendKind.MOONCAKE:
         kinds.append(Fault.RESTART_MOONCAKE_MASTER)
     return kinds
 
 
 class ChaosParams(NamedTuple):
     minutes: float = 2.0
-    l3: str = "file"
+    l3: StorageBackendKind = StorageBackendKind.FILE
     pd: bool = False
-    model: str = "tiny"
-    dtype: str = "fp32"
+    model: str = "tiny"  # an alias, a model directory or a GGUF file, as kvtier serve takes
+    dtype: DType = DType.FP32
     tp: int | None = None  # None: 2, or the smallest size that splits the model
     fault_every_s: float | None = None  # None: spread so each kind comes once, 5-30 s apart
     clients: ClientParams = ClientParams()
@@ -148,7 +151,8 @@ def chaos_settings(p: ChaosParams, tmp: str) -> ServeSettings:
     return ServeSettings(model=p.model, **shape, tp_size=tp_size(p.model, p.tp),
                          page_size=page, chunk_tokens=4 * page,
                          device_pages=128 if tiny else 40, max_new_tokens=32, dtype=p.dtype,
-                         l3=p.l3, l3_root=f"{tmp}/l3" if p.l3 != "mooncake" else "",
+                         l3=p.l3.value,
+                         l3_root="" if p.l3 is StorageBackendKind.MOONCAKE else f"{tmp}/l3",
                          l3_state_dir=f"{tmp}/l3-state", l3_actor="kvtier-chaos-l3",
                          admin_key=secrets.token_urlsafe(24))
 
@@ -413,7 +417,7 @@ def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=2.0,
                    help=f"how long the traffic runs (default 2, at most {MAX_MINUTES:.0f})")
-    p.add_argument("--l3", choices=("file", "mooncake"), default="file",
+    p.add_argument("--l3", choices=[k.value for k in L3_KINDS], default="file",
                    help="the shared L3 (mooncake: its master is restarted as a fault too)")
     p.add_argument("--pd", action="store_true",
                    help="one prefill and one decode instance in place of two mixed ones")
@@ -454,7 +458,8 @@ def params_of(ns: argparse.Namespace) -> ChaosParams:
         raise ConfigError("--request-timeout must be in [1, 3600] and --settle in [0, 3600]")
     clients = ClientParams(conversations=ns.clients, max_requests=ns.max_requests,
                            request_timeout_s=ns.request_timeout, seed=ns.seed)
-    return ChaosParams(minutes=ns.minutes, l3=ns.l3, pd=ns.pd, model=ns.model, dtype=ns.dtype,
+    return ChaosParams(minutes=ns.minutes, l3=StorageBackendKind.parse(ns.l3, "--l3"), pd=ns.pd,
+                       model=ns.model, dtype=DType.parse(ns.dtype, "--dtype"),
                        tp=ns.tp, fault_every_s=ns.fault_every, clients=clients, port=ns.port,
                        settle_s=ns.settle)
 

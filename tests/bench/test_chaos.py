@@ -11,6 +11,7 @@ import pytest
 
 from kvtier import cli
 from kvtier.bench.chaos import TARGETS, fault_kinds
+from kvtier.policies import StorageBackendKind
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -22,7 +23,7 @@ def test_a_short_chaos_run_meets_every_target(capsys):
     lines = captured.out.strip().splitlines()
     assert lines, f"the chaos run printed no result (rc {rc}); its stderr:\n{captured.err[-4000:]}"
     result = json.loads(lines[-1])
-    kinds = {kind.value for kind in fault_kinds("file", pd=False)}
+    kinds = {kind.value for kind in fault_kinds(StorageBackendKind.FILE, pd=False)}
     assert set(result["faults_injected"]) == kinds, result["faults"]  # each kind, armed
     assert result["sent"] > 0 and result["checked"] > 0 and result["refused_4xx"] > 0
     assert result["unaccounted"] == 0

@@ -16,7 +16,9 @@ from kvtier.bench.chaos_clients import Tally, error_cause
 from kvtier.bench.cold_judge import Cold, check_answer
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.errors import ConfigError
+from kvtier.policies import StorageBackendKind
 
+FILE, MOONCAKE = StorageBackendKind.FILE, StorageBackendKind.MOONCAKE
 LIMITS = Limits("kvtier-tiny", 49152, 1952, 32, 1 << 20)
 
 
@@ -39,15 +41,15 @@ def test_adversarial_bodies_are_reproducible_and_mixed():
 
 def test_fault_kinds_follow_the_graph_and_the_l3():
     F = chaos.Fault
-    assert chaos.fault_kinds("file", False) == [F.KILL_RANK, F.KILL_NAMESPACE,
+    assert chaos.fault_kinds(FILE, False) == [F.KILL_RANK, F.KILL_NAMESPACE,
                                                 F.NAMESPACE_STATE_LOST]
-    assert F.RESTART_MOONCAKE_MASTER in chaos.fault_kinds("mooncake", False)
-    pd = chaos.fault_kinds("file", True)
+    assert F.RESTART_MOONCAKE_MASTER in chaos.fault_kinds(MOONCAKE, False)
+    pd = chaos.fault_kinds(FILE, True)
     assert F.KILL_PREFILL_RANK in pd and F.KILL_DECODE_RANK in pd and F.KILL_RANK not in pd
 
 
 def test_the_plan_brings_every_kind_once_before_any_twice():
-    kinds = chaos.fault_kinds("mooncake", True)
+    kinds = chaos.fault_kinds(MOONCAKE, True)
     injector = chaos.Injector.__new__(chaos.Injector)
     injector.kinds, injector.rng = kinds, random.Random(3)
     plan = injector.plan(2 * len(kinds) + 1)
@@ -56,7 +58,7 @@ def test_the_plan_brings_every_kind_once_before_any_twice():
 
 
 def test_the_default_gap_spreads_one_fault_of_each_kind_over_the_run():
-    three = len(chaos.fault_kinds("file", False))
+    three = len(chaos.fault_kinds(FILE, False))
     assert chaos.fault_gap_s(chaos.ChaosParams(minutes=2), three) == 30.0
     assert chaos.fault_gap_s(chaos.ChaosParams(minutes=0.75), three) == pytest.approx(11.25)
     assert chaos.fault_gap_s(chaos.ChaosParams(minutes=60), three) == chaos.MAX_FAULT_GAP_S
@@ -183,8 +185,8 @@ def test_the_command_line():
     ns = cli.build_parser().parse_args(["bench", "chaos", "--minutes", "2", "--l3", "mooncake",
                                         "--pd", "--json"])
     params = chaos.params_of(ns)
-    assert (params.minutes, params.l3, params.pd, params.dtype) == (2.0, "mooncake", True,
-                                                                    "fp32")
+    assert (params.minutes, params.l3, params.pd, params.dtype) == (2.0, MOONCAKE, True,
+                                                                    chaos.DType.FP32)
     for bad in (["--minutes", "0"], ["--minutes", "500"], ["--clients", "0"],
                 ["--fault-every", "0.1"]):
         ns = cli.build_parser().parse_args(["bench", "chaos", *bad])
