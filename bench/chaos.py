@@ -28,9 +28,10 @@ greedy answer, streamed tokens included, is judged against cold runs in this pro
 JSON: `sent`, `answered`, `refused_4xx` (adversarial bodies), `server_errors` (well-formed
 requests that got an error), `wrong`, `near_ties`, `instances_lost`, `leaked_pages`,
 `leaked_locks`, `faults_injected` (by kind), and more: `adversarial_server_errors` (bodies
-answered with a 5xx or not at all), `checked`, `cancelled`, `error_kinds`, `error_samples`,
-`wrong_samples`, `lost` (instance: why), `rank_epochs`, `faults` (each one: when, where,
-armed), `missed` (the targets missed). Targets: `wrong`, `server_errors`,
+answered with a 5xx or not at all), `checked`, `cancelled`, `error_kinds`,
+`wrong_samples`, `lost` (instance: when and why), `rank_epochs`, `faults` (each one: when,
+where, armed, the errors until the next one and the causes of the first few), `missed` (the
+targets missed). Targets: `wrong`, `server_errors`,
 `adversarial_server_errors`, `instances_lost`, `leaked_pages` and `leaked_locks` all 0; the
 exit code is 1 when one is missed.
 """
@@ -53,7 +54,7 @@ from typing import Any, NamedTuple
 from kvtier.bench import emit
 from kvtier.bench.answer_check import Verdict
 from kvtier.bench.chaos_bodies import Limits
-from kvtier.bench.chaos_clients import Answer, ClientParams, Tally, Traffic
+from kvtier.bench.chaos_clients import Answer, ClientParams, ErrorRecord, Tally, Traffic
 from kvtier.bench.chaos_monitor import Monitor, get_json, idle
 from kvtier.bench.serve_bench import stdout_to_stderr
 from kvtier.dtypes import DType
@@ -69,6 +70,7 @@ READY_TIMEOUT_S = 600.0
 MAX_FAULT_GAP_S = 30.0
 MIN_FAULT_GAP_S = 5.0
 WRONG_SAMPLES = 8
+ERROR_SAMPLES = 3  # errors kept word for word, per fault
 L3_KINDS = (StorageBackendKind.FILE, StorageBackendKind.MOONCAKE)
 TARGETS = ("wrong", "server_errors", "adversarial_server_errors", "instances_lost",
            "leaked_pages", "leaked_locks")
@@ -358,18 +360,24 @@ def run(p: ChaosParams) -> dict:
     return result_json(p, settings, served, judged)
 
 
-def errors_between(faults: list[FaultRecord], error_times: list[float]) -> list[int]:
-    """How many errors came before the first fault, then after each fault until the next."""
+def errors_between(faults: list[FaultRecord], errors: list[ErrorRecord]) -> list[list]:
+    """The errors that came before the first fault, then after each fault until the next."""
     starts = [f.at_s for f in faults]
-    counts = [0] * (len(faults) + 1)
-    for t in error_times:
-        counts[bisect.bisect_right(starts, t)] += 1
-    return counts
+    windows: list[list] = [[] for _ in range(len(faults) + 1)]
+    for e in errors:
+        windows[bisect.bisect_right(starts, e.failed_s)].append(e)
+    return windows
+
+
+def _samples(errors: list[ErrorRecord]) -> list[dict]:
+    return [{"sent_s": round(e.sent_s, 1), "failed_s": round(e.failed_s, 1), "kind": e.kind,
+             "well_formed": e.well_formed, "cause": e.cause} for e in errors[:ERROR_SAMPLES]]
 
 
 def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
                 judged: Judgement) -> dict:
     t, audit = served.tally, served.audit
+    windows = errors_between(served.faults, t.errors)
     members = {"pd": settings.prefill_instances + settings.decode_instances}
     injected: dict[str, int] = {}
     not_armed: dict[str, int] = {}
@@ -391,15 +399,16 @@ def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
         "answers_by_kind": dict(Counter(a.kind.value for a in t.answers)),
         "faults_not_armed": not_armed,
         "faults": [{"kind": f.kind.value, "at_s": round(f.at_s, 1), "armed": f.armed,
-                    "where": f.where, "errors_until_next": n}
-                   for f, n in zip(served.faults, errors_between(served.faults,
-                                                                 t.error_times)[1:])],
-        "errors_before_faults": errors_between(served.faults, t.error_times)[0],
+                    "where": f.where, "errors_until_next": len(errors),
+                    "error_samples": _samples(errors)}
+                   for f, errors in zip(served.faults, windows[1:])],
+        "errors_before_faults": len(windows[0]),
+        "error_samples_before_faults": _samples(windows[0]),
         "lost": served.lost, "rank_epochs": served.epochs, "stalls": served.stalls,
         "went_idle": served.idle,
         "open_tickets": audit.open_tickets if audit is not None else None,
         "audit_error": served.audit_error or None,
-        "error_kinds": dict(t.error_kinds), "error_samples": t.error_samples,
+        "error_kinds": dict(Counter(e.kind for e in t.errors)),
         "adversarial_statuses": {str(k): v for k, v in sorted(t.statuses.items())},
         "wrong_samples": judged.samples,
         "duration_s": round(served.duration_s, 1),

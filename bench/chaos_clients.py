@@ -26,7 +26,6 @@ import aiohttp
 from kvtier.bench.chaos_bodies import CHAT, COMPLETIONS, Limits, adversarial_body
 from kvtier.bench.serve_load import WORDS, ServerError, check_status, sse_chunks
 
-ERROR_SAMPLES = 8  # server errors kept word for word in the result
 ERROR_BYTES = 64 << 10  # a server error's whole message: its cause comes last
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -63,33 +62,41 @@ class ClientParams(NamedTuple):
     seed: int = 0
 
 
+class ErrorRecord(NamedTuple):
+    """One request that got an error: when it was sent and when the error came (seconds from
+    the start of the traffic), what kind, whether the body was well-formed, and the cause."""
+
+    sent_s: float
+    failed_s: float
+    kind: str
+    well_formed: bool
+    cause: str
+
+
 @dataclass
 class Tally:
     sent: int = 0
     answered: int = 0
     refused_4xx: int = 0
-    server_errors: int = 0  # well-formed requests that got an error
-    adversarial_server_errors: int = 0  # adversarial bodies answered with a 5xx or nothing
     cancelled: int = 0  # streams the client cut midway
-    error_kinds: Counter = field(default_factory=Counter)
-    error_samples: list = field(default_factory=list)
+    errors: list = field(default_factory=list)  # ErrorRecord, in the order they came
     answers: list = field(default_factory=list)
     adversarial_answered: int = 0
     statuses: Counter = field(default_factory=Counter)  # adversarial bodies: HTTP status
-    error_times: list = field(default_factory=list)  # when each error came, from the start
 
     def error(self, well_formed: bool, kind: str, detail: str, sent_s: float,
               failed_s: float) -> None:
-        if well_formed:
-            self.server_errors += 1
-        else:
-            self.adversarial_server_errors += 1
-        self.error_kinds[kind] += 1
-        self.error_times.append(failed_s)
-        if len(self.error_samples) < ERROR_SAMPLES:
-            self.error_samples.append({"sent_s": round(sent_s, 1), "failed_s": round(failed_s, 1),
-                                       "kind": kind, "well_formed": well_formed,
-                                       "detail": error_cause(detail)})
+        self.errors.append(ErrorRecord(sent_s, failed_s, kind, well_formed, error_cause(detail)))
+
+    @property
+    def server_errors(self) -> int:
+        """Well-formed requests that got an error."""
+        return sum(e.well_formed for e in self.errors)
+
+    @property
+    def adversarial_server_errors(self) -> int:
+        """Adversarial bodies answered with a 5xx or not at all."""
+        return sum(not e.well_formed for e in self.errors)
 
 
 def error_cause(detail: str, chars: int = 400) -> str:

@@ -12,7 +12,7 @@ from kvtier import cli
 from kvtier.bench import chaos
 from kvtier.bench.answer_check import Verdict
 from kvtier.bench.chaos_bodies import CHAT, COMPLETIONS, Limits, adversarial_body
-from kvtier.bench.chaos_clients import Tally, error_cause
+from kvtier.bench.chaos_clients import ErrorRecord, Tally, error_cause
 from kvtier.bench.cold_judge import Cold, check_answer
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.errors import ConfigError
@@ -154,7 +154,9 @@ def test_the_result_names_each_target_missed():
     audit = RankAudit.of({"instance-0": [dict(stray_device_pages=0, stray_host_pages=1,
                                               orphaned_host_pages=0, locked_nodes=0,
                                               protected_nodes=2, open_tickets=0)]})
-    served = chaos.Served(Tally(sent=3, answered=2, server_errors=1), [], audit, "",
+    tally = Tally(sent=3, answered=2)
+    tally.error(True, "http_503", '{"error": {"message": "instance gone"}}', 1.0, 2.0)
+    served = chaos.Served(tally, [], audit, "",
                           {"instance-1": {"at_s": 1.0, "why": "broken"}}, {}, {}, True, 1.0)
     out = chaos.result_json(chaos.ChaosParams(), settings, served,
                             chaos.Judgement(2, 1, 0, 1, []))
@@ -162,6 +164,7 @@ def test_the_result_names_each_target_missed():
     assert out["missed"] == ["wrong", "server_errors", "instances_lost", "leaked_pages",
                              "leaked_locks"]
     assert out["unaccounted"] == 0
+    assert out["error_samples_before_faults"][0]["cause"] == "instance gone"
     json.dumps(out)
 
 
@@ -169,8 +172,10 @@ def test_errors_are_told_by_the_fault_before_them():
     F, R = chaos.Fault, chaos.FaultRecord
     faults = [R(F.KILL_RANK, 10.0, True, "instance-0 rank 1"),
               R(F.KILL_NAMESPACE, 20.0, True, "namespace actor")]
-    assert chaos.errors_between(faults, [1.0, 10.0, 12.5, 19.9, 25.0]) == [1, 3, 1]
-    assert chaos.errors_between([], [3.0]) == [1]
+    errors = [ErrorRecord(0.0, t, "http_503", True, "") for t in (1.0, 10.0, 12.5, 19.9, 25.0)]
+    windows = chaos.errors_between(faults, errors)
+    assert [[e.failed_s for e in w] for w in windows] == [[1.0], [10.0, 12.5, 19.9], [25.0]]
+    assert chaos.errors_between([], errors[:1]) == [errors[:1]]
 
 
 def test_an_error_keeps_its_cause():
