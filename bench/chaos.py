@@ -271,7 +271,7 @@ def serve_and_load(p: ChaosParams, settings: ServeSettings, limits: Limits) -> S
         start = monitor.start_s
         deadline = start + p.seconds
         injector = Injector(chaos, settings, kinds, fault_gap_s(p, len(kinds)), p.clients.seed)
-        traffic = Traffic(base, p.clients, limits, deadline)
+        traffic = Traffic(base, p.clients, limits, start, deadline)
         tally = asyncio.run(traffic.run([injector.run(start, deadline)]))
         duration_s = time.monotonic() - start
         went_idle = wait_until(lambda: idle(base, settings.admin_key), p.settle_s)

@@ -28,6 +28,7 @@ from kvtier.bench.serve_load import WORDS, ServerError, check_status, sse_chunks
 
 ERROR_BYTES = 64 << 10  # a server error's whole message: its cause comes last
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MALFORMED = (ValueError, KeyError, TypeError, IndexError)  # a body or chunk that is no answer
 
 
 class AnswerKind(enum.Enum):
@@ -116,13 +117,13 @@ def _words(rng: random.Random, n: int) -> str:
 
 
 class Traffic:
-    """The clients of one run against `base_url` until `deadline` (monotonic)."""
+    """The clients of one run against `base_url` from `start` until `deadline` (monotonic
+    seconds; the times it records count from `start`)."""
 
-    def __init__(self, base_url: str, params: ClientParams, limits: Limits,
+    def __init__(self, base_url: str, params: ClientParams, limits: Limits, start: float,
                  deadline: float) -> None:
         self.url, self.p, self.limits = base_url.rstrip("/"), params, limits
-        self.deadline = deadline
-        self.start = time.monotonic()
+        self.start, self.deadline = start, deadline
         self.tally = Tally()
         rng = random.Random(f"{params.seed}:docs")
         self.docs = [f"Document {i}. " + _words(rng, params.doc_words) for i in range(params.docs)]
@@ -207,6 +208,10 @@ class Traffic:
             return None
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.tally.error(True, type(exc).__name__, str(exc), at, self._now())
+            return None
+        except MALFORMED as exc:  # a 200 whose body is not an answer: the server's fault
+            self.tally.error(True, "malformed_answer", f"{type(exc).__name__}: {exc}", at,
+                             self._now())
             return None
         self.tally.answered += 1
         self.tally.answers.append(Answer(kind, tuple(dict(m) for m in messages), max_tokens,
@@ -296,6 +301,9 @@ class Traffic:
             self.tally.error(True, exc.kind, exc.detail, at, self._now())
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.tally.error(True, type(exc).__name__, str(exc), at, self._now())
+        except MALFORMED as exc:
+            self.tally.error(True, "malformed_answer", f"{type(exc).__name__}: {exc}", at,
+                             self._now())
 
     async def _pause(self, seconds: float) -> None:
         end = min(time.monotonic() + seconds, self.deadline)
