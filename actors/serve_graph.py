@@ -25,6 +25,7 @@ from kvtier.actors.serve_instance import InstanceDeployment
 from kvtier.actors.serve_pd import PD_NAME, PDDeployment
 from kvtier.actors.serve_router import RouterDeployment
 from kvtier.policies import StorageBackendKind
+from kvtier.serve.admin_key_file import save_admin_key
 from kvtier.serve.placement import PlacementMode
 from kvtier.serve.settings import ServeSettings
 
@@ -84,11 +85,14 @@ def instance_names(settings: ServeSettings) -> list[str]:
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """For Serve config files: `args` are ServeSettings keys."""
+    """For Serve config files: `args` are ServeSettings keys. Without `admin_key`, the random
+    key is written to a file only this user can read (serve/admin_key_file.py), whose path,
+    never the key, is logged."""
     settings = ServeSettings.from_mapping(args or {})
     if not (args or {}).get("admin_key"):
-        log.warning("no admin_key in the Serve config: the admin endpoints use the random key "
-                    "%s (set admin_key to choose one)", settings.admin_key)
+        log.warning("no admin_key in the Serve config: the admin endpoints use a random key, "
+                    "written to %s (readable by you only; set admin_key to choose one)",
+                    save_admin_key(settings.admin_key))
     return build_app(place(settings, joined=None))  # checked before any deployment starts
 
 
@@ -149,8 +153,10 @@ def stop(joined: bool = False) -> None:
             shutdown_local_ray()
 
 
-def serve_forever(settings: ServeSettings, host: str, port: int, address: str | None) -> None:
-    """`kvtier serve`: deploy, print where it listens and the admin key, wait for Ctrl-C."""
+def serve_forever(settings: ServeSettings, host: str, port: int, address: str | None,
+                  key_file: str | None = None) -> None:
+    """`kvtier serve`: deploy, print where it listens and where the admin key is (`key_file`,
+    when it was generated; never the key), wait for Ctrl-C."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -161,7 +167,8 @@ def serve_forever(settings: ServeSettings, host: str, port: int, address: str | 
                  else f"{settings.instances} instances")
         print(f"kvtier: serving {settings.served_model_name} on http://{host}:{port}/v1 "
               f"({shape}, TP={settings.tp_size}, L3={settings.l3})", flush=True)
-        print(f"kvtier: admin key: {settings.admin_key}", flush=True)
+        print(f"kvtier: admin key: generated, in {key_file} (readable by you only)" if key_file
+              else "kvtier: admin key: the one given with --admin-key", flush=True)
         done.wait()
     finally:
         stop(joined=address is not None)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import random
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -35,10 +36,12 @@ from kvtier.serve.admin import check_admin_key, parse_admin_body
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.openai_logprobs import chat_logprobs, completion_logprobs
 from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
-                                          ErrorType, check_prompt_tokens, parse_chat,
-                                          parse_completion)
+                                          check_prompt_tokens, parse_chat, parse_completion)
 from kvtier.serve.pd_metrics import PDMetrics
 from kvtier.serve.pins import PinVerb
+from kvtier.serve.redispatch import InstanceUnavailable
+from kvtier.serve.request_failures import (AnswerFailed, answer_failed, generation_failed,
+                                           timed_out, unavailable, unreadable)
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import ApiKeys, request_salt
 from kvtier.serve.text_stream import TextStream
@@ -73,6 +76,11 @@ class _Generation:
         return made
 
 
+def _error(err: ApiError) -> Response:
+    """An error in OpenAI's shape, with its status."""
+    return JSONResponse(err.to_body(), status_code=err.status)
+
+
 def _refused(err: ApiError) -> Response:
     """A 401 (or another refusal of the caller) in OpenAI's error shape."""
     return JSONResponse(err.to_body(), status_code=err.status,
@@ -99,6 +107,7 @@ class Ingress:
         self.snapshots = SnapshotFeed(router, instances, self.metrics, s.l3_actor)
         self._seeds = random.SystemRandom()
         self.check_s = s.stall_timeout_s / 4  # while an answer waits: is its instance stalled?
+        self.timeout_s = s.request_timeout_s  # from arrival to the last answer's end
         self.states = RouterStates(router, max_age_s=self.check_s / 2)
         self.pins = PinDesk(router, instances, self.states, s, self.tokenizer, self.limits,
                             self.check_s)
@@ -214,6 +223,8 @@ class Ingress:
 
     # ---- request path ---------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool) -> Response:
+        rid = out.new_request_id(chat)  # in every server error of this request, and the log
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
             tenant = self._tenant(request)
         except ApiError as err:
@@ -223,26 +234,37 @@ class Ingress:
             req = parse_chat(body, self.limits) if chat else parse_completion(body, self.limits)
             tokens = self._tokens(req)
         except ApiError as exc:
-            return JSONResponse(exc.to_body(), status_code=exc.status)
-        except Exception as exc:  # noqa: BLE001 - a bug, but the client still gets JSON
-            log.exception("a request could not be read")
-            return JSONResponse(ApiError(500, f"the request could not be read: {exc}",
-                                         err_type=ErrorType.SERVER).to_body(), status_code=500)
+            return _error(exc)
+        except Exception:  # noqa: BLE001 - a bug, but the client still gets JSON
+            log.exception("request %s could not be read", rid)
+            return _error(unreadable(rid))
         seed = self._seeds.getrandbits(63)
         start = time.perf_counter()
         salt = request_salt(tenant, req.cache_salt)  # its prefixes are its tenant's only
-        gens = [await self._start(req, tokens, seed, salt, i) for i in range(req.n)]
-        rid = out.new_request_id(chat)
+        gens: list[_Generation] = []
+        timer = asyncio.timeout_at(deadline)
+        try:
+            async with timer:
+                for i in range(req.n):
+                    gens.append(await self._start(req, tokens, seed, salt, i))
+        except Exception as exc:  # noqa: BLE001 - the router failed, or the time is up
+            for gen in gens:
+                gen.answer.cancel()
+            return self._timed_out(rid, gens) if timer.expired() else self._failed(exc, rid)
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, chat, gens, tokens, start),
+            return StreamingResponse(self._sse(req, rid, chat, gens, tokens, start, deadline),
                                      media_type="text/event-stream")
         runs = [asyncio.ensure_future(self._drain(g, start)) for g in gens]
+        timer = asyncio.timeout_at(deadline)
         try:
-            await asyncio.gather(*runs)
-        except Exception as exc:  # noqa: BLE001 - the client gets a 503 with the reason
+            async with timer:
+                await asyncio.gather(*runs)
+        except Exception as exc:  # noqa: BLE001 - the client gets an error saying what to do
             for run in runs:
-                run.cancel()  # the other answers stop too
-            return self._failed(exc)
+                run.cancel()  # the other answers stop too (and free their instances)
+            if timer.expired():
+                return self._timed_out(rid, gens)
+            return self._failed(exc, rid)
         for gen in gens:
             self._observe(gen, start, len(tokens))
         usage, kvtier = self._usage(len(tokens), gens)
@@ -290,6 +312,8 @@ class Ingress:
         which aborts the request there)."""
         try:
             async for item in gen.answer.items():
+                if "error" in item:  # the instance ended this answer alone: its last item
+                    raise AnswerFailed(item["error"])
                 if item["tokens"] and gen.first_token_s is None:
                     gen.first_token_s = time.perf_counter() - start
                 gen.tokens += len(item["tokens"])
@@ -311,9 +335,11 @@ class Ingress:
                 gen.answer.cancel()
 
     async def _sse(self, req, rid: str, chat: bool, gens: list[_Generation],
-                   tokens: list[int], start: float) -> AsyncIterator[str]:
+                   tokens: list[int], start: float, deadline: float) -> AsyncIterator[str]:
         """The answers' chunks as they come (each with its index), then each one's closing
-        chunk when it ends; usage and [DONE] once every answer has ended."""
+        chunk when it ends; usage and [DONE] once every answer has ended. A failed answer,
+        or the request timeout (`deadline`, in the loop's time), ends the stream with an
+        error event and [DONE]: the headers are sent, so the error is said in the stream."""
         created = int(time.time())
 
         def chunk(gen: _Generation, **kw) -> str:
@@ -329,10 +355,15 @@ class Ingress:
         try:
             for _ in range(len(gens)):
                 while True:
-                    gen, delta = await deltas.get()
-                    if isinstance(delta, Exception):  # headers are sent: say it in the stream
-                        yield out.sse(ApiError(503, f"generation failed: {delta}",
-                                               err_type=ErrorType.SERVER).to_body())
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            gen, delta = await deltas.get()
+                    except TimeoutError:
+                        yield out.sse(self._timed_out_error(rid, gens).to_body())
+                        yield out.SSE_DONE
+                        return
+                    if isinstance(delta, Exception):
+                        yield out.sse(self._failure_error(rid, delta).to_body())
                         yield out.SSE_DONE
                         return
                     if delta is None:  # this answer ended
@@ -392,11 +423,30 @@ class Ingress:
         if self.pd_metrics is not None and gen.final and gen.final.get("pd"):
             self.pd_metrics.observe(gen.answer.instance, gen.final["pd"])
 
-    @staticmethod
-    def _failed(exc: Exception) -> Response:
-        log.warning("a request failed: %s", exc)
-        return JSONResponse(ApiError(503, f"generation failed, retry: {exc}",
-                                     err_type=ErrorType.SERVER).to_body(), status_code=503)
+    # ---- failures: the client learns what to do and the request id; the log, the details ------
+    def _failure_error(self, rid: str, exc: Exception) -> ApiError:
+        """The error to send for `exc` (logged here, with its traceback when unexpected)."""
+        if isinstance(exc, AnswerFailed):
+            log.warning("request %s: an instance ended an answer: %s", rid, exc.message)
+            return answer_failed(rid, exc)
+        if isinstance(exc, InstanceUnavailable):  # foreseen (stalls, stops): no traceback
+            log.warning("request %s: %s", rid, exc)
+            return unavailable(rid)
+        log.error("request %s failed", rid, exc_info=exc)
+        return generation_failed(rid)
+
+    def _failed(self, exc: Exception, rid: str | None = None) -> Response:
+        return _error(self._failure_error(rid or f"admin-{uuid.uuid4().hex}", exc))
+
+    def _timed_out_error(self, rid: str, gens: list[_Generation]) -> ApiError:
+        log.warning("request %s: stopped at its request timeout of %g s (%d of its %d "
+                    "answers ended, %d tokens answered)", rid, self.timeout_s,
+                    sum(g.final is not None for g in gens), len(gens),
+                    sum(g.tokens for g in gens))
+        return timed_out(rid, self.timeout_s)
+
+    def _timed_out(self, rid: str, gens: list[_Generation]) -> Response:
+        return _error(self._timed_out_error(rid, gens))
 
     # ---- admin helpers --------------------------------------------------------------------------
     def _tenant(self, request: Request) -> str:
@@ -423,14 +473,13 @@ class Ingress:
                     if name not in args:
                         raise ApiError(400, f"{name}: required", param=name)
             except ApiError as exc:
-                return JSONResponse(exc.to_body(), status_code=exc.status)
+                return _error(exc)
         try:
             results = await asyncio.gather(*(call(h, args) for h in self.instances.values()))
-        except (ConfigError, KvtierError, ValueError) as exc:
-            return JSONResponse(ApiError(400, str(exc)).to_body(), status_code=400)
         except Exception as exc:  # noqa: BLE001 - a RayTaskError wraps the instance's error
-            cause = getattr(exc, "cause", None)
+            # (and is an instance of its class too, but its text is the remote traceback)
+            cause = getattr(exc, "cause", None) or exc
             if isinstance(cause, (ConfigError, KvtierError, ValueError)):
-                return JSONResponse(ApiError(400, str(cause)).to_body(), status_code=400)
+                return _error(ApiError(400, str(cause)))
             return self._failed(exc)
         return JSONResponse({"instances": results})

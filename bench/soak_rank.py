@@ -3,7 +3,9 @@
 `kvtier bench soak` on the actor system runs its instances with `rank_class=SoakRankCache`.
 The storage client is wrapped in `FaultyBackend` (errors, delays, partial writes, torn reads,
 hangs) and the directory client in `FlakyDirectory` (lookups that fail on this rank only), so
-faults are armed per rank, between steps, through `Instance.rank_call`.
+faults are armed per rank, between steps, through `Instance.rank_call`, and every fault that
+met a call is counted (`faults_fired`), so a test can tell a fault that fired from one that
+was armed and never reached.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class FlakyDirectory:
     def __init__(self, inner: PageDirectoryClient) -> None:
         self.inner = inner
         self.fail_lookups = 0
-        self.injected = 0
+        self.injected = 0  # lookups failed so far
 
     def lookup(self, ns: str, hashes: Sequence[str], lease_ttl_s: float = 0.0):
         if self.fail_lookups > 0:
@@ -75,9 +77,16 @@ class SoakRankCache(RankCache):
         if self._flaky is not None:
             self._flaky.fail_lookups = 0
 
+    def faults_fired(self) -> dict[str, int]:
+        """Calls that met an armed fault in this rank process, by fault: the L3 client's as
+        `FaultyBackend` names them ("get:hang", ...), "lookup" for failed directory lookups."""
+        fired = dict(self._faulty.faults.injected) if self._faulty is not None else {}
+        if self._flaky is not None:
+            fired["lookup"] = self._flaky.injected
+        return fired
+
     def take_faults_hit(self) -> int:
         """Calls that met an armed fault since the last call (this rank process only)."""
-        total = (self._faulty.faults.total if self._faulty is not None else 0) \
-            + (self._flaky.injected if self._flaky is not None else 0)
+        total = sum(self.faults_fired().values())
         new, self._reported_hits = total - self._reported_hits, total
         return new

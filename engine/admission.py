@@ -13,9 +13,11 @@ A rank reserves pages for the whole prompt when it has a hit (freeing the surplu
 so any agreed prefix shorter than its own can be recomputed into fresh pages; if only its
 own-hit share fits, it says so (`need`) and the slot commits only if the MIN is that long.
 L3 prefetch readiness is agreed in the same round and acted on at the next step's start.
-Every waiting request (up to the agreement's slot count) takes the same slot on every rank,
-whatever its local L3 result: a request some rank still fetches for is not admitted this step
-(on any rank) but does not stop the scan, and a rank that reserved it rolls back.
+Every waiting request in the step's window (kvtier.engine.admission_window: the queue's head and
+slots that rotate over the rest, so that every request takes one in turn) takes the same slot
+on every rank, whatever its local L3 result: a request some rank still fetches for is not
+admitted this step (on any rank) but does not stop the scan, and a rank that reserved it rolls
+back.
 With `agree=None` (TP=1) none of this changes what a single scheduler does.
 
 `Admission` only decides and commits reservations into requests; moving them between the
@@ -29,7 +31,8 @@ import logging
 import time
 from typing import NamedTuple, Sequence
 
-from kvtier.engine.agreement import (AGREEMENT_SLOTS, NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
+from kvtier.engine.admission_window import AdmissionWindow
+from kvtier.engine.agreement import (NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
                                      SLOT_SKIPPED, Agree, AgreementPayload, RetractionVote,
                                      ids_digest, local_agree)
 from kvtier.engine.handoff_intake import HandoffIntake
@@ -123,6 +126,7 @@ class Admission:
         self.page_size, self.chunk = runner.page_size, runner.chunk_tokens
         self.max_load_pages = max_load_pages  # memory quota for one request's load-back
         self.agree = agree  # None: one rank, nothing to agree on (TP=1)
+        self.window = AdmissionWindow()  # which waiting requests take the agreement's slots
         self.rolled_back = 0  # reservations undone because some rank could not make them
         self.handoffs = HandoffIntake(cache)  # decode side: adopting received prompt KV
         self._strikes: dict[int, int] = {}  # request id -> steps refused with nothing running
@@ -133,7 +137,7 @@ class Admission:
         """Reserve on this rank, agree across ranks (once per step), commit what all reserved.
         `busy`: something is running, so a refusal is L1 being full for now, not for good.
         `vote` rides along in the same round (kvtier.engine.retraction acts on it)."""
-        slots = list(waiting[:AGREEMENT_SLOTS] if self.agree else waiting)
+        slots = self.window.select(waiting) if self.agree else list(waiting)
         held, reached = self._reserve(slots, busy, budget)
         agreed = (self.agree or local_agree)(self._payload(slots, held, reached, terminate,
                                                            decode_short, vote))

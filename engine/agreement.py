@@ -8,8 +8,8 @@ fields ride in the same tensor negated, since max(x) == -min(-x)), and every ran
 result. At TP=1 `local_agree` returns the payload as it is.
 
 Why the shape cannot differ between ranks: the tensor has a fixed length per instance
-(`slots` admission slots, padded), and a slot is a position in the waiting queue, which is
-replicated state; what a rank found locally (a prefetch ticket or none, a failed lookup, no
+(`slots` admission slots, padded), and a slot is a request of the step's window of the waiting
+queue (kvtier.engine.admission_window), which is replicated state; what a rank found locally (a prefetch ticket or none, a failed lookup, no
 room) changes values, never the shape. A header carries the number of waiting requests packed
 and a hash of their ids, reduced both as MIN and as MAX: if the ranks' queues ever differ, the
 same reduced tensor tells every rank at once (`AgreementError`), so they fail together instead
@@ -33,7 +33,7 @@ from kvtier.errors import KvtierError
 
 log = logging.getLogger(__name__)
 
-AGREEMENT_SLOTS = 32  # waiting requests considered per step; later ones wait their turn
+AGREEMENT_SLOTS = 32  # waiting requests considered per step (kvtier.engine.admission_window)
 _FIELDS = 8  # per slot: usable, ok, need, loaded, ready, waiting, fetched, hit
 NO_TICKET = 1 << 40  # `fetched` of a rank with no prefetch: never the MIN
 _HEADER = 8  # count, -count, ids hash, -ids hash, -terminate, -decode_short,

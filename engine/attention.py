@@ -8,6 +8,8 @@ bit-identical hit invariant, also when the pool's dtype is narrower than the mod
 """
 from __future__ import annotations
 
+from typing import AbstractSet
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,10 +78,13 @@ class PagedAttention(nn.Module):
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor,
+               unreadable: AbstractSet[int] | None = None) -> torch.Tensor:
         """Write k/v into the pool, attend per sequence, project out: (T, hidden). A SLIDING
         layer of a pool with a sidecar (`batch.sliding_slots`) writes and reads its window
-        there."""
+        there. The rows of sequences that read an `unreadable` page (a failed load's partial
+        data on this rank) come out NaN, before the row-parallel all-reduce: every rank then
+        gets NaN in those rows, and only those (kvtier.engine.step_forwards)."""
         sliding = self.kind is LayerKind.SLIDING
         slots = batch.sliding_slots if sliding and batch.sliding_slots is not None else batch.slots
         write_kv(k_cache, slots, k)
@@ -94,4 +99,6 @@ class PagedAttention(nn.Module):
                                                attn_mask=span.mask, scale=self.scale,
                                                enable_gqa=True)
             out[view.rows] = o[0].transpose(0, 1)
+        for rows in batch.rows_reading(unreadable):
+            out[rows] = float("nan")
         return self.tp.all_reduce(F.linear(out.view(q.shape[0], self.q_size), self.o))

@@ -1,7 +1,7 @@
 """What one forward computes: new tokens of one or more sequences and where their KV lives."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import AbstractSet, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -90,6 +90,13 @@ class ForwardBatch:
                               if slot_table is not None else None)
         self.last_rows = torch.tensor([v.rows.stop - 1 for v in views], dtype=torch.int64,
                                       device=device)
+
+    def rows_reading(self, pages: AbstractSet[int] | None) -> list[slice]:
+        """The rows of the sequences whose page tables hold any of `pages`."""
+        if not pages:
+            return []
+        return [view.rows for seq, view in zip(self.seqs, self.views)
+                if not pages.isdisjoint(seq.page_table)]
 
     @staticmethod
     def _check(seq: SeqChunk, page_size: int, num_pages: int) -> None:

@@ -10,7 +10,7 @@ only their window, and the window mask lives in kvtier.engine.batch.attention_ma
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from torch import nn
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.batch import ForwardBatch
 from kvtier.engine.layers import MLP, RMSNorm
-from kvtier.engine.model import PagedLlama, load_attention_and_mlp
+from kvtier.engine.model import LayerWait, PagedLlama, load_attention_and_mlp
 from kvtier.engine.model_config import Architecture, LayerKind, ModelConfig
 from kvtier.engine.parallel import TensorParallel
 
@@ -50,10 +50,10 @@ class Gemma3Layer(nn.Module):
         load_attention_and_mlp(self, state, prefix)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                kv: tuple[torch.Tensor, torch.Tensor], wait: Callable[[], None]) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], wait: LayerWait) -> torch.Tensor:
         q, k, v = self.attn.project(self.input_norm(h), cos, sin)
-        wait()  # the layer's pool pages must be loaded (L2->L1) before attention touches them
-        h = h + self.post_attn_norm(self.attn.attend(q, k, v, batch, *kv))
+        unreadable = wait()  # the layer's pool pages are loaded (L2->L1), or failed to be
+        h = h + self.post_attn_norm(self.attn.attend(q, k, v, batch, *kv, unreadable))
         return h + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(h)))
 
 

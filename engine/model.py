@@ -7,7 +7,7 @@ the pool checks. A subclass names its decoder layer in `make_layer`.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import AbstractSet, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,10 @@ from kvtier.tiers.device_pool import default_device
 from kvtier.tiers.sidecar import Sidecar
 
 
-LayerHook = Callable[[int], None]
+# Waits for the loads of the pool's layer l; returns the L1 pages nobody may read (a failed
+# load's), whose readers' rows the attention poisons (kvtier.engine.step_forwards), or None.
+LayerHook = Callable[[int], AbstractSet[int] | None]
+LayerWait = Callable[[], AbstractSet[int] | None]
 
 
 class KVPool(Protocol):
@@ -74,10 +77,10 @@ class DecoderLayer(nn.Module):
         load_attention_and_mlp(self, state, prefix)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                kv: tuple[torch.Tensor, torch.Tensor], wait: Callable[[], None]) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], wait: LayerWait) -> torch.Tensor:
         q, k, v = self.attn.project(self.input_norm(h), cos, sin)
-        wait()  # the layer's pool pages must be loaded (L2->L1) before attention touches them
-        h = h + self.attn.attend(q, k, v, batch, *kv)
+        unreadable = wait()  # the layer's pool pages are loaded (L2->L1), or failed to be
+        h = h + self.attn.attend(q, k, v, batch, *kv, unreadable)
         return h + self.mlp(self.post_attn_norm(h))
 
 
@@ -156,7 +159,7 @@ class PagedLlama(nn.Module):
                       sliding=self.config.sliding_spec())
 
     def _pool_layers(self, kv: KVPool, before_layer: LayerHook | None
-                     ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], Callable[[], None]]]:
+                     ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], LayerWait]]:
         """Each layer's K/V tensors and its wait: FULL layers in the pool (their loads from
         L2 waited for per layer), SLIDING ones in its sidecar (loaded before the forward)."""
         out, full, side = [], 0, 0
@@ -191,7 +194,7 @@ class PagedLlama(nn.Module):
         `tokens` holds the new tokens of all `seqs`, concatenated in order. With
         `all_logits`, returns logits of every new token, (len(tokens), vocab).
         `before_layer(l)` runs right before the attention of the pool's layer l (the l-th FULL
-        layer) touches it.
+        layer) touches it; the pages it returns poison their readers' rows (NaN logits).
         """
         self.check_pool(kv)
         sidecar = kv.sidecar if kv.spec.sliding is not None else None  # check_pool: hybrid

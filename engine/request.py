@@ -27,8 +27,9 @@ class FinishReason(enum.Enum):
     LENGTH = "length"        # reached max_new_tokens
     ABORTED = "aborted"      # the caller aborted it
     NO_MEMORY = "no_memory"  # L1 cannot hold the sequence even with nothing else running
-    ERROR = "error"          # this request alone could not be computed (Output.error: why);
-    # its batch-mates, the rank and the instance go on
+    ERROR = "error"          # this request alone could not be computed (Output.error: why:
+    # its next token could not be chosen, or its forwards kept reading KV that failed to
+    # load); its batch-mates, the rank and the instance go on
 
 
 class CachedTokens(NamedTuple):

@@ -41,7 +41,7 @@ from kvtier.engine.request import FinishReason, Request, RequestState, pages_for
 from kvtier.engine.retraction import Retraction
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.step_forwards import StepForwards
-from kvtier.errors import ConfigError, TransferError
+from kvtier.errors import ConfigError
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 HANDED_HOLD_S = 30.0  # a handed-off request's pages wait this long for the decode side's word
 RETRY_PREFETCH_S = 0.05  # a waiting request asks L3 again at most this often
 RETRIES_PER_STEP = 4  # and a step asks for at most this many requests
+MAX_FAILED_READS = 3  # a request whose forward read a failed load's pages this often ends
 
 
 class StepStats(NamedTuple):
@@ -109,6 +110,7 @@ class Scheduler:
         self.handed: dict[int, tuple[Request, float]] = {}
         self.handed_hold_s = HANDED_HOLD_S
         self._settled: list[Request] = []  # finished when added (`_settle`): the next step's
+        self._failed_reads: dict[int, int] = {}  # request id -> forwards that read a failed load
 
     # Admission holds these; they stay readable (and `agree` settable: a rank actor sets it
     # after the Engine is built) here, as before admission had its own module.
@@ -191,11 +193,9 @@ class Scheduler:
         for req in decoding:  # it got its page on every rank: a past shortage is over
             self.admission.forgive(req)
         ended: list[Request] = []  # sampled their last token in this step's forwards
-        try:
-            self.forwards.run([(r, s) for r, s in plan if r.state is RequestState.PREFILLING],
-                              [r for r in decoding if r.state is RequestState.DECODING], ended)
-        except TransferError as exc:  # an L2->L1 load failed under this step's forwards
-            self._recompute_after_failed_load(exc)
+        self.forwards.run([(r, s) for r, s in plan if r.state is RequestState.PREFILLING],
+                          [r for r in decoding if r.state is RequestState.DECODING], ended)
+        self._recompute_failed_reads(finished)
         for req in ended:
             self._finish(req, req.finish_reason)
             finished.append(req)
@@ -291,15 +291,35 @@ class Scheduler:
             finished.append(req)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def _recompute_after_failed_load(self, exc: TransferError) -> None:
-        """A load's L1 pages hold partial data. Only requests admitted since it started can
-        use them, and those are still prefilling: they restart from their prompts, and
-        releasing them takes the loaded runs out of L1 (the cache keeps their L2 copies).
-        A forward that was cut short is simply run again next step."""
-        victims = [r for r in self.running if r.state is RequestState.PREFILLING]
-        log.warning("an L2->L1 load failed (%s); recomputing %d prefilling requests", exc,
-                    len(victims))
-        for req in victims:
+    def _recompute_failed_reads(self, finished: list[Request]) -> None:
+        """Requests whose logits came out non-finite read pages that an L2->L1 load failed
+        to fill on some rank (its forward poisoned their rows; the all-reduce took that to
+        every rank: kvtier.engine.step_forwards). They restart from their prompts, their
+        sampled token discarded, and so does every prefilling request that computed nothing
+        yet (it may hold pages of that load it has not read yet; it loses nothing). Only
+        requests admitted since a load started can use its pages, so none else can hold
+        them; releasing them takes the load's runs out of L1 (the cache keeps their L2
+        copies). Every rank does the same, from what every rank saw. A request that fails
+        MAX_FAILED_READS times ends with an error instead of looping."""
+        failed = self.forwards.failed
+        if not failed:
+            return
+        unstarted = [r for r in self.running if r.state is RequestState.PREFILLING
+                     and r not in failed and r.pos == r.num_shared * self.page_size]
+        log.warning("requests %s read KV that an L2->L1 load failed to fill; recomputing them "
+                    "and %d prefilling requests that had computed nothing",
+                    [r.id for r in failed], len(unstarted))
+        for req in failed:
+            strikes = self._failed_reads[req.id] = self._failed_reads.get(req.id, 0) + 1
+            if strikes < MAX_FAILED_READS:
+                self._preempt(req)
+                continue
+            log.error("request %d: its forwards read unusable KV %d times; ending it", req.id,
+                      strikes)
+            req.fail(f"its cached KV failed to load {strikes} times")
+            self._finish(req, FinishReason.ERROR)
+            finished.append(req)
+        for req in unstarted:
             self._preempt(req)
 
     # ---- decode ----------------------------------------------------------------------------
@@ -435,6 +455,7 @@ class Scheduler:
         else:
             self._release(req)
         self.admission.forgive(req)
+        self._failed_reads.pop(req.id, None)
         (self.running if req in self.running else self.waiting).remove(req)
         req.state, req.finish_reason = RequestState.FINISHED, reason
         req.finish_s = time.perf_counter()

@@ -10,6 +10,15 @@ The caller (the scheduler) owns the requests' lifecycle: this advances `pos`, tu
 whose prompt is done into DECODING with its first token, appends sampled tokens, and reports
 the requests whose last token was sampled in `ended` (appended forward by forward, so that a
 failure in a later forward leaves what earlier ones finished reported).
+
+A failed L2->L1 load does not stop a forward. At TP > 1 the rank whose load failed must not
+leave it: its peers would wait in the forward's all-reduces until the collective times out,
+and the instance would rebuild every rank. So it goes on, with the rows of the sequences that
+read a page of that load poisoned (NaN in the attention output before the row-parallel
+all-reduce, kvtier.engine.attention): the all-reduce takes NaN to every rank, in those rows
+only, so every rank finds the same non-finite logits in the same forward, without a word more.
+Those requests sample nothing: they are reported in `failed` (the scheduler recomputes them),
+and their later pieces of the step are dropped on every rank alike.
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ class StepForwards:
         self.runner = runner
         self.sliding = sliding
         self.count = 0
+        self.failed: list[Request] = []  # the last run's requests with non-finite logits
 
     def _prepare(self, req: Request, start: int, stop: int) -> None:
         if self.sliding is not None and req.lookup is not None and req.lookup.sliding is not None:
@@ -54,6 +64,7 @@ class StepForwards:
         """Prefill each (request, stop) of `plan` from its `pos` to `stop`; decode
         `decoding` one token each."""
         self.count = 0
+        self.failed = []
         if self.runner.deterministic:
             self._one_by_one(plan, decoding, ended)
             return
@@ -62,6 +73,10 @@ class StepForwards:
             self._forward(fwd, ended)
 
     def _forward(self, fwd: Forward, ended: list[Request]) -> None:
+        if self.failed:  # a failed request's later pieces: not computed (on any rank)
+            fwd = fwd._replace(pieces=tuple(p for p in fwd.pieces if p.req not in self.failed))
+            if not fwd.pieces and not fwd.decodes:
+                return
         tokens: list[int] = []
         seqs: list[SeqChunk] = []
         for piece in fwd.pieces:
@@ -75,14 +90,29 @@ class StepForwards:
             self._prepare(req, req.kv_len, req.kv_len + 1)
         logits = self.runner.forward(tokens, seqs)
         self.count += 1
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         for req in fwd.decodes:
             self._prune(req, req.kv_len + 1)
         for row, piece in enumerate(fwd.pieces):
             piece.req.pos = piece.stop
             self._prune(piece.req, piece.stop)
+            if self._fails(piece.req, finite[row]):
+                continue
             if piece.stop == len(piece.req.prompt):
                 _first_token(piece.req, logits[row], ended)
-        _sample(fwd.decodes, logits[len(fwd.pieces):], ended)
+        self._sample(fwd.decodes, logits[len(fwd.pieces):], finite[len(fwd.pieces):], ended)
+
+    def _fails(self, req: Request, finite: bool) -> bool:
+        """Whether `req`'s row came out non-finite (it read a page a load failed to fill)."""
+        if not finite and req not in self.failed:
+            self.failed.append(req)
+        return not finite
+
+    def _sample(self, batch: Sequence[Request], logits: torch.Tensor, finite: Sequence[bool],
+                ended: list[Request]) -> None:
+        for row, req in enumerate(batch):
+            if not self._fails(req, finite[row]):
+                _take(req, logits[row], ended)
 
     def _one_by_one(self, plan: Sequence[tuple[Request, int]], decoding: Sequence[Request],
                     ended: list[Request]) -> None:
@@ -94,6 +124,8 @@ class StepForwards:
             self.count += len(range(req.pos, stop, self.runner.chunk_tokens))
             req.pos = stop
             self._prune(req, stop)
+            if self._fails(req, bool(torch.isfinite(logits).all())):
+                continue  # a poisoned chunk's NaN KV reaches the last chunk's logits
             if stop == len(req.prompt):
                 _first_token(req, logits, ended)
         if decoding:
@@ -104,18 +136,13 @@ class StepForwards:
             self.count += 1
             for req in decoding:
                 self._prune(req, req.kv_len + 1)
-            _sample(decoding, logits, ended)
+            self._sample(decoding, logits, torch.isfinite(logits).all(dim=-1).tolist(), ended)
 
 
 def _first_token(req: Request, logits: torch.Tensor, ended: list[Request]) -> None:
     req.prefill_logits = logits.float().cpu()
     req.state = RequestState.DECODING
     _take(req, logits, ended)
-
-
-def _sample(batch: Sequence[Request], logits: torch.Tensor, ended: list[Request]) -> None:
-    for row, req in enumerate(batch):
-        _take(req, logits[row], ended)
 
 
 def _take(req: Request, logits: torch.Tensor, ended: list[Request]) -> None:

@@ -9,6 +9,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
 from kvtier.policies import SchedulePolicy, StorageBackendKind
+from kvtier.serve.admin_key_file import save_admin_key
 from kvtier.serve.l3_bound import describe_l3_bound
 from kvtier.serve.placement import PlacementMode, RankGpus
 from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, PDTransport, ServeSettings
@@ -79,7 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with aging; default) or fcfs (arrival order)")
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
-    p.add_argument("--admin-key", default="", help="default: a random key, printed at start")
+    p.add_argument("--admin-key", default="",
+                   help="the admin endpoints' bearer key, at least 16 characters (default: a "
+                        "random key, written to $XDG_STATE_HOME/kvtier/admin-key, else "
+                        "~/.local/state/kvtier/admin-key, readable by you only)")
     p.add_argument("--api-key", default=os.environ.get("KVTIER_API_KEY", ""),
                    help="the OpenAI endpoints answer 401 without 'Authorization: Bearer KEY' "
                         "(default: $KVTIER_API_KEY, else open)")
@@ -98,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an instance with work that completes no step (or answers no poll) "
                         "for this long is routed around and its unanswered requests are sent "
                         "to another instance, until it steps again (default 2)")
+    p.add_argument("--request-timeout-s", type=float, default=ServeSettings.request_timeout_s,
+                   help="a request still unanswered this long after it arrived is stopped: its "
+                        "answers are cancelled and the client gets a 504 (default 300)")
     p.add_argument("--pin-max-fraction", type=float, default=ServeSettings.pin_max_fraction,
                    help="pinned prefixes (POST /admin/pin) may hold at most this share of "
                         "each rank's L2 and of the L3 bound (0-1, default 0.5); a pin past it "
@@ -122,6 +129,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
                          dtype=ns.dtype, admin_key=ns.admin_key, api_key=ns.api_key,
                          served_model_name=ns.served_model_name, max_new_tokens=ns.max_new_tokens,
                          tenant_salt=ns.tenant_salt, stall_timeout_s=ns.stall_timeout_s,
+                         request_timeout_s=ns.request_timeout_s,
                          l3_max_gb=ns.l3_max_gb, pin_max_fraction=ns.pin_max_fraction,
                          placement=ns.placement, gpus_per_rank=ns.gpus_per_rank,
                          api_keys=load_api_keys(ns.api_keys_file) if ns.api_keys_file else {})
@@ -157,5 +165,7 @@ def main(ns: argparse.Namespace) -> int:
     if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL):
         line = describe_l3_bound(asked.l3_max_gb, settings.l3_max_gb, settings.l3_root)
         print(f"kvtier: {line}", flush=True)
-    serve_forever(settings, ns.host, ns.port, ns.address)
+    # a generated key goes to a file of the user's only (a given one is written nowhere)
+    key_file = None if ns.admin_key else str(save_admin_key(settings.admin_key))
+    serve_forever(settings, ns.host, ns.port, ns.address, key_file)
     return 0

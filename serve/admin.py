@@ -22,7 +22,8 @@ def check_admin_key(authorization: str, admin_key: str) -> None:
     """`Authorization: Bearer <admin key>` or a 401 (compared in constant time)."""
     if not _bearer_matches(authorization, admin_key):
         raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin key>' with the "
-                            "key kvtier serve printed at start", err_type=ErrorType.AUTHENTICATION)
+                            "key given with --admin-key, or the generated one in the file "
+                            "kvtier serve named at start", err_type=ErrorType.AUTHENTICATION)
 
 
 def parse_admin_body(raw: bytes, max_bytes: int = MAX_ADMIN_BODY) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,12 +19,26 @@ from typing import Any, NamedTuple, Sequence
 from kvtier.errors import KvtierError
 from kvtier.keys import MAX_CACHE_SALT_CHARS
 
+log = logging.getLogger(__name__)
+
 MAX_STOPS = 4  # OpenAI's own limit on `stop`
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # `n`: answers per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit (its legacy completions allow 5; vLLM 20)
 TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 in most tokenizers and kernels
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+# Sampling divides the logits by the temperature, and a seen token's positive logit by the
+# repetition penalty: below these, a logit overflows to inf and softmax gives NaN. A positive
+# temperature below MIN_TEMPERATURE is raised to it (vLLM does the same: clients that send
+# 1e-5 for "almost greedy" keep working, and 0.01 is as good as greedy); a repetition penalty
+# below MIN_REPETITION_PENALTY is refused (no client convention asks for one, and raising it
+# quietly would change what the client asked by orders of magnitude).
+MIN_TEMPERATURE = 0.01
+MIN_REPETITION_PENALTY = 0.01
+# top_p keeps the smallest head of the distribution whose mass reaches it, at least the
+# likeliest token; a top_p that float32 rounds to 0 would keep none. Below MIN_TOP_P it is
+# raised to it: the same token is kept (the likeliest one has at least 1/vocabulary > 1e-9).
+MIN_TOP_P = 1e-9
 
 
 # ---------------------------------------------------------------- errors
@@ -156,20 +171,44 @@ def _decode_body(body: bytes | str | Mapping, limits: ApiLimits) -> dict:
     if size > limits.max_body_bytes:
         raise ApiError(413, f"body: {size} bytes is over this server's limit of "
                             f"{limits.max_body_bytes} bytes", param=None)
+    constants: list[str] = []  # NaN, Infinity, -Infinity: Python's json takes them, JSON not
+
+    def constant(name: str) -> _JsonConstant:
+        constants.append(name)
+        return _CONSTANT
+
     try:
-        obj = json.loads(body, parse_constant=_refuse_constant)
-    except ApiError:
-        raise
+        obj = json.loads(body, parse_constant=constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
         raise ApiError(400, f"body: not valid UTF-8 JSON ({exc})") from None
+    if constants:  # they poison sampling: refused wherever they are, naming the field
+        where = _path_to(obj, _CONSTANT) or "body"
+        raise _bad(where, f"{constants[0]} is not valid JSON; send a finite number")
     if not isinstance(obj, dict):
         raise ApiError(400, f"body: must be a JSON object, got {type(obj).__name__}")
     return obj
 
 
-def _refuse_constant(name: str) -> Any:
-    """Python's json accepts NaN/Infinity; JSON does not, and they poison sampling."""
-    raise ApiError(400, f"body: {name} is not valid JSON; send a finite number")
+class _JsonConstant:
+    """What the decoder puts where a body says NaN or Infinity (then refused)."""
+
+
+_CONSTANT = _JsonConstant()
+
+
+def _path_to(obj: Any, target: object) -> str | None:
+    """Where `target` is in decoded JSON, as a field path (`messages[0].content`); None when
+    it is the whole body. Iterative: a body may nest as deep as the decoder allows."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if value is target:
+            return path or None
+        if isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}" if path else k) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
 
 
 def _check_unsupported(body: dict, table: dict[str, tuple]) -> None:
@@ -186,7 +225,7 @@ def _check_model(body: dict, limits: ApiLimits) -> str:
     if not isinstance(model, str) or not model:
         raise _bad("model", f"required, a string; served models: {served}")
     if model not in limits.model_names:
-        raise ApiError(404, f"model: {model!r} is not served here; served models: {served}",
+        raise ApiError(404, f"model: {_shown(model)} is not served here; served models: {served}",
                        param="model", err_type=ErrorType.NOT_FOUND, code="model_not_found")
     return model
 
@@ -197,14 +236,38 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # True is an int in Python
 
 
+def _shown(v: Any) -> str:
+    """A client's value in an error message: short, and never the repr of a huge integer
+    (Python refuses to print one past 4,300 digits)."""
+    if _is_int(v) and v.bit_length() > 100:
+        return f"an integer of {v.bit_length()} bits"
+    try:
+        text = repr(v)
+    except ValueError:  # a list holding such an integer
+        return f"a {type(v).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
     """An optional integer in [lo, hi]; JSON null means 'use the default'."""
     v = body.get(name)
     if v is None:
         return default
     if not _is_int(v) or not lo <= v <= hi:
-        raise _bad(name, f"must be an integer in [{lo}, {hi}], got {v!r}")
+        raise _bad(name, f"must be an integer in [{lo}, {hi}], got {_shown(v)}")
     return v
+
+
+def _finite(v: Any) -> float | None:
+    """A JSON number as a finite float (-0.0 as 0.0); None for anything else: booleans,
+    strings such as "NaN", NaN and infinities, integers too large for a float."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f + 0.0 if math.isfinite(f) else None
 
 
 def _float(body: dict, name: str, default: float, lo: float, hi: float, *,
@@ -212,12 +275,30 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, *,
     v = body.get(name)
     if v is None:
         return default
-    bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-          and (lo < v if lo_open else lo <= v) and v <= hi)
-    if not ok:
-        raise _bad(name, f"must be a number in {bounds}, got {v!r}")
-    return float(v)
+    f = _finite(v)
+    if f is None or not (lo < f if lo_open else lo <= f) or f > hi:
+        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise _bad(name, f"must be a number in {bounds}, got {_shown(v)}")
+    return f
+
+
+def _temperature(body: dict) -> float:
+    """OpenAI's [0, 2] (0: greedy); a positive one below MIN_TEMPERATURE becomes it."""
+    t = _float(body, "temperature", 1.0, 0.0, 2.0)
+    if 0 < t < MIN_TEMPERATURE:
+        _log_clamp_once(t)
+        return MIN_TEMPERATURE
+    return t
+
+
+_clamp_logged: list[bool] = []
+
+
+def _log_clamp_once(t: float) -> None:
+    if not _clamp_logged:
+        _clamp_logged.append(True)
+        log.info("temperature %g raised to %g, the least this server samples with (further "
+                 "such requests are not logged)", t, MIN_TEMPERATURE)
 
 
 def _bool(body: Mapping, name: str, param: str | None = None) -> bool:
@@ -225,7 +306,7 @@ def _bool(body: Mapping, name: str, param: str | None = None) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise _bad(param or name, f"must be true or false, got {v!r}")
+        raise _bad(param or name, f"must be true or false, got {_shown(v)}")
     return v
 
 
@@ -248,7 +329,7 @@ def _stops(body: dict) -> tuple[str, ...]:
     if (not isinstance(stops, list) or len(stops) > MAX_STOPS
             or not all(isinstance(s, str) and s for s in stops)):
         raise _bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} "
-                           f"non-empty strings, got {v!r}")
+                           f"non-empty strings, got {_shown(v)}")
     return tuple(_text(s, "stop") for s in stops)
 
 
@@ -258,7 +339,7 @@ def _include_usage(body: dict) -> bool:
         return False
     if not isinstance(opts, dict):
         raise _bad("stream_options", f"must be an object like {{\"include_usage\": true}}, "
-                                     f"got {opts!r}")
+                                     f"got {_shown(opts)}")
     return _bool(opts, "include_usage", "stream_options.include_usage")
 
 
@@ -267,15 +348,15 @@ def _options(body: dict, limits: ApiLimits, default_max: int, max_name: str = "m
     """The shared fields, checked; a dict to splat into either request type."""
     return dict(model=_check_model(body, limits), n=_int(body, "n", 1, 1, MAX_CHOICES),
                 max_tokens=_int(body, max_name, default_max, 1, limits.max_new_tokens),
-                temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-                top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                temperature=_temperature(body),
+                top_p=max(MIN_TOP_P, _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
                 seed=_int(body, "seed", None, SEED_RANGE[0], SEED_RANGE[1] - 1),
                 stream=_bool(body, "stream"), stop=_stops(body),
                 include_usage=_include_usage(body),
                 top_k=max(0, _int(body, "top_k", 0, -1, TOKEN_ID_LIMIT)),
                 min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
-                repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 2.0,
-                                          lo_open=True),
+                repetition_penalty=_float(body, "repetition_penalty", 1.0,
+                                          MIN_REPETITION_PENALTY, 2.0),
                 presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
                 frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
                 ignore_eos=_bool(body, "ignore_eos"), stop_token_ids=_stop_token_ids(body),
@@ -288,7 +369,7 @@ def _cache_salt(body: dict) -> str:
         return ""
     if not isinstance(v, str) or not 1 <= len(v) <= MAX_CACHE_SALT_CHARS:
         raise _bad("cache_salt", f"must be a non-empty string of at most "
-                                 f"{MAX_CACHE_SALT_CHARS} characters, got {v!r:.80}")
+                                 f"{MAX_CACHE_SALT_CHARS} characters, got {_shown(v)}")
     return _text(v, "cache_salt")
 
 
@@ -299,7 +380,7 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS or \
             not all(_is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in v):
         raise _bad("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
-                                     f"[0, {TOKEN_ID_LIMIT}), got {v!r:.80}")
+                                     f"[0, {TOKEN_ID_LIMIT}), got {_shown(v)}")
     return tuple(v)
 
 
@@ -327,14 +408,14 @@ def _prompt(v: Any) -> str | tuple[int, ...]:
         return _text(v, "prompt")
     if isinstance(v, list) and v:
         return _token_ids(v)
-    raise _bad("prompt", f"required, {shapes}, got {v!r:.80}")
+    raise _bad("prompt", f"required, {shapes}, got {_shown(v)}")
 
 
 def _token_ids(ids: list) -> tuple[int, ...]:
     for i, t in enumerate(ids):
         if not _is_int(t) or not 0 <= t < TOKEN_ID_LIMIT:
             raise _bad(f"prompt[{i}]", f"token ids must be integers in [0, {TOKEN_ID_LIMIT}), "
-                                       f"got {t!r}")
+                                       f"got {_shown(t)}")
     return tuple(ids)
 
 
@@ -345,7 +426,8 @@ def parse_chat(body: bytes | str | Mapping, limits: ApiLimits) -> ChatRequest:
     _check_unsupported(obj, _CHAT_UNSUPPORTED)
     name = "max_tokens"
     if obj.get("max_completion_tokens") is not None:  # the newer name of the same limit
-        if obj.get("max_tokens") not in (None, obj["max_completion_tokens"]):
+        if _int(obj, "max_tokens", None, 1, limits.max_new_tokens) not in (
+                None, obj["max_completion_tokens"]):
             raise _bad("max_completion_tokens", "conflicts with max_tokens; send only one")
         name = "max_completion_tokens"
     options = _options(obj, limits, limits.max_new_tokens, name)
@@ -372,18 +454,19 @@ def parse_messages(v: Any) -> tuple[ChatMessage, ...]:
 def _messages(v: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(v, list) or not v:
         raise _bad("messages", f"required, a non-empty list of {{\"role\", \"content\"}} "
-                               f"objects, got {v!r:.80}")
+                               f"objects, got {_shown(v)}")
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(v))
 
 
 def _message(m: Any, where: str) -> ChatMessage:
     if not isinstance(m, dict):
-        raise _bad(where, f"must be an object with role and content, got {m!r:.80}")
+        raise _bad(where, f"must be an object with role and content, got {_shown(m)}")
     roles = ", ".join(r.value for r in Role)
     try:
         role = Role(m.get("role"))
     except ValueError:
-        raise _bad(f"{where}.role", f"must be one of {roles}, got {m.get('role')!r}") from None
+        raise _bad(f"{where}.role",
+                   f"must be one of {roles}, got {_shown(m.get('role'))}") from None
     return ChatMessage(role, _content(m.get("content"), f"{where}.content"))
 
 
@@ -392,14 +475,15 @@ def _content(v: Any, where: str) -> str:
     if isinstance(v, str):
         return _text(v, where)
     if not isinstance(v, list):
-        raise _bad(where, f"must be a string or a list of text parts, got {v!r:.80}")
+        raise _bad(where, f"must be a string or a list of text parts, got {_shown(v)}")
     texts = []
     for j, part in enumerate(v):
         if not isinstance(part, dict) or part.get("type") != "text":
             got = part.get("type") if isinstance(part, dict) else part
-            raise _bad(f"{where}[{j}].type", f"only \"text\" parts are supported, got {got!r:.80}")
+            raise _bad(f"{where}[{j}].type",
+                       f"only \"text\" parts are supported, got {_shown(got)}")
         if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}].text", f"must be a string, got {part.get('text')!r:.80}")
+            raise _bad(f"{where}[{j}].text", f"must be a string, got {_shown(part.get('text'))}")
         texts.append(_text(part["text"], f"{where}[{j}].text"))
     return "".join(texts)
 

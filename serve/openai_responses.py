@@ -25,11 +25,12 @@ class OpenAIFinish(str, enum.Enum):
     LENGTH = "length"
 
 
-# aborted / no_memory both mean the text was cut off before the model ended it; "length" is the
-# only standard value that tells a client the answer may be incomplete ("stop" would claim the
-# model finished). The engine's own reason is in the server log.
+# aborted / no_memory / error all mean the text was cut off before the model ended it; "length"
+# is the only standard value that tells a client the answer may be incomplete ("stop" would
+# claim the model finished). The engine's own reason is in the server log.
 _FINISH = {"stop": OpenAIFinish.STOP, "length": OpenAIFinish.LENGTH,
-           "aborted": OpenAIFinish.LENGTH, "no_memory": OpenAIFinish.LENGTH}
+           "aborted": OpenAIFinish.LENGTH, "no_memory": OpenAIFinish.LENGTH,
+           "error": OpenAIFinish.LENGTH}
 
 
 def openai_finish_reason(reason: str | enum.Enum) -> str:

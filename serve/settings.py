@@ -83,7 +83,9 @@ class ServeSettings:
     l3_state_dir: str = ""  # where that actor keeps its registry ("" = next to the L3 pages,
     # or a temp dir): a fresh L3 directory gets a fresh registry
     tenant_salt: str = ""
-    admin_key: str = ""  # "" = a random key, printed by `kvtier serve`
+    # "" = a random key, which `kvtier serve` writes to a file of the user's only
+    # (serve/admin_key_file.py); kept out of the repr, which logs and tracebacks may show
+    admin_key: str = dataclasses.field(default="", repr=False)
     api_key: str = ""  # the OpenAI endpoints need it as a bearer token ("" = open)
     # API key -> tenant (serve/tenants.py): each tenant's requests share prefixes only with
     # that tenant's. A Serve config may give `api_keys_file` (a JSON file) instead.

@@ -485,6 +485,113 @@ def test_a_lone_surrogate_in_the_prompt_names_the_field():
     assert info.value.param == "messages[0].content"
 
 
+# Every numeric field of both endpoints, and values at the edges of what a float or an int
+# can say: each is refused with a 400 naming the field, or accepted with values the sampler
+# computes (a token, never an exception from NaN probabilities).
+NUMERIC = {"max_tokens": "both", "max_completion_tokens": "chat", "temperature": "both",
+           "top_p": "both", "top_k": "both", "min_p": "both", "repetition_penalty": "both",
+           "presence_penalty": "both", "frequency_penalty": "both", "n": "both", "seed": "both",
+           "logprobs": "both", "top_logprobs": "chat", "stop_token_ids": "both",
+           "prompt": "completion"}
+EXTREMES = [1e-40, -1e-40, 5e-324, 1e-7, 1e40, -1e40, 1.7976931348623157e308, -0.0, 0.0, 0,
+            1, 2, 0.5, 2**31, 2**63, 2**64, -(2**63) - 1, 2**200, 10**400, float("nan"),
+            float("inf"), float("-inf"), "NaN", "Infinity", "1e-40", "-0.0", "1", True, False,
+            [], [1e-40], [[1]], {}, {"value": 1}]
+
+
+def _extreme_bodies(endpoint: str):
+    base = {"model": "smol", "max_tokens": 4}
+    base.update({"prompt": "hi"} if endpoint == "completion"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    for field, where in NUMERIC.items():
+        if where not in ("both", endpoint):
+            continue
+        for value in EXTREMES:
+            for sent in (value, [value]) if field in ("stop_token_ids", "prompt") else (value,):
+                body = {**base, field: sent}
+                if field == "max_completion_tokens":
+                    del body["max_tokens"]
+                if field == "top_logprobs":
+                    body["logprobs"] = True
+                if field == "temperature" or field == "repetition_penalty":
+                    yield field, {**body, "temperature": 1.0, field: sent}  # sampled
+                yield field, body
+
+
+def _computes(request) -> None:
+    """What parsing let through, the engine's sampler takes and samples a token with."""
+    import torch
+
+    from kvtier.engine.sampling import Sampler
+
+    logits = torch.linspace(-60.0, 60.0, 97)  # large logits, as a confident model gives
+    params = SamplingParams(**request.sampling((2,), seed=0))
+    sampler = Sampler(params, prompt=[96, 95, 1])  # the likeliest tokens, seen already
+    for _ in range(3):
+        assert 0 <= sampler(logits) < 97
+
+
+@pytest.mark.parametrize("endpoint, parse", [("completion", parse_completion),
+                                             ("chat", parse_chat)])
+def test_extreme_numbers_in_every_numeric_field_are_refused_or_computable(endpoint, parse):
+    seen = set()
+    for field, body in _extreme_bodies(endpoint):
+        seen.add(field)
+        try:
+            request = parse(body, LIMITS)
+        except ApiError as exc:
+            assert exc.status == 400 and (exc.param or "").startswith(field), (body, exc)
+            continue
+        _computes(request)
+    assert seen == {f for f, w in NUMERIC.items() if w in ("both", endpoint)}
+
+
+@pytest.mark.parametrize("field", [f for f, w in NUMERIC.items() if w != "chat"])
+def test_json_constants_are_refused_naming_the_field(field):
+    """NaN and Infinity are not JSON (Python's decoder takes them): a 400 that says where."""
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        value = f"[{constant}]" if field in ("stop_token_ids", "prompt") else constant
+        raw = '{"model": "smol", "prompt": "hi", "%s": %s}' % (field, value)
+        with pytest.raises(ApiError) as info:
+            parse_completion(raw.encode(), LIMITS)
+        assert info.value.status == 400 and info.value.param.startswith(field), info.value
+        assert constant in info.value.message and "finite number" in info.value.message
+
+
+def test_json_constants_deep_in_a_body_name_their_place():
+    raw = b'{"model": "smol", "messages": [{"role": "user", "content": [NaN]}]}'
+    with pytest.raises(ApiError) as info:
+        parse_chat(raw, LIMITS)
+    assert info.value.param == "messages[0].content[0]"
+
+
+def test_a_tiny_temperature_is_raised_to_the_least_one_sampled():
+    """vLLM's rule: 0 < temperature < 0.01 samples at 0.01 (as good as greedy)."""
+    from kvtier.serve.openai_requests import MIN_TEMPERATURE
+
+    for t in (1e-40, 5e-324, 1e-5, 0.0099):
+        assert parse_completion(comp_body(temperature=t), LIMITS).temperature == MIN_TEMPERATURE
+    assert parse_completion(comp_body(temperature=0.02), LIMITS).temperature == 0.02
+    greedy = parse_completion(comp_body(temperature=-0.0), LIMITS).temperature
+    assert greedy == 0.0 and str(greedy) == "0.0"  # -0.0 is 0: greedy
+
+
+def test_a_repetition_penalty_the_sampler_cannot_apply_is_refused():
+    from kvtier.serve.openai_requests import MIN_REPETITION_PENALTY
+
+    for p in (1e-39, 1e-40, 5e-324, MIN_REPETITION_PENALTY / 2):
+        with pytest.raises(ApiError) as info:
+            parse_completion(comp_body(repetition_penalty=p, temperature=1.0), LIMITS)
+        assert info.value.param == "repetition_penalty"
+        assert str(MIN_REPETITION_PENALTY) in info.value.message
+    req = parse_completion(comp_body(repetition_penalty=MIN_REPETITION_PENALTY), LIMITS)
+    assert req.repetition_penalty == MIN_REPETITION_PENALTY
+
+
+def comp_body(**fields) -> dict:
+    return {"model": "smol", "prompt": "hi", **fields}
+
+
 # ---- the admin API --------------------------------------------------------------------------
 
 @FUZZ

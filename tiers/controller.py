@@ -217,18 +217,24 @@ class CacheController:
             self._cond.notify()
         return handle
 
-    def wait_layer(self, layer: int) -> None:
-        """Wait for `layer` of every load submitted so far (call right before attention on it)."""
+    def wait_layer(self, layer: int) -> tuple[LoadHandle, ...]:
+        """Wait for `layer` of every load submitted so far (call right before attention on
+        it). Returns the loads found failed, each once (their L1 pages hold partial data; their
+        own handles still raise): the caller keeps its forward going and makes sure nobody
+        uses those pages, instead of leaving a forward its TP peers are inside."""
         self._check_open()
+        failed = []
         for handle in list(self._loads):
             if handle.reported:
                 continue  # its failure already reached a caller through its handle
             try:
                 handle.wait_layer(layer)
             except TransferError:
-                self._loads.remove(handle)  # reported once here; its own handle still raises
-                raise
+                if handle.error is None:  # the worker died: nothing will land any more
+                    raise
+                failed.append(handle)
         self._loads = [h for h in self._loads if not (h.done() or h.reported)]
+        return tuple(failed)
 
     def stats(self) -> TransferStats:
         """Counters of the copies that landed so far (works after close too)."""

@@ -83,6 +83,9 @@ class HierarchicalCache(CacheL3, CacheSwap):
         self.copies = HostCopies(self.controller, self.tree, self.counters, spec.page_size,
                                  self.sliding)
         self._loading: dict[int, list[TreeNode]] = {}  # load op id -> runs it restores to L1
+        self._failed_loads: dict[int, frozenset[int]] = {}  # load op id -> its L1 pages, from
+        # when a forward found it failed until its lookup is released (the pages leave L1)
+        self._unreadable: frozenset[int] = frozenset()  # their union
         self._written_back: list[TreeNode] = []  # L2 copies made on eviction, for L3 backup
         # This rank's KV heads of the model's: L3 objects name global heads, so any TP size
         # of the same model shares them (the fingerprint holds the total, not the share).
@@ -229,6 +232,7 @@ class HierarchicalCache(CacheL3, CacheSwap):
                 self.tree.undo_restore(nodes)
                 self.counters.failed_load_tokens += lookup.host_loaded_length
                 nodes = []
+                self._mark_unreadable(lookup.load.op_id, None)
             self.tree.release_host(lookup.loaded_node)
             self._unstage(nodes)
         if lookup.sliding is not None:
@@ -400,9 +404,24 @@ class HierarchicalCache(CacheL3, CacheSwap):
                           sum(1 for n in nodes if n.host_ref),
                           self.storage.open_tickets if self.storage is not None else 0)
 
-    def wait_layer(self, layer: int) -> None:
-        """Block until every load submitted so far has landed `layer` (call before attention)."""
-        self.controller.wait_layer(layer)
+    def wait_layer(self, layer: int) -> frozenset[int]:
+        """Block until every load submitted so far has landed `layer` (call before attention).
+        Returns the L1 pages nobody may read: those of loads that failed (partial data), from
+        the wait that finds one failed until its lookup is released. The forward goes on and
+        poisons the rows that read them (kvtier.engine.step_forwards says why)."""
+        for load in self.controller.wait_layer(layer):
+            log.warning("L2->L1 load %d failed (%s): %d L1 pages hold partial data until its "
+                        "request is recomputed", load.op_id, load.error, load.plan.num_pages)
+            self._mark_unreadable(load.op_id, frozenset(load.plan.dst_pages))
+        return self._unreadable
+
+    def _mark_unreadable(self, op_id: int, pages: frozenset[int] | None) -> None:
+        """Load `op_id`'s L1 pages are unreadable (`pages`), or no longer in L1 (None)."""
+        if pages is None:
+            self._failed_loads.pop(op_id, None)
+        else:
+            self._failed_loads[op_id] = pages
+        self._unreadable = frozenset().union(*self._failed_loads.values())
 
     def close(self) -> None:
         self.detach_storage()

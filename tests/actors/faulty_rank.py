@@ -1,7 +1,8 @@
 """A rank actor that injects faults on request: the tests' subclass of RankCache.
 
 Instances under test run it through `Instance(rank_class=FaultyRankCache)`, so production
-modules carry no fault hooks. Ray workers cannot import this file (tests/ is not installed),
+modules carry no fault hooks. Every fault that takes effect is counted (`faults_fired`), so
+a test asserts that the fault it injected happened, not only that the answers came out right. Ray workers cannot import this file (tests/ is not installed),
 so the class travels pickled by value.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections import Counter
 
 import ray.cloudpickle
 
@@ -25,21 +27,44 @@ class LateDirectory(FlakyDirectory):
     pages are published between this rank's lookup and another rank's."""
 
     hide = 0
+    hidden = 0  # lookups answered as before the publication so far
 
     def lookup(self, ns, hashes, lease_ttl_s: float = 0.0):
         if self.hide > 0:
             self.hide -= 1
+            self.hidden += 1
             return LookupResult(ns, 0, "")
         return super().lookup(ns, hashes, lease_ttl_s)
 
 
 class FaultyRankCache(SoakRankCache):
     """The soak's rank (L3 and directory faults) plus `crash_after`, `refuse_allocations`,
-    `publish_late` and `hold_host_pages`."""
+    `publish_late`, `hold_host_pages`, `fail_next_load`, `corrupt_l1_page` and
+    `time_out_next_handoff`."""
 
     _crash_at: int | None = None
     _refusals: int = 0
     _held: list | None = None
+    _fired: Counter | None = None
+    _short_since = 0
+
+    def _count(self, fault: str, n: int = 1) -> None:
+        if self._fired is None:
+            self._fired = Counter()
+        self._fired[fault] += n
+
+    def faults_fired(self) -> dict[str, int]:
+        """The soak rank's counts plus this class's: "publish_late" (lookups answered as
+        before the publication), "host_refused_tokens" (L3 hits a prefetch could not take
+        for want of L2 room while pages were held), "allocation_refused", "l1_corrupted", "handoff_timeout". A crash is seen in
+        the instance's `restarts`."""
+        fired = {**super().faults_fired(), **(self._fired or {})}
+        if isinstance(self._flaky, LateDirectory):
+            fired["publish_late"] = self._flaky.hidden
+        if self._held is not None:  # still held: what it refused so far
+            fired["host_refused_tokens"] = fired.get("host_refused_tokens", 0) \
+                + self._host_short_tokens() - self._short_since
+        return fired
 
     def _directory(self, l3_actor: str):
         self._flaky = LateDirectory(super(SoakRankCache, self)._directory(l3_actor))
@@ -53,13 +78,22 @@ class FaultyRankCache(SoakRankCache):
         """Take this rank's free L2 pages but `keep_free` (no room for its prefetches);
         `release_host_pages` gives them back. Returns how many are held."""
         alloc = self.engine.cache.host_pool.allocator
+        if self._held is None:
+            self._short_since = self._host_short_tokens()
         self._held = (self._held or []) + (alloc.alloc(max(0, alloc.num_free - keep_free)) or [])
         return len(self._held)
 
     def release_host_pages(self) -> None:
+        if self._held is not None:
+            self._count("host_refused_tokens", self._host_short_tokens() - self._short_since)
         if self._held:
             self.engine.cache.host_pool.allocator.free(self._held)
         self._held = None
+
+    def _host_short_tokens(self) -> int:
+        """L3 hits this rank's prefetches could not take for want of L2 room so far."""
+        storage = self.engine.cache.storage
+        return storage.counters.unfulfilled_host_capacity_tokens if storage is not None else 0
 
     def crash_after(self, steps: int) -> None:
         """Kill this rank's process at the start of its `steps`-th next step (it dies with
@@ -83,6 +117,7 @@ class FaultyRankCache(SoakRankCache):
         def allocate(num_pages: int) -> list[int] | None:
             if self._refusals > 0:
                 self._refusals -= 1
+                self._count("allocation_refused")
                 log.warning("rank %d: refusing an allocation of %d pages (injected)",
                             self.rank, num_pages)
                 return None
@@ -90,9 +125,30 @@ class FaultyRankCache(SoakRankCache):
 
         cache.allocate = allocate  # type: ignore[method-assign]
 
+    def fail_next_load(self) -> None:
+        """This rank's next L2->L1 load fails in its first copy, leaving garbage in its L1
+        pages (the controller's copy is patched in this rank's process only)."""
+        import torch
+
+        from kvtier.tiers import controller
+
+        real = controller.copy_pages
+        device = self.engine.cache.device_pool.layer_page_view().data_ptr()
+
+        def copy(src, dst, plan, backend, layers=slice(None), non_blocking=False):
+            if dst.data_ptr() != device:
+                return real(src, dst, plan, backend, layers, non_blocking)
+            controller.copy_pages = real  # once
+            dst[:, layers].index_fill_(2, torch.tensor(list(plan.dst_pages)), 7.0)
+            log.warning("rank %d: failing an L2->L1 load (injected)", self.rank)
+            raise RuntimeError("injected: this rank's L2->L1 copy failed")
+
+        controller.copy_pages = copy
+
     def corrupt_l1_page(self, page: int) -> None:
         """Flip bytes of one L1 page in place (a hand-off's page damaged on arrival)."""
         self.engine.cache.device_pool.kv[:, :, page] += 1.0
+        self._count("l1_corrupted")
 
     def time_out_next_handoff(self) -> None:
         """This rank's next hand-off write times out (a slow or hung link)."""
@@ -100,6 +156,7 @@ class FaultyRankCache(SoakRankCache):
 
         sender = self._sender
         real = sender.endpoint
+        count = self._count
 
         class _Stalling:
             def __getattr__(self, name):
@@ -107,6 +164,7 @@ class FaultyRankCache(SoakRankCache):
 
             def write(self, *args, **kwargs):
                 sender.endpoint = real  # once
+                count("handoff_timeout")
                 raise HandoffTimeout("the write did not finish in time (injected)")
 
         sender.endpoint = _Stalling()

@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import uuid
 
 import pytest
 import torch
+from eventually import eventually
 
 from kvtier.actors.namespace_actor import (FakeNamespaceClient, NamespaceUnavailable,
                                            get_or_create_namespace_actor)
@@ -209,10 +209,9 @@ def test_a_killed_actor_comes_back_and_rebuilds_from_the_file_backend(actor):
     before = client.ping()
     pages = client.info(ns).spec.key_namespace.page_hashes(TOKENS, SPEC.page_size)
     ray.kill(client.handle, no_restart=False)
-    deadline = time.monotonic() + 60  # the kill is asynchronous: wait for a new incarnation
-    while client.wait_ready(timeout_s=60) == before:
-        assert time.monotonic() < deadline, "the killed namespace actor did not come back"
-        time.sleep(0.1)
+    # the kill is asynchronous: wait for a new incarnation
+    eventually(lambda: client.wait_ready(timeout_s=60) != before, 60,
+               "the killed namespace actor came back", interval_s=0.1)
     assert client.namespaces() == [ns]
     assert client.lookup(ns, pages).hit_pages == len(pages)
     assert client.stats(ns).rebuilt_pages == len(pages)
@@ -230,24 +229,24 @@ def test_shutdown_removes_the_actor_and_the_cluster_processes(ray_cluster, actor
 
     name, client = actor
     client.shutdown()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def deregistered() -> bool:
         try:
             ray.get_actor(name, namespace="kvtier")
         except ValueError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the namespace actor is still registered 10 s after shutdown")
+            return True
+        return False
+
+    eventually(deregistered, 10, "the namespace actor was deregistered after shutdown",
+               interval_s=0.1)
     with pytest.raises(NamespaceUnavailable):
         client.ping()
     children = ray_cluster.pids()
     assert children
     shutdown_local_ray()
-    deadline = time.monotonic() + 15
-    while children & ray_cluster.pids() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = children & ray_cluster.pids()
-    for pid in left:  # do not leak them into the next test module
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"Ray processes still running after shutdown: {sorted(left)}"
+    try:
+        eventually(lambda: not children & ray_cluster.pids(), 15,
+                   "Ray's processes exited after shutdown", interval_s=0.2)
+    finally:
+        for pid in children & ray_cluster.pids():  # do not leak them into the next module
+            os.kill(pid, signal.SIGKILL)

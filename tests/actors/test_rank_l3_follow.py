@@ -10,6 +10,7 @@ storage the namespace came back with instead.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",
 SETTINGS = RankSettings(TinyWeights(seed=5), CONFIG, device_pages=48, dtype=torch.float32,
                         chunk_tokens=PAGE)
 GREEDY = SamplingParams(max_new_tokens=3)
-MAX_STEPS = 200
+ANSWER_BOUND_S = 60.0  # a step may wait on an L3 read: bound the answer in time, not steps
 
 
 def tokens(seed: int, n: int = 4 * PAGE + 3) -> list[int]:
@@ -71,11 +72,14 @@ def rank_on(client: SwitchableClient, info) -> RankCache:
 def answer(rank: RankCache, prompt: list[int]) -> Output:
     """One request through the rank's own steps (which follow the namespace)."""
     req = rank.add_request(prompt, GREEDY)
-    for _ in range(MAX_STEPS):
+    deadline = time.monotonic() + ANSWER_BOUND_S
+    while time.monotonic() < deadline:
         for out in decode_report(rank.step()).finished:
             if out.request_id == req:
                 return out
-    raise AssertionError("no answer within the step bound")
+        if rank.engine.last_step.idle:
+            time.sleep(0.001)  # waiting on an L3 read
+    raise AssertionError(f"no answer within {ANSWER_BOUND_S} s")
 
 
 def cold(prompt: list[int]) -> tuple[int, ...]:

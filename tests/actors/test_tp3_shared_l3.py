@@ -1,7 +1,7 @@
 """TP=3 on Ray with a shared L3: instance A writes documents, instance B reads them while one
 of its ranks sees something the others do not. Each case: B's answers equal the cold answers
-(an in-process engine's, no L3), nothing hangs (bounded by the module's timeout), no rank of
-any instance leaks a page or lock.
+(an in-process engine's, no L3), the injected fault fired (the faulty rank counted it),
+nothing hangs (bounded by the module's timeout), no rank of any instance leaks a page or lock.
 
 The rank-local faults (through `FaultyRankCache`):
 - one rank's directory lookups fail (the page is a miss there, a hit elsewhere);
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -101,18 +102,36 @@ def _no_leaks(*instances: Instance) -> None:
             assert audit["open_prefetches"] == 0, audit
 
 
-def _case(cluster, cold, case: int, fault, undo=lambda b: None) -> list:
+class Fault(NamedTuple):
+    """What a case does to instance B, and the count on the faulty rank that shows it fired."""
+
+    rank: int
+    arm: tuple  # a FaultyRankCache method and its arguments
+    fired: str  # its name in FaultyRankCache.faults_fired
+    undo: tuple = ()
+
+
+def _fired(b: Instance, fault: Fault) -> int:
+    return b.rank_call(fault.rank, "faults_fired").get(fault.fired, 0)
+
+
+def _case(cluster, cold, case: int, fault: Fault | None) -> list:
     a, b = cluster
     a_prompts, b_prompts = _prompts(case), _prompts(case + 50)
     expected = _cold(cold, b_prompts)
     a.generate(a_prompts, GREEDY)  # A writes the documents (and publishes them)
     a.quiesce()
     b.drop_cache()  # B's L1 and L2 are empty: the documents can only come from L3
-    fault(b)
+    before = _fired(b, fault) if fault else 0
+    if fault:
+        b.rank_call(fault.rank, *fault.arm)
     try:
         outs = [b.generate([p], GREEDY)[0] for p in b_prompts]
     finally:
-        undo(b)
+        if fault and fault.undo:
+            b.rank_call(fault.rank, *fault.undo)
+    if fault:
+        assert _fired(b, fault) - before >= 1, f"{fault.arm[0]} on rank {fault.rank} never fired"
     assert [o.tokens for o in outs] == expected
     b.quiesce()
     _no_leaks(a, b)
@@ -120,20 +139,19 @@ def _case(cluster, cold, case: int, fault, undo=lambda b: None) -> list:
 
 
 def test_one_ranks_lookups_fail(cluster, cold):
-    _case(cluster, cold, 1, lambda b: b.rank_call(1, "fail_lookups", len(DOCS)),
-          lambda b: b.rank_call(1, "release_hangs"))
+    _case(cluster, cold, 1, Fault(1, ("fail_lookups", len(DOCS)), "lookup", ("release_hangs",)))
 
 
 def test_pages_published_between_two_ranks_lookups(cluster, cold):
-    _case(cluster, cold, 2, lambda b: b.rank_call(0, "publish_late", len(DOCS)))
+    _case(cluster, cold, 2, Fault(0, ("publish_late", len(DOCS)), "publish_late"))
 
 
 def test_one_rank_short_of_host_room(cluster, cold):
-    _case(cluster, cold, 3, lambda b: b.rank_call(2, "hold_host_pages", 0),
-          lambda b: b.rank_call(2, "release_host_pages"))
+    _case(cluster, cold, 3, Fault(2, ("hold_host_pages", 0), "host_refused_tokens",
+                                  ("release_host_pages",)))
 
 
 def test_without_faults_b_hits_what_a_wrote(cluster, cold):
     """The control: with no fault, B's requests come from L3."""
-    outs = _case(cluster, cold, 4, lambda b: None)
+    outs = _case(cluster, cold, 4, None)
     assert all(o.cached.storage > 0 for o in outs)

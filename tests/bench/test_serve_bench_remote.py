@@ -11,13 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+from eventually import eventually
 
 from kvtier import cli
 from kvtier.engine.tp_group import free_port
@@ -32,12 +32,15 @@ STOP_S = 30.0
 
 def wait_serving(proc: subprocess.Popen, log: Path) -> None:
     """Until kvtier serve says it serves (it prints that once Serve reports the app ready)."""
-    deadline = time.monotonic() + START_S
-    while READY not in log.read_text():
-        tail = log.read_text()[-4000:]
-        assert proc.poll() is None, f"kvtier serve exited {proc.returncode}:\n{tail}"
-        assert time.monotonic() < deadline, f"kvtier serve not serving in {START_S} s:\n{tail}"
-        time.sleep(0.5)
+    def serving() -> bool:
+        text = log.read_text()
+        if proc.poll() is not None:  # no use waiting on
+            pytest.fail(f"kvtier serve exited {proc.returncode}:\n{text[-4000:]}")
+        assert READY in text, text[-4000:]
+        return True
+
+    eventually(serving, START_S, "kvtier serve said it serves", retry_on=(AssertionError,),
+               interval_s=0.5)
 
 
 def stop(proc: subprocess.Popen) -> None:

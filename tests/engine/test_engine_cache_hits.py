@@ -2,10 +2,9 @@
 model waits per layer) and L3 (another cache instance) equal a cold run bit for bit."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from eventually import eventually
 
 from kvtier.config import HiCacheConfig
 from kvtier.engine import ModelRunner, PagedLlama
@@ -22,8 +21,8 @@ def serve(cache: HierarchicalCache, model: PagedLlama, prompt: list[int]):
     """One request the way a scheduler runs it: prefetch, lookup, allocate, prefill, finish."""
     ticket = cache.prefetch(prompt)
     if ticket is not None:
-        while not cache.prefetch_ready(ticket):
-            time.sleep(0.001)
+        eventually(lambda: cache.prefetch_ready(ticket), 30, "the prefetch was ready",
+                   interval_s=0.001)
         cache.finish_prefetch(ticket)
     lookup = cache.lookup(prompt)
     fresh = cache.allocate(-(-len(prompt) // PAGE) - len(lookup.device_pages))

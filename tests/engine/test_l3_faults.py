@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from eventually import eventually
 from test_scheduler import assert_no_leaks, toks
 
 from kvtier.backends.base import StorageTarget
@@ -98,6 +99,7 @@ def test_hangs_end_with_the_timeout_policy_and_l3_works_after(model, cold, tmp_p
     faulty.inject(StorageOp.GET, FaultKind.HANG, times=1)
     first = serve(model, cache, PROMPTS[:1])[0]
     assert first.tokens == cold[0] and first.cached.storage == 0  # waited 0.3 s, recomputed
+    assert faulty.faults.injected == {"get:hang": 1}  # the read hung: not merely missed
     faulty.release()
     later = serve(model, cache, PROMPTS[1:2])[0]
     assert later.tokens == cold[1] and later.cached.storage > 0  # L3 serves again
@@ -113,6 +115,7 @@ def test_partial_and_failed_writes_are_counted_and_never_hit(model, cold, tmp_pa
         writer.flush()
         writer.storage.drain()
         assert writer.storage.counters.backup_failed_tokens > 0
+        assert faulty.faults.injected.get("set:partial", 0) >= 1
         faulty.clear()
     reader, _ = faulty_cache(model, tmp_path, config())
     outs = serve(model, reader, PROMPTS[:2])
@@ -129,6 +132,8 @@ def test_detach_while_prefetches_are_in_flight_leaks_nothing(model, cold, tmp_pa
     eng = Engine(model, cache)
     ids = [eng.add_request(p, PARAMS) for p in PROMPTS]
     eng.step()  # prefetches start
+    # a (slow) read is in flight: without this wait the detach could come first
+    eventually(lambda: faulty.faults.injected.get("get:delay"), 10, "an L3 read began")
     cache.detach_storage()  # the operator pulls L3 out from under them
     outs = {}
     while eng.has_unfinished:

@@ -4,15 +4,18 @@ HierarchicalCache and its own L3 backend, one MIN collective per step between th
 Hypothesis drives random request streams over shared prefixes with rank-local faults (one rank
 drops its L1/L2, one rank's L3 lookups fail, one rank refuses an allocation). After every step
 every rank must hold the same requests in the same states with the same agreed hit lengths;
-every answer must equal the cold answer; at the end no rank leaks a page or a lock.
+every answer must equal the cold answer; at the end no rank leaks a page or a lock; and over
+the run every kind of fault really happened (a lookup failed, an allocation was refused), not
+only was armed.
 """
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.backends.base import StorageTarget
@@ -108,6 +111,7 @@ class Ranks:
         self.engines: list[Engine] = []
         self.backends: list[FaultyBackend] = []
         self.refusals = [0] * SIZE
+        self.refused = 0  # allocations refused so far, all ranks
         for rank in range(SIZE):
             tp = TensorParallel(rank, SIZE, reduce_fn=self.coll.reduce_for(rank))
             model = load_tiny_model(torch.float32, "cpu", tp=tp)
@@ -131,6 +135,7 @@ class Ranks:
         def allocate(num_pages: int):
             if self.refusals[rank] > 0:
                 self.refusals[rank] -= 1
+                self.refused += 1
                 return None
             return real(num_pages)
 
@@ -143,6 +148,11 @@ class Ranks:
 
     def step(self) -> list:
         return step_in_threads(self.engines, self.coll)
+
+    def faults_fired(self) -> Counter:
+        """The rank-local faults that happened (a drop always does)."""
+        lookups = sum(b.faults.injected.get("exists:error", 0) for b in self.backends)
+        return Counter(lookup_fails=lookups, refuse=self.refused)
 
     def close(self) -> None:
         for engine in self.engines:
@@ -186,10 +196,22 @@ STREAM = st.lists(st.tuples(st.integers(0, len(PREFIXES) - 1),
                   min_size=2, max_size=7)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(STREAM)
-def test_ranks_stay_in_step_under_rank_local_faults(stream):
+def test_ranks_stay_in_step_under_rank_local_faults():
+    fired: Counter = Counter()
+
+    @settings(max_examples=12, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(STREAM)
+    @example([(1, 0, 0, "lookup_fails", 2), (1, 1, 0, "refuse", 1)])  # both fire here
+    def streams(stream):
+        fired.update(_run_stream(stream))
+
+    streams()
+    assert fired["lookup_fails"] >= 1 and fired["refuse"] >= 1, fired
+
+
+def _run_stream(stream) -> Counter:
+    """One stream through fresh ranks, checked step by step; the faults that fired."""
     ranks = Ranks()
     prompts: dict[int, list[int]] = {}
     answers: dict[int, tuple[int, ...]] = {}
@@ -223,6 +245,7 @@ def test_ranks_stay_in_step_under_rank_local_faults(stream):
             audit = engine.cache.audit()
             assert audit.leaked_pages == 0 and audit.leaked_locks == 0, (rank, audit)
             assert audit.open_prefetches == 0, (rank, audit)
+        return ranks.faults_fired()
     finally:
         ranks.close()
 
@@ -262,6 +285,7 @@ def test_tp3_ranks_order_the_queue_by_the_agreed_hit_under_lpm():
                     break
         ranks.engines[2].cache.drop_unlocked()
         ranks.backends[2].inject(StorageOp.EXISTS, FaultKind.ERROR, times=-1)
+        lookups_failed = ranks.faults_fired()["lookup_fails"]
         ranks.add(PREFIXES[0] + [5])  # rank 2 has this one again, the others still do
         for _ in range(100):
             ranks.step()
@@ -278,5 +302,97 @@ def test_tp3_ranks_order_the_queue_by_the_agreed_hit_under_lpm():
         assert orders == [[(shorter, 32), (miss, 0), (longer, 0)]] * SIZE
         local = [e.cache.peek(PREFIXES[1] + SUFFIXES[1]).device_hit_length for e in ranks.engines]
         assert local == [64, 64, 0]
+        assert ranks.faults_fired()["lookup_fails"] > lookups_failed  # rank 2 did look, and failed
+    finally:
+        ranks.close()
+
+
+def _run(ranks: Ranks, until, max_steps: int = 400) -> dict[int, tuple[int, ...]]:
+    """Step every rank (checking they stay in step) until `until(answers)`; the answers."""
+    answers: dict[int, tuple[int, ...]] = {}
+    for _ in range(max_steps):
+        results = ranks.step()
+        states = [_state(engine) for engine in ranks.engines]
+        assert all(s == states[0] for s in states), "ranks diverged"
+        answers.update((o.request_id, o.tokens) for o in results[0])
+        if until(answers):
+            break
+    return answers
+
+
+def test_tp3_ranks_reach_every_request_of_a_long_queue_in_turn():
+    """200 waiting requests, more than the agreement's slots: the first 40 wait for L3
+    prefetches that hang on rank 1, the 160 behind them are admitted meanwhile (in turn: the
+    window's rotating slots), and once the hang ends the 40 are answered too, each answer the
+    cold one (deterministic mode: bit-identical)."""
+    def tokens(seed: int, n: int) -> list[int]:
+        return torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    doc = tokens(1, 3 * PAGE)
+    stalled = [doc + tokens(100 + i, 3) for i in range(40)]
+    behind = [tokens(1000 + i, 8) for i in range(160)]
+    cold = Ranks(device_pages=64)
+    try:
+        ids = [cold.add(p) for p in stalled + behind]
+        want = _run(cold, lambda a: len(a) == len(ids))
+        want = [want[i] for i in ids]
+    finally:
+        cold.close()
+    ranks = Ranks(device_pages=64)
+    try:
+        ranks.add(doc + [5])  # the document's pages reach every rank's L3, then only L3
+        _run(ranks, lambda a: len(a) == 1)
+        for engine in ranks.engines:
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            engine.cache.drop_unlocked()
+        ranks.backends[1].inject(StorageOp.GET, FaultKind.HANG, times=-1)
+        stalled_ids = [ranks.add(p) for p in stalled]
+        behind_ids = [ranks.add(p) for p in behind]
+        got = _run(ranks, lambda a: set(behind_ids) <= set(a))
+        assert set(behind_ids) <= set(got), "requests behind the stalled ones were starved"
+        assert not set(stalled_ids) <= set(got), "the hang held none of them back"
+        ranks.backends[1].clear()  # the hung reads fail: those requests are recomputed
+        got.update(_run(ranks, lambda a: not any(e.has_unfinished for e in ranks.engines)))
+        assert [got[i] for i in stalled_ids + behind_ids] == want
+        for engine in ranks.engines:
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            audit = engine.cache.audit()
+            assert audit.leaked_pages == 0 and audit.leaked_locks == 0, audit
+            assert audit.open_prefetches == 0, audit
+    finally:
+        ranks.close()
+
+
+def test_tp3_a_request_far_back_in_the_queue_ends_its_prefetch_and_is_ordered_by_its_hit():
+    """A request behind 40 others (more than the agreement's slots) whose prefix only L3 holds:
+    within a few steps every rank ends its finished prefetch (the pages join the tree in L2),
+    its hit is agreed, and lpm puts it first."""
+    ranks = Ranks(device_pages=40, deterministic=False, token_budget=32)
+    try:
+        ranks.add(PREFIXES[1] + [5])
+        for _ in range(100):
+            ranks.step()
+            if not any(e.has_unfinished for e in ranks.engines):
+                break
+        for engine in ranks.engines:  # its pages: in L3 only
+            engine.cache.flush()
+            engine.cache.storage.drain()
+            engine.cache.drop_unlocked()
+        ranks.add([1 + i % 250 for i in range(399)])  # takes the whole budget for many steps
+        ranks.step()
+        misses = [ranks.add([200 + i, 3, 4]) for i in range(40)]
+        hit = ranks.add(PREFIXES[1] + SUFFIXES[2])  # 64 tokens of it in L3
+        for _ in range(8):  # the long prompt still runs
+            ranks.step()
+            if all(e.scheduler.waiting[0].id == hit for e in ranks.engines):
+                break
+        for engine in ranks.engines:
+            first = engine.scheduler.waiting[0]
+            assert first.id == hit and first.agreed_hit >= 64
+            assert first.ticket is None and first.storage_hit >= 64
+            assert engine.cache.peek(first.prompt).host_hit_length >= 64
+            assert len(engine.scheduler.waiting) == len(misses) + 1  # nothing admitted yet
     finally:
         ranks.close()

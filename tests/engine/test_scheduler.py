@@ -2,10 +2,9 @@
 continuous batching, preemption, abort at every stage, and the five lengths."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from eventually import eventually
 
 from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, FinishReason, Output, RequestState, SamplingParams
@@ -131,10 +130,8 @@ def test_prefetch_is_finalized_for_every_waiting_request(tiny_models, tmp_path) 
         ids = [eng.add_request(p, GREEDY) for p in prompts]
         waiting = list(eng.scheduler.waiting)
         assert all(r.ticket is not None for r in waiting)
-        deadline = time.monotonic() + 30
-        while not all(eng.cache.prefetch_ready(r.ticket) for r in waiting):
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        eventually(lambda: all(eng.cache.prefetch_ready(r.ticket) for r in waiting), 30,
+                   "every waiting request's prefetch was ready", interval_s=0.001)
         eng.step()
         assert eng.last_step.admitted == 1  # the budget stops the scan after the first
         assert [r.state for r in waiting[1:]] == [RequestState.WAITING] * 2

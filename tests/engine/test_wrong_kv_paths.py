@@ -4,7 +4,9 @@
 2. An L1->L2 copy that fails: its L2 pages are forgotten (never loaded back, never sent to
    L3), the run is unlocked and stays in L1.
 3. An L2->L1 load that fails: the requests using it are recomputed, the partly loaded L1 pages
-   leave the tree (their L2 copies stay), no lock is left behind.
+   leave the tree (their L2 copies stay), no lock is left behind; a request whose loads keep
+   failing ends with an error; at TP > 1 a load failed on one rank is recomputed on every rank
+   in the same step (the forward goes on, its rows poisoned), nothing else disturbed.
 Copies are made to block or fail by wrapping the controller's page copy (a fixture, as the
 controller tests do).
 """
@@ -14,12 +16,14 @@ import threading
 
 import pytest
 import torch
+from test_rank_model import Ranks, step_in_threads
 from test_scheduler import assert_no_leaks, make_cache, toks
 
 from kvtier.backends.base import StorageTarget
 from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, SamplingParams
+from kvtier.engine.request import FinishReason
 from kvtier.kv_spec import KVSpec
 from kvtier.tiers import controller as controller_module
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -39,6 +43,7 @@ class CopyGate:
         self.release = threading.Event()
         self.fail_writes = self.fail_loads = 0
         self.failed = 0
+        self.loads_into = -1  # >= 0: only loads into the L1 pool at this address fail
         real = controller_module.copy_pages
 
         def copy(src, dst, plan, backend, layers=slice(None), non_blocking=False):
@@ -49,7 +54,7 @@ class CopyGate:
                 self.fail_writes -= 1
                 self.failed += 1
                 raise RuntimeError("injected L1->L2 copy failure")
-            if not is_write and self.fail_loads:
+            if not is_write and self.fail_loads and self.loads_into in (-1, dst.data_ptr()):
                 self.fail_loads -= 1
                 self.failed += 1
                 pages = torch.tensor(list(plan.dst_pages))
@@ -170,3 +175,63 @@ def test_a_failed_l2_to_l1_load_is_recomputed_and_leaves_nothing_behind(gate, ti
         again = eng.generate([prompt], PARAMS)[0]  # the L2 copy is intact: it loads back
         assert again.tokens == cold.tokens and again.cached.total > 0
         assert_no_leaks(cache)
+
+
+def test_a_request_whose_loads_keep_failing_ends_with_an_error(gate, tiny_models):
+    model = tiny_models[torch.float32]
+    prompt = toks(3 * 16 + 5, 4)
+    cache = make_cache(model, device_pages=32)
+    with Engine(model, cache, owns_cache=True) as eng:
+        gate.watch(cache)
+        first = eng.generate([prompt], PARAMS)[0]
+        cache.flush()
+        cache.evict_device(cache.device_pages)
+        gate.fail_loads = 100  # every load back from L2 fails
+        out = eng.generate([prompt], PARAMS)[0]
+        assert out.finish_reason is FinishReason.ERROR and out.tokens == ()
+        assert gate.failed == 3  # MAX_FAILED_READS tries, then it ends
+        gate.fail_loads = 0
+        assert_no_leaks(cache)
+        again = eng.generate([prompt], PARAMS)[0]  # the L2 copy is intact
+        assert again.tokens == first.tokens and again.cached.total > 0
+
+
+def test_tp3_a_load_failed_on_one_rank_is_recomputed_on_every_rank(gate):
+    """Rank 1's load back of a prompt fails mid-forward while another request decodes: every
+    rank finishes the forward, sees the prompt's rows non-finite and recomputes it; the
+    decoding request goes on; answers are the cold ones; nothing leaks."""
+    prompt, other = toks(3 * PAGE + 5, 5), toks(2 * PAGE + 3, 6)
+    long = SamplingParams(max_new_tokens=12)
+    ranks = Ranks(device_pages=32)
+    try:
+        def run(ids: set[int]) -> dict:
+            done = {}
+            for _ in range(200):
+                results = step_in_threads(ranks.engines, ranks.coll)
+                outs = [[(o.request_id, o.tokens, o.finish_reason) for o in r] for r in results]
+                assert all(o == outs[0] for o in outs), "ranks finished different requests"
+                done.update((o[0], o) for o in outs[0])
+                if ids <= set(done):
+                    return done
+            raise AssertionError(f"unfinished: {ids - set(done)}")
+
+        cold = run({ranks.add(prompt)})
+        for engine in ranks.engines:
+            engine.cache.flush()
+            engine.cache.evict_device(engine.cache.device_pages)  # the prompt: in L2 only
+        ids = [engine.add_request(other, long) for engine in ranks.engines]
+        step_in_threads(ranks.engines, ranks.coll)  # `other` prefills, then decodes
+        gate.loads_into = ranks.engines[1].cache.device_pool.layer_page_view().data_ptr()
+        gate.fail_loads = 1
+        again = ranks.add(prompt)
+        done = run({again, ids[0]})
+        assert gate.failed == 1
+        assert done[again][1:] == cold[next(iter(cold))][1:]
+        assert done[ids[0]][2] is FinishReason.LENGTH and len(done[ids[0]][1]) == 12
+        counters = [e.cache.counters.failed_load_tokens for e in ranks.engines]
+        assert counters[1] > 0 and counters[0] == counters[2] == 0
+        for engine in ranks.engines:
+            assert engine.scheduler.last_step.preempted == 0
+            assert_no_leaks(engine.cache)
+    finally:
+        ranks.close()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from eventually import eventually
 
 from kvtier.hosts.network import HostNetwork, host_network
 from kvtier.hosts.ray_nodes import private_tmp, wait_port
@@ -26,8 +27,12 @@ def test_hosts_reach_each_other_and_nothing_else_is_routed(tmp_path) -> None:
         # now host 2 talks to host 1
         server.wait(5)  # wait_port's connection consumed the first accept
         server = h1.popen([sys.executable, "-c", ECHO, h1.address])
-        time.sleep(0.5)
-        out = h2.run([sys.executable, "-c", CONNECT, h1.address])
+
+        def connected():  # refused until the server listens
+            out = h2.run([sys.executable, "-c", CONNECT, h1.address], check=False)
+            return out if out.returncode == 0 else None
+
+        out = eventually(connected, 10, "host 2 reached host 1's echo server", interval_s=0.1)
         assert out.stdout.strip() == "ping"
         routes = h2.run(["ip", "route"]).stdout.strip().splitlines()
         assert routes == [f"{net.subnet} dev {h2.netns}-e proto kernel scope link src "

@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from eventually import eventually
 
 from kvtier.demo_hosts import HostsRun
 
@@ -64,19 +65,15 @@ def served(hosts_cluster: HostsRun, tmp_path_factory):
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen, log_name: str, timeout_s: float = 300):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvtier serve exited {proc.returncode}; see {log_name}:\n"
-                                 + open(log_name).read()[-4000:])
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"kvtier serve did not become healthy in {timeout_s} s; see {log_name}")
+    def healthy() -> bool:
+        if proc.poll() is not None:  # no use waiting on
+            pytest.fail(f"kvtier serve exited {proc.returncode}; see {log_name}:\n"
+                        + open(log_name).read()[-4000:])
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+            return r.status == 200
+
+    eventually(healthy, timeout_s, f"kvtier serve became healthy (its log: {log_name})",
+               retry_on=(urllib.error.URLError, OSError), interval_s=1.0)
 
 
 def _post(base: str, path: str, body: dict, timeout_s: float = 120, admin: bool = False):
@@ -122,10 +119,13 @@ def test_link_cut_redispatches_then_takes_the_instance_back(served) -> None:
     status = _get(base, "/admin/router", admin=True)["instances"]
     stalled = [n for n, i in status.items() if i["stalls"] > before[n]["stalls"]]
     assert len(stalled) == 1, (before, status)  # host 3's instance, and only it
-    deadline = time.monotonic() + 120
-    while status[stalled[0]]["state"] != "live":  # it steps again: taken back
-        assert time.monotonic() < deadline, status
-        time.sleep(1)
+
+    def live() -> bool:  # it steps again: taken back
         status = _get(base, "/admin/router", admin=True)["instances"]
+        assert status[stalled[0]]["state"] == "live", status
+        return True
+
+    eventually(live, 120, f"{stalled[0]} was taken back", retry_on=(AssertionError,),
+               interval_s=1.0)
     metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
     assert "kvtier_redispatched_requests_total" in metrics

@@ -9,16 +9,19 @@ value, and with it the driver's pid, which names the file.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import ray.cloudpickle
 
 from kvtier.actors.rank_actor import RankCache
+from kvtier.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +64,17 @@ class StallingRankCache(RankCache):
             order = json.load(f)
         os.remove(claimed)
         self._stall = (self.steps + order["after_steps"], order["seconds"])
+
+
+@contextlib.contextmanager
+def served_stalling(settings: ServeSettings) -> Iterator[None]:
+    """The graph of `settings` on the shared cluster (tests/serve/shared_serve.py) with
+    ranks that stall when armed; a stall no rank claimed is disarmed afterwards."""
+    from shared_serve import served
+
+    try:
+        with served(settings, rank_class=StallingRankCache):
+            yield
+    finally:
+        if os.path.exists(stall_file()):
+            os.remove(stall_file())

@@ -4,7 +4,9 @@ attach requests and wrong admin keys.
 
 What must hold for every request: an answer within the timeout, 200 or a 4xx with an OpenAI
 error body (never a 5xx), and nothing changed by a refused request: /health stays 200 and the
-L3 shown by /admin/storage stays the one the server started with.
+L3 shown by /admin/storage stays the one the server started with. Every numeric field also
+gets the extremes (1e-40, 1e40, -0.0, NaN and Infinity as JSON constants and as strings,
+integers past 64 bits): each is served or refused with a 4xx naming that field.
 """
 from __future__ import annotations
 
@@ -94,12 +96,19 @@ TOKENS = st.lists(st.integers(-3, VOCAB + 3) | st.integers(-(2**41), 2**41) | st
 MESSAGES = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool"]) | JSONISH},
     optional={"content": st.text(max_size=40) | JSONISH}), max_size=3) | JSONISH
+# Tiny, huge and signed-zero numbers, which naive range checks let through to the sampler
+NUMBERS = (st.floats(allow_nan=False) | st.integers(-(2**70), 2**70)
+           | st.sampled_from([1e-40, -1e-40, 5e-324, 1e-39, -0.0, 1e40, 2**64]) | JSONISH)
 FIELDS = {"prompt": st.text(max_size=40) | TOKENS | JSONISH,
           "messages": MESSAGES, "max_tokens": st.integers(-2, 40) | JSONISH,
           "temperature": st.floats(-1, 3) | JSONISH, "top_p": st.floats(-0.5, 1.5) | JSONISH,
           "seed": st.integers(-(2**65), 2**65) | JSONISH, "stream": st.booleans() | JSONISH,
           "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | JSONISH,
-          "stream_options": JSONISH, "n": JSONISH, "logprobs": JSONISH, "tools": JSONISH}
+          "stream_options": JSONISH, "n": JSONISH, "logprobs": JSONISH, "tools": JSONISH,
+          **{name: NUMBERS for name in ("repetition_penalty", "top_k", "min_p",
+                                        "presence_penalty", "frequency_penalty",
+                                        "top_logprobs", "max_completion_tokens")},
+          "stop_token_ids": st.lists(NUMBERS, max_size=3) | NUMBERS}
 BODIES = (st.fixed_dictionaries({"model": st.just(MODEL) | JSONISH}, optional=FIELDS)
           .map(lambda d: json.dumps(d).encode())
           | JSONISH.map(lambda v: json.dumps(v).encode())
@@ -123,6 +132,55 @@ BODIES = (st.fixed_dictionaries({"model": st.just(MODEL) | JSONISH}, optional=FI
          % MODEL.encode())
 def test_random_bodies_get_a_200_or_a_4xx(app, path, body):
     assert_answered(post(path, body))
+
+
+# ---- extreme numbers in every numeric field -------------------------------------------------
+
+# field -> the endpoints that take it
+NUMERIC = {"max_tokens": "both", "max_completion_tokens": "chat", "temperature": "both",
+           "top_p": "both", "top_k": "both", "min_p": "both", "repetition_penalty": "both",
+           "presence_penalty": "both", "frequency_penalty": "both", "n": "both",
+           "seed": "both", "logprobs": "both", "top_logprobs": "chat",
+           "stop_token_ids": "both", "prompt": "completions"}
+# As JSON text: NaN and Infinity are constants Python's decoder takes, not JSON. (More
+# values, without HTTP: tests/test_bad_input.py.)
+EXTREMES = ["1e-40", "1e40", "-0.0", str(2**64), "NaN", "-Infinity", '"NaN"', "true"]
+
+
+def extreme_bodies(path: str):
+    endpoint = "chat" if "chat" in path else "completions"
+    base = {"model": MODEL, "max_tokens": 2, "temperature": 0.7}  # sampled: the hard path
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat"
+                else {"prompt": "hi"})
+    for field, where in NUMERIC.items():
+        if where not in ("both", endpoint):
+            continue
+        body = {k: v for k, v in base.items() if k != field}
+        if field == "max_completion_tokens":
+            del body["max_tokens"]
+        if field == "top_logprobs":
+            body["logprobs"] = True
+        for value in EXTREMES:
+            sent = f"[{value}]" if field in ("stop_token_ids", "prompt") else value
+            yield field, json.dumps(body)[:-1].encode() + b', "%s": %s}' % (
+                field.encode(), sent.encode())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_extreme_numbers_in_every_field_are_served_or_refused_naming_it(app, path):
+    served = 0
+    for field, body in extreme_bodies(path):
+        r = post(path, body)
+        assert_answered(r)
+        if r.status_code == 200:
+            served += 1
+        else:
+            error = r.json()["error"]
+            assert (error["param"] or "").startswith(field), (body, error)
+    assert served  # tiny sampling values are served (clamped or as they are), not refused
+    healthy()  # and a plain request is served as before
+    r = post("/v1/completions", {"model": MODEL, "prompt": "still here", "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_every_cache_knob_reaches_the_running_ranks(app):

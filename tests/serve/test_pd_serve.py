@@ -6,10 +6,10 @@ say so."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import requests
+from eventually import eventually
 from shared_serve import BASE, greedy_chat, in_process_answer, served
 
 from kvtier.engine.request import pages_for
@@ -100,10 +100,13 @@ def test_a_stop_string_ends_the_answer_early(app, expected):
         "ignore_eos": True, "stop": [stop]}).json()
     assert body["choices"][0]["message"]["content"] == text[:text.index(stop)]
     assert body["choices"][0]["finish_reason"] == "stop"
-    deadline = time.monotonic() + 30
-    while (load := router()["instances"]["pd"]["load"]) != 0:
-        assert time.monotonic() < deadline, load
-        time.sleep(0.2)
+
+    def idle() -> bool:
+        assert (load := router()["instances"]["pd"]["load"]) == 0, f"load {load}"
+        return True
+
+    eventually(idle, 30, "nothing was left in flight", retry_on=(AssertionError,),
+               interval_s=0.2)
 
 
 def router() -> dict:
@@ -114,17 +117,19 @@ def test_metrics_count_the_stages_and_the_bytes(app):
     from prometheus_client.parser import text_string_to_metric_families
 
     assert sent_bytes, "run with the answers' tests first"
-    samples = {}
-    deadline = time.monotonic() + 30  # instance snapshots come every few seconds
-    while True:
+
+    def both_instances() -> dict:
         text = requests.get(f"{BASE}/metrics", timeout=30).text
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples}
         instances = {dict(k[1]).get("kvtier_instance") for k in samples}
-        if {"prefill-0", "decode-0"} <= instances:  # each instance's cache by its name
-            break
-        assert time.monotonic() < deadline, sorted(instances)
-        time.sleep(0.5)
+        # each instance's cache by its name
+        assert {"prefill-0", "decode-0"} <= instances, sorted(map(str, instances))
+        return samples
+
+    samples = eventually(both_instances, 30, "both instances' snapshots were on /metrics "
+                         "(they come every few seconds)", retry_on=(AssertionError,),
+                         interval_s=0.5)
     pd = (("kvtier_instance", "pd"), ("transport", "nixl"))
     assert samples[("kvtier_pd_transferred_bytes_total", pd)] >= sum(sent_bytes)
     assert samples[("kvtier_pd_transferred_pages_total", pd)] > 0

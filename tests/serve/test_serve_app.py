@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import pytest
 import requests
+from eventually import eventually
 from shared_serve import BASE, served
 
 from kvtier.netcheck import listening
@@ -44,10 +44,13 @@ def router_status() -> dict:
 
 def wait_indexed(instance: str, pages: int) -> None:
     """Until the router has heard of `pages` pages on `instance` (events arrive by polling)."""
-    deadline = time.monotonic() + 30
-    while router_status()["instances"][instance]["indexed_pages"] < pages:
-        assert time.monotonic() < deadline, router_status()
-        time.sleep(0.1)
+    def indexed() -> bool:
+        status = router_status()
+        assert status["instances"][instance]["indexed_pages"] >= pages, status
+        return True
+
+    eventually(indexed, 30, f"the router indexed {pages} pages on {instance}",
+               retry_on=(AssertionError,), interval_s=0.1)
 
 
 def test_models_health_and_loopback(app):
@@ -150,13 +153,15 @@ def namespace_stats(ns: str):
 
 def wait_for(what: str, check, ns: str, poke=None):
     """Poll the namespace's stats until `check(stats)` (30 s hang guard); `poke` between."""
-    deadline = time.monotonic() + 30
-    while not check(stats := namespace_stats(ns)):
-        assert time.monotonic() < deadline, f"{what}: {stats}"
+    def checked():
+        stats = namespace_stats(ns)
+        if check(stats):
+            return stats
         if poke is not None:
             poke()
-        time.sleep(0.2)
-    return stats
+        raise AssertionError(stats)
+
+    return eventually(checked, 30, what, retry_on=(AssertionError,), interval_s=0.2)
 
 
 def test_admin_purge_empties_the_namespace_and_ranks_back_up_again(app):
@@ -261,16 +266,17 @@ def test_metrics_show_every_family(app):
         return sum(s.value for s in fam.samples if not s.name.endswith("_created")
                    and not s.name.endswith("_bucket"))
 
-    deadline = time.monotonic() + 30  # instance snapshots are taken every few seconds
-    while True:
+    def every_family() -> dict:
         text = requests.get(f"{BASE}/metrics", timeout=30).text
         families = {f.name: f for f in text_string_to_metric_families(text)}
         still = sorted((wanted - set(families)) | (namespaced - set(families)) |
                        {n for n in moved if n in families and total(families[n]) <= 0})
-        if not still:
-            break
-        assert time.monotonic() < deadline, still
-        time.sleep(0.5)
+        assert not still, f"missing or unmoved: {still}"
+        return families
+
+    # instance snapshots are taken every few seconds
+    families = eventually(every_family, 30, "every family was on /metrics and had moved",
+                          retry_on=(AssertionError,), interval_s=0.5)
     assert all(f.startswith("kvtier_") for f in families)
     labels = {s.labels.get("kvtier_instance") for f in families.values() for s in f.samples
               if f.name.removesuffix("_created") not in namespaced}

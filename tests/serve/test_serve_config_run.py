@@ -14,13 +14,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import pytest
 import requests
 import yaml
+from eventually import eventually
 
 from kvtier.actors.ray_env import LOOPBACK, LOOPBACK_ENV, NO_AUTH_ENV
 from kvtier.engine.tp_group import free_port
@@ -109,10 +109,9 @@ def head() -> Iterator[Head]:
         yield Head(process, f"{LOOPBACK}:{port}", temp_dir)
         # `ray start --block` stops its node on SIGTERM (the raylet ends its workers)
         assert stop(process, signal.SIGTERM, STOP_S) is not None, "the Ray head did not stop"
-        deadline = time.monotonic() + 10  # workers may take a moment after the raylet
-        while session_pids(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not session_pids(process.pid), "Ray processes outlived the head"
+        # workers may take a moment after the raylet
+        eventually(lambda: not session_pids(process.pid), 10,
+                   "the Ray processes ended with the head", interval_s=0.2)
     finally:
         process.kill()
         kill_session(process.pid)
@@ -134,17 +133,20 @@ def config_copy(tmp_path: Path) -> tuple[Path, dict]:
 
 def wait_up(base: str, serve_run: subprocess.Popen, instances: int, log: Path) -> None:
     """Until /health reports every instance (bounded); fails at once if `serve run` exits."""
-    deadline = time.monotonic() + UP_S
-    while True:
-        assert serve_run.poll() is None, f"serve run exited: {log.read_text()[-4000:]}"
+    def up() -> bool:
+        if serve_run.poll() is not None:  # no use waiting on
+            pytest.fail(f"serve run exited: {log.read_text()[-4000:]}")
         try:
             health = requests.get(f"{base}/health", timeout=5)
-            if health.status_code == 200 and health.json().get("instances") == instances:
-                return
-        except (requests.RequestException, ValueError):
-            pass
-        assert time.monotonic() < deadline, f"not up in {UP_S} s: {log.read_text()[-4000:]}"
-        time.sleep(1)
+            ok = health.status_code == 200 and health.json().get("instances") == instances
+        except (requests.RequestException, ValueError) as exc:
+            ok = False
+            health = exc
+        assert ok, f"/health: {health}; serve run's log:\n{log.read_text()[-4000:]}"
+        return True
+
+    eventually(up, UP_S, f"every instance ({instances}) was up", retry_on=(AssertionError,),
+               interval_s=1.0)
 
 
 def test_the_example_serve_config_runs_with_serve_run(head: Head, tmp_path: Path) -> None:

@@ -100,3 +100,10 @@ def test_l3_max_gb_bounds_a_file_namespace():
     for bad in ("-1", "lots", "nan"):
         with pytest.raises(ConfigError, match="l3_max_gb"):
             settings("--l3-max-gb", bad)
+
+
+def test_the_request_timeout_flag():
+    assert settings().request_timeout_s == 300.0
+    assert settings("--request-timeout-s", "30").request_timeout_s == 30.0
+    with pytest.raises(ConfigError, match="request_timeout_s"):
+        settings("--request-timeout-s", "0")

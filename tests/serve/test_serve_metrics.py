@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from eventually import eventually
 from prometheus_client.parser import text_string_to_metric_families
 from shared_serve import BASE, served
 from test_metrics import dashboard_series
@@ -129,14 +130,15 @@ def wait_moved(names: set[str], before: dict[str, float] | None = None) -> None:
     """Until each family of `names` has a sample above its value in `before` (default 0),
     bounded."""
     before = before or {}
-    deadline = time.monotonic() + SNAPSHOT_WAIT_S
-    while True:
+
+    def moved() -> bool:
         now = samples()
         still = sorted(f for f in names if now.get(f, 0) <= before.get(f, 0))
-        if not still:
-            return
-        assert time.monotonic() < deadline, f"not moved: {still}"
-        time.sleep(0.5)
+        assert not still, f"not moved: {still}"
+        return True
+
+    eventually(moved, SNAPSHOT_WAIT_S, "the metric families moved", retry_on=(AssertionError,),
+               interval_s=0.5)
 
 
 def burst_until_queued() -> set[str]:
@@ -204,11 +206,14 @@ def l3_objects(l3: Path) -> list[Path]:
 def wait_objects(l3: Path, at_least: int, old: set[Path]) -> list[Path]:
     """Until `at_least` objects not in `old` are written (the namespace's bound evicts old
     ones meanwhile, least recently used first); those new ones."""
-    deadline = time.monotonic() + SNAPSHOT_WAIT_S
-    while len(found := [p for p in l3_objects(l3) if p not in old]) < at_least:
-        assert time.monotonic() < deadline, f"{len(found)} L3 objects, waited for {at_least}"
-        time.sleep(0.2)
-    return found
+
+    def written() -> list[Path]:
+        found = [p for p in l3_objects(l3) if p not in old]
+        assert len(found) >= at_least, f"{len(found)} new L3 objects"
+        return found
+
+    return eventually(written, SNAPSHOT_WAIT_S, f"{at_least} new L3 objects were written",
+                      retry_on=(AssertionError,), interval_s=0.2)
 
 
 def until_moved(family: str, make_traffic, attempts: int = 10) -> None:

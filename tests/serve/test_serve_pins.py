@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import pytest
 import requests
+from eventually import eventually
 from prometheus_client.parser import text_string_to_metric_families
 from shared_serve import BASE, served
 from test_serve_metrics import PAGE, SETTINGS as METRICS_SETTINGS
@@ -79,10 +79,13 @@ def gauge(name: str, **labels: str) -> float:
 
 
 def wait_gauge(name: str, value: float, **labels: str) -> None:
-    deadline = time.monotonic() + WAIT_S  # the ingress folds snapshots in every 2 s
-    while gauge(name, **labels) != value:
-        assert time.monotonic() < deadline, (name, labels, gauge(name, **labels))
-        time.sleep(0.5)
+    def there() -> bool:
+        assert (now := gauge(name, **labels)) == value, f"{name}{labels} is {now}"
+        return True
+
+    # the ingress folds snapshots in every 2 s
+    eventually(there, WAIT_S, f"{name} reached {value}", retry_on=(AssertionError,),
+               interval_s=0.5)
 
 
 def test_requests_without_the_admin_key_or_with_bad_bodies_are_refused(app):
@@ -152,8 +155,10 @@ def test_a_pin_with_a_short_ttl_lapses_by_itself(app):
     made = pin({"tokens": tokens, "ttl_s": 2, "cache_salt": "short"})
     assert made.status_code == 200 and made.json()["pages"] == 4, made.text
     assert [p["id"] for p in listed()] == [made.json()["id"]]
-    deadline = time.monotonic() + WAIT_S
-    while listed():  # every tier drops it on its own clock: the ranks, the L3 directory
-        assert time.monotonic() < deadline, listed()
-        time.sleep(0.5)
+    def lapsed() -> bool:
+        assert not (pins := listed()), pins
+        return True
+
+    # every tier drops it on its own clock: the ranks, the L3 directory
+    eventually(lapsed, WAIT_S, "the pin lapsed", retry_on=(AssertionError,), interval_s=0.5)
     wait_gauge("pins", 0, kvtier_instance="instance-0")

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import requests
-
-from shared_serve import BASE, served
-from stalling_rank import StallingRankCache, arm_stall, stall_file
+from eventually import eventually
+from shared_serve import BASE
+from stalling_rank import arm_stall, served_stalling, stall_file
 
 from kvtier.serve.settings import ServeSettings
 
@@ -31,12 +31,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def app():
-    try:
-        with served(SETTINGS, rank_class=StallingRankCache):
-            yield
-    finally:
-        if os.path.exists(stall_file()):
-            os.remove(stall_file())
+    with served_stalling(SETTINGS):
+        yield
 
 
 def complete(prompt: str, max_tokens: int) -> dict:
@@ -53,12 +49,15 @@ def router_status() -> dict:
     return r.json()["instances"]
 
 
-def wait_for(what, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while not (found := what()):
-        assert time.monotonic() < deadline, router_status()
-        time.sleep(0.1)
-    return found
+def wait_for(what, description: str, timeout_s: float = 30.0):
+    """`what()` once it is true (bounded); a failure shows the router's state."""
+    def found():
+        if got := what():
+            return got
+        raise AssertionError(f"router: {router_status()}")
+
+    return eventually(found, timeout_s, description, retry_on=(AssertionError,),
+                      interval_s=0.1)
 
 
 def test_a_stalled_instance_is_routed_around_and_taken_back(app):
@@ -86,13 +85,15 @@ def test_a_stalled_instance_is_routed_around_and_taken_back(app):
     assert [f for f in finishes if f] == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 24
     served_by = chunks[-1]["kvtier"]["instance"]
-    stalled = wait_for(lambda: [n for n, i in router_status().items() if i["stalls"]])
+    stalled = wait_for(lambda: [n for n, i in router_status().items() if i["stalls"]],
+                       "the router counted a stall")
     assert stalled != [served_by] and len(stalled) == 1, router_status()
     assert took_s < STALL_S, "the answer waited for the stalled instance"
 
     name = stalled[0]  # it steps again after its sleep: live, its cancelled request freed
     wait_for(lambda: router_status()[name]["state"] == "live"
-             and router_status()[name]["load"] == 0, timeout_s=STALL_S + 10)
+             and router_status()[name]["load"] == 0, "the stalled instance was live again",
+             timeout_s=STALL_S + 10)
 
     def one(i: int) -> str:
         return complete(f"Question {i}: what does record {i} say?", 4)["kvtier"]["instance"]
@@ -105,4 +106,4 @@ def test_a_stalled_instance_is_routed_around_and_taken_back(app):
         return (f'kvtier_instance_stalls_total{{kvtier_instance="{name}"}} 1.0' in body and
                 f'kvtier_redispatched_requests_total{{kvtier_instance="{name}"}} 1.0' in body)
 
-    wait_for(counted)
+    wait_for(counted, "/metrics counted the stall and the re-sent request")

@@ -253,7 +253,7 @@ def test_without_another_live_instance_the_answer_waits_then_gives_up():
 
     async def first_items() -> list[int]:
         answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1],
-                              {}, "a", check_s=0.01, give_up_s=0.3)
+                              {}, "a", check_s=0.01, give_up_s=1.0)
         items = answer.items()
         got = (await items.__anext__())["tokens"]
         with pytest.raises(asyncio.TimeoutError):  # it waits for the stalled one a while

@@ -8,8 +8,9 @@ import random
 
 import pytest
 import torch
-
+from eventually import eventually
 from test_page_directory import RecordingStore
+
 from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
 from kvtier.backends.file_object import object_bytes
 from kvtier.backends.registry import create_backend
@@ -203,6 +204,8 @@ def test_a_read_that_failed_or_hung_says_nothing_of_the_page(file_namespace, fau
         with make_cache(d, faulty) as reader:
             ticket = reader.prefetch(DOC + [7])
             assert ticket is not None
+            # the read met its fault (a hang: before finish gives up on it, not after)
+            eventually(lambda: faulty.faults.total == 1, 5, f"the read met its {fault.value}")
             if fault is FaultKind.ERROR:
                 assert ticket.op._settled.wait(5)
             reader.finish_prefetch(ticket)  # a hang: finish gives up on it after a short wait

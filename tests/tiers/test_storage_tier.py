@@ -1,10 +1,10 @@
 """L3 through the cache facade: backup L2->L3, prefetch L3->L2 under each policy, detach."""
 import random
-import time
 import uuid
 
 import pytest
 import torch
+from eventually import eventually
 
 from kvtier.backends.base import StorageTarget
 from kvtier.backends.faulty import FaultKind, FaultyBackend
@@ -81,8 +81,8 @@ def test_best_effort_takes_what_landed_and_frees_the_rest():
     with make(seed, prefetch=PrefetchPolicy.BEST_EFFORT, device_pages=64) as b:
         ticket = b.prefetch(doc)
         assert not b.prefetch_ready(ticket) or ticket.op.state.finished  # not reached yet
-        while not b.prefetch_ready(ticket, at_admission=True):  # at most the batch in flight
-            time.sleep(0.001)
+        eventually(lambda: b.prefetch_ready(ticket, at_admission=True), WAIT_S,
+                   "the prefetch was ready at admission")  # at most the batch in flight
         got = b.finish_prefetch(ticket)
         assert got % 12 == 0 and 0 <= got <= 96  # whole batches only
         b.flush()
@@ -110,10 +110,18 @@ def _best_effort_cache(seed, *docs):
     return b, backend
 
 
+WAIT_S = 30.0  # hang guard only
+
+
 def _running(ticket):
-    while ticket.op.state is not OpState.RUNNING:
-        time.sleep(0.001)
+    eventually(lambda: ticket.op.state is OpState.RUNNING, WAIT_S,
+               "the prefetch's first batch was taken up", interval_s=0.001)
     return ticket
+
+
+def _ready_at_admission(b, ticket, timeout_s: float = WAIT_S) -> None:
+    eventually(lambda: b.prefetch_ready(ticket, at_admission=True), timeout_s,
+               "the prefetch was ready at admission", interval_s=0.005)
 
 
 def _best_effort_behind_a_slow_read(seed, doc, fault, **fault_args):
@@ -131,10 +139,10 @@ def test_best_effort_at_admission_lands_the_batch_in_flight_and_starts_no_other(
     with b:
         b.storage.worker.read_s_per_page = 1.0  # reads here are slow: 0.2 s is not overdue
         assert not b.prefetch_ready(ticket, at_admission=True)  # its batch is still read
-        while not b.prefetch_ready(ticket, at_admission=True):
-            time.sleep(0.005)
+        _ready_at_admission(b, ticket)
         assert b.finish_prefetch(ticket) == 12  # the batch in flight, used
         assert backend.stats().pages_read == 3  # and no batch after it
+        assert backend.faults.injected == {"get:delay": 1}  # that batch was the slow one
         assert b.storage.counters.unfulfilled_storage_transfer_tokens == 96 - 12
 
 
@@ -151,10 +159,10 @@ def test_best_effort_reached_before_its_first_batch_started_still_reads_that_bat
         ticket = b.prefetch(doc)  # waits for the worker's turn behind other's first batch
         assert not b.prefetch_ready(ticket, at_admission=True)
         assert ticket.op.state is OpState.QUEUED
-        while not b.prefetch_ready(ticket, at_admission=True):
-            time.sleep(0.005)
+        _ready_at_admission(b, ticket)
         assert b.finish_prefetch(ticket) == 12  # its first batch, and no other
         b.abort_prefetch(first)
+        assert backend.faults.injected == {"get:delay": 1}  # other's batch was the slow one
 
 
 def test_best_effort_at_admission_goes_on_without_an_overdue_batch():
@@ -163,11 +171,9 @@ def test_best_effort_at_admission_goes_on_without_an_overdue_batch():
     b, backend, ticket = _best_effort_behind_a_slow_read(seed, doc, FaultKind.HANG)
     with b:
         b.storage.worker.read_s_per_page = 0.001  # 3 pages are overdue after SETTLE_WAIT_S
-        start = time.monotonic()
-        while not b.prefetch_ready(ticket, at_admission=True):
-            time.sleep(0.005)
-        assert time.monotonic() - start < 5.0
+        _ready_at_admission(b, ticket, timeout_s=5.0)  # goes on: does not wait out the hang
         assert b.finish_prefetch(ticket) == 0
+        assert backend.faults.injected == {"get:hang": 1}
         assert b.storage.orphaned_pages == 24  # until the hung read returns
         backend.release()
         ticket.op._settled.wait(5.0)

@@ -5,7 +5,8 @@ while the storage may still use its pages never settles (they stay quarantined).
 from __future__ import annotations
 
 import threading
-import time
+
+from eventually import eventually
 
 from kvtier.backends.base import PagesStillInUse, TransferResult
 from kvtier.tiers.storage_worker import OpState, StorageWorker
@@ -34,10 +35,7 @@ def test_pending_counts_the_running_op_until_it_is_in_finished_backups() -> None
         assert worker.pending() == 1
         assert worker.finished_backups() == []
         backend.release.set()
-        deadline = time.monotonic() + 10
-        while worker.pending() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert worker.pending() == 0
+        eventually(lambda: worker.pending() == 0, 10, "the op ended", interval_s=0.001)
         assert worker.finished_backups() == [op] and op.done_pages == 2
     finally:
         backend.release.set()
@@ -93,9 +91,7 @@ def test_a_transfer_that_gave_up_keeps_its_pages_quarantined():
     worker = StorageWorker(backend, batch_pages=4)
     try:
         op = worker.prefetch([KEY], [3])
-        deadline = time.monotonic() + 30
-        while not op.state.finished and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: op.state.finished, 30, "the transfer ended")
         assert op.state is OpState.FAILED and op.quarantined
         assert not worker.settle(op, timeout_s=0.1)
     finally:
