@@ -119,6 +119,10 @@ class _Client:
     def pins(self, ns: str) -> list[dict]:
         return list(self._call("pins", ns))
 
+    def masters(self) -> dict[str, int]:
+        """The pid of each Mooncake master the actor runs, by namespace (on its node)."""
+        return {str(ns): int(pid) for ns, pid in self._call("masters").items()}
+
     def ping(self) -> str:
         """The service's incarnation id: it changes when the actor restarts."""
         return str(self._call("ping"))

@@ -228,6 +228,12 @@ class NamespaceService:
                 self._save()
         return restarted
 
+    def masters(self) -> dict[str, int]:
+        """The process id of each live Mooncake master this incarnation started, by
+        namespace (on the actor's node: fault injection and operators)."""
+        with self._lock:
+            return {ns: m.pid for ns, m in self._masters.items() if m.alive()}
+
     def close(self) -> None:
         """Stop supervising and evicting, close the directory's clients, stop the masters
         (specs stay). Deletes still queued are dropped: a rebuild lists their objects."""

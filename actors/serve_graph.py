@@ -70,14 +70,18 @@ def build_app(settings: ServeSettings, rank_class: type[RankCache] = RankCache) 
     if s.pd:
         instances[PD_NAME] = PDDeployment.options(name=PD_NAME, **on_head).bind(
             PD_NAME, values, rank_class)
-    for i in range(0 if s.pd else s.instances):
-        name = f"instance-{i}"
+    for name in instance_names(s):
         instances[name] = InstanceDeployment.options(name=name, **on_head).bind(
             name, values, rank_class)
     router, ingress = RouterDeployment, Ingress
     if on_head:
         router, ingress = router.options(**on_head), ingress.options(**on_head)
     return ingress.bind(router.bind(instances, values), instances, values)
+
+
+def instance_names(settings: ServeSettings) -> list[str]:
+    """The instance deployments of a graph without prefill/decode: `instance-<i>`."""
+    return [] if settings.pd else [f"instance-{i}" for i in range(settings.instances)]
 
 
 def app_builder(args: dict[str, Any]) -> Any:

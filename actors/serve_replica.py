@@ -183,6 +183,23 @@ class ServedReplica:
     async def storage(self) -> dict:
         return {"instance": self.name, "l3": self.l3}
 
+    # ---- fault injection and the leak audit (kvtier bench chaos: actors/chaos_faults.py) -----
+    async def kill_rank(self, member: int, rank: int) -> bool:
+        """Kill rank `rank` of instance `member` (`_members` order) now, in the middle of a
+        step or not, without waiting for the driver thread: the instance notices at its next
+        call and replaces its ranks. False when its ranks are being replaced already."""
+        try:
+            self._members(self.server.instance)[member].kill_rank(rank)
+        except IndexError:  # no ranks right now: a replacement set is starting
+            return False
+        return True
+
+    async def audit(self) -> list[list[dict]]:
+        """Every rank's `audit` (pages outside the tree, locked and protected nodes, after
+        its copies settle), per instance in `_members` order, between two steps."""
+        return await self._call(lambda target: [inst.call_all("audit")
+                                                for inst in self._members(target)])
+
     def check_health(self) -> None:
         if self.server.broken:
             raise RuntimeError(f"instance {self.name} stopped serving: {self.server.broken}")

@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import aiohttp
 from tqdm import tqdm
@@ -154,7 +154,7 @@ class ServerError(Exception):
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind
+        self.kind, self.detail = kind, detail
 
 
 DONE = object()  # the `data: [DONE]` line
@@ -183,32 +183,46 @@ def chunk_text(chunk: dict) -> str:
     return delta.get("content") or ""
 
 
+async def check_status(resp: aiohttp.ClientResponse, max_bytes: int = ERROR_BODY_BYTES) -> None:
+    """ServerError `http_<status>` (with the body's first `max_bytes`) unless it is a 200."""
+    if resp.status != 200:
+        detail = (await resp.content.read(max_bytes)).decode("utf-8", "replace")
+        raise ServerError(f"http_{resp.status}", detail)
+
+
+async def sse_chunks(resp: aiohttp.ClientResponse,
+                     max_error_bytes: int = ERROR_BODY_BYTES) -> AsyncIterator[dict]:
+    """The JSON chunks of an event stream up to `data: [DONE]`. ServerError when a chunk is an
+    error ("stream_error", its first `max_error_bytes`) or the server closes the stream before
+    [DONE] ("incomplete_stream": the answer may be cut short)."""
+    chunks = 0
+    async for raw in resp.content:
+        chunk = parse_sse_line(raw)
+        if chunk is DONE:
+            return
+        if chunk is None:
+            continue
+        if chunk.get("error"):
+            raise ServerError("stream_error", json.dumps(chunk["error"])[:max_error_bytes])
+        chunks += 1
+        yield chunk
+    raise ServerError("incomplete_stream", f"{chunks} chunks, no [DONE]")
+
+
 async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> StreamResult:
     """POST one streaming chat completion and read it to the end."""
     start = time.perf_counter()
     first: float | None = None
-    parts, usage, ext, done = [], {}, {}, False
+    parts, usage, ext = [], {}, {}
     async with session.post(url, json=body) as resp:
-        if resp.status != 200:
-            detail = (await resp.content.read(ERROR_BODY_BYTES)).decode("utf-8", "replace")
-            raise ServerError(f"http_{resp.status}", detail)
-        async for raw in resp.content:
-            chunk = parse_sse_line(raw)
-            if chunk is DONE:
-                done = True
-                break
-            if chunk is None:
-                continue
-            if chunk.get("error"):
-                raise ServerError("stream_error", str(chunk["error"])[:ERROR_BODY_BYTES])
+        await check_status(resp)
+        async for chunk in sse_chunks(resp):
             text = chunk_text(chunk)
             if text and first is None:
                 first = time.perf_counter() - start
             parts.append(text)
             usage = chunk.get("usage") or usage
             ext = chunk.get("kvtier") or ext
-    if not done:  # the server closed the stream early: the answer may be cut short
-        raise ServerError("incomplete_stream", f"{len(parts)} chunks, no [DONE]")
     latency = time.perf_counter() - start
     return StreamResult("".join(parts), latency if first is None else first, latency, usage, ext)
 

@@ -34,7 +34,8 @@ def _command(sub, name: str, module, help_text: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import demo
     from kvtier import serve_command
-    from kvtier.bench import instances, matrix, pd, prefix, serve_bench, soak, storage, transfer, tree
+    from kvtier.bench import (chaos, instances, matrix, pd, prefix, serve_bench, soak, storage,
+                              transfer, tree)
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     _command(bench, "serve", serve_bench, "multi-turn chat load on the serve graph, cache on/off")
     _command(bench, "soak", soak, "mixed traffic with aborts and L3 faults: answers checked, "
              "leaks counted")
+    _command(bench, "chaos", chaos, "the serve graph under real and adversarial clients while "
+             "ranks, the namespace actor and the Mooncake master fail: answers checked, leaks "
+             "counted")
     g = bench.add_parser("gen-trace", help="write a synthetic multi-turn trace")
     _add_gen_trace(g)
     g.set_defaults(func=_gen_trace)
