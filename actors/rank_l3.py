@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
-from kvtier.backends.base import StorageBackend
+from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.errors import ConfigError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
@@ -63,6 +63,12 @@ class RankL3:
                                   deterministic=s.deterministic)
         try:
             self._attach(cache, info, s.l3_actor)
+        except StorageUnavailable as exc:
+            if cache.directory is None:  # no actor to ask later
+                cache.close()
+                raise
+            log.warning("rank %d: L3 namespace %s cannot be opened now (%s); L3 misses until "
+                        "it can", self.rank, info.namespace, exc)
         except BaseException:
             cache.close()
             raise
@@ -145,8 +151,9 @@ class RankL3:
         self._l3_next_check = now + L3_EPOCH_CHECK_S
         info, l3_actor = l3
         try:
-            if cache.storage is None:  # an earlier swap failed half-way: attach again
-                self._attach(cache, info, l3_actor)
+            if cache.storage is None:  # its storage could not be opened (an attach, or a swap
+                # that failed half-way): again, as the actor knows the namespace now
+                self._attach(cache, self._namespace_now(cache.directory, info), l3_actor)
                 return
             self._check_namespace(cache, info, l3_actor)
         except Exception as exc:  # noqa: BLE001 - an L3 metadata error is a miss, not a failure
@@ -189,8 +196,22 @@ class RankL3:
             return directory.register(info.spec)
 
     def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
-        """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3."""
-        return self._attach(self.engine.cache, NamespaceInfo.from_msgpack(info), l3_actor)
+        """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3; its
+        backend's kind. Storage that cannot be opened now (a Mooncake master restarting: a
+        replacement rank must not fail its instance for it) is attached by `_follow_l3` once
+        it can be, as the namespace actor knows it then; until then L3 misses."""
+        got = NamespaceInfo.from_msgpack(info)
+        cache = self.engine.cache
+        try:
+            return self._attach(cache, got, l3_actor)
+        except StorageUnavailable as exc:
+            if cache.directory is None:  # no actor to ask later: nothing to retry with
+                raise
+            log.warning("rank %d: L3 namespace %s cannot be opened now (%s); L3 misses until "
+                        "it can (retried every %.0f s)", self.rank, got.namespace, exc,
+                        L3_EPOCH_CHECK_S)
+            self._l3_next_check = time.monotonic() + L3_EPOCH_CHECK_S
+            return got.spec.backend.value
 
     def detach_l3(self) -> None:
         """Stop using L3 (queued backups finish first; nothing leaks)."""

@@ -171,3 +171,46 @@ def test_pages_stored_while_away_are_not_published_in_storage_that_lacks_them(ac
         assert actor.stats(info.namespace).published_pages >= 4
     finally:
         rank.close()
+
+
+def test_storage_that_cannot_be_opened_yet_is_attached_once_it_can(actor, tmp_path):
+    """A replacement rank whose namespace's storage cannot be opened (a Mooncake master
+    restarting) starts without it, answers with L3 misses, and attaches it at a later check
+    (as the actor knows the namespace then): it never fails its instance for it."""
+    from kvtier.backends.base import StorageUnavailable
+
+    a = tokens(5)
+    info = register(actor, tmp_path / "l3")
+    writer = rank_on(actor, info)
+    try:
+        assert answer(writer, a).tokens == cold(a)
+        writer.quiesce()  # A's pages are in L3
+    finally:
+        writer.close()
+    down = [True]  # the storage refuses to open while down
+    tries = []
+
+    def open_backend(self, info, heads):
+        tries.append(info.epoch)
+        if down[0]:
+            raise StorageUnavailable("injected: the master is restarting")
+        return RankCache._open_backend(self, info, heads)
+
+    cls = type("LateRank", (RankCache,), {"_directory": lambda self, name: actor,
+                                          "_open_backend": open_backend})
+    rank = cls(0, 1, "", SETTINGS._replace(l3=info, l3_actor="in-process"))
+    try:
+        assert rank.engine.cache.storage is None  # started without its L3
+        out = answer(rank, a)
+        assert out.tokens == cold(a) and out.cached.storage == 0  # a miss, not a failure
+        assert len(tries) >= 2  # its steps tried again
+        rank.detach_l3()
+        assert rank.attach_l3(info.to_msgpack(), "in-process") == "file"  # refused: later
+        assert rank.engine.cache.storage is None
+        down[0] = False
+        rank.step()  # its next step's check opens it
+        assert rank.engine.cache.storage is not None
+        rank.quiesce()  # the backups the attach started (its L2 holds A) settle
+        assert from_l3(rank, a).cached.storage == 4 * PAGE  # the pages stored before
+    finally:
+        rank.close()
