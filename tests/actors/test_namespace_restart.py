@@ -143,18 +143,19 @@ def test_an_instance_keeps_answering_when_the_actor_comes_back_without_the_names
         late = inst.add_request(PROMPTS[2], GREEDY)
         outs = inst.wait([in_flight, late])
         assert [o.tokens for o in outs] == [reference[1], reference[2]]
-        deadline = time.monotonic() + 60
-        while client.wait_ready(timeout_s=60) == before:
-            assert time.monotonic() < deadline, "the namespace actor did not come back"
-            time.sleep(0.1)
+        eventually(lambda: client.wait_ready(timeout_s=60) != before, 60,
+                   "the namespace actor came back", interval_s=0.1)
 
         # Back, without the namespace, until a rank's next check registers it again; every
         # answer meanwhile is right, and the lookups that could not ask are counted misses.
-        deadline = time.monotonic() + 60
-        while info.namespace not in client.namespaces():
-            assert time.monotonic() < deadline, "no rank registered the namespace again"
+        def registered_again() -> bool:
+            if info.namespace in client.namespaces():
+                return True
             inst.drop_cache()
             assert inst.generate([PROMPTS[0]], GREEDY)[0].tokens == reference[0]
+            return False
+
+        eventually(registered_again, 60, "a rank registered the namespace again")
         assert storage_counter(inst, "directory_miss_lookups") > misses
         inst.quiesce()  # what waited for the directory is reported now
 
