@@ -1,0 +1,85 @@
+"""The instance server's hand-over between callers' threads and its driver thread, without Ray:
+commands from many threads at once never stop the instance, and every request is answered or
+cancelled exactly once."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from eventually import eventually
+
+from kvtier.actors.instance import InstanceStep
+from kvtier.actors.instance_server import InstanceServer
+from kvtier.engine.request import CachedTokens, FinishReason, Output
+from kvtier.engine.sampling import SamplingParams
+from kvtier.tiers.cache_types import RequestLengths
+
+
+class InstantInstance:
+    """Answers every request with one token at its first step (an Instance's interface)."""
+
+    restarts = 0
+    recovering = False
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._running: deque[int] = deque()
+
+    def watch_cache(self, name: str) -> None:
+        pass
+
+    def drain_events(self) -> None:
+        return None
+
+    def add_request(self, tokens, sampling, cache_salt="", resume=None) -> int:
+        self._next += 1
+        self._running.append(self._next)
+        return self._next
+
+    def abort(self, request_id: int) -> None:
+        if request_id in self._running:
+            self._running.remove(request_id)
+
+    def step_report(self) -> InstanceStep:
+        done = []
+        while self._running:
+            done.append(Output(self._running.popleft(), (1,), (7,), None, FinishReason.LENGTH,
+                               RequestLengths(0, 0, 0, 0, 1), CachedTokens(0, 0, 0), 0.0, None))
+        return InstanceStep(done, {}, None)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        pass
+
+
+def test_commands_from_many_threads_never_stop_the_instance():
+    """Cancels of requests that finished already (a client gone after its last token) come
+    while other threads queue requests: the driver thread used to scan the shared command
+    deque for them while callers appended to it ('deque mutated during iteration', and the
+    instance stopped serving every request)."""
+    server = InstanceServer(InstantInstance(), "race")
+    done = threading.Semaphore(0)
+
+    def caller() -> None:
+        keys = [server.submit([1, 2], SamplingParams(max_new_tokens=1),
+                              lambda _: done.release()) for _ in range(200)]
+        time.sleep(0.001)
+        for key in keys:  # most have finished: the server must find nothing to cancel
+            server.cancel(key)
+
+    deadline = time.monotonic() + 3.0
+    try:
+        while time.monotonic() < deadline and not server.broken:
+            threads = [threading.Thread(target=caller) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert server.broken is None, server.broken
+        eventually(lambda: server.poll().load == 0, 10, "every request answered or cancelled")
+    finally:
+        server.close()
