@@ -66,3 +66,39 @@ def test_resume_round_trips():
     assert resume_to_wire(None) is None and resume_from_wire(None) is None
     with pytest.raises(MessageError):
         resume_from_wire([["x"], None])
+
+
+def test_a_step_report_does_not_grow_with_the_answer():
+    """Rank 0 reports each answer token once: with 16 answers asking for 20 alternatives per
+    token, a decode step's report stays the size of one step's tokens, however long the
+    answers are (it used to carry every answer whole at every step: O(T^2) per answer)."""
+    import torch
+
+    from kvtier.actors.rank_actor import RankCache, RankSettings
+    from kvtier.config import HiCacheConfig
+    from kvtier.engine.sampling import SamplingParams
+    from kvtier.engine.tp_worker import TinyWeights
+
+    settings = RankSettings(TinyWeights(seed=1), HiCacheConfig(page_size=16), device_pages=128,
+                            dtype=torch.float32, chunk_tokens=64)
+    rank = RankCache(0, 1, "", settings)
+    try:
+        params = SamplingParams(max_new_tokens=120, temperature=1.0, seed=3, logprobs=20,
+                                stop_token_ids=())
+        for i in range(16):
+            rank.add_request([1 + i, 2, 3, 4, 5], params)
+        sizes, seen = [], {}
+        for _ in range(400):
+            data = rank.step()
+            report = decode_report(data)
+            for rid, p in report.progress.items():
+                assert p.start == seen.get(rid, 0)  # each token once
+                seen[rid] = p.stop
+            if report.finished:
+                break
+            if report.progress:
+                sizes.append(len(data))
+        assert max(seen.values()) >= 100
+        assert max(sizes[5:]) < 2 * sizes[5], sizes  # flat, not growing with the answer
+    finally:
+        rank.close()
