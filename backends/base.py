@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import re
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Protocol, Sequence
 
@@ -43,8 +44,13 @@ class StorageUnavailable(KvtierError, RuntimeError):
 
 class PagesStillInUse(StorageUnavailable):
     """A backend call gave up while the storage may still read or write the host pages it
-    was given (a transfer that timed out and could not be cancelled): the caller must never
-    reuse those pages (they stay quarantined)."""
+    was given (a transfer that timed out and could not be cancelled): the caller must not
+    reuse those pages (they stay quarantined) until `pending`, where the backend can tell,
+    is done; with no `pending`, never."""
+
+    def __init__(self, message: str, pending: Future | None = None) -> None:
+        super().__init__(message)
+        self.pending = pending  # the storage call still running on the pages, if known
 
 
 class PagedPool(Protocol):

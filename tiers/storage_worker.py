@@ -145,14 +145,19 @@ class StorageWorker:
         return op._settled.wait(timeout_s)
 
     def finished_backups(self) -> list[StorageOp]:
-        """Backups that ended since the last call, in the order they ended."""
+        """Backups that ended since the last call, in the order they ended, once the storage
+        no longer touches their host pages: a quarantined backup is held back until it
+        settles (never, if it cannot), so that its pages stay protected until then."""
         with self._cv:
-            out = list(self._finished_backups)
-            self._finished_backups.clear()
+            ended, self._finished_backups = self._finished_backups, deque()
+            out = []
+            for op in ended:  # `settled` read once per op: it may turn True meanwhile
+                (out if op.settled else self._finished_backups).append(op)
         return out
 
     def pending(self) -> int:
-        """Ops queued or being stepped (0: every backup that ended is in finished_backups)."""
+        """Ops queued or being stepped (0: every backup that ended is in finished_backups,
+        or held back there while quarantined)."""
         with self._cv:
             return len(self._prefetches) + len(self._backups) + self._running
 
@@ -204,6 +209,8 @@ class StorageWorker:
                       "prefetch" if is_prefetch else "backup", len(keys), exc)
             op.error = exc
             op._finish(OpState.FAILED, settle=False)
+            if exc.pending is not None:  # the backend says when the storage lets go of them
+                exc.pending.add_done_callback(lambda _call: op._settled.set())
             return
         except Exception as exc:  # a backend failure is a miss for this op, never a crash
             log.warning("storage %s of %d pages failed: %s", "prefetch" if is_prefetch else "backup",

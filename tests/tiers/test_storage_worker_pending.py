@@ -5,6 +5,7 @@ while the storage may still use its pages never settles (they stay quarantined).
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 from eventually import eventually
 
@@ -96,3 +97,55 @@ def test_a_transfer_that_gave_up_keeps_its_pages_quarantined():
         assert not worker.settle(op, timeout_s=0.1)
     finally:
         worker.close()
+
+
+class _GaveUpBackend:
+    """Every call gives up while its storage call runs on: PagesStillInUse with `call`, a
+    Future the test completes when "the storage" lets go of the pages (None: it never says)."""
+
+    def __init__(self, call: Future | None) -> None:
+        self.call = call
+
+    def get_into(self, pool, keys, pages):
+        raise PagesStillInUse("injected: the call is past its deadline", pending=self.call)
+
+    set_from = get_into
+
+
+def _ended(op) -> None:
+    eventually(lambda: op.state.finished, 30, "the transfer ended")
+    assert op.state is OpState.FAILED
+
+
+def test_a_transfer_that_gave_up_settles_once_its_call_returns():
+    """PagesStillInUse with the call's Future (a Mooncake call past its deadline): the op
+    fails at once and stays quarantined only until the call returns."""
+    call: Future = Future()
+    worker = StorageWorker(_GaveUpBackend(call), batch_pages=4)
+    try:
+        op = worker.prefetch([KEY], [3])
+        _ended(op)
+        assert op.quarantined and not worker.settle(op, timeout_s=0.1)
+        call.set_result([-800])
+        assert worker.settle(op, timeout_s=5.0) and not op.quarantined
+    finally:
+        worker.close()
+
+
+def test_a_quarantined_backup_is_handed_back_only_once_it_settles():
+    """Its caller releases the backup's L2 pages when finished_backups hands it back, so a
+    backup whose call may still read them is held back: until the call returns, or for good
+    when the backend cannot tell."""
+    call: Future = Future()
+    worker, never = StorageWorker(_GaveUpBackend(call)), StorageWorker(_GaveUpBackend(None))
+    try:
+        op, stuck = worker.backup([KEY], [0]), never.backup([KEY], [0])
+        _ended(op)
+        _ended(stuck)
+        assert worker.pending() == 0 and worker.finished_backups() == []
+        call.set_result([0])
+        assert worker.finished_backups() == [op] and worker.finished_backups() == []
+        assert never.finished_backups() == [] and stuck.quarantined
+    finally:
+        worker.close()
+        never.close()
