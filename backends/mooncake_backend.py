@@ -20,19 +20,39 @@
 - A dead master makes calls misses/failures, never exceptions or hangs, and is counted
   (backends/mooncake_master_guard.py says why and how). A master restarted elsewhere
   (a new address) needs a new backend: detach and attach.
+- Every call to the client has a deadline, `call_timeout_s` (backends/bounded_calls.py: a
+  peer whose link is cut holds a Mooncake call far longer). Past it `exists` is a miss, a
+  delete removes nothing, and a read or write that may still touch its host pages raises
+  PagesStillInUse with the call's Future: the storage worker fails the op and keeps its
+  pages quarantined until the call returns (never published: its pages are not reported).
+  At most MAX_STUCK_CALLS calls run past their deadline; meanwhile further calls are not
+  started: `exists` misses, and a read or write raises StorageUnavailable (the op fails,
+  and a read does not tell the directory its pages are missing). Mooncake's own per-step
+  timeouts (TCP progress and status, handshake connect) are set to the deadline, rounded up
+  to whole seconds (its unit), unless the environment sets them, so that a stuck call
+  returns soon after the deadline on an open connection (on a new one Mooncake tries the
+  handshake once per object: a stuck call can last until the link is back).
+- Each put asks for `replica_num` copies on different segments (`copies`: 1 unless the
+  namespace resolved "auto" to 2 for a cluster on 2+ hosts). Mooncake reads the first
+  complete copy and does not fall back to another, so while a cut host's segment is still
+  mounted a read of its objects times out (a miss); once the master drops the segment
+  (its client's TTL, 2 s) the other copy serves them.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import xxhash
 
-from kvtier.backends.base import (Capabilities, PoolRegistration, StorageBackend, StorageTarget,
-                                  StorageUnavailable, TransferResult)
+from kvtier.backends.base import (Capabilities, PagesStillInUse, PoolRegistration,
+                                  StorageBackend, StorageTarget, StorageUnavailable,
+                                  TransferResult)
+from kvtier.backends.bounded_calls import BoundedCalls, CallOutcome, CallState
 from kvtier.backends.mooncake_master import (LOOPBACK, MooncakeMaster, default_master_host,
                                              free_port, port_open)
 from kvtier.backends.mooncake_master_guard import OK, MasterGuard
@@ -45,6 +65,12 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 BUFFER_TOO_SMALL = -600
+NO_ANSWER = -10_000  # kvtier's: the call passed its deadline, or was refused meanwhile
+# Mooncake's own waits (whole seconds), set to the call deadline unless the environment has
+# them: the TCP transport's progress and status-frame deadlines (read at each transfer) and
+# the handshake connect timeout (read once per process, when the first client starts).
+MOONCAKE_TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC",
+                        "MC_HANDSHAKE_CONNECT_TIMEOUT")
 SUM_SUFFIX = "sum"  # `<...>_h<head>_sum` beside `_k` / `_v`: the head's part checksums
 SUM_BYTES = 8  # one little-endian xxh3_64 per part
 
@@ -53,7 +79,8 @@ SUM_BYTES = 8  # one little-endian xxh3_64 per part
 _ERRORS = {-1: "internal error", -200: "no space left (puts past ~90% of the segments fail)",
            -600: "invalid parameters, or a buffer too small for the object",
            -704: "object not found", -706: "object has a lease", -800: "transfer failed",
-           -900: "RPC to the master failed", -901: "RPC to the master timed out"}
+           -900: "RPC to the master failed", -901: "RPC to the master timed out",
+           NO_ANSWER: "no answer within call_timeout_s"}
 DEFAULT_METADATA = "P2PHANDSHAKE"  # no metadata server needed (see mooncake_master.py)
 
 
@@ -92,6 +119,7 @@ def connect(options: MooncakeOptions, master_address: str) -> Any:
             f"kvtier starts its own (a master on {LOOPBACK} serves one host only: with ranks on "
             "several hosts, set master_host to an address of the namespace actor's node)")
     metadata = options.metadata_server or DEFAULT_METADATA
+    bound_mooncake_waits(options.call_timeout_s)
     store = MooncakeDistributedStore()
     rc = store.setup(_client_name(options.local_hostname or LOOPBACK), metadata,
                      options.global_segment_size_bytes, options.local_buffer_size_bytes,
@@ -105,6 +133,22 @@ def connect(options: MooncakeOptions, master_address: str) -> Any:
             "server), that local_hostname is an address of this machine, and that "
             "global_segment_size_bytes fits in free memory")
     return store
+
+
+def bound_mooncake_waits(call_timeout_s: float) -> None:
+    """Mooncake's per-step timeouts no longer than the call deadline (MOONCAKE_TIMEOUT_ENV).
+    Process-wide: the first backend of a process sets them; the environment's own win."""
+    seconds = str(max(1, math.ceil(call_timeout_s)))
+    for name in MOONCAKE_TIMEOUT_ENV:
+        os.environ.setdefault(name, seconds)
+
+
+def replicate_config(copies: int) -> Any:
+    """What each put asks of the master: `copies` replicas on different segments."""
+    from mooncake.store import ReplicateConfig
+    config = ReplicateConfig()
+    config.replica_num = copies
+    return config
 
 
 def close_client(store: Any) -> None:
@@ -139,6 +183,9 @@ class _PoolMap:
         self.sum_heads = [(s.head, i) for i, s in enumerate(reg.slots) if s.part == 0]
         self.sums, self.sum_bytes = sums, self.num_parts * SUM_BYTES
         self.pool, self.num_pages = reg.pool, reg.pool.num_pages
+        # A view holds the pool's memory: a call past its deadline keeps this map, so the
+        # memory it may still write stays mapped even if the pool is closed meanwhile.
+        self.memory = reg.view(0, 0)
         self.bases = [reg.view(0, i).data_ptr() for i in range(self.num_slots)]
         self.part_bytes = reg.view(0, 0).numel()
         self.page_stride = reg.view(1, 0).data_ptr() - self.bases[0] if self.num_pages > 1 else 0
@@ -228,6 +275,10 @@ class MooncakeBackend(StorageBackend):
                 self.master.stop()
             raise
         self.master_address = address
+        self.copies = options.copies
+        self.replicate = replicate_config(self.copies)
+        self.calls = BoundedCalls(options.call_timeout_s, name="kvtier-mooncake")
+        self.counters.extra.update(calls_timed_out=0, calls_refused=0, calls_stuck=0)
         self.guard = MasterGuard(address, self.master, self.store.health_check, describe,
                                  self.counters.extra)
 
@@ -253,15 +304,41 @@ class MooncakeBackend(StorageBackend):
         return [n for k in keys for n in m.names(k, self.verify)]
 
     # ---- calls into the client -----------------------------------------------------------
-    def _call(self, fn: Callable[..., list[int]], n: int, *args: Any) -> list[int]:
-        """One batch call; a client exception becomes a failure of every object, not a crash."""
-        try:
-            out = list(fn(*args))
-        except Exception as exc:  # noqa: BLE001 - the engine's errors are misses here
-            log.warning("mooncake %s failed: %s", getattr(fn, "__name__", fn), exc)
+    def _call(self, fn: Callable[..., list[int]], n: int, *args: Any,
+              holds: _PoolMap | None = None) -> list[int]:
+        """One batch call within `call_timeout_s`; a client exception becomes a failure of
+        every object, not a crash, and so does a call past its deadline, unless it `holds`
+        host pages it may still touch: then PagesStillInUse (module docstring)."""
+        outcome = self.calls.run(_holding, holds, fn, *args)
+        if outcome.state is not CallState.DONE:
+            self._note_no_answer(outcome, fn, n, holds)
+            return [NO_ANSWER] * n
+        if outcome.error is not None:  # the engine's errors are misses here
+            log.warning("mooncake %s failed: %s", _name(fn), outcome.error)
             return [-1] * n
+        out = list(outcome.value)
         self.guard.observe(out)
         return out if len(out) == n else [-1] * n
+
+    def _note_no_answer(self, outcome: CallOutcome, fn: Callable, n: int,
+                        holds: _PoolMap | None) -> None:
+        extra = self.counters.extra
+        extra.update(calls_timed_out=self.calls.timed_out, calls_refused=self.calls.refused,
+                     calls_stuck=self.calls.stuck)
+        if outcome.state is CallState.REFUSED:
+            if holds is not None:  # a transfer: fail the op (a miss would say "not stored")
+                raise StorageUnavailable(
+                    f"mooncake {_name(fn)} not started: {extra['calls_stuck']} earlier calls "
+                    "are still running past call_timeout_s (an unreachable segment?)")
+            return  # never started: nothing touched
+        log.warning("mooncake %s of %d objects passed call_timeout_s (%.1f s); %d call(s) "
+                    "still running", _name(fn), n, self.options.call_timeout_s,
+                    extra["calls_stuck"])
+        if holds is not None:
+            raise PagesStillInUse(
+                f"mooncake {_name(fn)} of {n} objects did not return within call_timeout_s "
+                f"({self.options.call_timeout_s} s) and may still use its host pages (a "
+                "segment whose host is unreachable?)", pending=outcome.pending)
 
     # ---- the interface -------------------------------------------------------------------
     def _per_page(self, reg: PoolRegistration) -> int:
@@ -279,15 +356,20 @@ class MooncakeBackend(StorageBackend):
             return TransferResult([False] * len(keys), 0)
         b = self._maps[reg.name].batch(keys, host_pages)
         found = self._call(self.store.batch_is_exist, len(b.names), b.names)
-        if self.guard.down:  # that RPC failed: a put would wait for its own timeout, and fail
+        if self.guard.down or NO_ANSWER in found:  # that RPC failed or hung: so would a put
             return TransferResult([False] * len(keys), 0)
         todo = b.pick([i for i, f in enumerate(found) if f != 1])
         need = sorted(set(todo.slots))
         self.counters.write_skipped_existing += len(keys) - len(need)
         if self.verify:
             self._fill_sums(reg, [host_pages[slot] for slot in need])
-        rcs = (self._call(self.store.batch_put_from, len(todo.names), todo.names, todo.ptrs,
-                          todo.sizes) if todo.names else [])
+        try:
+            rcs = (self._call(self.store.batch_put_from, len(todo.names), todo.names,
+                              todo.ptrs, todo.sizes, self.replicate, holds=self._maps[reg.name])
+                   if todo.names else [])
+        except StorageUnavailable:  # past the deadline, or not started
+            self.counters.write_failures += len(keys)  # the op fails: none is reported
+            raise
         ok, moved = [True] * len(keys), [0] * len(keys)
         for slot, name, size, rc in zip(todo.slots, todo.names, todo.sizes, rcs):
             if rc != OK:
@@ -303,8 +385,14 @@ class MooncakeBackend(StorageBackend):
     def _get(self, reg: PoolRegistration, keys: list[str], host_pages: list[int]) -> TransferResult:
         if not keys or not self.guard.usable():
             return TransferResult([False] * len(keys), 0)
-        b = self._maps[reg.name].batch(keys, host_pages)
-        rcs = self._call(self.store.batch_get_into, len(b.names), b.names, b.ptrs, b.sizes)
+        m = self._maps[reg.name]
+        b = m.batch(keys, host_pages)
+        try:
+            rcs = self._call(self.store.batch_get_into, len(b.names), b.names, b.ptrs, b.sizes,
+                             holds=m)
+        except StorageUnavailable:  # past the deadline, or not started
+            self.counters.read_misses += len(keys)  # the prefetch gets none of them
+            raise
         ok = [True] * len(keys)
         bad: dict[int, int] = {}  # slot -> corrupt objects found
         for slot, name, size, rc in zip(b.slots, b.names, b.sizes, rcs):
@@ -367,10 +455,21 @@ class MooncakeBackend(StorageBackend):
 
     # ---- lifetime ------------------------------------------------------------------------
     def _close(self) -> None:
-        close_client(self.store)
+        # A call past its deadline may still use the client: it is closed when they return.
+        store = self.store
+        self.calls.close(lambda: close_client(store))
         if self.master is not None:
             self.master.stop()
 
     def __repr__(self) -> str:
         own = self.master is not None
         return f"MooncakeBackend(master={self.master_address}, own={own}, verify={self.verify})"
+
+
+def _holding(keep: object, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` with `keep` (a pool's map) referenced for as long as the call runs."""
+    return fn(*args)
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", repr(fn))

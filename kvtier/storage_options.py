@@ -25,6 +25,8 @@ _MAX_PATH_CHARS = 4096
 _MAX_HOST_CHARS = 255
 EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
 AUTO_HOST = "auto"  # MooncakeOptions.master_host: the cluster decides (see there)
+AUTO_REPLICAS = "auto"  # MooncakeOptions.replica_num: the cluster's host count decides
+MAX_REPLICAS = 16  # copies of an object in Mooncake; more is a typo, not a deployment
 
 
 # ---- value checks shared with kvtier.config ---------------------------------------------
@@ -198,6 +200,15 @@ class MooncakeOptions(_Options):
     # turn it off only where the store is trusted.
     verify_checksums: bool = True
     start_timeout_s: float = 15.0  # bound on starting the master and connecting to it
+    # Bound on each Mooncake Store call (exists, get, put, remove): past it a read is a miss
+    # and a write a failure, whatever Mooncake does (a peer whose link is cut can hold a
+    # call for minutes; backends/mooncake_backend.py says how the pages stay safe).
+    call_timeout_s: float = 5.0
+    # Copies of each object, on different segments (clients): 2+ keeps a page readable when
+    # one host's segment is gone. "auto": 1 for a backend opened on its own; under an L3
+    # namespace, 2 when the Ray cluster's alive nodes are on 2+ hosts at registration
+    # (actors/l3_hosts.py), 1 otherwise.
+    replica_num: int | str = AUTO_REPLICAS
 
     def __post_init__(self) -> None:
         if self.master_address is not None:
@@ -222,6 +233,17 @@ class MooncakeOptions(_Options):
         check_bool(self.verify_checksums, self._where("verify_checksums"))
         self._set("start_timeout_s", check_float(self.start_timeout_s,
                                                  self._where("start_timeout_s"), 0.1, 600.0))
+        self._set("call_timeout_s", check_float(self.call_timeout_s,
+                                                self._where("call_timeout_s"), 0.1, 600.0))
+        if self.replica_num != AUTO_REPLICAS:
+            check_int(self.replica_num, self._where("replica_num") + f" (or {AUTO_REPLICAS!r})",
+                      1, MAX_REPLICAS)
+
+    @property
+    def copies(self) -> int:
+        """Copies each put asks for: `replica_num`, or 1 where "auto" was never resolved
+        (a backend opened on its own serves one process)."""
+        return 1 if self.replica_num == AUTO_REPLICAS else self.replica_num
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,6 +244,26 @@ def test_reads_are_verified_by_default():
     assert MooncakeOptions(verify_checksums=False).verify_checksums is False
 
 
+@pytest.mark.parametrize("bad", [0, -1, 601, "5", True, float("nan")])
+def test_call_timeout_is_validated(bad):
+    from kvtier.errors import ConfigError
+    assert MooncakeOptions().call_timeout_s == 5.0
+    with pytest.raises(ConfigError, match="call_timeout_s"):
+        MooncakeOptions(call_timeout_s=bad)
+
+
+def test_mooncakes_own_waits_follow_the_call_timeout_unless_the_environment_sets_them(
+        monkeypatch):
+    from kvtier.backends.mooncake_backend import MOONCAKE_TIMEOUT_ENV, bound_mooncake_waits
+    for name in MOONCAKE_TIMEOUT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "60")  # the operator's choice stands
+    bound_mooncake_waits(2.5)  # whole seconds, rounded up
+    assert {n: os.environ[n] for n in MOONCAKE_TIMEOUT_ENV} == {
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": "3", "MC_TCP_STATUS_TIMEOUT_SEC": "60",
+        "MC_HANDSHAKE_CONNECT_TIMEOUT": "3"}
+
+
 def test_master_binds_the_host_it_is_given():
     with MooncakeMaster(host="127.0.0.1") as m:
         assert m.host == "127.0.0.1" and m.address == f"127.0.0.1:{m.rpc_port}"
@@ -331,3 +351,147 @@ class _CountingStore:
             return attr(names, *args)
         return counted
 
+
+
+# ---- segments whose owner stops answering: deadlines and copies -------------------------
+def _segment_client(master, **options) -> MooncakeBackend:
+    """A client without a segment of its own: what it puts lands in the owners' segments."""
+    opts = MooncakeOptions(master_address=master.address, global_segment_size_bytes=0,
+                           local_buffer_size_bytes=0, call_timeout_s=1, **options)
+    return MooncakeBackend(opts, StorageTarget(KeyNamespace(f"mc-seg-{next(_COUNTER)}", "t",
+                                                            "fp")))
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def stopped_segment():
+    """A master that keeps a silent client's segment mounted (a TTL of a minute, not 2 s:
+    reads keep reaching it) and one segment owner in a child process."""
+    from tests.backends.mooncake_segment import SegmentOwner
+
+    with MooncakeMaster(client_ttl_s=60) as m:
+        owner, = SegmentOwner.start(m.address)
+        try:
+            yield m, owner
+        finally:
+            owner.close()
+
+
+def test_calls_to_a_stopped_segment_give_up_at_the_deadline(stopped_segment):
+    """A host whose segment stops answering (SIGSTOP, as a cut link) must not hold its readers
+    and writers: each call gives up after call_timeout_s (Mooncake alone waits 30 s for its
+    TCP progress timeout, or a handshake timeout per object on a new connection). A read or
+    write past its deadline raises PagesStillInUse with the call's Future (its pages may
+    still be written: quarantined until it returns); at most two calls run past their
+    deadline, later ones are not started; once the owner answers again everything works."""
+    from kvtier.backends.base import PagesStillInUse
+
+    m, owner = stopped_segment
+    with _segment_client(m) as b:
+        pool = filled_pool(pages=16)
+        b.register_pool(KV_POOL, pool)
+        ks = keys(4, salt=900)
+        assert b.set_from(KV_POOL, ks, [0, 1, 2, 3]).ok == [True] * 4
+        assert b.get_into(KV_POOL, ks, [4, 5, 6, 7]).ok == [True] * 4  # a connection is open
+        before = dataclasses.replace(b.stats())
+        owner.stop()
+        start = time.monotonic()
+        with pytest.raises(PagesStillInUse) as read:
+            b.get_into(KV_POOL, ks, [8, 9, 10, 11])
+        with pytest.raises(PagesStillInUse) as write:
+            b.set_from(KV_POOL, keys(2, salt=950), [0, 1])
+        with pytest.raises(StorageUnavailable, match="still running") as refused:
+            b.get_into(KV_POOL, ks, [12, 13, 14, 15])
+        assert not isinstance(refused.value, PagesStillInUse)  # never started: pages free
+        assert b.exists(ks).usable_pages == 0  # a miss, at once
+        assert time.monotonic() - start < 15
+        stats = b.stats()
+        assert stats.read_misses == before.read_misses + 8  # timed out, then not started
+        assert stats.write_failures == before.write_failures + 2
+        assert stats.extra["calls_timed_out"] == 2 and stats.extra["calls_stuck"] == 2
+        assert not read.value.pending.done() or not write.value.pending.done()
+
+        owner.resume()
+        for call in (read.value.pending, write.value.pending):
+            call.exception(timeout=60)  # returns (however it ended): its pages are free again
+        _wait(lambda: b.calls.stuck == 0, 10, "the stuck calls were let go")
+        _wait(lambda: b.get_into(KV_POOL, ks, [12, 13, 14, 15]).ok == [True] * 4, 60,
+              "reads work again")
+        assert all(same(pool, s, d) for s, d in zip([0, 1, 2, 3], [12, 13, 14, 15]))
+
+
+def test_a_quarantined_prefetch_settles_when_its_call_returns(stopped_segment):
+    """Through the storage worker: a prefetch and a backup whose calls passed the deadline
+    fail without settling (their host pages stay quarantined; the backup is not handed back,
+    so its L2 pages stay protected), and settle once the calls return."""
+    from kvtier.tiers.storage_worker import OpState, StorageWorker
+
+    m, owner = stopped_segment
+    with _segment_client(m) as b:
+        b.register_pool(KV_POOL, filled_pool(pages=16))
+        ks = keys(2, salt=980)
+        assert b.set_from(KV_POOL, ks, [0, 1]).ok == [True, True]
+        worker = StorageWorker(b, batch_pages=8)
+        try:
+            owner.stop()
+            read = worker.prefetch(ks, [2, 3])
+            write = worker.backup(keys(2, salt=990), [4, 5])
+            _wait(lambda: read.state.finished and write.state.finished, 30, "both ops ended")
+            assert read.state is OpState.FAILED and read.quarantined and read.done_pages == 0
+            assert write.state is OpState.FAILED and write.quarantined
+            assert worker.finished_backups() == []  # held back: its pages stay protected
+            owner.resume()
+            _wait(lambda: read.settled and write.settled, 60, "the calls returned")
+            assert worker.finished_backups() == [write] and write.done_pages == 0
+        finally:
+            owner.resume()
+            worker.close()
+
+
+def _replicas(b: MooncakeBackend, ks: list[str]) -> int:
+    """Copies the master lists for every object of `ks`, summed."""
+    names = b._names(b.pools[KV_POOL], ks)
+    return sum(len(copies) for copies in b.store.batch_get_replica_desc(names).values())
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_a_second_copy_serves_pages_whose_segment_owner_stopped(copies):
+    """Two segment owners; one stops. A read at once gives up at the deadline (Mooncake reads
+    the first complete copy, with no fallback, and some first copies are on the stopped
+    owner). Once the master drops its segment (its client's TTL, 2 s), pages written with
+    replica_num=2 are all read from the other copy, byte for byte; with one copy the pages
+    that lived there are misses, never errors or wrong bytes."""
+    from kvtier.backends.base import PagesStillInUse
+    from tests.backends.mooncake_segment import SegmentOwner
+
+    with MooncakeMaster() as m:
+        owners = SegmentOwner.start(m.address, 2)
+        try:
+            with _segment_client(m, replica_num=copies) as b:
+                assert b.copies == copies
+                pool = filled_pool(pages=24, seed=3)
+                b.register_pool(KV_POOL, pool)
+                ks = keys(8, salt=1000)
+                assert b.set_from(KV_POOL, ks, list(range(8))).ok == [True] * 8
+                stored = _replicas(b, ks)
+                assert stored == copies * 8 * 3  # K, V and the checksum object of each page
+                owners[0].stop()
+                with pytest.raises(PagesStillInUse):
+                    b.get_into(KV_POOL, ks, list(range(8, 16)))  # quarantined from now on
+                _wait(lambda: _replicas(b, ks) < stored, 30, "the master dropped the segment")
+                _wait(lambda: b.calls.stuck == 0, 60, "the read past its deadline returned")
+                ok = b.get_into(KV_POOL, ks, list(range(16, 24))).ok
+                # with one copy, some of the 24 objects were on the stopped owner (all on the
+                # other one: a chance of 2^-24)
+                assert ok == [True] * 8 if copies == 2 else sum(ok) < 8
+                for i in (i for i, good in enumerate(ok) if good):
+                    assert same(pool, i, 16 + i)
+        finally:
+            for owner in owners:
+                owner.close()
