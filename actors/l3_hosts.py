@@ -9,6 +9,13 @@
 - A rank's Mooncake client registers `local_hostname`: the user's, or when the namespace's
   master is not on loopback, the rank's own node address, so that peers on other hosts can
   dial its segment (never 0.0.0.0: not an address anyone can dial).
+- Copies of each Mooncake object (`replica_num`): the number given, or for "auto" 2 when the
+  alive nodes at registration are on 2+ hosts (distinct node addresses: several Ray nodes
+  on one machine are one host), 1 otherwise. A second copy lives on another segment, so a
+  host whose link is cut does not take the only copy of its pages with it (Mooncake places
+  copies on different clients, not different hosts: with several ranks per host both can
+  land on one host; then such a page is a miss, as with one copy). Decided at registration,
+  like the master's host: a cluster that grows later keeps one copy unless set.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import ray
 from kvtier.backends.mooncake_master import LOOPBACK
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import StorageBackendKind
-from kvtier.storage_options import AUTO_HOST, MooncakeOptions
+from kvtier.storage_options import AUTO_HOST, AUTO_REPLICAS, MooncakeOptions
 
 
 def resolve_master_host(master_host: str, alive_nodes: int, node_address: str) -> str:
@@ -38,6 +45,25 @@ def cluster_master_host(options: MooncakeOptions) -> str:
         return options.master_host
     alive = sum(1 for node in ray.nodes() if node.get("Alive"))
     return resolve_master_host(AUTO_HOST, alive, node_address())
+
+
+def resolve_replica_num(replica_num: int | str, hosts: int) -> int:
+    """Copies of each object: `replica_num` unless it is "auto"; then 2 on 2+ hosts, else 1."""
+    if replica_num != AUTO_REPLICAS:
+        return int(replica_num)
+    return 2 if hosts > 1 else 1
+
+
+def cluster_replica_num(options: MooncakeOptions) -> int:
+    """`resolve_replica_num` for the Ray cluster this (namespace actor) process is in."""
+    if options.replica_num != AUTO_REPLICAS:
+        return int(options.replica_num)
+    return resolve_replica_num(AUTO_REPLICAS, cluster_hosts())
+
+
+def cluster_hosts() -> int:
+    """Hosts among the alive nodes: their distinct addresses."""
+    return len({node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")})
 
 
 def node_address() -> str:

@@ -28,7 +28,7 @@ from kvtier.errors import PinRoomError
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
                              MissingReport, NamespaceInfo, NamespaceSpec, PinGrant, PinRequest,
                              StoredReport)
-from kvtier.actors.l3_hosts import cluster_master_host
+from kvtier.actors.l3_hosts import cluster_master_host, cluster_replica_num
 from kvtier.actors.namespace_service import NamespaceService
 from kvtier.tiers.page_directory import PageDirectory
 
@@ -228,13 +228,15 @@ def get_or_create_namespace_actor(name: str = ACTOR_NAME, state_dir: str | None 
     be on the node where the actor runs; an existing actor keeps the one it was created with.
     `resources` (e.g. `{"kvtier_head": 1}`, offered only by the head node in cluster.yaml) pins
     a newly created actor to the nodes that offer them. Mooncake masters it starts bind as
-    actors/l3_hosts decides (the node's address when ranks can span hosts).
+    actors/l3_hosts decides (the node's address when ranks can span hosts), and so does the
+    number of copies of each Mooncake object (2 when they span hosts).
     """
     remote_cls = ray.remote(NamespaceService)
     handle = remote_cls.options(
         name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
         max_restarts=-1, max_task_retries=0, num_cpus=0, resources=resources or {},
-    ).remote(state_dir or default_state_dir(name), master_host=cluster_master_host)
+    ).remote(state_dir or default_state_dir(name), master_host=cluster_master_host,
+             replica_num=cluster_replica_num)
     client = NamespaceClient(handle, timeout_s)
     client.wait_ready(ready_timeout_s)
     return client

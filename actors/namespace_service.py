@@ -28,6 +28,7 @@ import secrets
 import signal
 import tempfile
 import threading
+from operator import attrgetter
 from typing import Callable, TypeVar
 
 from kvtier.backends.mooncake_master import MooncakeMaster, default_master_host
@@ -55,9 +56,12 @@ class NamespaceService:
     def __init__(self, state_dir: str | None = None, directory: PageDirectory | None = None,
                  supervise_interval_s: float = SUPERVISE_INTERVAL_S,
                  pass_interval_s: float = PASS_INTERVAL_S,
-                 master_host: Callable[[MooncakeOptions], str] = default_master_host) -> None:
+                 master_host: Callable[[MooncakeOptions], str] = default_master_host,
+                 replica_num: Callable[[MooncakeOptions], int] = attrgetter("copies")
+                 ) -> None:
         self.state_dir = state_dir  # None: nothing persists (tests of code using the client)
         self._master_host = master_host  # where a master binds (the actor: actors/l3_hosts)
+        self._replica_num = replica_num  # copies of each object (the actor: actors/l3_hosts)
         self.directory = directory if directory is not None else PageDirectory()
         self.incarnation = secrets.token_hex(4)  # changes on every (re)start
         self._interval_s = supervise_interval_s
@@ -260,6 +264,8 @@ class NamespaceService:
         options = dict(spec.options)
         master = None
         marker = self._write_marker(spec)
+        if spec.backend is StorageBackendKind.MOONCAKE:  # "auto" resolved for the ranks
+            options["replica_num"] = self._replica_num(spec.storage_options())
         if spec.backend is StorageBackendKind.MOONCAKE and options.get("master_address") is None:
             opts = spec.storage_options()
             assert isinstance(opts, MooncakeOptions)

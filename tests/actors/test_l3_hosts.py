@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.actors.l3_hosts import is_loopback, rank_client_info, resolve_master_host
+from kvtier.actors import l3_hosts
+from kvtier.actors.l3_hosts import (is_loopback, rank_client_info, resolve_master_host,
+                                    resolve_replica_num)
 from kvtier.actors.namespace_actor import FakeNamespaceClient
 from kvtier.actors.namespace_service import NamespaceService
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo, NamespaceSpec
 from kvtier.netcheck import listening
-from kvtier.storage_options import AUTO_HOST, MooncakeOptions, parse_storage_options
+from kvtier.storage_options import (AUTO_HOST, AUTO_REPLICAS, MooncakeOptions,
+                                    parse_storage_options)
 from kvtier.policies import StorageBackendKind
 
 LOOPBACK = "127.0.0.1"
@@ -129,5 +132,71 @@ def test_the_service_binds_the_decided_host_and_keeps_it_on_restart(options):
         assert again.host == LOOPBACK and again.pid != master.pid
         assert {ip for ip, _, _ in listening({again.pid})} == {LOOPBACK}
         assert decide.asked == [options.get("master_host", AUTO_HOST)]  # not asked again
+    finally:
+        client.close()
+
+
+# ---- copies of each object: one per host that may go away, up to two -----------------------
+
+def test_replica_num_defaults_to_auto_and_takes_a_small_count():
+    assert MooncakeOptions().replica_num == AUTO_REPLICAS and MooncakeOptions().copies == 1
+    assert parse_storage_options(MC, {"replica_num": 3}).copies == 3
+
+
+@pytest.mark.parametrize("value", [0, -1, 17, "2", "two", True, 2.0, None])
+def test_bad_replica_nums_are_refused(value):
+    with pytest.raises(ConfigError, match="replica_num"):
+        parse_storage_options(MC, {"replica_num": value})
+
+
+@pytest.mark.parametrize("option, hosts, expected", [
+    (AUTO_REPLICAS, 1, 1),  # one host: a second copy would die with the first
+    (AUTO_REPLICAS, 0, 1),
+    (AUTO_REPLICAS, 2, 2),  # a host may go away: keep a copy elsewhere
+    (AUTO_REPLICAS, 5, 2),
+    (1, 3, 1),  # given: as is
+    (3, 1, 3),
+])
+def test_the_replica_decision(option, hosts, expected):
+    assert resolve_replica_num(option, hosts) == expected
+
+
+def test_hosts_are_the_distinct_addresses_of_alive_nodes(monkeypatch):
+    nodes = [{"Alive": True, "NodeManagerAddress": "198.18.0.1"},
+             {"Alive": True, "NodeManagerAddress": "198.18.0.2"},
+             {"Alive": True, "NodeManagerAddress": "198.18.0.2"},  # two nodes, one machine
+             {"Alive": False, "NodeManagerAddress": "198.18.0.3"}]
+    monkeypatch.setattr(l3_hosts.ray, "nodes", lambda: nodes)
+    assert l3_hosts.cluster_hosts() == 2
+    assert l3_hosts.cluster_replica_num(MooncakeOptions()) == 2
+    assert l3_hosts.cluster_replica_num(MooncakeOptions(replica_num=1)) == 1
+    monkeypatch.setattr(l3_hosts.ray, "nodes", lambda: nodes[1:3])
+    assert l3_hosts.cluster_replica_num(MooncakeOptions()) == 1
+
+
+class CopiesClient(FakeNamespaceClient):
+    """A fake client whose service asks `decide` how many copies (as the actor asks
+    actors/l3_hosts.cluster_replica_num)."""
+
+    def __init__(self, decide) -> None:
+        self.service = NamespaceService(None, replica_num=decide)
+
+
+def test_the_service_gives_ranks_the_decided_copies():
+    """The spec keeps "auto" (a restarted actor decides again); what the ranks open has the
+    count the actor decided, and their clients put that many copies."""
+    pytest.importorskip("mooncake.store")
+    asked = []
+
+    def decide(options: MooncakeOptions) -> int:
+        asked.append(options.replica_num)
+        return 2
+
+    client = CopiesClient(decide)
+    spec = NamespaceSpec("org/model", "copies", "fp", MC, dict(NO_SEGMENTS))
+    try:
+        info = client.register(spec)
+        assert asked == [AUTO_REPLICAS] and "replica_num" not in spec.options
+        assert info.options["replica_num"] == 2 and info.storage_options().copies == 2
     finally:
         client.close()
