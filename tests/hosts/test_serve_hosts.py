@@ -1,12 +1,18 @@
 """`kvtier serve --address auto` on a three-host cluster (token auth on; conftest's, which
 test_cluster used before): the ingress on host 1, one TP=2 instance on host 2 and one on
-host 3 (each worker offers one instance's `kvtier_instance`), a file L3 on a directory every
-host mounts, the load generator in the root namespace. (With Mooncake the cut host's client segments hold pages too, so transfers of
-the other instance that touch them wait for the link as well.) Host 3's link is cut for 5 s while requests are in flight: Ray does not declare
+host 3 (each worker offers one instance's `kvtier_instance`), the load generator in the root
+namespace. Host 3's link is cut for 5 s while requests are in flight: Ray does not declare
 the node dead that fast, so kvtier's router deadline (2 s) does it: the instance is marked
 stalled, its unanswered requests are answered by the other instance, each exactly once and
 equal to the answer before the cut, and once the link is back the instance steps again and
-is taken back."""
+is taken back.
+
+Twice: with a file L3 on a directory every host mounts, and with Mooncake (the master on
+host 1, a segment in each rank, two copies of each object since the cluster spans hosts).
+With Mooncake host 3's segments hold pages too: host 2's reads and writes that touch them
+give up at the backend's deadline (misses, recomputed) or, once the master drops host 3's
+segments, read the other copy; host 2 never waits for the link. After the cut every prompt
+is answered again, equal to before."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,7 +30,10 @@ from kvtier.demo_hosts import HostsRun
 pytestmark = pytest.mark.timeout(600)
 PORT = 8000
 ADMIN_KEY = "hosts-test-admin"
-PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, and then" for i in range(6)]
+# ~410 tokens each (6 full pages of 64): past the prefetch threshold (256 tokens), so an
+# instance without a prompt's pages in L1/L2 reads them from L3
+PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog, and then " * 34
+           for i in range(6)]
 # What a joined deployment leaves on the cluster when it stops (Serve and the namespace actor,
 # which holds kvtier_head): removed, so the shared cluster serves the next module as it was.
 LEFT_BEHIND = """
@@ -39,16 +48,23 @@ except ValueError:  # the deployment never created it
 """
 
 
-@pytest.fixture(scope="module")
-def served(hosts_cluster: HostsRun, tmp_path_factory):
-    run = hosts_cluster
+def _l3_args(l3: str, run: HostsRun) -> list[str]:
+    if l3 == "file":
+        return ["--l3", "file", "--l3-root", f"{run.shared_dir}/serve-l3"]
+    return ["--l3", "mooncake"]  # the namespace actor's master on host 1; copies: auto (2)
+
+
+@pytest.fixture(scope="module", params=["file", "mooncake"])
+def served(request, hosts_cluster: HostsRun, tmp_path_factory):
+    run, l3 = hosts_cluster, request.param
     h1 = run.net.hosts[0]
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    log = open(tmp_path_factory.mktemp(f"serve-{l3}") / "serve.log", "w")
     proc = run.ray.driver_popen(
         ["-m", "kvtier", "serve", "--address", "auto", "--host", h1.address,
          "--port", str(PORT), "--instances", "2", "--tp", "2", "--model", "tiny",
-         "--l3", "file", "--l3-root", f"{run.shared_dir}/serve-l3", "--admin-key", ADMIN_KEY,
-         "--stall-timeout-s", "2", "--max-new-tokens", "64"],
+         *_l3_args(l3, run), "--admin-key", ADMIN_KEY,
+         "--stall-timeout-s", "2", "--max-new-tokens", "64",
+         "--deterministic"],  # an L3 hit answers exactly as the cold run did
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://{h1.address}:{PORT}"
     try:
@@ -103,6 +119,7 @@ def test_link_cut_redispatches_then_takes_the_instance_back(served) -> None:
     reference = {p: _complete(base, p)["choices"][0]["text"] for p in PROMPTS}
     before = _get(base, "/admin/router", admin=True)["instances"]
     assert len(before) == 2 and all(i["state"] == "live" for i in before.values()), before
+    _post(base, "/admin/flush", {}, admin=True)  # L1 and L2 emptied: the prompts are in L3
 
     h3.set_link(False)
     cut_at = time.monotonic()
@@ -129,3 +146,24 @@ def test_link_cut_redispatches_then_takes_the_instance_back(served) -> None:
                interval_s=1.0)
     metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
     assert "kvtier_redispatched_requests_total" in metrics
+    # L3 was written, and after the flush the prompts were looked up there (the ingress
+    # refreshes the instances' counters in /metrics from time to time: poll)
+    deadline = time.monotonic() + 60
+    while not (_total(metrics, "kvtier_storage_backup_tokens_total") > 0
+               and _total(metrics, "kvtier_hit_tokens_total", 'tier="storage"') > 0):
+        assert time.monotonic() < deadline, [line for line in metrics.splitlines()
+                                             if "storage" in line and "#" not in line]
+        time.sleep(1)
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+
+    # everything serves again: every prompt, whichever instance answers, as before the cut
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        again = {p: pool.submit(_complete, base, p) for p in PROMPTS}
+    for p, f in again.items():
+        assert f.result(timeout=180)["choices"][0]["text"] == reference[p], p
+
+
+def _total(metrics: str, family: str, label: str = "") -> float:
+    """The sum of a counter family's samples (those with `label`) in a Prometheus page."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith((family + " ", family + "{")) and label in line)
