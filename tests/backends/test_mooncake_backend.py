@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from eventually import eventually
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # before mooncake loads: INFO floods stderr
 pytest.importorskip("mooncake.store")
@@ -362,13 +363,6 @@ def _segment_client(master, **options) -> MooncakeBackend:
                                                             "fp")))
 
 
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def stopped_segment():
     """A master that keeps a silent client's segment mounted (a TTL of a minute, not 2 s:
@@ -420,8 +414,8 @@ def test_calls_to_a_stopped_segment_give_up_at_the_deadline(stopped_segment):
         owner.resume()
         for call in (read.value.pending, write.value.pending):
             call.exception(timeout=60)  # returns (however it ended): its pages are free again
-        _wait(lambda: b.calls.stuck == 0, 10, "the stuck calls were let go")
-        _wait(lambda: b.get_into(KV_POOL, ks, [12, 13, 14, 15]).ok == [True] * 4, 60,
+        eventually(lambda: b.calls.stuck == 0, 10, "the stuck calls were let go")
+        eventually(lambda: b.get_into(KV_POOL, ks, [12, 13, 14, 15]).ok == [True] * 4, 60,
               "reads work again")
         assert all(same(pool, s, d) for s, d in zip([0, 1, 2, 3], [12, 13, 14, 15]))
 
@@ -442,12 +436,12 @@ def test_a_quarantined_prefetch_settles_when_its_call_returns(stopped_segment):
             owner.stop()
             read = worker.prefetch(ks, [2, 3])
             write = worker.backup(keys(2, salt=990), [4, 5])
-            _wait(lambda: read.state.finished and write.state.finished, 30, "both ops ended")
+            eventually(lambda: read.state.finished and write.state.finished, 30, "both ops ended")
             assert read.state is OpState.FAILED and read.quarantined and read.done_pages == 0
             assert write.state is OpState.FAILED and write.quarantined
             assert worker.finished_backups() == []  # held back: its pages stay protected
             owner.resume()
-            _wait(lambda: read.settled and write.settled, 60, "the calls returned")
+            eventually(lambda: read.settled and write.settled, 60, "the calls returned")
             assert worker.finished_backups() == [write] and write.done_pages == 0
         finally:
             owner.resume()
@@ -484,8 +478,8 @@ def test_a_second_copy_serves_pages_whose_segment_owner_stopped(copies):
                 owners[0].stop()
                 with pytest.raises(PagesStillInUse):
                     b.get_into(KV_POOL, ks, list(range(8, 16)))  # quarantined from now on
-                _wait(lambda: _replicas(b, ks) < stored, 30, "the master dropped the segment")
-                _wait(lambda: b.calls.stuck == 0, 60, "the read past its deadline returned")
+                eventually(lambda: _replicas(b, ks) < stored, 30, "the master dropped the segment")
+                eventually(lambda: b.calls.stuck == 0, 60, "the read past its deadline returned")
                 ok = b.get_into(KV_POOL, ks, list(range(16, 24))).ok
                 # with one copy, some of the 24 objects were on the stopped owner (all on the
                 # other one: a chance of 2^-24)
