@@ -19,7 +19,8 @@
   size or checksum is a miss, counted in `corrupt_objects`, and the page's objects go.
 - A dead master makes calls misses/failures, never exceptions or hangs, and is counted
   (backends/mooncake_master_guard.py says why and how). A master restarted elsewhere
-  (a new address) needs a new backend: detach and attach.
+  (a new address) needs a new backend: detach and attach. Closing a backend whose master is
+  gone parks its client instead of closing it (close_client says why).
 - Every call to the client has a deadline, `call_timeout_s` (backends/bounded_calls.py: a
   peer whose link is cut holds a Mooncake call far longer). Past it `exists` is a miss, a
   delete removes nothing, and a read or write that may still touch its host pages raises
@@ -151,9 +152,22 @@ def replicate_config(copies: int) -> Any:
     return config
 
 
-def close_client(store: Any) -> None:
-    """Close a client: ~1 s, a few more when the master is gone (bounded by Mooncake's RPC
-    timeouts; its close holds the GIL, so a background thread would not help)."""
+# Clients whose master was gone when they were closed: kept, unused, until the process exits.
+PARKED_CLIENTS: list[Any] = []
+
+
+def close_client(store: Any, master_gone: bool = False) -> None:
+    """Close a client: ~1 s while its master answers. One whose master is gone is parked
+    instead (kept open, never used again, its segment memory held until the process
+    exits): Mooncake's close then retries the gone master for seconds to minutes while
+    holding the GIL, which stops every thread of the process (a rank re-attaching to a
+    restarted master stalled its instance; a background thread would not help)."""
+    if master_gone:
+        log.warning("mooncake backend: not closing a client whose master is gone (its close "
+                    "would block this process); its %d parked client(s) are freed when the "
+                    "process exits", len(PARKED_CLIENTS) + 1)
+        PARKED_CLIENTS.append(store)
+        return
     try:
         store.close()
     except Exception as exc:  # noqa: BLE001 - nothing left to do with a client that won't close
@@ -456,8 +470,8 @@ class MooncakeBackend(StorageBackend):
     # ---- lifetime ------------------------------------------------------------------------
     def _close(self) -> None:
         # A call past its deadline may still use the client: it is closed when they return.
-        store = self.store
-        self.calls.close(lambda: close_client(store))
+        store, guard = self.store, self.guard
+        self.calls.close(lambda: close_client(store, master_gone=guard.gone()))
         if self.master is not None:
             self.master.stop()
 

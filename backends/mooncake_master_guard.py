@@ -63,6 +63,14 @@ class MasterGuard:
             log.warning("mooncake backend: the master at %s answers again", self.address)
             self.down = False
 
+    def gone(self) -> bool:
+        """Is the master gone (the one this backend started exited, or its port refuses a
+        TCP connect)? Asked before closing the client (mooncake_backend.close_client)."""
+        master = self._own_master
+        if master is not None:
+            return not master.alive()
+        return not self._port_open()
+
     def _why_down(self) -> str | None:
         master = self._own_master
         if master is not None and not master.alive():

@@ -15,7 +15,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # before mooncake loads: INFO 
 pytest.importorskip("mooncake.store")
 
 from kvtier.backends.base import KV_POOL, PagePart, StorageTarget, StorageUnavailable  # noqa: E402
-from kvtier.backends.mooncake_backend import MooncakeBackend  # noqa: E402
+from kvtier.backends.mooncake_backend import PARKED_CLIENTS, MooncakeBackend  # noqa: E402
 from kvtier.backends.mooncake_master import MooncakeMaster, free_port, port_open  # noqa: E402
 from kvtier.keys import KeyNamespace, page_hashes  # noqa: E402
 from kvtier.kv_spec import KVSpec  # noqa: E402
@@ -209,6 +209,7 @@ def test_master_death_turns_calls_into_misses():
     assert b.delete(ks) == 0
     b.close()
     assert time.monotonic() - start < 30  # bounded: no hang
+    assert PARKED_CLIENTS[-1] is b.store  # not closed: that would retry the dead master, GIL held
 
 
 def test_remote_master_death_is_bounded(master):
@@ -227,6 +228,7 @@ def test_remote_master_death_is_bounded(master):
         assert time.monotonic() - start < 30  # bounded: no hang
         b.close()
         assert time.monotonic() - start < 45  # bounded: no hang
+        assert PARKED_CLIENTS[-1] is b.store  # parked, not closed (close_client says why)
 
 
 def test_bench_measure_reports_every_field():
