@@ -161,7 +161,9 @@ def close_client(store: Any, master_gone: bool = False) -> None:
     instead (kept open, never used again, its segment memory held until the process
     exits): Mooncake's close then retries the gone master for seconds to minutes while
     holding the GIL, which stops every thread of the process (a rank re-attaching to a
-    restarted master stalled its instance; a background thread would not help)."""
+    restarted master stalled its instance; a background thread would not help). Mooncake
+    still tears parked clients down as the process exits, retrying their masters there: a
+    process that parked one exits some 10 to 30 s later than it would."""
     if master_gone:
         log.warning("mooncake backend: not closing a client whose master is gone (its close "
                     "would block this process); its %d parked client(s) are freed when the "

@@ -205,8 +205,9 @@ class StorageWorker:
             result = move(self.pool, keys, pages)
         except PagesStillInUse as exc:  # the storage may still write into these pages
             log.error("storage %s of %d pages gave up while the storage may still use its "
-                      "host pages (%s); they are quarantined, never reused",
-                      "prefetch" if is_prefetch else "backup", len(keys), exc)
+                      "host pages (%s); they are quarantined, %s",
+                      "prefetch" if is_prefetch else "backup", len(keys), exc,
+                      "never reused" if exc.pending is None else "until its call returns")
             op.error = exc
             op._finish(OpState.FAILED, settle=False)
             if exc.pending is not None:  # the backend says when the storage lets go of them
