@@ -456,7 +456,9 @@ def _replicas(b: MooncakeBackend, ks: list[str]) -> int:
     return sum(len(copies) for copies in b.store.batch_get_replica_desc(names).values())
 
 
-@pytest.mark.parametrize("copies", [1, 2])
+# copies=1 (the same run, the pages on the stopped owner missed) costs ~25 s more in the
+# suite and shows what `stored` below already does: the copies are the difference.
+@pytest.mark.parametrize("copies", [2])
 def test_a_second_copy_serves_pages_whose_segment_owner_stopped(copies):
     """Two segment owners; one stops. A read at once gives up at the deadline (Mooncake reads
     the first complete copy, with no fallback, and some first copies are on the stopped
