@@ -139,6 +139,7 @@ class NamespaceClient(_Client):
         self.timeout_s = timeout_s
         self._backoff_s = 0.0
         self._down_until = 0.0  # monotonic time before which calls fail without trying
+        self._probe: Any = None  # a ping sent after a failure: its answer says the actor is back
 
     def __getstate__(self) -> dict:
         return {"handle": self.handle, "timeout_s": self.timeout_s}  # no back-off state
@@ -147,17 +148,20 @@ class NamespaceClient(_Client):
         self.__init__(state["handle"], state["timeout_s"])
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """One bounded call. After a failure, calls fail at once for a back-off (0.5 s,
-        doubling to 5 s): while the actor restarts, a rank's every lookup and report would
-        otherwise wait out the full timeout in the middle of a scheduling step."""
+        """One bounded call. After a failure calls fail at once, without waiting, until the
+        actor answers the ping sent then (the probe), or if that ping failed too, for a
+        back-off (0.5 s, doubling to 5 s) before a call tries again: while the actor
+        restarts, a rank's every lookup, report and check would otherwise wait out the
+        timeout in the middle of a scheduling step, and steps that slow make the router
+        hold the instance stalled. One outage costs a client one timeout."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if not ray.is_initialized():  # a call would quietly start a new local cluster
             raise NamespaceUnavailable(f"Ray is not running in this process; cannot call the L3 "
                                        f"namespace actor's {method}: connect to the cluster first")
-        left = self._down_until - time.monotonic()
-        if left > 0 and method != "ping":
-            raise NamespaceUnavailable(f"the L3 namespace actor failed a call recently; not "
-                                       f"calling {method} for another {left:.1f} s (L3 misses)")
+        why = self._down_why() if method != "ping" else None
+        if why is not None:
+            raise NamespaceUnavailable(f"the L3 namespace actor {why}; not calling {method} "
+                                       "(L3 misses)")
         try:
             result = ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
         except GetTimeoutError as exc:
@@ -170,12 +174,32 @@ class NamespaceClient(_Client):
             raise NamespaceUnavailable(
                 f"the L3 namespace actor failed during {method} ({type(exc).__name__}); it is "
                 "restarted automatically: treat L3 as a miss and retry") from exc
-        self._backoff_s, self._down_until = 0.0, 0.0
+        self._backoff_s, self._down_until, self._probe = 0.0, 0.0, None
         return result
 
     def _failed(self) -> None:
         self._backoff_s = min(max(2 * self._backoff_s, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
         self._down_until = time.monotonic() + self._backoff_s
+        self._probe = self.handle.ping.remote()  # queued while the actor restarts
+
+    def _down_why(self) -> str | None:
+        """Why calls fail at once now, or None: call (`_call`)."""
+        if self._probe is not None:
+            ready, _ = ray.wait([self._probe], timeout=0)
+            if not ready:
+                return "has not answered since a call failed"
+            probe, self._probe = self._probe, None
+            try:
+                ray.get(probe, timeout=0)
+            except Exception:  # noqa: BLE001 - the ping failed too: back off, then call
+                pass
+            else:
+                self._backoff_s, self._down_until = 0.0, 0.0
+                return None
+        left = self._down_until - time.monotonic()
+        if left > 0:
+            return f"failed a call recently (trying again in {left:.1f} s)"
+        return None
 
     def kill(self) -> None:
         """Kill the actor's process (fault injection); Ray restarts it, and it rebuilds its

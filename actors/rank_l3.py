@@ -32,10 +32,13 @@ log = logging.getLogger(__name__)
 # Mooncake master restarted on new ports: a new epoch); one small call between steps.
 L3_EPOCH_CHECK_S = 2.0
 # A rank's directory calls run inside its scheduling steps, which the router's stall deadline
-# (2 s by default) watches: the actor answers in about a millisecond, so a call that takes a
-# second is the actor restarting or gone, and an L3 miss is the right answer (a register cut
-# short by it finishes in the actor and is seen at the next check).
-RANK_CALL_TIMEOUT_S = 1.0
+# (2 s by default) watches: the actor answers in about a millisecond, so a call that takes
+# half a second is the actor restarting or gone, and an L3 miss is the right answer (a
+# register cut short by it finishes in the actor and is seen at the next check). After one
+# such call the client fails calls at once until the actor answers again (NamespaceClient).
+# With 1 s, a PD deployment (a prefill and a decode instance in one step) stalled past the
+# deadline when the actor was killed (kvtier bench chaos --pd).
+RANK_CALL_TIMEOUT_S = 0.5
 
 
 class RankL3:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import uuid
 
 import pytest
@@ -215,6 +216,42 @@ def test_a_killed_actor_comes_back_and_rebuilds_from_the_file_backend(actor):
     assert client.namespaces() == [ns]
     assert client.lookup(ns, pages).hit_pages == len(pages)
     assert client.stats(ns).rebuilt_pages == len(pages)
+
+
+def test_after_a_failed_call_calls_fail_at_once_until_the_actor_answers(actor):
+    """A rank's client (its short timeout) waits out one timeout per outage: then calls fail
+    without waiting until the actor answers the ping sent at the failure, and go through as
+    soon as it does (no back-off to wait out). On the old client every call after each
+    back-off waited the timeout again, inside the rank's step."""
+    import ray
+
+    from kvtier.actors.namespace_actor import NamespaceClient
+    from kvtier.actors.rank_l3 import RANK_CALL_TIMEOUT_S
+
+    name, client = actor
+    ns = client.namespaces()[0]
+    quick = NamespaceClient(client.handle, RANK_CALL_TIMEOUT_S)
+    before = client.ping()
+    waited, at_once = [], []
+
+    def answered() -> bool:
+        start = time.monotonic()
+        try:
+            quick.info(ns)
+            return True
+        except NamespaceUnavailable as exc:
+            (at_once if "has not answered" in str(exc) else waited).append(
+                time.monotonic() - start)
+            return False
+
+    ray.kill(client.handle, no_restart=False)  # asynchronous: calls may go through at first
+    eventually(lambda: answered() and (waited or at_once), 90,
+               "the rank's client failed calls, then called again once the actor was back",
+               interval_s=0.05)
+    assert client.ping() != before  # a new incarnation answered
+    assert quick.info(ns).namespace == ns
+    assert at_once, (waited, at_once)  # the outage was seen, and calls did not wait in it
+    assert len(waited) < len(at_once), (waited, at_once)
 
 
 def test_ray_listens_on_loopback_only(ray_cluster):
