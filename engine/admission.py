@@ -135,7 +135,8 @@ class Admission:
               terminate: bool = False, decode_short: bool = False,
               vote: RetractionVote = RetractionVote()) -> AdmissionResult:
         """Reserve on this rank, agree across ranks (once per step), commit what all reserved.
-        `busy`: something is running, so a refusal is L1 being full for now, not for good.
+        `busy`: something is running, or L1 is held for hand-offs, so a refusal is L1 being
+        full for now, not for good.
         `vote` rides along in the same round (kvtier.engine.retraction acts on it)."""
         slots = self.window.select(waiting) if self.agree else list(waiting)
         held, reached = self._reserve(slots, busy, budget)

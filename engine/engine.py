@@ -208,6 +208,7 @@ class Engine:
         added with `add_request` that finished during a `generate` call)."""
         held, self._done = list(self._done.values()), {}
         self.handoffs.expire()  # reservations whose prefill never came
+        self.scheduler.handoffs_reserved = self.handoffs.pending > 0
         return held + self._step()
 
     def _step(self) -> list[Output]:

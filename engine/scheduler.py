@@ -101,6 +101,10 @@ class Scheduler:
         self.last_step = StepStats(0, 0, 0, 0, 0, 0)
         self._preempted = 0
         self.terminate_requested = False  # set locally; the agreed flag aborts everything
+        # decode side: L1 pages reserved for hand-offs whose prompt KV has not come yet (the
+        # engine's HandoffDesk sets it before each step); they free up when the KV comes or
+        # the hold ends, so a prompt that does not fit next to them waits, never refused
+        self.handoffs_reserved = False
         self._agreed_ready: dict[int, int] = {}  # id -> prompt page up to which every rank's
         # finished prefetch landed (the MIN): what each rank takes from it
         self._decode_short = False  # this step, a rank could not give a decoding sequence a page
@@ -261,8 +265,12 @@ class Scheduler:
                finished: list[Request]) -> int:
         """Run admission, then move what it decided between the queues (which this owns)."""
         vote = self.retraction.vote(self.running)  # restore before new prompts take L1
+        # L1 held for now, not for good: what runs, and a decode side's hand-offs (their
+        # reservations, and requests whose received KV waits for adoption)
+        busy = bool(self.running) or self.handoffs_reserved or \
+            any(r.incoming is not None for r in self.waiting)
         result = self.admission.admit([] if self.retraction.holding else self.waiting,
-                                      bool(self.running), budget,
+                                      busy, budget,
                                       terminate=self.terminate_requested,
                                       decode_short=self._decode_short, vote=vote)
         self._agreed_ready, self._decode_short = result.ready, result.decode_short

@@ -15,6 +15,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.handoff import (HandoffTarget, IncomingKV, Staging, page_sums, pool_regions,
                                    rank_sums)
 from kvtier.engine.handoff_sender import HandoffSender
+from kvtier.engine.request import FinishReason
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -244,6 +245,30 @@ def test_reservation_refused_when_l1_full(tiny):
         with pytest.raises(ConfigError):
             d.reserve_handoff("a", PAGE)  # ids are unique
         assert d.handoffs.cancel("a") and d.cache.free_device_pages == 4
+    finally:
+        d.close()
+
+
+def test_a_prompt_that_does_not_fit_next_to_hand_off_reservations_waits_for_them(tiny):
+    """A decode engine whose L1 is held by hand-off reservations (prefills still to come)
+    keeps a request that does not fit next to them waiting, and runs it whole once they are
+    gone. It was refused (NO_MEMORY, with the answer it had: a decode instance whose ranks
+    were replaced cut resumed answers short under kvtier bench chaos --pd)."""
+    d = _engine(tiny, pages=8)
+    try:
+        assert d.reserve_handoff("a", 5 * PAGE) is not None  # 5 of the 8 pages
+        rid = d.add_request(list(range(100, 100 + 4 * PAGE + 1)),
+                            SamplingParams(max_new_tokens=3))  # 5 pages + 1 to decode into
+        for _ in range(4):
+            assert d.step() == []  # waits: L1 is full for now, not for good
+        assert d.handoffs.cancel("a")
+        outs = []
+        for _ in range(20):
+            outs += d.step()
+            if outs:
+                break
+        assert [(o.request_id, o.finish_reason, len(o.tokens)) for o in outs] == \
+            [(rid, FinishReason.LENGTH, 3)]
     finally:
         d.close()
 
