@@ -186,6 +186,11 @@ class Engine:
         """Decode side: L1 pages for a prompt of `num_tokens` a prefill rank will write, and
         L2 staging pages when it has another TP size (None: no room, serve it mixed)."""
         check_handoff_spec(self.cache.spec)
+        if any(r.incoming is None for r in self.scheduler.waiting):
+            # Requests wait here for L1 pages (recomputed, or resumed after a rank restart):
+            # a reservation would take the pages they wait for, and new hand-offs would keep
+            # taking them, so this one is served mixed on its prefill side.
+            return self.handoffs.refuse()
         return self.handoffs.reserve(handoff_id, num_tokens, hold_s, staged)
 
     def release_handoff(self, request_id: int) -> bool:

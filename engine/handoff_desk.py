@@ -82,6 +82,10 @@ class HandoffDesk:
         self._counts["reserved"] += 1
         return held
 
+    def refuse(self) -> None:
+        """A reservation refused for the engine's own reasons (counted as one L1 refused)."""
+        self._counts["refused"] += 1
+
     def take(self, handoff_id: str) -> Reservation | None:
         """The reserved pages, now the caller's; None when unknown, cancelled or expired."""
         if handoff_id in self._lingering:

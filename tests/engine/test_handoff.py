@@ -251,7 +251,8 @@ def test_reservation_refused_when_l1_full(tiny):
 
 def test_a_prompt_that_does_not_fit_next_to_hand_off_reservations_waits_for_them(tiny):
     """A decode engine whose L1 is held by hand-off reservations (prefills still to come)
-    keeps a request that does not fit next to them waiting, and runs it whole once they are
+    keeps a request that does not fit next to them waiting, refuses new reservations
+    meanwhile (they would take the pages it waits for), and runs it whole once they are
     gone. It was refused (NO_MEMORY, with the answer it had: a decode instance whose ranks
     were replaced cut resumed answers short under kvtier bench chaos --pd)."""
     d = _engine(tiny, pages=8)
@@ -261,6 +262,8 @@ def test_a_prompt_that_does_not_fit_next_to_hand_off_reservations_waits_for_them
                             SamplingParams(max_new_tokens=3))  # 5 pages + 1 to decode into
         for _ in range(4):
             assert d.step() == []  # waits: L1 is full for now, not for good
+        # new hand-offs would take the pages it waits for: refused (served mixed) meanwhile
+        assert d.reserve_handoff("b", PAGE) is None and d.handoffs.counters.refused == 1
         assert d.handoffs.cancel("a")
         outs = []
         for _ in range(20):
