@@ -102,7 +102,7 @@ class Scheduler:
         self._preempted = 0
         self.terminate_requested = False  # set locally; the agreed flag aborts everything
         # decode side: L1 pages reserved for hand-offs whose prompt KV has not come yet (the
-        # engine's HandoffDesk sets it before each step); they free up when the KV comes or
+        # engine sets it from its HandoffDesk before each step); they free up when the KV comes or
         # the hold ends, so a prompt that does not fit next to them waits, never refused
         self.handoffs_reserved = False
         self._agreed_ready: dict[int, int] = {}  # id -> prompt page up to which every rank's
