@@ -174,13 +174,17 @@ class NamespaceClient(_Client):
             raise NamespaceUnavailable(
                 f"the L3 namespace actor failed during {method} ({type(exc).__name__}); it is "
                 "restarted automatically: treat L3 as a miss and retry") from exc
-        self._backoff_s, self._down_until, self._probe = 0.0, 0.0, None
+        self._answered()
         return result
 
     def _failed(self) -> None:
         self._backoff_s = min(max(2 * self._backoff_s, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
         self._down_until = time.monotonic() + self._backoff_s
         self._probe = self.handle.ping.remote()  # queued while the actor restarts
+
+    def _answered(self) -> None:
+        """The actor answered: calls go through again."""
+        self._backoff_s, self._down_until, self._probe = 0.0, 0.0, None
 
     def _down_why(self) -> str | None:
         """Why calls fail at once now, or None: call (`_call`)."""
@@ -194,7 +198,7 @@ class NamespaceClient(_Client):
             except Exception:  # noqa: BLE001 - the ping failed too: back off, then call
                 pass
             else:
-                self._backoff_s, self._down_until = 0.0, 0.0
+                self._answered()
                 return None
         left = self._down_until - time.monotonic()
         if left > 0:

@@ -190,7 +190,8 @@ class Engine:
             # Requests wait here for L1 pages (recomputed, or resumed after a rank restart):
             # a reservation would take the pages they wait for, and new hand-offs would keep
             # taking them, so this one is served mixed on its prefill side.
-            return self.handoffs.refuse()
+            self.handoffs.refuse()
+            return None
         return self.handoffs.reserve(handoff_id, num_tokens, hold_s, staged)
 
     def release_handoff(self, request_id: int) -> bool:
