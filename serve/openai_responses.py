@@ -68,8 +68,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: Mapping | tuple,
 def kvtier_field(cached: Mapping | tuple, lengths: Mapping | tuple,
                  pd: Mapping | None = None) -> dict:
     """The extra top-level `kvtier` field: where the cached prompt came from, the five
-    lengths of DESIGN.md, and `pd` (`pd_field`) in a prefill/decode graph. OpenAI clients
-    ignore unknown fields."""
+    lengths (docs/architecture.md invariant 4), and `pd` (`pd_field`) in a prefill/decode
+    graph. OpenAI clients ignore unknown fields."""
     out = {"cached_tokens": _plain(cached, CACHED_KEYS), "lengths": _plain(lengths, LENGTH_KEYS)}
     if pd is not None:
         out["pd"] = dict(pd)

@@ -9,7 +9,8 @@ from kvtier.tiers.tree_node import TreeNode
 
 
 class RequestLengths(NamedTuple):
-    """The five lengths of DESIGN.md, in tokens, logged together per request."""
+    """The five lengths (docs/architecture.md invariant 4), in tokens, logged together per
+    request."""
 
     prefix_len: int  # already in L1
     host_hit_length: int  # L2 candidates after the L1 part

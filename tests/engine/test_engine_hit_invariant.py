@@ -1,5 +1,6 @@
-"""DESIGN.md invariant 1 for the engine: a request resuming from cached prefix pages gives
-bit-identical logits and greedy tokens to a cold run prefilling in the same page-aligned chunks."""
+"""docs/architecture.md invariant 1 for the engine: a request resuming from cached prefix
+pages gives bit-identical logits and greedy tokens to a cold run prefilling in the same
+page-aligned chunks."""
 from __future__ import annotations
 
 import pytest
