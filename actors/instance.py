@@ -2,38 +2,59 @@
 
 The ranks sit in one placement group (PACK: on one node when it fits). Every request goes to
 every rank in the same order; each step is one `.remote()` per rank and one bounded `ray.get`
-over all of them (the ranks meet in their collectives: the agreement round and the model's
-all-reduces). Ranks must produce the same outputs; rank 0's are returned.
+over all of them (actors/rank_group: the ranks meet in their collectives: the agreement round
+and the model's all-reduces). Ranks must produce the same outputs; rank 0's are returned.
 
     with local_ray(2), Instance(RankSettings(TinyWeights(), HiCacheConfig(page_size=16)),
                                 tp_size=2) as inst:
         outs = inst.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+
+Prefill/decode hand-offs (actors/pd_driver) go through the same instance: rank r of a
+prefill instance writes into rank r of its decode instance (equal TP sizes: each rank holds
+the same KV heads on both sides), so every per-rank value is a list in rank order.
+
+    decode.handoff_open("nixl"); prefill.handoff_open("nixl")
+    targets = decode.reserve_handoff("req-1", len(prompt))      # bootstrap (None: no room)
+    pid = prefill.add_prefill(prompt, SamplingParams(max_new_tokens=1), targets)
+    ... prefill.step_report().handoffs[pid]                      # each rank's HandoffSent
+    did = decode.add_received(prompt, sampling, incoming_kv(...))  # KV-ready, then decode
+    prefill.release_handoff(pid)                                 # once the decode side has it
+
+Every hand-off call recovers the instance when a rank fails in it, as a step does
+(`_recovering`: the ranks replaced, pending requests added again): what the failed ranks held
+died with them (a reservation, handed-off pages), and the call answers as if it were gone
+(None, False).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.cluster_placement import unplaced_message
-from kvtier.actors.instance_handoff import Handed, InstanceHandoff, PendingRequest
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
                                       RankStats, create_rank_actor)
-from kvtier.actors.step_wire import Progress, decode_output, decode_report, resume_to_wire
-from kvtier.engine.agreement import AgreementError
-from kvtier.engine.handoff import HandoffSent
-from kvtier.engine.request import Output, Resume
-from kvtier.engine.sampling import SamplingParams
+from kvtier.actors.rank_group import (InstanceError, RankDivergence, RankFailure, RankGroup,
+                                      wait_ranks)
+from kvtier.actors.step_wire import Progress, StepReport, resume_to_wire
+from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, rank_sums
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
+from kvtier.engine.request import FinishReason, Output, Resume
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
+from kvtier.engine.scheduler import HANDED_HOLD_S
 from kvtier.engine.tp_group import loopback_init_method
 from kvtier.errors import ConfigError, KvtierError, PlacementError
 from kvtier.keys import check_cache_salt
 from kvtier.messages import NamespaceInfo
 from kvtier.serve.placement import rank_bundle
+
+__all__ = ["Instance", "InstanceError", "InstanceStep", "RankDivergence", "RankFailure"]
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +66,6 @@ IDLE_WAIT_S = 0.0005
 T = TypeVar("T")
 
 
-class InstanceError(KvtierError, RuntimeError):
-    """The instance cannot go on: its ranks diverged, or kept failing after restarts."""
-
-
-class RankFailure(InstanceError):
-    """A rank actor died, failed a call or did not answer in time (the instance recovers)."""
-
-
-class RankDivergence(RankFailure):
-    """The ranks' schedulers fell out of step (their agreement saw different waiting queues,
-    or they finished different requests): recovered like a fault, counted apart."""
-
-
 class InstanceStep(NamedTuple):
     finished: list[Output]  # by instance request id
     progress: dict[int, Progress]  # running requests whose answer grew: the new tokens
@@ -65,7 +73,49 @@ class InstanceStep(NamedTuple):
     handoffs: dict[int, list[HandoffSent]] = {}  # prefill side: id -> each rank's transfer
 
 
-class Instance(InstanceHandoff):
+class RequestState(enum.Enum):
+    PENDING = "pending"  # queued or running on the ranks, not returned yet
+    HANDED = "handed"    # prefill side: returned; its ranks hold its pages for the decode side
+
+
+@dataclass
+class InstanceRequest:
+    """A request the instance holds: while PENDING, enough to run it again (a prefill again
+    to the same decode pages; a decode request over its pages, which a replaced rank no
+    longer has: it is then recomputed), and the answer so far, which a run again goes on
+    after (`resume`); once HANDED, until when its ranks hold its pages."""
+
+    tokens: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str = ""
+    targets: tuple[list, ...] | None = None  # prefill side: each rank's HandoffTarget (wire)
+    incoming: tuple[list, ...] | None = None  # decode side: each rank's IncomingKV (wire)
+    answer: list[int] = field(default_factory=list)  # tokens returned so far (progress)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when it asked
+    rank_id: int | None = None  # its id on the current ranks (None: not queued on them)
+    state: RequestState = RequestState.PENDING
+    held_until: float = 0.0  # HANDED: monotonic; the ranks have given the pages back by then
+
+    def resume(self) -> Resume | None:
+        """What a run again goes on after (None: nothing returned yet)."""
+        if not self.answer:
+            return None
+        logprobs = tuple(self.logprobs) if self.sampling.logprobs is not None else None
+        return Resume(tuple(self.answer), logprobs)
+
+    def take(self, progress: Progress) -> Progress | None:
+        """Keep what `progress` adds to the answer; that part (None: nothing new)."""
+        new = progress.after(len(self.answer))
+        if new is None:
+            return None
+        assert new.start == len(self.answer), "a step skipped answer tokens"
+        self.answer += new.tokens
+        if new.logprobs is not None:
+            self.logprobs += new.logprobs
+        return new
+
+
+class Instance:
     """`tp_size` RankCache actors over one request stream; `generate` or `add_request`+`step`.
 
     Faults: when a rank dies, hangs past `step_timeout_s` or fails a call, the TP group is
@@ -75,9 +125,13 @@ class Instance(InstanceHandoff):
     returned (their KV and the prompt's recomputed, hitting L3 where the namespace has their
     pages; in deterministic mode the answer is recomputed from the prompt and must repeat
     them), so none is lost and no answer is spliced from two runs. Request ids are the
-    instance's own and survive a restart. After `max_restarts` restarts in a row
-    with no step completed between them, the instance gives up with an InstanceError.
+    instance's own (or its caller's) and survive a restart. After `max_restarts` restarts in
+    a row with no step completed between them, the instance gives up with an InstanceError.
     """
+
+    handed_hold_s = HANDED_HOLD_S  # how long the ranks hold a handed-off request's pages
+    restarts: int  # rank sets replaced after a fault, over the instance's life
+    recovering: bool  # replacing its ranks now (read by other threads: a poll)
 
     def __init__(self, settings: RankSettings, tp_size: int = 2,
                  num_cpus_per_rank: float = RANK_NUM_CPUS, strategy: str = "PACK",
@@ -99,23 +153,22 @@ class Instance(InstanceHandoff):
         self.ready_timeout_s, self.max_restarts = ready_timeout_s, max_restarts
         self._settings, self._num_cpus = settings, num_cpus_per_rank
         self._rank_class = rank_class
-        self.restarts = 0  # rank sets replaced after a fault, over the instance's life
-        self.recovering = False  # replacing its ranks now (read by other threads: a poll)
+        self.restarts = 0
+        self.recovering = False
         self.divergences = 0  # of those, the ones caused by ranks out of step
         self._failures_in_a_row = 0
         self._next_id = 0
-        self._pending: dict[int, PendingRequest] = {}  # instance id -> request, in arrival order
-        self._rank_id: dict[int, int] = {}  # instance id -> the current ranks' request id
-        self._instance_id: dict[int, int] = {}  # the reverse
-        self._done: dict[int, Output] = {}
+        self._submitted = 0
+        # instance id -> request, in arrival order: the one record of each request
+        self._requests: dict[int, InstanceRequest] = {}
+        self._done: dict[int, Output] = {}  # returned by a step, not yet asked for by `wait`
         self.call_s = 0.0  # driver time inside step calls (for the actor-call overhead)
         self._l3: tuple[bytes, str | None] | None = None  # what attach_l3 was given
         self._watch: str | None = None  # the name watch_cache was given
         self._transport: tuple[str, bool] | None = None  # what handoff_open was given
-        self._handed: dict[int, Handed] = {}  # prefill side: instance id -> held pages
+        self.rank_group = RankGroup([], step_timeout_s)
         bundle = rank_bundle(num_cpus_per_rank, int(settings.gpu), resources)
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
-        self.ranks: list[Any] = []
         try:
             self._wait_placed(bundle, strategy)
             self._start_ranks()
@@ -123,6 +176,11 @@ class Instance(InstanceHandoff):
             self.close()
             raise
         log.info("instance ready: TP=%d (%s)", tp_size, strategy)
+
+    @property
+    def ranks(self) -> list[Any]:
+        """The current rank actors, in rank order (empty while a replacement set starts)."""
+        return self.rank_group.actors
 
     def _wait_placed(self, bundle: dict[str, float], strategy: str) -> None:
         """Wait for the placement group; a PlacementError naming the nodes that offer what
@@ -139,90 +197,62 @@ class Instance(InstanceHandoff):
         if s.l3 is not None:  # the namespace as it is now (a restarted master moved it)
             info = _current_info(s.l3.to_msgpack(), s.l3_actor)
             self._settings = s = s._replace(l3=NamespaceInfo.from_msgpack(info))
-        self.ranks = [create_rank_actor(r, self.size, init_method, s, self._pg,
-                                        self._num_cpus, self._rank_class)
-                      for r in range(self.size)]
-        self._get([a.has_unfinished.remote() for a in self.ranks], self.ready_timeout_s,
-                  "starting the rank actors")
+        self.rank_group = RankGroup([create_rank_actor(r, self.size, init_method, s, self._pg,
+                                                       self._num_cpus, self._rank_class)
+                                     for r in range(self.size)], self.step_timeout_s)
+        group = self.rank_group
+        group.has_unfinished(self.ready_timeout_s)
         if self._l3 is not None:  # a replacement set gets the namespace as it is now
-            self._all("attach_l3", _current_info(*self._l3), self._l3[1])
+            group.attach_l3(_current_info(*self._l3), self._l3[1])
         if self._watch is not None:
-            self.rank_call(0, "watch_cache", self._watch)
+            group.watch_cache(self._watch)
         if self._transport is not None:
-            self._all("handoff_open", *self._transport)
-
-    def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
-        """Wait for `refs`, failing as soon as any one fails (a dead rank must not leave the
-        driver waiting for its peers' collective timeout)."""
-        single = not isinstance(refs, list)
-        waiting = [refs] if single else list(refs)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while waiting:
-                ready, waiting = ray.wait(waiting, num_returns=1,
-                                          timeout=max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    raise RankFailure(f"{what} took over {timeout_s} s: a rank is stuck or "
-                                      f"the cluster lacks {self.size} bundles' CPUs; check "
-                                      f"`ray status`")
-                ray.get(ready)  # raises now if that rank failed
-            return ray.get(refs)
-        except RayActorError as exc:
-            raise RankFailure(f"a rank actor died while {what}: {exc}") from exc
-        except RayTaskError as exc:  # a collective that lost its peer lands here too
-            if isinstance(exc.cause, AgreementError):
-                raise RankDivergence(f"the ranks diverged while {what}: {exc.cause}") from exc
-            raise RankFailure(f"a rank failed while {what}: {exc}") from exc
-
-    def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        refs = [getattr(a, method).remote(*args) for a in self.ranks]
-        return self._get(refs, timeout_s or self.step_timeout_s, f"calling {method}")
-
-    def _each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
-        """Call every rank with its own arguments (`per_rank[r]` for rank r)."""
-        if len(per_rank) != self.size:
-            raise InstanceError(f"{method}: {len(per_rank)} ranks' arguments for {self.size} "
-                                f"ranks")
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.ranks, per_rank)]
-        return self._get(refs, self.step_timeout_s, f"calling {method}")
+            group.handoff_open(*self._transport)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                    cache_salt: str = "", resume: Resume | None = None) -> int:
+                    cache_salt: str = "", resume: Resume | None = None,
+                    request_id: int | None = None) -> int:
         """Queue a request on every rank; its id (the instance's, stable across restarts).
         `cache_salt`: its tenant (it hits only prefixes cached with the same salt).
         `resume`: the start of its answer the caller has already (it ran elsewhere): it goes
-        on after those tokens, which its progress never reports again."""
-        pending = PendingRequest(tuple(int(t) for t in tokens), sampling,
-                                 check_cache_salt(cache_salt))
+        on after those tokens, which its progress never reports again.
+        `request_id`: the id to give it (a server's own request id), instead of the next."""
+        req = InstanceRequest(tuple(int(t) for t in tokens), sampling,
+                              check_cache_salt(cache_salt))
         if resume is not None:
-            pending.answer, pending.logprobs = list(resume.tokens), list(resume.logprobs or ())
-        return self._add(pending)
+            req.answer, req.logprobs = list(resume.tokens), list(resume.logprobs or ())
+        return self._add(req, request_id)
 
-    def _add(self, pending: PendingRequest) -> int:
-        req_id, self._next_id = self._next_id, self._next_id + 1
-        self._pending[req_id] = pending
+    def _add(self, req: InstanceRequest, request_id: int | None = None) -> int:
+        if request_id is None:
+            request_id = self._next_id
+        elif request_id in self._requests:
+            raise ConfigError(f"request id {request_id} is in use on this instance; give each "
+                              f"request its own")
+        self._next_id = max(self._next_id, request_id + 1)
+        self._submitted += 1
+        self._requests[request_id] = req
         try:
-            self._submit(req_id)
+            self._submit(req)
         except RankFailure as exc:
             self._recover(exc)  # re-adds every pending request, this one too
-        return req_id
+        return request_id
 
-    def _submit(self, req_id: int) -> None:
-        """Queue pending request `req_id` on every rank: new, or again after a restart, when
-        it goes on after the answer it has (its hand-off pages died with the old ranks)."""
-        req = self._pending[req_id]
+    def _submit(self, req: InstanceRequest) -> None:
+        """Queue pending request `req` on every rank: new, or again after a restart, when it
+        goes on after the answer it has (its hand-off pages died with the old ranks)."""
         args = (list(req.tokens), req.sampling, req.cache_salt)
         if req.targets is not None:
-            ids = self._each("add_handoff_request", [(*args, t) for t in req.targets])
+            ids = self.rank_group.add_handoff_request(*args, req.targets)
         elif req.incoming is not None and not req.answer:
-            ids = self._each("add_received", [(*args, kv) for kv in req.incoming])
+            ids = self.rank_group.add_received(*args, req.incoming)
         else:
-            ids = self._all("add_request", *args, resume_to_wire(req.resume()))
+            ids = self.rank_group.add_request(*args, resume_to_wire(req.resume()))
         if len(set(ids)) != 1:
             raise RankDivergence(f"ranks gave request ids {ids}: their streams are out of "
                                  f"step")  # recovered like any divergence
-        self._rank_id[req_id], self._instance_id[ids[0]] = ids[0], req_id
+        req.rank_id = ids[0]
 
     def step(self) -> list[Output]:
         """One lockstep step on every rank; rank 0's finished outputs (checked against all).
@@ -235,13 +265,12 @@ class Instance(InstanceHandoff):
         returned) and rank 0's cache events when `watch_cache` asked for them."""
         start = time.perf_counter()
         try:
-            per_rank = self._all("step")
+            per_rank = self.rank_group.step()
         except RankFailure as exc:
             self._recover(exc)
             return InstanceStep([], {}, None)
         finally:
             self.call_s += time.perf_counter() - start
-        per_rank = [decode_report(data) for data in per_rank]
         first = per_rank[0]
         for rank, report in enumerate(per_rank[1:], start=1):
             got = [(o.request_id, o.tokens, o.finish_reason) for o in report.finished]
@@ -250,21 +279,29 @@ class Instance(InstanceHandoff):
                 self._recover(RankDivergence(f"rank {rank} finished {got} but rank 0 {want}"))
                 return InstanceStep([], {}, None)
         self._failures_in_a_row = 0
+        by_rank = {req.rank_id: req_id for req_id, req in self._requests.items()
+                   if req.state is RequestState.PENDING}
         progress = {}
         for rank_id, got in first.progress.items():
-            req_id = self._instance_id.get(rank_id)
-            new = None if req_id is None else self._pending[req_id].take(got)
+            req_id = by_rank.get(rank_id)
+            new = None if req_id is None else self._requests[req_id].take(got)
             if new is not None:
                 progress[req_id] = new
-        handoffs = self._collect_handoffs(per_rank)
-        return InstanceStep([self._finish(o) for o in first.finished], progress, first.events,
-                            handoffs)
+        handoffs = _collect_handoffs(per_rank, by_rank)
+        return InstanceStep([self._finish(by_rank[o.request_id], o) for o in first.finished],
+                            progress, first.events, handoffs)
 
-    def _finish(self, out: Output) -> Output:
-        req_id = self._instance_id.pop(out.request_id)
-        if self._pending[req_id].targets is not None:  # its pages wait for release_handoff
-            self._hand(req_id, self._rank_id[req_id], out.finish_reason)
-        del self._rank_id[req_id], self._pending[req_id]
+    def _finish(self, req_id: int, out: Output) -> Output:
+        """Request `req_id` finished as `out` (rank-side ids): the caller's output. A
+        prefill's pages stay held by its ranks for the decode side (unless it was aborted, as
+        their scheduler does), until released or their hold ends."""
+        req = self._requests.pop(req_id)
+        if req.targets is not None:
+            self._forget_expired()
+            if out.finish_reason is not FinishReason.ABORTED:
+                req.state, req.held_until = (RequestState.HANDED,
+                                             time.monotonic() + self.handed_hold_s)
+                self._requests[req_id] = req
         return dataclasses.replace(out, request_id=req_id)
 
     def _recover(self, cause: RankFailure) -> None:
@@ -282,17 +319,20 @@ class Instance(InstanceHandoff):
                                 f"in a row, giving up (max_restarts={self.max_restarts})"
                                 ) from cause
         log.warning("%s; replacing all %d ranks and recomputing %d pending requests",
-                    cause, self.size, len(self._pending))
+                    cause, self.size, self.num_pending)
         self.divergences += isinstance(cause, RankDivergence)
-        self._kill_ranks()
-        self._rank_id.clear()
-        self._instance_id.clear()
-        self._handed.clear()  # their pages died with the ranks
+        self.rank_group.kill_all()
+        for req_id in list(self._requests):
+            req = self._requests[req_id]
+            if req.state is RequestState.HANDED:
+                del self._requests[req_id]  # their pages died with the ranks
+            else:
+                req.rank_id = None
         self.restarts += 1
         try:
             self._start_ranks()
-            for req_id in list(self._pending):
-                self._submit(req_id)
+            for req in list(self._requests.values()):
+                self._submit(req)
         except RankFailure as exc:
             self._replace_ranks(exc)
 
@@ -309,17 +349,18 @@ class Instance(InstanceHandoff):
             return on_failure
 
     def abort(self, request_id: int) -> Output | None:
-        if request_id not in self._pending:
+        req = self._requests.get(request_id)
+        if req is None or req.state is not RequestState.PENDING:
             return None
         try:
-            out = decode_output(self._all("abort", self._rank_id[request_id])[0])
+            out = self.rank_group.abort(req.rank_id)
         except RankFailure as exc:
-            del self._pending[request_id]  # not re-added by the recovery: it is aborted
+            del self._requests[request_id]  # not re-added by the recovery: it is aborted
             self._recover(exc)
             return None
         if out is None:  # the ranks had finished it already; it comes out of the next step
             return None
-        return self._finish(out)
+        return self._finish(request_id, out)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams = SamplingParams(), max_steps: int = 100_000
@@ -346,87 +387,182 @@ class Instance(InstanceHandoff):
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending)
+        return sum(req.state is RequestState.PENDING for req in self._requests.values())
 
     @property
     def num_submitted(self) -> int:
         """Requests added over the instance's life."""
-        return self._next_id
+        return self._submitted
+
+    # ---- prefill/decode hand-offs: setup -----------------------------------------------------
+    def handoff_open(self, transport: str, staged: bool = False) -> list[bytes]:
+        """Every rank opens its endpoint (kept across rank restarts); their addresses.
+        `staged`: the peers have another TP size (hand-offs go through L2). Setup, not
+        recovered: a failure here (a bad transport) raises."""
+        addresses = self.rank_group.handoff_open(transport, staged)
+        self._transport = (transport, staged)
+        return addresses
+
+    # ---- decode side -------------------------------------------------------------------------
+    def reserve_handoff(self, handoff_id: str, num_tokens: int,
+                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False
+                        ) -> list[HandoffTarget] | None:
+        """Bootstrap: every rank reserves L1 pages for the prompt (and L2 staging pages when
+        `staged`: the prefill instance has another TP size); each rank's target, or None (and
+        nothing held) when any rank has no room or a rank failed (the instance recovers)."""
+        def reserve() -> list[HandoffTarget] | None:
+            got = self.rank_group.handoff_reserve(handoff_id, num_tokens, hold_s, staged)
+            targets = [t for t in got if t is not None]
+            if len(targets) < len(got):
+                self.rank_group.handoff_cancel(handoff_id)
+                return None
+            return targets
+        return self._recovering(reserve, None)
+
+    def cancel_handoff(self, handoff_id: str, linger_s: float = 0.0) -> None:
+        """Call a reservation off on every rank: its pages are freed now, or after
+        `linger_s` when a write to them failed (it may still be running). A rank that fails
+        here is replaced with the others: the reservation died with them."""
+        self._recovering(lambda: self.rank_group.handoff_cancel(handoff_id, linger_s), None)
+
+    def prompt_pages_held(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Whole pages of the prompt every rank holds in L1 or L2 (0 when a rank fails: the
+        instance recovers, its new ranks hold nothing)."""
+        return self._recovering(
+            lambda: min(self.rank_group.pin_held([int(t) for t in tokens], cache_salt)), 0)
+
+    def add_received(self, tokens: Sequence[int], sampling: SamplingParams,
+                     sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],
+                     first_token: int, cache_salt: str = "",
+                     first_logprob: TokenLogprob | None = None) -> int:
+        """Queue the decode request whose prompt KV the prefill ranks wrote into `targets`
+        (this instance's ranks' reservations; `sent`: each prefill rank's transfer, with its
+        sums); it decodes from `first_token` (with `first_logprob`, when it asked for them)
+        on once every rank verified its pages (KV-ready), or goes on after that token with
+        its prompt recomputed."""
+        if len(targets) != self.size:
+            raise ConfigError(f"{len(targets)} reservations for a TP={self.size} decode "
+                              f"instance; give every rank's")
+        incoming = tuple(IncomingKV(t.handoff_id, t.pages, rank_sums(t, sent), int(first_token),
+                                    first_logprob,
+                                    t.staging.pages if t.staging is not None else ()).to_wire()
+                         for t in targets)
+        return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
+                                         check_cache_salt(cache_salt), None, incoming))
+
+    # ---- prefill side ------------------------------------------------------------------------
+    def add_prefill(self, tokens: Sequence[int], sampling: SamplingParams,
+                    targets: Sequence[HandoffTarget], cache_salt: str = "") -> int:
+        """Queue a prefill whose prompt KV goes to the decode ranks' `targets` once computed
+        (each rank writes its KV heads to the ranks holding them; `step_report().handoffs`
+        then has each rank's HandoffSent); its pages stay held until `release_handoff`."""
+        wire = [t.to_wire() for t in targets]
+        return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
+                                         check_cache_salt(cache_salt),
+                                         tuple(wire for _ in range(self.size))))
+
+    def release_handoff(self, request_id: int) -> bool:
+        """The decode side has the request's KV (or gave up on it): the prefill ranks give its
+        pages to their caches. False when they hold none for it (released already, their
+        hold ended, or a rank failed: the pages died with the ranks)."""
+        req = self._requests.get(request_id)
+        if req is None or req.state is not RequestState.HANDED:
+            return False
+        del self._requests[request_id]
+        rank_id = req.rank_id
+        return self._recovering(lambda: all(self.rank_group.release_handoff(rank_id)), False)
+
+    @property
+    def handed_requests(self) -> int:
+        """Finished prefills whose pages the ranks hold until `release_handoff`."""
+        self._forget_expired()
+        return sum(req.state is RequestState.HANDED for req in self._requests.values())
+
+    def _forget_expired(self) -> None:
+        """The ranks released these at their hold's end already; a release that never came
+        must not keep them here."""
+        now = time.monotonic()
+        for req_id in [i for i, req in self._requests.items()
+                       if req.state is RequestState.HANDED and req.held_until <= now]:
+            del self._requests[req_id]
+
+    def raw_handoff_writes(self, targets: Sequence[HandoffTarget],
+                           through_kvtier: bool = False) -> list[tuple[int, float]]:
+        """The benchmark's baseline: every rank at once makes, with the bare transport, the
+        writes a hand-off to the decode ranks' `targets` makes; each rank's (bytes, seconds)."""
+        return self.rank_group.handoff_raw_write([t.to_wire() for t in targets],
+                                                 through_kvtier)
+
+    def handoff_counters(self) -> list[dict]:
+        """Every rank's hand-off counters (transport bytes and pages, reservations, checks)."""
+        return self.rank_group.handoff_counters()
 
     # ---- inspection and faults (tests, benchmarks) ------------------------------------------
     def stats(self) -> list[RankStats]:
-        return self._all("stats")
+        return self.rank_group.stats()
 
     def quiesce(self) -> None:
         """Every rank waits for its queued L1<->L2 copies and L2->L3 backups."""
-        self._all("quiesce")
+        self.rank_group.quiesce()
 
     def evict_device(self) -> list[int]:
         """Flush L1 on every rank (pages backed up in L2 stay there); free L1 pages per rank."""
-        return self._all("evict_device")
+        return self.rank_group.evict_device()
 
     def drop_cache(self) -> list[int]:
         """Evict every unlocked L1 and L2 page on every rank (L3 is untouched)."""
-        return self._all("drop_cache")
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        """Call every rank in one lockstep round (maintenance between steps); results in
-        rank order."""
-        return self._all(method, *args)
+        return self.rank_group.drop_cache()
 
     def rank_call(self, rank: int, method: str, *args: Any) -> Any:
-        """Call one rank only (fault injection, per-rank cache surgery in tests)."""
-        return self._get(getattr(self.ranks[rank], method).remote(*args), self.step_timeout_s,
-                         f"calling {method} on rank {rank}")
+        """Call one rank only, by the method's name: fault injection and per-rank cache surgery
+        in tests and soaks (their rank classes add the fault methods: no typed client has
+        them). The instance itself calls its ranks through `rank_group`."""
+        return wait_ranks(getattr(self.ranks[rank], method).remote(*args), self.step_timeout_s,
+                          f"calling {method} on rank {rank}", self.size)
 
     def describe(self) -> CacheDescription:
-        return self.rank_call(0, "describe")
+        return self.rank_group.describe()
 
     def running_config(self) -> dict:
         """Rank 0's cache config and engine choices (`RankCache.running_config`)."""
-        return self.rank_call(0, "running_config")
+        return self.rank_group.running_config()
 
     def cache_snapshot(self) -> list[dict]:
         """Every rank's counters and pool use (`RankCache.cache_snapshot`)."""
-        return self._all("cache_snapshot")
+        return self.rank_group.cache_snapshot()
 
     def watch_cache(self, name: str) -> None:
         """Rank 0 records cache events, returned by `step_report` (kept across restarts)."""
-        self.rank_call(0, "watch_cache", name)
+        self.rank_group.watch_cache(name)
         self._watch = name
 
     def drain_events(self) -> bytes | None:
         """Rank 0's cache events since its last step (maintenance calls evict outside steps)."""
-        return self.rank_call(0, "drain_events") if self._watch is not None else None
+        return self.rank_group.drain_events() if self._watch is not None else None
 
     def attach_l3(self, info: NamespaceInfo, l3_actor: str | None) -> str:
         """Every rank attaches its client of the namespace `info` (kept across restarts)."""
         args = (info.to_msgpack(), l3_actor)
-        kinds = self._all("attach_l3", *args)
+        kinds = self.rank_group.attach_l3(*args)
         self._l3 = args
         return kinds[0]
 
     def detach_l3(self) -> None:
-        self._all("detach_l3")
+        self.rank_group.detach_l3()
         self._l3 = None
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank's process (fault injection): the next call notices and recovers."""
-        ray.kill(self.ranks[rank], no_restart=True)
+        self.rank_group.kill(rank)
 
     # ---- lifetime --------------------------------------------------------------------------
-    def _kill_ranks(self) -> None:
-        for actor in self.ranks:
-            ray.kill(actor, no_restart=True)
-        self.ranks = []
-
     def close(self) -> None:
-        if self.ranks:
+        if self.rank_group.actors:
             try:
-                self._all("close", timeout_s=10.0)
+                self.rank_group.close(timeout_s=10.0)
             except (RankFailure, InstanceError) as exc:
                 log.warning("closing the ranks: %s; killing them", exc)
-            self._kill_ranks()
+            self.rank_group.kill_all()
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
@@ -436,6 +572,19 @@ class Instance(InstanceHandoff):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _collect_handoffs(per_rank: Sequence[StepReport], by_rank: dict[int | None, int]
+                      ) -> dict[int, list[HandoffSent]]:
+    """Instance id -> each rank's HandoffSent, for the requests this step handed off
+    (`by_rank`: rank-side id -> instance id)."""
+    out: dict[int, list[HandoffSent]] = {}
+    for report in per_rank:
+        for rank_id, wire in report.handoffs:
+            req_id = by_rank.get(rank_id)
+            if req_id is not None:
+                out.setdefault(req_id, []).append(HandoffSent.from_wire(wire))
+    return out
 
 
 def _current_info(info: bytes, l3_actor: str | None) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvtier.actors.instance import Instance
+from kvtier.tiers.cache_pins import PinRefusal
 
 
 def pin_on_instance(inst: Instance, name: str, pin_id: str, tokens: Sequence[int], salt: str,
@@ -21,14 +22,15 @@ def pin_on_instance(inst: Instance, name: str, pin_id: str, tokens: Sequence[int
     rank (0: the instance does not hold the prefix), or {"instance", "refused": {
     "needed_pages", "free_pages", "reason"}} (the rank short of most room)."""
     tokens = [int(t) for t in tokens]
-    held = min(inst.call_all("pin_held", tokens, salt))
+    ranks = inst.rank_group
+    held = min(ranks.pin_held(tokens, salt))
     if held == 0:
         return {"instance": name, "pages": 0}
-    outs = inst.call_all("pin", pin_id, tokens, held, ttl_s, max_fraction, salt, tenant)
-    refused = [out["refused"] for out in outs if "refused" in out]
+    outs = ranks.pin(pin_id, tokens, held, ttl_s, max_fraction, salt, tenant)
+    refused = [out for out in outs if isinstance(out, PinRefusal)]
     if refused:
-        inst.call_all("unpin", pin_id)
-        worst = max(refused, key=lambda r: r["needed_pages"] - r["free_pages"])
-        return {"instance": name, "refused": worst}
+        ranks.unpin(pin_id)
+        worst = max(refused, key=lambda r: r.needed_pages - r.free_pages)
+        return {"instance": name, "refused": worst._asdict()}
     inst.quiesce()  # backups written and reported: the namespace publishes the pinned pages
-    return {"instance": name, **outs[0]}
+    return {"instance": name, **outs[0]._asdict()}

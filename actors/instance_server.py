@@ -1,8 +1,8 @@
 """An Instance behind a thread, for a server: requests come and go while the ranks step.
 
 `Instance` is driven by one caller at a time (every call is a lockstep round over its rank
-actors). A server has many concurrent requests, so `InstanceServer` owns the instance (or
-anything that steps like one: a prefill/decode driver's instances, actors/serve_pd) in one
+actors). A server has many concurrent requests, so `InstanceServer` owns the instance (a
+`DrivenInstance`: an Instance, or a prefill/decode driver's instances, actors/serve_pd) in one
 driver thread: callers hand it commands (add a request, cancel one, run a maintenance call
 between steps) through a thread-safe queue and get results through thread-safe callbacks.
 While any request is pending the thread steps; otherwise it sleeps until a command arrives.
@@ -21,9 +21,9 @@ import logging
 import queue
 import threading
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-from kvtier.actors.instance import Instance, InstanceError
+from kvtier.actors.instance import InstanceError, InstanceStep
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
@@ -50,8 +50,46 @@ class ServerEvent(NamedTuple):
 Sink = Callable[[ServerEvent], None]
 
 
+class DrivenInstance(Protocol):
+    """What an `InstanceServer` drives: an `Instance` (actors/instance) or a prefill/decode
+    driver's instances (`PDInstances`, actors/serve_pd). Request ids are the server's: each
+    request is added under the id the server gives it, and keeps it to its end."""
+
+    @property
+    def restarts(self) -> int:
+        """Rank-set restarts so far."""
+
+    @property
+    def recovering(self) -> bool:
+        """Replacing its ranks now (read from other threads)."""
+
+    @property
+    def num_pending(self) -> int:
+        """Requests added and not yet returned."""
+
+    def watch_cache(self, name: str) -> None:
+        """Report cache events under `name` with every step."""
+
+    def drain_events(self) -> bytes | None:
+        """Cache events recorded outside steps (a maintenance call's)."""
+
+    def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
+                    cache_salt: str = "", resume: Resume | None = None,
+                    request_id: int | None = None) -> int:
+        """Queue a request under `request_id`; that id."""
+
+    def abort(self, request_id: int) -> object:
+        """Stop a request; its sink hears nothing more of it."""
+
+    def step_report(self) -> InstanceStep:
+        """One step: the finished requests, the answers that grew, the cache events."""
+
+    def close(self) -> None:
+        """Stop everything it runs."""
+
+
 class _Add(NamedTuple):
-    key: int
+    request_id: int
     tokens: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str
@@ -60,11 +98,11 @@ class _Add(NamedTuple):
 
 
 class _Cancel(NamedTuple):
-    key: int
+    request_id: int
 
 
 class _Call(NamedTuple):
-    fn: Callable[[Instance], Any]
+    fn: Callable[[Any], Any]  # given the driven instance
     future: concurrent.futures.Future
 
 
@@ -80,15 +118,13 @@ class ServerPoll(NamedTuple):
 class InstanceServer:
     """`instance` driven by a thread; `submit`, `cancel`, `call`, `poll`, `close`."""
 
-    def __init__(self, instance: Instance, name: str) -> None:
+    def __init__(self, instance: DrivenInstance, name: str) -> None:
         self.instance, self.name = instance, name
         instance.watch_cache(name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._keys = itertools.count(1)
-        self._sinks: dict[int, Sink] = {}  # instance request id -> its caller
-        self._ids: dict[int, int] = {}  # key -> instance request id
-        self._key_of: dict[int, int] = {}  # instance request id -> key
+        self._ids = itertools.count(1)  # request ids: the instance's too
+        self._sinks: dict[int, Sink] = {}  # request id -> its caller, while it runs
         self._events: deque[bytes] = deque(maxlen=MAX_EVENT_BATCHES)
         self._lock = threading.Lock()  # guards broken, the queue's last puts, _events and
         # the counters read by poll
@@ -103,21 +139,22 @@ class InstanceServer:
     def submit(self, tokens: list[int], sampling: SamplingParams, sink: Sink,
                cache_salt: str = "", resume: Resume | None = None) -> int:
         """Queue a request (`cache_salt`: its tenant's; `resume`: the start of its answer
-        the caller already has); its key (for `cancel`)."""
-        key = next(self._keys)
+        the caller already has); its id (for `cancel`)."""
+        request_id = next(self._ids)
         with self._lock:  # after _fail_all nothing is queued that nobody would answer
             if self.broken:
                 raise InstanceError(f"instance {self.name} stopped serving: {self.broken}")
             self._load += 1
-            self._commands.put(_Add(key, tuple(tokens), sampling, cache_salt, sink, resume))
+            self._commands.put(_Add(request_id, tuple(tokens), sampling, cache_salt, sink,
+                                    resume))
         self._wake.set()
-        return key
+        return request_id
 
-    def cancel(self, key: int) -> None:
-        """Abort the request `key` (a client went away); its sink hears nothing more."""
-        self._put(_Cancel(key))
+    def cancel(self, request_id: int) -> None:
+        """Abort the request (a client went away); its sink hears nothing more."""
+        self._put(_Cancel(request_id))
 
-    def call(self, fn: Callable[[Instance], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(instance)` in the driver thread between two steps (maintenance: flush,
         attach L3, stats); its result as a future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -163,7 +200,7 @@ class InstanceServer:
 
     def _drain_commands(self) -> None:
         """Every command queued so far, in order (a request's cancel always comes after its
-        add: the caller has the key only once `submit` queued the add)."""
+        add: the caller has the id only once `submit` queued the add)."""
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -179,22 +216,18 @@ class InstanceServer:
                         cmd.future.set_exception(exc)
                     self._keep_events(self.instance.drain_events())
             else:
-                self._cancel(cmd.key)
+                self._cancel(cmd.request_id)
 
     def _add(self, cmd: _Add) -> None:
-        req_id = self.instance.add_request(cmd.tokens, cmd.sampling, cmd.cache_salt,
-                                           cmd.resume)
-        self._sinks[req_id] = cmd.sink
-        self._ids[cmd.key], self._key_of[req_id] = req_id, cmd.key
+        self.instance.add_request(cmd.tokens, cmd.sampling, cmd.cache_salt, cmd.resume,
+                                  cmd.request_id)
+        self._sinks[cmd.request_id] = cmd.sink
 
-    def _cancel(self, key: int) -> None:
-        req_id = self._ids.pop(key, None)
-        if req_id is None:  # finished already (its add was handled before this cancel)
-            return
-        self._key_of.pop(req_id, None)
-        if self._sinks.pop(req_id, None) is not None:
-            self.instance.abort(req_id)
-            self._done_one()
+    def _cancel(self, request_id: int) -> None:
+        if self._sinks.pop(request_id, None) is None:
+            return  # finished already (its add was handled before this cancel)
+        self.instance.abort(request_id)
+        self._done_one()
 
     def _step(self) -> None:
         report = self.instance.step_report()
@@ -207,7 +240,6 @@ class InstanceServer:
                 sink(ServerEvent(ServerEventKind.TOKENS, progress=progress))
         for out in report.finished:
             sink = self._sinks.pop(out.request_id, None)
-            self._ids.pop(self._key_of.pop(out.request_id, -1), None)
             if sink is not None:
                 sink(ServerEvent(ServerEventKind.DONE, output=out))
                 self._done_one()

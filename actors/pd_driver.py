@@ -138,10 +138,17 @@ class PDDriver:
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
-            cache_salt: str = "", resume: Resume | None = None) -> int:
-        """Queue a request; its id. `resume`: the start of its answer the caller already has
-        (it ran elsewhere): it is served mixed on a prefill instance, going on after it."""
-        f = _Flight(next(self._ids), tuple(int(t) for t in tokens), sampling, cache_salt)
+            cache_salt: str = "", resume: Resume | None = None,
+            request_id: int | None = None) -> int:
+        """Queue a request; its id (`request_id`: a server's own, instead of the next).
+        `resume`: the start of its answer the caller already has (it ran elsewhere): it is
+        served mixed on a prefill instance, going on after it."""
+        if request_id is None:
+            request_id = next(self._ids)
+        elif request_id in self._flights:
+            raise ConfigError(f"request id {request_id} is in flight; give each request its "
+                              f"own")
+        f = _Flight(request_id, tuple(int(t) for t in tokens), sampling, cache_salt)
         self._flights[f.id] = f
         f.prefill = self._pick_prefill(f)
         if resume is not None and resume.tokens:

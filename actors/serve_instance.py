@@ -87,14 +87,14 @@ class InstanceDeployment(ServedReplica):
 
     async def held(self, tokens: list[int], salt: str) -> int:
         """Whole pages of the prefix every rank holds (L1 or L2)."""
-        return min(await self._call(lambda inst: inst.call_all("pin_held", tokens, salt)))
+        return min(await self._call(lambda inst: inst.rank_group.pin_held(tokens, salt)))
 
     async def unpin(self, pin_id: str) -> bool:
-        return any(await self._call(lambda inst: inst.call_all("unpin", pin_id)))
+        return any(await self._call(lambda inst: inst.rank_group.unpin(pin_id)))
 
     async def pins(self) -> list[dict]:
         """Rank 0's pins (every rank pins the same pages); expired ones are dropped first."""
-        return (await self._call(lambda inst: inst.call_all("pins")))[0]
+        return (await self._call(lambda inst: inst.rank_group.pins()))[0]
 
     async def config(self) -> dict:
         """What this instance's ranks run with (rank 0 speaks for them: they are built from

@@ -41,8 +41,8 @@ def member_names(s: ServeSettings) -> list[str]:
 
 
 class PDInstances:
-    """A PDDriver as `InstanceServer` drives an Instance (`add_request`, `abort`,
-    `step_report`...). It reports no cache events: the router has one deployment to choose."""
+    """A PDDriver as `InstanceServer` drives an Instance (a `DrivenInstance`, actors/
+    instance_server). It reports no cache events: the router has one deployment to choose."""
 
     def __init__(self, driver: PDDriver) -> None:
         self.driver = driver
@@ -55,8 +55,8 @@ class PDInstances:
         return None
 
     def add_request(self, tokens: Any, sampling: SamplingParams, cache_salt: str = "",
-                    resume: Resume | None = None) -> int:
-        return self.driver.add(tokens, sampling, cache_salt, resume)
+                    resume: Resume | None = None, request_id: int | None = None) -> int:
+        return self.driver.add(tokens, sampling, cache_salt, resume, request_id)
 
     def abort(self, request_id: int) -> None:
         self.driver.abort(request_id)

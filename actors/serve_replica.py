@@ -197,7 +197,7 @@ class ServedReplica:
     async def audit(self) -> list[list[dict]]:
         """Every rank's `audit` (pages outside the tree, locked and protected nodes, after
         its copies settle), per instance in `_members` order, between two steps."""
-        return await self._call(lambda target: [inst.call_all("audit")
+        return await self._call(lambda target: [inst.rank_group.audit()
                                                 for inst in self._members(target)])
 
     def check_health(self) -> None:

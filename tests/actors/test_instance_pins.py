@@ -19,6 +19,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_worker import TinyWeights
+from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
 
 PAGE = 16
 SOURCE = TinyWeights(seed=5)
@@ -62,16 +63,16 @@ def test_every_rank_pins_the_same_pages_or_none(setup):
     inst.quiesce()  # L3 backups done: nothing protects the L2 pages any more
     inst.rank_call(1, "drop_cache")  # rank 1 lacks the prefix in L1 and L2 now
     assert pin(inst)["pages"] == 0
-    assert inst.call_all("pins") == [[], []]  # rank 0 holds it, yet pins nothing alone
+    assert inst.rank_group.pins() == [[], []]  # rank 0 holds it, yet pins nothing alone
     inst.generate([DOC + [4, 5]], ONE)  # both ranks hold it again
     out = pin(inst)
     assert out["pages"] == 5 and out["host_pages"] == 5, out
-    per_rank = inst.call_all("pins")
+    per_rank = inst.rank_group.pins()
     assert [[(p["id"], p["pages"], p["host_pages"]) for p in pins] for pins in per_rank] == \
         [[("p", 5, 5)]] * 2
     assert client.pin(ns, "p", hashes, 30.0, 0.5) == 5  # published: the backups were waited for
     inst.drop_cache()  # an operator's flush: pinned pages stay in L2
-    assert inst.call_all("pin_held", DOC, "") == [5, 5]
+    assert inst.rank_group.pin_held(DOC, "") == [5, 5]
 
 
 def test_an_l2_hit_extends_the_l3_pin(setup):
@@ -84,32 +85,45 @@ def test_an_l2_hit_extends_the_l3_pin(setup):
     [after] = client.pins(ns)
     assert after["expires_in_s"] > before["expires_in_s"] - 0.75, (before, after)
     assert all(a["locked_nodes"] == a["protected_nodes"] == 0
-               for a in inst.call_all("audit"))  # pins are neither locks nor leaks
+               for a in inst.rank_group.audit())  # pins are neither locks nor leaks
 
 
 class ScriptedRanks:
-    """An Instance stand-in (no Ray): each rank's answers to the pin calls, and the calls."""
+    """An Instance stand-in (no Ray): its rank group's answers to the pin calls, and the
+    calls."""
 
-    def __init__(self, held: list[int], pinned: list[dict]) -> None:
-        self.answers = {"pin_held": held, "pin": pinned, "unpin": [True] * len(held)}
+    def __init__(self, held: list[int], pinned: list[PinOutcome | PinRefusal]) -> None:
+        self.held, self.pinned = held, pinned
         self.calls: list[tuple] = []
+        self.rank_group = self
 
-    def call_all(self, method: str, *args) -> list:
-        self.calls.append((method, *args))
-        return self.answers[method]
+    def pin_held(self, tokens: list[int], salt: str) -> list[int]:
+        self.calls.append(("pin_held", tokens, salt))
+        return self.held
+
+    def pin(self, pin_id: str, tokens: list[int], pages: int, *rest) -> list:
+        self.calls.append(("pin", pin_id, tokens, pages, *rest))
+        return self.pinned
+
+    def unpin(self, pin_id: str) -> list[bool]:
+        self.calls.append(("unpin", pin_id))
+        return [True] * len(self.held)
 
     def quiesce(self) -> None:
         self.calls.append(("quiesce",))
 
 
 def test_the_min_of_the_ranks_is_pinned_and_one_refusal_unpins_every_rank():
-    ok = {"pin_id": "p", "pages": 3, "device_pages": 0, "host_pages": 3, "expires_in_s": 9.0}
+    ok = PinOutcome("p", 3, 0, 3, 9.0)
     ranks = ScriptedRanks([5, 3], [ok, ok])
-    assert pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")["pages"] == 3
+    out = pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")
+    assert out == {"instance": "i0", "pin_id": "p", "pages": 3, "device_pages": 0,
+                   "host_pages": 3, "expires_in_s": 9.0}
     assert ranks.calls[1][:4] == ("pin", "p", DOC, 3)  # every rank pins the MIN: 3 pages
     assert ranks.calls[-1] == ("quiesce",)  # then the backups reach L3
-    refusal = {"needed_pages": 3, "free_pages": 1, "reason": "over the share"}
-    ranks = ScriptedRanks([5, 5], [ok, {"refused": refusal}])
+    refusal = PinRefusal(3, 1, "over the share")
+    ranks = ScriptedRanks([5, 5], [ok, refusal])
     out = pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")
-    assert out == {"instance": "i0", "refused": refusal}
+    assert out == {"instance": "i0", "refused": {"needed_pages": 3, "free_pages": 1,
+                                                  "reason": "over the share"}}
     assert ranks.calls[-1] == ("unpin", "p")  # the rank that pinned lets go too

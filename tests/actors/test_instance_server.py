@@ -3,14 +3,16 @@ commands from many threads at once never stop the instance, and every request is
 cancelled exactly once."""
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections import deque
 
 from eventually import eventually
 
-from kvtier.actors.instance import InstanceStep
-from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.instance import Instance, InstanceStep
+from kvtier.actors.instance_server import DrivenInstance, InstanceServer
+from kvtier.actors.serve_pd import PDInstances
 from kvtier.engine.request import CachedTokens, FinishReason, Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.tiers.cache_types import RequestLengths
@@ -23,7 +25,6 @@ class InstantInstance:
     recovering = False
 
     def __init__(self) -> None:
-        self._next = 0
         self._running: deque[int] = deque()
 
     def watch_cache(self, name: str) -> None:
@@ -32,10 +33,10 @@ class InstantInstance:
     def drain_events(self) -> None:
         return None
 
-    def add_request(self, tokens, sampling, cache_salt="", resume=None) -> int:
-        self._next += 1
-        self._running.append(self._next)
-        return self._next
+    def add_request(self, tokens, sampling, cache_salt="", resume=None,
+                    request_id=None) -> int:
+        self._running.append(request_id)
+        return request_id
 
     def abort(self, request_id: int) -> None:
         if request_id in self._running:
@@ -83,3 +84,44 @@ def test_commands_from_many_threads_never_stop_the_instance():
         eventually(lambda: server.poll().load == 0, 10, "every request answered or cancelled")
     finally:
         server.close()
+
+
+def protocol_gaps(cls: type) -> list[str]:
+    """How `cls` falls short of `DrivenInstance`: a property it lacks (as a property, a
+    declared attribute or a class constant), a method it lacks or whose parameters differ."""
+    gaps = []
+    declared = {n for klass in cls.__mro__ for n in getattr(klass, "__annotations__", {})}
+    for name, member in vars(DrivenInstance).items():
+        if name.startswith("_"):
+            continue
+        got = getattr(cls, name, None)
+        if isinstance(member, property):
+            if not isinstance(got, property) and name not in declared \
+                    and not isinstance(got, (int, bool)):
+                gaps.append(f"{name}: not a property or declared attribute")
+        elif not callable(got):
+            gaps.append(f"{name}: missing")
+        else:
+            want = list(inspect.signature(member).parameters.values())
+            have = list(inspect.signature(got).parameters.values())
+            # the same parameters in the same order; each optional one optional here too
+            if [p.name for p in have] != [p.name for p in want] or any(
+                    w.default is not w.empty and h.default is h.empty
+                    for w, h in zip(want, have)):
+                gaps.append(f"{name}{inspect.signature(got)}: expected "
+                            f"{inspect.signature(member)}")
+    return gaps
+
+
+def test_what_the_server_drives_conforms_to_its_protocol():
+    """An Instance, a prefill/decode driver's PDInstances and this file's stand-in all take
+    the server's request ids and report a step the same way."""
+    assert protocol_gaps(Instance) == []
+    assert protocol_gaps(PDInstances) == []
+    assert protocol_gaps(InstantInstance) == []
+
+    class Lacking(InstantInstance):
+        def add_request(self, tokens, sampling, cache_salt="", resume=None) -> int:
+            return 0
+
+    assert protocol_gaps(Lacking) != []  # the check can fail

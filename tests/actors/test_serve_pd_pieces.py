@@ -29,10 +29,12 @@ class FakeDriver:
         self.closed = False
         self._next = 0
 
-    def add(self, tokens, sampling: SamplingParams, cache_salt: str = "", resume=None) -> int:
+    def add(self, tokens, sampling: SamplingParams, cache_salt: str = "", resume=None,
+            request_id: int | None = None) -> int:
         self._next += 1
-        self.running[self._next] = (sampling.max_new_tokens, [])
-        return self._next
+        rid = self._next if request_id is None else request_id
+        self.running[rid] = (sampling.max_new_tokens, [])
+        return rid
 
     def abort(self, request_id: int) -> bool:
         self.aborted.append(request_id)
