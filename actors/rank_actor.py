@@ -34,7 +34,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.parallel import SINGLE
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
-from kvtier.engine.tp_worker import WeightSource
+from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import SchedulePolicy
