@@ -135,7 +135,7 @@ class Request:
     # which the recomputed one must repeat
     error: str | None = None  # FinishReason.ERROR: why
     sampler: Sampler = field(init=False)
-    _state: RequestState = field(default=RequestState.WAITING, init=False, repr=False)
+    _state: RequestState = field(default=RequestState.WAITING, init=False)
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params, self.device, self.prompt)
