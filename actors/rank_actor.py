@@ -34,7 +34,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.parallel import SINGLE
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
-from kvtier.engine.tp_worker import WeightSource
+from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import SchedulePolicy
@@ -163,7 +163,7 @@ class RankCache(RankHandoff, RankPins, RankL3):
         self.steps += 1
         try:
             finished = self.engine.step()
-            self.engine.cache.pins.expire()
+            self.refresh_pins()
             self._follow_l3()
             handoffs = self._send_handoffs()
         finally:
@@ -237,7 +237,7 @@ class RankCache(RankHandoff, RankPins, RankL3):
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""
-        pins = self._pin_housekeeping()
+        pins = self.pin_figures()
         cache = self.engine.cache
         page = cache.spec.page_size
         storage = None

@@ -39,12 +39,19 @@ class RankPins:
         return self.engine.cache.pins.unpin(pin_id)
 
     def pins(self) -> list[dict]:
-        self._pin_housekeeping()
-        return self.engine.cache.pins.describe()
+        """The live pins (a read: pins past their TTL are left out here, dropped by the
+        step's `refresh_pins`)."""
+        return [p for p in self.engine.cache.pins.describe() if p["expires_in_s"] > 0]
 
-    def _pin_housekeeping(self) -> dict:
-        """Drop expired pins; rank 0 extends in L3 the pins that hits here extended (a hit
-        in L2 never asks L3). The pins' figures, for metrics."""
+    def pin_figures(self) -> dict:
+        """The pins' figures, for metrics (a read)."""
+        cache = self.engine.cache
+        _, device, host = cache.pins.pinned_pages()
+        return {"pins": len(cache.pins), "device_pages": device, "host_pages": host}
+
+    def refresh_pins(self) -> None:
+        """The step's pin upkeep: drop expired pins; rank 0 extends in L3 the pins that hits
+        here extended (a hit in L2 never asks L3)."""
         cache = self.engine.cache
         cache.pins.expire()
         refreshed = cache.pins.take_refreshed()
@@ -54,5 +61,3 @@ class RankPins:
                 cache.directory.refresh_pins(cache.namespace.name, refreshed)
             except Exception as exc:  # noqa: BLE001 - the L3 pin lapses at its TTL at worst
                 log.warning("extending %d L3 pins failed (%s)", len(refreshed), exc)
-        _, device, host = cache.pins.pinned_pages()
-        return {"pins": len(cache.pins), "device_pages": device, "host_pages": host}

@@ -89,7 +89,7 @@ def _model(name: str, seed: int) -> _Model:
     import torch
 
     from kvtier.engine.engine import SMOLLM2_NAMESPACE
-    from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
+    from kvtier.engine.weight_sources import SmolLM2Weights, TinyWeights
 
     # fp32 for both: the soak checks the cache, and in bf16 a decode step's logits depend on
     # which other sequences share its batch (measured: 16 of 40 SmolLM2 answers differed from

@@ -1,14 +1,9 @@
 """The reference engine: paged Llama-style (SmolLM2-135M-Instruct) and Gemma-3 (270M) models
-over kvtier's L1 pool.
-
-    model, tok = load_smollm2_model(torch.float32, "cpu")
-    out = generate(model, [tok.encode_chat([{"role": "user", "content": "Hi"}])],
-                   SamplingParams(max_new_tokens=16, stop_token_ids=tok.stop_token_ids))
+over kvtier's cache hierarchy; `Engine` schedules requests over them (continuous batching).
 """
 from kvtier.engine.architectures import build_model
 from kvtier.engine.batch import SeqChunk
 from kvtier.engine.engine import Engine
-from kvtier.engine.generate import Generation, generate
 from kvtier.engine.loader import load_smollm2_model, load_tiny_model
 from kvtier.engine.gemma3 import PagedGemma3
 from kvtier.engine.model import PagedLlama
@@ -25,8 +20,8 @@ from kvtier.engine.weights import ensure_converted, load_smollm2, model_dir, ran
 __all__ = [
     "Architecture", "LayerKind", "PagedGemma3", "build_model", "tiny_hybrid_config",
     "CachedTokens", "Engine", "FinishReason", "Output", "RequestState", "Scheduler", "StepStats",
-    "Generation", "ModelConfig", "ModelRunner", "PagedLlama", "Sampler", "SamplingParams",
+    "ModelConfig", "ModelRunner", "PagedLlama", "Sampler", "SamplingParams",
     "SeqChunk", "TensorParallel", "Tokenizer", "apply_chat_template", "chunk_bounds",
-    "ensure_converted", "generate", "load_smollm2", "load_smollm2_model", "load_tiny_model",
+    "ensure_converted", "load_smollm2", "load_smollm2_model", "load_tiny_model",
     "model_dir", "random_state_dict", "tiny_config",
 ]

@@ -36,7 +36,7 @@ from kvtier.engine.agreement import (NO_TICKET, SLOT_FAILED, SLOT_RESERVED,
                                      SLOT_SKIPPED, Agree, AgreementPayload, RetractionVote,
                                      ids_digest, local_agree)
 from kvtier.engine.handoff_intake import HandoffIntake
-from kvtier.engine.request import CachedTokens, Request, RequestState, pages_for
+from kvtier.engine.request import CachedTokens, Request, pages_for
 from kvtier.engine.runner import ModelRunner, chunk_bounds
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -322,10 +322,8 @@ class Admission:
         self.cache.trim_sliding(lookup, shared)  # a hybrid model's: the hit's window only
         self.cache.release_pages(res.fresh[keep:])  # the worst-case surplus
         budget.charge_load(loaded)
-        req.lookup, req.pages, req.num_shared, req.pos = \
-            lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable
+        req.start_prefill(lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable)
         req.lengths, req.cached = _lengths(lookup, usable, req.storage_hit)
-        req.state = RequestState.PREFILLING
         if req.admitted_s is None:
             req.admitted_s = time.perf_counter()
         self.forgive(req)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from kvtier.engine.handoff import page_sums
 from kvtier.engine.handoff_staging import copy_to_device, head_sums
-from kvtier.engine.request import CachedTokens, Request, RequestState, Resume
+from kvtier.engine.request import CachedTokens, Request, Resume
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
@@ -94,10 +94,9 @@ class HandoffIntake:
             req.continue_after(Resume((incoming.first_token,), first), fold=True)
             return False
         now = time.perf_counter()
-        req.lookup, req.pages, req.num_shared, req.pos = lookup, list(incoming.pages), 0, n
+        req.adopt(lookup, list(incoming.pages))
         req.lengths, req.cached = RequestLengths(0, 0, 0, 0, 0), CachedTokens(0, 0, 0)
         req.sampler.resume(incoming.first_token, incoming.first_logprob)
-        req.state = RequestState.DECODING
         req.append(incoming.first_token)
         req.admitted_s = req.admitted_s or now
         req.kv_ready_s = now

@@ -106,7 +106,6 @@ class Request:
     params: SamplingParams
     device: torch.device | str = "cpu"  # where the sampler's generator lives (the model's)
     arrival_s: float = field(default_factory=time.perf_counter)
-    state: RequestState = RequestState.WAITING
     ticket: PrefetchTicket | None = None
     storage_hit: int = 0  # tokens this request's L3 prefetches put into L2
     prefetch_asked_s: float = 0.0  # when this rank last asked L3 for its prompt (monotonic)
@@ -136,9 +135,44 @@ class Request:
     # which the recomputed one must repeat
     error: str | None = None  # FinishReason.ERROR: why
     sampler: Sampler = field(init=False)
+    _state: RequestState = field(default=RequestState.WAITING, init=False)
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params, self.device, self.prompt)
+
+    # ---- its state: changed only by the transitions below, each legal from given states ----
+    @property
+    def state(self) -> RequestState:
+        return self._state
+
+    def _move(self, to: RequestState, *legal: RequestState) -> None:
+        assert self._state in legal, \
+            f"request {self.id}: {self._state.name} -> {to.name} is not a legal transition"
+        self._state = to
+
+    def start_prefill(self, lookup: CacheLookup, pages: list[int], num_shared: int,
+                      pos: int) -> None:
+        """Admitted (WAITING -> PREFILLING): `pages` its page table, the first `num_shared`
+        the cache's (locked by `lookup`); prefill goes on from prompt position `pos`."""
+        self._move(RequestState.PREFILLING, RequestState.WAITING)
+        self.lookup, self.pages, self.num_shared, self.pos = lookup, pages, num_shared, pos
+
+    def start_decoding(self) -> None:
+        """Its prompt is computed (PREFILLING -> DECODING): its first token comes next."""
+        self._move(RequestState.DECODING, RequestState.PREFILLING)
+
+    def adopt(self, lookup: CacheLookup, pages: list[int]) -> None:
+        """A decode side's hand-off (WAITING -> DECODING): `pages` (all its own) hold its
+        whole prompt's KV, written by a prefill rank."""
+        self._move(RequestState.DECODING, RequestState.WAITING)
+        self.lookup, self.pages, self.num_shared, self.pos = lookup, pages, 0, len(self.prompt)
+
+    def finish(self, reason: FinishReason | None) -> None:
+        """Ended (from any state but FINISHED), for `reason`."""
+        self._move(RequestState.FINISHED, RequestState.WAITING, RequestState.PREFILLING,
+                   RequestState.DECODING, RequestState.RETRACTED)
+        self.finish_reason = reason
+        self.finish_s = time.perf_counter()
 
     @property
     def asked(self) -> tuple[int, ...]:
@@ -220,8 +254,10 @@ class Request:
         self.finish_reason, self.error = FinishReason.ERROR, why
 
     def _unhold(self) -> None:
-        self.state, self.lookup, self.pages, self.num_shared, self.pos = \
-            RequestState.WAITING, None, [], 0, 0
+        """Preempted (PREFILLING, DECODING or RETRACTED -> WAITING), holding nothing."""
+        self._move(RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING,
+                   RequestState.RETRACTED)
+        self.lookup, self.pages, self.num_shared, self.pos = None, [], 0, 0
         self.committed_pages = 0
         self.prefill_logits = None
 
@@ -247,13 +283,14 @@ class Request:
     def retract(self) -> None:
         """Out of L1, holding nothing there, its KV kept elsewhere (engine.retraction): it
         keeps its output and sampler, and `resume` goes on decoding where it stopped."""
-        self.state, self.lookup, self.pages, self.num_shared = \
-            RequestState.RETRACTED, None, [], 0
+        self._move(RequestState.RETRACTED, RequestState.DECODING)
+        self.lookup, self.pages, self.num_shared = None, [], 0
         self.committed_pages = 0
 
     def resume(self, lookup: CacheLookup, pages: list[int]) -> None:
         """Back in L1 after `retract`: `pages` (all its own) hold its KV again."""
-        self.state, self.lookup, self.pages = RequestState.DECODING, lookup, pages
+        self._move(RequestState.DECODING, RequestState.RETRACTED)
+        self.lookup, self.pages = lookup, pages
 
     def to_output(self, text: str | None = None) -> Output:
         ttft = None if self.first_token_s is None else self.first_token_s - self.arrival_s

@@ -167,8 +167,7 @@ class Scheduler:
                         "device pool has %d; stopping it there", req.id, len(req.answer), need,
                         self.cache.device_pages)
             reason = FinishReason.NO_MEMORY
-        req.state, req.finish_reason = RequestState.FINISHED, reason
-        req.finish_s = time.perf_counter()
+        req.finish(reason)
         self._settled.append(req)
 
     def add_received(self, req: Request) -> None:
@@ -465,5 +464,4 @@ class Scheduler:
         self.admission.forgive(req)
         self._failed_reads.pop(req.id, None)
         (self.running if req in self.running else self.waiting).remove(req)
-        req.state, req.finish_reason = RequestState.FINISHED, reason
-        req.finish_s = time.perf_counter()
+        req.finish(reason)

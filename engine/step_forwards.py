@@ -29,7 +29,7 @@ import torch
 
 from kvtier.engine.batch import SeqChunk
 from kvtier.engine.forward_plan import Forward, Piece, pack_forwards
-from kvtier.engine.request import Request, RequestState
+from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingError
 from kvtier.tiers.sliding_kv import SlidingKV
@@ -141,7 +141,7 @@ class StepForwards:
 
 def _first_token(req: Request, logits: torch.Tensor, ended: list[Request]) -> None:
     req.prefill_logits = logits.float().cpu()
-    req.state = RequestState.DECODING
+    req.start_decoding()
     _take(req, logits, ended)
 
 

@@ -67,7 +67,7 @@ class DemoParams(NamedTuple):
 class DemoModel(NamedTuple):
     """What the instances run, resolved from `DemoParams.model`."""
 
-    source: Any  # the ranks' WeightSource (kvtier.engine.tp_worker); it pickles
+    source: Any  # the ranks' WeightSource (kvtier.engine.weight_sources); it pickles
     tokenizer: Any  # kvtier.engine.tokenizer.Tokenizer: the document, questions and answers
     name: str  # the model part of the L3 namespace: what each rank keys its pages with
     label: str  # for messages: SmolLM2-135M-Instruct, kvtier-tiny or the directory's name

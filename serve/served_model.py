@@ -9,10 +9,10 @@ from kvtier.serve.settings import ModelChoice, ServeSettings
 
 
 def weight_source(s: ServeSettings) -> Any:
-    """The ranks' WeightSource (kvtier.engine.tp_worker); it pickles, ranks load it."""
+    """The ranks' WeightSource (kvtier.engine.weight_sources); it pickles, ranks load it."""
     from kvtier.engine.local_model import local_model
     from kvtier.engine.model_config import tiny_config
-    from kvtier.engine.tp_worker import SmolLM2Weights, TinyWeights
+    from kvtier.engine.weight_sources import SmolLM2Weights, TinyWeights
 
     from kvtier.engine.gemma3_package import Gemma3Weights
 

@@ -37,7 +37,7 @@ from kvtier.actors.rank_actor import RankCache, RankSettings  # noqa: E402
 from kvtier.config import HiCacheConfig  # noqa: E402
 from kvtier.demo import namespace_spec  # noqa: E402
 from kvtier.engine.sampling import SamplingParams  # noqa: E402
-from kvtier.engine.tp_worker import TinyWeights  # noqa: E402
+from kvtier.engine.weight_sources import TinyWeights  # noqa: E402
 from kvtier.errors import PlacementError  # noqa: E402
 from kvtier.netcheck import listening  # noqa: E402
 from kvtier.serve.settings import ServeSettings  # noqa: E402

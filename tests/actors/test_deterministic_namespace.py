@@ -13,7 +13,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.engine import Engine
 from kvtier.engine.loader import load_tiny_model
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 from kvtier.errors import ConfigError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 

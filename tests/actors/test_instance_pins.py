@@ -1,12 +1,13 @@
 """Pins on a TP=2 instance on Ray over a file L3: every rank pins the same pages (the MIN of
 what they hold, none when one rank lacks the prefix), the L3 namespace pins the pages the
-ranks' backups published, and a hit in the ranks' L2 extends the L3 pin too (rank 0's
-snapshot tells the namespace actor)."""
+ranks' backups published, and a hit in the ranks' L2 extends the L3 pin too (rank 0's step
+tells the namespace actor; the pin reads tell no one)."""
 from __future__ import annotations
 
 import random
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +16,11 @@ from kvtier.actors.instance import Instance
 from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import RankSettings
+from kvtier.actors.rank_pins import RankPins
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
 
 PAGE = 16
@@ -81,7 +83,7 @@ def test_an_l2_hit_extends_the_l3_pin(setup):
     time.sleep(1.5)  # the L3 pin's clock runs on; only a hit can set it back
     out = inst.generate([DOC + [6]], ONE)[0]
     assert out.lengths.prefix_len + out.lengths.host_loaded_length == 5 * PAGE  # from L1/L2
-    inst.cache_snapshot()  # rank 0 tells the namespace actor which pins a hit extended
+    # rank 0's step told the namespace actor which pins the hit extended (no read needed)
     [after] = client.pins(ns)
     assert after["expires_in_s"] > before["expires_in_s"] - 0.75, (before, after)
     assert all(a["locked_nodes"] == a["protected_nodes"] == 0
@@ -127,3 +129,50 @@ def test_the_min_of_the_ranks_is_pinned_and_one_refusal_unpins_every_rank():
     assert out == {"instance": "i0", "refused": {"needed_pages": 3, "free_pages": 1,
                                                   "reason": "over the share"}}
     assert ranks.calls[-1] == ("unpin", "p")  # the rank that pinned lets go too
+
+
+class _Pins:
+    """A rank cache's pins (tiers/cache_pins) as far as RankPins uses them: one live pin, one
+    past its TTL, one pin a hit extended; what was called."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def describe(self) -> list[dict]:
+        return [{"id": "live", "expires_in_s": 4.0}, {"id": "lapsed", "expires_in_s": 0.0}]
+
+    def pinned_pages(self) -> tuple[int, int, int]:
+        return 3, 1, 2
+
+    def __len__(self) -> int:
+        return 2
+
+    def expire(self) -> list[str]:
+        self.calls.append("expire")
+        return ["lapsed"]
+
+    def take_refreshed(self) -> list[str]:
+        self.calls.append("take_refreshed")
+        return ["live"]
+
+
+def _rank_pins(rank: int) -> tuple[RankPins, _Pins, list[tuple]]:
+    pins, l3_calls = _Pins(), []
+    directory = SimpleNamespace(refresh_pins=lambda ns, ids: l3_calls.append((ns, ids)))
+    rp = RankPins()
+    rp.rank = rank
+    rp.engine = SimpleNamespace(cache=SimpleNamespace(  # type: ignore[assignment]
+        pins=pins, directory=directory, storage=object(), namespace=SimpleNamespace(name="ns")))
+    return rp, pins, l3_calls
+
+
+def test_pin_reads_change_nothing_and_the_step_extends_l3_pins():
+    rp, pins, l3_calls = _rank_pins(0)
+    assert [p["id"] for p in rp.pins()] == ["live"]  # the lapsed one is left out
+    assert rp.pin_figures() == {"pins": 2, "device_pages": 1, "host_pages": 2}
+    assert pins.calls == [] and l3_calls == []  # reads: no expiry, no call to L3
+    rp.refresh_pins()  # the step's upkeep
+    assert pins.calls == ["expire", "take_refreshed"] and l3_calls == [("ns", ["live"])]
+    rp, pins, l3_calls = _rank_pins(1)
+    rp.refresh_pins()  # another rank drops its expired pins and forgets its hits: rank 0
+    assert pins.calls == ["expire", "take_refreshed"] and l3_calls == []  # tells L3

@@ -18,7 +18,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.engine.handoff import HandoffSent, HandoffTarget
 from kvtier.engine.request import CachedTokens, FinishReason, Output, pages_for
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 from kvtier.tiers.cache_types import RequestLengths
 
 PAGE = 16

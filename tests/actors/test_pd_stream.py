@@ -13,7 +13,7 @@ from kvtier.actors.pd_driver import PDDriver, PDMode
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 
 pytest.importorskip("nixl")
 

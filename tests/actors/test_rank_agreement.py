@@ -19,7 +19,7 @@ from kvtier.bench.answer_check import Verdict, judge
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 
 PAGE = 16
 SETTINGS = RankSettings(TinyWeights(seed=3), HiCacheConfig(page_size=PAGE), device_pages=32,

@@ -13,7 +13,7 @@ from kvtier.actors.instance import Instance, InstanceError
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 
 PAGE = 16
 SETTINGS = RankSettings(TinyWeights(seed=11), HiCacheConfig(page_size=PAGE), device_pages=32,

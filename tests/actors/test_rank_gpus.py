@@ -10,7 +10,7 @@ import torch
 from kvtier.actors.cluster_placement import rank_gpus
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 from kvtier.errors import ConfigError, PlacementError
 from kvtier.serve.placement import NodeResources, RankGpus
 from kvtier.serve.settings import ServeSettings

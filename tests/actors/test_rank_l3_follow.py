@@ -24,7 +24,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 
 PAGE = 16
 CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",

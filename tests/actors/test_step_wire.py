@@ -77,7 +77,7 @@ def test_a_step_report_does_not_grow_with_the_answer():
     from kvtier.actors.rank_actor import RankCache, RankSettings
     from kvtier.config import HiCacheConfig
     from kvtier.engine.sampling import SamplingParams
-    from kvtier.engine.tp_worker import TinyWeights
+    from kvtier.engine.weight_sources import TinyWeights
 
     settings = RankSettings(TinyWeights(seed=1), HiCacheConfig(page_size=16), device_pages=128,
                             dtype=torch.float32, chunk_tokens=64)

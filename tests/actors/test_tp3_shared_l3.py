@@ -25,7 +25,7 @@ from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 
 PAGE = 16
 TP = 3

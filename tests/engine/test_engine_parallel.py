@@ -9,9 +9,10 @@ import threading
 
 import pytest
 import torch
+from reference_generate import generate
 
-from kvtier.engine import (SamplingParams, TensorParallel, generate, load_tiny_model,
-                           random_state_dict, tiny_config)
+from kvtier.engine import (SamplingParams, TensorParallel, load_tiny_model, random_state_dict,
+                           tiny_config)
 
 
 class ThreadAllReduce:

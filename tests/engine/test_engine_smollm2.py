@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import hf_llama
+from reference_generate import generate
 
-from kvtier.engine import ModelRunner, SamplingParams, generate
+from kvtier.engine import ModelRunner, SamplingParams
 from kvtier.tiers.device_pool import DevicePool
 
 PROMPTS = [

@@ -10,12 +10,13 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from reference_generate import generate
 
-from kvtier.engine import PagedLlama, SamplingParams, generate
+from kvtier.engine import PagedLlama, SamplingParams
 from kvtier.engine import weights as weights_module
 from kvtier.engine.gguf_file import GGUFFile
 from kvtier.engine.gguf_source import find_gguf, read_header
-from kvtier.engine.tp_worker import SmolLM2Weights
+from kvtier.engine.weight_sources import SmolLM2Weights
 from kvtier.errors import ConfigError
 from kvtier.serve import served_model
 from kvtier.serve.settings import ModelChoice, ServeSettings

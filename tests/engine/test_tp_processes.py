@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_generate import RankGeneration, generate, generate_on_rank, tp_generate
 from test_engine_parallel import threaded_tp_tokens
+from tp_processes import TPRunError, run_tp
 
-from kvtier.engine import SamplingParams, generate, load_tiny_model
+from kvtier.engine import SamplingParams, load_tiny_model
 from kvtier.engine.parallel import TensorParallel
-from kvtier.engine.tp_group import (TPRunError, destroy_tp, init_tp, loopback_init_method,
-                                    run_tp)
-from kvtier.engine.tp_worker import RankGeneration, TinyWeights, generate_on_rank, tp_generate
+from kvtier.engine.tp_group import destroy_tp, init_tp, loopback_init_method
+from kvtier.engine.weight_sources import TinyWeights
 from kvtier.errors import ConfigError
 from kvtier.netcheck import listening
 

@@ -40,7 +40,7 @@ from kvtier.actors.rank_actor import RankSettings  # noqa: E402
 from kvtier.config import HiCacheConfig  # noqa: E402
 from kvtier.demo import namespace_spec  # noqa: E402
 from kvtier.engine.sampling import SamplingParams  # noqa: E402
-from kvtier.engine.tp_worker import TinyWeights  # noqa: E402
+from kvtier.engine.weight_sources import TinyWeights  # noqa: E402
 
 PAGE = 16
 CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",

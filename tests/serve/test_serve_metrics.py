@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared_serve import BASE, served
 from test_metrics import dashboard_series
 
-from kvtier.engine.tp_worker import TinyWeights
+from kvtier.engine.weight_sources import TinyWeights
 from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTERS,
                                   NAMESPACE_GAUGES, PREFIX, TIER_GAUGES)
 from kvtier.serve.settings import ServeSettings

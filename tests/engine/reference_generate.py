@@ -1,7 +1,10 @@
-"""generate(): prompts in, tokens out, on a plain L1 pool (no hierarchy), for tests and demos.
+"""The tests' reference generation: `generate()`, prompts in, tokens out, on a plain L1 pool
+(no hierarchy, no scheduler), and the same on every rank of a local TP group
+(`generate_on_rank`, `tp_generate`, over tp_processes.run_tp).
 
-The scheduler (with the cache, admission and continuous batching) lives elsewhere; this is
-the smallest loop that exercises prefill, batched decode, sampling and stop tokens.
+The engine (kvtier.engine.Engine: the cache, admission and continuous batching) is what
+serves; this is the smallest loop that exercises prefill, batched decode, sampling and stop
+tokens, which the engine's answers are checked against.
 """
 from __future__ import annotations
 
@@ -10,11 +13,18 @@ from typing import Sequence
 
 import torch
 
+from kvtier.engine.architectures import build_model
 from kvtier.engine.model import PagedLlama
+from kvtier.engine.parallel import TensorParallel
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.tp_group import DEFAULT_TIMEOUT_S, rank_device
+from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.tiers.device_pool import DevicePool
+
+from tp_processes import TPRunError, run_tp
+
 
 @dataclass
 class Generation:
@@ -87,3 +97,43 @@ def _append(gen: Generation, token: int, params: SamplingParams) -> None:
         gen.finish_reason = "stop"
     elif len(gen.tokens) >= params.max_new_tokens:
         gen.finish_reason = "length"
+
+
+@dataclass(frozen=True)
+class RankGeneration:
+    """One rank's result: its share of the KV heads and the tokens it generated."""
+
+    rank: int
+    size: int
+    num_kv_heads: int                   # KV heads in this rank's pool: total / size
+    tokens: list[list[int]]             # per prompt
+    finish_reasons: list[str]
+
+
+def generate_on_rank(tp: TensorParallel, source: WeightSource, prompts: Sequence[Sequence[int]],
+                     params: SamplingParams = SamplingParams(), dtype: torch.dtype = torch.float32,
+                     page_size: int = 16, chunk_tokens: int | None = None) -> RankGeneration:
+    """Build rank `tp.rank`'s shard and run `generate` on it; every rank of the group must call
+    this with the same arguments (each forward is a sequence of all-reduces across ranks)."""
+    model = build_model(source.config(), source.state_dict(), dtype, rank_device(), tp)
+    gens = generate(model, prompts, params, page_size=page_size, chunk_tokens=chunk_tokens)
+    return RankGeneration(tp.rank, tp.size, model.kv_spec(page_size).num_kv_heads,
+                          [g.tokens for g in gens], [g.finish_reason for g in gens])
+
+
+def tp_generate(source: WeightSource, prompts: Sequence[Sequence[int]], size: int,
+                params: SamplingParams = SamplingParams(), dtype: torch.dtype = torch.float32,
+                page_size: int = 16, chunk_tokens: int | None = None,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGeneration:
+    """Generate with `size` local rank processes; rank 0's result (all ranks must agree)."""
+    prompts = [list(p) for p in prompts]
+    results: list[RankGeneration] = run_tp(
+        generate_on_rank, size, source, prompts, params, dtype, page_size, chunk_tokens,
+        timeout_s=timeout_s, config=source.config())
+    for other in results[1:]:
+        if other.tokens != results[0].tokens:
+            # All-reduce hands every rank the same bits, so ranks can only diverge by a bug.
+            raise TPRunError(f"TP rank {other.rank} generated {other.tokens}, rank 0 "
+                             f"{results[0].tokens}: the ranks' models are out of step",
+                             other.rank)
+    return results[0]
