@@ -82,12 +82,12 @@ def in_process_answer(source, tok, prompt: list[int], max_tokens: int) -> str:
     and a near-tie between two tokens may go either way otherwise."""
     import torch
 
-    from kvtier.config import HiCacheConfig
+    from cache_builder import build_cache
+
     from kvtier.engine import Engine, SamplingParams, build_model
-    from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
     model = build_model(source.config(), source.state_dict(), torch.float32, "cpu")
-    cache = HierarchicalCache(HiCacheConfig(page_size=16), model.kv_spec(16), 16, device="cpu")
+    cache = build_cache(model.kv_spec(16), 16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
