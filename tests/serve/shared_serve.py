@@ -67,13 +67,9 @@ def stop() -> None:
 
 def greedy_chat(model: str, messages: list[dict], max_tokens: int) -> dict:
     """A greedy chat completion of exactly `max_tokens` tokens (eos ignored): its JSON body."""
-    import requests
+    from http_client import ServeClient
 
-    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120, json={
-        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return r.json()
+    return ServeClient(BASE, model).chat(messages, max_tokens, ignore_eos=True)
 
 
 def in_process_answer(source, tok, prompt: list[int], max_tokens: int) -> str:
