@@ -47,12 +47,6 @@ def shared_pages(a: list[int], b: list[int]) -> int:
     return n // PAGE * PAGE
 
 
-def flush() -> None:
-    r = requests.post(f"{BASE}/admin/flush", timeout=60,
-                      headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-    assert r.status_code == 200, r.text
-
-
 def test_the_openai_endpoints_need_one_of_the_keys(app):
     for headers in ({}, {"Authorization": "Bearer sk-unknown-key"}):
         r = requests.get(f"{BASE}/v1/models", headers=headers, timeout=30)
@@ -79,7 +73,7 @@ def test_tenants_never_hit_each_others_prefixes(app):
     sent: dict[tuple, list[list[int]]] = {who: [] for who in strangers}
     for phase in ("L1", "L3"):
         if phase == "L3":
-            flush()  # L1 and L2 dropped: the owners' pages are in L3 only
+            CLIENT.flush()  # L1 and L2 dropped: the owners' pages are in L3 only
         for i in range(66):
             doc = DOCS[i % len(DOCS)]
             cut = PAGE * rng.randrange(1, len(doc) // PAGE + 1)
