@@ -147,7 +147,7 @@ def wait_up(base: str, serve_run: subprocess.Popen, instances: int, log: Path) -
         return True
 
     eventually(up, UP_S, f"every instance ({instances}) was up", retry_on=(AssertionError,),
-               interval_s=1.0)
+               interval_s=0.2)
 
 
 def test_the_example_serve_config_runs_with_serve_run(head: Head, tmp_path: Path) -> None:
