@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_builder import build_cache
 
 from kvtier.actors.namespace_actor import FakeNamespaceClient
 from kvtier.actors.rank_actor import RankCache, RankSettings
@@ -15,7 +16,6 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.loader import load_tiny_model
 from kvtier.engine.weight_sources import TinyWeights
 from kvtier.errors import ConfigError
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 PAGE = 16
 CONFIG = HiCacheConfig(page_size=PAGE)
@@ -49,11 +49,10 @@ def test_an_engine_refuses_a_shared_cache_keyed_for_the_other_mode(tmp_path):
     config = HiCacheConfig(page_size=PAGE, storage_backend="file",
                            storage_options={"root_dir": str(tmp_path)})
     for deterministic in (False, True):
-        cache = HierarchicalCache(config, model.kv_spec(PAGE), 16, device="cpu", model="tiny",
-                                  deterministic=not deterministic)
+        cache = build_cache(model.kv_spec(PAGE), 16, config, model="tiny",
+                            deterministic=not deterministic)
         with cache, pytest.raises(ConfigError, match="deterministic="):
             Engine(model, cache, deterministic=deterministic)
-    private = HierarchicalCache(HiCacheConfig(page_size=PAGE), model.kv_spec(PAGE), 16,
-                                device="cpu", model="tiny")  # no L3: its pages stay here
+    private = build_cache(model.kv_spec(PAGE), 16, model="tiny")  # no L3: its pages stay here
     with Engine(model, private, owns_cache=True, deterministic=True):
         pass

@@ -40,7 +40,7 @@ def wait_serving(proc: subprocess.Popen, log: Path) -> None:
         return True
 
     eventually(serving, START_S, "kvtier serve said it serves", retry_on=(AssertionError,),
-               interval_s=0.5)
+               interval_s=0.2)
 
 
 def stop(proc: subprocess.Popen) -> None:

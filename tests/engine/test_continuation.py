@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_builder import build_cache
 
-from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, FinishReason, SamplingParams
 from kvtier.engine.request import Resume
 from kvtier.engine.sampling import Sampler, SamplingError
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 PAGE = 16
 
@@ -21,10 +20,8 @@ def toks(n: int, seed: int) -> list[int]:
 
 
 def engine(model, device_pages: int = 64, deterministic: bool = False) -> Engine:
-    config = HiCacheConfig.from_dict({"page_size": PAGE, "hicache_ratio": 4.0,
-                                      "load_back_threshold_tokens": PAGE})
-    cache = HierarchicalCache(config, model.kv_spec(PAGE), device_pages, device="cpu",
-                              model="tiny")
+    cache = build_cache(model.kv_spec(PAGE), device_pages, model="tiny", hicache_ratio=4.0,
+                        load_back_threshold_tokens=PAGE)
     return Engine(model, cache, owns_cache=True, deterministic=deterministic)
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from cache_builder import build_cache
 
 from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, SamplingParams, TensorParallel, load_tiny_model
@@ -50,9 +51,8 @@ class Instance:
         for rank in range(size):
             tp = TensorParallel(rank, size, reduce_fn=self.coll.reduce_for(rank))
             model = load_tiny_model(torch.float32, "cpu", tp=tp)
-            cache = HierarchicalCache(_config(), model.kv_spec(PAGE), 32, device="cpu",
-                                      model="tiny", tp_rank=rank, tp_size=size,
-                                      directory=directory)
+            cache = build_cache(model.kv_spec(PAGE), 32, _config(), model="tiny",
+                                tp_rank=rank, tp_size=size, directory=directory)
             if directory is not None:
                 info = directory.register(namespace_spec(cache, root))
                 cache.attach_storage(open_rank_backend(info, cache.heads))

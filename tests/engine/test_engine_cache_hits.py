@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_builder import build_cache
 from eventually import eventually
 
 from kvtier.config import HiCacheConfig
@@ -45,9 +46,9 @@ def test_hits_from_every_tier_equal_a_cold_run(tiny_models, tmp_path, dtype) -> 
     doc = tokens(5 * PAGE, seed=1)
     first, second = doc + tokens(7, seed=2), doc + tokens(11, seed=3)
     spec = model.kv_spec(PAGE)
-    with HierarchicalCache(HiCacheConfig.from_dict(local), spec, 24, device="cpu") as cold_cache:
+    with build_cache(spec, 24, HiCacheConfig.from_dict(local)) as cold_cache:
         cold, _ = serve(cold_cache, model, second)  # never saw `doc`
-    with HierarchicalCache(config, spec, 24, device="cpu", model="tiny") as cache:
+    with build_cache(spec, 24, config, model="tiny") as cache:
         serve(cache, model, first)
         l1, lookup = serve(cache, model, second)
         assert lookup.prefix_len == len(doc) and torch.equal(l1, cold)
@@ -59,6 +60,6 @@ def test_hits_from_every_tier_equal_a_cold_run(tiny_models, tmp_path, dtype) -> 
         assert torch.equal(l2, cold)
         cache.flush()
         cache.storage.drain()  # L2 -> L3 backups land
-    with HierarchicalCache(config, spec, 24, device="cpu", model="tiny") as other:
+    with build_cache(spec, 24, config, model="tiny") as other:
         l3, lookup = serve(other, model, second)
         assert lookup.host_loaded_length == len(doc) and torch.equal(l3, cold)

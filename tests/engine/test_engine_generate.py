@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_builder import build_cache
 from reference_generate import generate
 
 from kvtier.engine import Sampler, SamplingParams
@@ -122,12 +123,10 @@ def test_logprobs_are_the_models_distribution_before_penalties() -> None:
 
 
 def test_an_engine_answer_carries_one_logprob_per_token(tiny_models) -> None:
-    from kvtier.config import HiCacheConfig
     from kvtier.engine import Engine
-    from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
     model = tiny_models[torch.float32]
-    cache = HierarchicalCache(HiCacheConfig(page_size=16), model.kv_spec(16), 32, device="cpu")
+    cache = build_cache(model.kv_spec(16), 32)
     with Engine(model, cache, owns_cache=True) as eng:
         out = eng.generate([tokens(40, 1)], SamplingParams(max_new_tokens=5, logprobs=3))[0]
         assert [lp.token for lp in out.logprobs] == list(out.tokens)

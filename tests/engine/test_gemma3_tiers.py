@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_builder import build_cache
 from engine_helpers import assert_identical, hit_and_cold
 from test_engine_tiers import serve_from_every_tier
 from test_scheduler import make_cache, toks
@@ -50,7 +51,6 @@ def test_tiny_hybrid_hit_past_the_window_is_bit_identical(tiny_hybrid_models, dt
 def test_gemma3_270m_through_l2_and_l3(gemma3, gemma3_model, tmp_path) -> None:
     """A 576-token document (past the 512-token window) hit from L2 and from L3 on another
     engine: the cold run's tokens and bit-identical logits (deterministic mode)."""
-    from kvtier.config import HiCacheConfig
     from kvtier.engine.tokenizer import Tokenizer
     from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
@@ -67,8 +67,8 @@ def test_gemma3_270m_through_l2_and_l3(gemma3, gemma3_model, tmp_path) -> None:
         if l3:
             knobs.update(storage_backend="file", storage_options={"root_dir": str(tmp_path)},
                          prefetch_policy="wait_complete", prefetch_threshold_tokens=page)
-        return HierarchicalCache(HiCacheConfig.from_dict(knobs), gemma3_model.kv_spec(page),
-                                 16, device="cpu", model="gemma3-test", deterministic=True)
+        return build_cache(gemma3_model.kv_spec(page), 16, model="gemma3-test",
+                           deterministic=True, **knobs)
 
     with Engine(gemma3_model, cache(True), tokenizer=tok, owns_cache=True,
                 deterministic=True) as eng:

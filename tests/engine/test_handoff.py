@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
+from cache_builder import build_cache
 
 from kvtier.backends.handoff_registry import open_endpoint
-from kvtier.config import HiCacheConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.handoff import (HandoffTarget, IncomingKV, Staging, page_sums, pool_regions,
                                    rank_sums)
@@ -18,14 +18,12 @@ from kvtier.engine.handoff_sender import HandoffSender
 from kvtier.engine.request import FinishReason
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 PAGE = 4
 
 
 def _engine(model, deterministic=False, pages=64, layout="page_first") -> Engine:
-    cache = HierarchicalCache(HiCacheConfig(page_size=PAGE, mem_layout=layout),
-                              model.kv_spec(PAGE), pages, device="cpu", model="tiny")
+    cache = build_cache(model.kv_spec(PAGE), pages, model="tiny", mem_layout=layout)
     return Engine(model, cache, owns_cache=True, deterministic=deterministic)
 
 
@@ -278,8 +276,7 @@ def test_a_prompt_that_does_not_fit_next_to_hand_off_reservations_waits_for_them
 
 def test_regions_cover_each_page_once(tiny):
     spec = tiny.kv_spec(PAGE)
-    with HierarchicalCache(HiCacheConfig(page_size=PAGE), spec, 8, device="cpu",
-                           model="tiny") as cache:
+    with build_cache(spec, 8, model="tiny") as cache:
         kv = cache.device_pool.kv
         rows = pool_regions(spec, kv.data_ptr(), 8, [3, 0])
         assert len(rows) == 2 * 2 * spec.num_layers

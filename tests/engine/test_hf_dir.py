@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from cache_builder import build_cache
 
 from kvtier.engine.batch import SeqChunk
 from kvtier.engine.hf_dir import HFModelDir
@@ -122,8 +123,7 @@ def test_the_digest_tells_checkpoints_apart(tmp_path):
 def test_two_checkpoints_of_one_architecture_share_no_l3_page(tmp_path):
     from kvtier.config import HiCacheConfig
     from kvtier.engine import Engine, SamplingParams
-    from kvtier.tiers.hierarchical_cache import HierarchicalCache
-
+    
     dirs = [HFModelDir(str(make_dir(tmp_path, "llama", seed=s)[0])) for s in (0, 1)]
     config = HiCacheConfig(page_size=16, storage_backend="file",
                            storage_options={"root_dir": str(tmp_path / "l3")},
@@ -133,8 +133,7 @@ def test_two_checkpoints_of_one_architecture_share_no_l3_page(tmp_path):
     def run(source: HFModelDir):
         model = PagedLlama.from_state_dict(source.config(), source.state_dict(), torch.float32,
                                            "cpu")
-        cache = HierarchicalCache(config, model.kv_spec(16), 16, device="cpu",
-                                  model=source.identity())
+        cache = build_cache(model.kv_spec(16), 16, config, model=source.identity())
         with Engine(model, cache, owns_cache=True) as engine:
             (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=1))
             engine.cache.flush()

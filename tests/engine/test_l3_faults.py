@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from cache_builder import build_cache
 from eventually import eventually
 from test_scheduler import assert_no_leaks, toks
 
@@ -38,7 +39,7 @@ def config(policy: str = "timeout", **extra) -> HiCacheConfig:
 
 def faulty_cache(model, root, cfg: HiCacheConfig, options: dict | None = None
                  ) -> tuple[HierarchicalCache, FaultyBackend]:
-    cache = HierarchicalCache(cfg, model.kv_spec(PAGE), 64, device="cpu", model="tiny")
+    cache = build_cache(model.kv_spec(PAGE), 64, cfg, model="tiny")
     inner = create_backend("file", StorageTarget(cache.namespace, cache.heads),
                            {"root_dir": str(root), **(options or {})})
     faulty = FaultyBackend(inner)
@@ -53,8 +54,7 @@ def model(tiny_models):
 
 @pytest.fixture(scope="module")
 def cold(model) -> list[tuple[int, ...]]:
-    cache = HierarchicalCache(config("best_effort"), model.kv_spec(PAGE), 64, device="cpu",
-                              model="tiny")
+    cache = build_cache(model.kv_spec(PAGE), 64, config("best_effort"), model="tiny")
     with Engine(model, cache, owns_cache=True) as eng:
         return [o.tokens for o in eng.generate(PROMPTS, PARAMS)]
 

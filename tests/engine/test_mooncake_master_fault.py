@@ -22,6 +22,7 @@ import torch
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # before mooncake loads: INFO floods stderr
 pytest.importorskip("mooncake.store")
 
+from cache_builder import build_cache  # noqa: E402
 from test_scheduler import assert_no_leaks, toks  # noqa: E402
 
 from kvtier.actors.namespace_actor import FakeNamespaceClient  # noqa: E402
@@ -83,8 +84,8 @@ def holder(info: NamespaceInfo):
 
 def new_cache(model, client, info: NamespaceInfo) -> HierarchicalCache:
     """A rank's cache (fresh L1/L2) over its own client of the namespace `info`."""
-    cache = HierarchicalCache(config(), model.kv_spec(PAGE), 64, device="cpu",
-                              model=info.spec.model, directory=client)
+    cache = build_cache(model.kv_spec(PAGE), 64, config(), model=info.spec.model,
+                        directory=client)
     assert cache.namespace == info.spec.key_namespace
     cache.attach_storage(open_rank_backend(info))
     return cache
@@ -126,7 +127,7 @@ def model(tiny_models):
 @pytest.fixture(scope="module")
 def cold(model) -> list[tuple[int, ...]]:
     """Every prompt's answer with no L3 at all."""
-    cache = HierarchicalCache(config(), model.kv_spec(PAGE), 64, device="cpu", model="tiny")
+    cache = build_cache(model.kv_spec(PAGE), 64, config(), model="tiny")
     with Engine(model, cache, owns_cache=True) as eng:
         return [o.tokens for o in eng.generate(PROMPTS, PARAMS)]
 

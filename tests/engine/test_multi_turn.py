@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_builder import build_cache
 from eventually import eventually
 from test_scheduler import assert_no_leaks, check_lengths, make_cache, toks
 
 from kvtier.backends.base import StorageTarget
 from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
 from kvtier.backends.registry import create_backend
-from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, RequestState, SamplingParams
 from kvtier.engine import scheduler as scheduler_module
 from kvtier.engine.forward_plan import Piece, pack_forwards
@@ -222,11 +222,9 @@ def test_lpm_admits_the_longest_agreed_hit_first(tiny_models) -> None:
 
 # ---- best_effort -------------------------------------------------------------------------------
 def _simulated_cache(model, seed: int) -> tuple[HierarchicalCache, FaultyBackend]:
-    config = HiCacheConfig.from_dict({
-        "page_size": PAGE, "hicache_ratio": 4.0, "load_back_threshold_tokens": PAGE,
-        "prefetch_policy": "best_effort", "prefetch_threshold_tokens": PAGE,
-        "mem_layout": "page_head"})
-    cache = HierarchicalCache(config, model.kv_spec(PAGE), 64, device="cpu", model="tiny")
+    cache = build_cache(model.kv_spec(PAGE), 64, model="tiny", hicache_ratio=4.0,
+                        load_back_threshold_tokens=PAGE, prefetch_policy="best_effort",
+                        prefetch_threshold_tokens=PAGE, mem_layout="page_head")
     backend = FaultyBackend(create_backend("simulated", StorageTarget(cache.namespace, cache.heads),
                                            {"seed": seed}))
     cache.attach_storage(backend)

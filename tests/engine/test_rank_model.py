@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from cache_builder import build_cache
 
 from kvtier.backends.base import StorageTarget
 from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
@@ -115,9 +116,8 @@ class Ranks:
         for rank in range(SIZE):
             tp = TensorParallel(rank, SIZE, reduce_fn=self.coll.reduce_for(rank))
             model = load_tiny_model(torch.float32, "cpu", tp=tp)
-            cache = HierarchicalCache(_config(), model.kv_spec(PAGE), device_pages,
-                                      device="cpu", model="tiny", tp_rank=rank, tp_size=SIZE,
-                                      deterministic=deterministic)
+            cache = build_cache(model.kv_spec(PAGE), device_pages, _config(), model="tiny",
+                                tp_rank=rank, tp_size=SIZE, deterministic=deterministic)
             backend = FaultyBackend(create_backend(
                 "simulated", StorageTarget(cache.namespace, cache.heads), {"seed": rank}),
                 seed=rank)

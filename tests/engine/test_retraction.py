@@ -8,10 +8,10 @@ from typing import NamedTuple, Sequence
 
 import pytest
 import torch
+from cache_builder import build_cache
 from test_rank_model import ThreadCollective, step_in_threads
 from test_scheduler import assert_no_leaks, make_cache, toks
 
-from kvtier.config import HiCacheConfig
 from kvtier.engine import (Engine, FinishReason, Output, RequestState, SamplingParams,
                            TensorParallel, load_tiny_model)
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -148,10 +148,8 @@ def test_without_an_l2_to_swap_to_requests_are_recomputed(tiny_models, tiny_hybr
         build = lambda pages: make_cache(model, pages)  # noqa: E731
     else:
         model = tiny_models[torch.float32]
-        config = HiCacheConfig.from_dict({"page_size": PAGE,
-                                          "enable_hierarchical_cache": False})
-        build = lambda pages: HierarchicalCache(config, model.kv_spec(PAGE), pages,  # noqa: E731
-                                                device="cpu", model="tiny")
+        build = lambda pages: build_cache(model.kv_spec(PAGE), pages,  # noqa: E731
+                                          model="tiny", enable_hierarchical_cache=False)
     with Engine(model, build(ROOMY_L1), owns_cache=True) as eng:
         reference = run(eng, PROMPTS).outs
     with Engine(model, build(SMALL_L1), owns_cache=True) as eng:
@@ -197,10 +195,8 @@ def tp2_engines(device_pages: int, coll: ThreadCollective) -> list[Engine]:
     for rank in range(2):
         tp = TensorParallel(rank, 2, reduce_fn=coll.reduce_for(rank))
         model = load_tiny_model(torch.float32, "cpu", tp=tp)
-        config = HiCacheConfig.from_dict({"page_size": PAGE, "hicache_ratio": 4.0,
-                                          "load_back_threshold_tokens": PAGE})
-        cache = HierarchicalCache(config, model.kv_spec(PAGE), device_pages, device="cpu",
-                                  model="tiny", tp_rank=rank, tp_size=2)
+        cache = build_cache(model.kv_spec(PAGE), device_pages, model="tiny", tp_rank=rank,
+                            tp_size=2, hicache_ratio=4.0, load_back_threshold_tokens=PAGE)
         engine = Engine(model, cache, owns_cache=True)
         engine.scheduler.agree = coll.agree_for(rank)
         engines.append(engine)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_builder import build_cache
 from eventually import eventually
 
-from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, FinishReason, Output, RequestState, SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -24,8 +24,8 @@ def make_cache(model, device_pages: int = 64, l3_dir=None, page: int = PAGE,
     if l3_dir is not None:
         knobs.update(storage_backend="file", storage_options={"root_dir": str(l3_dir)},
                      prefetch_policy="wait_complete", prefetch_threshold_tokens=page)
-    return HierarchicalCache(HiCacheConfig.from_dict(knobs), model.kv_spec(page), device_pages,
-                             device="cpu", model="tiny", deterministic=deterministic)
+    return build_cache(model.kv_spec(page), device_pages, model="tiny",
+                       deterministic=deterministic, **knobs)
 
 
 def engine(model, cache: HierarchicalCache, **kw) -> Engine:

@@ -16,12 +16,12 @@ import threading
 
 import pytest
 import torch
+from cache_builder import build_cache
 from test_rank_model import Ranks, step_in_threads
 from test_scheduler import assert_no_leaks, make_cache, toks
 
 from kvtier.backends.base import StorageTarget
 from kvtier.backends.registry import create_backend
-from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.request import FinishReason
 from kvtier.kv_spec import KVSpec
@@ -79,11 +79,9 @@ SPEC_TOKENS = 4 * PAGE
 
 def _cache(device_pages: int = 32) -> HierarchicalCache:
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=PAGE, dtype=torch.float32)
-    knobs = dict(page_size=PAGE, hicache_ratio=2.0, load_back_threshold_tokens=PAGE,
-                 prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE,
-                 mem_layout="page_head")
-    config = HiCacheConfig.from_dict(knobs)
-    return HierarchicalCache(config, spec, device_pages, device="cpu", model="m")
+    return build_cache(spec, device_pages, hicache_ratio=2.0, load_back_threshold_tokens=PAGE,
+                       prefetch_policy="wait_complete", prefetch_threshold_tokens=PAGE,
+                       mem_layout="page_head")
 
 
 def _compute(cache: HierarchicalCache, tokens: list[int]):

@@ -16,7 +16,6 @@ is answered again, equal to before."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import subprocess
 import time
 import urllib.error
@@ -24,6 +23,7 @@ import urllib.request
 
 import pytest
 from eventually import eventually
+from http_client import ServeClient
 
 from kvtier.demo_hosts import HostsRun
 
@@ -89,43 +89,23 @@ def _wait_healthy(base: str, proc: subprocess.Popen, log_name: str, timeout_s: f
             return r.status == 200
 
     eventually(healthy, timeout_s, f"kvtier serve became healthy (its log: {log_name})",
-               retry_on=(urllib.error.URLError, OSError), interval_s=1.0)
-
-
-def _post(base: str, path: str, body: dict, timeout_s: float = 120, admin: bool = False):
-    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {ADMIN_KEY}"}
-                                             if admin else {})})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())
-
-
-def _get(base: str, path: str, admin: bool = False) -> dict:
-    req = urllib.request.Request(f"{base}{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-                                 if admin else {})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def _complete(base: str, prompt: str) -> dict:
-    return _post(base, "/v1/completions", {"model": "kvtier-tiny", "prompt": prompt,
-                                           "max_tokens": 48, "temperature": 0})
+               retry_on=(urllib.error.URLError, OSError), interval_s=0.2)
 
 
 def test_link_cut_redispatches_then_takes_the_instance_back(served) -> None:
     run, base = served
+    client = ServeClient(base, "kvtier-tiny", ADMIN_KEY)
     h3 = run.net.hosts[2]
-    reference = {p: _complete(base, p)["choices"][0]["text"] for p in PROMPTS}
-    before = _get(base, "/admin/router", admin=True)["instances"]
+    reference = {p: client.complete(p, 48)["choices"][0]["text"] for p in PROMPTS}
+    before = client.router()
     assert len(before) == 2 and all(i["state"] == "live" for i in before.values()), before
-    _post(base, "/admin/flush", {}, admin=True)  # L1 and L2 emptied: the prompts are in L3
+    client.flush()  # L1 and L2 emptied: the prompts are in L3
 
     h3.set_link(False)
     cut_at = time.monotonic()
     try:
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = {p: pool.submit(_complete, base, p) for p in PROMPTS}
+            futures = {p: pool.submit(client.complete, p, 48) for p in PROMPTS}
             time.sleep(max(0.0, 5.0 - (time.monotonic() - cut_at)))
     finally:
         h3.set_link(True)
@@ -133,18 +113,18 @@ def test_link_cut_redispatches_then_takes_the_instance_back(served) -> None:
     for p, a in answers.items():
         assert len(a["choices"]) == 1 and a["choices"][0]["text"] == reference[p], (p, a)
 
-    status = _get(base, "/admin/router", admin=True)["instances"]
+    status = client.router()
     stalled = [n for n, i in status.items() if i["stalls"] > before[n]["stalls"]]
     assert len(stalled) == 1, (before, status)  # host 3's instance, and only it
 
     def live() -> bool:  # it steps again: taken back
-        status = _get(base, "/admin/router", admin=True)["instances"]
+        status = client.router()
         assert status[stalled[0]]["state"] == "live", status
         return True
 
     eventually(live, 120, f"{stalled[0]} was taken back", retry_on=(AssertionError,),
-               interval_s=1.0)
-    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+               interval_s=0.2)
+    metrics = client.metrics()
     assert "kvtier_redispatched_requests_total" in metrics
     # L3 was written, and after the flush the prompts were looked up there (the ingress
     # refreshes the instances' counters in /metrics from time to time: poll)
@@ -153,12 +133,12 @@ def test_link_cut_redispatches_then_takes_the_instance_back(served) -> None:
                and _total(metrics, "kvtier_hit_tokens_total", 'tier="storage"') > 0):
         assert time.monotonic() < deadline, [line for line in metrics.splitlines()
                                              if "storage" in line and "#" not in line]
-        time.sleep(1)
-        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        time.sleep(0.2)
+        metrics = client.metrics()
 
     # everything serves again: every prompt, whichever instance answers, as before the cut
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        again = {p: pool.submit(_complete, base, p) for p in PROMPTS}
+        again = {p: pool.submit(client.complete, p, 48) for p in PROMPTS}
     for p, f in again.items():
         assert f.result(timeout=180)["choices"][0]["text"] == reference[p], p
 

@@ -67,13 +67,9 @@ def stop() -> None:
 
 def greedy_chat(model: str, messages: list[dict], max_tokens: int) -> dict:
     """A greedy chat completion of exactly `max_tokens` tokens (eos ignored): its JSON body."""
-    import requests
+    from http_client import ServeClient
 
-    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120, json={
-        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return r.json()
+    return ServeClient(BASE, model).chat(messages, max_tokens, ignore_eos=True)
 
 
 def in_process_answer(source, tok, prompt: list[int], max_tokens: int) -> str:
@@ -82,12 +78,12 @@ def in_process_answer(source, tok, prompt: list[int], max_tokens: int) -> str:
     and a near-tie between two tokens may go either way otherwise."""
     import torch
 
-    from kvtier.config import HiCacheConfig
+    from cache_builder import build_cache
+
     from kvtier.engine import Engine, SamplingParams, build_model
-    from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
     model = build_model(source.config(), source.state_dict(), torch.float32, "cpu")
-    cache = HierarchicalCache(HiCacheConfig(page_size=16), model.kv_spec(16), 16, device="cpu")
+    cache = build_cache(model.kv_spec(16), 16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

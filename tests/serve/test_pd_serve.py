@@ -10,6 +10,7 @@ import json
 import pytest
 import requests
 from eventually import eventually
+from http_client import ServeClient
 from shared_serve import BASE, greedy_chat, in_process_answer, served
 
 from kvtier.engine.request import pages_for
@@ -26,6 +27,7 @@ SETTINGS = ServeSettings(model="tiny", prefill_instances=1, decode_instances=1,
                          max_new_tokens=32, dtype="fp32", admin_key=KEY)
 MODEL = SETTINGS.served_model_name
 ADMIN = {"Authorization": f"Bearer {KEY}"}
+CLIENT = ServeClient(BASE, MODEL, KEY)
 STAGES = {"bootstrap_s", "prefill_s", "transfer_s", "kv_ready_s", "decode_queue_s"}
 MESSAGES = [{"role": "system", "content": "You answer from the record book, briefly. " * 3},
             {"role": "user", "content": "What does record 12 say?"}]
@@ -102,15 +104,11 @@ def test_a_stop_string_ends_the_answer_early(app, expected):
     assert body["choices"][0]["finish_reason"] == "stop"
 
     def idle() -> bool:
-        assert (load := router()["instances"]["pd"]["load"]) == 0, f"load {load}"
+        assert (load := CLIENT.router()["pd"]["load"]) == 0, f"load {load}"
         return True
 
     eventually(idle, 30, "nothing was left in flight", retry_on=(AssertionError,),
                interval_s=0.2)
-
-
-def router() -> dict:
-    return requests.get(f"{BASE}/admin/router", headers=ADMIN, timeout=30).json()
 
 
 def test_metrics_count_the_stages_and_the_bytes(app):

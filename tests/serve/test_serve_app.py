@@ -8,6 +8,7 @@ import json
 import pytest
 import requests
 from eventually import eventually
+from http_client import ServeClient
 from shared_serve import BASE, served
 
 from kvtier.netcheck import listening
@@ -18,6 +19,7 @@ SETTINGS = ServeSettings(model="tiny", instances=2, page_size=16, chunk_tokens=6
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY)
 MODEL = SETTINGS.served_model_name
 ADMIN = {"Authorization": f"Bearer {KEY}"}
+CLIENT = ServeClient(BASE, MODEL, KEY)
 SYSTEM = ("You are a careful assistant for the kvtier project. Answer briefly and cite the "
           "record number. " * 4)
 
@@ -30,23 +32,11 @@ def app():
         yield pids
 
 
-def chat(messages, **kw) -> dict:
-    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120,
-                      json={"model": MODEL, "messages": messages, "max_tokens": 8,
-                            "temperature": 0, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def router_status() -> dict:
-    return requests.get(f"{BASE}/admin/router", headers=ADMIN, timeout=30).json()
-
-
 def wait_indexed(instance: str, pages: int) -> None:
     """Until the router has heard of `pages` pages on `instance` (events arrive by polling)."""
     def indexed() -> bool:
-        status = router_status()
-        assert status["instances"][instance]["indexed_pages"] >= pages, status
+        status = CLIENT.router()
+        assert status[instance]["indexed_pages"] >= pages, status
         return True
 
     eventually(indexed, 30, f"the router indexed {pages} pages on {instance}",
@@ -64,7 +54,7 @@ def test_models_health_and_loopback(app):
 
 def test_completion_and_cached_tokens_rise_on_the_second_turn(app):
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Record 7?"}]
-    first = chat(turn1)
+    first = CLIENT.chat(turn1)
     assert first["object"] == "chat.completion"
     answer = first["choices"][0]["message"]["content"]
     assert first["usage"]["completion_tokens"] == 8
@@ -72,7 +62,7 @@ def test_completion_and_cached_tokens_rise_on_the_second_turn(app):
     turn2 = turn1 + [{"role": "assistant", "content": answer},
                      {"role": "user", "content": "And record 9?"}]
     wait_indexed(first["kvtier"]["instance"], 1)
-    second = chat(turn2)
+    second = CLIENT.chat(turn2)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > first["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == sum(second["kvtier"]["cached_tokens"].values()) > 0
@@ -169,7 +159,7 @@ def test_admin_purge_empties_the_namespace_and_ranks_back_up_again(app):
     shown = requests.get(f"{BASE}/admin/storage", headers=ADMIN, timeout=30).json()
     ns = shown["instances"][0]["l3"]["namespace"]
     ask = [{"role": "user", "content": SYSTEM + " Record 21?"}]
-    held = wait_for("pages reach L3", lambda s: s.published_pages > 0, ns, lambda: chat(ask))
+    held = wait_for("pages reach L3", lambda s: s.published_pages > 0, ns, lambda: CLIENT.chat(ask))
     r = requests.post(f"{BASE}/admin/purge", headers=ADMIN, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["namespace"] == ns and r.json()["purged_pages"] >= held.published_pages
@@ -179,7 +169,7 @@ def test_admin_purge_empties_the_namespace_and_ranks_back_up_again(app):
     wait_for("the purge's deletes run", lambda s: s.doomed_pages == 0, ns)
     # the ranks follow the new epoch at their next steps: they forget what L3 held and
     # write their L2 pages again, so the namespace fills up again
-    wait_for("ranks back up again", lambda s: s.published_pages > 0, ns, lambda: chat(ask))
+    wait_for("ranks back up again", lambda s: s.published_pages > 0, ns, lambda: CLIENT.chat(ask))
 
 
 def test_admin_detach_and_attach(app):
@@ -193,7 +183,7 @@ def test_admin_detach_and_attach(app):
     assert twice.status_code == 400 and "detach it first" in twice.json()["error"]["message"]
     off = requests.post(f"{BASE}/admin/storage/detach", headers=ADMIN, timeout=60).json()
     assert [i["l3"] for i in off["instances"]] == [None, None]
-    chat([{"role": "user", "content": "served without L3"}])
+    CLIENT.chat([{"role": "user", "content": "served without L3"}])
     on = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=60,
                        json={"backend": "file"})
     assert on.status_code == 200, on.text
@@ -202,7 +192,7 @@ def test_admin_detach_and_attach(app):
 
 def test_32_concurrent_requests_are_all_answered(app):
     def one(i: int) -> dict:
-        return chat([{"role": "user", "content": f"Question {i}: what is record {i}?"}],
+        return CLIENT.chat([{"role": "user", "content": f"Question {i}: what is record {i}?"}],
                     max_tokens=6)
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -218,13 +208,13 @@ def test_follow_ups_go_to_their_holder_and_load_still_spreads(app):
     for c in range(4):  # four conversations, each follow-up where its first turn went
         turn1 = [{"role": "system", "content": f"Conversation {c}. " + SYSTEM},
                  {"role": "user", "content": "Start."}]
-        first = chat(turn1)
+        first = CLIENT.chat(turn1)
         wait_indexed(first["kvtier"]["instance"], 1)
         turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"][
             "content"]}, {"role": "user", "content": "Go on."}]
-        second = chat(turn2)
+        second = CLIENT.chat(turn2)
         assert second["kvtier"]["instance"] == first["kvtier"]["instance"], \
-            (second["kvtier"], router_status())
+            (second["kvtier"], CLIENT.router())
         homes[c] = first["kvtier"]["instance"]
 
     # Everyone asks about one shared document at once: the holder fills up and the rest
@@ -232,7 +222,7 @@ def test_follow_ups_go_to_their_holder_and_load_still_spreads(app):
     doc = [{"role": "system", "content": "Shared document. " + SYSTEM}]
 
     def ask(i: int) -> str:
-        out = chat(doc + [{"role": "user", "content": f"Point {i}?"}], max_tokens=16)
+        out = CLIENT.chat(doc + [{"role": "user", "content": f"Point {i}?"}], max_tokens=16)
         return out["kvtier"]["instance"]
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
@@ -247,7 +237,7 @@ def test_metrics_show_every_family(app):
                                       NAMESPACE_GAUGES)
 
     for ask in ("Metrics?", "Metrics!", "Metrics."):  # two instances: one of them hits
-        chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}])
+        CLIENT.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}])
     wanted = {f"kvtier_{n}" for n in {*COUNTERS, *GAUGES, *HISTOGRAMS}}
     namespaced = {f"kvtier_{n}" for n in {*NAMESPACE_COUNTERS, *NAMESPACE_GAUGES}}
     # What real traffic moves (the rest count faults and refusals, or the agreement rounds

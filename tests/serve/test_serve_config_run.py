@@ -21,6 +21,7 @@ import pytest
 import requests
 import yaml
 from eventually import eventually
+from http_client import ServeClient
 
 from kvtier.actors.ray_env import LOOPBACK, LOOPBACK_ENV, NO_AUTH_ENV
 from kvtier.engine.tp_group import free_port
@@ -146,7 +147,7 @@ def wait_up(base: str, serve_run: subprocess.Popen, instances: int, log: Path) -
         return True
 
     eventually(up, UP_S, f"every instance ({instances}) was up", retry_on=(AssertionError,),
-               interval_s=1.0)
+               interval_s=0.2)
 
 
 def test_the_example_serve_config_runs_with_serve_run(head: Head, tmp_path: Path) -> None:
@@ -164,11 +165,8 @@ def test_the_example_serve_config_runs_with_serve_run(head: Head, tmp_path: Path
     try:
         wait_up(base, serve_run, settings.instances, log)
 
-        r = requests.post(f"{base}/v1/chat/completions", timeout=120, json={
-            "model": settings.served_model_name, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "Say hello."}]})
-        assert r.status_code == 200, r.text
-        answer = r.json()
+        answer = ServeClient(base, settings.served_model_name).chat(
+            [{"role": "user", "content": "Say hello."}], 8)
         assert answer["choices"][0]["message"]["content"]
         assert answer["usage"]["completion_tokens"] == 8
 

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 from eventually import eventually
+from http_client import ServeClient
 from prometheus_client.parser import text_string_to_metric_families
 from shared_serve import BASE, served
 from test_metrics import dashboard_series
@@ -39,7 +39,6 @@ from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTE
 from kvtier.serve.settings import ServeSettings
 
 KEY = "test-admin-key-metrics-0123456789"
-ADMIN = {"Authorization": f"Bearer {KEY}"}
 PAGE = 16
 _TINY = TinyWeights().config()
 PAGE_BYTES = 2 * _TINY.num_layers * _TINY.num_kv_heads * _TINY.head_dim * PAGE * 4  # K, V; fp32
@@ -50,6 +49,7 @@ SETTINGS = ServeSettings(model="tiny", instances=1, tp_size=2, page_size=PAGE,
                                   "load_back_threshold_tokens": 2 * PAGE},
                          l3_max_gb=48 * PAGE_BYTES / 2**30)
 MODEL = SETTINGS.served_model_name
+CLIENT = ServeClient(BASE, MODEL, KEY)
 SNAPSHOT_WAIT_S = 30.0  # the ingress folds instance snapshots in every 2 s
 BURSTS = 3  # concurrent bursts at most, until the queue gauges were seen above 0
 
@@ -95,19 +95,11 @@ def ids(n: int) -> list[int]:
 
 
 def complete(prompt: list[int], max_tokens: int = 4) -> dict:
-    r = requests.post(f"{BASE}/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def flush() -> None:
-    r = requests.post(f"{BASE}/admin/flush", headers=ADMIN, timeout=60)
-    assert r.status_code == 200, r.text
+    return CLIENT.complete(prompt, max_tokens)
 
 
 def families() -> list:
-    text = requests.get(f"{BASE}/metrics", timeout=30).text
+    text = CLIENT.metrics()
     # the parser gives counters' start times (`_created`) families of their own
     return [f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")]
 
@@ -176,7 +168,7 @@ def test_after_traffic_every_family_has_moved_but_the_fault_ones(app) -> None:
         complete(ids(10 * PAGE))
     again = complete(shared + ids(8))
     assert again["kvtier"]["cached_tokens"]["host"] == 6 * PAGE  # L2, loaded back
-    flush()  # L1 and L2 dropped: the prefix is in L3 only
+    CLIENT.flush()  # L1 and L2 dropped: the prefix is in L3 only
     again = complete(shared + ids(8))
     assert again["kvtier"]["cached_tokens"]["storage"] > 0  # L3, prefetched (in time)
     complete(ids(PAGE + 4))  # a one-page tail: below the prefetch threshold
@@ -267,7 +259,7 @@ def test_the_fault_families_move_under_real_faults(app) -> None:
         corrupt(path)
 
     def ask_l3_again() -> None:
-        flush()
+        CLIENT.flush()
         complete(prompt)
 
     until_moved("storage_corrupt_objects", ask_l3_again)

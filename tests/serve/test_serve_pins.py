@@ -14,6 +14,7 @@ import random
 import pytest
 import requests
 from eventually import eventually
+from http_client import ServeClient
 from prometheus_client.parser import text_string_to_metric_families
 from shared_serve import BASE, served
 from test_serve_metrics import PAGE, SETTINGS as METRICS_SETTINGS
@@ -25,6 +26,7 @@ ADMIN = {"Authorization": f"Bearer {KEY}"}
 SETTINGS = dataclasses.replace(METRICS_SETTINGS, admin_key=KEY, hicache={},
                                pin_max_fraction=0.25)
 MODEL = SETTINGS.served_model_name
+CLIENT = ServeClient(BASE, MODEL, KEY)
 SYSTEM = [{"role": "system", "content": "You are the archivist of the kvtier project. Answer "
                                         "in one line and cite the record number. " * 5}]
 CONTROL = [{"role": "system", "content": "Records clerk here: quote the ledger line first, then "
@@ -48,29 +50,21 @@ def pin(body: dict, method: str = "post", headers: dict | None = ADMIN) -> reque
 
 
 def listed() -> list[dict]:
-    r = requests.get(f"{BASE}/admin/pin", headers=ADMIN, timeout=60)
+    r = CLIENT.get("/admin/pin", admin=True, timeout_s=60)
     assert r.status_code == 200, r.text
     return r.json()["pins"]
-
-
-def chat(messages: list[dict]) -> dict:
-    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def flood(prompts: int = 8) -> None:
     """Prompts of 15 fresh pages each: 120 pages through every tier."""
     for _ in range(prompts):
-        r = requests.post(f"{BASE}/v1/completions", timeout=120, json={
+        CLIENT.answer("/v1/completions", {
             "model": MODEL, "prompt": [_rng.randrange(1, 250) for _ in range(15 * PAGE)],
             "max_tokens": 1})
-        assert r.status_code == 200, r.text
 
 
 def gauge(name: str, **labels: str) -> float:
-    text = requests.get(f"{BASE}/metrics", timeout=30).text
+    text = CLIENT.metrics()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == f"kvtier_{name}" and labels.items() <= s.labels.items():
@@ -120,13 +114,14 @@ def test_a_pinned_chat_prefix_survives_a_flood_and_still_hits(app):
     [entry] = listed()
     assert (entry["id"], entry["pages"], entry["l3_pages"]) == (pinned["id"], pages, pages)
     assert entry["instances"]["instance-0"]["host_pages"] == pages
-    chat(CONTROL + [{"role": "user", "content": "Record 3?"}])  # cached, not pinned
+    CLIENT.chat(CONTROL + [{"role": "user", "content": "Record 3?"}], 2)  # cached, not pinned
 
     flood()
-    hit = chat(SYSTEM + [{"role": "user", "content": "Record 7?"}])  # more messages after it
+    # more messages after it
+    hit = CLIENT.chat(SYSTEM + [{"role": "user", "content": "Record 7?"}], 2)
     cached = hit["kvtier"]["cached_tokens"]
     assert cached["device"] + cached["host"] >= pages * PAGE, hit["kvtier"]  # from L2
-    control = chat(CONTROL + [{"role": "user", "content": "Record 3?"}])
+    control = CLIENT.chat(CONTROL + [{"role": "user", "content": "Record 3?"}], 2)
     assert sum(control["kvtier"]["cached_tokens"].values()) < PAGE, control["kvtier"]  # evicted
 
     assert gauge("cached_tokens_total", kvtier_instance="instance-0", tier="host") >= \

@@ -14,6 +14,7 @@ import time
 import pytest
 import requests
 from eventually import eventually
+from http_client import ServeClient
 from shared_serve import BASE
 from stalling_rank import arm_stall, served_stalling, stall_file
 
@@ -27,6 +28,7 @@ STALL_S = 5.0
 PROMPT = "Record 42 of the kvtier ledger says: " * 3
 
 pytestmark = pytest.mark.timeout(300)
+CLIENT = ServeClient(BASE, SETTINGS.served_model_name, KEY)
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +37,6 @@ def app():
         yield
 
 
-def complete(prompt: str, max_tokens: int) -> dict:
-    r = requests.post(f"{BASE}/v1/completions", timeout=120,
-                      json={"model": SETTINGS.served_model_name, "prompt": prompt,
-                            "max_tokens": max_tokens, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def router_status() -> dict:
-    r = requests.get(f"{BASE}/admin/router", timeout=30,
-                     headers={"Authorization": f"Bearer {KEY}"})
-    return r.json()["instances"]
 
 
 def wait_for(what, description: str, timeout_s: float = 30.0):
@@ -54,14 +44,14 @@ def wait_for(what, description: str, timeout_s: float = 30.0):
     def found():
         if got := what():
             return got
-        raise AssertionError(f"router: {router_status()}")
+        raise AssertionError(f"router: {CLIENT.router()}")
 
     return eventually(found, timeout_s, description, retry_on=(AssertionError,),
                       interval_s=0.1)
 
 
 def test_a_stalled_instance_is_routed_around_and_taken_back(app):
-    cold = complete(PROMPT, 24)  # the reference: a cold answer
+    cold = CLIENT.complete(PROMPT, 24)  # the reference: a cold answer
     arm_stall(after_steps=3, seconds=STALL_S)  # a few tokens out, then 5 s without a step
     start = time.monotonic()
     r = requests.post(f"{BASE}/v1/completions", timeout=120, stream=True,
@@ -85,18 +75,19 @@ def test_a_stalled_instance_is_routed_around_and_taken_back(app):
     assert [f for f in finishes if f] == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 24
     served_by = chunks[-1]["kvtier"]["instance"]
-    stalled = wait_for(lambda: [n for n, i in router_status().items() if i["stalls"]],
+    stalled = wait_for(lambda: [n for n, i in CLIENT.router().items() if i["stalls"]],
                        "the router counted a stall")
-    assert stalled != [served_by] and len(stalled) == 1, router_status()
+    assert stalled != [served_by] and len(stalled) == 1, CLIENT.router()
     assert took_s < STALL_S, "the answer waited for the stalled instance"
 
     name = stalled[0]  # it steps again after its sleep: live, its cancelled request freed
-    wait_for(lambda: router_status()[name]["state"] == "live"
-             and router_status()[name]["load"] == 0, "the stalled instance was live again",
+    wait_for(lambda: CLIENT.router()[name]["state"] == "live"
+             and CLIENT.router()[name]["load"] == 0, "the stalled instance was live again",
              timeout_s=STALL_S + 10)
 
     def one(i: int) -> str:
-        return complete(f"Question {i}: what does record {i} say?", 4)["kvtier"]["instance"]
+        answer = CLIENT.complete(f"Question {i}: what does record {i} say?", 4)
+        return answer["kvtier"]["instance"]
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         assert name in set(pool.map(one, range(16)))  # it serves again

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import requests
+from http_client import ServeClient
 from shared_serve import BASE, served
 
 from kvtier.serve.settings import ServeSettings
@@ -19,6 +20,7 @@ SETTINGS = ServeSettings(model="tiny", instances=1, page_size=16, chunk_tokens=6
                          admin_key=ADMIN_KEY, api_keys=KEYS,
                          hicache={"prefetch_threshold_tokens": 16})  # short documents reach L3
 MODEL = SETTINGS.served_model_name
+CLIENT = ServeClient(BASE, MODEL, ADMIN_KEY)
 _RNG = random.Random(3)
 DOCS = [[_RNG.randrange(10, 40000) for _ in range(48)] for _ in range(6)]
 PAGE = 16
@@ -33,12 +35,7 @@ def app():
 
 
 def cached(key: str | None, prompt: list[int], **kw) -> dict:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    r = requests.post(f"{BASE}/v1/completions", headers=headers, timeout=120,
-                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
-                            "temperature": 0, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()["kvtier"]["cached_tokens"]
+    return CLIENT.complete(prompt, 1, key, **kw)["kvtier"]["cached_tokens"]
 
 
 def shared_pages(a: list[int], b: list[int]) -> int:
@@ -48,12 +45,6 @@ def shared_pages(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) - 1 and a[n] == b[n]:
         n += 1
     return n // PAGE * PAGE
-
-
-def flush() -> None:
-    r = requests.post(f"{BASE}/admin/flush", timeout=60,
-                      headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-    assert r.status_code == 200, r.text
 
 
 def test_the_openai_endpoints_need_one_of_the_keys(app):
@@ -82,7 +73,7 @@ def test_tenants_never_hit_each_others_prefixes(app):
     sent: dict[tuple, list[list[int]]] = {who: [] for who in strangers}
     for phase in ("L1", "L3"):
         if phase == "L3":
-            flush()  # L1 and L2 dropped: the owners' pages are in L3 only
+            CLIENT.flush()  # L1 and L2 dropped: the owners' pages are in L3 only
         for i in range(66):
             doc = DOCS[i % len(DOCS)]
             cut = PAGE * rng.randrange(1, len(doc) // PAGE + 1)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import requests
+from http_client import ServeClient
 from shared_serve import BASE
 from stalling_rank import arm_stall, served_stalling, stall_file
 
@@ -29,6 +30,7 @@ BODY = {"model": SETTINGS.served_model_name, "prompt": "Record 7 of the ledger s
         "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 pytestmark = pytest.mark.timeout(300)
+CLIENT = ServeClient(BASE, SETTINGS.served_model_name, KEY)
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +40,13 @@ def app():
 
 
 def post(stream: bool) -> requests.Response:
-    r = requests.post(f"{BASE}/v1/completions", json={**BODY, "stream": stream}, timeout=60)
+    r = CLIENT.post("/v1/completions", {**BODY, "stream": stream}, timeout_s=60)
     r.content  # the whole stream
     return r
 
 
 def instance_load() -> int:
-    r = requests.get(f"{BASE}/admin/router", timeout=30,
-                     headers={"Authorization": f"Bearer {KEY}"})
-    return r.json()["instances"]["instance-0"]["load"]
+    return CLIENT.router()["instance-0"]["load"]
 
 
 def check_timeout_message(error: dict) -> None:

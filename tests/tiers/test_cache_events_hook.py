@@ -2,12 +2,11 @@
 import random
 
 import torch
+from cache_builder import build_cache
 
-from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import PrefetchPolicy, WritePolicy
 from kvtier.serve.cache_events import CacheEventBatch, CacheEventKind, CacheEventLog, CacheTier
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.reference_kv import write_prefix_kv
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
@@ -18,11 +17,9 @@ DEVICE, HOST, STORAGE = CacheTier.DEVICE, CacheTier.HOST, CacheTier.STORAGE
 def make(policy=WritePolicy.WRITE_THROUGH, seed=None, device_pages=32):
     sim = {} if seed is None else {"storage_backend": "simulated",
                                    "storage_options": {"seed": seed}}
-    config = HiCacheConfig(page_size=4, write_policy=policy, hicache_ratio=2.0,
-                           prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
-                           prefetch_threshold_tokens=4, load_back_threshold_tokens=4,
-                           storage_batch_pages=3, **sim)
-    return HierarchicalCache(config, SPEC, device_pages, device="cpu", model="m")
+    return build_cache(SPEC, device_pages, write_policy=policy, hicache_ratio=2.0,
+                       prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold_tokens=4,
+                       load_back_threshold_tokens=4, storage_batch_pages=3, **sim)
 
 
 class Recorder:

@@ -5,12 +5,11 @@ import random
 
 import pytest
 import torch
+from cache_builder import build_cache
 
-from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import WritePolicy
 from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32)
@@ -26,9 +25,8 @@ class Clock:
 
 
 def make_cache(policy=WritePolicy.WRITE_THROUGH, device_pages=16, ratio=2.0):
-    config = HiCacheConfig(page_size=P, write_policy=policy, hicache_ratio=ratio,
-                           load_back_threshold_tokens=0)
-    cache = HierarchicalCache(config, SPEC, device_pages, device="cpu")
+    cache = build_cache(SPEC, device_pages, write_policy=policy, hicache_ratio=ratio,
+                        load_back_threshold_tokens=0)
     cache.pins.clock = Clock()
     return cache
 

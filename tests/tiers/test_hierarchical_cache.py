@@ -3,6 +3,7 @@ import random
 
 import pytest
 import torch
+from cache_builder import build_cache
 
 from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError
@@ -16,9 +17,8 @@ SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch
 
 def make_cache(policy=WritePolicy.WRITE_THROUGH, layout=MemLayout.PAGE_FIRST,
                io=IoBackend.KERNEL, device_pages=24, ratio=3.0, threshold=4):
-    config = HiCacheConfig(page_size=SPEC.page_size, write_policy=policy, mem_layout=layout,
-                           io_backend=io, hicache_ratio=ratio, load_back_threshold_tokens=threshold)
-    return HierarchicalCache(config, SPEC, device_pages, device="cpu")
+    return build_cache(SPEC, device_pages, write_policy=policy, mem_layout=layout,
+                       io_backend=io, hicache_ratio=ratio, load_back_threshold_tokens=threshold)
 
 
 def serve(cache, tokens):
@@ -117,8 +117,7 @@ def test_abort_releases_everything():
 
 def test_hierarchy_off_keeps_l1_only():
     """--disable-hierarchical-cache: L1 hits as usual, nothing is copied to L2, no L3."""
-    cfg = HiCacheConfig(page_size=4, enable_hierarchical_cache=False)
-    with HierarchicalCache(cfg, SPEC, 8, device="cpu") as cache:
+    with build_cache(SPEC, 8, enable_hierarchical_cache=False) as cache:
         tokens = list(range(1, 17))
         look = cache.lookup(tokens)
         pages = cache.allocate(4)
@@ -151,9 +150,8 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
     from kvtier.backends.base import StorageTarget
     from kvtier.backends.registry import create_backend
 
-    cfg = HiCacheConfig(page_size=4, storage_backend="file",
-                        storage_options={"root_dir": str(tmp_path / "old")})
-    with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
+    with build_cache(SPEC, 16, storage_backend="file",
+                     storage_options={"root_dir": str(tmp_path / "old")}) as cache:
         tokens = _stored_in_l3(cache)
         assert all(n.storage_op for n in cache.tree.nodes())  # stored in the old backend
         cache.detach_storage()
@@ -167,9 +165,8 @@ def test_a_new_l3_backend_gets_every_page_written_again(tmp_path):
 def test_an_emptied_l3_gets_every_page_written_again(tmp_path):
     """A purge empties the namespace behind the cache: `storage_emptied` forgets the "in L3"
     marks and backs up what L2 holds again, over the same backend client."""
-    cfg = HiCacheConfig(page_size=4, storage_backend="file",
-                        storage_options={"root_dir": str(tmp_path)})
-    with HierarchicalCache(cfg, SPEC, 16, device="cpu") as cache:
+    with build_cache(SPEC, 16, storage_backend="file",
+                     storage_options={"root_dir": str(tmp_path)}) as cache:
         tokens = _stored_in_l3(cache)
         keys = cache.storage.page_keys(tokens)
         backend = cache.storage.backend
@@ -252,7 +249,7 @@ def test_deterministic_and_default_caches_on_one_root_never_read_each_others_pag
     docs = {True: list(range(1, 17)), False: list(range(101, 117))}  # by the mode storing it
 
     def cache(deterministic: bool) -> HierarchicalCache:
-        return HierarchicalCache(cfg, SPEC, 16, device="cpu", deterministic=deterministic)
+        return build_cache(SPEC, 16, cfg, deterministic=deterministic)
 
     for deterministic, doc in docs.items():
         with cache(deterministic) as writer:

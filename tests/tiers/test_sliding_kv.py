@@ -7,11 +7,10 @@ import random
 
 import pytest
 import torch
+from cache_builder import build_cache
 
-from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec, SlidingSpec
 from kvtier.policies import MemLayout, WritePolicy
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.reference_kv import prefix_kv_matches, write_prefix_kv
 
 PAGE = 4
@@ -23,9 +22,8 @@ CHUNK = 8
 
 def make_cache(policy=WritePolicy.WRITE_THROUGH, layout=MemLayout.PAGE_FIRST, device_pages=64,
                ratio=3.0):
-    config = HiCacheConfig(page_size=PAGE, write_policy=policy, mem_layout=layout,
-                           hicache_ratio=ratio, load_back_threshold_tokens=PAGE)
-    return HierarchicalCache(config, SPEC, device_pages, device="cpu")
+    return build_cache(SPEC, device_pages, write_policy=policy, mem_layout=layout,
+                       hicache_ratio=ratio, load_back_threshold_tokens=PAGE)
 
 
 def _sidecar_kv(cache):

@@ -4,6 +4,7 @@ import uuid
 
 import pytest
 import torch
+from cache_builder import build_cache
 from eventually import eventually
 
 from kvtier.backends.base import StorageTarget
@@ -13,7 +14,6 @@ from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import HostMode, PrefetchPolicy, WritePolicy
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.reference_kv import serve_reference
 from kvtier.tiers.storage_worker import OpState
 
@@ -22,12 +22,11 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch
 
 def make(seed, policy=WritePolicy.WRITE_THROUGH, prefetch=PrefetchPolicy.WAIT_COMPLETE,
          device_pages=32, threshold=8, host_mode=HostMode.CACHE, **sim):
-    config = HiCacheConfig(page_size=4, write_policy=policy, prefetch_policy=prefetch,
-                           host_mode=host_mode,
-                           hicache_ratio=2.0, prefetch_threshold_tokens=threshold,
-                           load_back_threshold_tokens=4, storage_batch_pages=3,
-                           storage_backend="simulated", storage_options={"seed": seed, **sim})
-    return HierarchicalCache(config, SPEC, device_pages, device="cpu", model="m")
+    return build_cache(SPEC, device_pages, write_policy=policy, prefetch_policy=prefetch,
+                       host_mode=host_mode, hicache_ratio=2.0,
+                       prefetch_threshold_tokens=threshold, load_back_threshold_tokens=4,
+                       storage_batch_pages=3, storage_backend="simulated",
+                       storage_options={"seed": seed, **sim})
 
 
 def serve(cache, tokens):
@@ -100,10 +99,9 @@ def _best_effort_cache(seed, *docs):
         for doc in docs:
             serve(a, doc)
         settle(a)
-    config = HiCacheConfig(page_size=4, prefetch_policy=PrefetchPolicy.BEST_EFFORT,
-                           prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
-                           storage_batch_pages=3, mem_layout="page_head")
-    b = HierarchicalCache(config, SPEC, 64, device="cpu", model="m")
+    b = build_cache(SPEC, 64, prefetch_policy=PrefetchPolicy.BEST_EFFORT,
+                    prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
+                    storage_batch_pages=3, mem_layout="page_head")
     backend = FaultyBackend(create_backend("simulated", StorageTarget(b.namespace, b.heads),
                                            {"seed": seed}))
     b.attach_storage(backend)
@@ -217,8 +215,7 @@ def test_tenants_never_hit_each_other():
     doc = list(range(500, 540))
     config = HiCacheConfig(page_size=4, prefetch_threshold_tokens=8, storage_backend="simulated",
                            prefetch_policy="wait_complete", storage_options={"seed": seed})
-    caches = [HierarchicalCache(config, SPEC, 32, device="cpu", model="m", tenant_salt=tenant)
-              for tenant in ("alice", "bob")]
+    caches = [build_cache(SPEC, 32, config, tenant_salt=tenant) for tenant in ("alice", "bob")]
     alice, bob = caches
     serve(alice, doc)
     settle(alice)

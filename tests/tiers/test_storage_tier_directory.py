@@ -5,12 +5,11 @@ import random
 
 import pytest
 import torch
+from cache_builder import build_cache
 
-from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.messages import NamespaceSpec, StorageBackendKind
 from kvtier.policies import PrefetchPolicy, WritePolicy
-from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.reference_kv import serve_reference
 
@@ -53,13 +52,11 @@ class BrokenDirectory:
 
 
 def make(seed, directory, tp_rank=0, tenant="", prefetch=PrefetchPolicy.WAIT_COMPLETE):
-    config = HiCacheConfig(page_size=4, write_policy=WritePolicy.WRITE_THROUGH,
-                           prefetch_policy=prefetch, hicache_ratio=2.0,
-                           prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
-                           storage_batch_pages=3, storage_backend="simulated",
-                           storage_options={"seed": seed})
-    return HierarchicalCache(config, SPEC, 32, device="cpu", model="m", tenant_salt=tenant,
-                             tp_rank=tp_rank, tp_size=2, directory=directory)
+    return build_cache(SPEC, 32, tenant_salt=tenant, tp_rank=tp_rank, tp_size=2,
+                       directory=directory, write_policy=WritePolicy.WRITE_THROUGH,
+                       prefetch_policy=prefetch, hicache_ratio=2.0, prefetch_threshold_tokens=8,
+                       load_back_threshold_tokens=4, storage_batch_pages=3,
+                       storage_backend="simulated", storage_options={"seed": seed})
 
 
 def register(directory, cache) -> str:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 import torch
+from cache_builder import build_cache
 
-from kvtier.config import HiCacheConfig
 from kvtier.kv_spec import KVSpec
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.reference_kv import write_prefix_kv
@@ -18,10 +18,10 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch
 
 
 def make(root, tenant: str) -> HierarchicalCache:
-    config = HiCacheConfig(page_size=4, hicache_ratio=2.0, prefetch_policy="wait_complete",
-                           prefetch_threshold_tokens=4, load_back_threshold_tokens=4,
-                           storage_backend="file", storage_options={"root_dir": str(root)})
-    return HierarchicalCache(config, SPEC, 128, device="cpu", model="m", tenant_salt=tenant)
+    return build_cache(SPEC, 128, tenant_salt=tenant, hicache_ratio=2.0,
+                       prefetch_policy="wait_complete", prefetch_threshold_tokens=4,
+                       load_back_threshold_tokens=4, storage_backend="file",
+                       storage_options={"root_dir": str(root)})
 
 
 def store(cache: HierarchicalCache, tokens: list[int], salt: str = "") -> None:
