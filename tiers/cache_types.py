@@ -1,11 +1,13 @@
 """Results of the hierarchical cache facade: what a request got, and the cache's counters."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
+from kvtier.tiers.controller import LoadHandle
 from kvtier.tiers.sliding_kv import SlotHold
 from kvtier.tiers.tree_node import TreeNode
+from kvtier.tiers.tree_types import LoadRefusal
 
 
 class RequestLengths(NamedTuple):
@@ -21,22 +23,42 @@ class RequestLengths(NamedTuple):
         return " ".join(f"{k}={v}" for k, v in self._asdict().items())
 
 
-class CacheLookup(NamedTuple):
-    """A matched, locked prefix. Hand it back to `finish` or `abort` exactly once.
+@dataclass(frozen=True)
+class CacheLookup:
+    """A matched, locked prefix. Hand it back to `finish`, `commit` or `abort` exactly once.
 
-    `device_pages` are usable L1 page ids for the first `cached_len` tokens; pages loaded back
-    this round are valid once the controller's per-layer waits return.
+    The five lengths (tokens) of a request of `num_tokens` tokens, in prompt order::
+
+        |<------------------------------ num_tokens ------------------------------->|
+        |<-- prefix_len -->|<------ host_hit_length ------>|
+        |   in L1 already  |<-- host_loaded_length -->|     |
+        |                  |   loaded back from L2    |     |
+        |<---------- cached_len ---------->|                |<-- recomputed -->|
+        |                                  |<----------- extend_len ---------->|
+
+    - `prefix_len`: the L1 hit; `device_pages` covers it, then the loaded-back pages.
+    - `host_hit_length`: the L2 hit after the L1 part (with an L3 prefetch that landed, it
+      includes the `storage_hit_length` that `lengths` reports).
+    - `host_loaded_length`: the part of the L2 hit loaded back this round (the rest, refused
+      by the load-back policy, is recomputed); valid once the controller's per-layer waits
+      return.
+    - `cached_len = prefix_len + host_loaded_length`: what the request does not compute.
+    - `extend_len = num_tokens - cached_len`: what it computes (`lengths`).
+
+    What the lookup holds in the cache (its locked tree node, this round's load-back and the
+    L2 run it protects) is the cache's own: private fields no caller reads.
     """
 
     num_tokens: int
     device_pages: list[int]
-    node: TreeNode  # locked until finish/abort
     prefix_len: int
     host_hit_length: int
     host_loaded_length: int
-    load: object | None  # LoadHandle of this round's load-back
-    loaded_node: TreeNode | None  # L2 pages protected until the load lands
     sliding: SlotHold | None = None  # a hybrid model's sliding-window slots it holds
+    _node: TreeNode | None = field(default=None, repr=False)  # locked until finish/abort
+    _load: LoadHandle | None = field(default=None, repr=False)  # this round's load-back
+    _loaded_node: TreeNode | None = field(default=None, repr=False)  # L2 run protected
+    # until the load lands
 
     @property
     def cached_len(self) -> int:
@@ -97,6 +119,16 @@ class CacheCounters:
     unloaded_below_threshold_tokens: int = 0
     unloaded_over_quota_tokens: int = 0
     unloaded_device_capacity_tokens: int = 0
+
+    def count_unloaded(self, reason: LoadRefusal, tokens: int) -> None:
+        """An L2 hit of `tokens` recomputed instead of loaded back, for `reason`."""
+        if reason is LoadRefusal.BELOW_THRESHOLD:
+            self.unloaded_below_threshold_tokens += tokens
+        elif reason is LoadRefusal.OVER_QUOTA:
+            self.unloaded_over_quota_tokens += tokens
+        elif reason is LoadRefusal.DEVICE_CAPACITY:
+            self.unloaded_device_capacity_tokens += tokens
+        # NOTHING_TO_LOAD: no L2 hit, nothing recomputed
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
