@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
-from kvtier.tiers.controller import LoadHandle
+from kvtier.backends.base import BackendStats
+from kvtier.policies import StorageBackendKind
+from kvtier.tiers.controller import LoadHandle, TransferStats
 from kvtier.tiers.sliding_kv import SlotHold
+from kvtier.tiers.storage_types import StorageCounters
 from kvtier.tiers.tree_node import TreeNode
 from kvtier.tiers.tree_types import LoadRefusal
 
@@ -132,3 +135,26 @@ class CacheCounters:
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class L3Snapshot(NamedTuple):
+    """The attached L3 at one moment: its backend's kind and counters, and the L3 tier's."""
+
+    kind: StorageBackendKind
+    backend: BackendStats  # a copy
+    counters: StorageCounters  # a copy
+
+
+class CacheSnapshot(NamedTuple):
+    """One cache's counters and pool use at one moment (copies: later traffic does not
+    change them), for metrics and benchmarks."""
+
+    page_size: int
+    counters: CacheCounters
+    transfers: TransferStats  # the L1<->L2 copies' bytes and seconds
+    device_pages: int  # L1 capacity
+    free_device_pages: int
+    host_pages: int  # L2 capacity
+    used_host_pages: int
+    host_pinned: bool  # L2 is page-locked host memory
+    l3: L3Snapshot | None  # None: no L3 attached

@@ -35,10 +35,11 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, PageCompute, layout_fingerprint
 from kvtier.kv_spec import HeadRange, KVSpec
-from kvtier.policies import HostMode, WritePolicy
+from kvtier.policies import HostMode, StorageBackendKind, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
 from kvtier.tiers.cache_pins import CachePins
-from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
+from kvtier.tiers.cache_types import (CacheAudit, CacheCounters, CacheLookup, CacheSnapshot,
+                                      L3Snapshot, PrefixPeek)
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_copies import HostCopies
@@ -120,7 +121,8 @@ class HierarchicalCache:
                               self.flush, sidecar=self.host_pool.sidecar,
                               window_pages=spec.window_pages)
         self.storage: StorageTier | None = None
-        self.directory = directory
+        self._built_directory = directory  # the L3 namespace's directory given at build
+        self.directory = directory  # that of the L3 attached (attach_storage)
         self.events = CacheEventFeed(self.namespace, spec.page_size)
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, self.heads)
@@ -210,14 +212,13 @@ class HierarchicalCache:
             pages = alloc.alloc(num_pages)
         return pages
 
-    def finish(self, lookup: CacheLookup, tokens: Sequence[int], pages: Sequence[int]) -> TreeNode:
+    def finish(self, lookup: CacheLookup, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Store the request's KV pages (`pages` cover all of `tokens`), release the lookup."""
         res = self.tree.insert(tokens, pages, lookup._node.salt)
         self.device_pool.allocator.free(res.unused_pages)
         self._release(lookup)
         if self.config.write_through_hit_threshold == 1:
             self._back_up_path(res.last_node, 1)
-        return res.last_node
 
     def commit(self, lookup: CacheLookup, tokens: Sequence[int],
                pages: Sequence[int]) -> CacheLookup:
@@ -344,8 +345,15 @@ class HierarchicalCache:
 
     # ---- L3: attach, detach, prefetch into L2 (the L3 tier owns the tickets) ------------
 
-    def attach_storage(self, backend: StorageBackend) -> None:
-        """Use `backend` as L3 (takes ownership: detach closes it)."""
+    def attach_storage(self, backend: StorageBackend,
+                       directory: PageDirectoryClient | None = None,
+                       confirm_return: bool = False) -> None:
+        """Use `backend` as L3 (takes ownership: detach closes it). `directory`: the L3
+        namespace's page directory that gates its hits and hears what this rank stored
+        (None: the one the cache was built with, if any). `confirm_return`: a directory
+        that answers again after failing is trusted only once the owner calls
+        `l3_directory_back` (a namespace actor may come back without the namespace:
+        storage_tier)."""
         if not self.hierarchical:
             raise CacheUsageError("the hierarchical cache is off (L1 only): L3 needs L2 to "
                                   "stage its pages; enable it to attach a backend")
@@ -356,9 +364,11 @@ class HierarchicalCache:
         sliding = (SlidingL3(backend, self.host_pool.sidecar, self.tree, self.spec.window_pages,
                              self.config.storage_batch_pages)
                    if self.sliding is not None else None)
+        self.directory = directory if directory is not None else self._built_directory
         self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
                                    self.namespace, self._alloc_host,
                                    directory=self.directory, sliding=sliding)
+        self.storage.confirm_return = confirm_return
         log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
         self._back_up_host_pages()  # what L2 holds goes to the new backend too
 
@@ -393,8 +403,42 @@ class HierarchicalCache:
         self.flush()
         self.storage.close()  # aborts its open prefetches first
         self.storage = None
+        self.directory = self._built_directory
         self.events.tell_stored()
         self.tree.l3.forget_storage()
+
+    @property
+    def l3_attached(self) -> bool:
+        return self.storage is not None
+
+    @property
+    def l3_kind(self) -> StorageBackendKind | None:
+        """The attached L3 backend's kind (None: no L3)."""
+        return self.storage.backend.kind if self.storage is not None else None
+
+    @property
+    def l3_directory_away(self) -> bool:
+        """A call to the attached L3's page directory failed since it last answered."""
+        return self.storage is not None and self.storage.directory_away
+
+    def l3_directory_failed(self, call: str, exc: BaseException) -> None:
+        """A directory call the owner made for this L3 (`call`, in words) failed: the
+        directory is away (L3 misses, stored pages unreported) until it answers."""
+        if self.storage is not None:
+            self.storage.directory_failed(call, exc)
+
+    def l3_directory_back(self) -> None:
+        """The owner saw the namespace as it attached it (`confirm_return`): what waited is
+        reported."""
+        if self.storage is not None:
+            self.storage.directory_back()
+
+    def extend_l3_pins(self, pin_ids: Sequence[str]) -> None:
+        """Extend in L3 the pins `pin_ids` (hits here extended them; a hit in L2 never asks
+        L3), through the attached L3's page directory; nothing without one. Raises what the
+        directory raises."""
+        if pin_ids and self.storage is not None and self.directory is not None:
+            self.directory.refresh_pins(self.namespace.name, list(pin_ids))
 
     def prefetch(self, tokens: Sequence[int], retry: bool = False,
                  salt: str = "") -> PrefetchTicket | None:
@@ -523,6 +567,13 @@ class HierarchicalCache:
         self.copies.wait()
         self.poll()
 
+    def quiesce(self) -> None:
+        """`flush`, then wait for the queued L2->L3 backups: nothing runs in the background
+        after this (before a timed request, an audit, a measurement)."""
+        self.flush()
+        if self.storage is not None:
+            self.storage.drain()
+
     def evict_device(self, num_pages: int) -> EvictResult:
         """Free L1 pages now (demoting backed-up runs to L2)."""
         result = self.tree.evict_device(num_pages)
@@ -572,6 +623,23 @@ class HierarchicalCache:
     @property
     def used_host_pages(self) -> int:
         return self.host_pool.num_pages - self.host_pool.allocator.num_free
+
+    @property
+    def host_pages(self) -> int:
+        """L2 capacity in pages."""
+        return self.host_pool.num_pages
+
+    def snapshot(self) -> CacheSnapshot:
+        """The counters and pool use now (copies), L3's included when attached."""
+        l3 = None
+        if self.storage is not None:
+            backend = self.storage.backend
+            l3 = L3Snapshot(backend.kind, dataclasses.replace(backend.stats()),
+                            dataclasses.replace(self.storage.counters))
+        return CacheSnapshot(self.spec.page_size, dataclasses.replace(self.counters),
+                             self.controller.stats(), self.device_pages,
+                             self.free_device_pages, self.host_pages, self.used_host_pages,
+                             self.host_pool.pinned, l3)
 
     def tree_stats(self) -> TreeStats:
         return self.tree.stats()
