@@ -1,4 +1,4 @@
-"""A rank actor that injects faults on request: the tests' subclass of RankCache.
+"""A rank actor that injects faults on request: the tests' subclass of Rank.
 
 Instances under test run it through `Instance(rank_class=FaultyRankCache)`, so production
 modules carry no fault hooks. Every fault that takes effect is counted (`faults_fired`), so
@@ -178,7 +178,7 @@ class FaultyRankCache(SoakRankCache):
         """This rank's next hand-off write times out (a slow or hung link)."""
         from kvtier.backends.handoff_base import HandoffTimeout
 
-        sender = self._sender
+        sender = self.handoff_port.sender
         real = sender.endpoint
         count = self._count
 

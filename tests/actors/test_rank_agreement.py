@@ -14,7 +14,7 @@ import torch
 from faulty_rank import FaultyRankCache
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.bench.answer_check import Verdict, judge
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
@@ -48,7 +48,7 @@ def reference() -> dict[str, list[tuple[int, ...]]]:
     """Greedy tokens of an in-process TP=1 engine, one fresh engine per prompt group."""
     out = {}
     for name, prompts in PROMPTS.items():
-        rank = RankCache(0, 1, "", SETTINGS)
+        rank = Rank(0, 1, "", SETTINGS)
         try:
             out[name] = [o.tokens for o in rank.engine.generate(prompts, GREEDY)]
         finally:
@@ -204,7 +204,7 @@ def test_tp3_serves_every_request_of_a_long_queue_whose_head_is_stalled(tp3_l3):
     behind them (far more than the agreement's 32 slots) are admitted and answered meanwhile;
     once the hang ends the 40 are answered too. Every answer is the cold one (or a near-tie),
     no rank restarted, nothing leaks."""
-    cold = RankCache(0, 1, "", SETTINGS)
+    cold = Rank(0, 1, "", SETTINGS)
     try:
         want = cold.engine.generate(STALLED + BEHIND, SHORT)
     finally:

@@ -10,7 +10,7 @@ import torch
 
 from faulty_rank import FaultyRankCache
 from kvtier.actors.instance import Instance, InstanceError
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_worker import TinyWeights
@@ -36,7 +36,7 @@ PROMPTS = [tokens(1, 50), tokens(2, 37), tokens(3, 70)]
 def reference() -> list[tuple[int, ...]]:
     """Undisturbed tokens: an in-process TP=1 engine (greedy for the first two, seeded for
     the third)."""
-    rank = RankCache(0, 1, "", SETTINGS)
+    rank = Rank(0, 1, "", SETTINGS)
     try:
         outs = rank.engine.generate(PROMPTS[:2], GREEDY) + \
             rank.engine.generate(PROMPTS[2:], SEEDED)

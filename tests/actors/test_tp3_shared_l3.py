@@ -21,7 +21,7 @@ from faulty_rank import FaultyRankCache
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
@@ -80,12 +80,12 @@ def cold():
     """The cold reference: an in-process TP=1 engine without L3, as in the other actor tests
     (TP=2 and TP=3 answers equal TP=1 ones in fp32: test_rank_agreement, test_engine_parallel);
     three more rank processes cost more than the rest of the module's setup."""
-    rank = RankCache(0, 1, "", SETTINGS)
+    rank = Rank(0, 1, "", SETTINGS)
     yield rank
     rank.close()
 
 
-def _cold(cold: RankCache, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+def _cold(cold: Rank, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     out = []
     for prompt in prompts:
         cold.drop_cache()
