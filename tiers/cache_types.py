@@ -14,7 +14,7 @@ from kvtier.tiers.tree_types import LoadRefusal
 
 
 class RequestLengths(NamedTuple):
-    """The five lengths of DESIGN.md, in tokens, logged together per request."""
+    """The five lengths (CacheLookup draws them), in tokens, logged together per request."""
 
     prefix_len: int  # already in L1
     host_hit_length: int  # L2 candidates after the L1 part
@@ -30,23 +30,26 @@ class RequestLengths(NamedTuple):
 class CacheLookup:
     """A matched, locked prefix. Hand it back to `finish`, `commit` or `abort` exactly once.
 
-    The five lengths (tokens) of a request of `num_tokens` tokens, in prompt order::
+    The five lengths (tokens) of a request of `num_tokens` tokens, in prompt order (the L2
+    hit's deepest part may have come from L3: `storage_hit_length`, which `lengths` takes
+    from the request's prefetch)::
 
-        |<------------------------------ num_tokens ------------------------------->|
-        |<-- prefix_len -->|<------ host_hit_length ------>|
-        |   in L1 already  |<-- host_loaded_length -->|     |
-        |                  |   loaded back from L2    |     |
-        |<---------- cached_len ---------->|                |<-- recomputed -->|
-        |                                  |<----------- extend_len ---------->|
+        |<---------------------------------- num_tokens ----------------------------------->|
+        |<- prefix_len -->|<---------------- host_hit_length ---------------->|
+                                                |<--- storage_hit_length ---->|
+                          |<--- host_loaded_length ---->|
+        |<---------------- cached_len ----------------->|<---------- extend_len ----------->|
+        | in L1           | L2 -> L1 this round         | computed this round               |
 
     - `prefix_len`: the L1 hit; `device_pages` covers it, then the loaded-back pages.
     - `host_hit_length`: the L2 hit after the L1 part (with an L3 prefetch that landed, it
-      includes the `storage_hit_length` that `lengths` reports).
+      includes its `storage_hit_length`: prefetched pages reach L1 through L2).
     - `host_loaded_length`: the part of the L2 hit loaded back this round (the rest, refused
       by the load-back policy, is recomputed); valid once the controller's per-layer waits
       return.
     - `cached_len = prefix_len + host_loaded_length`: what the request does not compute.
-    - `extend_len = num_tokens - cached_len`: what it computes (`lengths`).
+    - `extend_len = num_tokens - cached_len`: what it computes this round, the part of the
+      L2 hit not loaded back included (`lengths`).
 
     What the lookup holds in the cache (its locked tree node, this round's load-back and the
     L2 run it protects) is the cache's own: private fields no caller reads.
