@@ -1,4 +1,5 @@
-"""The prefill/decode hand-off calls of an Instance (over its ranks' hand-off calls, actors/rank_handoff).
+"""The prefill/decode hand-off calls of an Instance (over its ranks' hand-off port,
+actors/rank_handoff).
 
 A base of `Instance`, apart so the instance's module keeps to its noun. Rank r of a prefill
 instance writes into rank r of its decode instance (equal TP sizes: each rank holds the same
