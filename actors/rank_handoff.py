@@ -1,8 +1,9 @@
 """A rank's hand-off port: the prefill/decode hand-off calls (kvtier.engine.handoff) over the
 rank's engine and one transport endpoint.
 
-`Rank` (actors/rank_actor) owns one and its remote hand-off calls delegate here. The endpoint (NIXL or Mooncake) is opened by `handoff_open` with
-this rank's L1 pool registered; a prefill rank writes through it, a decode rank is written
+`Rank` (actors/rank_actor) owns one and its remote hand-off calls delegate here. The
+endpoint (NIXL or Mooncake) is opened by `open` (the rank's `handoff_open`) with this rank's
+L1 pool registered; a prefill rank writes through it, a decode rank is written
 into. Every rank of an instance gets the same calls in the same order; per-rank values
 (a rank's reservation, its prefill rank's sums) come as that rank's argument. Records
 travel as msgpack-able lists (`to_wire`), never pickles; KV bytes never travel here.
