@@ -10,7 +10,7 @@ the chaos bench.
   With `lose_state` that directory is deleted first: the new incarnation knows no namespace.
 - `restart_mooncake_master`: a namespace's Mooncake master killed (SIGKILL); the actor's
   supervisor starts a new one on new ports under a new epoch.
-- `audit`: every rank's audit (RankCache.audit: it waits for its copies to settle first);
+- `audit`: every rank's audit (Rank.audit: it waits for its copies to settle first);
   `deployment_states`: whether Serve holds each instance's deployment healthy.
 
 Masters are processes of the namespace actor, not Ray actors: one whose actor was killed with

@@ -38,7 +38,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.cluster_placement import unplaced_message
-from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, RankCache, RankSettings,
+from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, Rank, RankSettings,
                                       RankStats, create_rank_actor)
 from kvtier.actors.rank_group import (InstanceError, RankDivergence, RankFailure, RankGroup,
                                       wait_ranks)
@@ -116,7 +116,7 @@ class InstanceRequest:
 
 
 class Instance:
-    """`tp_size` RankCache actors over one request stream; `generate` or `add_request`+`step`.
+    """`tp_size` Rank actors over one request stream; `generate` or `add_request`+`step`.
 
     Faults: when a rank dies, hangs past `step_timeout_s` or fails a call, the TP group is
     broken for every rank (a collective cannot re-admit one member), so the instance kills
@@ -139,7 +139,7 @@ class Instance:
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  resources: dict[str, float] | None = None,
                  max_restarts: int = MAX_RESTARTS,
-                 rank_class: type[RankCache] = RankCache) -> None:
+                 rank_class: type[Rank] = Rank) -> None:
         """`resources`: custom Ray resources each rank's bundle also asks for (e.g.
         `{"kvtier_instance": 1}`): the ranks land only on nodes that offer them. With
         `settings.gpu` each bundle also asks for one GPU.
@@ -524,11 +524,11 @@ class Instance:
         return self.rank_group.describe()
 
     def running_config(self) -> dict:
-        """Rank 0's cache config and engine choices (`RankCache.running_config`)."""
+        """Rank 0's cache config and engine choices (`Rank.running_config`)."""
         return self.rank_group.running_config()
 
     def cache_snapshot(self) -> list[dict]:
-        """Every rank's counters and pool use (`RankCache.cache_snapshot`)."""
+        """Every rank's counters and pool use (`Rank.cache_snapshot`)."""
         return self.rank_group.cache_snapshot()
 
     def watch_cache(self, name: str) -> None:

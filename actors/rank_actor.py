@@ -5,9 +5,12 @@ Logits are identical on every rank (row-parallel all-reduce, replicated LM head)
 gives the same tokens everywhere; where the ranks' caches differ, the scheduler's one
 agreement round per step (kvtier.engine.agreement) makes them act alike.
 
-`RankCache` is the logic, usable without Ray (a TP=1 rank runs in-process in tests);
+`Rank` is the logic, usable without Ray (a TP=1 rank runs in-process in tests);
 `create_rank_actor` wraps it in a Ray actor inside a placement-group bundle. The actor's
-methods return plain values, and msgpack for steps and aborts (`actors.step_wire`).
+methods return plain values, and msgpack for steps and aborts (`actors.step_wire`). It owns
+three collaborators, each with its own module: its L3 link (actors/rank_l3), its pin desk
+(actors/rank_pins) and its hand-off port (actors/rank_handoff); each remote call of theirs is
+one thin method here.
 """
 from __future__ import annotations
 
@@ -21,24 +24,28 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvtier.actors.rank_handoff import RankHandoff
-from kvtier.actors.rank_l3 import RankL3
-from kvtier.actors.rank_pins import RankPins
+from kvtier.actors.rank_handoff import RankHandoffPort
+from kvtier.actors.rank_l3 import RankL3Link, directory_client, open_namespace_backend
+from kvtier.actors.rank_pins import RankPinDesk
 from kvtier.actors.step_wire import (Progress, StepReport, encode_output, encode_report,
                                      resume_from_wire)
+from kvtier.backends.base import StorageBackend
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, name as dtype_name, resolve
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.architectures import build_model
 from kvtier.engine.engine import Engine
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.parallel import SINGLE
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
+from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
+from kvtier.tiers.storage_types import PageDirectoryClient
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +103,13 @@ class CacheDescription(NamedTuple):
     sliding: bool = False  # a hybrid model's sliding-window sidecar: NamespaceSpec.sliding
 
 
-class RankCache(RankHandoff, RankPins, RankL3):
+class Rank:
     """One rank: joins the TP group, builds its shard and cache, and steps its Engine."""
 
     def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
         torch.set_num_threads(1)  # ranks share the machine's cores: one thread each
         self.rank, self.size = rank, size
-        self._l3: tuple[NamespaceInfo, str | None] | None = None  # the namespace attached
+        self.l3_link = RankL3Link(rank, size, self._open_backend, self._directory)
         self.device = _own_device(settings.gpu)
         # Under Ray a rank sees only its own GPU: index 0, whatever its rank.
         self.tp = SINGLE if size == 1 else init_tp(
@@ -113,6 +120,8 @@ class RankCache(RankHandoff, RankPins, RankL3):
         except Exception:
             destroy_tp()
             raise
+        self.pin_desk = RankPinDesk(self.engine.cache, rank)
+        self.handoff_port = RankHandoffPort(self.engine, rank, size)
         self.agreement = CollectiveAgreement(self.tp) if size > 1 else None
         self.engine.scheduler.agree = self.agreement
         self.steps = 0
@@ -121,7 +130,6 @@ class RankCache(RankHandoff, RankPins, RankL3):
         self._reported: dict[int, int] = {}  # request id -> output tokens reported so far
         self._events = None  # a CacheEventLog once watch_cache() is called
         self._snapshot_rounds = 0  # agreement rounds already reported by cache_snapshot
-        self._l3_next_check = 0.0  # monotonic time of the next epoch check
         log.info("rank %d/%d ready: %d KV heads, %d L1 pages", rank, size,
                  self.engine.cache.spec.num_kv_heads, settings.device_pages)
 
@@ -138,7 +146,7 @@ class RankCache(RankHandoff, RankPins, RankL3):
                                       tp_rank=self.rank, tp_size=self.size,
                                       deterministic=s.deterministic)
         else:
-            cache = self._l3_cache(s, spec, model.device)
+            cache = self.l3_link.build_cache(s, spec, model.device)
         return Engine(model, cache, s.chunk_tokens, s.token_budget, owns_cache=True,
                       deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 
@@ -163,9 +171,9 @@ class RankCache(RankHandoff, RankPins, RankL3):
         self.steps += 1
         try:
             finished = self.engine.step()
-            self.refresh_pins()
-            self._follow_l3()
-            handoffs = self._send_handoffs()
+            self.pin_desk.refresh()
+            self.l3_link.follow(self.engine.cache)
+            handoffs = self.handoff_port.send_new()
         finally:
             self.step_s += time.perf_counter() - start
         if self.rank != 0:
@@ -213,48 +221,47 @@ class RankCache(RankHandoff, RankPins, RankL3):
         """What this rank runs with: its cache config (SGLang's knob names, normalized; an L3
         attached through the namespace actor shows under `l3`), the resolved dtype and the
         engine's scheduling choices."""
-        engine, storage = self.engine, self.engine.cache.storage
+        engine, l3 = self.engine, self.engine.cache.l3_kind
         return {"hicache": engine.cache.config.to_dict(),
-                "l3": storage.backend.kind.value if storage is not None else None,  # attached
+                "l3": l3.value if l3 is not None else None,  # attached
                 "model": engine.cache.namespace.model,  # the cache namespace's model part
                 "dtype": dtype_name(engine.model.dtype),
                 "chunk_tokens": engine.runner.chunk_tokens,
                 "deterministic": engine.scheduler.deterministic,
                 "schedule_policy": engine.scheduler.policy.value,
                 "device_pages": engine.cache.device_pages,
-                "host_pages": engine.cache.host_pool.num_pages}
+                "host_pages": engine.cache.host_pages}
 
     def describe(self) -> CacheDescription:
         """What a router needs to compute this cache's page keys from tokens."""
         cache = self.engine.cache
-        ns = cache.namespace
+        ns, l3 = cache.namespace, cache.l3_kind
         return CacheDescription(ns.model, ns.tenant_salt, ns.layout_fingerprint,
-                                cache.spec.page_size, cache.device_pages,
-                                cache.host_pool.num_pages,
-                                cache.storage.backend.kind.value if cache.storage else None,
+                                cache.spec.page_size, cache.device_pages, cache.host_pages,
+                                l3.value if l3 is not None else None,
                                 cache.spec.page_bytes * self.size, cache.heads.total,
                                 cache.spec.sliding is not None)
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""
-        pins = self.pin_figures()
-        cache = self.engine.cache
-        page = cache.spec.page_size
+        pins = self.pin_desk.figures()
+        snap = self.engine.cache.snapshot()
+        page = snap.page_size
         storage = None
-        if cache.storage is not None:
-            backend = dataclasses.asdict(cache.storage.backend.stats())
+        if snap.l3 is not None:
+            backend = dataclasses.asdict(snap.l3.backend)
             backend.pop("extra", None)
-            storage = {**backend, **cache.storage.counters.snapshot()}
+            storage = {**backend, **snap.l3.counters.snapshot()}
         sched = self.engine.scheduler
-        gauges = {"device_used_tokens": (cache.device_pages - cache.free_device_pages) * page,
-                  "device_total_tokens": cache.device_pages * page,
+        gauges = {"device_used_tokens": (snap.device_pages - snap.free_device_pages) * page,
+                  "device_total_tokens": snap.device_pages * page,
                   "running_requests": len(sched.running), "waiting_requests": len(sched.waiting)}
         # the L1<->L2 copies' bytes and seconds (TransferStats) join the token counters
-        counters = {**cache.counters.snapshot(), **cache.controller.stats()._asdict(),
+        counters = {**snap.counters.snapshot(), **snap.transfers._asdict(),
                     **sched.retraction.counters.snapshot()}
         return {"counters": counters, "storage": storage,
-                "host_used_tokens": cache.used_host_pages * page,
-                "host_total_tokens": cache.host_pool.num_pages * page, "gauges": gauges,
+                "host_used_tokens": snap.used_host_pages * page,
+                "host_total_tokens": snap.host_pages * page, "gauges": gauges,
                 "agreement_s": self._new_agreement_times(), "pins": pins}
 
     def _new_agreement_times(self) -> tuple[float, ...]:
@@ -303,11 +310,9 @@ class RankCache(RankHandoff, RankPins, RankL3):
         """Wait for queued L1<->L2 copies and L2->L3 backups (before a timed request); after
         an L3 directory outage, check the namespace now, so what waited is reported."""
         cache = self.engine.cache
-        cache.flush()
-        if cache.storage is not None:
-            cache.storage.drain()
-            if cache.storage.directory_away:
-                self._follow_l3(force=True)
+        cache.quiesce()
+        if cache.l3_directory_away:
+            self.l3_link.follow(cache, force=True)
 
     def evict_device(self) -> int:
         """Evict every unlocked L1 page on this rank (backed-up runs stay in L2); free L1
@@ -319,8 +324,84 @@ class RankCache(RankHandoff, RankPins, RankL3):
 
     def close(self) -> None:
         self.engine.close()
-        self._close_handoff()
+        self.handoff_port.close()
         destroy_tp()
+
+    # ---- L3 (actors/rank_l3) ---------------------------------------------------------------
+    def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
+        """This rank's client of the namespace's storage (a subclass may wrap it)."""
+        return open_namespace_backend(info, heads)
+
+    def _directory(self, l3_actor: str) -> PageDirectoryClient:
+        """This rank's client of the namespace actor's page directory (a subclass may wrap
+        it)."""
+        return directory_client(l3_actor)
+
+    def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
+        """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3; its
+        backend's kind (RankL3Link.attach_l3)."""
+        return self.l3_link.attach_l3(self.engine.cache, info, l3_actor)
+
+    def detach_l3(self) -> None:
+        """Stop using L3 (queued backups finish first; nothing leaks)."""
+        self.l3_link.detach(self.engine.cache)
+
+    # ---- pins (actors/rank_pins) ---------------------------------------------------------------
+    def pin_held(self, tokens: Sequence[int], salt: str = "") -> int:
+        """Whole pages of `tokens` this rank holds in L1 or L2 (the instance pins the MIN)."""
+        return self.pin_desk.held(tokens, salt)
+
+    def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
+            max_fraction: float, salt: str = "", tenant: str = "") -> dict:
+        """Pin the first `pages` whole pages: PinOutcome's fields, or {"refused": PinRefusal's}
+        (a value: an exception would count as a rank fault)."""
+        return self.pin_desk.pin(pin_id, tokens, pages, ttl_s, max_fraction, salt, tenant)
+
+    def unpin(self, pin_id: str) -> bool:
+        return self.pin_desk.unpin(pin_id)
+
+    def pins(self) -> list[dict]:
+        return self.pin_desk.describe()
+
+    # ---- prefill/decode hand-off (actors/rank_handoff) -------------------------------------------
+    def handoff_open(self, transport: str, staged: bool = False) -> bytes:
+        """Open this rank's endpoint with its L1 pool registered; its address
+        (RankHandoffPort.open)."""
+        return self.handoff_port.open(transport, staged)
+
+    def handoff_reserve(self, handoff_id: str, num_tokens: int,
+                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False) -> list | None:
+        """Reserve pages for a prompt; this rank's HandoffTarget (wire), or None when there
+        is no room (RankHandoffPort.reserve)."""
+        return self.handoff_port.reserve(handoff_id, num_tokens, hold_s, staged)
+
+    def handoff_cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
+        return self.handoff_port.cancel(handoff_id, linger_s)
+
+    def add_received(self, tokens: Sequence[int], sampling: SamplingParams, cache_salt: str,
+                     incoming: list) -> int:
+        """Queue a decode request over its received pages (IncomingKV, wire form); its id."""
+        return self.handoff_port.add_received(tokens, sampling, cache_salt, incoming)
+
+    def add_handoff_request(self, tokens: Sequence[int], sampling: SamplingParams,
+                            cache_salt: str, targets: list) -> int:
+        """Queue a prefill request whose prompt KV goes to `targets` once computed."""
+        return self.handoff_port.add_request(tokens, sampling, cache_salt, targets)
+
+    def release_handoff(self, request_id: int) -> bool:
+        """The decode side holds the request's KV now: its pages join this rank's cache."""
+        return self.handoff_port.release(request_id)
+
+    def handoff_raw_write(self, targets: list, through_kvtier: bool = False
+                          ) -> tuple[int, float]:
+        """The benchmark's baseline: the transport alone makes a hand-off's writes; (bytes,
+        seconds) (RankHandoffPort.raw_write)."""
+        return self.handoff_port.raw_write(targets, through_kvtier)
+
+    def handoff_counters(self) -> dict:
+        """This rank's hand-off counters: the transport's bytes and pages, reservations,
+        verifications."""
+        return self.handoff_port.counters(self.max_report_bytes)
 
 
 def _own_device(gpu: bool) -> torch.device:
@@ -356,8 +437,8 @@ def _key_model(name: str) -> str:
 
 def create_rank_actor(rank: int, size: int, init_method: str, settings: RankSettings,
                       placement_group: object, num_cpus: float = RANK_NUM_CPUS,
-                      rank_class: type[RankCache] = RankCache) -> object:
-    """A Ray actor running `rank_class` (RankCache or a subclass) in bundle `rank` of
+                      rank_class: type[Rank] = Rank) -> object:
+    """A Ray actor running `rank_class` (Rank or a subclass) in bundle `rank` of
     `placement_group` (with `settings.gpu`, on its bundle's GPU)."""
     gpus = {"num_gpus": 1} if settings.gpu else {}
     actor_cls = ray.remote(rank_class).options(

@@ -1,5 +1,5 @@
-"""The typed client of one rank set: a method per `RankCache` remote call (actors/rank_actor.py
-and its parts rank_l3, rank_pins, rank_handoff), each typed with its arguments and decoded
+"""The typed client of one rank set: a method per `Rank` remote call (actors/rank_actor.py,
+its collaborators in rank_l3, rank_pins, rank_handoff), each typed with its arguments and decoded
 result.
 
 A call over every rank is one `.remote()` per rank and one bounded wait over all of them (the

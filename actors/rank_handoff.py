@@ -1,8 +1,9 @@
-"""The prefill/decode hand-off calls of a rank actor (kvtier.engine.handoff over the rank's
-engine and one transport endpoint).
+"""A rank's hand-off port: the prefill/decode hand-off calls (kvtier.engine.handoff) over the
+rank's engine and one transport endpoint.
 
-A base of `RankCache`. The endpoint (NIXL or Mooncake) is opened by `handoff_open` with
-this rank's L1 pool registered; a prefill rank writes through it, a decode rank is written
+`Rank` (actors/rank_actor) owns one and its remote hand-off calls delegate here. The
+endpoint (NIXL or Mooncake) is opened by `open` (the rank's `handoff_open`) with this rank's
+L1 pool registered; a prefill rank writes through it, a decode rank is written
 into. Every rank of an instance gets the same calls in the same order; per-rank values
 (a rank's reservation, its prefill rank's sums) come as that rank's argument. Records
 travel as msgpack-able lists (`to_wire`), never pickles; KV bytes never travel here.
@@ -11,30 +12,27 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from kvtier.engine.handoff import HandoffTarget, IncomingKV, Staging
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.handoff_sender import HandoffSender
 from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.engine import Engine
 from kvtier.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvtier.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
-class RankHandoff:
-    """The rank's hand-off calls, over `self.engine`."""
+class RankHandoffPort:
+    """One rank's hand-off endpoint (opened on demand) and the sender that writes through it."""
 
-    engine: "Engine"
-    rank: int
-    size: int
-    _endpoint: Any = None
-    _sender: HandoffSender | None = None
+    def __init__(self, engine: Engine, rank: int, size: int) -> None:
+        self.engine, self.rank, self.size = engine, rank, size
+        self._endpoint: Any = None
+        self.sender: HandoffSender | None = None
 
-    def handoff_open(self, transport: str, staged: bool = False) -> bytes:
+    def open(self, transport: str, staged: bool = False) -> bytes:
         """Open this rank's endpoint (once; the same transport again is a no-op) with its L1
         pool registered; its address, which peers write to. `staged`: peers have another TP
         size, so hand-offs go through L2 in `page_head` (relaid out here if needed) and L2 is
@@ -49,15 +47,15 @@ class RankHandoff:
         if self._endpoint is None:
             self._endpoint = open_endpoint(kind, f"kvtier-rank{self.rank}of{self.size}")
             heads = self.engine.cache.heads
-            self._sender = HandoffSender(self._endpoint, self.engine.cache,
+            self.sender = HandoffSender(self._endpoint, self.engine.cache,
                                          (heads.start, heads.stop))
         if staged:
             self.engine.cache.use_head_major_host()
-            self._sender.register_host()
+            self.sender.register_host()
         return self._endpoint.address()
 
     # ---- decode side -------------------------------------------------------------------------
-    def handoff_reserve(self, handoff_id: str, num_tokens: int,
+    def reserve(self, handoff_id: str, num_tokens: int,
                         hold_s: float = DEFAULT_HOLD_S, staged: bool = False) -> list | None:
         """Bootstrap: reserve L1 pages for a prompt (and L2 staging pages when the prefill
         instance has another TP size); this rank's HandoffTarget (wire), or None when there
@@ -74,7 +72,7 @@ class RankHandoff:
                              pool.num_pages, tuple(held.pages), time.time() + hold_s / 2,
                              (cache.heads.start, cache.heads.stop), staging).to_wire()
 
-    def handoff_cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
+    def cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
         return self.engine.handoffs.cancel(handoff_id, linger_s)
 
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams, cache_salt: str,
@@ -85,7 +83,7 @@ class RankHandoff:
                                         IncomingKV.from_wire(incoming), cache_salt)
 
     # ---- prefill side ------------------------------------------------------------------------
-    def add_handoff_request(self, tokens: Sequence[int], sampling: SamplingParams,
+    def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
                             cache_salt: str, targets: list) -> int:
         """Queue a prefill request whose prompt KV goes to `targets` (every decode rank's
         HandoffTarget, wire form) once computed; the step that finishes it sends it."""
@@ -93,43 +91,43 @@ class RankHandoff:
         return self.engine.add_request([int(t) for t in tokens], sampling, cache_salt,
                                        handoff_to=[HandoffTarget.from_wire(t) for t in targets])
 
-    def release_handoff(self, request_id: int) -> bool:
+    def release(self, request_id: int) -> bool:
         """The decode side holds the request's KV now: its pages join this rank's cache."""
-        if self._sender is not None:
-            self._sender.forget(request_id)
+        if self.sender is not None:
+            self.sender.forget(request_id)
         return self.engine.release_handoff(request_id)
 
-    def _send_handoffs(self) -> list[list]:
+    def send_new(self) -> list[list]:
         """After a step: transfer each newly handed-off request; [request id, HandoffSent
         wire] per request. Called with none handed off too: the sender then forgets those
         whose hold expired."""
-        if self._sender is None:
+        if self.sender is None:
             return []
         handed = [req for req, _ in self.engine.scheduler.handed.values()]
-        sent = self._sender.send_new(handed)
+        sent = self.sender.send_new(handed)
         ids = {req.handoff_to[0].handoff_id: req.id for req in handed if req.handoff_to}
         return [[ids[s.handoff_id], s.to_wire()] for s in sent]
 
-    def handoff_raw_write(self, targets: list, through_kvtier: bool = False
+    def raw_write(self, targets: list, through_kvtier: bool = False
                           ) -> tuple[int, float]:
         """The benchmark's baseline: the transport alone makes the writes a hand-off to
         `targets` (every decode rank's, wire form) makes from this rank, from its first pages;
         (bytes, seconds). `through_kvtier`: the endpoint's checked `write`, outside a step."""
         self._need_endpoint()
-        return self._sender.raw_writes([HandoffTarget.from_wire(t) for t in targets],
+        return self.sender.raw_writes([HandoffTarget.from_wire(t) for t in targets],
                                        through_kvtier)
 
-    def handoff_counters(self) -> dict:
+    def counters(self, max_report_bytes: int) -> dict:
         """This rank's hand-off counters: the transport's bytes and pages, reservations,
-        verifications."""
+        verifications; `max_report_bytes`: the rank's largest step report (through Ray)."""
         out: dict[str, Any] = {
             **{f"desk_{k}": v for k, v in self.engine.handoffs.counters._asdict().items()},
             **{f"intake_{k}": v for k, v in
                self.engine.scheduler.admission.handoffs.counters._asdict().items()},
             "reserved_pages": self.engine.handoffs.held_pages,
-            "max_report_bytes": getattr(self, "max_report_bytes", 0),  # through Ray, per step
+            "max_report_bytes": max_report_bytes,  # through Ray, per step
             "handed_requests": len(self.engine.scheduler.handed),
-            "sent_unreleased": self._sender.unreleased if self._sender is not None else 0}
+            "sent_unreleased": self.sender.unreleased if self.sender is not None else 0}
         if self._endpoint is not None:
             out["transport"] = self._endpoint.kind.value
             out.update({f"transport_{k}": v for k, v in
@@ -142,7 +140,7 @@ class RankHandoff:
                               f"(kvtier serve --pd-transport) first")
         return self._endpoint
 
-    def _close_handoff(self) -> None:
+    def close(self) -> None:
         if self._endpoint is not None:
             self._endpoint.close()
-            self._endpoint = self._sender = None
+            self._endpoint = self.sender = None

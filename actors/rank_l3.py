@@ -1,15 +1,16 @@
-"""The L3 calls of a rank actor: build its cache keyed like a registered namespace, attach its
-own client of the namespace's storage, follow the namespace when it moves or is purged.
+"""A rank's link to its L3 namespace: build its cache keyed like a registered namespace, attach
+its own client of the namespace's storage, follow the namespace when it moves or is purged.
 
-A base of `RankCache`, apart so the rank's module keeps to its noun. Pages move between the
-rank's L2 and the storage directly (its backend client); the namespace actor's page directory
-only says which pages are published (design: the data plane never goes through it).
+`Rank` (actors/rank_actor) owns one `RankL3Link` and its remote `attach_l3`/`detach_l3`
+delegate here. Pages move between the rank's L2 and the storage directly (its backend
+client); the namespace actor's page directory only says which pages are published (the data
+plane never goes through it).
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import ray
 
@@ -24,7 +25,6 @@ from kvtier.tiers.storage_types import PageDirectoryClient
 
 if TYPE_CHECKING:
     from kvtier.actors.rank_actor import RankSettings
-    from kvtier.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +41,28 @@ L3_EPOCH_CHECK_S = 2.0
 RANK_CALL_TIMEOUT_S = 0.5
 
 
-class RankL3:
-    """The rank's L3 calls, over `self.engine.cache` (`_l3`: the namespace attached and its
-    actor; `_l3_next_check`: when to ask about its epoch again)."""
+BackendOpener = Callable[[NamespaceInfo, HeadRange], StorageBackend]
+DirectoryOpener = Callable[[str], PageDirectoryClient]
 
-    engine: "Engine"
-    rank: int
-    size: int
-    _l3: "tuple[NamespaceInfo, str | None] | None" = None
-    _l3_next_check: float = 0.0
 
-    def _l3_cache(self, s: "RankSettings", spec, device) -> HierarchicalCache:
+class RankL3Link:
+    """One rank's L3 namespace: the namespace attached and its actor, this rank's client of
+    the actor's page directory, and when to ask about the namespace's epoch again. The cache
+    it works on is passed to each call (the link exists before the rank's cache: it builds
+    it)."""
+
+    def __init__(self, rank: int, size: int, open_backend: BackendOpener,
+                 open_directory: DirectoryOpener) -> None:
+        """`open_backend(info, heads)`: this rank's client of a namespace's storage;
+        `open_directory(l3_actor)`: its client of the namespace actor's page directory (the
+        rank's hooks, which a test or soak subclass may wrap)."""
+        self.rank, self.size = rank, size
+        self._open_backend, self._open_directory = open_backend, open_directory
+        self._l3: tuple[NamespaceInfo, str | None] | None = None  # the namespace attached
+        self.directory: PageDirectoryClient | None = None  # its actor's, when it has one
+        self._next_check = 0.0  # monotonic time of the next epoch check
+
+    def build_cache(self, s: "RankSettings", spec, device) -> HierarchicalCache:
         """A cache keyed like the namespace `s.l3`, with this rank's own client of it as L3."""
         info = s.l3
         assert info is not None
@@ -65,9 +76,9 @@ class RankL3:
                                   tp_rank=self.rank, tp_size=self.size,
                                   deterministic=s.deterministic)
         try:
-            self._attach(cache, info, s.l3_actor)
+            self.attach(cache, info, s.l3_actor)
         except StorageUnavailable as exc:
-            if cache.directory is None:  # no actor to ask later
+            if self.directory is None:  # no actor to ask later
                 cache.close()
                 raise
             log.warning("rank %d: L3 namespace %s cannot be opened now (%s); L3 misses until "
@@ -77,8 +88,8 @@ class RankL3:
             raise
         return cache
 
-    def _attach(self, cache: HierarchicalCache, info: NamespaceInfo,
-                l3_actor: str | None, backend: StorageBackend | None = None) -> str:
+    def attach(self, cache: HierarchicalCache, info: NamespaceInfo,
+               l3_actor: str | None, backend: StorageBackend | None = None) -> str:
         """Attach this rank's own client of namespace `info` (`backend`, or one opened now)
         as the L3 of `cache`, the namespace actor `l3_actor`'s directory gating hits; the
         backend's kind."""
@@ -94,35 +105,22 @@ class RankL3:
                               f"{info.spec.layout_fingerprint!r}), this rank as "
                               f"{cache.namespace}: register the namespace with the rank's "
                               f"model, tenant salt and layout fingerprint (describe())")
-        if cache.storage is not None:
+        if cache.l3_attached:
             raise ConfigError("an L3 backend is attached already; detach it first")
         self._l3 = (info, l3_actor)  # what a re-attach after an epoch change starts from
-        cache.directory = None if l3_actor is None else self._directory(l3_actor)
+        self.directory = None if l3_actor is None else self._open_directory(l3_actor)
         if backend is None:
             backend = self._open_backend(info, cache.heads)
         try:
-            cache.attach_storage(backend)
+            # The actor may come back without the namespace or with other storage: stored
+            # pages wait for `follow` to see it is the namespace attached (storage_tier).
+            cache.attach_storage(backend, self.directory, confirm_return=l3_actor is not None)
         except BaseException:
             backend.close()
             raise
-        # The actor may come back without the namespace or with other storage: stored pages
-        # wait for `_follow_l3` to see it is the namespace attached (storage_tier).
-        cache.storage.confirm_return = l3_actor is not None
         return backend.kind.value
 
-    def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
-        """This rank's client of the namespace's storage (a subclass may wrap it): a Mooncake
-        client registers this node's address when the master is not on loopback; a file or
-        nixl root must show the namespace actor's marker (actors/l3_hosts, shared_root)."""
-        address = node_address()
-        return open_rank_backend(rank_client_info(info, address), heads, node_label(address))
-
-    def _directory(self, l3_actor: str) -> PageDirectoryClient:
-        """This rank's client of the namespace actor's page directory (a subclass may wrap
-        it)."""
-        return _directory_client(l3_actor)
-
-    def _follow_l3(self, force: bool = False) -> None:
+    def follow(self, cache: HierarchicalCache, force: bool = False) -> None:
         """Follow the namespace attached, between steps, at most every L3_EPOCH_CHECK_S
         (`force`: now). Never raises: an L3 metadata error is an L3 miss, counted in the
         storage's `directory_errors`, and the check runs again next time.
@@ -136,7 +134,7 @@ class RankL3:
           (they ask every few seconds) and each holds the spec it attached, so nothing else
           has to watch the actor. The directory rebuilds from the storage's listing.
         - The namespace is the one attached (same epoch, same storage): what waited is
-          reported (`directory_back`).
+          reported (`l3_directory_back`).
         - A new epoch on the same storage is a purge: the rank keeps its client, forgets what
           it believed was stored (and the reports that waited) and backs its L2 pages up
           again.
@@ -145,47 +143,45 @@ class RankL3:
           works it keeps the old one, away. Ranks of one instance may switch a few steps
           apart, which is safe: a rank that misses makes the agreed hit shorter, never wrong.
         """
-        cache, l3 = self.engine.cache, self._l3
-        if l3 is None or cache.directory is None:
+        l3, directory = self._l3, self.directory
+        if l3 is None or directory is None:
             return
         now = time.monotonic()
-        if now < self._l3_next_check and not force:
+        if now < self._next_check and not force:
             return
-        self._l3_next_check = now + L3_EPOCH_CHECK_S
+        self._next_check = now + L3_EPOCH_CHECK_S
         info, l3_actor = l3
         try:
-            if cache.storage is None:  # its storage could not be opened (an attach, or a swap
+            if not cache.l3_attached:  # its storage could not be opened (an attach, or a swap
                 # that failed half-way): again, as the actor knows the namespace now
-                self._attach(cache, self._namespace_now(cache.directory, info), l3_actor)
+                self.attach(cache, self._namespace_now(directory, info), l3_actor)
                 return
-            self._check_namespace(cache, info, l3_actor)
+            self._check_namespace(cache, directory, info, l3_actor)
         except Exception as exc:  # noqa: BLE001 - an L3 metadata error is a miss, not a failure
-            if cache.storage is not None:
-                cache.storage.directory_failed(f"following namespace {info.namespace}", exc)
+            if cache.l3_attached:
+                cache.l3_directory_failed(f"following namespace {info.namespace}", exc)
             else:
                 log.warning("rank %d: attaching L3 namespace %s failed (%s: %s); retrying in "
                             "%.0f s", self.rank, info.namespace, type(exc).__name__, exc,
                             L3_EPOCH_CHECK_S)
 
-    def _check_namespace(self, cache: HierarchicalCache, info: NamespaceInfo,
-                         l3_actor: str | None) -> None:
-        """One round of `_follow_l3` with the storage attached (may raise)."""
-        current = self._namespace_now(cache.directory, info)
-        storage = cache.storage
-        assert storage is not None
+    def _check_namespace(self, cache: HierarchicalCache, directory: PageDirectoryClient,
+                         info: NamespaceInfo, l3_actor: str | None) -> None:
+        """One round of `follow` with the storage attached (may raise)."""
+        current = self._namespace_now(directory, info)
         if same_storage(current, info):
             if current.epoch != info.epoch:  # the same storage, emptied on purpose: a purge
                 log.warning("rank %d: L3 namespace %s was purged (epoch %d); backing up L2 "
                             "again", self.rank, info.namespace, current.epoch)
                 self._l3 = (current, l3_actor)
                 cache.storage_emptied()
-            storage.directory_back()
+            cache.l3_directory_back()
             return
         log.warning("rank %d: L3 namespace %s moved to new storage (epoch %d -> %d); "
                     "re-attaching", self.rank, info.namespace, info.epoch, current.epoch)
         backend = self._open_backend(current, cache.heads)  # raises: the old one stays, away
         cache.detach_storage()
-        self._attach(cache, current, l3_actor, backend)
+        self.attach(cache, current, l3_actor, backend)
 
     def _namespace_now(self, directory: PageDirectoryClient, info: NamespaceInfo
                        ) -> NamespaceInfo:
@@ -198,30 +194,36 @@ class RankL3:
                         info.namespace)
             return directory.register(info.spec)
 
-    def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
+    def attach_l3(self, cache: HierarchicalCache, info: bytes, l3_actor: str | None) -> str:
         """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3; its
         backend's kind. Storage that cannot be opened now (a Mooncake master restarting: a
-        replacement rank must not fail its instance for it) is attached by `_follow_l3` once
-        it can be, as the namespace actor knows it then; until then L3 misses."""
+        replacement rank must not fail its instance for it) is attached by `follow` once it
+        can be, as the namespace actor knows it then; until then L3 misses."""
         got = NamespaceInfo.from_msgpack(info)
-        cache = self.engine.cache
         try:
-            return self._attach(cache, got, l3_actor)
+            return self.attach(cache, got, l3_actor)
         except StorageUnavailable as exc:
-            if cache.directory is None:  # no actor to ask later: nothing to retry with
+            if self.directory is None:  # no actor to ask later: nothing to retry with
                 raise
             log.warning("rank %d: L3 namespace %s cannot be opened now (%s); L3 misses until "
                         "it can (retried every %.0f s)", self.rank, got.namespace, exc,
                         L3_EPOCH_CHECK_S)
-            self._l3_next_check = time.monotonic() + L3_EPOCH_CHECK_S
+            self._next_check = time.monotonic() + L3_EPOCH_CHECK_S
             return got.spec.backend.value
 
-    def detach_l3(self) -> None:
+    def detach(self, cache: HierarchicalCache) -> None:
         """Stop using L3 (queued backups finish first; nothing leaks)."""
-        cache = self.engine.cache
         cache.detach_storage()
-        cache.directory = None
+        self.directory = None
         self._l3 = None
+
+
+def open_namespace_backend(info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
+    """A rank's client of the namespace's storage: a Mooncake client registers this node's
+    address when the master is not on loopback; a file or nixl root must show the namespace
+    actor's marker (actors/l3_hosts, shared_root)."""
+    address = node_address()
+    return open_rank_backend(rank_client_info(info, address), heads, node_label(address))
 
 
 def same_storage(a: NamespaceInfo, b: NamespaceInfo) -> bool:
@@ -231,7 +233,7 @@ def same_storage(a: NamespaceInfo, b: NamespaceInfo) -> bool:
     return a.options == b.options and a.root_marker == b.root_marker
 
 
-def _directory_client(actor_name: str):
+def directory_client(actor_name: str) -> PageDirectoryClient:
     """A client of the namespace actor `actor_name` (its page directory), found by name."""
     from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
     try:

@@ -1,63 +1,60 @@
-"""The pinned-prefix calls of a rank actor (tiers/cache_pins over the rank's cache).
+"""A rank's pin desk: the pinned-prefix calls over its cache's pins (tiers/cache_pins).
 
-A base of `RankCache`, apart so the rank's module keeps to its noun. Every rank of an instance
-gets the same calls in the same order (actors/instance_pins); answers are values, never
-exceptions, since an exception in a rank call counts as a rank fault.
+`Rank` (actors/rank_actor) owns one and its remote pin calls delegate here. Every rank of an
+instance gets the same calls in the same order (actors/instance_pins); answers are values,
+never exceptions, since an exception in a rank call counts as a rank fault.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from kvtier.tiers.cache_pins import PinRefusal
-
-if TYPE_CHECKING:
-    from kvtier.engine.engine import Engine
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
 
 
-class RankPins:
-    """The rank's pin calls, over `self.engine.cache`."""
+class RankPinDesk:
+    """The pins of one rank's cache; rank 0 also extends in L3 the pins hits extended."""
 
-    engine: "Engine"
-    rank: int
+    def __init__(self, cache: HierarchicalCache, rank: int) -> None:
+        self._cache = cache
+        self._pins = cache.pins
+        self.rank = rank
 
-    def pin_held(self, tokens: Sequence[int], salt: str = "") -> int:
+    def held(self, tokens: Sequence[int], salt: str = "") -> int:
         """Whole pages of `tokens` this rank holds in L1 or L2 (the instance pins the MIN)."""
-        return self.engine.cache.pins.held_pages([int(t) for t in tokens], salt)
+        return self._pins.held_pages([int(t) for t in tokens], salt)
 
     def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
             max_fraction: float, salt: str = "", tenant: str = "") -> dict:
         """Pin the first `pages` whole pages: PinOutcome's fields, or {"refused": PinRefusal's}
         (a value: an exception would count as a rank fault)."""
-        out = self.engine.cache.pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s,
-                                         max_fraction, salt, tenant)
+        out = self._pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s, max_fraction,
+                             salt, tenant)
         return {"refused": out._asdict()} if isinstance(out, PinRefusal) else out._asdict()
 
     def unpin(self, pin_id: str) -> bool:
-        return self.engine.cache.pins.unpin(pin_id)
+        return self._pins.unpin(pin_id)
 
-    def pins(self) -> list[dict]:
+    def describe(self) -> list[dict]:
         """The live pins (a read: pins past their TTL are left out here, dropped by the
-        step's `refresh_pins`)."""
-        return [p for p in self.engine.cache.pins.describe() if p["expires_in_s"] > 0]
+        step's `refresh`)."""
+        return [p for p in self._pins.describe() if p["expires_in_s"] > 0]
 
-    def pin_figures(self) -> dict:
+    def figures(self) -> dict:
         """The pins' figures, for metrics (a read)."""
-        cache = self.engine.cache
-        _, device, host = cache.pins.pinned_pages()
-        return {"pins": len(cache.pins), "device_pages": device, "host_pages": host}
+        _, device, host = self._pins.pinned_pages()
+        return {"pins": len(self._pins), "device_pages": device, "host_pages": host}
 
-    def refresh_pins(self) -> None:
+    def refresh(self) -> None:
         """The step's pin upkeep: drop expired pins; rank 0 extends in L3 the pins that hits
         here extended (a hit in L2 never asks L3)."""
-        cache = self.engine.cache
-        cache.pins.expire()
-        refreshed = cache.pins.take_refreshed()
-        if refreshed and self.rank == 0 and cache.directory is not None \
-                and cache.storage is not None:
+        self._pins.expire()
+        refreshed = self._pins.take_refreshed()
+        if refreshed and self.rank == 0:
             try:
-                cache.directory.refresh_pins(cache.namespace.name, refreshed)
+                self._cache.extend_l3_pins(refreshed)
             except Exception as exc:  # noqa: BLE001 - the L3 pin lapses at its TTL at worst
                 log.warning("extending %d L3 pins failed (%s)", len(refreshed), exc)

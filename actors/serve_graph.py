@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from kvtier.actors.cluster_placement import place
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import Rank
 from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
 from kvtier.actors.serve_pd import PD_NAME, PDDeployment
@@ -59,7 +59,7 @@ def resolve(settings: ServeSettings) -> ServeSettings:
 _ON_HEAD = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
 
 
-def build_app(settings: ServeSettings, rank_class: type[RankCache] = RankCache) -> Any:
+def build_app(settings: ServeSettings, rank_class: type[Rank] = Rank) -> Any:
     """The bound application: `Ingress(router, instances)` (a prefill/decode graph: one
     deployment, `pd`, in place of the instances). `rank_class`: what the rank actors run
     (tests pass one that injects faults)."""
@@ -97,7 +97,7 @@ def app_builder(args: dict[str, Any]) -> Any:
 
 
 def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
-          address: str | None = None, rank_class: type[RankCache] = RankCache) -> Any:
+          address: str | None = None, rank_class: type[Rank] = Rank) -> Any:
     """Start (or join, with `address`: see actors/ray_join.py) Ray and Serve and deploy the
     graph; its handle. A placement the cluster cannot meet fails before Serve starts."""
     from ray import serve
@@ -114,7 +114,7 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
     return _run(settings, rank_class)
 
 
-def deploy(settings: ServeSettings, rank_class: type[RankCache] = RankCache,
+def deploy(settings: ServeSettings, rank_class: type[Rank] = Rank,
            joined: bool = False) -> Any:
     """Deploy the graph on the Serve that `start` began (in place of an app running there:
     delete it first, and a namespace actor it left whose L3 root differs), checked against
@@ -123,7 +123,7 @@ def deploy(settings: ServeSettings, rank_class: type[RankCache] = RankCache,
     return _run(place(settings, joined=joined), rank_class)
 
 
-def _run(settings: ServeSettings, rank_class: type[RankCache]) -> Any:
+def _run(settings: ServeSettings, rank_class: type[Rank]) -> Any:
     from ray import serve
 
     return serve.run(build_app(settings, rank_class), name=APP_NAME, route_prefix="/",

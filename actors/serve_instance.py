@@ -16,7 +16,7 @@ from kvtier.actors.cluster_placement import rank_gpus
 from kvtier.actors.instance import Instance
 from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.instance_server import InstanceServer
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.actors.serve_replica import (ServedReplica, final_fields, instance_snapshot,
                                          l3_options)  # l3_options: tests read it here too
 from kvtier.calibration import calibrated_thresholds
@@ -44,7 +44,7 @@ def rank_settings(s: ServeSettings) -> RankSettings:
                         deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 
 
-def build_instance(s: ServeSettings, rank_class: type[RankCache] = RankCache) -> Instance:
+def build_instance(s: ServeSettings, rank_class: type[Rank] = Rank) -> Instance:
     """One serving instance's rank actors, placed as the settings say."""
     gpu = rank_gpus(s) is RankGpus.ONE  # a GPU per rank where the nodes have them
     return Instance(rank_settings(s)._replace(gpu=gpu), tp_size=s.tp_size,
@@ -56,7 +56,7 @@ def build_instance(s: ServeSettings, rank_class: type[RankCache] = RankCache) ->
                   health_check_period_s=5, graceful_shutdown_timeout_s=20)
 class InstanceDeployment(ServedReplica):
     def __init__(self, name: str, settings: dict,
-                 rank_class: type[RankCache] = RankCache) -> None:
+                 rank_class: type[Rank] = Rank) -> None:
         """`rank_class`: what the rank actors run (tests pass one that injects faults)."""
         s = self._open(name, settings)
         self._serve(InstanceServer(build_instance(s, rank_class), name))

@@ -23,7 +23,7 @@ from ray import serve
 from kvtier.actors.instance import Instance, InstanceStep
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.pd_driver import PDDriver, PDOutput
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import Rank
 from kvtier.actors.serve_instance import build_instance
 from kvtier.actors.serve_replica import ServedReplica, final_fields, instance_snapshot
 from kvtier.engine.request import Resume
@@ -85,7 +85,7 @@ class PDInstances:
                   health_check_period_s=5, graceful_shutdown_timeout_s=20)
 class PDDeployment(ServedReplica):
     def __init__(self, name: str, settings: dict,
-                 rank_class: type[RankCache] = RankCache) -> None:
+                 rank_class: type[Rank] = Rank) -> None:
         """`rank_class`: what the rank actors run (tests pass one that injects faults)."""
         s = self._open(name, settings)
         self.names = member_names(s)

@@ -161,7 +161,7 @@ class _Soak:
     def __init__(self, params: ActorSoakParams, tmp: str) -> None:
         from kvtier.actors.instance import Instance
         from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-        from kvtier.bench.soak_rank import SoakRankCache
+        from kvtier.bench.soak_rank import SoakRank
         from kvtier.demo import namespace_spec
 
         self.params, self.tmp = params, tmp
@@ -185,7 +185,7 @@ class _Soak:
         for _ in range(params.instances):
             self.instances.append(Instance(
                 settings._replace(l3=info, l3_actor=self.actor_name), tp_size=params.tp,
-                num_cpus_per_rank=per_rank, step_timeout_s=60.0, rank_class=SoakRankCache))
+                num_cpus_per_rank=per_rank, step_timeout_s=60.0, rank_class=SoakRank))
         self.ledger = _Ledger(len(self.instances), self.expected)
         self.releases: list[tuple[float, int, int]] = []  # (when, instance, rank)
 

@@ -157,8 +157,7 @@ def _measure_length(model, tok, n: int, rounds: int, l3_dir: str) -> CrossoverPo
             engine.cache.flush()  # write-through copies are in L2: evicting L1 demotes
             engine.cache.evict_device(10**9)
             host = min(host, _hit_s(_ttft(engine, prompt), "host", n))
-            engine.cache.flush()
-            engine.cache.storage.drain()  # the L2 -> L3 backups have landed
+            engine.cache.quiesce()  # the L2 -> L3 backups have landed
             _drop_dir_cached(l3_dir)
             storage = min(storage, _hit_s(_ttft(fresh, prompt), "storage", n))
     return CrossoverPoint(n, cold, _finite(host), _finite(storage))
@@ -166,9 +165,7 @@ def _measure_length(model, tok, n: int, rounds: int, l3_dir: str) -> CrossoverPo
 
 def _ttft(engine: Engine, prompt: list[int]) -> Output:
     """One request, started with the cache quiescent (background copies billed to nobody)."""
-    engine.cache.flush()
-    if engine.cache.storage is not None:
-        engine.cache.storage.drain()
+    engine.cache.quiesce()
     (out,) = engine.generate([prompt], ONE_TOKEN)
     return out
 

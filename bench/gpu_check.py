@@ -103,8 +103,8 @@ def l2_hit(params: GpuCheckParams) -> dict:
         cache.flush()  # the write-through copies land in L2
         cache.evict_device(cache.device_pages)  # L1 empty: only L2 holds the prefix
         hit = engine.generate([prompt], sampling)[0]
-        copies = cache.controller.stats()
-        pinned = cache.host_pool.pinned
+        snap = cache.snapshot()
+        copies, pinned = snap.transfers, snap.host_pinned
     same_logits = torch.equal(hit.prefill_logits, cold.prefill_logits)
     diff = (hit.prefill_logits.float() - cold.prefill_logits.float()).abs().max().item()
     return {"device": str(model.device), "dtype": dtype_name(dtype), "l2_pinned": pinned,

@@ -13,7 +13,7 @@ Between round 1 and round 2:
 - configurations 0, 1, 2 keep their L1 and L2: round 2 hits what round 1 left there;
 - configurations 3, 4, 5 drop, on every instance, all unlocked L1 pages
   (`cache.evict_device(all)`, after `flush` and `storage.drain`) and then all L2 pages
-  (`cache.drop_unlocked()`), as `RankCache.drop_cache` does; L3 is kept, so round 2's
+  (`cache.drop_unlocked()`), as `Rank.drop_cache` does; L3 is kept, so round 2's
   reuse comes from L3 (prefetch L3->L2, then load-back L2->L1) under the column's policy.
 
 Before the matrix it measures the tiers' ceilings (`kvtier.bench.limits`) and the reuse
@@ -120,19 +120,18 @@ class _IoTimer:
 
 
 def _snapshot(cache: HierarchicalCache, timer: _IoTimer) -> TierSnapshot:
-    t = cache.controller.stats()
-    if cache.storage is None:
+    snap = cache.snapshot()
+    t = snap.transfers
+    if snap.l3 is None:
         return TierSnapshot(t.write_bytes, t.load_bytes, t.load_s)
-    b = cache.storage.backend.stats()
+    b = snap.l3.backend
     return TierSnapshot(t.write_bytes, t.load_bytes, t.load_s, b.bytes_written, b.bytes_read,
-                        timer.write_s, timer.read_s, cache.storage.counters.prefetch_wait_s)
+                        timer.write_s, timer.read_s, snap.l3.counters.prefetch_wait_s)
 
 
 def quiesce(caches: Sequence[HierarchicalCache]) -> None:
     for cache in caches:
-        cache.flush()
-        if cache.storage is not None:
-            cache.storage.drain()
+        cache.quiesce()
 
 
 def drop_l1_l2(cache: HierarchicalCache) -> None:

@@ -187,9 +187,7 @@ def check_targets(bounds: dict[str, float | int], ratios: dict[str, float],
 def _ttft(engine: Engine, prompt: list[int], params: SamplingParams) -> Output:
     """One timed request, started with the cache quiescent: the previous request's L1->L2
     copies and L2->L3 backups run on background threads and are billed to nobody's TTFT."""
-    engine.cache.flush()
-    if engine.cache.storage is not None:
-        engine.cache.storage.drain()
+    engine.cache.quiesce()
     (out,) = engine.generate([prompt], params)
     return out
 
@@ -235,8 +233,7 @@ def _measure(bm: BenchModel, prompt: list[int], params: PrefixBenchParams,
         engine.cache.flush()  # write-through copies are in L2: evicting L1 demotes
         engine.cache.evict_device(10**9)
         l2 = _ttft(engine, prompt, greedy)
-        engine.cache.flush()
-        engine.cache.storage.drain()  # the L2 -> L3 backups have landed
+        engine.cache.quiesce()  # the L2 -> L3 backups have landed
         with _engine(bm, config, pages, params.chunk_tokens, budget, det) as fresh:
             l3 = _ttft(fresh, prompt, greedy)
         chunk = engine.runner.chunk_tokens

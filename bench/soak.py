@@ -126,9 +126,7 @@ def _config() -> HiCacheConfig:
 
 def leaks(cache: HierarchicalCache) -> tuple[int, int]:
     """(pages held outside the tree, nodes still locked) once every request has ended."""
-    cache.flush()
-    if cache.storage is not None:
-        cache.storage.drain()
+    cache.quiesce()
     audit = cache.audit()
     return audit.leaked_pages + audit.orphaned_host_pages, audit.leaked_locks
 

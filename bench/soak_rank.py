@@ -1,6 +1,6 @@
-"""The soak's rank actor: a RankCache whose L3 client and directory client can be told to fail.
+"""The soak's rank actor: a Rank whose L3 client and directory client can be told to fail.
 
-`kvtier bench soak` on the actor system runs its instances with `rank_class=SoakRankCache`.
+`kvtier bench soak` on the actor system runs its instances with `rank_class=SoakRank`.
 The storage client is wrapped in `FaultyBackend` (errors, delays, partial writes, torn reads,
 hangs) and the directory client in `FlakyDirectory` (lookups that fail on this rank only), so
 faults are armed per rank, between steps, through `Instance.rank_call`, and every fault that
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import Rank
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
 from kvtier.kv_spec import HeadRange
@@ -41,8 +41,8 @@ class FlakyDirectory:
         return getattr(self.inner, name)
 
 
-class SoakRankCache(RankCache):
-    """RankCache with per-rank L3 and directory faults on request."""
+class SoakRank(Rank):
+    """Rank with per-rank L3 and directory faults on request."""
 
     _faulty: FaultyBackend | None = None
     _flaky: FlakyDirectory | None = None

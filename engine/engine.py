@@ -67,7 +67,7 @@ def _check_pages_mode(cache: HierarchicalCache, deterministic: bool) -> None:
     a deterministic engine would otherwise read batched pages (and lose bit-identity), a
     default one would store batched pages where deterministic readers look. A private cache
     may differ: its pages never leave the engine."""
-    if cache.storage is not None and cache.deterministic != deterministic:
+    if cache.l3_attached and cache.deterministic != deterministic:
         modes = {True: "deterministic", False: "default"}
         raise ConfigError(f"the engine runs in {modes[deterministic]} mode but its cache, with "
                           f"L3 attached, keys {modes[cache.deterministic]}-mode pages: build the "

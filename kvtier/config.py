@@ -244,11 +244,9 @@ class HiCacheConfig:
         changes: dict[str, Any] = {}
         notes: list[str] = []
         layout, io = self.mem_layout, self.io_backend
-        if self.storage_backend is not None and not layout.is_head_major:
-            # Every kvtier backend stores one object per KV head of a page part, moved in
-            # place (zero copy): only page_head lays a head's bytes out contiguously. The
-            # L2<->L1 copy does the transpose.
-            layout = changes["mem_layout"] = MemLayout.PAGE_HEAD
+        if self.storage_backend is not None and layout.with_l3() is not layout:
+            # MemLayout.with_l3: the L2<->L1 copy does the transpose.
+            layout = changes["mem_layout"] = layout.with_l3()
             notes.append(f"--hicache-mem-layout {self.mem_layout} -> page_head: the "
                          f"{self.storage_backend} backend stores each KV head of a page part "
                          "as one contiguous object")

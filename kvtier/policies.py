@@ -57,6 +57,13 @@ class MemLayout(_Choice):
         """Is each KV head's share of a page part one contiguous run (an L3 object)?"""
         return self is MemLayout.PAGE_HEAD
 
+    def with_l3(self) -> "MemLayout":
+        """L2's layout once L3 is attached (or hand-offs cross TP sizes): the one rule that
+        L2 is head-major then, since every backend moves each KV head of a page part as one
+        contiguous object in place. Any layout -> page_head; config normalization and a
+        cache attaching L3 at run time both ask here."""
+        return self if self.is_head_major else MemLayout.PAGE_HEAD
+
 
 class PrefetchPolicy(_Choice):
     """How long admission waits for L3->L2 prefetches."""

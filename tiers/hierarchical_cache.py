@@ -3,27 +3,43 @@
 It owns the pools (and their page allocators), the tree and the controller, applies the write
 policy, plans load-back and keeps the counters. Callers see `lookup -> allocate -> (compute) ->
 finish` and a few named methods (peek, release_pages, evict_*, audit); never the tree or an
-allocator. The L3 tier (storage_tier) owns the prefetch tickets; the cache hands them through.
+allocator.
+
+L3: attaching a backend (with the L2 relayout L3 needs and a hybrid model's sliding-window
+pool) and prefetching into L2 (with the L1-only runs it must stage first) work on the same
+tree, pools and counters as the request path, so they live here too. The L3 tier
+(storage_tier) owns the prefetch tickets; the cache hands them through.
+
+Swap: the engine retracts a decoding request under L1 pressure (kvtier.engine.retraction):
+its KV pages, the partial last one included, are copied into L2 pages the request then holds,
+outside the tree, until they are copied back into fresh L1 pages or given back. Pages come
+from the host pool's allocator like every L2 page (evicting the tree's unprotected L2 runs for
+room), so `audit` counts them as stray while a request holds them and as nothing once it
+gives them back: a leak shows there. Why outside the tree: the tree keeps whole pages of a
+token prefix, shared and evictable; a retracted request's copy includes its partial last page
+and must survive until the request resumes, whatever eviction does. Its whole pages also go
+to the tree when it leaves L1, as on any release (and from there to L3 under the write
+policy); this copy is only the request's.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Sequence
 
 import torch
 
-from kvtier.backends.base import StorageBackend, StorageTarget
+from kvtier.backends.base import KV_POOL, StorageBackend, StorageTarget
 from kvtier.backends.registry import create_backend
 from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, PageCompute, layout_fingerprint
 from kvtier.kv_spec import HeadRange, KVSpec
-from kvtier.policies import HostMode, WritePolicy
+from kvtier.policies import HostMode, StorageBackendKind, WritePolicy
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
-from kvtier.tiers.cache_l3 import CacheL3, depth
 from kvtier.tiers.cache_pins import CachePins
-from kvtier.tiers.cache_swap import CacheSwap
-from kvtier.tiers.cache_types import CacheAudit, CacheCounters, CacheLookup, PrefixPeek
+from kvtier.tiers.cache_types import (CacheAudit, CacheCounters, CacheLookup, CacheSnapshot,
+                                      L3Snapshot, PrefixPeek)
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_copies import HostCopies
@@ -31,17 +47,24 @@ from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_kv import SlidingKV
+from kvtier.tiers.sliding_l3 import SlidingL3
 from kvtier.tiers.storage_tier import StorageTier
-from kvtier.tiers.storage_types import PageDirectoryClient
+from kvtier.tiers.storage_types import PageDirectoryClient, PrefetchTicket
 from kvtier.tiers.tree_node import STORED, TreeNode
 from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, TreeStats
 
 log = logging.getLogger(__name__)
 
 
-class HierarchicalCache(CacheL3, CacheSwap):
-    """L1 + L2 for one TP rank (and L3: CacheL3; a request's own L2 copy: CacheSwap).
-    Single-threaded use; the controller does the copying."""
+def depth(node: TreeNode) -> int:
+    """Tokens of the prefix `node` ends."""
+    return sum(len(n.key) for n in node.path_to_root())
+
+
+class HierarchicalCache:
+    """L1 + L2 for one TP rank, L3 when a backend is attached, and the L2 copies requests
+    hold of their own KV (swap; see the module docstring). Single-threaded use; the
+    controller does the copying."""
 
     def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
                  device: torch.device | str | None = None, model: str = "kvtier-model",
@@ -80,8 +103,8 @@ class HierarchicalCache(CacheL3, CacheSwap):
                                   spec.window_pages, spec.page_size, spec.sliding.window,
                                   config.io_backend)
                         if spec.sliding is not None else None)
-        self.copies = HostCopies(self.controller, self.tree, self.counters, spec.page_size,
-                                 self.sliding)
+        self.copies = HostCopies(self.controller, self.tree, self._count_failed_backup,
+                                 spec.page_size, self.sliding)
         self._loading: dict[int, list[TreeNode]] = {}  # load op id -> runs it restores to L1
         self._failed_loads: dict[int, frozenset[int]] = {}  # load op id -> its L1 pages, from
         # when a forward found it failed until its lookup is released (the pages leave L1)
@@ -98,7 +121,8 @@ class HierarchicalCache(CacheL3, CacheSwap):
                               self.flush, sidecar=self.host_pool.sidecar,
                               window_pages=spec.window_pages)
         self.storage: StorageTier | None = None
-        self.directory = directory
+        self._built_directory = directory  # the L3 namespace's directory given at build
+        self.directory = directory  # that of the L3 attached (attach_storage)
         self.events = CacheEventFeed(self.namespace, spec.page_size)
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, self.heads)
@@ -125,8 +149,7 @@ class HierarchicalCache(CacheL3, CacheSwap):
         if m.host_hit_length:  # in storage_only mode too: L3 pages arrive through L2
             plan = self._plan_load_back(m.last_host_node, max_load_pages)
             if isinstance(plan, LoadRefusal):
-                name = f"unloaded_{plan.value}_tokens"
-                setattr(self.counters, name, getattr(self.counters, name) + m.host_hit_length)
+                self.counters.count_unloaded(plan, m.host_hit_length)
             else:
                 loaded_node = node = plan.nodes[-1]
                 self.tree.protect_host(loaded_node)
@@ -145,8 +168,8 @@ class HierarchicalCache(CacheL3, CacheSwap):
         if threshold is not None and threshold > 1:
             self._back_up_path(node, threshold)
         hold = self.sliding.hold_hit(pages) if self.sliding is not None else None
-        return CacheLookup(len(tokens), pages, node, len(m.device_indices) * p,
-                           m.host_hit_length, loaded, load, loaded_node, hold)
+        return CacheLookup(len(tokens), pages, len(m.device_indices) * p, m.host_hit_length,
+                           loaded, hold, _node=node, _load=load, _loaded_node=loaded_node)
 
     def window_check(self, lookup: CacheLookup) -> Callable[[int], bool] | None:
         """For a hybrid model: whether a hit of the lookup's first n tokens (whole pages) has
@@ -189,14 +212,13 @@ class HierarchicalCache(CacheL3, CacheSwap):
             pages = alloc.alloc(num_pages)
         return pages
 
-    def finish(self, lookup: CacheLookup, tokens: Sequence[int], pages: Sequence[int]) -> TreeNode:
+    def finish(self, lookup: CacheLookup, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Store the request's KV pages (`pages` cover all of `tokens`), release the lookup."""
-        res = self.tree.insert(tokens, pages, lookup.node.salt)
+        res = self.tree.insert(tokens, pages, lookup._node.salt)
         self.device_pool.allocator.free(res.unused_pages)
         self._release(lookup)
         if self.config.write_through_hit_threshold == 1:
             self._back_up_path(res.last_node, 1)
-        return res.last_node
 
     def commit(self, lookup: CacheLookup, tokens: Sequence[int],
                pages: Sequence[int]) -> CacheLookup:
@@ -208,12 +230,12 @@ class HierarchicalCache(CacheL3, CacheSwap):
         to `finish` or `abort` (the one given must not be used again)."""
         page = self.spec.page_size
         full = len(tokens) // page
-        res = self.tree.insert(tokens[:full * page], pages[:full], lookup.node.salt)
+        res = self.tree.insert(tokens[:full * page], pages[:full], lookup._node.salt)
         self.tree.lock(res.last_node)
-        self.tree.unlock(lookup.node)
+        self.tree.unlock(lookup._node)
         if self.config.write_through_hit_threshold == 1:
             self._back_up_path(res.last_node, 1)
-        return lookup._replace(node=res.last_node)
+        return dataclasses.replace(lookup, _node=res.last_node)
 
     def abort(self, lookup: CacheLookup, new_pages: Sequence[int] = ()) -> None:
         """Give back everything a request held: its fresh pages and its locks."""
@@ -221,10 +243,10 @@ class HierarchicalCache(CacheL3, CacheSwap):
         self._release(lookup)
 
     def _release(self, lookup: CacheLookup) -> None:
-        if lookup.load is not None:
-            nodes = self._loading.pop(lookup.load.op_id, [])
+        if lookup._load is not None:
+            nodes = self._loading.pop(lookup._load.op_id, [])
             try:
-                lookup.load.wait()
+                lookup._load.wait()
             except TransferError as exc:  # the L1 pages hold partial data: nobody may read them
                 log.warning("an L2->L1 load failed (%s); its %d runs leave L1 (their L2 copies "
                             "stay) and the requests that used them are recomputed", exc,
@@ -232,12 +254,12 @@ class HierarchicalCache(CacheL3, CacheSwap):
                 self.tree.undo_restore(nodes)
                 self.counters.failed_load_tokens += lookup.host_loaded_length
                 nodes = []
-                self._mark_unreadable(lookup.load.op_id, None)
-            self.tree.release_host(lookup.loaded_node)
+                self._mark_unreadable(lookup._load.op_id, None)
+            self.tree.release_host(lookup._loaded_node)
             self._unstage(nodes)
         if lookup.sliding is not None:
             self.sliding.end(lookup.sliding)
-        self.tree.unlock(lookup.node)
+        self.tree.unlock(lookup._node)
 
     # ---- write policy --------------------------------------------------------------------
     def _back_up_path(self, node: TreeNode, min_hits: int) -> None:
@@ -264,6 +286,10 @@ class HierarchicalCache(CacheL3, CacheSwap):
         self.counters.backed_up_tokens += len(n.key)
         return True
 
+    def _count_failed_backup(self, tokens: int) -> None:
+        """L1->L2 copies of `tokens` failed (their runs stay in L1 only)."""
+        self.counters.failed_backup_tokens += tokens
+
     def _write_back(self, node: TreeNode) -> list[int] | None:
         """write_back policy: copy an evicted L1 run to L2 before its pages are freed."""
         host_pages = self._alloc_host(len(node.value))
@@ -272,7 +298,7 @@ class HierarchicalCache(CacheL3, CacheSwap):
             return None
         if not self.copies.copy_now(node.value, host_pages):  # dropped instead of demoted
             self.host_pool.allocator.free(host_pages)
-            self.counters.failed_backup_tokens += len(node.key)
+            self._count_failed_backup(len(node.key))
             return None
         self.counters.written_back_tokens += len(node.key)
         if self.storage is not None:
@@ -317,6 +343,210 @@ class HierarchicalCache(CacheL3, CacheSwap):
             op = self.storage.backup(node)
             self.events.backup_started(op)
 
+    # ---- L3: attach, detach, prefetch into L2 (the L3 tier owns the tickets) ------------
+
+    def attach_storage(self, backend: StorageBackend,
+                       directory: PageDirectoryClient | None = None,
+                       confirm_return: bool = False) -> None:
+        """Use `backend` as L3 (takes ownership: detach closes it). `directory`: the L3
+        namespace's page directory that gates its hits and hears what this rank stored
+        (None: the one the cache was built with, if any). `confirm_return`: a directory
+        that answers again after failing is trusted only once the owner calls
+        `l3_directory_back` (a namespace actor may come back without the namespace:
+        storage_tier)."""
+        if not self.hierarchical:
+            raise CacheUsageError("the hierarchical cache is off (L1 only): L3 needs L2 to "
+                                  "stage its pages; enable it to attach a backend")
+        if self.storage is not None:
+            raise CacheUsageError("an L3 backend is already attached; detach it first")
+        self.use_head_major_host()  # L3 moves one run of bytes per KV head
+        backend.register_pool(KV_POOL, self.host_pool)
+        sliding = (SlidingL3(backend, self.host_pool.sidecar, self.tree, self.spec.window_pages,
+                             self.config.storage_batch_pages)
+                   if self.sliding is not None else None)
+        self.directory = directory if directory is not None else self._built_directory
+        self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
+                                   self.namespace, self._alloc_host,
+                                   directory=self.directory, sliding=sliding)
+        self.storage.confirm_return = confirm_return
+        log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
+        self._back_up_host_pages()  # what L2 holds goes to the new backend too
+
+    def use_head_major_host(self) -> None:
+        """Hold L2 in `page_head` from now on (L3 and a hand-off across TP sizes move one run
+        of bytes per KV head), after the copies in flight have landed."""
+        self.flush()  # back up only L2 copies that have landed (and drop the ones that failed)
+        layout = self.host_pool.layout.with_l3()
+        if layout is not self.host_pool.layout:
+            self.host_pool.relayout(layout)
+            self.config = dataclasses.replace(self.config, mem_layout=layout)
+
+    def storage_emptied(self) -> None:
+        """The attached L3 was emptied behind this rank (its namespace purged): nothing is
+        believed stored any more and what L2 holds is backed up again; prefetches go on."""
+        if self.storage is None:
+            return
+        self.flush()
+        self.storage.forget_reports()  # written before the purge: gone with it
+        self.tree.l3.forget_storage()
+        self._back_up_host_pages()
+
+    def _back_up_host_pages(self) -> None:
+        for node in self.tree.nodes():
+            if node.host_value is not None:
+                self._back_up_to_storage(node)
+
+    def detach_storage(self) -> None:
+        """Stop using L3: open prefetches are dropped, queued backups finish, nothing leaks."""
+        if self.storage is None:
+            return
+        self.flush()
+        self.storage.close()  # aborts its open prefetches first
+        self.storage = None
+        self.directory = self._built_directory
+        self.events.tell_stored()
+        self.tree.l3.forget_storage()
+
+    @property
+    def l3_attached(self) -> bool:
+        return self.storage is not None
+
+    @property
+    def l3_kind(self) -> StorageBackendKind | None:
+        """The attached L3 backend's kind (None: no L3)."""
+        return self.storage.backend.kind if self.storage is not None else None
+
+    @property
+    def l3_directory_away(self) -> bool:
+        """A call to the attached L3's page directory failed since it last answered."""
+        return self.storage is not None and self.storage.directory_away
+
+    def l3_directory_failed(self, call: str, exc: BaseException) -> None:
+        """A directory call the owner made for this L3 (`call`, in words) failed: the
+        directory is away (L3 misses, stored pages unreported) until it answers."""
+        if self.storage is not None:
+            self.storage.directory_failed(call, exc)
+
+    def l3_directory_back(self) -> None:
+        """The owner saw the namespace as it attached it (`confirm_return`): what waited is
+        reported."""
+        if self.storage is not None:
+            self.storage.directory_back()
+
+    def extend_l3_pins(self, pin_ids: Sequence[str]) -> None:
+        """Extend in L3 the pins `pin_ids` (hits here extended them; a hit in L2 never asks
+        L3), through the attached L3's page directory; nothing without one. Raises what the
+        directory raises."""
+        if pin_ids and self.storage is not None and self.directory is not None:
+            self.directory.refresh_pins(self.namespace.name, list(pin_ids))
+
+    def prefetch(self, tokens: Sequence[int], retry: bool = False,
+                 salt: str = "") -> PrefetchTicket | None:
+        """Start fetching from L3 what this rank lacks locally (None: nothing worth fetching).
+        `retry`: the request asked before and found too little (see StorageTier.prefetch).
+        `salt`: the request's cache salt (its pages' keys are of that salt's chain).
+
+        It starts past the deeper of the L1 and L2 matches, so a page in L1 is never read
+        from L3 again. The pages that land can only hang below the root or a node in L2 (the
+        tree's rule: an L2-only run is complete in L2), so when the match ends in runs that
+        are in L1 only (write_back, storage_only, a dropped copy), those runs are copied to
+        L2 as the prefetch starts: an L1->L2 copy costs a fraction of the L3 read it saves,
+        and it lands long before the read. Without L2 room for them the prefetch is dropped
+        (nothing it brings could be placed)."""
+        if self.storage is None:
+            return None
+        self.poll()
+        m = self.tree.match_prefix(tokens, touch=False, salt=salt)
+        anchor = max(m.last_device_node, m.last_host_node, key=depth)  # one path: the deeper
+        ticket = self.storage.prefetch(tokens, depth(anchor) // self.spec.page_size, anchor,
+                                       retry)
+        if ticket is not None and not self._stage_below_l3(anchor):
+            self.storage.abort(ticket)
+            return None
+        return ticket
+
+    def _stage_below_l3(self, anchor: TreeNode) -> bool:
+        """Give the L1-only runs that end the path to `anchor` L2 copies (root side first),
+        so that L3 pages can hang below it; False when L2 has no room for them."""
+        tail = []
+        node = anchor
+        while node.parent is not None and node.host_value is None:
+            tail.append(node)
+            node = node.parent
+        return all(self._copy_to_host(n) for n in reversed(tail))
+
+    def prefetch_ready(self, ticket: PrefetchTicket, at_admission: bool = False) -> bool:
+        """May the request stop waiting for its prefetch? `at_admission`: admission has
+        reached it (a best_effort prefetch ends there)."""
+        return (ticket.finished or self.storage is None
+                or self.storage.ready(ticket, at_admission=at_admission))
+
+    def finish_prefetch(self, ticket: PrefetchTicket, max_pages: int | None = None) -> int:
+        """Insert what landed into L2 (at most `max_pages` pages: what every TP rank landed);
+        returns the storage hit length (tokens)."""
+        if ticket.finished or self.storage is None:
+            return 0
+        return self.storage.finish(ticket, max_pages)
+
+    def abort_prefetch(self, ticket: PrefetchTicket) -> None:
+        if not ticket.finished and self.storage is not None:
+            self.storage.abort(ticket)
+
+    # ---- a request's own L2 copy: swap out of L1 and back in ----------------------------
+
+    @property
+    def can_swap(self) -> bool:
+        """Whether requests may swap at all: there is an L2, and the model is not hybrid (a
+        hybrid model's sliding-window KV lives in sidecars whose L2 side keeps only cached
+        windows, evictable at any time; swapping it would need slots held for the request,
+        which the sidecar does not offer, so such requests are recomputed instead)."""
+        return self.hierarchical and self.sliding is None
+
+    def swap_out(self, device_pages: Sequence[int]) -> list[int] | None:
+        """Copy `device_pages` of L1 into fresh L2 pages the caller then holds (one per page,
+        in order) and wait for the copy; None (nothing held) when L2 has no room for them
+        or the copy failed. The L1 pages may be freed as soon as this returns."""
+        if not self.can_swap or not device_pages:
+            return None
+        host_pages = self._alloc_host(len(device_pages))
+        if host_pages is None:
+            return None
+        if not self.copies.copy_now(device_pages, host_pages):
+            log.warning("swapping %d pages out to L2 failed; the request is recomputed",
+                        len(device_pages))
+            self.host_pool.allocator.free(host_pages)
+            return None
+        return host_pages
+
+    def swap_in(self, host_pages: Sequence[int],
+                device_pages: Sequence[int]) -> bool:
+        """Copy the caller's L2 pages into L1 pages it holds (one per page, in order) and
+        wait until they landed; False when the copy failed (the L1 pages hold partial data:
+        give them back). The L2 pages stay held: `free_swapped` gives them back."""
+        handle = self.controller.load(host_pages, device_pages)
+        try:
+            handle.wait()
+        except TransferError as exc:
+            log.warning("swapping %d pages back into L1 failed (%s)", len(host_pages), exc)
+            return False
+        if self.device_pool.device.type == "cuda":
+            # wait() orders the compute stream after the load; the L2 pages may be reused
+            # once this returns, so the copy itself must be over.
+            torch.cuda.current_stream(self.device_pool.device).synchronize()
+        return True
+
+    def free_swapped(self, host_pages: Sequence[int]) -> None:
+        """Give back L2 pages from `swap_out`."""
+        self.host_pool.allocator.free(host_pages)
+
+    def bare_lookup(self, num_tokens: int, salt: str = "") -> CacheLookup:
+        """A lookup that matched nothing under `salt` (it locks only the salt's root): what a
+        request whose KV came back from its own L2 copy hands to `commit`, `finish` or
+        `abort`, which store its pages under that salt."""
+        node = self.tree.root_of(salt)
+        self.tree.lock(node)
+        return CacheLookup(num_tokens, [], 0, 0, 0, _node=node)
+
     # ---- cache events (for the router) ------------------------------------------------------
     def set_event_listener(self, fn: CacheEventListener | None) -> None:
         """Call `fn(kind, tier, page_hashes)` whenever pages enter or leave a tier (None: stop).
@@ -336,6 +566,13 @@ class HierarchicalCache(CacheL3, CacheSwap):
         """Wait for every queued copy and settle its bookkeeping (failed copies included)."""
         self.copies.wait()
         self.poll()
+
+    def quiesce(self) -> None:
+        """`flush`, then wait for the queued L2->L3 backups: nothing runs in the background
+        after this (before a timed request, an audit, a measurement)."""
+        self.flush()
+        if self.storage is not None:
+            self.storage.drain()
 
     def evict_device(self, num_pages: int) -> EvictResult:
         """Free L1 pages now (demoting backed-up runs to L2)."""
@@ -386,6 +623,23 @@ class HierarchicalCache(CacheL3, CacheSwap):
     @property
     def used_host_pages(self) -> int:
         return self.host_pool.num_pages - self.host_pool.allocator.num_free
+
+    @property
+    def host_pages(self) -> int:
+        """L2 capacity in pages."""
+        return self.host_pool.num_pages
+
+    def snapshot(self) -> CacheSnapshot:
+        """The counters and pool use now (copies), L3's included when attached."""
+        l3 = None
+        if self.storage is not None:
+            backend = self.storage.backend
+            l3 = L3Snapshot(backend.kind, dataclasses.replace(backend.stats()),
+                            dataclasses.replace(self.storage.counters))
+        return CacheSnapshot(self.spec.page_size, dataclasses.replace(self.counters),
+                             self.controller.stats(), self.device_pages,
+                             self.free_device_pages, self.host_pages, self.used_host_pages,
+                             self.host_pool.pinned, l3)
 
     def tree_stats(self) -> TreeStats:
         return self.tree.stats()

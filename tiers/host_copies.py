@@ -9,10 +9,9 @@ alike; this is the one place that turns those reports into tree changes.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from kvtier.errors import TransferError
-from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.controller import CacheController
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_kv import SlidingKV
@@ -29,11 +28,14 @@ class LandedCopy(NamedTuple):
 class HostCopies:
     """The L1->L2 copies a cache started and has not yet seen land (see the module docstring)."""
 
-    def __init__(self, controller: CacheController, tree: HiRadixTree, counters: CacheCounters,
-                 page_size: int, sliding: SlidingKV | None = None) -> None:
-        """`sliding`: a hybrid model's sidecars, whose slots follow every copy (at once)."""
+    def __init__(self, controller: CacheController, tree: HiRadixTree,
+                 count_failed: Callable[[int], None], page_size: int,
+                 sliding: SlidingKV | None = None) -> None:
+        """`count_failed(tokens)`: the cache's counter of failed copies (it owns its
+        counters). `sliding`: a hybrid model's sidecars, whose slots follow every copy (at
+        once)."""
         self.controller, self.tree, self.sliding = controller, tree, sliding
-        self.counters, self.page_size = counters, page_size
+        self._count_failed, self.page_size = count_failed, page_size
         self._pending: dict[int, tuple[TreeNode, list[int], list[str] | None]] = {}
 
     def __bool__(self) -> bool:
@@ -95,7 +97,7 @@ class HostCopies:
                         len(host_pages), exc)
             self.tree.drop_backup(node, host_pages)
             self.tree.unlock(node)
-            self.counters.failed_backup_tokens += len(host_pages) * self.page_size
+            self._count_failed(len(host_pages) * self.page_size)
         return failed
 
     def clear_hashes(self) -> None:

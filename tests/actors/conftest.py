@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from kvtier.actors.instance import Instance
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.actors.ray_env import LOOPBACK, pin_to_loopback, shutdown_local_ray, start_local_ray
 from kvtier.netcheck import descendants
 
@@ -67,7 +67,7 @@ def _stays_on_shared_ray(item, nextitem) -> bool:
 
 @contextlib.contextmanager
 def local_instance(settings: RankSettings, tp_size: int = 2,
-                   rank_class: type[RankCache] = RankCache) -> Iterator[Instance]:
+                   rank_class: type[Rank] = Rank) -> Iterator[Instance]:
     """A TP instance on the shared local Ray cluster, closed afterwards."""
     assert _shared_ray, "local_instance runs on the shared_ray fixture's cluster"
     with Instance(settings, tp_size=tp_size, ready_timeout_s=90.0, step_timeout_s=30.0,

@@ -1,6 +1,6 @@
-"""A rank actor that injects faults on request: the tests' subclass of RankCache.
+"""A rank actor that injects faults on request: the tests' subclass of Rank.
 
-Instances under test run it through `Instance(rank_class=FaultyRankCache)`, so production
+Instances under test run it through `Instance(rank_class=FaultyRank)`, so production
 modules carry no fault hooks. Every fault that takes effect is counted (`faults_fired`), so
 a test asserts that the fault it injected happened, not only that the answers came out right. Ray workers cannot import this file (tests/ is not installed),
 so the class travels pickled by value.
@@ -14,7 +14,7 @@ from collections import Counter
 
 import ray.cloudpickle
 
-from kvtier.bench.soak_rank import FlakyDirectory, SoakRankCache
+from kvtier.bench.soak_rank import FlakyDirectory, SoakRank
 from kvtier.messages import LookupResult
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class LateDirectory(FlakyDirectory):
         return super().lookup(ns, hashes, lease_ttl_s)
 
 
-class FaultyRankCache(SoakRankCache):
+class FaultyRank(SoakRank):
     """The soak's rank (L3 and directory faults) plus `crash_after`, `refuse_allocations`,
     `publish_late`, `hold_host_pages`, `fail_next_load`, `corrupt_l1_page` and
     `time_out_next_handoff`."""
@@ -67,7 +67,7 @@ class FaultyRankCache(SoakRankCache):
         return fired
 
     def _directory(self, l3_actor: str):
-        self._flaky = LateDirectory(super(SoakRankCache, self)._directory(l3_actor))
+        self._flaky = LateDirectory(super(SoakRank, self)._directory(l3_actor))
         return self._flaky
 
     def publish_late(self, lookups: int) -> None:
@@ -178,7 +178,7 @@ class FaultyRankCache(SoakRankCache):
         """This rank's next hand-off write times out (a slow or hung link)."""
         from kvtier.backends.handoff_base import HandoffTimeout
 
-        sender = self._sender
+        sender = self.handoff_port.sender
         real = sender.endpoint
         count = self._count
 

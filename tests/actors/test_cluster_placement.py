@@ -33,7 +33,7 @@ import ray._private.state as ray_state  # noqa: E402  (the GCS tables: no dashbo
 from kvtier.actors import serve_graph  # noqa: E402
 from kvtier.actors.instance import Instance  # noqa: E402
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor  # noqa: E402
-from kvtier.actors.rank_actor import RankCache, RankSettings  # noqa: E402
+from kvtier.actors.rank_actor import Rank, RankSettings  # noqa: E402
 from kvtier.config import HiCacheConfig  # noqa: E402
 from kvtier.demo import namespace_spec  # noqa: E402
 from kvtier.engine.sampling import SamplingParams  # noqa: E402
@@ -133,7 +133,7 @@ def test_two_nodes_share_l3_pages_across_instances(connected, tmp_path) -> None:
         client.shutdown()
 
     # A single in-process engine without L3 gives the same tokens (no Ray involved).
-    ref = RankCache(0, 1, "", RANK_SETTINGS)
+    ref = Rank(0, 1, "", RANK_SETTINGS)
     try:
         assert ref.engine.generate([PROMPT], GREEDY)[0].tokens == cold.tokens
     finally:
@@ -215,7 +215,7 @@ def test_ranks_on_the_instance_node_namespace_actor_on_the_head(cluster, tmp_pat
                                    l3_actor="kvtier-l3-placement")
     try:
         serve_graph.start(settings, port=PORT, address=cluster.address)
-        assert _nodes_of("RankCache") == {cluster.worker.node_id}
+        assert _nodes_of("Rank") == {cluster.worker.node_id}
         assert _nodes_of("NamespaceService") == {cluster.head_node.node_id}
         r = requests.post(f"http://{LOOPBACK}:{PORT}/v1/completions", timeout=60,
                           json={"model": settings.served_model_name, "prompt": "hello there",

@@ -13,7 +13,7 @@ from test_tp3_shared_l3 import CONFIG, GREEDY, PAGE, PER_RANK_CPUS, SETTINGS, SO
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import Rank
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 
@@ -44,7 +44,7 @@ def instances(shared_ray, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cold():
-    rank = RankCache(0, 1, "", SETTINGS)
+    rank = Rank(0, 1, "", SETTINGS)
     yield rank
     rank.close()
 

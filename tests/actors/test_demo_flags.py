@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import cli, demo, demo_flags
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import Rank
 from kvtier.bench import instances
 from kvtier.bench.prefix import document_tokens
 from kvtier.config import HiCacheConfig
@@ -82,7 +82,7 @@ def test_a_model_directory_and_cache_flags_reach_the_ranks(model_dir, tmp_path) 
     tok = HFModelDir(str(model_dir)).tokenizer()
     assert work.prompts[0][:512] == document_tokens(tok, 512)  # the directory's tokenizer
     spec = demo._namespace_spec(params, work, str(tmp_path / "l3"))
-    rank = RankCache(0, 1, "", work.settings)  # what each of the instances' ranks builds
+    rank = Rank(0, 1, "", work.settings)  # what each of the instances' ranks builds
     try:
         desc = rank.describe()
         assert rank.engine.cache.config == config

@@ -9,7 +9,7 @@ import torch
 from cache_builder import build_cache
 
 from kvtier.actors.namespace_actor import FakeNamespaceClient
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.engine import Engine
@@ -34,7 +34,7 @@ def test_the_rank_and_the_registered_namespace_agree_on_the_mode(tmp_path, deter
         info = client.register(spec(tmp_path, deterministic))
         other = client.register(spec(tmp_path, not deterministic))
         assert info.namespace != other.namespace
-        rank = RankCache(0, 1, "", SETTINGS._replace(deterministic=deterministic))
+        rank = Rank(0, 1, "", SETTINGS._replace(deterministic=deterministic))
         try:
             assert rank.describe().layout_fingerprint == info.spec.layout_fingerprint
             with pytest.raises(ConfigError, match="layout fingerprint"):

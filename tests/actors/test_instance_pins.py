@@ -16,7 +16,7 @@ from kvtier.actors.instance import Instance
 from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import RankSettings
-from kvtier.actors.rank_pins import RankPins
+from kvtier.actors.rank_pins import RankPinDesk
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
@@ -132,7 +132,7 @@ def test_the_min_of_the_ranks_is_pinned_and_one_refusal_unpins_every_rank():
 
 
 class _Pins:
-    """A rank cache's pins (tiers/cache_pins) as far as RankPins uses them: one live pin, one
+    """A rank cache's pins (tiers/cache_pins) as far as RankPinDesk uses them: one live pin, one
     past its TTL, one pin a hit extended; what was called."""
 
     def __init__(self) -> None:
@@ -156,23 +156,19 @@ class _Pins:
         return ["live"]
 
 
-def _rank_pins(rank: int) -> tuple[RankPins, _Pins, list[tuple]]:
+def _rank_pins(rank: int) -> tuple[RankPinDesk, _Pins, list[tuple]]:
     pins, l3_calls = _Pins(), []
-    directory = SimpleNamespace(refresh_pins=lambda ns, ids: l3_calls.append((ns, ids)))
-    rp = RankPins()
-    rp.rank = rank
-    rp.engine = SimpleNamespace(cache=SimpleNamespace(  # type: ignore[assignment]
-        pins=pins, directory=directory, storage=object(), namespace=SimpleNamespace(name="ns")))
-    return rp, pins, l3_calls
+    cache = SimpleNamespace(pins=pins, extend_l3_pins=lambda ids: l3_calls.append(("ns", ids)))
+    return RankPinDesk(cache, rank), pins, l3_calls  # type: ignore[arg-type]
 
 
 def test_pin_reads_change_nothing_and_the_step_extends_l3_pins():
     rp, pins, l3_calls = _rank_pins(0)
-    assert [p["id"] for p in rp.pins()] == ["live"]  # the lapsed one is left out
-    assert rp.pin_figures() == {"pins": 2, "device_pages": 1, "host_pages": 2}
+    assert [p["id"] for p in rp.describe()] == ["live"]  # the lapsed one is left out
+    assert rp.figures() == {"pins": 2, "device_pages": 1, "host_pages": 2}
     assert pins.calls == [] and l3_calls == []  # reads: no expiry, no call to L3
-    rp.refresh_pins()  # the step's upkeep
+    rp.refresh()  # the step's upkeep
     assert pins.calls == ["expire", "take_refreshed"] and l3_calls == [("ns", ["live"])]
     rp, pins, l3_calls = _rank_pins(1)
-    rp.refresh_pins()  # another rank drops its expired pins and forgets its hits: rank 0
+    rp.refresh()  # another rank drops its expired pins and forgets its hits: rank 0
     assert pins.calls == ["expire", "take_refreshed"] and l3_calls == []  # tells L3

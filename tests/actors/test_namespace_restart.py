@@ -14,7 +14,7 @@ from eventually import eventually
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import _BACKOFF_MAX_S, get_or_create_namespace_actor
 from kvtier.actors.namespace_service import STATE_FILE
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
@@ -47,7 +47,7 @@ def _came_back(client, before: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> list[tuple[int, ...]]:
-    rank = RankCache(0, 1, "", SETTINGS)
+    rank = Rank(0, 1, "", SETTINGS)
     try:
         return [o.tokens for o in rank.engine.generate(PROMPTS, GREEDY)]
     finally:

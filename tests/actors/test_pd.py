@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from eventually import eventually
-from faulty_rank import FaultyRankCache
+from faulty_rank import FaultyRank
 
 from kvtier.actors.instance import InstanceStep
 from kvtier.actors.pd_driver import PDDriver, PDMode
@@ -119,7 +119,7 @@ def test_corrupt_page_on_one_rank_makes_every_rank_recompute(instance_factory, m
     """TP=2: rank 1 of the decode instance receives a damaged page; the KV-ready MIN makes
     both ranks recompute, and the answer is still the mixed one."""
     with instance_factory(SETTINGS, tp_size=2) as p, \
-            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as d:
+            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as d:
         p.handoff_open("nixl"), d.handoff_open("nixl")
         prompt = PROMPTS[0]
         targets = d.reserve_handoff("corrupt", len(prompt))
@@ -146,7 +146,7 @@ def test_decode_rank_dies_before_kv_ready(instance_factory, mixed_answers):
     """The decode instance's rank dies after the transfer, before KV-ready: its ranks are
     replaced and the request recomputed there; nothing is lost or leaked."""
     with instance_factory(SETTINGS, tp_size=2) as p, \
-            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as d:
+            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as d:
         pd = PDDriver([p], [d], transport="nixl")
         d.rank_call(1, "crash_after", 0)  # at its next step: the one that would adopt the KV
         outs = pd.generate(PROMPTS[:2], GREEDY)
@@ -159,7 +159,7 @@ def test_decode_rank_dies_before_kv_ready(instance_factory, mixed_answers):
 def test_prefill_rank_dies_and_the_request_is_retried(instance_factory, mixed_answers):
     """The prefill instance's rank dies with the request in flight: its ranks are replaced
     and the prefill runs again into the same reserved pages."""
-    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
         pd = PDDriver([p], [d], transport="nixl")
         p.rank_call(0, "crash_after", 0)
@@ -261,7 +261,7 @@ def test_decode_instance_short_of_l1_retracts_to_l2_and_restores(instance_factor
 
 def test_transfer_timeout_on_one_prefill_rank_makes_the_decode_side_recompute(
         instance_factory, mixed_answers):
-    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
         pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
         p.rank_call(1, "time_out_next_handoff")
@@ -279,7 +279,7 @@ def test_a_prefill_rank_that_dies_in_a_release_costs_its_instance_a_restart_only
     """A prefill rank dies in the release the driver makes once the decode side has a
     request's KV: that instance replaces its ranks (the pages it held died with them), and
     every request is still answered once, from the KV the decode side has."""
-    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
         pd = PDDriver([p], [d], transport="nixl")
         p.rank_call(1, "crash_in_next", "release_handoff")
@@ -296,8 +296,8 @@ def test_a_decode_rank_that_dies_in_a_cancel_costs_its_instance_a_restart_only(
     """One prefill rank's write times out, and a decode rank dies in the cancel that follows:
     the decode instance replaces its ranks (its reservations died with them) and computes
     both requests from their prompts; each is answered once, as a mixed instance does."""
-    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as p, \
-            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as d:
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
+            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as d:
         pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
         p.rank_call(1, "time_out_next_handoff")
         d.rank_call(0, "crash_in_next", "handoff_cancel")
@@ -315,7 +315,7 @@ def test_an_abort_whose_cancel_kills_a_decode_rank_leaves_the_others_answered(
     reservation. The other request's reservation died with that rank: its prefill's write
     fails, and the decode instance (new ranks) computes it from its prompt."""
     with instance_factory(SETTINGS, tp_size=1) as p, \
-            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as d:
+            instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as d:
         pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
         gone, kept = pd.add(PROMPTS[0], GREEDY), pd.add(PROMPTS[1], GREEDY)
         d.rank_call(1, "crash_in_next", "handoff_cancel")
@@ -348,7 +348,7 @@ def test_a_request_its_prefill_ends_moves_no_kv(instance_factory, mixed_answers)
 def test_a_prefill_never_released_is_forgotten_when_its_hold_ends(instance_factory):
     """The instance and its ranks keep nothing for a finished prefill whose release never
     comes (once the ranks' hold ended), nor for an aborted one."""
-    with instance_factory(SETTINGS, tp_size=1, rank_class=FaultyRankCache) as p, \
+    with instance_factory(SETTINGS, tp_size=1, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=1) as d:
         p.handoff_open("nixl"), d.handoff_open("nixl")
         one = SamplingParams(max_new_tokens=1)

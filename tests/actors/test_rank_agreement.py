@@ -11,10 +11,10 @@ import uuid
 import pytest
 import torch
 
-from faulty_rank import FaultyRankCache
+from faulty_rank import FaultyRank
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.bench.answer_check import Verdict, judge
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
@@ -48,7 +48,7 @@ def reference() -> dict[str, list[tuple[int, ...]]]:
     """Greedy tokens of an in-process TP=1 engine, one fresh engine per prompt group."""
     out = {}
     for name, prompts in PROMPTS.items():
-        rank = RankCache(0, 1, "", SETTINGS)
+        rank = Rank(0, 1, "", SETTINGS)
         try:
             out[name] = [o.tokens for o in rank.engine.generate(prompts, GREEDY)]
         finally:
@@ -58,7 +58,7 @@ def reference() -> dict[str, list[tuple[int, ...]]]:
 
 @pytest.fixture(scope="module")
 def instance(instance_factory):
-    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as inst:
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as inst:
         yield inst
 
 
@@ -193,7 +193,7 @@ def tp3_l3(shared_ray, tmp_path_factory):
             f"t-{uuid.uuid4().hex[:6]}", dtype=torch.float32, page_size=PAGE, tp_size=3))
         with Instance(L3_SETTINGS._replace(l3=info, l3_actor=name), tp_size=3,
                       num_cpus_per_rank=0.2, ready_timeout_s=120.0, step_timeout_s=60.0,
-                      rank_class=FaultyRankCache) as inst:
+                      rank_class=FaultyRank) as inst:
             yield inst
     finally:
         client.shutdown()
@@ -204,7 +204,7 @@ def test_tp3_serves_every_request_of_a_long_queue_whose_head_is_stalled(tp3_l3):
     behind them (far more than the agreement's 32 slots) are admitted and answered meanwhile;
     once the hang ends the 40 are answered too. Every answer is the cold one (or a near-tie),
     no rank restarted, nothing leaks."""
-    cold = RankCache(0, 1, "", SETTINGS)
+    cold = Rank(0, 1, "", SETTINGS)
     try:
         want = cold.engine.generate(STALLED + BEHIND, SHORT)
     finally:

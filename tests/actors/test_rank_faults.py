@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from faulty_rank import FaultyRankCache
+from faulty_rank import FaultyRank
 from kvtier.actors.instance import Instance, InstanceError
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weight_sources import TinyWeights
@@ -36,7 +36,7 @@ PROMPTS = [tokens(1, 50), tokens(2, 37), tokens(3, 70)]
 def reference() -> list[tuple[int, ...]]:
     """Undisturbed tokens: an in-process TP=1 engine (greedy for the first two, seeded for
     the third)."""
-    rank = RankCache(0, 1, "", SETTINGS)
+    rank = Rank(0, 1, "", SETTINGS)
     try:
         outs = rank.engine.generate(PROMPTS[:2], GREEDY) + \
             rank.engine.generate(PROMPTS[2:], SEEDED)
@@ -47,7 +47,7 @@ def reference() -> list[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def instance(instance_factory):
-    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRankCache) as inst:
+    with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as inst:
         yield inst
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.actors.cluster_placement import rank_gpus
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.weight_sources import TinyWeights
 from kvtier.errors import ConfigError, PlacementError
@@ -41,4 +41,4 @@ def test_gpus_asked_of_a_cpu_only_cluster_fail_naming_gpu() -> None:
 def test_a_gpu_rank_without_cuda_says_what_to_do() -> None:
     settings = RankSettings(TinyWeights(), HiCacheConfig(page_size=16), gpu=True)
     with pytest.raises(ConfigError, match="gpus_per_rank to 0"):
-        RankCache(0, 1, "tcp://127.0.0.1:1", settings)
+        Rank(0, 1, "tcp://127.0.0.1:1", settings)

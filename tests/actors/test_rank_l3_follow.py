@@ -18,7 +18,7 @@ import torch
 import kvtier.actors.rank_l3 as rank_l3
 from kvtier.actors.namespace_actor import FakeNamespaceClient, NamespaceUnavailable
 from kvtier.actors.namespace_service import NamespaceService
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.actors.step_wire import decode_report
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
@@ -63,13 +63,13 @@ def actor(monkeypatch):
         yield client
 
 
-def rank_on(client: SwitchableClient, info) -> RankCache:
+def rank_on(client: SwitchableClient, info) -> Rank:
     """A TP=1 rank attached to `info`, whose directory client is `client`."""
-    cls = type("LocalRank", (RankCache,), {"_directory": lambda self, name: client})
+    cls = type("LocalRank", (Rank,), {"_directory": lambda self, name: client})
     return cls(0, 1, "", SETTINGS._replace(l3=info, l3_actor="in-process"))
 
 
-def answer(rank: RankCache, prompt: list[int]) -> Output:
+def answer(rank: Rank, prompt: list[int]) -> Output:
     """One request through the rank's own steps (which follow the namespace)."""
     req = rank.add_request(prompt, GREEDY)
     deadline = time.monotonic() + ANSWER_BOUND_S
@@ -83,14 +83,14 @@ def answer(rank: RankCache, prompt: list[int]) -> Output:
 
 
 def cold(prompt: list[int]) -> tuple[int, ...]:
-    rank = RankCache(0, 1, "", SETTINGS)
+    rank = Rank(0, 1, "", SETTINGS)
     try:
         return rank.engine.generate([prompt], GREEDY)[0].tokens
     finally:
         rank.close()
 
 
-def from_l3(rank: RankCache, prompt: list[int]) -> Output:
+def from_l3(rank: Rank, prompt: list[int]) -> Output:
     """`prompt` again with L1 and L2 dropped: what it reuses comes from L3."""
     rank.drop_cache()
     return answer(rank, prompt)
@@ -194,9 +194,9 @@ def test_storage_that_cannot_be_opened_yet_is_attached_once_it_can(actor, tmp_pa
         tries.append(info.epoch)
         if down[0]:
             raise StorageUnavailable("injected: the master is restarting")
-        return RankCache._open_backend(self, info, heads)
+        return Rank._open_backend(self, info, heads)
 
-    cls = type("LateRank", (RankCache,), {"_directory": lambda self, name: actor,
+    cls = type("LateRank", (Rank,), {"_directory": lambda self, name: actor,
                                           "_open_backend": open_backend})
     rank = cls(0, 1, "", SETTINGS._replace(l3=info, l3_actor="in-process"))
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier.actors.namespace_actor import FakeNamespaceClient
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.backends.shared_root import MARKER_PREFIX, RootNotShared
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
@@ -78,7 +78,7 @@ def test_a_rank_actor_checks_before_it_attaches(tmp_path):
                           "shared-root", dtype=SETTINGS.dtype, page_size=PAGE)
     with FakeNamespaceClient() as client:
         info = client.register(spec)
-        rank = RankCache(0, 1, "", SETTINGS)
+        rank = Rank(0, 1, "", SETTINGS)
         try:
             (tmp_path / "node-b").mkdir()
             with pytest.raises(RootNotShared, match=REFUSAL) as err:

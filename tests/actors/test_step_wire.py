@@ -74,14 +74,14 @@ def test_a_step_report_does_not_grow_with_the_answer():
     answers are (it used to carry every answer whole at every step: O(T^2) per answer)."""
     import torch
 
-    from kvtier.actors.rank_actor import RankCache, RankSettings
+    from kvtier.actors.rank_actor import Rank, RankSettings
     from kvtier.config import HiCacheConfig
     from kvtier.engine.sampling import SamplingParams
     from kvtier.engine.weight_sources import TinyWeights
 
     settings = RankSettings(TinyWeights(seed=1), HiCacheConfig(page_size=16), device_pages=128,
                             dtype=torch.float32, chunk_tokens=64)
-    rank = RankCache(0, 1, "", settings)
+    rank = Rank(0, 1, "", settings)
     try:
         params = SamplingParams(max_new_tokens=120, temperature=1.0, seed=3, logprobs=20,
                                 stop_token_ids=())

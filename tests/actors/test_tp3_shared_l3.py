@@ -3,7 +3,7 @@ of its ranks sees something the others do not. Each case: B's answers equal the 
 (an in-process engine's, no L3), the injected fault fired (the faulty rank counted it),
 nothing hangs (bounded by the module's timeout), no rank of any instance leaks a page or lock.
 
-The rank-local faults (through `FaultyRankCache`):
+The rank-local faults (through `FaultyRank`):
 - one rank's directory lookups fail (the page is a miss there, a hit elsewhere);
 - the directory publishes the pages between one rank's lookup and the others' (deterministic:
   that rank's lookups are answered as before the publication);
@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from faulty_rank import FaultyRankCache
+from faulty_rank import FaultyRank
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import RankCache, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
@@ -67,7 +67,7 @@ def cluster(shared_ray, tmp_path_factory):
         for _ in range(2):
             instances.append(Instance(SETTINGS._replace(l3=info, l3_actor=name), tp_size=TP,
                                       num_cpus_per_rank=PER_RANK_CPUS, ready_timeout_s=120.0,
-                                      step_timeout_s=60.0, rank_class=FaultyRankCache))
+                                      step_timeout_s=60.0, rank_class=FaultyRank))
         yield instances  # A, B
     finally:
         for inst in instances:
@@ -80,12 +80,12 @@ def cold():
     """The cold reference: an in-process TP=1 engine without L3, as in the other actor tests
     (TP=2 and TP=3 answers equal TP=1 ones in fp32: test_rank_agreement, test_engine_parallel);
     three more rank processes cost more than the rest of the module's setup."""
-    rank = RankCache(0, 1, "", SETTINGS)
+    rank = Rank(0, 1, "", SETTINGS)
     yield rank
     rank.close()
 
 
-def _cold(cold: RankCache, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+def _cold(cold: Rank, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     out = []
     for prompt in prompts:
         cold.drop_cache()
@@ -106,8 +106,8 @@ class Fault(NamedTuple):
     """What a case does to instance B, and the count on the faulty rank that shows it fired."""
 
     rank: int
-    arm: tuple  # a FaultyRankCache method and its arguments
-    fired: str  # its name in FaultyRankCache.faults_fired
+    arm: tuple  # a FaultyRank method and its arguments
+    fired: str  # its name in FaultyRank.faults_fired
     undo: tuple = ()
 
 

@@ -126,7 +126,7 @@ def _rank_hosts(net) -> dict[str, int]:
     """Host name -> rank actor processes running in it."""
     out = {}
     for host in net.hosts:
-        n = sum(b"RankCache" in Path(f"/proc/{p}/cmdline").read_bytes()
+        n = sum(b"Rank" in Path(f"/proc/{p}/cmdline").read_bytes()
                 for p in ray_pids(host.pids()))
         if n:
             out[host.name] = n

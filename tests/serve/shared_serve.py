@@ -9,7 +9,7 @@ import os
 from typing import Iterator
 
 from kvtier.actors import serve_graph
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import Rank
 from kvtier.netcheck import descendants
 from kvtier.serve.settings import ServeSettings
 
@@ -19,7 +19,7 @@ _before: list[set[int]] = []  # this process's children before the cluster start
 
 
 @contextlib.contextmanager
-def served(settings: ServeSettings, rank_class: type[RankCache] = RankCache
+def served(settings: ServeSettings, rank_class: type[Rank] = Rank
            ) -> Iterator[set[int]]:
     """The graph of `settings` on the shared cluster (started by the first); yields every
     process the cluster has started (Ray's, Serve's, the replicas, the ranks)."""

@@ -1,4 +1,4 @@
-"""A rank actor that stops stepping on request: the stall tests' subclass of RankCache.
+"""A rank actor that stops stepping on request: the stall tests' subclass of Rank.
 
 The test writes `stall_file(pid)` (how many more steps to take, and for how long to sleep
 then); the first rank that steps after that claims the file (a rename: exactly one rank
@@ -20,7 +20,7 @@ from typing import Iterator
 
 import ray.cloudpickle
 
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import Rank
 from kvtier.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def arm_stall(after_steps: int, seconds: float) -> None:
     os.replace(tmp, stall_file())
 
 
-class StallingRankCache(RankCache):
+class StallingRank(Rank):
     _stall: tuple[int, float] | None = None  # (at this step, sleep this long)
 
     def step(self) -> bytes:
@@ -73,7 +73,7 @@ def served_stalling(settings: ServeSettings) -> Iterator[None]:
     from shared_serve import served
 
     try:
-        with served(settings, rank_class=StallingRankCache):
+        with served(settings, rank_class=StallingRank):
             yield
     finally:
         if os.path.exists(stall_file()):

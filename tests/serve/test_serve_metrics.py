@@ -286,7 +286,7 @@ def test_the_fault_families_move_under_real_faults(app) -> None:
     until_moved("l3_directory_misses", lambda: complete(ids(3 * PAGE + 4)))
 
     # A rank process killed: the instance replaces its ranks and answers.
-    ranks = [pid for pid in pids if b"RankCache" in cmdline(pid)]
+    ranks = [pid for pid in pids if b"Rank" in cmdline(pid)]
     assert len(ranks) == SETTINGS.tp_size, ranks
     os.kill(ranks[0], signal.SIGKILL)
     until_moved("rank_restarts", lambda: complete(ids(2 * PAGE)))
