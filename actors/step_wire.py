@@ -1,5 +1,5 @@
-"""What a rank actor returns from a step or an abort, as msgpack (DESIGN: actors exchange
-msgpack, never pickles).
+"""What a rank actor returns from a step or an abort, as msgpack (docs/architecture.md
+invariant 10: actors exchange msgpack, never pickles).
 
 Why not let Ray pickle the `Output` dataclasses: a pickle runs code when it is loaded and ties
 both sides to one class layout; these are plain values, checked when decoded, so a payload from

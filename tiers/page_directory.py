@@ -1,13 +1,13 @@
 """The L3 page directory: which pages of each namespace are complete, leased and kept.
 
-Why a directory in front of the storage: a backend only knows what one rank stored, but a
-page is usable only when EVERY KV head of it is stored (design invariant 3). A page is one
-object per KV head and part, named by the model's global head index, so writers of any TP
-size fill it: ranks report the head range they stored, a page is published (all or nothing)
-once the union covers every head, and lookups answer from published pages only. The directory
-also holds the quota of each namespace, shared by all instances, and is the namespace's one
-eviction authority (rank clients do not evict on their own, see page_store): least recently
-used pages go first, never while a lease protects them.
+Why a directory in front of the storage: a backend only knows what one rank stored, but a page
+is usable only when EVERY KV head of it is stored (docs/architecture.md invariant 3). A page is
+one object per KV head and part, named by the model's global head index, so writers of any TP
+size fill it: ranks report the head range they stored, a page is published (all or nothing) once
+the union covers every head, and lookups answer from published pages only. The directory also
+holds the quota of each namespace, shared by all instances, and is the namespace's one eviction
+authority (rank clients do not evict on their own, see page_store): least recently used pages go
+first, never while a lease protects them.
 
 Calls never delete anything themselves. `report_stored` and the lease calls only mark a
 namespace as needing a pass; `eviction_pass` unpublishes the victims (quota, unfinished

@@ -6,11 +6,11 @@ the prefetch capacity) and fetched in batches. When the policy says the request 
 pages that landed are inserted into the tree as L2-only nodes, the rest freed. Backup: once an
 L1->L2 copy lands, the node's L2 pages are written to L3 while protected from L2 eviction.
 
-With a page directory (`directory`, the L3 namespace's: design invariant 3), a page is an L3
-hit only when the directory has published it (every KV head of it stored, by whichever
-ranks): the prefetch asks the directory, under a lease held until the prefetch ends, instead
-of the backend; and each rank reports the pages its backups fully wrote, with the KV heads it
-owns. A directory call that fails makes that request an L3 miss (counted in
+With a page directory (`directory`, the L3 namespace's: docs/architecture.md invariant 3), a
+page is an L3 hit only when the directory has published it (every KV head of it stored, by
+whichever ranks): the prefetch asks the directory, under a lease held until the prefetch ends,
+instead of the backend; and each rank reports the pages its backups fully wrote, with the KV
+heads it owns. A directory call that fails makes that request an L3 miss (counted in
 `directory_errors` and, for lookups, `directory_miss_lookups`), never an error.
 
 After a failed call the directory is "away": what this rank stores meanwhile waits,

@@ -1,6 +1,6 @@
-"""L3 through the page directory (design invariant 3), no Ray: a page is an L3 hit only once
-every TP rank of its writer reported it stored; leases cover prefetches; a failing directory
-means misses, never errors."""
+"""L3 through the page directory (docs/architecture.md invariant 3), no Ray: a page is an L3 hit
+only once every TP rank of its writer reported it stored; leases cover prefetches; a failing
+directory means misses, never errors."""
 import random
 
 import pytest
