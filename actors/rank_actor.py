@@ -243,7 +243,10 @@ class Rank:
                                 cache.spec.sliding is not None)
 
     def cache_snapshot(self) -> dict:
-        """Monotonic counters (cache, L3) and pool use, for metrics."""
+        """Monotonic counters (cache, L3) and pool use, for metrics. It is also the metrics
+        tick's pin upkeep (`refresh`, as a step does): an idle instance takes no steps, and its
+        lapsed pins must still let go of their pages (and leave the figures)."""
+        self.pin_desk.refresh()
         pins = self.pin_desk.figures()
         snap = self.engine.cache.snapshot()
         page = snap.page_size
