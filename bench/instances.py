@@ -9,7 +9,7 @@ collectives a step runs), and the actor-call overhead per step and per request.
     kvtier bench instances --writer-tp 1 --reader-tp 3 --json   # L3 across TP sizes
 
 `--model` and SGLang's `--hicache-*` flags / `--hicache-config` are the demo's
-(kvtier.demo_flags): another model, and every rank's cache config.
+(kvtier.cli.demo_flags): another model, and every rank's cache config.
 
 With `--hosts 3` the same workload runs on three hosts of this machine (kvtier demo --hosts)
 and the report adds `ttft_l3_cross_host_ratio` (B's L3 hit on host 3 of what A computed on
@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvtier import demo, demo_flags, demo_report
+from kvtier.cli import demo, demo_flags, demo_report
 from kvtier.bench import emit
 
 
@@ -63,7 +63,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.writer_tp or ns.reader_tp:
         return _cross_tp(ns, params)
     if ns.hosts:
-        from kvtier.demo_hosts import run_on_hosts
+        from kvtier.cli.demo_hosts import run_on_hosts
 
         result, text = run_on_hosts(params, ceilings=True)
         if not ns.json:

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any, Callable, NamedTuple
 
-from kvtier import demo, demo_flags
+from kvtier.cli import demo, demo_flags
 from kvtier.errors import ConfigError
 
 TARGET_TTFT_RATIO = 1.3

@@ -45,7 +45,7 @@ from kvtier.engine.model import PagedLlama
 from kvtier.engine.request import pages_for
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, refuse_tier_hiding
+from kvtier.cli.flags import add_hicache_flags, config_from_args, refuse_tier_hiding
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 

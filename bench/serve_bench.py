@@ -73,7 +73,7 @@ from kvtier.bench import emit
 from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args
+from kvtier.cli.flags import add_hicache_flags, config_from_args
 from kvtier.policies import SchedulePolicy
 from kvtier.serve.settings import HICACHE_OWNED, DType, ServeSettings
 from kvtier.storage_options import EXTRA_CONFIG_FLAG

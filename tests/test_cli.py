@@ -4,7 +4,7 @@ import json
 import pytest
 
 from kvtier.bench.trace import TraceError, read_trace
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def run_json(capsys, argv):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import cli, demo, demo_flags
+import kvtier.cli.main as cli
+
+from kvtier.cli import demo, demo_flags
 from kvtier.actors.rank_actor import RankCache
 from kvtier.bench import instances
 from kvtier.bench.prefix import document_tokens

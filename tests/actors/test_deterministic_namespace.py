@@ -1,6 +1,6 @@
 """Every place that computes an L3 namespace's fingerprint agrees on the engine's mode: the
 rank's cache (RankSettings.deterministic), the namespace the demo and the benches register
-(kvtier.demo.namespace_spec) and the Engine's own check, so a deterministic deployment never
+(kvtier.cli.demo.namespace_spec) and the Engine's own check, so a deterministic deployment never
 attaches a namespace of batched pages (no Ray: ranks in-process)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from kvtier.actors.namespace_actor import FakeNamespaceClient
 from kvtier.actors.rank_actor import RankCache, RankSettings
 from kvtier.config import HiCacheConfig
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.engine import Engine
 from kvtier.engine.loader import load_tiny_model
 from kvtier.engine.tp_worker import TinyWeights

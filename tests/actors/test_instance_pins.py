@@ -16,7 +16,7 @@ from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_worker import TinyWeights
 

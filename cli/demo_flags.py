@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags, refuse_tier_hiding
+from kvtier.cli.flags import add_hicache_flags, config_from_args, l3_from_flags, refuse_tier_hiding
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 DEFAULT_MODEL = "smollm2"
@@ -39,7 +39,7 @@ HELP = {
 
 
 class DemoCache(NamedTuple):
-    """The demo's cache settings from its flags (kvtier.demo.DemoParams fields)."""
+    """The demo's cache settings from its flags (kvtier.cli.demo.DemoParams fields)."""
 
     l3: str
     l3_root: str

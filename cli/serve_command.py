@@ -7,7 +7,7 @@ from typing import Any
 
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
+from kvtier.cli.flags import add_hicache_flags, config_from_args, l3_from_flags
 from kvtier.policies import SchedulePolicy, StorageBackendKind
 from kvtier.serve.admin_key_file import save_admin_key
 from kvtier.serve.l3_bound import describe_l3_bound

@@ -3,7 +3,7 @@
 What it runs (one process drives everything; every instance is TP=3 by default, three rank
 actors that agree on hit lengths with one MIN collective per scheduling step; `--tp` takes any
 divisor of the model's KV heads; `--model` another model, SGLang's `--hicache-*` flags the
-ranks' cache, see kvtier.demo_flags):
+ranks' cache, see kvtier.cli.demo_flags):
   * a local Ray cluster on 127.0.0.1 and the L3 namespace actor with one namespace whose
     storage (`file`: a temp dir; `nixl`: its POSIX plugin in the temp dir; `mooncake`: a
     master the actor starts) every rank opens with its own client;
@@ -29,9 +29,9 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-from kvtier import demo_flags
-from kvtier.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, L3_BACKENDS
-from kvtier.demo_report import Row, format_table, summary
+from kvtier.cli import demo_flags
+from kvtier.cli.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, L3_BACKENDS
+from kvtier.cli.demo_report import Row, format_table, summary
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 
@@ -60,7 +60,7 @@ class DemoParams(NamedTuple):
     # it, else fp32), bf16 or fp32
     hosts: int = 0  # 3: the whole demo on three hosts of this machine (root; kvtier.hosts)
     model: str = DEFAULT_MODEL  # smollm2, tiny, a Hugging Face model directory or a GGUF file
-    # more HiCacheConfig knobs for every rank, by name (SGLang's flags; kvtier.demo_flags)
+    # more HiCacheConfig knobs for every rank, by name (SGLang's flags; kvtier.cli.demo_flags)
     hicache: tuple[tuple[str, Any], ...] = ()
 
 
@@ -442,11 +442,11 @@ def main(ns: argparse.Namespace) -> int:
     if ns.pd:
         if params.hosts or params.address:
             raise ConfigError("--pd runs on local Ray only; drop --hosts/--address")
-        from kvtier.demo_pd import main as main_pd
+        from kvtier.cli.demo_pd import main as main_pd
 
         return main_pd(params, ns.pd_transport, ns.json_only)
     if params.hosts:
-        from kvtier.demo_hosts import main as main_on_hosts
+        from kvtier.cli.demo_hosts import main as main_on_hosts
 
         return main_on_hosts(params)
     result, rows = run(params)
