@@ -29,19 +29,17 @@ import argparse
 import json
 
 from kvtier.cli import demo, demo_flags, demo_report
+from kvtier.cli.shared_flags import add_dtype_flag, add_tp_flag
 from kvtier.bench import emit
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (no table)")
-    p.add_argument("--tp", type=int, default=3,
-                   help="TP ranks per instance, a divisor of the model's KV heads (default 3: "
-                        "every step runs the agreement)")
+    add_tp_flag(p, 3, "every step runs the agreement")
     p.add_argument("--tokens", type=int, default=2000, help="document tokens (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
-    p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
-                   help="model and KV dtype (default auto, as kvtier demo; with --writer-tp/"
-                        "--reader-tp auto is fp32: bf16 rounds differently per TP size)")
+    add_dtype_flag(p, note=", as kvtier demo; with --writer-tp/--reader-tp auto is fp32: bf16 "
+                        "rounds differently per TP size")
     p.add_argument("--hosts", type=int, default=0,
                    help="3: across three hosts made on this machine (root)")
     p.add_argument("--writer-tp", type=int, default=0,

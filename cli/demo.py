@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from kvtier.cli import demo_flags
 from kvtier.cli.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, L3_BACKENDS
 from kvtier.cli.demo_report import Row, format_table, summary
-from kvtier.dtypes import DType
+from kvtier.cli.shared_flags import DTYPES, add_dtype_flag, add_l3_root_flag, add_tp_flag
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,6 @@ class DemoModel(NamedTuple):
     label: str  # for messages: SmolLM2-135M-Instruct, kvtier-tiny or the directory's name
 
 
-DTYPES = tuple(d.value for d in DType)
 HEAD_RESOURCE = "kvtier_head"  # on a cluster the namespace actor runs where this is offered
 
 
@@ -395,12 +394,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length, rounded to whole 512-token chunks (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
-    p.add_argument("--tp", type=int, default=3,
-                   help="TP ranks per instance, a divisor of the model's KV heads (default 3; "
-                        "SmolLM2-135M has 3 KV heads: 1 or 3)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="model and KV dtype (default auto: bf16 on GPUs and CPUs that compute "
-                        "in bf16, fp32 on other CPUs, where bf16 is about 4x slower)")
+    add_tp_flag(p, 3, "SmolLM2-135M has 3 KV heads: 1 or 3")
+    add_dtype_flag(p)
     p.add_argument("--json-only", action="store_true",
                    help="print only the final JSON line (no table, no progress bar)")
     g = p.add_argument_group("several hosts")
@@ -410,8 +405,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. auto) instead of starting a local one; "
                         "the L3 namespace actor needs a node offering kvtier_head")
-    g.add_argument("--l3-root", default="",
-                   help="file/nixl L3 directory: on a cluster, one mounted on every node")
+    add_l3_root_flag(g, "; on a cluster, one mounted on every node")
     g.add_argument("--place", action="append", default=[], metavar="NAME=ADDRESS",
                    help="run instance NAME (cold, A or B) on the node with this address")
     g = p.add_argument_group("prefill/decode disaggregation")
