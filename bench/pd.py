@@ -31,7 +31,8 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from kvtier.cli import demo, demo_flags
-from kvtier.cli.shared_flags import add_dtype_flag, add_tp_flag
+from kvtier.cli.shared_flags import add_dtype_flag, add_pd_transport_flag, add_tp_flag
+from kvtier.serve.pd_settings import PDTransport
 from kvtier.errors import ConfigError
 
 TARGET_TTFT_RATIO = 1.3
@@ -40,8 +41,7 @@ TARGET_TRANSFER_RATIO = 0.8
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (no table)")
-    p.add_argument("--pd-transport", choices=["nixl", "mooncake"], default="nixl",
-                   help="how prefill ranks write KV into decode ranks' pages (default nixl)")
+    add_pd_transport_flag(p, PDTransport.NIXL.value)
     add_tp_flag(p, 1)
     p.add_argument("--decode-tp", type=int, default=0,
                    help="the decode instance's TP size when it differs from --tp (the "

@@ -74,8 +74,7 @@ from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sy
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.cli.flags import add_hicache_flags, config_from_args
-from kvtier.cli.shared_flags import add_dtype_flag, add_model_flag
-from kvtier.policies import SchedulePolicy
+from kvtier.cli.shared_flags import add_dtype_flag, add_model_flag, add_schedule_policy_flag
 from kvtier.serve.settings import HICACHE_OWNED, ServeSettings
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
@@ -150,9 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    action=AppFlag)
     app.add_argument("--deterministic", nargs=0, default=False, action=AppFlag,
                      help="answers bit-identical to a cold run (as kvtier serve --deterministic)")
-    app.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],
-                     default=SERVE_DEFAULTS["schedule_policy"].value, action=AppFlag,
-                     help="admission order (default lpm, as kvtier serve)")
+    add_schedule_policy_flag(app, SERVE_DEFAULTS["schedule_policy"].value, ", as kvtier serve",
+                             action=AppFlag)
     app.add_argument("--compare-off", nargs=0, default=False, action=AppFlag,
                      help="then run the same load with the cache off (L1 only, same L1 size)")
     app.add_argument("--check-cold", nargs=0, default=False, action=AppFlag,

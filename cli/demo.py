@@ -32,7 +32,9 @@ from typing import Any, NamedTuple
 from kvtier.cli import demo_flags
 from kvtier.cli.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, L3_BACKENDS
 from kvtier.cli.demo_report import Row, format_table, summary
-from kvtier.cli.shared_flags import DTYPES, add_dtype_flag, add_l3_root_flag, add_tp_flag
+from kvtier.cli.shared_flags import (DTYPES, add_dtype_flag, add_l3_root_flag,
+                                     add_pd_transport_flag, add_tp_flag)
+from kvtier.serve.pd_settings import PDTransport
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -412,8 +414,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd", action="store_true",
                    help="answer through a prefill and a decode instance (KV handed over), "
                         "each answer checked against a mixed instance's")
-    g.add_argument("--pd-transport", choices=["nixl", "mooncake"], default="nixl",
-                   help="with --pd: how prefill ranks write KV into decode ranks' pages")
+    add_pd_transport_flag(g, PDTransport.NIXL.value, "; with --pd")
     demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags
 
 

@@ -9,12 +9,13 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.cli.flags import add_hicache_flags, config_from_args, l3_from_flags
 from kvtier.cli.shared_flags import (add_dtype_flag, add_l3_flag, add_l3_root_flag,
-                                     add_model_flag, add_tp_flag)
-from kvtier.policies import SchedulePolicy, StorageBackendKind
+                                     add_model_flag, add_pd_transport_flag,
+                                     add_schedule_policy_flag, add_tp_flag)
+from kvtier.policies import StorageBackendKind
 from kvtier.serve.admin_key_file import save_admin_key
 from kvtier.serve.l3_bound import describe_l3_bound
 from kvtier.serve.placement import PlacementMode, RankGpus
-from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, PDTransport, ServeSettings
+from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, ServeSettings
 from kvtier.serve.tenants import load_api_keys
 
 
@@ -46,9 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-instances", type=int, default=0, metavar="D",
                    help="prefill/decode disaggregation: D instances decode every answer from "
                         "the KV a prefill instance sent them (with --prefill-instances)")
-    p.add_argument("--pd-transport", choices=[m.value for m in PDTransport], default=None,
-                   help="how prefill instances write KV into decode instances' memory: nixl "
-                        "(default) or mooncake; only with --prefill-instances/--decode-instances")
+    add_pd_transport_flag(p, None, "; only with --prefill-instances/--decode-instances")
     p.add_argument("--pd-decode-l3", action=argparse.BooleanOptionalAction, default=True,
                    help="decode instances store the conversations they finish in L3, so the "
                         "next turn's prefill hits the answer too (default on; "
@@ -71,9 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="answers bit-identical to a cold run: one-page prefill chunks, one "
                         "sequence per forward, only prompt pages cached (slower, reuses less)")
-    p.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],
-                   default="lpm", help="admission order: lpm (longest cached prefix first, "
-                   "with aging; default) or fcfs (arrival order)")
+    add_schedule_policy_flag(p)
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
     p.add_argument("--admin-key", default="",

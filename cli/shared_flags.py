@@ -1,7 +1,7 @@
-"""The flags several commands take, each declared once: `--model`, `--dtype`, `--tp`, `--l3`
-and `--l3-root` (SGLang's `--hicache-*` flags are cli.flags'). Each builder adds one flag to a
+"""The flags several commands take, each declared once: `--model`, `--dtype`, `--tp`, `--l3`,
+`--l3-root`, `--pd-transport` and `--schedule-policy` (SGLang's `--hicache-*` flags are cli.flags'). Each builder adds one flag to a
 parser or an argument group, with its one list of choices taken from the vocabulary (DType,
-StorageBackendKind, the serve settings' ModelChoice); a command that handles fewer of them
+StorageBackendKind, SchedulePolicy, PDTransport, the serve settings' ModelChoice); a command that handles fewer of them
 names its own subset, and says why there.
 """
 from __future__ import annotations
@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvtier.dtypes import DType
-from kvtier.policies import StorageBackendKind
+from kvtier.policies import SchedulePolicy, StorageBackendKind
+from kvtier.serve.pd_settings import PDTransport
 from kvtier.serve.settings import L3_NONE, ModelChoice
 
 
@@ -89,3 +90,23 @@ def add_l3_root_flag(p: Adds, note: str = "") -> None:
     p.add_argument("--l3-root", default="",
                    help=f"file/nixl L3 directory (default: a temp dir{note})")
 
+
+
+def add_pd_transport_flag(p: Adds, default: str | None, note: str = "") -> None:
+    """`--pd-transport {nixl,mooncake}`: how prefill ranks write KV into decode ranks' pages
+    (PDTransport). `default` None: the command picks (nixl) when it runs a prefill/decode
+    graph; `note` ends the help."""
+    p.add_argument("--pd-transport", choices=tuple(t.value for t in PDTransport),
+                   default=default,
+                   help=f"how prefill ranks write KV into decode ranks' pages (default "
+                        f"{default or PDTransport.NIXL.value}{note})")
+
+
+def add_schedule_policy_flag(p: Adds, default: str = SchedulePolicy.LPM.value, note: str = "",
+                             **kwargs: Any) -> None:
+    """`--schedule-policy {lpm,fcfs}`, the admission order (SchedulePolicy); `kwargs` go to
+    add_argument."""
+    p.add_argument("--schedule-policy", choices=tuple(m.value for m in SchedulePolicy),
+                   default=default,
+                   help=f"admission order: lpm (longest cached prefix first, with aging) or "
+                        f"fcfs (arrival order) (default {default}{note})", **kwargs)

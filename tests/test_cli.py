@@ -52,7 +52,7 @@ def test_bad_trace_is_a_clear_error(tmp_path):
         read_trace(bad)
 
 
-SHARED = ("--model", "--dtype", "--tp", "--l3", "--l3-root")
+SHARED = ("--model", "--dtype", "--tp", "--l3", "--l3-root", "--pd-transport", "--schedule-policy")
 
 
 def _commands(parser, path=()):
@@ -68,7 +68,8 @@ def _commands(parser, path=()):
 
 
 def test_shared_flags_are_declared_only_by_their_builders():
-    """--model, --dtype, --tp, --l3 and --l3-root: one declaration each, in cli/shared_flags.py."""
+    """--model, --dtype, --tp, --l3, --l3-root, --pd-transport and --schedule-policy: one
+    declaration each, in cli/shared_flags.py."""
     import pathlib
     import re
 
