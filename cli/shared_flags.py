@@ -1,8 +1,9 @@
 """The flags several commands take, each declared once: `--model`, `--dtype`, `--tp`, `--l3`,
-`--l3-root`, `--pd-transport` and `--schedule-policy` (SGLang's `--hicache-*` flags are cli.flags'). Each builder adds one flag to a
-parser or an argument group, with its one list of choices taken from the vocabulary (DType,
-StorageBackendKind, SchedulePolicy, PDTransport, the serve settings' ModelChoice); a command that handles fewer of them
-names its own subset, and says why there.
+`--l3-root`, `--pd-transport` and `--schedule-policy` (SGLang's `--hicache-*` flags are
+cli.flags'). Each builder adds one flag to a parser or an argument group, with its one list of
+choices taken from the vocabulary (DType, StorageBackendKind, SchedulePolicy, PDTransport, the
+serve settings' ModelChoice); a command that handles fewer of them names its own subset, and
+says why there.
 """
 from __future__ import annotations
 
@@ -80,16 +81,18 @@ def add_l3_flag(p: Adds, default: str | None, kinds: Sequence[StorageBackendKind
     the check to its settings (so a flag and a config file fail alike): no argparse choices."""
     names = [k.value for k in kinds] + ([L3_NONE] if allow_none else [])
     every = set(kinds) == set(StorageBackendKind) and allow_none
+    # default None: not given, and the command settles it with SGLang's
+    # --hicache-storage-backend (cli.flags.l3_from_flags): file when neither is given
+    shown = default or StorageBackendKind.FILE.value
     p.add_argument("--l3", default=default, choices=None if every else names,
                    metavar="|".join(names) if every else None,
-                   help=f"L3 backend: {', '.join(names)} (default {default or 'file'}{note})")
+                   help=f"L3 backend: {', '.join(names)} (default {shown}{note})")
 
 
 def add_l3_root_flag(p: Adds, note: str = "") -> None:
     """`--l3-root DIR`, the file/nixl L3 directory ("" when not given)."""
     p.add_argument("--l3-root", default="",
                    help=f"file/nixl L3 directory (default: a temp dir{note})")
-
 
 
 def add_pd_transport_flag(p: Adds, default: str | None, note: str = "") -> None:
