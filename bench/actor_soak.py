@@ -99,7 +99,7 @@ def _model(name: str, seed: int) -> _Model:
         return _Model(TinyWeights(seed=seed), 16, torch.float32, "tiny")
     if name == "smollm2":
         return _Model(SmolLM2Weights(), 64, torch.float32, SMOLLM2_NAMESPACE)
-    from kvtier.demo import demo_model
+    from kvtier.cli.demo import demo_model
 
     model = demo_model(name)  # a directory or GGUF file, resolved as kvtier demo resolves it
     return _Model(model.source, 64, torch.float32, model.name)
@@ -162,7 +162,7 @@ class _Soak:
         from kvtier.actors.instance import Instance
         from kvtier.actors.namespace_actor import get_or_create_namespace_actor
         from kvtier.bench.soak_rank import SoakRank
-        from kvtier.demo import namespace_spec
+        from kvtier.cli.demo import namespace_spec
 
         self.params, self.tmp = params, tmp
         self.rng = random.Random(params.seed)

@@ -57,6 +57,7 @@ from kvtier.bench.chaos_bodies import Limits
 from kvtier.bench.chaos_clients import Answer, ClientParams, ErrorRecord, Tally, Traffic
 from kvtier.bench.chaos_monitor import Monitor, get_json, idle
 from kvtier.bench.serve_bench import stdout_to_stderr
+from kvtier.cli.shared_flags import add_dtype_flag, add_l3_flag, add_model_flag, add_tp_flag
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import StorageBackendKind
@@ -426,20 +427,17 @@ def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=2.0,
                    help=f"how long the traffic runs (default 2, at most {MAX_MINUTES:.0f})")
-    p.add_argument("--l3", choices=[k.value for k in L3_KINDS], default="file",
-                   help="the shared L3 (mooncake: its master is restarted as a fault too)")
+    add_l3_flag(p, StorageBackendKind.FILE.value, kinds=L3_KINDS,
+                note="; mooncake: its master is restarted as a fault too")
     p.add_argument("--pd", action="store_true",
                    help="one prefill and one decode instance in place of two mixed ones")
-    p.add_argument("--model", default="tiny", metavar="tiny|smollm2|DIR|FILE.gguf",
-                   help="what the instances serve (default tiny: random weights over SmolLM2's "
-                        "vocabulary, fast enough that the serving, not the model, is what runs; "
-                        "smollm2 runs at TP 3)")
-    p.add_argument("--dtype", choices=[m.value for m in DType], default="fp32",
-                   help="model and KV dtype (default fp32: in bf16 a batch's composition moves "
-                        "greedy answers)")
-    p.add_argument("--tp", type=int, default=None,
-                   help="ranks per instance (default 2, or the smallest size that splits the "
-                        "model: 3 for SmolLM2)")
+    add_model_flag(p, ModelChoice.TINY.value,
+                   note=": fast enough that the serving, not the model, is what runs; smollm2 "
+                        "runs at TP 3")
+    add_dtype_flag(p, DType.FP32.value, note=": in bf16 a batch's composition moves greedy "
+                                             "answers")
+    add_tp_flag(p, None, "default 2, or the smallest size that splits the model: 3 for "
+                         "SmolLM2")
     p.add_argument("--fault-every", type=float, default=None, metavar="SECONDS",
                    help="seconds between faults (default: each kind once over the run, "
                         f"{MIN_FAULT_GAP_S:.0f}-{MAX_FAULT_GAP_S:.0f} s apart)")

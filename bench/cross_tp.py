@@ -25,7 +25,7 @@ import math
 import tempfile
 from typing import Any
 
-from kvtier import demo
+from kvtier.cli import demo
 from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.errors import ConfigError
 

@@ -9,7 +9,7 @@ collectives a step runs), and the actor-call overhead per step and per request.
     kvtier bench instances --writer-tp 1 --reader-tp 3 --json   # L3 across TP sizes
 
 `--model` and SGLang's `--hicache-*` flags / `--hicache-config` are the demo's
-(kvtier.demo_flags): another model, and every rank's cache config.
+(kvtier.cli.demo_flags): another model, and every rank's cache config.
 
 With `--hosts 3` the same workload runs on three hosts of this machine (kvtier demo --hosts)
 and the report adds `ttft_l3_cross_host_ratio` (B's L3 hit on host 3 of what A computed on
@@ -28,20 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvtier import demo, demo_flags, demo_report
+from kvtier.cli import demo, demo_flags, demo_report
+from kvtier.cli.shared_flags import add_dtype_flag, add_tp_flag
 from kvtier.bench import emit
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (no table)")
-    p.add_argument("--tp", type=int, default=3,
-                   help="TP ranks per instance, a divisor of the model's KV heads (default 3: "
-                        "every step runs the agreement)")
+    add_tp_flag(p, 3, "every step runs the agreement")
     p.add_argument("--tokens", type=int, default=2000, help="document tokens (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
-    p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
-                   help="model and KV dtype (default auto, as kvtier demo; with --writer-tp/"
-                        "--reader-tp auto is fp32: bf16 rounds differently per TP size)")
+    add_dtype_flag(p, note=", as kvtier demo; with --writer-tp/--reader-tp auto is fp32: bf16 "
+                        "rounds differently per TP size")
     p.add_argument("--hosts", type=int, default=0,
                    help="3: across three hosts made on this machine (root)")
     p.add_argument("--writer-tp", type=int, default=0,
@@ -63,7 +61,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.writer_tp or ns.reader_tp:
         return _cross_tp(ns, params)
     if ns.hosts:
-        from kvtier.demo_hosts import run_on_hosts
+        from kvtier.cli.demo_hosts import run_on_hosts
 
         result, text = run_on_hosts(params, ceilings=True)
         if not ns.json:

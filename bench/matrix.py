@@ -39,7 +39,8 @@ from kvtier.bench.matrix_report import (TierSnapshot, make_cell, markdown_table,
 from kvtier.bench.matrix_workloads import (FULL, QUICK, MatrixConfig, MatrixSizes, Workload,
                                            build_workloads, filler_tokens, hicache_config,
                                            matrix_configs)
-from kvtier.dtypes import DType, name as dtype_name, resolve_here
+from kvtier.cli.shared_flags import LOADED_MODEL_ALIASES, add_dtype_flag, add_model_flag
+from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.engine import SMOLLM2_NAMESPACE
 from kvtier.engine.request import pages_for
@@ -66,17 +67,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small documents, few requests, two timeouts (~10 min on 2 cores)")
     p.add_argument("--json", action="store_true", help="print results.json's object, no bars")
-    p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",
-                   help="model and KV dtype (default auto: bf16 where the hardware computes "
-                        "in it, else fp32)")
+    add_dtype_flag(p)
     p.add_argument("--workloads", default="ABCDE", help="subset of ABCDE (default all)")
     p.add_argument("--configs", default="012345", help="subset of 012345 (default all)")
     p.add_argument("--skip-limits", action="store_true",
                    help="do not measure tier ceilings and the crossover")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--model", default="smollm2", metavar="smollm2|DIR",
-                   help="SmolLM2 (default) or a Hugging Face model directory (with "
-                        "--skip-limits: the ceilings and crossover calibrate SmolLM2)")
+    add_model_flag(p, aliases=LOADED_MODEL_ALIASES,
+                   note="; any but smollm2 with --skip-limits: the ceilings and crossover "
+                        "calibrate SmolLM2")
 
 
 # ---- ceilings -------------------------------------------------------------------------------

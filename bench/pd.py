@@ -30,7 +30,9 @@ import statistics
 import time
 from typing import Any, Callable, NamedTuple
 
-from kvtier import demo, demo_flags
+from kvtier.cli import demo, demo_flags
+from kvtier.cli.shared_flags import add_dtype_flag, add_pd_transport_flag, add_tp_flag
+from kvtier.serve.pd_settings import PDTransport
 from kvtier.errors import ConfigError
 
 TARGET_TTFT_RATIO = 1.3
@@ -39,9 +41,8 @@ TARGET_TRANSFER_RATIO = 0.8
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (no table)")
-    p.add_argument("--pd-transport", choices=["nixl", "mooncake"], default="nixl",
-                   help="how prefill ranks write KV into decode ranks' pages (default nixl)")
-    p.add_argument("--tp", type=int, default=1, help="TP ranks per instance (default 1)")
+    add_pd_transport_flag(p, PDTransport.NIXL.value)
+    add_tp_flag(p, 1)
     p.add_argument("--decode-tp", type=int, default=0,
                    help="the decode instance's TP size when it differs from --tp (the "
                         "hand-off is then staged through L2 head objects; --dtype auto is "
@@ -51,8 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=5, help="documents answered (default 5)")
     p.add_argument("--raw-repeats", type=int, default=5,
                    help="runs of the bare transport over the same descriptors (default 5)")
-    p.add_argument("--dtype", choices=demo.DTYPES, default="auto",
-                   help="model and KV dtype (default auto, as kvtier demo)")
+    add_dtype_flag(p, note=", as kvtier demo")
     demo_flags.add_arguments(p)
 
 

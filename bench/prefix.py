@@ -36,7 +36,7 @@ import torch
 
 from kvtier.bench import emit
 from kvtier.config import HiCacheConfig
-from kvtier.dtypes import DType, name as dtype_name, resolve_here
+from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.engine import Engine, Output, SamplingParams
 from kvtier.engine.engine import SMOLLM2_NAMESPACE
 from kvtier.engine.loader import load_smollm2_model
@@ -45,7 +45,8 @@ from kvtier.engine.model import PagedLlama
 from kvtier.engine.request import pages_for
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, refuse_tier_hiding
+from kvtier.cli.flags import add_hicache_flags, config_from_args, refuse_tier_hiding
+from kvtier.cli.shared_flags import LOADED_MODEL_ALIASES, add_dtype_flag, add_model_flag
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
@@ -120,14 +121,10 @@ def loader(model: str) -> Callable[[torch.dtype], BenchModel]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--model", default="smollm2", metavar="smollm2|gemma3-270m|DIR|FILE.gguf",
-                   help="SmolLM2 (default), gemma3-270m (Gemma-3 270M), a Hugging Face model "
-                        "directory or a Llama or Gemma-3 GGUF file")
+    add_model_flag(p, aliases=LOADED_MODEL_ALIASES)
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length in tokens, as given (default 2000)")
-    p.add_argument("--dtype", choices=[d.value for d in DType], default="auto",
-                   help="model and KV dtype (default auto: bf16 where the hardware computes "
-                        "in it, else fp32)")
+    add_dtype_flag(p)
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="most new tokens per forward, a multiple of the page size (default: "
                         "the engine's, kvtier.engine.engine.default_chunk_tokens)")

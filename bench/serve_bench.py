@@ -73,9 +73,9 @@ from kvtier.bench import emit
 from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args
-from kvtier.policies import SchedulePolicy
-from kvtier.serve.settings import HICACHE_OWNED, DType, ServeSettings
+from kvtier.cli.flags import add_hicache_flags, config_from_args
+from kvtier.cli.shared_flags import add_dtype_flag, add_model_flag, add_schedule_policy_flag
+from kvtier.serve.settings import HICACHE_OWNED, ServeSettings
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 LOOPBACK = "127.0.0.1"
@@ -138,26 +138,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     app = p.add_argument_group("kvtier's own app (not with --base-url)")
     app.add_argument("--instances", type=int, default=1, action=AppFlag,
                      help="model instances (default 1)")
-    app.add_argument("--model", action=AppFlag, metavar="ALIAS|DIR|FILE.gguf",
-                     default=SERVE_DEFAULTS["model"].value,
-                     help=f"smollm2, tiny, a Hugging Face model directory or a Llama GGUF "
-                          f"file (default "
-                          f"{SERVE_DEFAULTS['model'].value}, as kvtier serve)")
+    add_model_flag(app, SERVE_DEFAULTS["model"].value, note=", as kvtier serve", action=AppFlag)
     app.add_argument("--device-pages", type=int, default=None, action=AppFlag,
                      help=f"L1 pages per rank, page size {PAGE_SIZE} (default: two "
                           "conversations' histories, so they do not all fit)")
     app.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, action=AppFlag,
                      help=f"most new tokens per forward, a multiple of {PAGE_SIZE} "
                           f"(default {CHUNK_TOKENS}, as kvtier serve)")
-    app.add_argument("--dtype", choices=[m.value for m in DType], action=AppFlag,
-                     default=SERVE_DEFAULTS["dtype"].value,
-                     help=f"model and KV dtype (default {SERVE_DEFAULTS['dtype'].value}, as kvtier "
-                          "serve: bf16 where the hardware computes in it, else fp32)")
+    add_dtype_flag(app, SERVE_DEFAULTS["dtype"].value, note=", as kvtier serve",
+                   action=AppFlag)
     app.add_argument("--deterministic", nargs=0, default=False, action=AppFlag,
                      help="answers bit-identical to a cold run (as kvtier serve --deterministic)")
-    app.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],
-                     default=SERVE_DEFAULTS["schedule_policy"].value, action=AppFlag,
-                     help="admission order (default lpm, as kvtier serve)")
+    add_schedule_policy_flag(app, SERVE_DEFAULTS["schedule_policy"].value, ", as kvtier serve",
+                             action=AppFlag)
     app.add_argument("--compare-off", nargs=0, default=False, action=AppFlag,
                      help="then run the same load with the cache off (L1 only, same L1 size)")
     app.add_argument("--check-cold", nargs=0, default=False, action=AppFlag,

@@ -38,7 +38,9 @@ from kvtier.backends.faulty import FaultKind, FaultyBackend, StorageOp
 from kvtier.backends.registry import create_backend
 from kvtier.bench.answer_check import (REFERENCE_LOGPROBS, AnswerTally, Reference,
                                        answer_words)
+from kvtier.cli.shared_flags import add_l3_flag, add_model_flag, add_tp_flag
 from kvtier.config import HiCacheConfig
+from kvtier.policies import StorageBackendKind
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.loader import load_tiny_model
 from kvtier.engine.request import FinishReason
@@ -215,16 +217,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=100_000)
     p.add_argument("--fault-every", type=float, default=2.0, help="seconds between faults")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tp", type=int, default=None,
-                   help="run on the actor system: TP ranks per instance (tiny: 1, 2, 3, 6)")
+    add_tp_flag(p, None, "given: run on the actor system; tiny: 1, 2, 3, 6")
     p.add_argument("--instances", type=int, default=None,
                    help="run on the actor system: instances sharing one L3 namespace")
-    p.add_argument("--l3", choices=("file", "mooncake", "nixl"), default="file",
-                   help="the shared L3 backend (actor system)")
-    p.add_argument("--model", default="smollm2", metavar="tiny|smollm2|DIR|FILE.gguf",
-                   help="the model the ranks run (actor system; default smollm2; tiny: random "
-                        "weights, fast; or a Hugging Face model directory or GGUF file, as "
-                        "kvtier serve takes it)")
+    add_l3_flag(p, StorageBackendKind.FILE.value, note="; the actor system's")
+    add_model_flag(p, note="; the model the actor system's ranks run")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvtier.cli.shared_flags import add_dtype_flag
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.kv_spec import SMOLLM2_135M, KVSpec
 from kvtier.policies import IoBackend, MemLayout
@@ -43,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--pages", type=int, default=TransferBenchParams.pages, help="pages per transfer")
     parser.add_argument("--page-size", type=int, default=TransferBenchParams.page_size, help="tokens per page")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=TransferBenchParams.dtype)
+    # the copied pages' dtype: no model here, so no auto (which resolves a model's), and fp16
+    add_dtype_flag(parser, TransferBenchParams.dtype, choices=sorted(DTYPES),
+                   subject="KV page dtype")
     parser.add_argument("--repeats", type=int, default=TransferBenchParams.repeats, help="best of R timed runs")
     parser.add_argument("--io-backend", action="append", choices=[b.value for b in IoBackend],
                         help="measure these backends (repeatable; default: kernel and direct)")

@@ -1,3 +1,3 @@
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 raise SystemExit(main())

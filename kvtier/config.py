@@ -43,7 +43,7 @@ FIELD_FLAGS: Mapping[str, str] = {
     "storage_backend": "--hicache-storage-backend",
     "storage_options": EXTRA_CONFIG_FLAG,
 }
-# Keys SGLang reads from its extra config, lifted into top-level fields (see kvtier.flags).
+# Keys SGLang reads from its extra config, lifted into top-level fields (see kvtier.cli.flags).
 SGLANG_EXTRA_KEYS: Mapping[str, str] = {
     "prefetch_threshold": "prefetch_threshold_tokens",
     "prefetch_timeout_base": "prefetch_timeout_base_s",

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from kvtier.bench.trace import TraceError, read_trace
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def run_json(capsys, argv):
@@ -50,3 +50,96 @@ def test_bad_trace_is_a_clear_error(tmp_path):
     bad.write_text('{"type":"header","version":1}\n{"type":"request","id":0,"conv":0,"turn":0,"prompt":[5],"output":6}\n')
     with pytest.raises(TraceError, match="unknown segments"):
         read_trace(bad)
+
+
+SHARED = ("--model", "--dtype", "--tp", "--l3", "--l3-root", "--pd-transport", "--schedule-policy")
+
+
+def _commands(parser, path=()):
+    """(command words, parser) for every leaf command under `parser`."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for sub in subs:
+        for name, child in sub.choices.items():
+            yield from _commands(child, (*path, name))
+
+
+def test_shared_flags_are_declared_only_by_their_builders():
+    """--model, --dtype, --tp, --l3, --l3-root, --pd-transport and --schedule-policy: one
+    declaration each, in cli/shared_flags.py."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    declared = re.compile(r"add_argument\(\s*[\"'](%s)[\"']" % "|".join(map(re.escape, SHARED)))
+    places = [f"{path.relative_to(root)}:{m.group(1)}"
+              for folder in ("kvtier", "cli", "bench", "hosts")
+              for path in sorted((root / folder).rglob("*.py"))
+              for m in declared.finditer(path.read_text())]
+    assert sorted(places) == sorted(f"cli/shared_flags.py:{flag}" for flag in SHARED)
+
+
+def test_every_command_takes_the_one_list_of_choices():
+    """A command's --dtype / --l3 choices are the vocabulary's, or a subset of it (bench
+    transfer's KV page dtype excepted: no model, so no auto, and fp16)."""
+    from kvtier.cli.main import build_parser
+    from kvtier.dtypes import DType
+    from kvtier.policies import StorageBackendKind
+
+    seen = {}
+    for words, parser in _commands(build_parser()):
+        for action in parser._actions:
+            flag = next((s for s in action.option_strings if s in ("--dtype", "--l3")), None)
+            if flag is None:
+                continue
+            seen[(" ".join(words), flag)] = action.choices
+    assert seen[("bench transfer", "--dtype")] == ("bf16", "fp16", "fp32")
+    del seen[("bench transfer", "--dtype")]
+    dtypes = tuple(d.value for d in DType)
+    kinds = {k.value for k in StorageBackendKind}
+    for (command, flag), choices in seen.items():
+        if flag == "--dtype":
+            assert tuple(choices) == dtypes, command
+        else:  # None: every kind, checked by the command's settings
+            assert choices is None or set(choices) <= kinds, command
+    assert seen[("serve", "--l3")] is None
+    assert set(seen[("bench chaos", "--l3")]) == {"file", "mooncake"}
+    assert {c for c, f in seen if f == "--dtype"} >= {
+        "serve", "demo", "bench prefix", "bench instances", "bench pd", "bench matrix",
+        "bench serve", "bench chaos"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--l3", "none", "--tp", "2", "--dtype", "fp32", "--model", "tiny"],
+    ["serve", "--l3", "simulated", "--l3-root", "/tmp/x"],
+    ["demo", "--l3", "nixl", "--dtype", "bf16", "--model", "gemma3-270m", "--tp", "1"],
+    ["bench", "transfer", "--dtype", "fp16"],
+    ["bench", "chaos", "--l3", "mooncake", "--model", "smollm2", "--tp", "3"],
+    ["bench", "soak", "--l3", "nixl", "--model", "tiny", "--tp", "2"],
+    ["bench", "matrix", "--out", "/tmp/m", "--model", "/some/dir", "--dtype", "fp32"],
+    ["bench", "serve", "--model", "tiny", "--dtype", "bf16"],
+])
+def test_existing_invocations_still_parse(argv):
+    from kvtier.cli.main import build_parser
+
+    ns = build_parser().parse_args(argv)
+    flags = argv[next(i for i, a in enumerate(argv) if a.startswith("--")):]
+    for flag, value in zip(flags[::2], flags[1::2]):
+        assert str(getattr(ns, flag.lstrip("-").replace("-", "_"))) == value
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--l3", "none"],  # the demo shows L3 hits
+    ["bench", "chaos", "--l3", "nixl"],  # chaos restarts the file or Mooncake store
+    ["bench", "transfer", "--dtype", "auto"],
+    ["demo", "--dtype", "fp16"],
+])
+def test_narrower_choices_are_refused_by_the_parser(argv, capsys):
+    from kvtier.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "invalid choice" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kvtier.config as config_mod
 from kvtier.config import HiCacheConfig, knob_names
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, load_mapping_file
+from kvtier.cli.flags import add_hicache_flags, config_from_args, load_mapping_file
 from kvtier.policies import (HostMode, IoBackend, MemLayout, PrefetchPolicy,
                              StorageBackendKind, WritePolicy)
 from kvtier.storage_options import (FileOptions, MooncakeOptions, MooncakeProtocol,

@@ -1,7 +1,7 @@
 """The layout rule and the layering, read from every package module's imports (with `ast`).
 
 Layers, bottom to top: the vocabulary of `kvtier/` <- backends <- tiers <- engine <- serve <-
-actors <- bench and the command line of `kvtier/` (cli, demo, serve_command, __main__). A module
+actors <- bench, hosts and the commands of `cli/`. A module
 may import from its own layer or below; only `actors/` may import ray. Tests and examples are
 outside these rules.
 """
@@ -13,10 +13,11 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# folder -> layer; `kvtier/` is split between the bottom and the top (COMMAND_MODULES)
+# folder -> layer
 LAYERS = {"kvtier": 0, "backends": 1, "tiers": 2, "engine": 3, "serve": 4, "actors": 5,
-          "bench": 6, "hosts": 6}
-COMMAND_MODULES = {"cli", "demo", "demo_hosts", "demo_pd", "serve_command", "__main__"}
+          "bench": 6, "hosts": 6, "cli": 6}
+# `kvtier/__main__.py` only hands `python -m kvtier` to the command line
+ENTRY_POINT = "kvtier.__main__"
 TOP = 6
 RAY_ALLOWED = {"actors"}
 
@@ -30,7 +31,7 @@ def module_layer(dotted: str) -> int | None:
         return 0
     if parts[1] in LAYERS and parts[1] != "kvtier":
         return LAYERS[parts[1]]
-    return TOP if parts[1] in COMMAND_MODULES else 0
+    return TOP if dotted == ENTRY_POINT else 0
 
 
 def package_modules() -> list[tuple[pathlib.Path, str]]:
@@ -113,7 +114,8 @@ def test_every_folder_is_installed_under_its_name():
     ("from kvtier.actors.instance import Instance", "kvtier.engine.scheduler", "upward"),
     ("import ray", "kvtier.tiers.radix_tree", "only actors/"),
     ("from ray.util import collective", "kvtier.serve.metrics", "only actors/"),
-    ("from kvtier import demo", "kvtier.config", "upward"),
+    ("from kvtier.cli import demo", "kvtier.config", "upward"),
+    ("from kvtier.cli.flags import add_hicache_flags", "kvtier.actors.instance", "upward"),
     ("from ..engine import scheduler", "kvtier.tiers.radix_tree", "upward"),
     ("from kvtier.bench import soak", "kvtier.actors.instance", "upward"),
 ])
@@ -126,7 +128,9 @@ def test_the_checker_catches_what_it_must(source, dotted, message):
 
 @pytest.mark.parametrize("source, dotted", [
     ("import ray", "kvtier.actors.instance"),
-    ("from kvtier.actors.instance import Instance", "kvtier.demo"),
+    ("from kvtier.actors.instance import Instance", "kvtier.cli.demo"),
+    ("from kvtier.cli.demo import namespace_spec", "kvtier.bench.pd"),
+    ("from kvtier.cli.main import main", "kvtier.__main__"),
     ("from kvtier.tiers.radix_tree import HiRadixTree", "kvtier.engine.admission"),
     ("from kvtier.serve import metrics", "kvtier.actors.serve_ingress"),
 ])

@@ -14,7 +14,7 @@ from test_tp3_shared_l3 import CONFIG, GREEDY, PAGE, PER_RANK_CPUS, SETTINGS, SO
 from kvtier.actors.instance import Instance
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import Rank
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)

@@ -8,10 +8,10 @@ import json
 import pytest
 import ray
 
-from kvtier import cli
+import kvtier.cli.main as cli
 from kvtier.bench import instances
-from kvtier.demo import PLAN, DemoParams, run
-from kvtier.demo_report import format_table
+from kvtier.cli.demo import PLAN, DemoParams, run
+from kvtier.cli.demo_report import format_table
 
 CONTRACT = {"identical", "ttft_cold_s", "ttft_l2_ratio", "ttft_l3_cross_instance_ratio",
             "agreement_us_p50", "agreement_us_p99", "collectives_per_step"}

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import cli, demo, demo_flags
+import kvtier.cli.main as cli
+
+from kvtier.cli import demo, demo_flags
 from kvtier.actors.rank_actor import Rank
 from kvtier.bench import instances
 from kvtier.bench.prefix import document_tokens
@@ -30,7 +32,8 @@ def parse(*argv: str):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["demo"], ["--model ALIAS|DIR", "smollm2 (default: SmolLM2-135M-Instruct)",
+    (["demo"], ["--model smollm2|gemma3-270m|tiny|DIR|FILE.gguf",
+                "smollm2 (SmolLM2-135M-Instruct)", "(default smollm2;",
                 "--tp TP", "(default 3;", "--l3 {file,mooncake,nixl}", "(default file,",
                 "--page-size TOKENS", "(default 64)", "--hicache-ratio RATIO", "(default 2)",
                 "--hicache-write-policy", "default write_through", "--hicache-io-backend",
@@ -39,10 +42,17 @@ def parse(*argv: str):
                 "--hicache-storage-backend", "what --l3 says (default file)",
                 "--hicache-storage-backend-extra-config", "only root_dir",
                 "--disable-hierarchical-cache refused", "--hicache-config @FILE"]),
-    (["bench", "instances"], ["--model ALIAS|DIR", "(default 3:", "--l3 {file,mooncake,nixl}",
+    (["bench", "instances"], ["--model smollm2|gemma3-270m|tiny|DIR", "(default 3;",
+                              "--l3 {file,mooncake,nixl}",
                               "--page-size TOKENS", "default wait_complete",
                               "--hicache-mem-layout", "--hicache-config @FILE"]),
-    (["bench", "soak"], ["--model tiny|smollm2|DIR", "default smollm2"]),
+    (["bench", "soak"], ["--model smollm2|gemma3-270m|tiny|DIR", "default smollm2"]),
+    (["bench", "prefix"], ["--model smollm2|gemma3-270m|DIR|FILE.gguf", "--dtype {auto,bf16,fp32}"]),
+    (["bench", "transfer"], ["--dtype {bf16,fp16,fp32}", "KV page dtype (default bf16)"]),
+    (["bench", "chaos"], ["--l3 {file,mooncake}", "--dtype {auto,bf16,fp32}", "(default fp32:",
+                          "(default tiny:"]),
+    (["serve"], ["--l3 file|mooncake|nixl|simulated|none", "--dtype {auto,bf16,fp32}",
+                 "(default 1)", "(default smollm2;"]),
 ])
 def test_help_lists_the_flags_with_defaults(argv, expected, capsys, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "400")  # one line per flag

@@ -1,6 +1,6 @@
 """Every place that computes an L3 namespace's fingerprint agrees on the engine's mode: the
 rank's cache (RankSettings.deterministic), the namespace the demo and the benches register
-(kvtier.demo.namespace_spec) and the Engine's own check, so a deterministic deployment never
+(kvtier.cli.demo.namespace_spec) and the Engine's own check, so a deterministic deployment never
 attaches a namespace of batched pages (no Ray: ranks in-process)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from cache_builder import build_cache
 from kvtier.actors.namespace_actor import FakeNamespaceClient
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.engine import Engine
 from kvtier.engine.loader import load_tiny_model
 from kvtier.engine.weight_sources import TinyWeights

@@ -18,7 +18,7 @@ from kvtier.actors.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.actors.rank_pins import RankPinDesk
 from kvtier.config import HiCacheConfig
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weight_sources import TinyWeights
 from kvtier.tiers.cache_pins import PinOutcome, PinRefusal

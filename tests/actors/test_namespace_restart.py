@@ -16,7 +16,7 @@ from kvtier.actors.namespace_actor import _BACKOFF_MAX_S, get_or_create_namespac
 from kvtier.actors.namespace_service import STATE_FILE
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weight_sources import TinyWeights
 

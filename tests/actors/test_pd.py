@@ -207,7 +207,7 @@ def test_decode_side_writes_the_finished_conversation_to_l3_for_the_next_turn(
 
     from kvtier.actors.instance import Instance
     from kvtier.actors.namespace_actor import get_or_create_namespace_actor
-    from kvtier.demo import namespace_spec
+    from kvtier.cli.demo import namespace_spec
 
     name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
     client = get_or_create_namespace_actor(name, str(tmp_path / "state"))

@@ -21,7 +21,7 @@ from kvtier.actors.namespace_service import NamespaceService
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.actors.step_wire import decode_report
 from kvtier.config import HiCacheConfig
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weight_sources import TinyWeights

@@ -14,7 +14,7 @@ from kvtier.actors.namespace_actor import FakeNamespaceClient
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.backends.shared_root import MARKER_PREFIX, RootNotShared
 from kvtier.config import HiCacheConfig
-from kvtier.demo import namespace_spec
+from kvtier.cli.demo import namespace_spec
 from kvtier.engine.weight_sources import TinyWeights
 from kvtier.messages import NamespaceSpec
 from kvtier.tiers.page_store import open_rank_backend

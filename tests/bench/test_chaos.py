@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvtier import cli
+import kvtier.cli.main as cli
 from kvtier.bench.chaos import TARGETS, fault_kinds
 from kvtier.policies import StorageBackendKind
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvtier import cli
+import kvtier.cli.main as cli
 from kvtier.bench import chaos
 from kvtier.bench.answer_check import Verdict
 from kvtier.bench.chaos_bodies import CHAT, COMPLETIONS, Limits, adversarial_body

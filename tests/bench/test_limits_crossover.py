@@ -175,7 +175,7 @@ def test_round_up_to_page():
 def test_cli_flags_count_as_explicit(cal_file):
     import argparse
 
-    from kvtier.flags import add_hicache_flags, config_from_args
+    from kvtier.cli.flags import add_hicache_flags, config_from_args
     parser = argparse.ArgumentParser()
     add_hicache_flags(parser)
     save_calibration(_crossover(70, 300))

@@ -214,7 +214,7 @@ def test_ceilings_call_the_other_modules(monkeypatch, tmp_path):
 
 
 def test_cli_parses_matrix():
-    from kvtier.cli import build_parser
+    from kvtier.cli.main import build_parser
 
     ns = build_parser().parse_args(["bench", "matrix", "--quick", "--out", "/tmp/x", "--json",
                                     "--skip-limits"])
@@ -274,7 +274,7 @@ def test_a_model_directory(tmp_path):
     pytest.importorskip("transformers")
     from tiny_llama import make_checkpoint
 
-    from kvtier.cli import build_parser
+    from kvtier.cli.main import build_parser
     from kvtier.errors import ConfigError
 
     model_dir = make_checkpoint(tmp_path / "tiny-llama")

@@ -6,7 +6,7 @@ import torch
 
 from kvtier.bench.prefix import (QUESTION, BenchModel, PrefixBenchParams, check_targets,
                                  params_from_args, reusable_tokens, run, targets)
-from kvtier.cli import build_parser
+from kvtier.cli.main import build_parser
 from kvtier.engine import load_tiny_model
 from kvtier.errors import ConfigError
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvtier import cli
+import kvtier.cli.main as cli
 from kvtier.bench import serve_bench
 from kvtier.bench.serve_load import LoadResult, RequestRecord, summarize
 from kvtier.errors import ConfigError

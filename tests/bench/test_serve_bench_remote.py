@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 from eventually import eventually
 
-from kvtier import cli
+import kvtier.cli.main as cli
 from kvtier.engine.tp_group import free_port
 
 pytestmark = pytest.mark.timeout(180)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvtier import cli
+import kvtier.cli.main as cli
 from kvtier.bench import soak
 from kvtier.bench.actor_soak import ActorSoakResult, _Ledger
 from kvtier.bench.answer_check import Reference

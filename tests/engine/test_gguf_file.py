@@ -79,7 +79,7 @@ def test_identity_is_the_name_and_the_files_digest(packaged, smollm2, monkeypatc
 
 
 def test_settings_take_a_gguf_file(packaged) -> None:
-    from kvtier.serve_command import add_arguments, settings_from
+    from kvtier.cli.serve_command import add_arguments, settings_from
 
     path = str(find_gguf())
     s = ServeSettings(model=path)

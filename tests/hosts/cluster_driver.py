@@ -38,7 +38,7 @@ from kvtier.actors.instance import Instance  # noqa: E402
 from kvtier.actors.namespace_actor import get_or_create_namespace_actor  # noqa: E402
 from kvtier.actors.rank_actor import RankSettings  # noqa: E402
 from kvtier.config import HiCacheConfig  # noqa: E402
-from kvtier.demo import namespace_spec  # noqa: E402
+from kvtier.cli.demo import namespace_spec  # noqa: E402
 from kvtier.engine.sampling import SamplingParams  # noqa: E402
 from kvtier.engine.weight_sources import TinyWeights  # noqa: E402
 

@@ -33,7 +33,7 @@ def hosts_cluster():
     """Three hosts, token auth on: the head (kvtier_head) on host 1; hosts 2 and 3 each offer
     one TP=2 instance (kvtier_instance 2, 2 CPUs), so `kvtier serve --instances 2 --tp 2`
     puts one instance on each."""
-    from kvtier.demo_hosts import HostsRun
+    from kvtier.cli.demo_hosts import HostsRun
 
     with HostsRun(3, tp_size=2, instances_per_host=1, head_env=FAST_NODE_DEATH) as run:
         yield run

@@ -19,8 +19,8 @@ import sys
 import pytest
 from eventually import eventually
 
-from kvtier.demo import DemoParams
-from kvtier.demo_hosts import HostsRun, run_demo
+from kvtier.cli.demo import DemoParams
+from kvtier.cli.demo_hosts import HostsRun, run_demo
 from kvtier.hosts.ray_nodes import SCRUBBED
 from kvtier.netcheck import listening
 

@@ -25,7 +25,7 @@ import pytest
 from eventually import eventually
 from http_client import ServeClient
 
-from kvtier.demo_hosts import HostsRun
+from kvtier.cli.demo_hosts import HostsRun
 
 pytestmark = pytest.mark.timeout(600)
 PORT = 8000

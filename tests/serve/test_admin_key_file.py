@@ -14,7 +14,7 @@ import pytest
 from kvtier.actors import serve_graph
 from kvtier.errors import ConfigError
 from kvtier.serve.admin_key_file import FILE_NAME, admin_key_dir, save_admin_key
-from kvtier.serve_command import add_arguments, main
+from kvtier.cli.serve_command import add_arguments, main
 
 GIVEN = "my-own-admin-key-0123456789"
 

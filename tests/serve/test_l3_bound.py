@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import kvtier.serve.l3_bound as l3_bound
-from kvtier import serve_command
+from kvtier.cli import serve_command
 from kvtier.actors import serve_graph
 from kvtier.actors.serve_replica import bound_attach_options, l3_options
 from kvtier.policies import StorageBackendKind

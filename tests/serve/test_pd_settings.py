@@ -9,7 +9,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.serve.pd_settings import PDTransport
 from kvtier.serve.settings import ServeSettings
-from kvtier.serve_command import add_arguments, settings_from
+from kvtier.cli.serve_command import add_arguments, settings_from
 
 
 def parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from kvtier.bench import serve_bench
-from kvtier.cli import build_parser
+from kvtier.cli.main import build_parser
 from kvtier.errors import ConfigError
 from kvtier.serve.settings import L3_NONE, ServeSettings
 

@@ -12,7 +12,7 @@ from shared_serve import BASE, greedy_chat, in_process_answer, served
 from kvtier.engine.gemma3_package import Gemma3Weights
 from kvtier.errors import ConfigError
 from kvtier.serve.settings import ModelChoice, ServeSettings
-from kvtier.serve_command import add_arguments, settings_from
+from kvtier.cli.serve_command import add_arguments, settings_from
 
 pytestmark = pytest.mark.timeout(300)
 

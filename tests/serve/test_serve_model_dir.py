@@ -18,7 +18,7 @@ from kvtier.engine.hf_dir import HFModelDir
 from kvtier.engine.weights import ensure_converted
 from kvtier.errors import ConfigError
 from kvtier.serve.settings import ModelChoice, ServeSettings
-from kvtier.serve_command import add_arguments, settings_from
+from kvtier.cli.serve_command import add_arguments, settings_from
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)

@@ -45,7 +45,7 @@ def test_engine_mode_and_schedule_policy_reach_every_rank():
         ServeSettings(deterministic="yes")
     import argparse
 
-    from kvtier.serve_command import add_arguments, settings_from
+    from kvtier.cli.serve_command import add_arguments, settings_from
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

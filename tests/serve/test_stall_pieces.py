@@ -13,7 +13,7 @@ from kvtier.serve.liveness import InstanceState, Liveness, candidates
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
 from kvtier.serve.settings import ServeSettings
-from kvtier.serve_command import add_arguments, settings_from
+from kvtier.cli.serve_command import add_arguments, settings_from
 
 LIVE, STALLED = InstanceState.LIVE, InstanceState.STALLED
 

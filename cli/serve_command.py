@@ -7,12 +7,15 @@ from typing import Any
 
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags
-from kvtier.policies import SchedulePolicy, StorageBackendKind
+from kvtier.cli.flags import add_hicache_flags, config_from_args, l3_from_flags
+from kvtier.cli.shared_flags import (add_dtype_flag, add_l3_flag, add_l3_root_flag,
+                                     add_model_flag, add_pd_transport_flag,
+                                     add_schedule_policy_flag, add_tp_flag)
+from kvtier.policies import StorageBackendKind
 from kvtier.serve.admin_key_file import save_admin_key
 from kvtier.serve.l3_bound import describe_l3_bound
 from kvtier.serve.placement import PlacementMode, RankGpus
-from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, DType, PDTransport, ServeSettings
+from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, ServeSettings
 from kvtier.serve.tenants import load_api_keys
 
 
@@ -32,12 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="1: each rank asks Ray for a GPU of its own (an error where the nodes "
                         "lack them); 0: CPU ranks; auto (default): 1 where the nodes' GPUs "
                         "hold every instance's ranks, else 0 with a warning")
-    p.add_argument("--model", default="smollm2", metavar="ALIAS|DIR|FILE.gguf",
-                   help="smollm2 (the embedded default), gemma3-270m (Gemma-3 270M, TP 1), "
-                        "tiny (random weights, for tests), a Hugging Face model directory "
-                        "(Llama, Mistral (no sliding window) or Qwen2 architecture, "
-                        "safetensors weights, tokenizer.json) or a Llama or Gemma-3 GGUF file "
-                        "(its tokenizer and chat template inside; Gemma's template is built in)")
+    add_model_flag(p, note="; a GGUF file holds its tokenizer and chat template, Gemma's "
+                           "template is built in")
     p.add_argument("--instances", type=int, default=None,
                    help="model replicas behind the router, each prefilling and decoding its "
                         "requests (default 2)")
@@ -48,18 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-instances", type=int, default=0, metavar="D",
                    help="prefill/decode disaggregation: D instances decode every answer from "
                         "the KV a prefill instance sent them (with --prefill-instances)")
-    p.add_argument("--pd-transport", choices=[m.value for m in PDTransport], default=None,
-                   help="how prefill instances write KV into decode instances' memory: nixl "
-                        "(default) or mooncake; only with --prefill-instances/--decode-instances")
+    add_pd_transport_flag(p, None, "; only with --prefill-instances/--decode-instances")
     p.add_argument("--pd-decode-l3", action=argparse.BooleanOptionalAction, default=True,
                    help="decode instances store the conversations they finish in L3, so the "
                         "next turn's prefill hits the answer too (default on; "
                         "--no-pd-decode-l3: prefill instances only use L3)")
-    p.add_argument("--tp", type=int, default=1, help="TP ranks per instance")
-    p.add_argument("--l3", default=None,
-                   help="file, mooncake, nixl or none (default file; SGLang's "
-                        "--hicache-storage-backend says the same)")
-    p.add_argument("--l3-root", default="", help="file/nixl L3 directory (default: a temp dir)")
+    add_tp_flag(p, 1)
+    # every kind: ServeSettings checks it, as it does a serve config file's `l3`
+    add_l3_flag(p, None, kinds=tuple(StorageBackendKind), allow_none=True,
+                note="; SGLang's --hicache-storage-backend says the same")
+    add_l3_root_flag(p)
     p.add_argument("--l3-max-gb", default="auto", metavar="GIB|auto|unbounded",
                    help="file/nixl: the L3 namespace's size in GiB; past it the least recently "
                         "used pages are evicted. Default auto: half the disk space free where "
@@ -69,15 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="most new tokens one forward computes: prefill pieces of several "
                         "requests and the decodes share it (a multiple of 64; default 512)")
-    p.add_argument("--dtype", choices=[m.value for m in DType], default="auto",
-                   help="model and KV dtype (default auto: bf16 on GPUs and CPUs that compute "
-                        "in bf16, fp32 on other CPUs, where bf16 is about 4x slower)")
+    add_dtype_flag(p)
     p.add_argument("--deterministic", action="store_true",
                    help="answers bit-identical to a cold run: one-page prefill chunks, one "
                         "sequence per forward, only prompt pages cached (slower, reuses less)")
-    p.add_argument("--schedule-policy", choices=[m.value for m in SchedulePolicy],
-                   default="lpm", help="admission order: lpm (longest cached prefix first, "
-                   "with aging; default) or fcfs (arrival order)")
+    add_schedule_policy_flag(p)
     p.add_argument("--no-hierarchical", action="store_true",
                    help="the cache off: L1 only, no L2/L3 (a baseline)")
     p.add_argument("--admin-key", default="",

@@ -13,11 +13,12 @@ from typing import Any, NamedTuple
 
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
-from kvtier.flags import add_hicache_flags, config_from_args, l3_from_flags, refuse_tier_hiding
+from kvtier.cli.flags import add_hicache_flags, config_from_args, l3_from_flags, refuse_tier_hiding
+from kvtier.cli.shared_flags import SHARED_L3, add_l3_flag, add_model_flag
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 DEFAULT_MODEL = "smollm2"
-L3_BACKENDS = ("file", "mooncake", "nixl")
+L3_BACKENDS = tuple(k.value for k in SHARED_L3)
 DEFAULT_L3 = "file"
 DEFAULT_PAGE_SIZE = 64
 # The demo's own choice where SGLang's default differs: B's L3 hit waits for its whole prefix.
@@ -39,7 +40,7 @@ HELP = {
 
 
 class DemoCache(NamedTuple):
-    """The demo's cache settings from its flags (kvtier.demo.DemoParams fields)."""
+    """The demo's cache settings from its flags (kvtier.cli.demo.DemoParams fields)."""
 
     l3: str
     l3_root: str
@@ -49,15 +50,9 @@ class DemoCache(NamedTuple):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """--l3, --model and SGLang's cache flags."""
-    p.add_argument("--l3", choices=L3_BACKENDS, default=None,
-                   help=f"L3 backend of the shared namespace (default {DEFAULT_L3}, in a temp "
-                        f"dir; SGLang's --hicache-storage-backend says the same)")
-    p.add_argument("--model", default=DEFAULT_MODEL, metavar="ALIAS|DIR|FILE.gguf",
-                   help="smollm2 (default: SmolLM2-135M-Instruct), gemma3-270m (Gemma-3 270M; "
-                        "--tp 1), tiny (random weights), a Hugging Face model directory (Llama, "
-                        "Mistral without a sliding window or Qwen2; safetensors weights, "
-                        "tokenizer.json) or a Llama or Gemma-3 GGUF file, as kvtier serve takes "
-                        "it; every node must be able to read it")
+    add_l3_flag(p, None, note=f", in a temp dir; SGLang's --hicache-storage-backend says "
+                              f"the same")
+    add_model_flag(p, DEFAULT_MODEL, note="; every node must be able to read it")
     add_hicache_flags(p, HiCacheConfig(page_size=DEFAULT_PAGE_SIZE, **CACHE_DEFAULTS), HELP)
 
 

@@ -32,8 +32,8 @@ def _command(sub, name: str, module, help_text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier import demo
-    from kvtier import serve_command
+    from kvtier.cli import demo
+    from kvtier.cli import serve_command
     from kvtier.bench import (chaos, instances, matrix, pd, prefix, serve_bench, soak, storage,
                               transfer, tree)
 

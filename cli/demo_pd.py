@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier import demo
+from kvtier.cli import demo
 
 STAGES = ("bootstrap_s", "prefill_s", "transfer_s", "kv_ready_s", "decode_queue_s")
 

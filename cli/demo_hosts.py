@@ -90,7 +90,7 @@ def inner_args(params: Any, run: HostsRun) -> list[str]:
 def _model_and_cache_args(params: Any, run: HostsRun) -> list[str]:
     """--model, --page-size and the other cache knobs (as a --hicache-config file in the
     work directory, which every host sees) where they are not the demo's defaults."""
-    from kvtier.demo_flags import DEFAULT_MODEL, DEFAULT_PAGE_SIZE
+    from kvtier.cli.demo_flags import DEFAULT_MODEL, DEFAULT_PAGE_SIZE
 
     args = [] if params.model == DEFAULT_MODEL else ["--model", params.model]
     if params.page_size != DEFAULT_PAGE_SIZE:

@@ -3,7 +3,7 @@
 What it runs (one process drives everything; every instance is TP=3 by default, three rank
 actors that agree on hit lengths with one MIN collective per scheduling step; `--tp` takes any
 divisor of the model's KV heads; `--model` another model, SGLang's `--hicache-*` flags the
-ranks' cache, see kvtier.demo_flags):
+ranks' cache, see kvtier.cli.demo_flags):
   * a local Ray cluster on 127.0.0.1 and the L3 namespace actor with one namespace whose
     storage (`file`: a temp dir; `nixl`: its POSIX plugin in the temp dir; `mooncake`: a
     master the actor starts) every rank opens with its own client;
@@ -29,10 +29,12 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-from kvtier import demo_flags
-from kvtier.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, L3_BACKENDS
-from kvtier.demo_report import Row, format_table, summary
-from kvtier.dtypes import DType
+from kvtier.cli import demo_flags
+from kvtier.cli.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, L3_BACKENDS
+from kvtier.cli.demo_report import Row, format_table, summary
+from kvtier.cli.shared_flags import (DTYPES, add_dtype_flag, add_l3_root_flag,
+                                     add_pd_transport_flag, add_tp_flag)
+from kvtier.serve.pd_settings import PDTransport
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class DemoParams(NamedTuple):
     # it, else fp32), bf16 or fp32
     hosts: int = 0  # 3: the whole demo on three hosts of this machine (root; kvtier.hosts)
     model: str = DEFAULT_MODEL  # smollm2, tiny, a Hugging Face model directory or a GGUF file
-    # more HiCacheConfig knobs for every rank, by name (SGLang's flags; kvtier.demo_flags)
+    # more HiCacheConfig knobs for every rank, by name (SGLang's flags; kvtier.cli.demo_flags)
     hicache: tuple[tuple[str, Any], ...] = ()
 
 
@@ -73,7 +75,6 @@ class DemoModel(NamedTuple):
     label: str  # for messages: SmolLM2-135M-Instruct, kvtier-tiny or the directory's name
 
 
-DTYPES = tuple(d.value for d in DType)
 HEAD_RESOURCE = "kvtier_head"  # on a cluster the namespace actor runs where this is offered
 
 
@@ -395,12 +396,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length, rounded to whole 512-token chunks (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
-    p.add_argument("--tp", type=int, default=3,
-                   help="TP ranks per instance, a divisor of the model's KV heads (default 3; "
-                        "SmolLM2-135M has 3 KV heads: 1 or 3)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="model and KV dtype (default auto: bf16 on GPUs and CPUs that compute "
-                        "in bf16, fp32 on other CPUs, where bf16 is about 4x slower)")
+    add_tp_flag(p, 3, "SmolLM2-135M has 3 KV heads: 1 or 3")
+    add_dtype_flag(p)
     p.add_argument("--json-only", action="store_true",
                    help="print only the final JSON line (no table, no progress bar)")
     g = p.add_argument_group("several hosts")
@@ -410,16 +407,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. auto) instead of starting a local one; "
                         "the L3 namespace actor needs a node offering kvtier_head")
-    g.add_argument("--l3-root", default="",
-                   help="file/nixl L3 directory: on a cluster, one mounted on every node")
+    add_l3_root_flag(g, "; on a cluster, one mounted on every node")
     g.add_argument("--place", action="append", default=[], metavar="NAME=ADDRESS",
                    help="run instance NAME (cold, A or B) on the node with this address")
     g = p.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--pd", action="store_true",
                    help="answer through a prefill and a decode instance (KV handed over), "
                         "each answer checked against a mixed instance's")
-    g.add_argument("--pd-transport", choices=["nixl", "mooncake"], default="nixl",
-                   help="with --pd: how prefill ranks write KV into decode ranks' pages")
+    add_pd_transport_flag(g, PDTransport.NIXL.value, "; with --pd")
     demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags
 
 
@@ -442,11 +437,11 @@ def main(ns: argparse.Namespace) -> int:
     if ns.pd:
         if params.hosts or params.address:
             raise ConfigError("--pd runs on local Ray only; drop --hosts/--address")
-        from kvtier.demo_pd import main as main_pd
+        from kvtier.cli.demo_pd import main as main_pd
 
         return main_pd(params, ns.pd_transport, ns.json_only)
     if params.hosts:
-        from kvtier.demo_hosts import main as main_on_hosts
+        from kvtier.cli.demo_hosts import main as main_on_hosts
 
         return main_on_hosts(params)
     result, rows = run(params)

@@ -49,7 +49,7 @@ class Row(NamedTuple):
 
 def summary(params: Any, rows: list[Row], stats: dict, calls: dict, doc_len: int,
             prompts: list, runtime_s: float) -> dict:
-    """The demo's JSON line. `params` is the run's kvtier.demo.DemoParams; `stats` maps each
+    """The demo's JSON line. `params` is the run's kvtier.cli.demo.DemoParams; `stats` maps each
     instance to its ranks' stats, `calls` to (driver's step-call seconds, requests submitted)."""
     by_tier = {r.tier: r for r in rows}
     colds = {r.question: r.cold.ttft_s for r in rows}
