@@ -23,6 +23,7 @@ from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
+from kvtier.serve.metrics import RankFaults
 from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.serve.placement import head_resources
 from kvtier.serve.settings import ServeSettings
@@ -252,6 +253,6 @@ def instance_snapshot(inst: Instance) -> dict:
     """Rank 0's counters and pool use (the ranks of an instance mirror each other), with the
     instance's rank restarts and divergences."""
     snap = inst.cache_snapshot()[0]
-    return {**snap, "counters": {**snap["counters"], "rank_restarts": inst.restarts,
-                                 "rank_divergences": inst.divergences},
+    faults = RankFaults(rank_restarts=inst.restarts, rank_divergences=inst.divergences)
+    return {**snap, "counters": {**snap["counters"], **faults.snapshot()},
             "restarts": inst.restarts}

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from kvtier.serve.metrics import ServeMetrics
+from kvtier.serve.metrics import MetricsError, ServeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,10 @@ class SnapshotFeed:
                     continue
                 # a prefill/decode deployment: each of its instances by its own name
                 for part, one in snap.get("instances", {name: snap}).items():
-                    self._observe_snapshot(part, one)
+                    try:
+                        self._observe_snapshot(part, one)
+                    except MetricsError:  # a counter no type declares: said, not dropped
+                        log.exception("the metrics of %s could not be read", part)
             await self._observe_namespace(stalled)
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
 
