@@ -22,6 +22,7 @@ from kvtier.actors.serve_replica import (ServedReplica, final_fields, instance_s
 from kvtier.calibration import calibrated_thresholds
 from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.serve.placement import RANK_STRATEGY, RankGpus, rank_resources
+from kvtier.serve.records import AnswerFinal
 from kvtier.serve.served_model import weight_source
 from kvtier.serve.settings import ModelChoice, ServeSettings
 
@@ -61,7 +62,7 @@ class InstanceDeployment(ServedReplica):
         s = self._open(name, settings)
         self._serve(InstanceServer(build_instance(s, rank_class), name))
 
-    def _final(self, out: Any) -> dict:
+    def _final(self, out: Any) -> AnswerFinal:
         return final_fields(out, self.name)
 
     def _members(self, target: Instance) -> list[Instance]:

@@ -21,6 +21,7 @@ from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
 from kvtier.serve.openai_requests import ApiError, ApiLimits, check_prompt_tokens
 from kvtier.serve.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
+from kvtier.serve.records import ReplicaDescription, Route
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import request_salt
 
@@ -132,9 +133,9 @@ class PinDesk:
 
     async def _prefill(self, tokens: list[int], salt: str) -> None:
         """Compute the prefix on the instance the router picks (one output token)."""
-        route = await self.router.choose.remote(tokens, cache_salt=salt)
+        route = Route.from_msgpack(await self.router.choose.remote(tokens, cache_salt=salt))
         answer = RoutedAnswer(self.router, self.instances, self.states, tokens,
-                              PREFILL_SAMPLING, route["instance"], self.check_s,
+                              PREFILL_SAMPLING, route.instance, self.check_s,
                               cache_salt=salt)
         async for _ in answer.items():
             pass
@@ -166,7 +167,7 @@ class PinDesk:
     async def _key_namespace(self) -> tuple[KeyNamespace, int]:
         """The instances' page-key namespace and page size (built alike: any one answers)."""
         if self._keys is None:
-            desc = await next(iter(self.instances.values())).describe.remote()
-            self._keys = (KeyNamespace(desc["model"], desc["tenant_salt"],
-                                       desc["layout_fingerprint"]), desc["page_size"])
+            desc = ReplicaDescription.from_msgpack(
+                await next(iter(self.instances.values())).describe.remote())
+            self._keys = (desc.key_namespace, desc.page_size)
         return self._keys

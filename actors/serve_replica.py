@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -19,13 +19,15 @@ from kvtier.actors.instance_server import InstanceServer, ServerEventKind
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.step_wire import logprobs_to_wire, resume_from_wire
 from kvtier.engine.request import FinishReason
-from kvtier.engine.sampling import SamplingParams, TokenLogprob
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
 from kvtier.serve.metrics import RankFaults
 from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.serve.placement import head_resources
+from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, ReplicaDescription,
+                                  ReplicaPoll)
 from kvtier.serve.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
 
@@ -68,25 +70,22 @@ def bound_attach_options(s: ServeSettings, body: dict) -> dict | None:
     return body.get("options")
 
 
-def final_fields(out: Any, name: str) -> dict:
+def final_fields(out: Any, name: str) -> AnswerFinal:
     """What an answer's last item says of its run: finish reason, cached tokens by tier, the
     five lengths, the instance-side TTFT and queue time, the instance."""
-    return {"finish_reason": out.finish_reason.value, "cached": out.cached._asdict(),
-            "lengths": out.lengths._asdict(), "ttft_s": out.ttft_s, "queue_s": out.queue_s,
-            "instance": name}
+    return AnswerFinal.of(out, name)
 
 
-def _logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict:
-    """{"logprobs": their wire form} when the request asked for them, or {}."""
-    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs)}
-
-
-def _last_item(out: Any, have: int) -> dict:
-    """A finished answer's tokens after the first `have` (and their log-probabilities,
-    which belong to the answer's last tokens)."""
+def _last_item(out: Any, have: int, final: AnswerFinal | None) -> AnswerItem:
+    """A finished answer's last item: its tokens after the first `have` (and their
+    log-probabilities, which belong to the answer's last tokens), with `final`, or, without
+    one, the output's error."""
     rest = tuple(out.tokens[have:])
     lps = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(rest):]
-    return {"tokens": list(rest), **_logprobs(lps)}
+    if final is None:
+        return AnswerItem(AnswerItemKind.ERROR, rest, logprobs_to_wire(lps),
+                          error=out.error or "it failed")
+    return AnswerItem(AnswerItemKind.FINAL, rest, logprobs_to_wire(lps), final=final)
 
 
 class ServedReplica:
@@ -112,8 +111,8 @@ class ServedReplica:
         if s.storage_backend is not None:
             self._attach(s.storage_backend, l3_options(s.storage_backend, s, None))
 
-    def _final(self, out: Any) -> dict:
-        """What a request's last item adds to its tokens (`final_fields` and more)."""
+    def _final(self, out: Any) -> AnswerFinal:
+        """How a request's run went, for its last item (`final_fields` and more)."""
         raise NotImplementedError
 
     def _members(self, target: Any) -> list[Instance]:
@@ -122,11 +121,11 @@ class ServedReplica:
 
     # ---- requests ---------------------------------------------------------------------------
     async def generate(self, tokens: list[int], sampling: dict, cache_salt: str = "",
-                       resume: list | None = None) -> AsyncIterator[dict]:
-        """Stream `{"tokens": [...new ids]}` items (and their log-probabilities when it
-        asked), the last one with `_final`: the finish reason, cached tokens by tier, the five
-        lengths, the instance-side TTFT; or, when this request alone failed, with "error"
-        (why, in words a client may read) instead. `cache_salt`: the request's tenant (it
+                       resume: list | None = None) -> AsyncIterator[bytes]:
+        """Stream `AnswerItem` records (msgpack): new token ids (and their log-probabilities
+        when it asked), the last one FINAL with `_final`: the finish reason, cached tokens by
+        tier, the five lengths, the instance-side TTFT; or, when this request alone failed,
+        ERROR with why (in words a client may read) instead. `cache_salt`: the request's tenant (it
         hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
         start of its answer the caller already has (it ran on another instance): the answer
         goes on after it and those tokens are not sent again. A caller that goes away
@@ -144,14 +143,14 @@ class ServedReplica:
                 if event.kind is ServerEventKind.TOKENS:
                     new = event.progress.after(have)
                     if new is not None:
-                        yield {"tokens": list(new.tokens), **_logprobs(new.logprobs)}
+                        yield AnswerItem.more(new.tokens,
+                                              logprobs_to_wire(new.logprobs)).to_msgpack()
                         have = new.stop
                 elif event.kind is ServerEventKind.DONE:
                     finished, out = True, event.output
-                    if out.finish_reason is FinishReason.ERROR:
-                        yield {**_last_item(out, have), "error": out.error or "it failed"}
-                    else:
-                        yield {**_last_item(out, have), **self._final(out)}
+                    final = None if out.finish_reason is FinishReason.ERROR \
+                        else self._final(out)
+                    yield _last_item(out, have, final).to_msgpack()
                     return
                 else:
                     finished = True
@@ -162,13 +161,15 @@ class ServedReplica:
                 self.server.cancel(key)
 
     # ---- router and operator calls ------------------------------------------------------------
-    async def poll(self) -> dict:
-        return self.server.poll()._asdict()
+    async def poll(self) -> bytes:
+        """A `ReplicaPoll` record (msgpack)."""
+        return ReplicaPoll.of(self.server.poll()).to_msgpack()
 
-    async def describe(self) -> dict:
-        """The first instance's cache (every instance is built from the same settings)."""
+    async def describe(self) -> bytes:
+        """The first instance's cache (every instance is built from the same settings): a
+        `ReplicaDescription` record (msgpack)."""
         desc = await self._call(lambda target: self._members(target)[0].describe())
-        return {**desc._asdict(), "instance": self.name, "tp_size": self.settings.tp_size}
+        return ReplicaDescription.of(desc, self.name, self.settings.tp_size).to_msgpack()
 
     async def attach_l3(self, backend: str, options: dict | None) -> dict:
         kind = StorageBackendKind.parse(backend, "backend")
