@@ -39,7 +39,8 @@ from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, Comp
                                           check_prompt_tokens, parse_chat, parse_completion)
 from kvtier.serve.pd_metrics import PDMetrics
 from kvtier.serve.pins import PinVerb
-from kvtier.serve.records import NO_CACHED, AnswerFinal, AnswerItemKind, PromptLengths, Route
+from kvtier.serve.records import (NO_CACHED, AnswerFinal, AnswerItemKind, PromptLengths,
+                                  ReplicaStorage, Route, RouterStatus)
 from kvtier.serve.redispatch import InstanceUnavailable
 from kvtier.serve.request_failures import (AnswerFailed, answer_failed, generation_failed,
                                            timed_out, unavailable, unreadable)
@@ -75,6 +76,11 @@ class _Generation:
         made = completion_logprobs(entries, tokenizer, self.text_offset)
         self.text_offset += sum(len(t) for t in made["tokens"])
         return made
+
+
+def _storage_json(data: bytes) -> dict:
+    """A replica's `ReplicaStorage` record as the admin endpoints show it."""
+    return ReplicaStorage.from_msgpack(data).to_dict()
 
 
 def _error(err: ApiError) -> Response:
@@ -133,12 +139,12 @@ class Ingress:
 
     @api.get("/health")
     async def health(self) -> Response:
-        status = await self.router.status.remote()
-        broken = {n: i["broken"] for n, i in status["instances"].items() if i["broken"]}
-        stalled = sorted(n for n, i in status["instances"].items() if i["state"] == "stalled")
-        code = 503 if len(set(broken) | set(stalled)) == len(status["instances"]) else 200
+        status = RouterStatus.from_msgpack(await self.router.status.remote())
+        broken = {i.name: i.broken for i in status.instances if i.broken}
+        stalled = sorted(status.stalled())
+        code = 503 if len(set(broken) | set(stalled)) == len(status.instances) else 200
         return JSONResponse({"status": "ok" if code == 200 else "unavailable",
-                             "instances": len(status["instances"]), "broken": broken,
+                             "instances": len(status.instances), "broken": broken,
                              "stalled": stalled}, status_code=code)
 
     @api.get("/metrics")
@@ -158,17 +164,20 @@ class Ingress:
 
     @api.get("/admin/storage")
     async def admin_storage(self, request: Request) -> Response:
-        return await self._admin(request, lambda h, _: h.storage.remote(), body=False)
+        return await self._admin(request, lambda h, _: h.storage.remote(), body=False,
+                                 decode=_storage_json)
 
     @api.post("/admin/storage/attach")
     async def admin_attach(self, request: Request) -> Response:
         """Body: {"backend": "file"|"mooncake"|"nixl", "options": {...}} (options optional)."""
         return await self._admin(request, lambda h, b: h.attach_l3.remote(
-            b["backend"], bound_attach_options(self.settings, b)), needs=("backend",))
+            b["backend"], bound_attach_options(self.settings, b)), needs=("backend",),
+            decode=_storage_json)
 
     @api.post("/admin/storage/detach")
     async def admin_detach(self, request: Request) -> Response:
-        return await self._admin(request, lambda h, _: h.detach_l3.remote())
+        return await self._admin(request, lambda h, _: h.detach_l3.remote(),
+                                 decode=_storage_json)
 
     @api.post("/admin/purge")
     async def admin_purge(self, request: Request) -> Response:
@@ -176,8 +185,9 @@ class Ingress:
         the directory reset; the ranks back pages up again); answers the pages deleted."""
         if (denied := self._check_admin(request)) is not None:
             return denied
-        shown = await asyncio.gather(*(h.storage.remote() for h in self.instances.values()))
-        ns = next((s["l3"]["namespace"] for s in shown if s["l3"]), None)  # one for all
+        shown = [ReplicaStorage.from_msgpack(s) for s in await asyncio.gather(
+            *(h.storage.remote() for h in self.instances.values()))]
+        ns = next((s.l3.namespace for s in shown if s.l3), None)  # one for all
         if ns is None:
             err = ApiError(400, "no L3 is attached, so there is nothing to purge")
             return JSONResponse(err.to_body(), status_code=400)
@@ -192,7 +202,7 @@ class Ingress:
     async def admin_router(self, request: Request) -> Response:
         if (denied := self._check_admin(request)) is not None:
             return denied
-        return JSONResponse(await self.router.status.remote())
+        return JSONResponse(RouterStatus.from_msgpack(await self.router.status.remote()).to_json())
 
     @api.post("/admin/pin")
     async def admin_pin(self, request: Request) -> Response:
@@ -465,7 +475,9 @@ class Ingress:
         return None
 
     async def _admin(self, request: Request, call, body: bool = True,
-                     needs: tuple[str, ...] = ()) -> Response:
+                     needs: tuple[str, ...] = (), decode=lambda result: result) -> Response:
+        """`call(handle, body)` on every instance; their results (each through `decode`:
+        a record's JSON) as {"instances": [...]}."""
         if (denied := self._check_admin(request)) is not None:
             return denied
         args: dict = {}
@@ -485,4 +497,4 @@ class Ingress:
             if isinstance(cause, (ConfigError, KvtierError, ValueError)):
                 return _error(ApiError(400, str(cause)))
             return self._failed(exc)
-        return JSONResponse({"instances": results})
+        return JSONResponse({"instances": [decode(r) for r in results]})

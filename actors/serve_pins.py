@@ -21,7 +21,7 @@ from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
 from kvtier.serve.openai_requests import ApiError, ApiLimits, check_prompt_tokens
 from kvtier.serve.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
-from kvtier.serve.records import ReplicaDescription, Route
+from kvtier.serve.records import ReplicaDescription, ReplicaStorage, Route
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import request_salt
 
@@ -150,8 +150,9 @@ class PinDesk:
     async def _namespace(self) -> str | None:
         """The L3 namespace the instances attached (None: no L3)."""
         handle = next(iter(self.instances.values()))
-        l3 = (await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S))["l3"]
-        return l3["namespace"] if l3 else None
+        l3 = ReplicaStorage.from_msgpack(
+            await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S)).l3
+        return None if l3 is None else l3.namespace
 
     async def _l3(self, namespace: str, method: str, *args: Any) -> Any:
         """One namespace-actor call (blocking: run off the event loop)."""

@@ -26,8 +26,8 @@ from kvtier.policies import StorageBackendKind
 from kvtier.serve.metrics import RankFaults
 from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.serve.placement import head_resources
-from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, ReplicaDescription,
-                                  ReplicaPoll)
+from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, L3Attachment,
+                                  ReplicaDescription, ReplicaPoll, ReplicaStorage)
 from kvtier.serve.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
 
@@ -95,7 +95,7 @@ class ServedReplica:
     name: str
     settings: ServeSettings
     server: InstanceServer
-    l3: dict[str, Any] | None = None
+    l3: L3Attachment | None = None
 
     def _open(self, name: str, settings: dict) -> ServeSettings:
         """The replica's process set up for serving (loopback, one torch thread: the ranks
@@ -171,19 +171,21 @@ class ServedReplica:
         desc = await self._call(lambda target: self._members(target)[0].describe())
         return ReplicaDescription.of(desc, self.name, self.settings.tp_size).to_msgpack()
 
-    async def attach_l3(self, backend: str, options: dict | None) -> dict:
+    async def attach_l3(self, backend: str, options: dict | None) -> bytes:
+        """A `ReplicaStorage` record (msgpack) of what it attached."""
         kind = StorageBackendKind.parse(backend, "backend")
         opts = l3_options(kind, self.settings, options)
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self._attach(kind, opts))
+            None, lambda: self._attach(kind, opts).to_msgpack())
 
-    async def detach_l3(self) -> dict:
+    async def detach_l3(self) -> bytes:
         await self._call(lambda target: [inst.detach_l3() for inst in self._l3_members(target)])
         self.l3 = None
-        return {"instance": self.name, "l3": None}
+        return ReplicaStorage(self.name, None).to_msgpack()
 
-    async def storage(self) -> dict:
-        return {"instance": self.name, "l3": self.l3}
+    async def storage(self) -> bytes:
+        """A `ReplicaStorage` record (msgpack)."""
+        return ReplicaStorage(self.name, self.l3).to_msgpack()
 
     # ---- fault injection and the leak audit (kvtier bench chaos: actors/chaos_faults.py) -----
     async def kill_rank(self, member: int, rank: int) -> bool:
@@ -221,7 +223,7 @@ class ServedReplica:
         """The instances that attach the deployment's L3 namespace."""
         return self._members(target)
 
-    def _attach(self, kind: StorageBackendKind, options: dict) -> dict:
+    def _attach(self, kind: StorageBackendKind, options: dict) -> ReplicaStorage:
         """Register the namespace of this deployment's instances with the namespace actor
         (created if need be; idempotent: every deployment of the graph registers the same
         one) and attach it on every rank of every instance."""
@@ -229,7 +231,7 @@ class ServedReplica:
 
         if self.l3 is not None:
             raise ConfigError(f"instance {self.name} has L3 attached already "
-                              f"({self.l3['backend']}); detach it first")
+                              f"({self.l3.backend.value}); detach it first")
         server, s = self.server, self.settings
         desc = server.call(lambda target: self._members(target)[0].describe()
                            ).result(CALL_TIMEOUT_S)
@@ -243,11 +245,10 @@ class ServedReplica:
         server.call(lambda target: [inst.attach_l3(info, s.l3_actor)
                                     for inst in self._l3_members(target)]
                     ).result(CALL_TIMEOUT_S)
-        self.l3 = {"backend": kind.value, "namespace": info.namespace,
-                   "options": {k: v for k, v in options.items()}}
+        self.l3 = L3Attachment(kind, info.namespace, dict(options))
         log.info("instance %s: L3 %s attached (namespace %s)", self.name, kind.value,
                  info.namespace)
-        return {"instance": self.name, "l3": self.l3}
+        return ReplicaStorage(self.name, self.l3)
 
 
 def instance_snapshot(inst: Instance) -> dict:

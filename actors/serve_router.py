@@ -21,7 +21,8 @@ from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.keys import KeyNamespace
 from kvtier.serve.cache_events import CacheEventBatch
 from kvtier.serve.liveness import Liveness, candidates
-from kvtier.serve.records import ReplicaDescription, ReplicaPoll, Route
+from kvtier.serve.records import (InstanceStatus, ReplicaDescription, ReplicaPoll, Route,
+                                  RouterStatus)
 from kvtier.serve.router_index import PrefixIndex, Router
 from kvtier.serve.settings import ServeSettings
 
@@ -68,17 +69,14 @@ class RouterDeployment:
         self.reasons[choice.reason.value] = self.reasons.get(choice.reason.value, 0) + 1
         return Route.of(choice).to_msgpack()
 
-    async def status(self) -> dict:
-        """Per instance: load, epoch, why it is broken (if it is), requests routed to it,
-        its state (live or stalled), seconds since it last showed progress, its stalls."""
+    async def status(self) -> bytes:
+        """A `RouterStatus` record (msgpack): per instance its load, epoch, why it is broken
+        (if it is), requests routed to it, its state (live, stalled or recovering), seconds
+        since it last showed progress, its stalls."""
         self._ensure_poller()
-        return {"instances": {n: {"load": self.loads[n], "epoch": self.epochs.get(n),
-                                  "broken": self.broken.get(n), "routed": self.routed[n],
-                                  "indexed_pages": self.router.index.num_pages(n),
-                                  **self._liveness(n)}
-                              for n in self.handles},
-                "storage_pages": self.router.index.num_storage_pages,
-                "reasons": dict(self.reasons)}
+        return RouterStatus(tuple(self._status(n) for n in self.handles),
+                            self.router.index.num_storage_pages,
+                            dict(self.reasons)).to_msgpack()
 
     async def states(self) -> dict[str, str]:
         """Each instance's state, "live", "stalled" or "recovering" (what the ingress
@@ -91,10 +89,12 @@ class RouterDeployment:
         await self._poll_all()
 
     # ---- polling ------------------------------------------------------------------------------
-    def _liveness(self, name: str) -> dict:
+    def _status(self, name: str) -> InstanceStatus:
         view = self.liveness.view(name)
-        return {"state": view.state.value, "quiet_s": round(view.quiet_s, 3),
-                "stalls": view.stalls}
+        return InstanceStatus(name, self.loads[name], self.epochs.get(name),
+                              self.broken.get(name), self.routed[name],
+                              self.router.index.num_pages(name), view.state,
+                              round(view.quiet_s, 3), view.stalls)
 
     def _ensure_poller(self) -> None:
         loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from kvtier.serve.metrics import MetricsError, ServeMetrics
+from kvtier.serve.records import ReplicaStorage, RouterStatus
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,15 @@ class SnapshotFeed:
     async def _observe_liveness(self) -> set[str]:
         """Feed the router's per-instance stall counts to the metrics; the stalled ones."""
         try:
-            status = await asyncio.wait_for(self.router.status.remote(), CALL_TIMEOUT_S)
+            status = RouterStatus.from_msgpack(
+                await asyncio.wait_for(self.router.status.remote(), CALL_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
             log.debug("router status failed: %s", exc)
             return set()
-        for name, info in status["instances"].items():
-            self.metrics.update_liveness(name, info["stalls"], info["state"] == "stalled")
-        return {n for n, i in status["instances"].items() if i["state"] == "stalled"}
+        stalled = status.stalled()
+        for info in status.instances:
+            self.metrics.update_liveness(info.name, info.stalls, info.name in stalled)
+        return stalled
 
     async def _observe_namespace(self, stalled: set[str]) -> None:
         """Feed the L3 namespace's directory figures (evictions, pages held), asked of the
@@ -80,8 +83,9 @@ class SnapshotFeed:
             namespace = None
             for name, handle in self.instances.items():
                 if name not in stalled:
-                    l3 = (await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S))["l3"]
-                    namespace = l3 and l3["namespace"]
+                    l3 = ReplicaStorage.from_msgpack(
+                        await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S)).l3
+                    namespace = None if l3 is None else l3.namespace
                     break
             if namespace:
                 stats = await asyncio.get_running_loop().run_in_executor(

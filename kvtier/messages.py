@@ -117,6 +117,8 @@ def _plain(value: Any) -> Any:
         return value.value
     if isinstance(value, dict):
         return dict(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
     return value
 
 
@@ -126,7 +128,7 @@ def _encode(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):
-        return list(value)
+        return [_encode(v) for v in value]
     return value
 
 

@@ -8,6 +8,8 @@ by the receiver with `from_msgpack`), never pickled objects or dicts keyed by co
 - `ReplicaPoll`: what the router's poll of a replica gets (load, epoch, cache events, steps).
 - `ReplicaDescription`: a replica's page-key namespace and page size (the router hashes
   prompts with it).
+- `ReplicaStorage`: the L3 a replica's instances have attached (GET /admin/storage).
+- `RouterStatus`: the router's view of every instance (GET /admin/router, /health, metrics).
 
 The HTTP answers built from them (`kvtier.serve.openai_responses`) are the same JSON as
 before: `to_dict()` gives a record's fields as plain values, in order.
@@ -21,6 +23,8 @@ from typing import Any, Sequence
 from kvtier.engine.request import FinishReason
 from kvtier.keys import KeyNamespace
 from kvtier.messages import MessageError, Record
+from kvtier.policies import StorageBackendKind
+from kvtier.serve.liveness import InstanceState
 from kvtier.serve.router_index import Choice, ChoiceReason
 
 
@@ -55,7 +59,7 @@ class Route(Record):
 
 @dataclass(frozen=True)
 class CachedCounts(Record):
-    """Prompt tokens a request reused, by the tier they came from (`engine.request.CachedTokens`)."""
+    """Prompt tokens a request reused, by tier (`engine.request.CachedTokens`)."""
 
     device: int
     host: int
@@ -184,3 +188,57 @@ class ReplicaDescription(Record):
     @property
     def key_namespace(self) -> KeyNamespace:
         return KeyNamespace(self.model, self.tenant_salt, self.layout_fingerprint)
+
+
+@dataclass(frozen=True)
+class InstanceStatus(Record):
+    """One instance as the router sees it: its load, rank-set epoch (None: not polled yet),
+    why it is broken (if it is), requests routed to it, pages indexed, its liveness state,
+    seconds since it last showed progress, its stalls."""
+
+    name: str
+    load: int
+    epoch: int | None
+    broken: str | None
+    routed: int
+    indexed_pages: int
+    state: InstanceState
+    quiet_s: float
+    stalls: int
+
+
+@dataclass(frozen=True)
+class RouterStatus(Record):
+    """The router's `status`: every instance, the L3 pages it indexes, its choices by
+    reason (ChoiceReason value -> count)."""
+
+    instances: tuple[InstanceStatus, ...]
+    storage_pages: int
+    reasons: dict[str, Any]
+
+    def to_json(self) -> dict:
+        """GET /admin/router's body: instances by name."""
+        return {"instances": {i.name: {k: v for k, v in i.to_dict().items() if k != "name"}
+                              for i in self.instances},
+                "storage_pages": self.storage_pages, "reasons": dict(self.reasons)}
+
+    def stalled(self) -> set[str]:
+        return {i.name for i in self.instances if i.state is InstanceState.STALLED}
+
+
+@dataclass(frozen=True)
+class L3Attachment(Record):
+    """The L3 namespace a replica's instances attached: its backend, id, backend options."""
+
+    backend: StorageBackendKind
+    namespace: str
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReplicaStorage(Record):
+    """A replica's L3 (None: none attached): what `storage`, `attach_l3` and `detach_l3`
+    answer (the admin endpoints show `to_dict()`)."""
+
+    instance: str
+    l3: L3Attachment | None

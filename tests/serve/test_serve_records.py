@@ -102,3 +102,33 @@ def test_a_description_gives_the_key_namespace():
     assert desc.key_namespace.model == "m" and desc.page_size == 16
     assert ExpectedPages(1, 2, 3).to_dict() == {"device_pages": 1, "host_pages": 2,
                                                 "storage_pages": 3}
+
+
+def test_the_router_status_and_the_storage_show_as_before():
+    """GET /admin/router's and /admin/storage's JSON: instances by name, fields in order."""
+    from kvtier.policies import StorageBackendKind
+    from kvtier.serve.liveness import InstanceState
+    from kvtier.serve.records import (InstanceStatus, L3Attachment, ReplicaStorage,
+                                      RouterStatus)
+
+    status = roundtrip(RouterStatus(
+        (InstanceStatus("a", 2, None, None, 5, 10, InstanceState.LIVE, 0.25, 0),
+         InstanceStatus("b", 0, 1, "poll failed: x", 1, 0, InstanceState.STALLED, 3.5, 1)),
+        4, {"tie": 3, "best_hit": 2}))
+    body = status.to_json()
+    assert body == {"instances": {
+        "a": {"load": 2, "epoch": None, "broken": None, "routed": 5, "indexed_pages": 10,
+              "state": "live", "quiet_s": 0.25, "stalls": 0},
+        "b": {"load": 0, "epoch": 1, "broken": "poll failed: x", "routed": 1,
+              "indexed_pages": 0, "state": "stalled", "quiet_s": 3.5, "stalls": 1}},
+        "storage_pages": 4, "reasons": {"tie": 3, "best_hit": 2}}
+    assert list(body["instances"]["a"]) == ["load", "epoch", "broken", "routed",
+                                            "indexed_pages", "state", "quiet_s", "stalls"]
+    assert status.stalled() == {"b"}
+    attached = roundtrip(ReplicaStorage("instance-0", L3Attachment(
+        StorageBackendKind.FILE, "ns-1", {"root_dir": "/l3", "max_size_bytes": 1 << 30})))
+    assert attached.to_dict() == {"instance": "instance-0", "l3": {
+        "backend": "file", "namespace": "ns-1",
+        "options": {"root_dir": "/l3", "max_size_bytes": 1 << 30}}}
+    assert roundtrip(ReplicaStorage("instance-0", None)).to_dict() == {"instance": "instance-0",
+                                                                       "l3": None}
