@@ -17,7 +17,7 @@ from kvtier.actors.instance import Instance
 from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.rank_actor import RankCache, RankSettings
-from kvtier.actors.serve_replica import (ServedReplica, final_fields, instance_snapshot,
+from kvtier.actors.serve_replica import (ServedReplica, final_fields,
                                          l3_options)  # l3_options: tests read it here too
 from kvtier.calibration import calibrated_thresholds
 from kvtier.dtypes import name as dtype_name, resolve_here
@@ -69,10 +69,6 @@ class InstanceDeployment(ServedReplica):
         return [target]
 
     # ---- router and operator calls ------------------------------------------------------------
-    async def snapshot(self) -> dict:
-        """Rank 0's counters and pool use (the ranks of an instance mirror each other)."""
-        return await self._call(instance_snapshot)
-
     async def flush(self) -> dict:
         """Drop every unlocked L1 and L2 page (L3 is untouched)."""
         free = await self._call(lambda inst: inst.drop_cache())

@@ -25,7 +25,7 @@ from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.pd_driver import PDDriver, PDOutput
 from kvtier.actors.rank_actor import RankCache
 from kvtier.actors.serve_instance import build_instance
-from kvtier.actors.serve_replica import ServedReplica, instance_snapshot
+from kvtier.actors.serve_replica import ServedReplica
 from kvtier.engine.request import Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.openai_responses import pd_field
@@ -102,6 +102,9 @@ class PDDeployment(ServedReplica):
             raise
         self._serve(InstanceServer(PDInstances(driver), name))
 
+    def _member_names(self) -> list[str]:
+        return list(self.names)
+
     def _members(self, target: PDInstances) -> list[Instance]:
         return target.members
 
@@ -122,11 +125,6 @@ class PDDeployment(ServedReplica):
         return AnswerFinal.of(out, self.name, pd)
 
     # ---- operator calls -----------------------------------------------------------------------
-    async def snapshot(self) -> dict:
-        """Each instance's snapshot (`instance_snapshot`) by its name."""
-        return {"instances": await self._call(lambda target: {
-            name: instance_snapshot(inst) for name, inst in zip(self.names, target.members)})}
-
     async def flush(self) -> dict:
         """Drop every unlocked L1 and L2 page of every instance (L3 is untouched)."""
         free = await self._call(lambda target: [inst.drop_cache()[0]

@@ -26,8 +26,9 @@ from kvtier.policies import StorageBackendKind
 from kvtier.serve.metrics import RankFaults
 from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.serve.placement import head_resources
-from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, L3Attachment,
-                                  ReplicaDescription, ReplicaPoll, ReplicaStorage)
+from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, InstanceSnapshot,
+                                  L3Attachment, ReplicaDescription, ReplicaPoll,
+                                  ReplicaSnapshot, ReplicaStorage)
 from kvtier.serve.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
 
@@ -119,6 +120,10 @@ class ServedReplica:
         """The Instances behind what `self.server` drives (`target`)."""
         raise NotImplementedError
 
+    def _member_names(self) -> list[str]:
+        """The names of `_members`, in order (the metrics label each instance's figures)."""
+        return [self.name]
+
     # ---- requests ---------------------------------------------------------------------------
     async def generate(self, tokens: list[int], sampling: dict, cache_salt: str = "",
                        resume: list | None = None) -> AsyncIterator[bytes]:
@@ -187,6 +192,12 @@ class ServedReplica:
         """A `ReplicaStorage` record (msgpack)."""
         return ReplicaStorage(self.name, self.l3).to_msgpack()
 
+    async def snapshot(self) -> bytes:
+        """A `ReplicaSnapshot` record (msgpack): each instance's counters and pool use."""
+        return ReplicaSnapshot(await self._call(lambda target: tuple(
+            instance_snapshot(inst, name)
+            for name, inst in zip(self._member_names(), self._members(target))))).to_msgpack()
+
     # ---- fault injection and the leak audit (kvtier bench chaos: actors/chaos_faults.py) -----
     async def kill_rank(self, member: int, rank: int) -> bool:
         """Kill rank `rank` of instance `member` (`_members` order) now, in the middle of a
@@ -251,10 +262,12 @@ class ServedReplica:
         return ReplicaStorage(self.name, self.l3)
 
 
-def instance_snapshot(inst: Instance) -> dict:
+def instance_snapshot(inst: Instance, name: str) -> InstanceSnapshot:
     """Rank 0's counters and pool use (the ranks of an instance mirror each other), with the
     instance's rank restarts and divergences."""
     snap = inst.cache_snapshot()[0]
     faults = RankFaults(rank_restarts=inst.restarts, rank_divergences=inst.divergences)
-    return {**snap, "counters": {**snap["counters"], **faults.snapshot()},
-            "restarts": inst.restarts}
+    return InstanceSnapshot(name, {**snap["counters"], **faults.snapshot()}, snap["storage"],
+                            snap["host_used_tokens"], snap["host_total_tokens"],
+                            snap["gauges"], tuple(snap["agreement_s"]), snap["pins"],
+                            inst.restarts)

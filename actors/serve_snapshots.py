@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from kvtier.serve.metrics import MetricsError, ServeMetrics
-from kvtier.serve.records import ReplicaStorage, RouterStatus
+from kvtier.serve.records import InstanceSnapshot, ReplicaSnapshot, ReplicaStorage, RouterStatus
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +43,27 @@ class SnapshotFeed:
                 if name in stalled:  # its replica may not answer: do not wait on it
                     continue
                 try:
-                    snap = await asyncio.wait_for(handle.snapshot.remote(), CALL_TIMEOUT_S)
+                    snap = ReplicaSnapshot.from_msgpack(
+                        await asyncio.wait_for(handle.snapshot.remote(), CALL_TIMEOUT_S))
                 except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
                     log.debug("snapshot of %s failed: %s", name, exc)
                     continue
                 # a prefill/decode deployment: each of its instances by its own name
-                for part, one in snap.get("instances", {name: snap}).items():
+                for one in snap.instances:
                     try:
-                        self._observe_snapshot(part, one)
+                        self._observe_snapshot(one)
                     except MetricsError:  # a counter no type declares: said, not dropped
-                        log.exception("the metrics of %s could not be read", part)
+                        log.exception("the metrics of %s could not be read", one.name)
             await self._observe_namespace(stalled)
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
 
-    def _observe_snapshot(self, name: str, snap: dict) -> None:
-        self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
-                                  snap["host_total_tokens"], snap["storage"])
-        self.metrics.update_gauges(name, snap.get("gauges", {}))
-        self.metrics.update_pins(name, snap.get("pins", {}))
-        self.metrics.observe_agreement(name, snap["agreement_s"])
+    def _observe_snapshot(self, snap: InstanceSnapshot) -> None:
+        name = snap.name
+        self.metrics.update_cache(name, snap.counters, snap.host_used_tokens,
+                                  snap.host_total_tokens, snap.storage)
+        self.metrics.update_gauges(name, snap.gauges)
+        self.metrics.update_pins(name, snap.pins)
+        self.metrics.observe_agreement(name, snap.agreement_s)
 
     async def _observe_liveness(self) -> set[str]:
         """Feed the router's per-instance stall counts to the metrics; the stalled ones."""

@@ -8,6 +8,7 @@ by the receiver with `from_msgpack`), never pickled objects or dicts keyed by co
 - `ReplicaPoll`: what the router's poll of a replica gets (load, epoch, cache events, steps).
 - `ReplicaDescription`: a replica's page-key namespace and page size (the router hashes
   prompts with it).
+- `ReplicaSnapshot`: each of a replica's instances' counters and pool use (the metrics).
 - `ReplicaStorage`: the L3 a replica's instances have attached (GET /admin/storage).
 - `RouterStatus`: the router's view of every instance (GET /admin/router, /health, metrics).
 
@@ -242,3 +243,29 @@ class ReplicaStorage(Record):
 
     instance: str
     l3: L3Attachment | None
+
+
+@dataclass(frozen=True)
+class InstanceSnapshot(Record):
+    """One instance's figures for the metrics (`kvtier.serve.metrics`): rank 0's counters
+    (its ranks mirror each other; fields of `metrics.CACHE_COUNTERS`), its L3 counters
+    (None without L3; `metrics.STORAGE_COUNTERS`), L2 use, gauges, the agreement rounds'
+    seconds since the last snapshot, its pins, its rank-set restarts."""
+
+    name: str
+    counters: dict[str, Any]
+    storage: dict[str, Any] | None
+    host_used_tokens: int
+    host_total_tokens: int
+    gauges: dict[str, Any]
+    agreement_s: tuple[float, ...]
+    pins: dict[str, Any]
+    restarts: int
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot(Record):
+    """What a replica's `snapshot` answers: each of its instances (one, or a prefill/decode
+    graph's every instance by its own name)."""
+
+    instances: tuple[InstanceSnapshot, ...]

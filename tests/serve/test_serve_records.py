@@ -132,3 +132,35 @@ def test_the_router_status_and_the_storage_show_as_before():
         "options": {"root_dir": "/l3", "max_size_bytes": 1 << 30}}}
     assert roundtrip(ReplicaStorage("instance-0", None)).to_dict() == {"instance": "instance-0",
                                                                        "l3": None}
+
+
+def test_a_snapshot_feeds_the_metrics_after_its_trip():
+    """What a replica's `snapshot` sends (every counters type's fields) reaches the metrics
+    whole: a field no counters type declares would be a MetricsError."""
+    import dataclasses
+
+    from kvtier.actors.serve_snapshots import SnapshotFeed
+    from kvtier.backends.base import BackendStats
+    from kvtier.engine.retraction import RetractionCounters
+    from kvtier.serve.metrics import RankFaults, ServeMetrics
+    from kvtier.serve.records import InstanceSnapshot, ReplicaSnapshot
+    from kvtier.tiers.cache_types import CacheCounters
+    from kvtier.tiers.controller import TransferStats
+    from kvtier.tiers.storage_types import StorageCounters
+
+    counters = (CacheCounters(lookups=3).snapshot() | TransferStats(load_s=0.5)._asdict()
+                | RetractionCounters().snapshot() | RankFaults(rank_restarts=1).snapshot())
+    backend = {k: v for k, v in dataclasses.asdict(BackendStats()).items() if k != "extra"}
+    storage = StorageCounters(queried_tokens=32).snapshot() | backend
+    snap = ReplicaSnapshot((InstanceSnapshot(
+        "prefill-0", counters, storage, 16, 64, {"running_requests": 1}, (2e-5, 3e-5),
+        {"pins": 1, "device_pages": 0, "host_pages": 2}, 1),))
+    (got,) = roundtrip(snap).instances
+    assert got == snap.instances[0]
+    feed = object.__new__(SnapshotFeed)
+    feed.metrics = ServeMetrics()
+    feed._observe_snapshot(got)
+    body = feed.metrics.render()[0].decode()
+    assert 'kvtier_lookups_total{kvtier_instance="prefill-0"} 3.0' in body
+    assert 'kvtier_rank_restarts_total{kvtier_instance="prefill-0"} 1.0' in body
+    assert 'kvtier_prefetch_query_tokens_total{kvtier_instance="prefill-0"} 32.0' in body
