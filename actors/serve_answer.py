@@ -20,7 +20,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from kvtier.serve.liveness import InstanceState
-from kvtier.serve.records import AnswerItem, Route
+from kvtier.serve.records import AnswerItem, InstanceStates, Route
 from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class RouterStates:
 
     def __init__(self, router: Any, max_age_s: float) -> None:
         self._router, self._max_age_s = router, max_age_s
-        self._states: dict[str, str] = {}
+        self._states = InstanceStates(())
         self._at = -math.inf
         self._fetch: asyncio.Task | None = None
 
@@ -47,11 +47,11 @@ class RouterStates:
                 await asyncio.shield(self._fetch)
             except Exception as exc:  # noqa: BLE001 - keep waiting on what we have
                 log.warning("the router's instance states are unavailable: %s", exc)
-        return InstanceState.parse(self._states.get(name, InstanceState.LIVE.value), "state")
+        return self._states.of(name)
 
     async def _refresh(self) -> None:
-        self._states = await asyncio.wait_for(self._router.states.remote(),
-                                              ROUTER_CALL_TIMEOUT_S)
+        self._states = InstanceStates.from_msgpack(await asyncio.wait_for(
+            self._router.states.remote(), ROUTER_CALL_TIMEOUT_S))
         self._at = time.monotonic()
 
 

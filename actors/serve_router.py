@@ -21,8 +21,8 @@ from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.keys import KeyNamespace
 from kvtier.serve.cache_events import CacheEventBatch
 from kvtier.serve.liveness import Liveness, candidates
-from kvtier.serve.records import (InstanceStatus, ReplicaDescription, ReplicaPoll, Route,
-                                  RouterStatus)
+from kvtier.serve.records import (InstanceStates, InstanceStatus, NamedState,
+                                  ReplicaDescription, ReplicaPoll, Route, RouterStatus)
 from kvtier.serve.router_index import PrefixIndex, Router
 from kvtier.serve.settings import ServeSettings
 
@@ -78,11 +78,12 @@ class RouterDeployment:
                             self.router.index.num_storage_pages,
                             dict(self.reasons)).to_msgpack()
 
-    async def states(self) -> dict[str, str]:
-        """Each instance's state, "live", "stalled" or "recovering" (what the ingress
-        watches)."""
+    async def states(self) -> bytes:
+        """An `InstanceStates` record (msgpack): each instance's state, live, stalled or
+        recovering (what the ingress watches)."""
         self._ensure_poller()
-        return {n: self.liveness.state(n).value for n in self.handles}
+        return InstanceStates(tuple(NamedState(n, self.liveness.state(n))
+                                    for n in self.handles)).to_msgpack()
 
     async def sync(self) -> None:
         """Poll every instance now (tests: the index reflects everything finished so far)."""

@@ -10,6 +10,7 @@ by the receiver with `from_msgpack`), never pickled objects or dicts keyed by co
   prompts with it).
 - `ReplicaSnapshot`: each of a replica's instances' counters and pool use (the metrics).
 - `ReplicaStorage`: the L3 a replica's instances have attached (GET /admin/storage).
+- `InstanceStates`: each instance's liveness state (what answers in flight watch).
 - `RouterStatus`: the router's view of every instance (GET /admin/router, /health, metrics).
 
 The HTTP answers built from them (`kvtier.serve.openai_responses`) are the same JSON as
@@ -269,3 +270,20 @@ class ReplicaSnapshot(Record):
     graph's every instance by its own name)."""
 
     instances: tuple[InstanceSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class NamedState(Record):
+    name: str
+    state: InstanceState
+
+
+@dataclass(frozen=True)
+class InstanceStates(Record):
+    """The router's `states`: each instance's liveness state (live, stalled, recovering)."""
+
+    states: tuple[NamedState, ...]
+
+    def of(self, name: str) -> InstanceState:
+        """`name`'s state (LIVE when the router did not say)."""
+        return next((s.state for s in self.states if s.name == name), InstanceState.LIVE)

@@ -13,7 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.serve.liveness import InstanceState, Liveness, candidates
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.records import (NO_CACHED, AnswerFinal, AnswerItem, AnswerItemKind,
-                                  PromptLengths, Route)
+                                  InstanceStates, NamedState, PromptLengths, Route)
 from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve_command import add_arguments, settings_from
@@ -194,9 +194,10 @@ class FakeRouter:
         async def remote(self, *args, **kw):
             return self.fn(*args, **kw)
 
-    def _states(self) -> dict:
+    def _states(self) -> bytes:
         self.asked += 1
-        return {self.stalled: self.state if self.asked > self.stall_after else "live"}
+        state = self.state if self.asked > self.stall_after else "live"
+        return InstanceStates((NamedState(self.stalled, InstanceState(state)),)).to_msgpack()
 
     def _choose(self, tokens, avoid=(), cache_salt="") -> bytes:
         self.avoided.append(tuple(avoid))
