@@ -23,8 +23,8 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.metrics import RankFaults
 from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
+from kvtier.serve.metrics import RankFaults
 from kvtier.serve.placement import head_resources
 from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, InstanceSnapshot,
                                   L3Attachment, ReplicaDescription, ReplicaPoll,
@@ -130,8 +130,8 @@ class ServedReplica:
         """Stream `AnswerItem` records (msgpack): new token ids (and their log-probabilities
         when it asked), the last one FINAL with `_final`: the finish reason, cached tokens by
         tier, the five lengths, the instance-side TTFT; or, when this request alone failed,
-        ERROR with why (in words a client may read) instead. `cache_salt`: the request's tenant (it
-        hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
+        ERROR with why (in words a client may read) instead. `cache_salt`: the request's
+        tenant (it hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
         start of its answer the caller already has (it ran on another instance): the answer
         goes on after it and those tokens are not sent again. A caller that goes away
         (disconnect, stop string) cancels it. The instance stopping raises InstanceError."""
