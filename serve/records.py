@@ -13,8 +13,8 @@ by the receiver with `from_msgpack`), never pickled objects or dicts keyed by co
 - `InstanceStates`: each instance's liveness state (what answers in flight watch).
 - `RouterStatus`: the router's view of every instance (GET /admin/router, /health, metrics).
 
-The HTTP answers built from them (`kvtier.serve.openai_responses`) are the same JSON as
-before: `to_dict()` gives a record's fields as plain values, in order.
+The HTTP answers built from them (`kvtier.serve.openai_responses`, the admin endpoints) take
+their fields from `to_dict()`: a record's fields as plain values (enums by value), in order.
 """
 from __future__ import annotations
 
