@@ -20,6 +20,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from kvtier.serve.liveness import InstanceState
+from kvtier.serve.records import AnswerItem, InstanceStates, Route
 from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class RouterStates:
 
     def __init__(self, router: Any, max_age_s: float) -> None:
         self._router, self._max_age_s = router, max_age_s
-        self._states: dict[str, str] = {}
+        self._states = InstanceStates(())
         self._at = -math.inf
         self._fetch: asyncio.Task | None = None
 
@@ -46,17 +47,18 @@ class RouterStates:
                 await asyncio.shield(self._fetch)
             except Exception as exc:  # noqa: BLE001 - keep waiting on what we have
                 log.warning("the router's instance states are unavailable: %s", exc)
-        return InstanceState.parse(self._states.get(name, InstanceState.LIVE.value), "state")
+        return self._states.of(name)
 
     async def _refresh(self) -> None:
-        self._states = await asyncio.wait_for(self._router.states.remote(),
-                                              ROUTER_CALL_TIMEOUT_S)
+        self._states = InstanceStates.from_msgpack(await asyncio.wait_for(
+            self._router.states.remote(), ROUTER_CALL_TIMEOUT_S))
         self._at = time.monotonic()
 
 
 class RoutedAnswer:
-    """`items()`: the answer's items (`kvtier.actors.serve_replica` shapes), each with only
-    the tokens not passed on before; `cancel()` frees the instance serving it."""
+    """`items()`: the answer's items (`AnswerItem` records, decoded from the replica's
+    stream), each with only the tokens not passed on before; `cancel()` frees the instance
+    serving it."""
 
     def __init__(self, router: Any, instances: dict[str, Any], states: RouterStates,
                  tokens: list[int], sampling: dict, instance: str, check_s: float,
@@ -74,7 +76,7 @@ class RoutedAnswer:
         self._next: asyncio.Future | None = None
         self._finished = False
 
-    async def items(self) -> AsyncIterator[dict]:
+    async def items(self) -> AsyncIterator[AnswerItem]:
         while True:
             if self._next is None:
                 self._next = asyncio.ensure_future(self._stream.__anext__())
@@ -89,7 +91,7 @@ class RoutedAnswer:
                 continue
             next_, self._next = self._next, None
             try:
-                item = next_.result()
+                raw = next_.result()
             except StopAsyncIteration:  # ended without its last item: the replica went away
                 await self._move(f"instance {self.instance} ended the answer early",
                                  failed=True)
@@ -99,9 +101,10 @@ class RoutedAnswer:
                             exc)
                 await self._move(f"instance {self.instance} stopped serving", failed=True)
                 continue
+            item = AnswerItem.from_msgpack(raw)  # a bad record is a bug: raised, not moved
             self._alone_since = None
-            self.sent.add(item["tokens"], item.get("logprobs"))
-            self._finished = "finish_reason" in item or "error" in item
+            self.sent.add(item.tokens, item.logprobs)
+            self._finished = item.last
             yield item
             if self._finished:
                 return
@@ -127,14 +130,14 @@ class RoutedAnswer:
         InstanceUnavailable when given up."""
         choice = None
         try:
-            choice = await asyncio.wait_for(
+            choice = Route.from_msgpack(await asyncio.wait_for(
                 self._router.choose.remote(self._tokens, avoid=(self.instance,),
                                            cache_salt=self._salt),
-                ROUTER_CALL_TIMEOUT_S)
+                ROUTER_CALL_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - as if no other instance were live
             log.warning("re-dispatching from %s: the router did not answer: %s",
                         self.instance, exc)
-        if choice is None or choice["instance"] is None:
+        if choice is None or choice.instance is None:
             now = time.monotonic()
             if patient:
                 self._alone_since = None
@@ -144,7 +147,7 @@ class RoutedAnswer:
                 self.cancel()
                 raise InstanceUnavailable(f"{why} and no other instance is live")
             return  # wait where it is: the deadline is checked again
-        left, self.instance = self.instance, choice["instance"]
+        left, self.instance = self.instance, choice.instance
         log.warning("%s with a request in flight (%d tokens sent): re-dispatched to %s", why,
                     len(self.sent.ids), self.instance)
         self.cancel()

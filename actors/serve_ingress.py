@@ -39,6 +39,8 @@ from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, Comp
                                           check_prompt_tokens, parse_chat, parse_completion)
 from kvtier.serve.pd_metrics import PDMetrics
 from kvtier.serve.pins import PinVerb
+from kvtier.serve.records import (NO_CACHED, AnswerFinal, AnswerItemKind, PromptLengths,
+                                  ReplicaStorage, Route, RouterStatus)
 from kvtier.serve.redispatch import InstanceUnavailable
 from kvtier.serve.request_failures import (AnswerFailed, answer_failed, generation_failed,
                                            timed_out, unavailable, unreadable)
@@ -56,12 +58,12 @@ class _Generation:
     why the router chose that instance, its text, token count, log-probabilities (when
     asked) and final report."""
 
-    def __init__(self, answer: RoutedAnswer, route: dict, stream: TextStream,
+    def __init__(self, answer: RoutedAnswer, route: Route, stream: TextStream,
                  index: int = 0) -> None:
         self.answer, self.route, self.index = answer, route, index
         self.stream = stream
         self.tokens = 0
-        self.final: dict | None = None
+        self.final: AnswerFinal | None = None
         self.first_token_s: float | None = None
         self.finish_reason = "length"
         self.logprobs: list = []  # wire entries, one per answer token (when asked)
@@ -74,6 +76,11 @@ class _Generation:
         made = completion_logprobs(entries, tokenizer, self.text_offset)
         self.text_offset += sum(len(t) for t in made["tokens"])
         return made
+
+
+def _storage_json(data: bytes) -> dict:
+    """A replica's `ReplicaStorage` record as the admin endpoints show it."""
+    return ReplicaStorage.from_msgpack(data).to_dict()
 
 
 def _error(err: ApiError) -> Response:
@@ -132,12 +139,12 @@ class Ingress:
 
     @api.get("/health")
     async def health(self) -> Response:
-        status = await self.router.status.remote()
-        broken = {n: i["broken"] for n, i in status["instances"].items() if i["broken"]}
-        stalled = sorted(n for n, i in status["instances"].items() if i["state"] == "stalled")
-        code = 503 if len(set(broken) | set(stalled)) == len(status["instances"]) else 200
+        status = RouterStatus.from_msgpack(await self.router.status.remote())
+        broken = {i.name: i.broken for i in status.instances if i.broken}
+        stalled = sorted(status.stalled())
+        code = 503 if len(set(broken) | set(stalled)) == len(status.instances) else 200
         return JSONResponse({"status": "ok" if code == 200 else "unavailable",
-                             "instances": len(status["instances"]), "broken": broken,
+                             "instances": len(status.instances), "broken": broken,
                              "stalled": stalled}, status_code=code)
 
     @api.get("/metrics")
@@ -157,17 +164,20 @@ class Ingress:
 
     @api.get("/admin/storage")
     async def admin_storage(self, request: Request) -> Response:
-        return await self._admin(request, lambda h, _: h.storage.remote(), body=False)
+        return await self._admin(request, lambda h, _: h.storage.remote(), body=False,
+                                 decode=_storage_json)
 
     @api.post("/admin/storage/attach")
     async def admin_attach(self, request: Request) -> Response:
         """Body: {"backend": "file"|"mooncake"|"nixl", "options": {...}} (options optional)."""
         return await self._admin(request, lambda h, b: h.attach_l3.remote(
-            b["backend"], bound_attach_options(self.settings, b)), needs=("backend",))
+            b["backend"], bound_attach_options(self.settings, b)), needs=("backend",),
+            decode=_storage_json)
 
     @api.post("/admin/storage/detach")
     async def admin_detach(self, request: Request) -> Response:
-        return await self._admin(request, lambda h, _: h.detach_l3.remote())
+        return await self._admin(request, lambda h, _: h.detach_l3.remote(),
+                                 decode=_storage_json)
 
     @api.post("/admin/purge")
     async def admin_purge(self, request: Request) -> Response:
@@ -175,8 +185,9 @@ class Ingress:
         the directory reset; the ranks back pages up again); answers the pages deleted."""
         if (denied := self._check_admin(request)) is not None:
             return denied
-        shown = await asyncio.gather(*(h.storage.remote() for h in self.instances.values()))
-        ns = next((s["l3"]["namespace"] for s in shown if s["l3"]), None)  # one for all
+        shown = [ReplicaStorage.from_msgpack(s) for s in await asyncio.gather(
+            *(h.storage.remote() for h in self.instances.values()))]
+        ns = next((s.l3.namespace for s in shown if s.l3), None)  # one for all
         if ns is None:
             err = ApiError(400, "no L3 is attached, so there is nothing to purge")
             return JSONResponse(err.to_body(), status_code=400)
@@ -191,7 +202,7 @@ class Ingress:
     async def admin_router(self, request: Request) -> Response:
         if (denied := self._check_admin(request)) is not None:
             return denied
-        return JSONResponse(await self.router.status.remote())
+        return JSONResponse(RouterStatus.from_msgpack(await self.router.status.remote()).to_json())
 
     @api.post("/admin/pin")
     async def admin_pin(self, request: Request) -> Response:
@@ -281,9 +292,9 @@ class Ingress:
                      salt: str, index: int) -> _Generation:
         """Route answer `index` of the request, as a request of its own, and start it."""
         sampling = req.sampling(self.tokenizer.stop_token_ids, seed, index)
-        route = await self.router.choose.remote(tokens, cache_salt=salt)
+        route = Route.from_msgpack(await self.router.choose.remote(tokens, cache_salt=salt))
         answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,
-                              route["instance"], self.check_s, self.metrics.observe_redispatch,
+                              route.instance, self.check_s, self.metrics.observe_redispatch,
                               cache_salt=salt)
         return _Generation(answer, route, TextStream(self.tokenizer, req.stop), index)
 
@@ -312,16 +323,16 @@ class Ingress:
         which aborts the request there)."""
         try:
             async for item in gen.answer.items():
-                if "error" in item:  # the instance ended this answer alone: its last item
-                    raise AnswerFailed(item["error"])
-                if item["tokens"] and gen.first_token_s is None:
+                if item.kind is AnswerItemKind.ERROR:  # the instance ended this answer alone
+                    raise AnswerFailed(item.error)
+                if item.tokens and gen.first_token_s is None:
                     gen.first_token_s = time.perf_counter() - start
-                gen.tokens += len(item["tokens"])
-                entries = item.get("logprobs", [])
+                gen.tokens += len(item.tokens)
+                entries = item.logprobs or []
                 gen.logprobs += entries
-                text, stopped = gen.stream.push(item["tokens"])
-                if "finish_reason" in item:
-                    gen.final, gen.finish_reason = item, item["finish_reason"]
+                text, stopped = gen.stream.push(item.tokens)
+                if item.final is not None:
+                    gen.final, gen.finish_reason = item.final, item.final.finish_reason.value
                 if text or entries:
                     yield text, entries
                 if stopped:
@@ -399,15 +410,16 @@ class Ingress:
         """OpenAI's usage (the prompt once, every answer's tokens) and the `kvtier` field
         (the first answer's: where its prompt came from, its route)."""
         gen = gens[0]
-        final = gen.final or {"cached": {"device": 0, "host": 0, "storage": 0}, "lengths": None}
-        lengths = final["lengths"] or {"prefix_len": 0, "host_hit_length": 0,
-                                       "host_loaded_length": 0, "storage_hit_length": 0,
-                                       "extend_len": prompt_tokens}
-        kvtier = out.kvtier_field(final["cached"], lengths, final.get("pd"))
-        kvtier["instance"] = final.get("instance")  # which instance served it (routing)
-        kvtier["route"] = {"reason": gen.route["reason"], "expected_pages": gen.route["hits"]}
+        final = gen.final
+        cached = (NO_CACHED if final is None else final.cached).to_dict()
+        lengths = (PromptLengths(0, 0, 0, 0, prompt_tokens) if final is None
+                   else final.lengths).to_dict()
+        pd = None if final is None or final.pd is None else final.pd.to_dict()
+        kvtier = out.kvtier_field(cached, lengths, pd)
+        kvtier["instance"] = None if final is None else final.instance  # which served it
+        kvtier["route"] = gen.route.to_field()
         answered = sum(g.tokens for g in gens)
-        return out.usage(prompt_tokens, answered, final["cached"], lengths), kvtier
+        return out.usage(prompt_tokens, answered, cached, lengths), kvtier
 
     def _observe(self, gen: _Generation, start: float, prompt_tokens: int) -> None:
         self.snapshots.ensure_running()
@@ -415,13 +427,14 @@ class Ingress:
         tpot = None
         if gen.first_token_s is not None and gen.tokens > 1:
             tpot = (total - gen.first_token_s) / (gen.tokens - 1)
-        cached = gen.final["cached"] if gen.final else {"device": 0, "host": 0, "storage": 0}
-        queue = gen.final.get("queue_s") if gen.final else None
+        final = gen.final
+        cached = (NO_CACHED if final is None else final.cached).to_dict()
+        queue = None if final is None else final.queue_s
         self.metrics.observe_request(gen.answer.instance, gen.first_token_s or total, tpot,
                                      cached, gen.finish_reason, prompt_tokens, gen.tokens, total,
                                      queue)
-        if self.pd_metrics is not None and gen.final and gen.final.get("pd"):
-            self.pd_metrics.observe(gen.answer.instance, gen.final["pd"])
+        if self.pd_metrics is not None and final is not None and final.pd is not None:
+            self.pd_metrics.observe(gen.answer.instance, final.pd.to_dict())
 
     # ---- failures: the client learns what to do and the request id; the log, the details ------
     def _failure_error(self, rid: str, exc: Exception) -> ApiError:
@@ -462,7 +475,9 @@ class Ingress:
         return None
 
     async def _admin(self, request: Request, call, body: bool = True,
-                     needs: tuple[str, ...] = ()) -> Response:
+                     needs: tuple[str, ...] = (), decode=lambda result: result) -> Response:
+        """`call(handle, body)` on every instance; their results (each through `decode`:
+        a record's JSON) as {"instances": [...]}."""
         if (denied := self._check_admin(request)) is not None:
             return denied
         args: dict = {}
@@ -482,4 +497,4 @@ class Ingress:
             if isinstance(cause, (ConfigError, KvtierError, ValueError)):
                 return _error(ApiError(400, str(cause)))
             return self._failed(exc)
-        return JSONResponse({"instances": results})
+        return JSONResponse({"instances": [decode(r) for r in results]})

@@ -17,11 +17,12 @@ from kvtier.actors.instance import Instance
 from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.rank_actor import Rank, RankSettings
-from kvtier.actors.serve_replica import (ServedReplica, final_fields, instance_snapshot,
+from kvtier.actors.serve_replica import (ServedReplica, final_fields,
                                          l3_options)  # l3_options: tests read it here too
 from kvtier.calibration import calibrated_thresholds
 from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.serve.placement import RANK_STRATEGY, RankGpus, rank_resources
+from kvtier.serve.records import AnswerFinal
 from kvtier.serve.served_model import weight_source
 from kvtier.serve.settings import ModelChoice, ServeSettings
 
@@ -61,17 +62,13 @@ class InstanceDeployment(ServedReplica):
         s = self._open(name, settings)
         self._serve(InstanceServer(build_instance(s, rank_class), name))
 
-    def _final(self, out: Any) -> dict:
+    def _final(self, out: Any) -> AnswerFinal:
         return final_fields(out, self.name)
 
     def _members(self, target: Instance) -> list[Instance]:
         return [target]
 
     # ---- router and operator calls ------------------------------------------------------------
-    async def snapshot(self) -> dict:
-        """Rank 0's counters and pool use (the ranks of an instance mirror each other)."""
-        return await self._call(instance_snapshot)
-
     async def flush(self) -> dict:
         """Drop every unlocked L1 and L2 page (L3 is untouched)."""
         free = await self._call(lambda inst: inst.drop_cache())

@@ -25,10 +25,11 @@ from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.pd_driver import PDDriver, PDOutput
 from kvtier.actors.rank_actor import Rank
 from kvtier.actors.serve_instance import build_instance
-from kvtier.actors.serve_replica import ServedReplica, final_fields, instance_snapshot
+from kvtier.actors.serve_replica import ServedReplica
 from kvtier.engine.request import Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.openai_responses import pd_field
+from kvtier.serve.records import AnswerFinal, PDReport
 from kvtier.serve.settings import ServeSettings
 
 PD_NAME = "pd"
@@ -101,6 +102,9 @@ class PDDeployment(ServedReplica):
             raise
         self._serve(InstanceServer(PDInstances(driver), name))
 
+    def _member_names(self) -> list[str]:
+        return list(self.names)
+
     def _members(self, target: PDInstances) -> list[Instance]:
         return target.members
 
@@ -111,21 +115,16 @@ class PDDeployment(ServedReplica):
             return target.members
         return target.members[:self.settings.prefill_instances]
 
-    def _final(self, out: PDOutput) -> dict:
+    def _final(self, out: PDOutput) -> AnswerFinal:
         s = self.settings
         decode = None if out.decode_instance < 0 else self.names[s.prefill_instances
                                                                  + out.decode_instance]
-        return {**final_fields(out, self.name),
-                "pd": pd_field(out.mode.value, s.pd_transport.value,
-                               self.names[out.prefill_instance], decode, out.stages,
-                               out.transfer_bytes, out.transfer_pages)}
+        pd = PDReport(**pd_field(out.mode.value, s.pd_transport.value,
+                                 self.names[out.prefill_instance], decode, out.stages,
+                                 out.transfer_bytes, out.transfer_pages))
+        return AnswerFinal.of(out, self.name, pd)
 
     # ---- operator calls -----------------------------------------------------------------------
-    async def snapshot(self) -> dict:
-        """Each instance's snapshot (`instance_snapshot`) by its name."""
-        return {"instances": await self._call(lambda target: {
-            name: instance_snapshot(inst) for name, inst in zip(self.names, target.members)})}
-
     async def flush(self) -> dict:
         """Drop every unlocked L1 and L2 page of every instance (L3 is untouched)."""
         free = await self._call(lambda target: [inst.drop_cache()[0]

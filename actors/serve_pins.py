@@ -21,6 +21,7 @@ from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
 from kvtier.serve.openai_requests import ApiError, ApiLimits, check_prompt_tokens
 from kvtier.serve.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
+from kvtier.serve.records import ReplicaDescription, ReplicaStorage, Route
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import request_salt
 
@@ -132,9 +133,9 @@ class PinDesk:
 
     async def _prefill(self, tokens: list[int], salt: str) -> None:
         """Compute the prefix on the instance the router picks (one output token)."""
-        route = await self.router.choose.remote(tokens, cache_salt=salt)
+        route = Route.from_msgpack(await self.router.choose.remote(tokens, cache_salt=salt))
         answer = RoutedAnswer(self.router, self.instances, self.states, tokens,
-                              PREFILL_SAMPLING, route["instance"], self.check_s,
+                              PREFILL_SAMPLING, route.instance, self.check_s,
                               cache_salt=salt)
         async for _ in answer.items():
             pass
@@ -149,8 +150,9 @@ class PinDesk:
     async def _namespace(self) -> str | None:
         """The L3 namespace the instances attached (None: no L3)."""
         handle = next(iter(self.instances.values()))
-        l3 = (await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S))["l3"]
-        return l3["namespace"] if l3 else None
+        l3 = ReplicaStorage.from_msgpack(
+            await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S)).l3
+        return None if l3 is None else l3.namespace
 
     async def _l3(self, namespace: str, method: str, *args: Any) -> Any:
         """One namespace-actor call (blocking: run off the event loop)."""
@@ -166,7 +168,7 @@ class PinDesk:
     async def _key_namespace(self) -> tuple[KeyNamespace, int]:
         """The instances' page-key namespace and page size (built alike: any one answers)."""
         if self._keys is None:
-            desc = await next(iter(self.instances.values())).describe.remote()
-            self._keys = (KeyNamespace(desc["model"], desc["tenant_salt"],
-                                       desc["layout_fingerprint"]), desc["page_size"])
+            desc = ReplicaDescription.from_msgpack(
+                await next(iter(self.instances.values())).describe.remote())
+            self._keys = (desc.key_namespace, desc.page_size)
         return self._keys

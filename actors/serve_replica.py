@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -19,12 +19,16 @@ from kvtier.actors.instance_server import InstanceServer, ServerEventKind
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.step_wire import logprobs_to_wire, resume_from_wire
 from kvtier.engine.request import FinishReason
-from kvtier.engine.sampling import SamplingParams, TokenLogprob
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
 from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
+from kvtier.serve.metrics import RankFaults
 from kvtier.serve.placement import head_resources
+from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, InstanceSnapshot,
+                                  L3Attachment, ReplicaDescription, ReplicaPoll,
+                                  ReplicaSnapshot, ReplicaStorage)
 from kvtier.serve.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
 
@@ -67,25 +71,22 @@ def bound_attach_options(s: ServeSettings, body: dict) -> dict | None:
     return body.get("options")
 
 
-def final_fields(out: Any, name: str) -> dict:
+def final_fields(out: Any, name: str) -> AnswerFinal:
     """What an answer's last item says of its run: finish reason, cached tokens by tier, the
     five lengths, the instance-side TTFT and queue time, the instance."""
-    return {"finish_reason": out.finish_reason.value, "cached": out.cached._asdict(),
-            "lengths": out.lengths._asdict(), "ttft_s": out.ttft_s, "queue_s": out.queue_s,
-            "instance": name}
+    return AnswerFinal.of(out, name)
 
 
-def _logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict:
-    """{"logprobs": their wire form} when the request asked for them, or {}."""
-    return {} if logprobs is None else {"logprobs": logprobs_to_wire(logprobs)}
-
-
-def _last_item(out: Any, have: int) -> dict:
-    """A finished answer's tokens after the first `have` (and their log-probabilities,
-    which belong to the answer's last tokens)."""
+def _last_item(out: Any, have: int, final: AnswerFinal | None) -> AnswerItem:
+    """A finished answer's last item: its tokens after the first `have` (and their
+    log-probabilities, which belong to the answer's last tokens), with `final`, or, without
+    one, the output's error."""
     rest = tuple(out.tokens[have:])
     lps = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(rest):]
-    return {"tokens": list(rest), **_logprobs(lps)}
+    if final is None:
+        return AnswerItem(AnswerItemKind.ERROR, rest, logprobs_to_wire(lps),
+                          error=out.error or "it failed")
+    return AnswerItem(AnswerItemKind.FINAL, rest, logprobs_to_wire(lps), final=final)
 
 
 class ServedReplica:
@@ -95,7 +96,7 @@ class ServedReplica:
     name: str
     settings: ServeSettings
     server: InstanceServer
-    l3: dict[str, Any] | None = None
+    l3: L3Attachment | None = None
 
     def _open(self, name: str, settings: dict) -> ServeSettings:
         """The replica's process set up for serving (loopback, one torch thread: the ranks
@@ -111,22 +112,26 @@ class ServedReplica:
         if s.storage_backend is not None:
             self._attach(s.storage_backend, l3_options(s.storage_backend, s, None))
 
-    def _final(self, out: Any) -> dict:
-        """What a request's last item adds to its tokens (`final_fields` and more)."""
+    def _final(self, out: Any) -> AnswerFinal:
+        """How a request's run went, for its last item (`final_fields` and more)."""
         raise NotImplementedError
 
     def _members(self, target: Any) -> list[Instance]:
         """The Instances behind what `self.server` drives (`target`)."""
         raise NotImplementedError
 
+    def _member_names(self) -> list[str]:
+        """The names of `_members`, in order (the metrics label each instance's figures)."""
+        return [self.name]
+
     # ---- requests ---------------------------------------------------------------------------
     async def generate(self, tokens: list[int], sampling: dict, cache_salt: str = "",
-                       resume: list | None = None) -> AsyncIterator[dict]:
-        """Stream `{"tokens": [...new ids]}` items (and their log-probabilities when it
-        asked), the last one with `_final`: the finish reason, cached tokens by tier, the five
-        lengths, the instance-side TTFT; or, when this request alone failed, with "error"
-        (why, in words a client may read) instead. `cache_salt`: the request's tenant (it
-        hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
+                       resume: list | None = None) -> AsyncIterator[bytes]:
+        """Stream `AnswerItem` records (msgpack): new token ids (and their log-probabilities
+        when it asked), the last one FINAL with `_final`: the finish reason, cached tokens by
+        tier, the five lengths, the instance-side TTFT; or, when this request alone failed,
+        ERROR with why (in words a client may read) instead. `cache_salt`: the request's
+        tenant (it hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
         start of its answer the caller already has (it ran on another instance): the answer
         goes on after it and those tokens are not sent again. A caller that goes away
         (disconnect, stop string) cancels it. The instance stopping raises InstanceError."""
@@ -143,14 +148,14 @@ class ServedReplica:
                 if event.kind is ServerEventKind.TOKENS:
                     new = event.progress.after(have)
                     if new is not None:
-                        yield {"tokens": list(new.tokens), **_logprobs(new.logprobs)}
+                        yield AnswerItem.more(new.tokens,
+                                              logprobs_to_wire(new.logprobs)).to_msgpack()
                         have = new.stop
                 elif event.kind is ServerEventKind.DONE:
                     finished, out = True, event.output
-                    if out.finish_reason is FinishReason.ERROR:
-                        yield {**_last_item(out, have), "error": out.error or "it failed"}
-                    else:
-                        yield {**_last_item(out, have), **self._final(out)}
+                    final = None if out.finish_reason is FinishReason.ERROR \
+                        else self._final(out)
+                    yield _last_item(out, have, final).to_msgpack()
                     return
                 else:
                     finished = True
@@ -161,27 +166,37 @@ class ServedReplica:
                 self.server.cancel(key)
 
     # ---- router and operator calls ------------------------------------------------------------
-    async def poll(self) -> dict:
-        return self.server.poll()._asdict()
+    async def poll(self) -> bytes:
+        """A `ReplicaPoll` record (msgpack)."""
+        return ReplicaPoll.of(self.server.poll()).to_msgpack()
 
-    async def describe(self) -> dict:
-        """The first instance's cache (every instance is built from the same settings)."""
+    async def describe(self) -> bytes:
+        """The first instance's cache (every instance is built from the same settings): a
+        `ReplicaDescription` record (msgpack)."""
         desc = await self._call(lambda target: self._members(target)[0].describe())
-        return {**desc._asdict(), "instance": self.name, "tp_size": self.settings.tp_size}
+        return ReplicaDescription.of(desc, self.name, self.settings.tp_size).to_msgpack()
 
-    async def attach_l3(self, backend: str, options: dict | None) -> dict:
+    async def attach_l3(self, backend: str, options: dict | None) -> bytes:
+        """A `ReplicaStorage` record (msgpack) of what it attached."""
         kind = StorageBackendKind.parse(backend, "backend")
         opts = l3_options(kind, self.settings, options)
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self._attach(kind, opts))
+            None, lambda: self._attach(kind, opts).to_msgpack())
 
-    async def detach_l3(self) -> dict:
+    async def detach_l3(self) -> bytes:
         await self._call(lambda target: [inst.detach_l3() for inst in self._l3_members(target)])
         self.l3 = None
-        return {"instance": self.name, "l3": None}
+        return ReplicaStorage(self.name, None).to_msgpack()
 
-    async def storage(self) -> dict:
-        return {"instance": self.name, "l3": self.l3}
+    async def storage(self) -> bytes:
+        """A `ReplicaStorage` record (msgpack)."""
+        return ReplicaStorage(self.name, self.l3).to_msgpack()
+
+    async def snapshot(self) -> bytes:
+        """A `ReplicaSnapshot` record (msgpack): each instance's counters and pool use."""
+        return ReplicaSnapshot(await self._call(lambda target: tuple(
+            instance_snapshot(inst, name)
+            for name, inst in zip(self._member_names(), self._members(target))))).to_msgpack()
 
     # ---- fault injection and the leak audit (kvtier bench chaos: actors/chaos_faults.py) -----
     async def kill_rank(self, member: int, rank: int) -> bool:
@@ -219,7 +234,7 @@ class ServedReplica:
         """The instances that attach the deployment's L3 namespace."""
         return self._members(target)
 
-    def _attach(self, kind: StorageBackendKind, options: dict) -> dict:
+    def _attach(self, kind: StorageBackendKind, options: dict) -> ReplicaStorage:
         """Register the namespace of this deployment's instances with the namespace actor
         (created if need be; idempotent: every deployment of the graph registers the same
         one) and attach it on every rank of every instance."""
@@ -227,7 +242,7 @@ class ServedReplica:
 
         if self.l3 is not None:
             raise ConfigError(f"instance {self.name} has L3 attached already "
-                              f"({self.l3['backend']}); detach it first")
+                              f"({self.l3.backend.value}); detach it first")
         server, s = self.server, self.settings
         desc = server.call(lambda target: self._members(target)[0].describe()
                            ).result(CALL_TIMEOUT_S)
@@ -241,17 +256,18 @@ class ServedReplica:
         server.call(lambda target: [inst.attach_l3(info, s.l3_actor)
                                     for inst in self._l3_members(target)]
                     ).result(CALL_TIMEOUT_S)
-        self.l3 = {"backend": kind.value, "namespace": info.namespace,
-                   "options": {k: v for k, v in options.items()}}
+        self.l3 = L3Attachment(kind, info.namespace, dict(options))
         log.info("instance %s: L3 %s attached (namespace %s)", self.name, kind.value,
                  info.namespace)
-        return {"instance": self.name, "l3": self.l3}
+        return ReplicaStorage(self.name, self.l3)
 
 
-def instance_snapshot(inst: Instance) -> dict:
+def instance_snapshot(inst: Instance, name: str) -> InstanceSnapshot:
     """Rank 0's counters and pool use (the ranks of an instance mirror each other), with the
     instance's rank restarts and divergences."""
     snap = inst.cache_snapshot()[0]
-    return {**snap, "counters": {**snap["counters"], "rank_restarts": inst.restarts,
-                                 "rank_divergences": inst.divergences},
-            "restarts": inst.restarts}
+    faults = RankFaults(rank_restarts=inst.restarts, rank_divergences=inst.divergences)
+    return InstanceSnapshot(name, {**snap["counters"], **faults.snapshot()}, snap["storage"],
+                            snap["host_used_tokens"], snap["host_total_tokens"],
+                            snap["gauges"], tuple(snap["agreement_s"]), snap["pins"],
+                            inst.restarts)

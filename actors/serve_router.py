@@ -21,6 +21,8 @@ from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.keys import KeyNamespace
 from kvtier.serve.cache_events import CacheEventBatch
 from kvtier.serve.liveness import Liveness, candidates
+from kvtier.serve.records import (InstanceStates, InstanceStatus, NamedState,
+                                  ReplicaDescription, ReplicaPoll, Route, RouterStatus)
 from kvtier.serve.router_index import PrefixIndex, Router
 from kvtier.serve.settings import ServeSettings
 
@@ -48,52 +50,52 @@ class RouterDeployment:
         self._pollers: dict[str, asyncio.Task] = {}
 
     async def choose(self, tokens: list[int], avoid: tuple[str, ...] = (),
-                     cache_salt: str = "") -> dict:
-        """The instance to serve `tokens`: {"instance", "reason", "hits" (pages by tier)}.
-        `avoid`: instances it is leaving (stalled); when no other instance is live and
-        unbroken, "instance" is None (the caller keeps waiting where it is). `cache_salt`:
-        the request's (its pages' keys are of that salt's chain)."""
+                     cache_salt: str = "") -> bytes:
+        """The instance to serve `tokens`: a `Route` record (msgpack: the instance, why, the
+        pages it expects hit by tier). `avoid`: instances it is leaving (stalled); when no
+        other instance is live and unbroken, its instance is None (the caller keeps waiting
+        where it is). `cache_salt`: the request's (its pages' keys are of that salt's
+        chain)."""
         self._ensure_poller()
         keys, page_size = await self._key_namespace()
         hashes = keys.page_hashes(tokens, page_size, cache_salt)
         stalled = set(self.loads) - self.liveness.live()
         healthy = candidates(self.loads, {*self.broken, *stalled, *avoid})
         if not healthy and avoid:
-            return {"instance": None, "reason": None, "hits": None}
+            return Route(None).to_msgpack()
         choice = self.router.choose(hashes, healthy or self.loads, self._rng)
         self.loads[choice.instance] += 1  # counted until the next poll says otherwise
         self.routed[choice.instance] += 1
         self.reasons[choice.reason.value] = self.reasons.get(choice.reason.value, 0) + 1
-        return {"instance": choice.instance, "reason": choice.reason.value,
-                "hits": choice.hits._asdict()}
+        return Route.of(choice).to_msgpack()
 
-    async def status(self) -> dict:
-        """Per instance: load, epoch, why it is broken (if it is), requests routed to it,
-        its state (live or stalled), seconds since it last showed progress, its stalls."""
+    async def status(self) -> bytes:
+        """A `RouterStatus` record (msgpack): per instance its load, epoch, why it is broken
+        (if it is), requests routed to it, its state (live, stalled or recovering), seconds
+        since it last showed progress, its stalls."""
         self._ensure_poller()
-        return {"instances": {n: {"load": self.loads[n], "epoch": self.epochs.get(n),
-                                  "broken": self.broken.get(n), "routed": self.routed[n],
-                                  "indexed_pages": self.router.index.num_pages(n),
-                                  **self._liveness(n)}
-                              for n in self.handles},
-                "storage_pages": self.router.index.num_storage_pages,
-                "reasons": dict(self.reasons)}
+        return RouterStatus(tuple(self._status(n) for n in self.handles),
+                            self.router.index.num_storage_pages,
+                            dict(self.reasons)).to_msgpack()
 
-    async def states(self) -> dict[str, str]:
-        """Each instance's state, "live", "stalled" or "recovering" (what the ingress
-        watches)."""
+    async def states(self) -> bytes:
+        """An `InstanceStates` record (msgpack): each instance's state, live, stalled or
+        recovering (what the ingress watches)."""
         self._ensure_poller()
-        return {n: self.liveness.state(n).value for n in self.handles}
+        return InstanceStates(tuple(NamedState(n, self.liveness.state(n))
+                                    for n in self.handles)).to_msgpack()
 
     async def sync(self) -> None:
         """Poll every instance now (tests: the index reflects everything finished so far)."""
         await self._poll_all()
 
     # ---- polling ------------------------------------------------------------------------------
-    def _liveness(self, name: str) -> dict:
+    def _status(self, name: str) -> InstanceStatus:
         view = self.liveness.view(name)
-        return {"state": view.state.value, "quiet_s": round(view.quiet_s, 3),
-                "stalls": view.stalls}
+        return InstanceStatus(name, self.loads[name], self.epochs.get(name),
+                              self.broken.get(name), self.routed[name],
+                              self.router.index.num_pages(name), view.state,
+                              round(view.quiet_s, 3), view.stalls)
 
     def _ensure_poller(self) -> None:
         loop = asyncio.get_running_loop()
@@ -123,26 +125,26 @@ class RouterDeployment:
             self.broken[name] = f"poll failed: {type(exc).__name__}: {exc}"
             self.liveness.unanswered(name)
             return
-        self._apply(name, res)
+        self._apply(name, ReplicaPoll.from_msgpack(res))
 
-    def _apply(self, name: str, poll: dict) -> None:
-        if poll["broken"]:
-            self.broken[name] = poll["broken"]
+    def _apply(self, name: str, poll: ReplicaPoll) -> None:
+        if poll.broken:
+            self.broken[name] = poll.broken
         else:
             self.broken.pop(name, None)
-        if self.epochs.get(name) != poll["epoch"]:
+        if self.epochs.get(name) != poll.epoch:
             self.router.index.forget(name)  # new ranks: new caches, events from seq 1 again
-            self.epochs[name] = poll["epoch"]
-        for data in poll["events"]:
+            self.epochs[name] = poll.epoch
+        for data in poll.events:
             self.router.apply(CacheEventBatch.from_msgpack(data))
-        self.loads[name] = poll["load"]
-        self.liveness.answered(name, poll["steps"], busy=poll["load"] > 0,
-                               recovering=poll["recovering"])
+        self.loads[name] = poll.load
+        self.liveness.answered(name, poll.steps, busy=poll.load > 0,
+                               recovering=poll.recovering)
 
     async def _key_namespace(self) -> tuple[KeyNamespace, int]:
         """The instances' page-key namespace (they are built alike: any one answers)."""
         if self._keys is None:
-            desc = await next(iter(self.handles.values())).describe.remote()
-            self._keys = (KeyNamespace(desc["model"], desc["tenant_salt"],
-                                       desc["layout_fingerprint"]), desc["page_size"])
+            desc = ReplicaDescription.from_msgpack(
+                await next(iter(self.handles.values())).describe.remote())
+            self._keys = (desc.key_namespace, desc.page_size)
         return self._keys

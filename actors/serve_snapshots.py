@@ -13,7 +13,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from kvtier.serve.metrics import ServeMetrics
+from kvtier.serve.metrics import MetricsError, ServeMetrics
+from kvtier.serve.records import InstanceSnapshot, ReplicaSnapshot, ReplicaStorage, RouterStatus
 
 log = logging.getLogger(__name__)
 
@@ -42,33 +43,40 @@ class SnapshotFeed:
                 if name in stalled:  # its replica may not answer: do not wait on it
                     continue
                 try:
-                    snap = await asyncio.wait_for(handle.snapshot.remote(), CALL_TIMEOUT_S)
+                    snap = ReplicaSnapshot.from_msgpack(
+                        await asyncio.wait_for(handle.snapshot.remote(), CALL_TIMEOUT_S))
                 except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
                     log.debug("snapshot of %s failed: %s", name, exc)
                     continue
                 # a prefill/decode deployment: each of its instances by its own name
-                for part, one in snap.get("instances", {name: snap}).items():
-                    self._observe_snapshot(part, one)
+                for one in snap.instances:
+                    try:
+                        self._observe_snapshot(one)
+                    except MetricsError:  # a counter no type declares: said, not dropped
+                        log.exception("the metrics of %s could not be read", one.name)
             await self._observe_namespace(stalled)
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
 
-    def _observe_snapshot(self, name: str, snap: dict) -> None:
-        self.metrics.update_cache(name, snap["counters"], snap["host_used_tokens"],
-                                  snap["host_total_tokens"], snap["storage"])
-        self.metrics.update_gauges(name, snap.get("gauges", {}))
-        self.metrics.update_pins(name, snap.get("pins", {}))
-        self.metrics.observe_agreement(name, snap["agreement_s"])
+    def _observe_snapshot(self, snap: InstanceSnapshot) -> None:
+        name = snap.name
+        self.metrics.update_cache(name, snap.counters, snap.host_used_tokens,
+                                  snap.host_total_tokens, snap.storage)
+        self.metrics.update_gauges(name, snap.gauges)
+        self.metrics.update_pins(name, snap.pins)
+        self.metrics.observe_agreement(name, snap.agreement_s)
 
     async def _observe_liveness(self) -> set[str]:
         """Feed the router's per-instance stall counts to the metrics; the stalled ones."""
         try:
-            status = await asyncio.wait_for(self.router.status.remote(), CALL_TIMEOUT_S)
+            status = RouterStatus.from_msgpack(
+                await asyncio.wait_for(self.router.status.remote(), CALL_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - metrics must not stop serving
             log.debug("router status failed: %s", exc)
             return set()
-        for name, info in status["instances"].items():
-            self.metrics.update_liveness(name, info["stalls"], info["state"] == "stalled")
-        return {n for n, i in status["instances"].items() if i["state"] == "stalled"}
+        stalled = status.stalled()
+        for info in status.instances:
+            self.metrics.update_liveness(info.name, info.stalls, info.name in stalled)
+        return stalled
 
     async def _observe_namespace(self, stalled: set[str]) -> None:
         """Feed the L3 namespace's directory figures (evictions, pages held), asked of the
@@ -77,8 +85,9 @@ class SnapshotFeed:
             namespace = None
             for name, handle in self.instances.items():
                 if name not in stalled:
-                    l3 = (await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S))["l3"]
-                    namespace = l3 and l3["namespace"]
+                    l3 = ReplicaStorage.from_msgpack(
+                        await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S)).l3
+                    namespace = None if l3 is None else l3.namespace
                     break
             if namespace:
                 stats = await asyncio.get_running_loop().run_in_executor(

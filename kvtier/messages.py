@@ -15,6 +15,7 @@ import enum
 import functools
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -40,7 +41,9 @@ class MessageError(KvtierError, ValueError):
 
 
 class _Record:
-    """msgpack encoding and checked decoding for the frozen dataclasses below."""
+    """msgpack encoding and checked decoding for the frozen dataclasses below (and the serve
+    graph's, `kvtier.serve.records`): fields are bool, int, float, str, bytes, enums, records,
+    `X | None`, tuple[X, ...], flat dicts of scalars, or plain nested lists of scalars."""
 
     __slots__ = ()
 
@@ -77,9 +80,17 @@ class _Record:
         except ValueError as exc:  # the record's own checks (ConfigError is a ValueError)
             raise MessageError(f"{name}: {exc}") from exc
 
+    def to_dict(self) -> dict[str, Any]:
+        """Its fields as plain values (JSON's: enums by value, records as dicts), in order."""
+        return {f.name: _plain(getattr(self, f.name))
+                for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
     @classmethod
     def from_msgpack(cls: type[R], data: bytes) -> R:
         return cls.from_map(unpack_payload(cls.__name__, data))
+
+
+Record = _Record  # the base of records defined in other modules (`kvtier.serve.records`)
 
 
 def unpack_payload(name: str, data: bytes) -> Any:
@@ -99,13 +110,25 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # resolving string annotations costs ~50 us: once
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, _Record):
+        return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _encode(value: Any) -> Any:
     if isinstance(value, _Record):
         return value.to_map()
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):
-        return list(value)
+        return [_encode(v) for v in value]
     return value
 
 
@@ -132,9 +155,22 @@ def _decode(value: Any, hint: Any, where: str) -> Any:
             raise MessageError(f"{where}: {value!r:.40} is not one of {choices}") from None
     elif isinstance(hint, type) and issubclass(hint, _Record):
         return hint.from_map(value)
-    elif origin is tuple:  # tuple[str, ...]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value)
+    elif origin in (types.UnionType, typing.Union):  # X | None
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _decode(value, inner, where)
+    elif origin is tuple:  # tuple[X, ...]: str, int, bytes or records
+        if isinstance(value, list):
+            (item, _) = typing.get_args(hint)
+            return tuple(_decode(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    elif hint is bytes:
+        if isinstance(value, bytes):
+            return value
+    elif hint is list:  # plain nested lists of scalars (a wire form such as log-probabilities)
+        if isinstance(value, list) and _plain_list(value):
+            return value
     elif origin is dict:  # storage options: a flat map of scalars
         if isinstance(value, dict) and all(isinstance(v, _SCALARS) for v in value.values()):
             return dict(value)
@@ -142,6 +178,11 @@ def _decode(value: Any, hint: Any, where: str) -> Any:
         raise AssertionError(f"{where}: no decoder for {hint}")
     raise MessageError(f"{where}: expected {getattr(hint, '__name__', hint)}, got "
                        f"{type(value).__name__} {value!r:.40}")
+
+
+def _plain_list(value: list, depth: int = 0) -> bool:
+    return depth < 8 and all(_plain_list(v, depth + 1) if isinstance(v, list)
+                             else isinstance(v, _SCALARS) for v in value)
 
 
 def _check_hashes(hashes: tuple[str, ...], where: str) -> None:

@@ -1,9 +1,12 @@
 """Prometheus metrics of a serving deployment, fed from plain snapshots.
 
 The caches keep monotonic counters (`CacheCounters.snapshot()`, `StorageCounters.snapshot()`,
-the controller's `TransferStats`, the backend's `BackendStats`) and ship them as dicts; this
-module turns successive snapshots into Prometheus counter increments. That keeps it free of
-Ray and of the engine: the serve graph polls the instances and hands the dicts over here.
+the controller's `TransferStats`, the backend's `BackendStats`, the scheduler's
+`RetractionCounters`, the instance's `RankFaults`) and ship them as dicts of their fields;
+this module turns successive snapshots into Prometheus counter increments. Each source names
+the counters type whose field it reads, checked at import, and a snapshot key that no type
+declares is an error (never silently dropped). It is free of Ray: the serve graph polls the
+instances and hands the dicts over here.
 
 All families live on a private `CollectorRegistry`, so two deployments (or two tests) in one
 process never collide, and every family carries a `kvtier_instance` label (not `instance`,
@@ -13,11 +16,21 @@ increment since then.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
+from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvtier.backends.base import BackendStats
+from kvtier.engine.retraction import RetractionCounters
+from kvtier.errors import KvtierError
+from kvtier.messages import DirectoryStats
+from kvtier.tiers.cache_types import CacheCounters
+from kvtier.tiers.controller import TransferStats
+from kvtier.tiers.storage_types import StorageCounters
 
 PREFIX = "kvtier_"
 LABEL = "kvtier_instance"  # the serving instance a series belongs to
@@ -33,65 +46,108 @@ E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 3
 BANDWIDTH_BUCKETS_BPS = (1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 1e11)
 
 
+@dataclass(frozen=True)
+class RankFaults:
+    """An instance's rank replacements, which join its rank 0's cache counters."""
+
+    rank_restarts: int = 0  # times it replaced its rank actors after a fault
+    rank_divergences: int = 0  # of those, the times its ranks had fallen out of step
+
+    def snapshot(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class MetricsError(KvtierError):
+    """A snapshot or a metric source that does not match the typed counters it reads."""
+
+
 class Source(NamedTuple):
-    """One counter family's increment = sum of the deltas of `keys` in one snapshot."""
+    """One counter family's increment = sum of the deltas of `keys` in one snapshot: fields
+    of the counters type `counters` (checked when the source is made)."""
 
     family: str
     labels: tuple[tuple[str, str], ...]
     keys: tuple[str, ...]
+    counters: type
 
 
-def _src(family: str, keys: str | tuple[str, ...], **labels: str) -> Source:
+def field_names(counters: type) -> tuple[str, ...]:
+    """The counter fields of a counters dataclass or NamedTuple (BackendStats' free-form
+    `extra` is not one)."""
+    if dataclasses.is_dataclass(counters):
+        names = tuple(f.name for f in dataclasses.fields(counters))
+    else:
+        names = tuple(counters._fields)
+    return tuple(n for n in names if n != "extra")
+
+
+def _src(family: str, counters: type, keys: str | tuple[str, ...], **labels: str) -> Source:
+    """A source of `family` reading field(s) `keys` of `counters`; MetricsError (raised at
+    import) when one is not a field of it."""
     keys = (keys,) if isinstance(keys, str) else keys
-    return Source(family, tuple(labels.items()), keys)
+    missing = [k for k in keys if k not in field_names(counters)]
+    if missing:
+        raise MetricsError(f"metric family {family!r} reads {missing}, which "
+                           f"{counters.__name__} has no field for: name the field in the "
+                           "source (or give the field its old name back)")
+    return Source(family, tuple(labels.items()), keys, counters)
 
 
-# CacheCounters.snapshot(), optionally merged with the controller's TransferStats
+# What a cache snapshot's `counters` merge (actors/rank_actor.py cache_snapshot, and the
+# instance's RankFaults): every key must be a field of one of them
+CACHE_COUNTERS = (CacheCounters, TransferStats, RetractionCounters, RankFaults)
+# What a storage snapshot merges: the L3 counters and the backend's stats
+STORAGE_COUNTERS = (StorageCounters, BackendStats)
+
 CACHE_SOURCES = (
-    _src("lookups", "lookups"),
-    _src("hit_tokens", "device_hit_tokens", tier="device"),
-    _src("hit_tokens", "host_hit_tokens", tier="host"),
-    _src("evicted_tokens", "evicted_device_tokens", tier="device"),
-    _src("evicted_tokens", "evicted_host_tokens", tier="host"),
-    _src("load_back_tokens", "loaded_back_tokens"),
-    _src("load_back_bytes", "load_bytes"),
-    _src("load_back_seconds", "load_s"),
+    _src("lookups", CacheCounters, "lookups"),
+    _src("hit_tokens", CacheCounters, "device_hit_tokens", tier="device"),
+    _src("hit_tokens", CacheCounters, "host_hit_tokens", tier="host"),
+    _src("evicted_tokens", CacheCounters, "evicted_device_tokens", tier="device"),
+    _src("evicted_tokens", CacheCounters, "evicted_host_tokens", tier="host"),
+    _src("load_back_tokens", CacheCounters, "loaded_back_tokens"),
+    _src("load_back_bytes", TransferStats, "load_bytes"),
+    _src("load_back_seconds", TransferStats, "load_s"),
     # L1 -> L2 copies: write-through backups and write-back on eviction
-    _src("backup_tokens", ("backed_up_tokens", "written_back_tokens")),
-    _src("backup_bytes", "write_bytes"),
-    _src("backup_seconds", "write_s"),
-    _src("dropped_backup_tokens", "dropped_backup_tokens", reason="host_capacity"),
-    _src("load_back_refused_tokens", "unloaded_below_threshold_tokens", reason="below_threshold"),
-    _src("load_back_refused_tokens", "unloaded_over_quota_tokens", reason="over_quota"),
-    _src("load_back_refused_tokens", "unloaded_device_capacity_tokens", reason="device_capacity"),
-    _src("rank_restarts", "rank_restarts"),
-    _src("rank_divergences", "rank_divergences"),
+    _src("backup_tokens", CacheCounters, ("backed_up_tokens", "written_back_tokens")),
+    _src("backup_bytes", TransferStats, "write_bytes"),
+    _src("backup_seconds", TransferStats, "write_s"),
+    _src("dropped_backup_tokens", CacheCounters, "dropped_backup_tokens",
+         reason="host_capacity"),
+    _src("load_back_refused_tokens", CacheCounters, "unloaded_below_threshold_tokens",
+         reason="below_threshold"),
+    _src("load_back_refused_tokens", CacheCounters, "unloaded_over_quota_tokens",
+         reason="over_quota"),
+    _src("load_back_refused_tokens", CacheCounters, "unloaded_device_capacity_tokens",
+         reason="device_capacity"),
+    _src("rank_restarts", RankFaults, "rank_restarts"),
+    _src("rank_divergences", RankFaults, "rank_divergences"),
     # the scheduler's RetractionCounters, merged into the rank's counters
-    _src("retractions", "retracted_requests", outcome="retracted"),
-    _src("retractions", "restored_requests", outcome="restored"),
-    _src("retractions", "retract_fallbacks", outcome="recomputed"),
+    _src("retractions", RetractionCounters, "retracted_requests", outcome="retracted"),
+    _src("retractions", RetractionCounters, "restored_requests", outcome="restored"),
+    _src("retractions", RetractionCounters, "retract_fallbacks", outcome="recomputed"),
 )
 
-# StorageCounters.snapshot(), optionally merged with the backend's BackendStats
 STORAGE_SOURCES = (
-    _src("hit_tokens", "storage_hit_tokens", tier="storage"),
-    _src("prefetch_query_tokens", "queried_tokens"),
-    _src("prefetch_hit_tokens", "prefetched_tokens"),
-    _src("prefetch_wait_seconds", "prefetch_wait_s"),
-    _src("prefetch_unfulfilled_tokens", "unfulfilled_below_threshold_tokens",
+    _src("hit_tokens", StorageCounters, "storage_hit_tokens", tier="storage"),
+    _src("prefetch_query_tokens", StorageCounters, "queried_tokens"),
+    _src("prefetch_hit_tokens", StorageCounters, "prefetched_tokens"),
+    _src("prefetch_wait_seconds", StorageCounters, "prefetch_wait_s"),
+    _src("prefetch_unfulfilled_tokens", StorageCounters, "unfulfilled_below_threshold_tokens",
          reason="below_threshold"),
-    _src("prefetch_unfulfilled_tokens", "unfulfilled_host_capacity_tokens", reason="host_capacity"),
-    _src("prefetch_unfulfilled_tokens", "unfulfilled_storage_transfer_tokens",
+    _src("prefetch_unfulfilled_tokens", StorageCounters, "unfulfilled_host_capacity_tokens",
+         reason="host_capacity"),
+    _src("prefetch_unfulfilled_tokens", StorageCounters, "unfulfilled_storage_transfer_tokens",
          reason="storage_transfer"),
-    _src("storage_backup_tokens", "backed_up_tokens"),
-    _src("dropped_backup_tokens", "backup_failed_tokens", reason="storage_write"),
-    _src("storage_read_bytes", "bytes_read"),
-    _src("storage_write_bytes", "bytes_written"),
-    _src("directory_errors", "directory_errors"),
-    _src("l3_directory_misses", "directory_miss_lookups"),
-    _src("storage_errors", "lookup_errors", op="lookup"),
-    _src("storage_errors", "write_failures", op="write"),
-    _src("storage_corrupt_objects", "corrupt_objects"),
+    _src("storage_backup_tokens", StorageCounters, "backed_up_tokens"),
+    _src("dropped_backup_tokens", StorageCounters, "backup_failed_tokens", reason="storage_write"),
+    _src("storage_read_bytes", BackendStats, "bytes_read"),
+    _src("storage_write_bytes", BackendStats, "bytes_written"),
+    _src("directory_errors", StorageCounters, "directory_errors"),
+    _src("l3_directory_misses", StorageCounters, "directory_miss_lookups"),
+    _src("storage_errors", StorageCounters, "lookup_errors", op="lookup"),
+    _src("storage_errors", BackendStats, "write_failures", op="write"),
+    _src("storage_corrupt_objects", BackendStats, "corrupt_objects"),
 )
 
 COUNTERS = {  # family -> (help, extra label names)
@@ -189,7 +245,51 @@ NAMESPACE_GAUGES = {  # family -> (help, DirectoryStats key)
 # (bytes key, seconds keys tried in order) for the interval bandwidth of a storage snapshot;
 # prefetch_wait_s includes queueing, so it is only the fallback for reads
 READ_TIMING = ("bytes_read", ("read_s", "prefetch_wait_s"))
-WRITE_TIMING = ("bytes_written", ("write_s", "backup_s"))
+WRITE_TIMING = ("bytes_written", ("write_s",))
+
+
+def known_keys(counters: Sequence[type]) -> frozenset[str]:
+    return frozenset(name for c in counters for name in field_names(c))
+
+
+def check_sources(sources: Sequence[Source], counters: Sequence[type]) -> None:
+    """Every source's family is exported and reads a type of `counters`; MetricsError if not
+    (run at import, below)."""
+    for src in sources:
+        if src.family not in COUNTERS:
+            raise MetricsError(f"source of {src.family!r}: no such counter family in COUNTERS")
+        if src.counters not in counters:
+            raise MetricsError(f"source of {src.family!r} reads {src.counters.__name__}, which "
+                               "this snapshot does not merge")
+
+
+def _check_tables() -> None:
+    check_sources(CACHE_SOURCES, CACHE_COUNTERS)
+    check_sources(STORAGE_SOURCES, STORAGE_COUNTERS)
+    storage = known_keys(STORAGE_COUNTERS)
+    for key in (READ_TIMING[0], *READ_TIMING[1], WRITE_TIMING[0], *WRITE_TIMING[1]):
+        if key not in storage:
+            raise MetricsError(f"storage timing key {key!r} is no field of StorageCounters "
+                               "or BackendStats")
+    directory = known_keys((DirectoryStats,))
+    for name, (_, key) in {**NAMESPACE_COUNTERS, **NAMESPACE_GAUGES}.items():
+        if key not in directory:
+            raise MetricsError(f"namespace family {name!r} reads {key!r}, no field of "
+                               "DirectoryStats")
+
+
+_check_tables()
+CACHE_KEYS = known_keys(CACHE_COUNTERS)
+STORAGE_KEYS = known_keys(STORAGE_COUNTERS)
+NAMESPACE_KEYS = known_keys((DirectoryStats,))
+
+
+def _check_keys(snapshot: Mapping[str, float], known: frozenset[str], what: str) -> None:
+    unknown = sorted(set(snapshot) - known)
+    if unknown:
+        raise MetricsError(f"{what} snapshot has key(s) {unknown} that no counters type of "
+                           "serve/metrics.py declares: add the field to its counters "
+                           "dataclass (and a source if it is exported)")
 
 
 def counter_deltas(last: Mapping[str, float] | None, now: Mapping[str, float]) -> dict[str, float]:
@@ -281,6 +381,7 @@ class ServeMetrics:
 
     def update_namespace(self, namespace: str, stats: Mapping[str, float]) -> None:
         """Fold one snapshot of the L3 namespace's directory figures (DirectoryStats) in."""
+        _check_keys(stats, NAMESPACE_KEYS, "namespace")
         deltas = self._step(namespace, "namespace", {key: stats[key] for _, key in
                                                      NAMESPACE_COUNTERS.values() if key in stats})
         for name, (_, key) in NAMESPACE_COUNTERS.items():
@@ -307,7 +408,12 @@ class ServeMetrics:
     def update_cache(self, instance: str, counters: Mapping[str, float], host_used_tokens: int,
                      host_total_tokens: int, storage: Mapping[str, float] | None = None) -> None:
         """Fold one instance's cache snapshot (and its L3 snapshot, if it has L3) into the
-        counters. Missing keys are skipped, so older or partial snapshots still work."""
+        counters. Missing keys are skipped, so partial snapshots still work; a key that is no
+        field of the counters they merge (CACHE_COUNTERS, STORAGE_COUNTERS) is a
+        MetricsError."""
+        _check_keys(counters, CACHE_KEYS, "cache")
+        if storage is not None:
+            _check_keys(storage, STORAGE_KEYS, "storage")
         self._gauges["host_used_tokens"].labels(instance).set(host_used_tokens)
         self._gauges["host_total_tokens"].labels(instance).set(host_total_tokens)
         self._apply(instance, self._step(instance, "cache", counters), CACHE_SOURCES)

@@ -7,11 +7,13 @@ import threading
 
 from kvtier.actors.instance_server import InstanceServer, ServerEvent, ServerEventKind
 from kvtier.actors.pd_driver import PDMode, PDOutput, PDStep
-from kvtier.actors.serve_pd import PDInstances, member_names
+from kvtier.actors.serve_pd import PDDeployment, PDInstances, member_names
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffStages
 from kvtier.engine.request import CachedTokens, FinishReason
 from kvtier.engine.sampling import SamplingParams
+from kvtier.serve.openai_responses import pd_field
+from kvtier.serve.records import AnswerItem, AnswerItemKind
 from kvtier.serve.settings import ServeSettings
 from kvtier.tiers.cache_types import RequestLengths
 
@@ -96,3 +98,23 @@ def test_the_server_streams_a_pd_request_and_aborts_a_cancelled_one():
 def test_the_instances_are_named_by_role():
     s = ServeSettings(model="tiny", prefill_instances=2, decode_instances=1)
     assert member_names(s) == ["prefill-0", "prefill-1", "decode-0"]
+
+
+def test_a_pd_answers_last_item_says_how_it_went_in_a_record():
+    """The final item's `pd` report comes back from its msgpack trip as `pd_field` made it
+    (the `kvtier.pd` JSON a client reads), with the prefill and decode instances' names."""
+    deployment = object.__new__(PDDeployment.func_or_class)
+    deployment.name = "pd"
+    deployment.settings = ServeSettings(model="tiny", prefill_instances=1, decode_instances=1)
+    deployment.names = member_names(deployment.settings)
+    stages = HandoffStages(0.1, 0.2, None, 0.4, 0.5)
+    out = PDOutput(1, (1, 2), (7, 8), FinishReason.LENGTH, PDMode.HANDOFF, stages, 0.3,
+                   CachedTokens(0, 0, 0), RequestLengths(0, 0, 0, 0, 2), 4096, 0, 0,
+                   transfer_pages=1)
+    final = deployment._final(out)
+    item = AnswerItem.from_msgpack(
+        AnswerItem(AnswerItemKind.FINAL, (8,), final=final).to_msgpack())
+    expected = pd_field("handoff", deployment.settings.pd_transport.value, "prefill-0",
+                        "decode-0", stages, 4096, 1)
+    assert list(item.final.pd.to_dict().items()) == list(expected.items())
+    assert item.final.instance == "pd" and item.final.finish_reason is FinishReason.LENGTH

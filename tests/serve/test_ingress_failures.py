@@ -1,7 +1,7 @@
 """What a client gets when a request fails on the server's side, without Ray: the ingress's
 request path (`_serve`, `_run`, `_pump`, `_sse`) driven by fake answers.
 
-- An instance that ends one answer with `{"tokens": [...], "error": ...}` (sampling or
+- An instance that ends one answer with an ERROR `AnswerItem` (sampling or
   stopping that answer failed): a 500 (streamed: an error event, then [DONE]) with that
   message, the request id and what to do; the request's other answers stop, and nothing
   more is read from the failed one.
@@ -20,10 +20,14 @@ import pytest
 from ray.exceptions import RayTaskError
 
 from kvtier.actors.serve_ingress import Ingress, _Generation
+from kvtier.engine.request import FinishReason
 from kvtier.errors import ConfigError
 from kvtier.serve.metrics import ServeMetrics
 from kvtier.serve.openai_requests import ApiLimits
+from kvtier.serve.records import (NO_CACHED, AnswerFinal, AnswerItem, AnswerItemKind,
+                                  ExpectedPages, PromptLengths, Route)
 from kvtier.serve.redispatch import InstanceUnavailable
+from kvtier.serve.router_index import ChoiceReason
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import ApiKeys
 from kvtier.serve.text_stream import TextStream
@@ -35,8 +39,20 @@ TRACEBACK = (f'Traceback (most recent call last):\n  File "{SECRET}", line 7, in
              f"either inf, nan or element < 0")
 FAILED = "sampling this answer failed: its probabilities are not finite"
 HANG_GUARD_S = 10  # a request that never ends fails the test, not the run
-FINAL = {"finish_reason": "length", "cached": {"device": 0, "host": 0, "storage": 0},
-         "lengths": None, "instance": "instance-0"}
+FINAL = AnswerFinal(FinishReason.LENGTH, NO_CACHED, PromptLengths(0, 0, 0, 0, 3), None, None,
+                    "instance-0")
+
+
+def more(tokens: list[int]) -> AnswerItem:
+    return AnswerItem.more(tokens)
+
+
+def failed_item(tokens: list[int]) -> AnswerItem:
+    return AnswerItem(AnswerItemKind.ERROR, tokens, error=FAILED)
+
+
+def final_item(tokens: list[int]) -> AnswerItem:
+    return AnswerItem(AnswerItemKind.FINAL, tokens, final=FINAL)
 
 
 class Tokenizer:
@@ -64,7 +80,7 @@ class Answer:
             self.read_after_error = failed
             if isinstance(item, BaseException):
                 raise item
-            failed = "error" in item
+            failed = item.kind is AnswerItemKind.ERROR
             yield item
         self.read_after_error = failed
         if self.hang:
@@ -101,7 +117,7 @@ def ingress(answers: list[Answer], timeout_s: float = 300.0):
     ing.metrics, ing.snapshots, ing.pd_metrics = ServeMetrics(), Snapshots(), None
 
     async def start(req, tokens, seed, salt, index):
-        route = {"instance": "instance-0", "reason": "test", "hits": 0}
+        route = Route("instance-0", ChoiceReason.TIE, ExpectedPages(0, 0, 0))
         return _Generation(answers[index], route, TextStream(ing.tokenizer, req.stop), index)
 
     ing._start = start
@@ -144,8 +160,8 @@ def server_error(error: dict, status: int) -> str:
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_an_answer_the_instance_ended_is_a_500_and_stops_the_others(chat):
-    failing = Answer({"tokens": [5, 6]}, {"tokens": [7], "error": FAILED}, {"tokens": [8]})
-    other = Answer({"tokens": [9]}, hang=True)
+    failing = Answer(more([5, 6]), failed_item([7]), more([8]))
+    other = Answer(more([9]), hang=True)
     status, body = serve(ingress([other, failing]), n=2, chat=chat)
     assert status == 500
     message = server_error(body["error"], 500)
@@ -157,8 +173,8 @@ def test_an_answer_the_instance_ended_is_a_500_and_stops_the_others(chat):
 
 
 def test_a_streamed_answer_the_instance_ended_is_an_error_event_then_done():
-    failing = Answer({"tokens": [5]}, {"tokens": [], "error": FAILED})
-    other = Answer({"tokens": [9]}, hang=True)
+    failing = Answer(more([5]), failed_item([]))
+    other = Answer(more([9]), hang=True)
     status, events = serve(ingress([failing, other]), stream=True, n=2)
     assert status == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
     (error,) = [e["error"] for e in events[:-1] if "error" in e]
@@ -171,10 +187,10 @@ def test_a_streamed_answer_the_instance_ended_is_an_error_event_then_done():
 def test_an_error_item_is_no_final_item():
     """A request whose answers all end well is answered; the same with an error item is not
     (whatever tokens came before it)."""
-    ok = Answer({"tokens": [5]}, {"tokens": [6], **FINAL})
+    ok = Answer(more([5]), final_item([6]))
     status, body = serve(ingress([ok]))
     assert status == 200 and body["choices"][0]["text"] == "<5><6>"
-    bad = Answer({"tokens": [5]}, {"tokens": [6], "error": FAILED})
+    bad = Answer(more([5]), failed_item([6]))
     assert serve(ingress([bad]))[0] == 500
 
 
@@ -186,7 +202,7 @@ def remote_failure() -> RayTaskError:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_remote_failure_gives_no_traceback_and_the_log_has_it(stream, caplog):
-    answer = Answer({"tokens": [5]}, remote_failure())
+    answer = Answer(more([5]), remote_failure())
     with caplog.at_level(logging.ERROR, logger="kvtier.actors.serve_ingress"):
         status, got = serve(ingress([answer]), stream=stream)
     error = got[-2]["error"] if stream else got["error"]
@@ -201,7 +217,7 @@ def test_a_remote_failure_gives_no_traceback_and_the_log_has_it(stream, caplog):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_no_live_instance_is_a_503_saying_retry_shortly(stream):
-    answer = Answer({"tokens": [5]}, InstanceUnavailable(
+    answer = Answer(more([5]), InstanceUnavailable(
         "instance instance-0 stalled and no other instance is live"))
     status, got = serve(ingress([answer]), stream=stream)
     error = got[-2]["error"] if stream else got["error"]
@@ -253,7 +269,7 @@ def test_an_admin_call_that_fails_remotely_shows_its_message_not_its_traceback()
 # ---- the request timeout --------------------------------------------------------------------
 
 def test_past_the_request_timeout_the_answers_stop_and_the_client_gets_a_504():
-    answers = [Answer({"tokens": [5]}, hang=True), Answer({"tokens": [6], **FINAL})]
+    answers = [Answer(more([5]), hang=True), Answer(final_item([6]))]
     status, body = serve(ingress(answers, timeout_s=0.05), n=2)
     assert status == 504
     message = server_error(body["error"], 504)
@@ -263,7 +279,7 @@ def test_past_the_request_timeout_the_answers_stop_and_the_client_gets_a_504():
 
 
 def test_a_streamed_request_past_its_timeout_ends_with_an_error_event_then_done():
-    answer = Answer({"tokens": [5]}, hang=True)
+    answer = Answer(more([5]), hang=True)
     status, events = serve(ingress([answer], timeout_s=0.05), stream=True)
     assert status == 200 and events[-1] == "[DONE]"
     assert events[0]["choices"][0]["text"] == "<5>"  # what came in time was sent

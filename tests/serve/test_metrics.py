@@ -1,14 +1,21 @@
 """ServeMetrics: every family rendered with the prefix, snapshot deltas, restarts, histograms."""
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
+import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.serve.metrics import (COUNTERS, GAUGES, HISTOGRAMS, NAMESPACE_COUNTERS, NAMESPACE_GAUGES,
-                                  TIER_GAUGES, ServeMetrics, counter_deltas)
+from kvtier.backends.base import BackendStats
+from kvtier.engine.retraction import RetractionCounters
+from kvtier.serve.metrics import (CACHE_COUNTERS, CACHE_SOURCES, COUNTERS, GAUGES, HISTOGRAMS,
+                                  NAMESPACE_COUNTERS, NAMESPACE_GAUGES, STORAGE_SOURCES,
+                                  TIER_GAUGES, MetricsError, RankFaults, ServeMetrics, _src,
+                                  check_sources, counter_deltas, field_names)
 from kvtier.tiers.cache_types import CacheCounters
+from kvtier.tiers.controller import TransferStats
 from kvtier.tiers.storage_types import StorageCounters
 
 
@@ -256,3 +263,32 @@ def test_the_grafana_dashboard_queries_only_exported_series():
     m.observe_request("a", 0.2, 0.01, {"device": 1}, "stop", 10, 2, 0.3)
     rendered = {s.name for f in families(m).values() for s in f.samples}
     assert {"kvtier_prompt_tokens_total", "kvtier_ttft_seconds_bucket"} <= rendered
+
+
+def test_a_snapshot_key_no_counters_type_declares_is_an_error():
+    """A renamed or new counter must be declared (and exported) on purpose, not vanish."""
+    m = ServeMetrics()
+    with pytest.raises(MetricsError, match="renamed_tokens"):
+        m.update_cache("a", cache_snapshot(lookups=1) | {"renamed_tokens": 3}, 0, 10)
+    with pytest.raises(MetricsError, match="bogus"):
+        m.update_cache("a", cache_snapshot(), 0, 10, StorageCounters().snapshot() | {"bogus": 1})
+    with pytest.raises(MetricsError, match="bogus"):
+        m.update_namespace("ns-1", {"evicted_pages": 1, "bogus": 2})
+    # every field of the merged counters types is known (what the rank actor sends)
+    full = (CacheCounters().snapshot() | TransferStats()._asdict()
+            | RetractionCounters().snapshot() | RankFaults().snapshot())
+    m.update_cache("a", full, 0, 10, StorageCounters().snapshot() | {
+        k: v for k, v in dataclasses.asdict(BackendStats()).items() if k != "extra"})
+
+
+def test_a_source_of_a_missing_field_fails_when_made():
+    """What the import-time check of the sources relies on: a field renamed in its counters
+    dataclass (or a typo in a source) stops the module from importing."""
+    with pytest.raises(MetricsError, match="CacheCounters has no field"):
+        _src("lookups", CacheCounters, "lookup_count")
+    with pytest.raises(MetricsError, match="no such counter family"):
+        check_sources((_src("not_a_family", CacheCounters, "lookups"),), CACHE_COUNTERS)
+    with pytest.raises(MetricsError, match="does not merge"):
+        check_sources((_src("lookups", StorageCounters, "queried_tokens"),), CACHE_COUNTERS)
+    for src in CACHE_SOURCES + STORAGE_SOURCES:
+        assert set(src.keys) <= set(field_names(src.counters)), src

@@ -8,9 +8,12 @@ import asyncio
 import pytest
 
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
+from kvtier.engine.request import FinishReason
 from kvtier.errors import ConfigError
 from kvtier.serve.liveness import InstanceState, Liveness, candidates
 from kvtier.serve.metrics import ServeMetrics
+from kvtier.serve.records import (NO_CACHED, AnswerFinal, AnswerItem, AnswerItemKind,
+                                  InstanceStates, NamedState, PromptLengths, Route)
 from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
 from kvtier.serve.settings import ServeSettings
 from kvtier.cli.serve_command import add_arguments, settings_from
@@ -107,6 +110,8 @@ def test_stall_metrics_render():
 
 # ---- RoutedAnswer with fake handles ---------------------------------------------------------
 ANSWER = [10, 11, 12, 13, 14, 15]
+FINAL = AnswerFinal(FinishReason.LENGTH, NO_CACHED, PromptLengths(0, 0, 0, 0, 3), None, None,
+                    "?")
 
 
 class FakeStream:
@@ -127,7 +132,7 @@ class FakeStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> bytes:
         if not self.items:
             if self.hang:
                 await asyncio.sleep(3600)
@@ -137,10 +142,11 @@ class FakeStream:
         tokens = self.items.pop(0)
         await asyncio.sleep(self.delay_s)
         if self.items or self.hang or self.fail:
-            return {"tokens": tokens}
+            return AnswerItem.more(tokens).to_msgpack()
         if self.error:
-            return {"tokens": tokens, "error": "choosing its next token failed"}
-        return {"tokens": tokens, "finish_reason": "length", "instance": "?"}
+            return AnswerItem(AnswerItemKind.ERROR, tokens,
+                              error="choosing its next token failed").to_msgpack()
+        return AnswerItem(AnswerItemKind.FINAL, tokens, final=FINAL).to_msgpack()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -188,14 +194,15 @@ class FakeRouter:
         async def remote(self, *args, **kw):
             return self.fn(*args, **kw)
 
-    def _states(self) -> dict:
+    def _states(self) -> bytes:
         self.asked += 1
-        return {self.stalled: self.state if self.asked > self.stall_after else "live"}
+        state = self.state if self.asked > self.stall_after else "live"
+        return InstanceStates((NamedState(self.stalled, InstanceState(state)),)).to_msgpack()
 
-    def _choose(self, tokens, avoid=(), cache_salt="") -> dict:
+    def _choose(self, tokens, avoid=(), cache_salt="") -> bytes:
         self.avoided.append(tuple(avoid))
         self.salts.append(cache_salt)
-        return {"instance": self.other, "reason": "load", "hits": {}}
+        return Route(self.other).to_msgpack()
 
 
 def run_answer(instances: dict, router: FakeRouter) -> tuple[list[int], RoutedAnswer]:
@@ -207,7 +214,7 @@ def run_answer(instances: dict, router: FakeRouter) -> tuple[list[int], RoutedAn
                               cache_salt="salt-1")
         got = []
         async for item in answer.items():
-            got.extend(item["tokens"])
+            got.extend(item.tokens)
         return got, answer
 
     got, answer = asyncio.run(asyncio.wait_for(go(), 10))
@@ -242,14 +249,15 @@ def test_a_failed_stream_with_nowhere_to_go_is_unavailable():
 def test_a_request_that_failed_by_itself_is_not_sent_again():
     a, b = FakeInstance([ANSWER[:1]], error=True), FakeInstance([ANSWER])
 
-    async def go() -> list[dict]:
+    async def go() -> list[AnswerItem]:
         router = FakeRouter("a", "b", stall_after=10**6)
         answer = RoutedAnswer(router, {"a": a, "b": b}, RouterStates(router, max_age_s=0.0),
                               [1], {}, "a", check_s=0.01)
         return [item async for item in answer.items()]
 
     items = asyncio.run(asyncio.wait_for(go(), 10))
-    assert items == [{"tokens": ANSWER[:1], "error": "choosing its next token failed"}]
+    assert items == [AnswerItem(AnswerItemKind.ERROR, ANSWER[:1],
+                                error="choosing its next token failed")]
     assert b.streams == []
 
 
@@ -261,7 +269,7 @@ def test_without_another_live_instance_the_answer_waits_then_gives_up():
         answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1],
                               {}, "a", check_s=0.01, give_up_s=1.0)
         items = answer.items()
-        got = (await items.__anext__())["tokens"]
+        got = list((await items.__anext__()).tokens)
         with pytest.raises(asyncio.TimeoutError):  # it waits for the stalled one a while
             await asyncio.wait_for(asyncio.shield(next_item := asyncio.ensure_future(
                 items.__anext__())), 0.1)
@@ -299,7 +307,7 @@ def test_a_recovering_instance_with_nowhere_else_is_waited_on():
                               "a", check_s=0.01, give_up_s=0.05)
         got = []
         async for item in answer.items():
-            got += item["tokens"]
+            got += item.tokens
         return got
 
     assert asyncio.run(asyncio.wait_for(go(), 10)) == ANSWER
