@@ -24,15 +24,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from kvtier.actors.rank_handoff import RankHandoff
 from kvtier.actors.rank_l3 import RankL3
 from kvtier.actors.rank_pins import RankPins
-from kvtier.actors.step_wire import (Progress, StepReport, encode_output, encode_report,
-                                     resume_from_wire)
+from kvtier.actors.step_wire import (Progress, StepReport, decode_resume, decode_sampling,
+                                     encode_output, encode_report)
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, name as dtype_name, resolve
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.architectures import build_model
 from kvtier.engine.engine import Engine
 from kvtier.engine.parallel import SINGLE
-from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.tp_worker import WeightSource
 from kvtier.errors import ConfigError
@@ -143,13 +142,14 @@ class RankCache(RankHandoff, RankPins, RankL3):
                       deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
-    def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
-                    cache_salt: str = "", resume: list | None = None) -> int:
-        """Queue a request; `resume` (a Resume's wire form, `resume_to_wire`): the start of its
-        answer the caller has already, which it goes on after and never reports again."""
-        got = resume_from_wire(resume)
-        req_id = self.engine.add_request([int(t) for t in tokens], sampling, cache_salt,
-                                         resume=got)
+    def add_request(self, tokens: Sequence[int], sampling: bytes,
+                    cache_salt: str = "", resume: bytes | None = None) -> int:
+        """Queue a request (`sampling`: its SamplingParams record, actors.step_wire);
+        `resume` (a Resume record): the start of its answer the caller has already, which it
+        goes on after and never reports again."""
+        got = decode_resume(resume)
+        req_id = self.engine.add_request([int(t) for t in tokens], decode_sampling(sampling),
+                                         cache_salt, resume=got)
         if got is not None:
             self._reported[req_id] = len(got.tokens)
         return req_id

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Sequence
 
-from kvtier.tiers.cache_pins import PinRefusal
+from kvtier.messages import pack_record
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
@@ -28,12 +28,12 @@ class RankPins:
         return self.engine.cache.pins.held_pages([int(t) for t in tokens], salt)
 
     def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
-            max_fraction: float, salt: str = "", tenant: str = "") -> dict:
-        """Pin the first `pages` whole pages: PinOutcome's fields, or {"refused": PinRefusal's}
-        (a value: an exception would count as a rank fault)."""
+            max_fraction: float, salt: str = "", tenant: str = "") -> bytes:
+        """Pin the first `pages` whole pages: a PinOutcome record, or a PinRefusal record (a
+        value: an exception would count as a rank fault); actors.step_wire `decode_pin`."""
         out = self.engine.cache.pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s,
                                          max_fraction, salt, tenant)
-        return {"refused": out._asdict()} if isinstance(out, PinRefusal) else out._asdict()
+        return pack_record(out)
 
     def unpin(self, pin_id: str) -> bool:
         return self.engine.cache.pins.unpin(pin_id)

@@ -15,6 +15,7 @@ import enum
 import functools
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ MAX_HASHES = 1 << 17
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _SCALARS = (str, int, float, bool, type(None))
 R = TypeVar("R", bound="_Record")
+T = TypeVar("T")
 
 
 class MessageError(KvtierError, ValueError):
@@ -40,42 +42,21 @@ class MessageError(KvtierError, ValueError):
 
 
 class _Record:
-    """msgpack encoding and checked decoding for the frozen dataclasses below."""
+    """msgpack encoding and checked decoding for the frozen dataclasses below (the codec is
+    `record_to_map` / `record_from_map`: other modules' NamedTuples and dataclasses use it
+    directly, through `pack_record` / `unpack_record`)."""
 
     __slots__ = ()
 
     def to_map(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": type(self).__name__}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            out[f.name] = _encode(getattr(self, f.name))
-        return out
+        return record_to_map(self)
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb(self.to_map(), use_bin_type=True)
 
     @classmethod
     def from_map(cls: type[R], data: Any) -> R:
-        name = cls.__name__
-        if not isinstance(data, dict) or data.get("type") != name:
-            got = data.get("type") if isinstance(data, dict) else type(data).__name__
-            raise MessageError(f"expected a {name} record, got {got!r:.60}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - set(fields) - {"type"}, key=str)  # keys may be bytes too
-        if unknown:
-            raise MessageError(f"{name}: unknown field(s) {unknown}; is the peer another version?")
-        hints = _hints(cls)
-        values = {}
-        for key, f in fields.items():
-            if key in data:
-                values[key] = _decode(data[key], hints[key], f"{name}.{key}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{name}: field {key!r} is missing")
-        try:
-            return cls(**values)
-        except MessageError:
-            raise
-        except ValueError as exc:  # the record's own checks (ConfigError is a ValueError)
-            raise MessageError(f"{name}: {exc}") from exc
+        return record_from_map(cls, data)
 
     @classmethod
     def from_msgpack(cls: type[R], data: bytes) -> R:
@@ -83,15 +64,97 @@ class _Record:
 
 
 def unpack_payload(name: str, data: bytes) -> Any:
-    """The msgpack object in `data`, a payload for record `name`: bytes, size-capped, valid."""
+    """The msgpack object in `data`, a payload for record `name`: bytes, size-capped, valid.
+    Map keys may be ints too (a `dict[int, ...]` field); every key is checked on decode."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MessageError(f"{name}.from_msgpack takes bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"{name}: {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise MessageError(f"{name}: not a msgpack record ({exc})") from exc
+
+
+# ---- the codec: any frozen dataclass or NamedTuple with type hints is a record ---------------
+
+def is_record_type(cls: Any) -> bool:
+    """A dataclass or a NamedTuple: encoded as a map of its fields with a `type` tag."""
+    return isinstance(cls, type) and (dataclasses.is_dataclass(cls)
+                                      or (issubclass(cls, tuple) and hasattr(cls, "_fields")))
+
+
+@functools.cache
+def _wire_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(name, required) of each field that travels; a dataclass field with metadata
+    `{"wire": False}` stays behind (it decodes to its default)."""
+    if dataclasses.is_dataclass(cls):
+        return tuple((f.name, f.default is dataclasses.MISSING
+                      and f.default_factory is dataclasses.MISSING)
+                     for f in dataclasses.fields(cls) if f.metadata.get("wire", True))
+    defaults = cls._field_defaults  # type: ignore[attr-defined]
+    return tuple((name, name not in defaults) for name in cls._fields)  # type: ignore[attr-defined]
+
+
+class _Plan(typing.NamedTuple):
+    """How one record type travels, worked out once: its fields' names, which are required,
+    and their decoders."""
+
+    names: tuple[str, ...]
+    known: frozenset[str]
+    fields: tuple[tuple[str, bool, Any, str], ...]  # (name, required, decoder, "Type.name")
+
+
+@functools.cache
+def _plan(cls: type) -> _Plan:
+    fields = _wire_fields(cls)
+    hints = _hints(cls)
+    return _Plan(tuple(n for n, _ in fields), frozenset(n for n, _ in fields) | {"type"},
+                 tuple((n, req, _decoder(hints[n]), f"{cls.__name__}.{n}")
+                       for n, req in fields))
+
+
+def record_to_map(record: Any) -> dict[str, Any]:
+    """A record as a msgpack-able map: its `type` tag and one entry per field."""
+    out: dict[str, Any] = {"type": type(record).__name__}
+    for name in _plan(type(record)).names:
+        out[name] = _encode(getattr(record, name))
+    return out
+
+
+def record_from_map(cls: type[T], data: Any) -> T:
+    """The record of type `cls` in a decoded map, every field checked against its type hint;
+    `MessageError` when it is not one."""
+    name = cls.__name__
+    if not isinstance(data, dict) or data.get("type") != name:
+        got = data.get("type") if isinstance(data, dict) else type(data).__name__
+        raise MessageError(f"expected a {name} record, got {got!r:.60}")
+    plan = _plan(cls)
+    if not plan.known.issuperset(data):
+        unknown = sorted(set(data) - plan.known, key=str)  # keys may be bytes or ints too
+        raise MessageError(f"{name}: unknown field(s) {unknown}; is the peer another version?")
+    values = {}
+    for key, required, dec, where in plan.fields:
+        if key in data:
+            values[key] = dec(data[key], where)
+        elif required:
+            raise MessageError(f"{name}: field {key!r} is missing")
+    try:
+        return cls(**values)
+    except MessageError:
+        raise
+    except (ValueError, TypeError) as exc:  # the record's own checks (ConfigError: ValueError)
+        raise MessageError(f"{name}: {exc}") from exc
+
+
+def pack_record(record: Any) -> bytes:
+    """A record (dataclass or NamedTuple) as msgpack bytes."""
+    return msgpack.packb(record_to_map(record), use_bin_type=True)
+
+
+def unpack_record(cls: type[T], data: bytes) -> T:
+    """The record of type `cls` in msgpack bytes from `pack_record`, checked."""
+    return record_from_map(cls, unpack_payload(cls.__name__, data))
 
 
 @functools.cache
@@ -100,48 +163,112 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _encode(value: Any) -> Any:
-    if isinstance(value, _Record):
-        return value.to_map()
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, _SCALARS) or isinstance(value, bytes):
+        return value
     if isinstance(value, tuple):
-        return list(value)
+        if hasattr(value, "_fields"):
+            return record_to_map(value)
+        if all(isinstance(v, _SCALARS) for v in value):
+            return list(value)
+        return [_encode(v) for v in value]
+    if isinstance(value, _Record) or dataclasses.is_dataclass(value):
+        return record_to_map(value)
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
     return value
 
 
 def _decode(value: Any, hint: Any, where: str) -> Any:
     """Check one decoded field against its annotation; returns the field's value."""
-    origin = typing.get_origin(hint)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            choices = ", ".join(str(m.value) for m in hint)
-            raise MessageError(f"{where}: {value!r:.40} is not one of {choices}") from None
-    elif isinstance(hint, type) and issubclass(hint, _Record):
-        return hint.from_map(value)
-    elif origin is tuple:  # tuple[str, ...]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-    elif origin is dict:  # storage options: a flat map of scalars
-        if isinstance(value, dict) and all(isinstance(v, _SCALARS) for v in value.values()):
-            return dict(value)
-    else:
-        raise AssertionError(f"{where}: no decoder for {hint}")
+    return _decoder(hint)(value, where)
+
+
+def _fail(hint: Any, value: Any, where: str) -> typing.NoReturn:
     raise MessageError(f"{where}: expected {getattr(hint, '__name__', hint)}, got "
                        f"{type(value).__name__} {value!r:.40}")
+
+
+@functools.cache
+def _decoder(hint: Any) -> typing.Callable[[Any, str], Any]:
+    """The checking decoder of one annotation (built once per annotation)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is bool:
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, bool) else _fail(hint, v, where)
+    elif hint is int:
+        def dec(v: Any, where: str) -> Any:
+            return v if type(v) is int else _fail(hint, v, where)
+    elif hint is float:
+        def dec(v: Any, where: str) -> Any:
+            if (type(v) is float or type(v) is int) and math.isfinite(v):
+                return float(v)
+            _fail(hint, v, where)
+    elif hint is str:
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, str) else _fail(hint, v, where)
+    elif hint is bytes:
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, bytes) else _fail(hint, v, where)
+    elif hint is Any:  # a flat map's values: scalars
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, _SCALARS) else _fail("a scalar", v, where)
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        def dec(v: Any, where: str) -> Any:
+            try:
+                return hint(v)
+            except ValueError:
+                choices = ", ".join(str(m.value) for m in hint)
+                raise MessageError(f"{where}: {v!r:.40} is not one of {choices}") from None
+    elif isinstance(hint, type) and issubclass(hint, _Record):
+        def dec(v: Any, where: str) -> Any:
+            return hint.from_map(v)
+    elif is_record_type(hint):
+        def dec(v: Any, where: str) -> Any:
+            return record_from_map(hint, v)
+    elif origin in (typing.Union, types.UnionType):  # X | None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise AssertionError(f"no decoder for {hint}: only X | None")
+        some = _decoder(inner[0])
+
+        def dec(v: Any, where: str) -> Any:
+            return None if v is None else some(v, where)
+    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
+        item = _decoder(args[0])
+        if args[0] in (int, str):
+            kind = args[0]
+
+            def dec(v: Any, where: str) -> Any:
+                if isinstance(v, list) and all(type(x) is kind for x in v):
+                    return tuple(v)
+                _fail(hint, v, where)
+        else:
+            def dec(v: Any, where: str) -> Any:
+                if not isinstance(v, list):
+                    _fail(hint, v, where)
+                return tuple(item(x, where) for x in v)
+    elif origin is tuple:  # tuple[X, Y]: a fixed pair of plain values
+        items = [_decoder(a) for a in args]
+
+        def dec(v: Any, where: str) -> Any:
+            if not isinstance(v, list) or len(v) != len(items):
+                _fail(hint, v, where)
+            return tuple(d(x, where) for d, x in zip(items, v))
+    elif origin is dict:
+        key, val = _decoder(args[0]), _decoder(args[1])
+
+        def dec(v: Any, where: str) -> Any:
+            if not isinstance(v, dict):
+                _fail(hint, v, where)
+            return {key(k, where): val(x, where) for k, x in v.items()}
+    else:
+        raise AssertionError(f"no decoder for {hint}")
+    return dec
 
 
 def _check_hashes(hashes: tuple[str, ...], where: str) -> None:
