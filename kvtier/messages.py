@@ -100,7 +100,8 @@ class _Plan(typing.NamedTuple):
     """How one record type travels, worked out once: its fields' names, which are required,
     and their decoders."""
 
-    names: tuple[str, ...]
+    name: str
+    encoders: tuple[tuple[str, Any], ...]  # (name, encoder or None: the value as it is)
     known: frozenset[str]
     fields: tuple[tuple[str, bool, Any, str], ...]  # (name, required, decoder, "Type.name")
 
@@ -109,27 +110,30 @@ class _Plan(typing.NamedTuple):
 def _plan(cls: type) -> _Plan:
     fields = _wire_fields(cls)
     hints = _hints(cls)
-    return _Plan(tuple(n for n, _ in fields), frozenset(n for n, _ in fields) | {"type"},
+    return _Plan(cls.__name__, tuple((n, _encoder(hints[n])) for n, _ in fields),
+                 frozenset(n for n, _ in fields) | {"type"},
                  tuple((n, req, _decoder(hints[n]), f"{cls.__name__}.{n}")
                        for n, req in fields))
 
 
 def record_to_map(record: Any) -> dict[str, Any]:
     """A record as a msgpack-able map: its `type` tag and one entry per field."""
-    out: dict[str, Any] = {"type": type(record).__name__}
-    for name in _plan(type(record)).names:
-        out[name] = _encode(getattr(record, name))
+    plan = _plan(type(record))
+    out: dict[str, Any] = {"type": plan.name}
+    for name, enc in plan.encoders:
+        value = getattr(record, name)
+        out[name] = value if enc is None else enc(value)
     return out
 
 
 def record_from_map(cls: type[T], data: Any) -> T:
     """The record of type `cls` in a decoded map, every field checked against its type hint;
     `MessageError` when it is not one."""
-    name = cls.__name__
-    if not isinstance(data, dict) or data.get("type") != name:
+    plan = _plan(cls)
+    name = plan.name
+    if type(data) is not dict or data.get("type") != name:
         got = data.get("type") if isinstance(data, dict) else type(data).__name__
         raise MessageError(f"expected a {name} record, got {got!r:.60}")
-    plan = _plan(cls)
     if not plan.known.issuperset(data):
         unknown = sorted(set(data) - plan.known, key=str)  # keys may be bytes or ints too
         raise MessageError(f"{name}: unknown field(s) {unknown}; is the peer another version?")
@@ -180,6 +184,45 @@ def _encode(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _encode(v) for k, v in value.items()}
     return value
+
+
+_PLAIN = (bool, int, float, str, bytes)
+
+
+@functools.cache
+def _encoder(hint: Any) -> typing.Callable[[Any], Any] | None:
+    """How a field of this annotation is encoded (built once per annotation); None: msgpack
+    takes the value as it is."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint in _PLAIN:
+        return None
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return lambda v: v.value
+    if is_record_type(hint):
+        return record_to_map
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        some = _encoder(next(a for a in args if a is not type(None)))
+        if some is None:
+            return None
+        return lambda v: None if v is None else some(v)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _encoder(args[0])
+        if item is None:
+            return list
+        return lambda v: [item(x) for x in v]
+    if origin is tuple:
+        items = [_encoder(a) for a in args]
+        if all(e is None for e in items):
+            return list
+        return lambda v: [x if e is None else e(x) for e, x in zip(items, v)]
+    if origin is dict:
+        key, val = _encoder(args[0]), _encoder(args[1])
+        if key is None and val is None:
+            return None
+        return lambda v: {(k if key is None else key(k)): (x if val is None else val(x))
+                          for k, x in v.items()}
+    return _encode
 
 
 def _decode(value: Any, hint: Any, where: str) -> Any:
@@ -251,14 +294,21 @@ def _decoder(hint: Any) -> typing.Callable[[Any, str], Any]:
             def dec(v: Any, where: str) -> Any:
                 if not isinstance(v, list):
                     _fail(hint, v, where)
-                return tuple(item(x, where) for x in v)
+                return tuple([item(x, where) for x in v])
+    elif args == (int, float):  # (token, logprob): many per token, so checked inline
+        def dec(v: Any, where: str) -> Any:
+            if type(v) is list and len(v) == 2:
+                a, b = v
+                if type(a) is int and (type(b) is float or type(b) is int) and math.isfinite(b):
+                    return (a, float(b))
+            _fail(hint, v, where)
     elif origin is tuple:  # tuple[X, Y]: a fixed pair of plain values
         items = [_decoder(a) for a in args]
 
         def dec(v: Any, where: str) -> Any:
             if not isinstance(v, list) or len(v) != len(items):
                 _fail(hint, v, where)
-            return tuple(d(x, where) for d, x in zip(items, v))
+            return tuple([d(x, where) for d, x in zip(items, v)])
     elif origin is dict:
         key, val = _decoder(args[0]), _decoder(args[1])
 
