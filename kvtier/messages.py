@@ -4,9 +4,11 @@ Why not pickle: a pickled object runs code on load and ties both sides to one cl
 layout; these records are plain maps of scalars, checked field by field on decode, so a
 peer of another version or a corrupt payload fails with a clear `MessageError`.
 
-Each record is a frozen dataclass with `to_msgpack()` / `from_msgpack(data)`. The map holds
-a `type` tag and one entry per field; enums travel as their string values, tuples as lists,
-nested records as nested maps.
+Each record below is a frozen dataclass with `to_msgpack()` / `from_msgpack(data)`. The map
+holds a `type` tag and one entry per field; enums travel as their string values, tuples as
+lists, nested records as nested maps. The same codec serves other layers' frozen dataclasses
+and NamedTuples (`pack_record` / `unpack_record`: the rank boundary's, actors/step_wire.py),
+each field checked against its type hint.
 """
 from __future__ import annotations
 
@@ -167,6 +169,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _encode(value: Any) -> Any:
+    """A value no annotation pins down (an `Any` field: a flat map's values)."""
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, _SCALARS) or isinstance(value, bytes):
@@ -223,11 +226,6 @@ def _encoder(hint: Any) -> typing.Callable[[Any], Any] | None:
         return lambda v: {(k if key is None else key(k)): (x if val is None else val(x))
                           for k, x in v.items()}
     return _encode
-
-
-def _decode(value: Any, hint: Any, where: str) -> Any:
-    """Check one decoded field against its annotation; returns the field's value."""
-    return _decoder(hint)(value, where)
 
 
 def _fail(hint: Any, value: Any, where: str) -> typing.NoReturn:
