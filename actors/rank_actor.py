@@ -35,7 +35,7 @@ from kvtier.engine.parallel import SINGLE
 from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.tp_worker import WeightSource
 from kvtier.errors import ConfigError
-from kvtier.messages import NamespaceInfo
+from kvtier.messages import NamespaceInfo, pack_record
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
@@ -224,16 +224,16 @@ class RankCache(RankHandoff, RankPins, RankL3):
                 "device_pages": engine.cache.device_pages,
                 "host_pages": engine.cache.host_pool.num_pages}
 
-    def describe(self) -> CacheDescription:
-        """What a router needs to compute this cache's page keys from tokens."""
+    def describe(self) -> bytes:
+        """What a router needs to compute this cache's page keys from tokens: a
+        CacheDescription record (kvtier.messages `unpack_record`)."""
         cache = self.engine.cache
         ns = cache.namespace
-        return CacheDescription(ns.model, ns.tenant_salt, ns.layout_fingerprint,
-                                cache.spec.page_size, cache.device_pages,
-                                cache.host_pool.num_pages,
-                                cache.storage.backend.kind.value if cache.storage else None,
-                                cache.spec.page_bytes * self.size, cache.heads.total,
-                                cache.spec.sliding is not None)
+        return pack_record(CacheDescription(
+            ns.model, ns.tenant_salt, ns.layout_fingerprint, cache.spec.page_size,
+            cache.device_pages, cache.host_pool.num_pages,
+            cache.storage.backend.kind.value if cache.storage else None,
+            cache.spec.page_bytes * self.size, cache.heads.total, cache.spec.sliding is not None))
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics."""
@@ -278,14 +278,16 @@ class RankCache(RankHandoff, RankPins, RankL3):
         return self.engine.has_unfinished
 
     # ---- inspection (tests, benchmarks; faults are injected by a subclass in the tests) -------
-    def stats(self) -> RankStats:
+    def stats(self) -> bytes:
+        """A RankStats record (kvtier.messages `unpack_record`)."""
         cache, agr = self.engine.cache, self.agreement
-        return RankStats(self.rank, self.size, cache.spec.num_kv_heads, self.steps,
-                         agr.rounds if agr else self.steps, agr.total_s if agr else 0.0,
-                         self.engine.scheduler.rolled_back,
-                         cache.free_device_pages, cache.device_pages,
-                         cache.counters.device_hit_tokens, self.step_s,
-                         tuple(agr.times_s) if agr else ())
+        return pack_record(RankStats(self.rank, self.size, cache.spec.num_kv_heads, self.steps,
+                                     agr.rounds if agr else self.steps,
+                                     agr.total_s if agr else 0.0,
+                                     self.engine.scheduler.rolled_back,
+                                     cache.free_device_pages, cache.device_pages,
+                                     cache.counters.device_hit_tokens, self.step_s,
+                                     tuple(agr.times_s) if agr else ()))
 
     def audit(self) -> dict[str, int]:
         """What this rank's cache holds outside its tree (all zero when nothing leaked), after

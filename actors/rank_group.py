@@ -151,7 +151,8 @@ class RankGroup:
         return self._first(self.actors[0].drain_events.remote(), "drain_events")
 
     def describe(self) -> CacheDescription:
-        return self._first(self.actors[0].describe.remote(), "describe")
+        return unpack_record(CacheDescription,
+                             self._first(self.actors[0].describe.remote(), "describe"))
 
     def running_config(self) -> dict:
         return self._first(self.actors[0].running_config.remote(), "running_config")
@@ -166,7 +167,8 @@ class RankGroup:
         self._wait([a.detach_l3.remote() for a in self.actors], "calling detach_l3")
 
     def stats(self) -> list[RankStats]:
-        return self._wait([a.stats.remote() for a in self.actors], "calling stats")
+        raw = self._wait([a.stats.remote() for a in self.actors], "calling stats")
+        return [unpack_record(RankStats, data) for data in raw]
 
     def quiesce(self) -> None:
         self._wait([a.quiesce.remote() for a in self.actors], "calling quiesce")

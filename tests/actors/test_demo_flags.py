@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 
 from kvtier import cli, demo, demo_flags
-from kvtier.actors.rank_actor import RankCache
+from kvtier.actors.rank_actor import CacheDescription, RankCache
 from kvtier.bench import instances
 from kvtier.bench.prefix import document_tokens
 from kvtier.config import HiCacheConfig
 from kvtier.engine.hf_dir import HFModelDir
 from kvtier.errors import ConfigError
+from kvtier.messages import unpack_record
 from kvtier.policies import IoBackend, MemLayout, PrefetchPolicy, WritePolicy
 
 pytest.importorskip("transformers")
@@ -84,7 +85,7 @@ def test_a_model_directory_and_cache_flags_reach_the_ranks(model_dir, tmp_path) 
     spec = demo._namespace_spec(params, work, str(tmp_path / "l3"))
     rank = RankCache(0, 1, "", work.settings)  # what each of the instances' ranks builds
     try:
-        desc = rank.describe()
+        desc = unpack_record(CacheDescription, rank.describe())
         assert rank.engine.cache.config == config
     finally:
         rank.close()
