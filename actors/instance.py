@@ -42,7 +42,7 @@ from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, Rank, Ran
                                       RankStats, create_rank_actor)
 from kvtier.actors.rank_group import (InstanceError, RankDivergence, RankFailure, RankGroup,
                                       wait_ranks)
-from kvtier.actors.step_wire import Progress, StepReport, resume_to_wire
+from kvtier.actors.step_wire import Progress, StepReport
 from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, rank_sums
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.request import FinishReason, Output, Resume
@@ -88,8 +88,8 @@ class InstanceRequest:
     tokens: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str = ""
-    targets: tuple[list, ...] | None = None  # prefill side: each rank's HandoffTarget (wire)
-    incoming: tuple[list, ...] | None = None  # decode side: each rank's IncomingKV (wire)
+    targets: tuple[HandoffTarget, ...] | None = None  # prefill side: every decode rank's
+    incoming: tuple[IncomingKV, ...] | None = None  # decode side: each rank's
     answer: list[int] = field(default_factory=list)  # tokens returned so far (progress)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when it asked
     rank_id: int | None = None  # its id on the current ranks (None: not queued on them)
@@ -248,7 +248,7 @@ class Instance:
         elif req.incoming is not None and not req.answer:
             ids = self.rank_group.add_received(*args, req.incoming)
         else:
-            ids = self.rank_group.add_request(*args, resume_to_wire(req.resume()))
+            ids = self.rank_group.add_request(*args, req.resume())
         if len(set(ids)) != 1:
             raise RankDivergence(f"ranks gave request ids {ids}: their streams are out of "
                                  f"step")  # recovered like any divergence
@@ -445,7 +445,7 @@ class Instance:
                               f"instance; give every rank's")
         incoming = tuple(IncomingKV(t.handoff_id, t.pages, rank_sums(t, sent), int(first_token),
                                     first_logprob,
-                                    t.staging.pages if t.staging is not None else ()).to_wire()
+                                    t.staging.pages if t.staging is not None else ())
                          for t in targets)
         return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
                                          check_cache_salt(cache_salt), None, incoming))
@@ -456,10 +456,8 @@ class Instance:
         """Queue a prefill whose prompt KV goes to the decode ranks' `targets` once computed
         (each rank writes its KV heads to the ranks holding them; `step_report().handoffs`
         then has each rank's HandoffSent); its pages stay held until `release_handoff`."""
-        wire = [t.to_wire() for t in targets]
         return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
-                                         check_cache_salt(cache_salt),
-                                         tuple(wire for _ in range(self.size))))
+                                         check_cache_salt(cache_salt), tuple(targets)))
 
     def release_handoff(self, request_id: int) -> bool:
         """The decode side has the request's KV (or gave up on it): the prefill ranks give its
@@ -490,8 +488,7 @@ class Instance:
                            through_kvtier: bool = False) -> list[tuple[int, float]]:
         """The benchmark's baseline: every rank at once makes, with the bare transport, the
         writes a hand-off to the decode ranks' `targets` makes; each rank's (bytes, seconds)."""
-        return self.rank_group.handoff_raw_write([t.to_wire() for t in targets],
-                                                 through_kvtier)
+        return self.rank_group.handoff_raw_write(targets, through_kvtier)
 
     def handoff_counters(self) -> list[dict]:
         """Every rank's hand-off counters (transport bytes and pages, reservations, checks)."""
@@ -580,10 +577,10 @@ def _collect_handoffs(per_rank: Sequence[StepReport], by_rank: dict[int | None, 
     (`by_rank`: rank-side id -> instance id)."""
     out: dict[int, list[HandoffSent]] = {}
     for report in per_rank:
-        for rank_id, wire in report.handoffs:
+        for rank_id, sent in report.handoffs:
             req_id = by_rank.get(rank_id)
             if req_id is not None:
-                out.setdefault(req_id, []).append(HandoffSent.from_wire(wire))
+                out.setdefault(req_id, []).append(sent)
     return out
 
 

@@ -27,8 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from kvtier.actors.rank_handoff import RankHandoffPort
 from kvtier.actors.rank_l3 import RankL3Link, directory_client, open_namespace_backend
 from kvtier.actors.rank_pins import RankPinDesk
-from kvtier.actors.step_wire import (Progress, StepReport, encode_output, encode_report,
-                                     resume_from_wire)
+from kvtier.actors.step_wire import (Progress, StepReport, decode_resume, decode_sampling,
+                                     encode_output, encode_report)
 from kvtier.backends.base import StorageBackend
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType, name as dtype_name, resolve
@@ -37,12 +37,11 @@ from kvtier.engine.architectures import build_model
 from kvtier.engine.engine import Engine
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.parallel import SINGLE
-from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import NamespaceInfo
+from kvtier.messages import NamespaceInfo, pack_record
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.storage_types import PageDirectoryClient
@@ -151,13 +150,14 @@ class Rank:
                       deterministic=s.deterministic, schedule_policy=s.schedule_policy)
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
-    def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
-                    cache_salt: str = "", resume: list | None = None) -> int:
-        """Queue a request; `resume` (a Resume's wire form, `resume_to_wire`): the start of its
-        answer the caller has already, which it goes on after and never reports again."""
-        got = resume_from_wire(resume)
-        req_id = self.engine.add_request([int(t) for t in tokens], sampling, cache_salt,
-                                         resume=got)
+    def add_request(self, tokens: Sequence[int], sampling: bytes,
+                    cache_salt: str = "", resume: bytes | None = None) -> int:
+        """Queue a request (`sampling`: its SamplingParams record, actors.step_wire);
+        `resume` (a Resume record): the start of its answer the caller has already, which it
+        goes on after and never reports again."""
+        got = decode_resume(resume)
+        req_id = self.engine.add_request([int(t) for t in tokens], decode_sampling(sampling),
+                                         cache_salt, resume=got)
         if got is not None:
             self._reported[req_id] = len(got.tokens)
         return req_id
@@ -232,15 +232,15 @@ class Rank:
                 "device_pages": engine.cache.device_pages,
                 "host_pages": engine.cache.host_pages}
 
-    def describe(self) -> CacheDescription:
-        """What a router needs to compute this cache's page keys from tokens."""
+    def describe(self) -> bytes:
+        """What a router needs to compute this cache's page keys from tokens: a
+        CacheDescription record (kvtier.messages `unpack_record`)."""
         cache = self.engine.cache
         ns, l3 = cache.namespace, cache.l3_kind
-        return CacheDescription(ns.model, ns.tenant_salt, ns.layout_fingerprint,
-                                cache.spec.page_size, cache.device_pages, cache.host_pages,
-                                l3.value if l3 is not None else None,
-                                cache.spec.page_bytes * self.size, cache.heads.total,
-                                cache.spec.sliding is not None)
+        return pack_record(CacheDescription(
+            ns.model, ns.tenant_salt, ns.layout_fingerprint, cache.spec.page_size,
+            cache.device_pages, cache.host_pages, l3.value if l3 is not None else None,
+            cache.spec.page_bytes * self.size, cache.heads.total, cache.spec.sliding is not None))
 
     def cache_snapshot(self) -> dict:
         """Monotonic counters (cache, L3) and pool use, for metrics. It is also the metrics
@@ -288,14 +288,16 @@ class Rank:
         return self.engine.has_unfinished
 
     # ---- inspection (tests, benchmarks; faults are injected by a subclass in the tests) -------
-    def stats(self) -> RankStats:
+    def stats(self) -> bytes:
+        """A RankStats record (kvtier.messages `unpack_record`)."""
         cache, agr = self.engine.cache, self.agreement
-        return RankStats(self.rank, self.size, cache.spec.num_kv_heads, self.steps,
-                         agr.rounds if agr else self.steps, agr.total_s if agr else 0.0,
-                         self.engine.scheduler.rolled_back,
-                         cache.free_device_pages, cache.device_pages,
-                         cache.counters.device_hit_tokens, self.step_s,
-                         tuple(agr.times_s) if agr else ())
+        return pack_record(RankStats(self.rank, self.size, cache.spec.num_kv_heads, self.steps,
+                                     agr.rounds if agr else self.steps,
+                                     agr.total_s if agr else 0.0,
+                                     self.engine.scheduler.rolled_back,
+                                     cache.free_device_pages, cache.device_pages,
+                                     cache.counters.device_hit_tokens, self.step_s,
+                                     tuple(agr.times_s) if agr else ()))
 
     def audit(self) -> dict[str, int]:
         """What this rank's cache holds outside its tree (all zero when nothing leaked), after
@@ -355,9 +357,9 @@ class Rank:
         return self.pin_desk.held(tokens, salt)
 
     def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
-            max_fraction: float, salt: str = "", tenant: str = "") -> dict:
-        """Pin the first `pages` whole pages: PinOutcome's fields, or {"refused": PinRefusal's}
-        (a value: an exception would count as a rank fault)."""
+            max_fraction: float, salt: str = "", tenant: str = "") -> bytes:
+        """Pin the first `pages` whole pages: a PinOutcome or PinRefusal record (a value: an
+        exception would count as a rank fault; RankPinDesk.pin)."""
         return self.pin_desk.pin(pin_id, tokens, pages, ttl_s, max_fraction, salt, tenant)
 
     def unpin(self, pin_id: str) -> bool:
@@ -373,21 +375,22 @@ class Rank:
         return self.handoff_port.open(transport, staged)
 
     def handoff_reserve(self, handoff_id: str, num_tokens: int,
-                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False) -> list | None:
-        """Reserve pages for a prompt; this rank's HandoffTarget (wire), or None when there
+                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False) -> bytes | None:
+        """Reserve pages for a prompt; this rank's HandoffTarget record, or None when there
         is no room (RankHandoffPort.reserve)."""
         return self.handoff_port.reserve(handoff_id, num_tokens, hold_s, staged)
 
     def handoff_cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
         return self.handoff_port.cancel(handoff_id, linger_s)
 
-    def add_received(self, tokens: Sequence[int], sampling: SamplingParams, cache_salt: str,
-                     incoming: list) -> int:
-        """Queue a decode request over its received pages (IncomingKV, wire form); its id."""
+    def add_received(self, tokens: Sequence[int], sampling: bytes, cache_salt: str,
+                     incoming: bytes) -> int:
+        """Queue a decode request over its received pages (SamplingParams and IncomingKV
+        records); its id."""
         return self.handoff_port.add_received(tokens, sampling, cache_salt, incoming)
 
-    def add_handoff_request(self, tokens: Sequence[int], sampling: SamplingParams,
-                            cache_salt: str, targets: list) -> int:
+    def add_handoff_request(self, tokens: Sequence[int], sampling: bytes,
+                            cache_salt: str, targets: list[bytes]) -> int:
         """Queue a prefill request whose prompt KV goes to `targets` once computed."""
         return self.handoff_port.add_request(tokens, sampling, cache_salt, targets)
 
@@ -395,7 +398,7 @@ class Rank:
         """The decode side holds the request's KV now: its pages join this rank's cache."""
         return self.handoff_port.release(request_id)
 
-    def handoff_raw_write(self, targets: list, through_kvtier: bool = False
+    def handoff_raw_write(self, targets: list[bytes], through_kvtier: bool = False
                           ) -> tuple[int, float]:
         """The benchmark's baseline: the transport alone makes a hand-off's writes; (bytes,
         seconds) (RankHandoffPort.raw_write)."""

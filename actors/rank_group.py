@@ -1,6 +1,7 @@
 """The typed client of one rank set: a method per `Rank` remote call (actors/rank_actor.py,
 its collaborators in rank_l3, rank_pins, rank_handoff), each typed with its arguments and decoded
-result.
+result. Arguments and results that are records cross as msgpack (actors/step_wire.py): the
+rank decodes and checks them, nothing is pickled.
 
 A call over every rank is one `.remote()` per rank and one bounded wait over all of them (the
 ranks meet in their collectives: a dead rank must not leave the driver waiting for its peers'
@@ -20,12 +21,14 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from kvtier.actors.rank_actor import CacheDescription, RankStats
-from kvtier.actors.step_wire import StepReport, decode_output, decode_report
+from kvtier.actors.step_wire import (StepReport, decode_output, decode_pin, decode_report,
+                                     encode_resume, encode_sampling)
 from kvtier.engine.agreement import AgreementError
-from kvtier.engine.handoff import HandoffTarget
-from kvtier.engine.request import Output
+from kvtier.engine.handoff import HandoffTarget, IncomingKV
+from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
+from kvtier.messages import pack_record, unpack_record
 from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
 
 
@@ -105,24 +108,26 @@ class RankGroup:
 
     # ---- the request stream -----------------------------------------------------------------
     def add_request(self, tokens: list[int], sampling: SamplingParams, cache_salt: str,
-                    resume: list | None) -> list[int]:
-        """Each rank's id for the request (`resume`: a Resume's wire form)."""
-        return self._wait([a.add_request.remote(tokens, sampling, cache_salt, resume)
+                    resume: Resume | None) -> list[int]:
+        """Each rank's id for the request (`resume`: the answer it goes on after)."""
+        params, got = encode_sampling(sampling), encode_resume(resume)
+        return self._wait([a.add_request.remote(tokens, params, cache_salt, got)
                            for a in self.actors], "calling add_request")
 
     def add_handoff_request(self, tokens: list[int], sampling: SamplingParams, cache_salt: str,
-                            targets: Sequence[list]) -> list[int]:
-        """A prefill whose KV goes to `targets[r]` from rank r (HandoffTarget wire lists)."""
-        self._check_each(targets, "add_handoff_request")
-        return self._wait([a.add_handoff_request.remote(tokens, sampling, cache_salt, t)
-                           for a, t in zip(self.actors, targets)], "calling add_handoff_request")
+                            targets: Sequence[HandoffTarget]) -> list[int]:
+        """A prefill whose KV goes to the decode ranks' `targets` (every rank gets them all
+        and writes its KV heads to those holding them)."""
+        params, wire = encode_sampling(sampling), [pack_record(t) for t in targets]
+        return self._wait([a.add_handoff_request.remote(tokens, params, cache_salt, wire)
+                           for a in self.actors], "calling add_handoff_request")
 
     def add_received(self, tokens: list[int], sampling: SamplingParams, cache_salt: str,
-                     incoming: Sequence[list]) -> list[int]:
-        """A decode request over the pages `incoming[r]` describes on rank r (IncomingKV
-        wire)."""
+                     incoming: Sequence[IncomingKV]) -> list[int]:
+        """A decode request over the pages `incoming[r]` describes on rank r."""
         self._check_each(incoming, "add_received")
-        return self._wait([a.add_received.remote(tokens, sampling, cache_salt, kv)
+        params = encode_sampling(sampling)
+        return self._wait([a.add_received.remote(tokens, params, cache_salt, pack_record(kv))
                            for a, kv in zip(self.actors, incoming)], "calling add_received")
 
     def step(self) -> list[StepReport]:
@@ -146,7 +151,8 @@ class RankGroup:
         return self._first(self.actors[0].drain_events.remote(), "drain_events")
 
     def describe(self) -> CacheDescription:
-        return self._first(self.actors[0].describe.remote(), "describe")
+        return unpack_record(CacheDescription,
+                             self._first(self.actors[0].describe.remote(), "describe"))
 
     def running_config(self) -> dict:
         return self._first(self.actors[0].running_config.remote(), "running_config")
@@ -161,7 +167,8 @@ class RankGroup:
         self._wait([a.detach_l3.remote() for a in self.actors], "calling detach_l3")
 
     def stats(self) -> list[RankStats]:
-        return self._wait([a.stats.remote() for a in self.actors], "calling stats")
+        raw = self._wait([a.stats.remote() for a in self.actors], "calling stats")
+        return [unpack_record(RankStats, data) for data in raw]
 
     def quiesce(self) -> None:
         self._wait([a.quiesce.remote() for a in self.actors], "calling quiesce")
@@ -197,8 +204,7 @@ class RankGroup:
             salt: str, tenant: str) -> list[PinOutcome | PinRefusal]:
         raw = self._wait([a.pin.remote(pin_id, tokens, pages, ttl_s, max_fraction, salt, tenant)
                           for a in self.actors], "calling pin")
-        return [PinRefusal(**out["refused"]) if "refused" in out else PinOutcome(**out)
-                for out in raw]
+        return [decode_pin(out) for out in raw]
 
     def unpin(self, pin_id: str) -> list[bool]:
         return self._wait([a.unpin.remote(pin_id) for a in self.actors], "calling unpin")
@@ -218,7 +224,7 @@ class RankGroup:
         """Each rank's reservation (None: that rank has no room)."""
         raw = self._wait([a.handoff_reserve.remote(handoff_id, num_tokens, hold_s, staged)
                           for a in self.actors], "calling handoff_reserve")
-        return [None if t is None else HandoffTarget.from_wire(t) for t in raw]
+        return [None if t is None else unpack_record(HandoffTarget, t) for t in raw]
 
     def handoff_cancel(self, handoff_id: str, linger_s: float = 0.0) -> list[bool]:
         return self._wait([a.handoff_cancel.remote(handoff_id, linger_s) for a in self.actors],
@@ -228,10 +234,11 @@ class RankGroup:
         return self._wait([a.release_handoff.remote(rank_id) for a in self.actors],
                           "calling release_handoff")
 
-    def handoff_raw_write(self, targets: list[list], through_kvtier: bool
+    def handoff_raw_write(self, targets: Sequence[HandoffTarget], through_kvtier: bool
                           ) -> list[tuple[int, float]]:
-        """Each rank's (bytes, seconds) for the bare transport's writes to `targets` (wire)."""
-        return self._wait([a.handoff_raw_write.remote(targets, through_kvtier)
+        """Each rank's (bytes, seconds) for the bare transport's writes to `targets`."""
+        wire = [pack_record(t) for t in targets]
+        return self._wait([a.handoff_raw_write.remote(wire, through_kvtier)
                            for a in self.actors], "calling handoff_raw_write")
 
     def handoff_counters(self) -> list[dict]:

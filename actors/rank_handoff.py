@@ -6,7 +6,7 @@ endpoint (NIXL or Mooncake) is opened by `open` (the rank's `handoff_open`) with
 L1 pool registered; a prefill rank writes through it, a decode rank is written
 into. Every rank of an instance gets the same calls in the same order; per-rank values
 (a rank's reservation, its prefill rank's sums) come as that rank's argument. Records
-travel as msgpack-able lists (`to_wire`), never pickles; KV bytes never travel here.
+travel as msgpack records (actors/step_wire.py), never pickles; KV bytes never travel here.
 """
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import logging
 import time
 from typing import Any, Sequence
 
-from kvtier.engine.handoff import HandoffTarget, IncomingKV, Staging
+from kvtier.actors.step_wire import decode_sampling
+from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, Staging
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.handoff_sender import HandoffSender
-from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.engine import Engine
 from kvtier.errors import ConfigError
+from kvtier.messages import pack_record, unpack_record
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,9 @@ class RankHandoffPort:
 
     # ---- decode side -------------------------------------------------------------------------
     def reserve(self, handoff_id: str, num_tokens: int,
-                        hold_s: float = DEFAULT_HOLD_S, staged: bool = False) -> list | None:
+                hold_s: float = DEFAULT_HOLD_S, staged: bool = False) -> bytes | None:
         """Bootstrap: reserve L1 pages for a prompt (and L2 staging pages when the prefill
-        instance has another TP size); this rank's HandoffTarget (wire), or None when there
+        instance has another TP size); this rank's HandoffTarget record, or None when there
         is no room."""
         endpoint = self._need_endpoint()
         held = self.engine.reserve_handoff(handoff_id, num_tokens, hold_s, staged)
@@ -68,28 +69,30 @@ class RankHandoffPort:
         pool, host = cache.device_pool, cache.host_pool
         staging = Staging(host.kv.data_ptr(), host.num_pages, tuple(held.staged)) \
             if staged else None
-        return HandoffTarget(handoff_id, endpoint.address(), pool.kv.data_ptr(),
-                             pool.num_pages, tuple(held.pages), time.time() + hold_s / 2,
-                             (cache.heads.start, cache.heads.stop), staging).to_wire()
+        return pack_record(HandoffTarget(
+            handoff_id, endpoint.address(), pool.kv.data_ptr(), pool.num_pages,
+            tuple(held.pages), time.time() + hold_s / 2, (cache.heads.start, cache.heads.stop),
+            staging))
 
     def cancel(self, handoff_id: str, linger_s: float = 0.0) -> bool:
         return self.engine.handoffs.cancel(handoff_id, linger_s)
 
-    def add_received(self, tokens: Sequence[int], sampling: SamplingParams, cache_salt: str,
-                     incoming: list) -> int:
-        """Queue a decode request over its received pages (IncomingKV, wire form); its id.
+    def add_received(self, tokens: Sequence[int], sampling: bytes, cache_salt: str,
+                     incoming: bytes) -> int:
+        """Queue a decode request over its received pages (an IncomingKV record); its id.
         Without its reservation (expired; a replaced rank) it is recomputed."""
-        return self.engine.add_received([int(t) for t in tokens], sampling,
-                                        IncomingKV.from_wire(incoming), cache_salt)
+        return self.engine.add_received([int(t) for t in tokens], decode_sampling(sampling),
+                                        unpack_record(IncomingKV, incoming), cache_salt)
 
     # ---- prefill side ------------------------------------------------------------------------
-    def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
-                            cache_salt: str, targets: list) -> int:
+    def add_request(self, tokens: Sequence[int], sampling: bytes,
+                    cache_salt: str, targets: list[bytes]) -> int:
         """Queue a prefill request whose prompt KV goes to `targets` (every decode rank's
-        HandoffTarget, wire form) once computed; the step that finishes it sends it."""
+        HandoffTarget record) once computed; the step that finishes it sends it."""
         self._need_endpoint()
-        return self.engine.add_request([int(t) for t in tokens], sampling, cache_salt,
-                                       handoff_to=[HandoffTarget.from_wire(t) for t in targets])
+        return self.engine.add_request([int(t) for t in tokens], decode_sampling(sampling),
+                                       cache_salt, handoff_to=[unpack_record(HandoffTarget, t)
+                                                               for t in targets])
 
     def release(self, request_id: int) -> bool:
         """The decode side holds the request's KV now: its pages join this rank's cache."""
@@ -97,24 +100,24 @@ class RankHandoffPort:
             self.sender.forget(request_id)
         return self.engine.release_handoff(request_id)
 
-    def send_new(self) -> list[list]:
-        """After a step: transfer each newly handed-off request; [request id, HandoffSent
-        wire] per request. Called with none handed off too: the sender then forgets those
+    def send_new(self) -> list[tuple[int, HandoffSent]]:
+        """After a step: transfer each newly handed-off request; (request id, HandoffSent)
+        per request. Called with none handed off too: the sender then forgets those
         whose hold expired."""
         if self.sender is None:
             return []
         handed = [req for req, _ in self.engine.scheduler.handed.values()]
         sent = self.sender.send_new(handed)
         ids = {req.handoff_to[0].handoff_id: req.id for req in handed if req.handoff_to}
-        return [[ids[s.handoff_id], s.to_wire()] for s in sent]
+        return [(ids[s.handoff_id], s) for s in sent]
 
-    def raw_write(self, targets: list, through_kvtier: bool = False
-                          ) -> tuple[int, float]:
+    def raw_write(self, targets: list[bytes], through_kvtier: bool = False
+                  ) -> tuple[int, float]:
         """The benchmark's baseline: the transport alone makes the writes a hand-off to
-        `targets` (every decode rank's, wire form) makes from this rank, from its first pages;
+        `targets` (every decode rank's HandoffTarget record) makes from this rank, from its first pages;
         (bytes, seconds). `through_kvtier`: the endpoint's checked `write`, outside a step."""
         self._need_endpoint()
-        return self.sender.raw_writes([HandoffTarget.from_wire(t) for t in targets],
+        return self.sender.raw_writes([unpack_record(HandoffTarget, t) for t in targets],
                                        through_kvtier)
 
     def counters(self, max_report_bytes: int) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from kvtier.tiers.cache_pins import PinRefusal
+from kvtier.messages import pack_record
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)
@@ -28,12 +28,11 @@ class RankPinDesk:
         return self._pins.held_pages([int(t) for t in tokens], salt)
 
     def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
-            max_fraction: float, salt: str = "", tenant: str = "") -> dict:
-        """Pin the first `pages` whole pages: PinOutcome's fields, or {"refused": PinRefusal's}
-        (a value: an exception would count as a rank fault)."""
-        out = self._pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s, max_fraction,
-                             salt, tenant)
-        return {"refused": out._asdict()} if isinstance(out, PinRefusal) else out._asdict()
+            max_fraction: float, salt: str = "", tenant: str = "") -> bytes:
+        """Pin the first `pages` whole pages: a PinOutcome record, or a PinRefusal record (a
+        value: an exception would count as a rank fault); actors.step_wire `decode_pin`."""
+        return pack_record(self._pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s,
+                                          max_fraction, salt, tenant))
 
     def unpin(self, pin_id: str) -> bool:
         return self._pins.unpin(pin_id)

@@ -18,11 +18,12 @@ The protocol, one request at a time (each step visible in `HandoffStages`):
              (prefix pages stay as cached prefixes) once the decode side is ready
 
 Why the pages' addresses travel and not the bytes: the KV never passes through an actor's
-arguments or Ray's object store; only these small records do (msgpack, `to_wire`).
+arguments or Ray's object store; only these small records do (msgpack records: kvtier.messages
+`pack_record`).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +32,6 @@ import xxhash
 from kvtier.errors import ConfigError
 from kvtier.kv_spec import KVSpec
 from kvtier.engine.sampling import TokenLogprob
-from kvtier.messages import MessageError
 
 
 class HandoffTarget(NamedTuple):
@@ -48,22 +48,6 @@ class HandoffTarget(NamedTuple):
     heads: tuple[int, int] = (0, 0)  # the decode rank's KV heads [start, stop) of the model's
     staging: "Staging | None" = None  # different TP sizes: its L2 pages to write head objects to
 
-    def to_wire(self) -> list:
-        return [self.handoff_id, self.peer, self.base_addr, self.pool_pages, list(self.pages),
-                self.write_by, list(self.heads),
-                None if self.staging is None else self.staging.to_wire()]
-
-    @classmethod
-    def from_wire(cls, m: Any) -> "HandoffTarget":
-        try:
-            hid, peer, base, pool_pages, pages, write_by, heads, staging = m
-            start, stop = heads
-            return cls(str(hid), bytes(peer), int(base), int(pool_pages),
-                       tuple(int(p) for p in pages), float(write_by), (int(start), int(stop)),
-                       None if staging is None else Staging.from_wire(staging))
-        except (TypeError, ValueError) as exc:
-            raise MessageError(f"a bad HandoffTarget record: {exc}") from exc
-
 
 class Staging(NamedTuple):
     """A decode rank's L2 staging pages (`page_head` layout), for prefill ranks of another
@@ -72,14 +56,6 @@ class Staging(NamedTuple):
     base_addr: int
     pool_pages: int
     pages: tuple[int, ...]
-
-    def to_wire(self) -> list:
-        return [self.base_addr, self.pool_pages, list(self.pages)]
-
-    @classmethod
-    def from_wire(cls, m: Any) -> "Staging":
-        base, pool_pages, pages = m
-        return cls(int(base), int(pool_pages), tuple(int(p) for p in pages))
 
 
 class HandoffSent(NamedTuple):
@@ -95,21 +71,6 @@ class HandoffSent(NamedTuple):
     heads: tuple[int, int] = (0, 0)  # the prefill rank's KV heads [start, stop)
     staged: bool = False  # sums are per (page, head) of head objects, not per L1 page
 
-    def to_wire(self) -> list:
-        return [self.handoff_id, self.ok, [int(s) for s in self.sums], self.bytes,
-                self.descriptors, self.seconds, self.error, list(self.heads), self.staged]
-
-    @classmethod
-    def from_wire(cls, m: Any) -> "HandoffSent":
-        try:
-            hid, ok, sums, nbytes, desc, secs, err, heads, staged = m
-            start, stop = heads
-            return cls(str(hid), bool(ok), tuple(int(s) for s in sums), int(nbytes),
-                       int(desc), float(secs), str(err), (int(start), int(stop)),
-                       bool(staged))
-        except (TypeError, ValueError) as exc:
-            raise MessageError(f"a bad HandoffSent record: {exc}") from exc
-
 
 class IncomingKV(NamedTuple):
     """A decode request's received prompt KV: its pages, what their sums must be, and what
@@ -123,22 +84,6 @@ class IncomingKV(NamedTuple):
     first_logprob: TokenLogprob | None = None
     staged: tuple[int, ...] = ()  # different TP sizes: the L2 staging pages the head objects
     # were written to (sums then per page and head, in the rank's head order)
-
-    def to_wire(self) -> list:
-        return [self.handoff_id, list(self.pages), [int(s) for s in self.sums],
-                self.first_token,
-                None if self.first_logprob is None else self.first_logprob.to_wire(),
-                list(self.staged)]
-
-    @classmethod
-    def from_wire(cls, m: Any) -> "IncomingKV":
-        try:
-            hid, pages, sums, first, logprob, staged = m
-            return cls(str(hid), tuple(int(p) for p in pages), tuple(int(s) for s in sums),
-                       int(first), None if logprob is None else TokenLogprob.from_wire(logprob),
-                       tuple(int(p) for p in staged))
-        except (TypeError, ValueError) as exc:
-            raise MessageError(f"a bad IncomingKV record: {exc}") from exc
 
 
 class HandoffStages(NamedTuple):

@@ -57,7 +57,8 @@ class Output:
     cached: CachedTokens
     ttft_s: float | None
     decode_tokens_per_s: float | None
-    prefill_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    prefill_logits: torch.Tensor | None = field(default=None, repr=False, compare=False,
+                                                metadata={"wire": False})  # stays on the rank
     queue_s: float | None = None  # arrival to first admission (None: never admitted)
     # one per output token when the request asked for them (SamplingParams.logprobs)
     logprobs: tuple[TokenLogprob, ...] | None = None

@@ -4,9 +4,11 @@ Why not pickle: a pickled object runs code on load and ties both sides to one cl
 layout; these records are plain maps of scalars, checked field by field on decode, so a
 peer of another version or a corrupt payload fails with a clear `MessageError`.
 
-Each record is a frozen dataclass with `to_msgpack()` / `from_msgpack(data)`. The map holds
-a `type` tag and one entry per field; enums travel as their string values, tuples as lists,
-nested records as nested maps.
+Each record below is a frozen dataclass with `to_msgpack()` / `from_msgpack(data)`. The map
+holds a `type` tag and one entry per field; enums travel as their string values, tuples as
+lists, nested records as nested maps. The same codec serves other layers' frozen dataclasses
+and NamedTuples (`pack_record` / `unpack_record`: the rank boundary's, actors/step_wire.py),
+each field checked against its type hint.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ MAX_HASHES = 1 << 17
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _SCALARS = (str, int, float, bool, type(None))
 R = TypeVar("R", bound="_Record")
+T = TypeVar("T")
 
 
 class MessageError(KvtierError, ValueError):
@@ -41,44 +44,23 @@ class MessageError(KvtierError, ValueError):
 
 
 class _Record:
-    """msgpack encoding and checked decoding for the frozen dataclasses below (and the serve
-    graph's, `kvtier.serve.records`): fields are bool, int, float, str, bytes, enums, records,
-    `X | None`, tuple[X, ...], flat dicts of scalars, or plain nested lists of scalars."""
+    """msgpack encoding and checked decoding for the frozen dataclasses below and the serve
+    graph's (`kvtier.serve.records`); the codec is `record_to_map` / `record_from_map`, which
+    other modules' NamedTuples and dataclasses use directly through `pack_record` /
+    `unpack_record`. Fields are bool, int, float, str, bytes, enums, records, `X | None`,
+    tuples, dicts, or plain nested lists of scalars."""
 
     __slots__ = ()
 
     def to_map(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": type(self).__name__}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            out[f.name] = _encode(getattr(self, f.name))
-        return out
+        return record_to_map(self)
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb(self.to_map(), use_bin_type=True)
 
     @classmethod
     def from_map(cls: type[R], data: Any) -> R:
-        name = cls.__name__
-        if not isinstance(data, dict) or data.get("type") != name:
-            got = data.get("type") if isinstance(data, dict) else type(data).__name__
-            raise MessageError(f"expected a {name} record, got {got!r:.60}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - set(fields) - {"type"}, key=str)  # keys may be bytes too
-        if unknown:
-            raise MessageError(f"{name}: unknown field(s) {unknown}; is the peer another version?")
-        hints = _hints(cls)
-        values = {}
-        for key, f in fields.items():
-            if key in data:
-                values[key] = _decode(data[key], hints[key], f"{name}.{key}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{name}: field {key!r} is missing")
-        try:
-            return cls(**values)
-        except MessageError:
-            raise
-        except ValueError as exc:  # the record's own checks (ConfigError is a ValueError)
-            raise MessageError(f"{name}: {exc}") from exc
+        return record_from_map(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
         """Its fields as plain values (JSON's: enums by value, records as dicts), in order."""
@@ -94,15 +76,101 @@ Record = _Record  # the base of records defined in other modules (`kvtier.serve.
 
 
 def unpack_payload(name: str, data: bytes) -> Any:
-    """The msgpack object in `data`, a payload for record `name`: bytes, size-capped, valid."""
+    """The msgpack object in `data`, a payload for record `name`: bytes, size-capped, valid.
+    Map keys may be ints too (a `dict[int, ...]` field); every key is checked on decode."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MessageError(f"{name}.from_msgpack takes bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"{name}: {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise MessageError(f"{name}: not a msgpack record ({exc})") from exc
+
+
+# ---- the codec: any frozen dataclass or NamedTuple with type hints is a record ---------------
+
+def is_record_type(cls: Any) -> bool:
+    """A dataclass or a NamedTuple: encoded as a map of its fields with a `type` tag."""
+    return isinstance(cls, type) and (dataclasses.is_dataclass(cls)
+                                      or (issubclass(cls, tuple) and hasattr(cls, "_fields")))
+
+
+@functools.cache
+def _wire_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(name, required) of each field that travels; a dataclass field with metadata
+    `{"wire": False}` stays behind (it decodes to its default)."""
+    if dataclasses.is_dataclass(cls):
+        return tuple((f.name, f.default is dataclasses.MISSING
+                      and f.default_factory is dataclasses.MISSING)
+                     for f in dataclasses.fields(cls) if f.metadata.get("wire", True))
+    defaults = cls._field_defaults  # type: ignore[attr-defined]
+    return tuple((name, name not in defaults) for name in cls._fields)  # type: ignore[attr-defined]
+
+
+class _Plan(typing.NamedTuple):
+    """How one record type travels, worked out once: its fields' names, which are required,
+    and their decoders."""
+
+    name: str
+    encoders: tuple[tuple[str, Any], ...]  # (name, encoder or None: the value as it is)
+    known: frozenset[str]
+    fields: tuple[tuple[str, bool, Any, str], ...]  # (name, required, decoder, "Type.name")
+
+
+@functools.cache
+def _plan(cls: type) -> _Plan:
+    fields = _wire_fields(cls)
+    hints = _hints(cls)
+    return _Plan(cls.__name__, tuple((n, _encoder(hints[n])) for n, _ in fields),
+                 frozenset(n for n, _ in fields) | {"type"},
+                 tuple((n, req, _decoder(hints[n]), f"{cls.__name__}.{n}")
+                       for n, req in fields))
+
+
+def record_to_map(record: Any) -> dict[str, Any]:
+    """A record as a msgpack-able map: its `type` tag and one entry per field."""
+    plan = _plan(type(record))
+    out: dict[str, Any] = {"type": plan.name}
+    for name, enc in plan.encoders:
+        value = getattr(record, name)
+        out[name] = value if enc is None else enc(value)
+    return out
+
+
+def record_from_map(cls: type[T], data: Any) -> T:
+    """The record of type `cls` in a decoded map, every field checked against its type hint;
+    `MessageError` when it is not one."""
+    plan = _plan(cls)
+    name = plan.name
+    if type(data) is not dict or data.get("type") != name:
+        got = data.get("type") if isinstance(data, dict) else type(data).__name__
+        raise MessageError(f"expected a {name} record, got {got!r:.60}")
+    if not plan.known.issuperset(data):
+        unknown = sorted(set(data) - plan.known, key=str)  # keys may be bytes or ints too
+        raise MessageError(f"{name}: unknown field(s) {unknown}; is the peer another version?")
+    values = {}
+    for key, required, dec, where in plan.fields:
+        if key in data:
+            values[key] = dec(data[key], where)
+        elif required:
+            raise MessageError(f"{name}: field {key!r} is missing")
+    try:
+        return cls(**values)
+    except MessageError:
+        raise
+    except (ValueError, TypeError) as exc:  # the record's own checks (ConfigError: ValueError)
+        raise MessageError(f"{name}: {exc}") from exc
+
+
+def pack_record(record: Any) -> bytes:
+    """A record (dataclass or NamedTuple) as msgpack bytes."""
+    return msgpack.packb(record_to_map(record), use_bin_type=True)
+
+
+def unpack_record(cls: type[T], data: bytes) -> T:
+    """The record of type `cls` in msgpack bytes from `pack_record`, checked."""
+    return record_from_map(cls, unpack_payload(cls.__name__, data))
 
 
 @functools.cache
@@ -123,61 +191,157 @@ def _plain(value: Any) -> Any:
 
 
 def _encode(value: Any) -> Any:
-    if isinstance(value, _Record):
-        return value.to_map()
+    """A value no annotation pins down (an `Any` field: a flat map's values)."""
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, _SCALARS) or isinstance(value, bytes):
+        return value
     if isinstance(value, tuple):
+        if hasattr(value, "_fields"):
+            return record_to_map(value)
+        if all(isinstance(v, _SCALARS) for v in value):
+            return list(value)
         return [_encode(v) for v in value]
+    if isinstance(value, _Record) or dataclasses.is_dataclass(value):
+        return record_to_map(value)
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
     return value
 
 
-def _decode(value: Any, hint: Any, where: str) -> Any:
-    """Check one decoded field against its annotation; returns the field's value."""
+_PLAIN = (bool, int, float, str, bytes)
+
+
+@functools.cache
+def _encoder(hint: Any) -> typing.Callable[[Any], Any] | None:
+    """How a field of this annotation is encoded (built once per annotation); None: msgpack
+    takes the value as it is."""
     origin = typing.get_origin(hint)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            choices = ", ".join(str(m.value) for m in hint)
-            raise MessageError(f"{where}: {value!r:.40} is not one of {choices}") from None
-    elif isinstance(hint, type) and issubclass(hint, _Record):
-        return hint.from_map(value)
-    elif origin in (types.UnionType, typing.Union):  # X | None
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
+    args = typing.get_args(hint)
+    if hint in _PLAIN:
+        return None
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return lambda v: v.value
+    if is_record_type(hint):
+        return record_to_map
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        some = _encoder(next(a for a in args if a is not type(None)))
+        if some is None:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _decode(value, inner, where)
-    elif origin is tuple:  # tuple[X, ...]: str, int, bytes or records
-        if isinstance(value, list):
-            (item, _) = typing.get_args(hint)
-            return tuple(_decode(v, item, f"{where}[{i}]") for i, v in enumerate(value))
-    elif hint is bytes:
-        if isinstance(value, bytes):
-            return value
-    elif hint is list:  # plain nested lists of scalars (a wire form such as log-probabilities)
-        if isinstance(value, list) and _plain_list(value):
-            return value
-    elif origin is dict:  # storage options: a flat map of scalars
-        if isinstance(value, dict) and all(isinstance(v, _SCALARS) for v in value.values()):
-            return dict(value)
-    else:
-        raise AssertionError(f"{where}: no decoder for {hint}")
+        return lambda v: None if v is None else some(v)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _encoder(args[0])
+        if item is None:
+            return list
+        return lambda v: [item(x) for x in v]
+    if origin is tuple:
+        items = [_encoder(a) for a in args]
+        if all(e is None for e in items):
+            return list
+        return lambda v: [x if e is None else e(x) for e, x in zip(items, v)]
+    if origin is dict:
+        key, val = _encoder(args[0]), _encoder(args[1])
+        if key is None and val is None:
+            return None
+        return lambda v: {(k if key is None else key(k)): (x if val is None else val(x))
+                          for k, x in v.items()}
+    return _encode
+
+
+def _fail(hint: Any, value: Any, where: str) -> typing.NoReturn:
     raise MessageError(f"{where}: expected {getattr(hint, '__name__', hint)}, got "
                        f"{type(value).__name__} {value!r:.40}")
+
+
+@functools.cache
+def _decoder(hint: Any) -> typing.Callable[[Any, str], Any]:
+    """The checking decoder of one annotation (built once per annotation)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is bool:
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, bool) else _fail(hint, v, where)
+    elif hint is int:
+        def dec(v: Any, where: str) -> Any:
+            return v if type(v) is int else _fail(hint, v, where)
+    elif hint is float:
+        def dec(v: Any, where: str) -> Any:
+            if (type(v) is float or type(v) is int) and math.isfinite(v):
+                return float(v)
+            _fail(hint, v, where)
+    elif hint is str:
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, str) else _fail(hint, v, where)
+    elif hint is bytes:
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, bytes) else _fail(hint, v, where)
+    elif hint is Any:  # a flat map's values: scalars
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, _SCALARS) else _fail("a scalar", v, where)
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        def dec(v: Any, where: str) -> Any:
+            try:
+                return hint(v)
+            except ValueError:
+                choices = ", ".join(str(m.value) for m in hint)
+                raise MessageError(f"{where}: {v!r:.40} is not one of {choices}") from None
+    elif isinstance(hint, type) and issubclass(hint, _Record):
+        def dec(v: Any, where: str) -> Any:
+            return hint.from_map(v)
+    elif is_record_type(hint):
+        def dec(v: Any, where: str) -> Any:
+            return record_from_map(hint, v)
+    elif hint is list:  # plain nested lists of scalars (a wire form such as log-probabilities)
+        def dec(v: Any, where: str) -> Any:
+            return v if isinstance(v, list) and _plain_list(v) else _fail(hint, v, where)
+    elif origin in (typing.Union, types.UnionType):  # X | None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise AssertionError(f"no decoder for {hint}: only X | None")
+        some = _decoder(inner[0])
+
+        def dec(v: Any, where: str) -> Any:
+            return None if v is None else some(v, where)
+    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
+        item = _decoder(args[0])
+        if args[0] in (int, str):
+            kind = args[0]
+
+            def dec(v: Any, where: str) -> Any:
+                if isinstance(v, list) and all(type(x) is kind for x in v):
+                    return tuple(v)
+                _fail(hint, v, where)
+        else:
+            def dec(v: Any, where: str) -> Any:
+                if not isinstance(v, list):
+                    _fail(hint, v, where)
+                return tuple([item(x, where) for x in v])
+    elif args == (int, float):  # (token, logprob): many per token, so checked inline
+        def dec(v: Any, where: str) -> Any:
+            if type(v) is list and len(v) == 2:
+                a, b = v
+                if type(a) is int and (type(b) is float or type(b) is int) and math.isfinite(b):
+                    return (a, float(b))
+            _fail(hint, v, where)
+    elif origin is tuple:  # tuple[X, Y]: a fixed pair of plain values
+        items = [_decoder(a) for a in args]
+
+        def dec(v: Any, where: str) -> Any:
+            if not isinstance(v, list) or len(v) != len(items):
+                _fail(hint, v, where)
+            return tuple([d(x, where) for d, x in zip(items, v)])
+    elif origin is dict:
+        key, val = _decoder(args[0]), _decoder(args[1])
+
+        def dec(v: Any, where: str) -> Any:
+            if not isinstance(v, dict):
+                _fail(hint, v, where)
+            return {key(k, where): val(x, where) for k, x in v.items()}
+    else:
+        raise AssertionError(f"no decoder for {hint}")
+    return dec
 
 
 def _plain_list(value: list, depth: int = 0) -> bool:

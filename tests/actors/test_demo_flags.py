@@ -10,12 +10,13 @@ import pytest
 import kvtier.cli.main as cli
 
 from kvtier.cli import demo, demo_flags
-from kvtier.actors.rank_actor import Rank
+from kvtier.actors.rank_actor import CacheDescription, Rank
 from kvtier.bench import instances
 from kvtier.bench.prefix import document_tokens
 from kvtier.config import HiCacheConfig
 from kvtier.engine.hf_dir import HFModelDir
 from kvtier.errors import ConfigError
+from kvtier.messages import unpack_record
 from kvtier.policies import IoBackend, MemLayout, PrefetchPolicy, WritePolicy
 
 pytest.importorskip("transformers")
@@ -94,7 +95,7 @@ def test_a_model_directory_and_cache_flags_reach_the_ranks(model_dir, tmp_path) 
     spec = demo._namespace_spec(params, work, str(tmp_path / "l3"))
     rank = Rank(0, 1, "", work.settings)  # what each of the instances' ranks builds
     try:
-        desc = rank.describe()
+        desc = unpack_record(CacheDescription, rank.describe())
         assert rank.engine.cache.config == config
     finally:
         rank.close()

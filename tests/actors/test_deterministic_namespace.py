@@ -9,13 +9,14 @@ import torch
 from cache_builder import build_cache
 
 from kvtier.actors.namespace_actor import FakeNamespaceClient
-from kvtier.actors.rank_actor import Rank, RankSettings
+from kvtier.actors.rank_actor import CacheDescription, Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec
 from kvtier.engine.engine import Engine
 from kvtier.engine.loader import load_tiny_model
 from kvtier.engine.weight_sources import TinyWeights
 from kvtier.errors import ConfigError
+from kvtier.messages import unpack_record
 
 PAGE = 16
 CONFIG = HiCacheConfig(page_size=PAGE)
@@ -36,7 +37,8 @@ def test_the_rank_and_the_registered_namespace_agree_on_the_mode(tmp_path, deter
         assert info.namespace != other.namespace
         rank = Rank(0, 1, "", SETTINGS._replace(deterministic=deterministic))
         try:
-            assert rank.describe().layout_fingerprint == info.spec.layout_fingerprint
+            desc = unpack_record(CacheDescription, rank.describe())
+            assert desc.layout_fingerprint == info.spec.layout_fingerprint
             with pytest.raises(ConfigError, match="layout fingerprint"):
                 rank.attach_l3(other.to_msgpack(), None)  # the other mode's pages: refused
             assert rank.attach_l3(info.to_msgpack(), None) == "file"

@@ -19,7 +19,7 @@ import kvtier.actors.rank_l3 as rank_l3
 from kvtier.actors.namespace_actor import FakeNamespaceClient, NamespaceUnavailable
 from kvtier.actors.namespace_service import NamespaceService
 from kvtier.actors.rank_actor import Rank, RankSettings
-from kvtier.actors.step_wire import decode_report
+from kvtier.actors.step_wire import decode_report, encode_sampling
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec
 from kvtier.engine.request import Output
@@ -71,7 +71,7 @@ def rank_on(client: SwitchableClient, info) -> Rank:
 
 def answer(rank: Rank, prompt: list[int]) -> Output:
     """One request through the rank's own steps (which follow the namespace)."""
-    req = rank.add_request(prompt, GREEDY)
+    req = rank.add_request(prompt, encode_sampling(GREEDY))
     deadline = time.monotonic() + ANSWER_BOUND_S
     while time.monotonic() < deadline:
         for out in decode_report(rank.step()).finished:

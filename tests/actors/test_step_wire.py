@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from kvtier.actors.step_wire import (Progress, StepReport, decode_output, decode_report,
-                                     encode_output, encode_report)
+                                     encode_output, encode_report, encode_sampling)
 from kvtier.engine.request import CachedTokens, FinishReason, Output
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.messages import MessageError
@@ -22,28 +22,68 @@ def test_round_trips():
     logprobs = (TokenLogprob(4, -0.5, ((4, -0.5), (6, -1.25))), TokenLogprob(5, -0.125, ()))
     with_logprobs = dataclasses.replace(OUT, logprobs=logprobs)
     failed = dataclasses.replace(OUT, finish_reason=FinishReason.ERROR, error="it failed")
-    report = StepReport([OUT, with_logprobs, failed],
+    report = StepReport((OUT, with_logprobs, failed),
                         {3: Progress(0, (9, 8)), 4: Progress(5, (4,), logprobs[:1])},
                         b"\x01events")
     assert decode_report(encode_report(report)) == report
     assert decode_output(encode_output(OUT)) == OUT
     assert decode_output(encode_output(with_logprobs)).logprobs == logprobs
     assert decode_output(encode_output(None)) is None
-    empty = StepReport([], {}, None)
+    empty = StepReport((), {}, None)
     assert decode_report(encode_report(empty)) == empty
+
+
+def _report_map(**fields):
+    return {"type": "StepReport", "finished": [], "progress": {}, "events": None, **fields}
 
 
 @pytest.mark.parametrize("payload", [
     b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"finished": [], "progress": []}),
-    msgpack.packb({"finished": [{"id": 1}], "progress": [], "events": None}),
-    msgpack.packb({"finished": [], "progress": [["x", [1]]], "events": None}),
-    msgpack.packb({"finished": [], "progress": [[1, "x", [1], None]], "events": None,
-                   "handoffs": []}),
-    msgpack.packb({"finished": [], "progress": [], "events": "text"}),
+    msgpack.packb(_report_map(finished=[{"type": "Output", "request_id": 1}])),
+    msgpack.packb(_report_map(progress={"x": {"type": "Progress", "start": 0, "tokens": [1]}})),
+    msgpack.packb(_report_map(progress={1: {"type": "Progress", "start": "x", "tokens": [1]}})),
+    msgpack.packb(_report_map(progress={1: [0, [1], None]})),  # the old positional form
+    msgpack.packb(_report_map(events="text")),
+    msgpack.packb(_report_map(handoffs=[[1, ["h", True]]])),
+    msgpack.packb(_report_map(surplus=1)),
 ])
 def test_bad_payloads_are_message_errors(payload):
     with pytest.raises(MessageError):
         decode_report(payload)
+
+
+def test_the_rank_boundary_records_round_trip():
+    """What goes to a rank (sampling, resume, hand-off targets, received KV) and what comes
+    back (a hand-off in a step report) are checked records, not pickles or positional lists."""
+    from kvtier.actors.step_wire import decode_resume, decode_sampling, encode_resume
+    from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, Staging
+    from kvtier.engine.request import Resume
+    from kvtier.engine.sampling import SamplingParams
+    from kvtier.messages import pack_record, unpack_record
+
+    for params in (SamplingParams(), SamplingParams(stop_token_ids=()),
+                   SamplingParams(7, 0.5, 0.9, (2, 3), 11, 40, 0.1, 1.1, 0.5, -0.5, 5)):
+        assert decode_sampling(encode_sampling(params)) == params
+    lp = TokenLogprob(4, -0.5, ((4, -0.5), (6, -1.25)))
+    assert decode_resume(encode_resume(Resume((4, 5), (lp, lp)))) == Resume((4, 5), (lp, lp))
+    assert encode_resume(None) is None and decode_resume(None) is None
+    target = HandoffTarget("h1", b"\x00peer", 1 << 40, 64, (3, 4), 12.5, (0, 2),
+                           Staging(1 << 41, 32, (7, 8)))
+    for record in (target, target._replace(staging=None), IncomingKV("h1", (), (), 9),
+                   IncomingKV("h1", (3, 4), (1 << 63, 2), 9, lp, (7,))):
+        assert unpack_record(type(record), pack_record(record)) == record
+    sent = HandoffSent("h1", True, (1, 2), 4096, 8, 0.25, "", (0, 2), False)
+    report = StepReport((), {}, None, ((3, sent),))
+    assert decode_report(encode_report(report)) == report
+    with pytest.raises(MessageError, match="SamplingParams"):
+        decode_sampling(msgpack.packb({"type": "SamplingParams", "max_new_tokens": 0}))
+    with pytest.raises(MessageError, match="HandoffTarget.pages"):
+        unpack_record(HandoffTarget, msgpack.packb({**pack_map(target), "pages": ["x"]}))
+
+
+def pack_map(record):
+    from kvtier.messages import record_to_map
+    return record_to_map(record)
 
 
 def test_progress_after_what_a_caller_has():
@@ -57,13 +97,14 @@ def test_progress_after_what_a_caller_has():
 
 
 def test_resume_round_trips():
-    from kvtier.actors.step_wire import resume_from_wire, resume_to_wire
+    """The serve stream's resume form (serve/redispatch.py builds it) still decodes checked."""
+    from kvtier.actors.step_wire import resume_from_wire
     from kvtier.engine.request import Resume
 
     r = Resume((4, 5), (TokenLogprob(4, -0.5, ((4, -0.5),)), TokenLogprob(5, -0.1, ())))
-    assert resume_from_wire(resume_to_wire(r)) == r
-    assert resume_from_wire(resume_to_wire(Resume((1,)))) == Resume((1,))
-    assert resume_to_wire(None) is None and resume_from_wire(None) is None
+    assert resume_from_wire(r.to_wire()) == r
+    assert resume_from_wire(Resume((1,)).to_wire()) == Resume((1,))
+    assert resume_from_wire(None) is None
     with pytest.raises(MessageError):
         resume_from_wire([["x"], None])
 
@@ -86,7 +127,7 @@ def test_a_step_report_does_not_grow_with_the_answer():
         params = SamplingParams(max_new_tokens=120, temperature=1.0, seed=3, logprobs=20,
                                 stop_token_ids=())
         for i in range(16):
-            rank.add_request([1 + i, 2, 3, 4, 5], params)
+            rank.add_request([1 + i, 2, 3, 4, 5], encode_sampling(params))
         sizes, seen = [], {}
         for _ in range(400):
             data = rank.step()
@@ -102,3 +143,17 @@ def test_a_step_report_does_not_grow_with_the_answer():
         assert max(sizes[5:]) < 2 * sizes[5], sizes  # flat, not growing with the answer
     finally:
         rank.close()
+
+
+def test_a_pin_answer_is_a_tagged_record():
+    """A rank's pin answer says by its record type whether it pinned or refused (no
+    {"refused": ...} key protocol)."""
+    from kvtier.actors.step_wire import decode_pin
+    from kvtier.messages import pack_record
+    from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
+
+    made, refused = PinOutcome("p", 3, 2, 1, 60.0), PinRefusal(4, 1, "over the pin budget")
+    assert decode_pin(pack_record(made)) == made
+    assert decode_pin(pack_record(refused)) == refused
+    with pytest.raises(MessageError):
+        decode_pin(msgpack.packb({"refused": refused._asdict()}))
