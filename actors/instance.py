@@ -27,7 +27,6 @@ died with them (a reservation, handed-off pages), and the call answers as if it 
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import time
@@ -92,7 +91,6 @@ class InstanceRequest:
     incoming: tuple[IncomingKV, ...] | None = None  # decode side: each rank's
     answer: list[int] = field(default_factory=list)  # tokens returned so far (progress)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when it asked
-    rank_id: int | None = None  # its id on the current ranks (None: not queued on them)
     state: RequestState = RequestState.PENDING
     held_until: float = 0.0  # HANDED: monotonic; the ranks have given the pages back by then
 
@@ -234,25 +232,25 @@ class Instance:
         self._submitted += 1
         self._requests[request_id] = req
         try:
-            self._submit(req)
+            self._submit(request_id, req)
         except RankFailure as exc:
             self._recover(exc)  # re-adds every pending request, this one too
         return request_id
 
-    def _submit(self, req: InstanceRequest) -> None:
-        """Queue pending request `req` on every rank: new, or again after a restart, when it
-        goes on after the answer it has (its hand-off pages died with the old ranks)."""
-        args = (list(req.tokens), req.sampling, req.cache_salt)
+    def _submit(self, request_id: int, req: InstanceRequest) -> None:
+        """Queue pending request `req` on every rank under its instance id (the ranks use
+        the same id): new, or again after a restart, when it goes on after the answer it has
+        (its hand-off pages died with the old ranks)."""
+        args = (request_id, list(req.tokens), req.sampling, req.cache_salt)
         if req.targets is not None:
             ids = self.rank_group.add_handoff_request(*args, req.targets)
         elif req.incoming is not None and not req.answer:
             ids = self.rank_group.add_received(*args, req.incoming)
         else:
             ids = self.rank_group.add_request(*args, req.resume())
-        if len(set(ids)) != 1:
-            raise RankDivergence(f"ranks gave request ids {ids}: their streams are out of "
-                                 f"step")  # recovered like any divergence
-        req.rank_id = ids[0]
+        if set(ids) != {request_id}:
+            raise RankDivergence(f"ranks gave request {request_id} the ids {ids}: their "
+                                 f"streams are out of step")  # recovered like any divergence
 
     def step(self) -> list[Output]:
         """One lockstep step on every rank; rank 0's finished outputs (checked against all).
@@ -279,20 +277,19 @@ class Instance:
                 self._recover(RankDivergence(f"rank {rank} finished {got} but rank 0 {want}"))
                 return InstanceStep([], {}, None)
         self._failures_in_a_row = 0
-        by_rank = {req.rank_id: req_id for req_id, req in self._requests.items()
+        pending = {req_id for req_id, req in self._requests.items()
                    if req.state is RequestState.PENDING}
         progress = {}
-        for rank_id, got in first.progress.items():
-            req_id = by_rank.get(rank_id)
-            new = None if req_id is None else self._requests[req_id].take(got)
+        for req_id, got in first.progress.items():
+            new = self._requests[req_id].take(got) if req_id in pending else None
             if new is not None:
                 progress[req_id] = new
-        handoffs = _collect_handoffs(per_rank, by_rank)
-        return InstanceStep([self._finish(by_rank[o.request_id], o) for o in first.finished],
+        handoffs = _collect_handoffs(per_rank, pending)
+        return InstanceStep([self._finish(o.request_id, o) for o in first.finished],
                             progress, first.events, handoffs)
 
     def _finish(self, req_id: int, out: Output) -> Output:
-        """Request `req_id` finished as `out` (rank-side ids): the caller's output. A
+        """Request `req_id` finished as `out`: the caller's output. A
         prefill's pages stay held by its ranks for the decode side (unless it was aborted, as
         their scheduler does), until released or their hold ends."""
         req = self._requests.pop(req_id)
@@ -302,7 +299,7 @@ class Instance:
                 req.state, req.held_until = (RequestState.HANDED,
                                              time.monotonic() + self.handed_hold_s)
                 self._requests[req_id] = req
-        return dataclasses.replace(out, request_id=req_id)
+        return out
 
     def _recover(self, cause: RankFailure) -> None:
         """Replace every rank and queue the pending requests again, in arrival order."""
@@ -326,13 +323,11 @@ class Instance:
             req = self._requests[req_id]
             if req.state is RequestState.HANDED:
                 del self._requests[req_id]  # their pages died with the ranks
-            else:
-                req.rank_id = None
         self.restarts += 1
         try:
             self._start_ranks()
-            for req in list(self._requests.values()):
-                self._submit(req)
+            for req_id, req in list(self._requests.items()):
+                self._submit(req_id, req)
         except RankFailure as exc:
             self._replace_ranks(exc)
 
@@ -353,7 +348,7 @@ class Instance:
         if req is None or req.state is not RequestState.PENDING:
             return None
         try:
-            out = self.rank_group.abort(req.rank_id)
+            out = self.rank_group.abort(request_id)
         except RankFailure as exc:
             del self._requests[request_id]  # not re-added by the recovery: it is aborted
             self._recover(exc)
@@ -434,7 +429,8 @@ class Instance:
     def add_received(self, tokens: Sequence[int], sampling: SamplingParams,
                      sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],
                      first_token: int, cache_salt: str = "",
-                     first_logprob: TokenLogprob | None = None) -> int:
+                     first_logprob: TokenLogprob | None = None,
+                     request_id: int | None = None) -> int:
         """Queue the decode request whose prompt KV the prefill ranks wrote into `targets`
         (this instance's ranks' reservations; `sent`: each prefill rank's transfer, with its
         sums); it decodes from `first_token` (with `first_logprob`, when it asked for them)
@@ -448,16 +444,19 @@ class Instance:
                                     t.staging.pages if t.staging is not None else ())
                          for t in targets)
         return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
-                                         check_cache_salt(cache_salt), None, incoming))
+                                         check_cache_salt(cache_salt), None, incoming),
+                         request_id)
 
     # ---- prefill side ------------------------------------------------------------------------
     def add_prefill(self, tokens: Sequence[int], sampling: SamplingParams,
-                    targets: Sequence[HandoffTarget], cache_salt: str = "") -> int:
+                    targets: Sequence[HandoffTarget], cache_salt: str = "",
+                    request_id: int | None = None) -> int:
         """Queue a prefill whose prompt KV goes to the decode ranks' `targets` once computed
         (each rank writes its KV heads to the ranks holding them; `step_report().handoffs`
         then has each rank's HandoffSent); its pages stay held until `release_handoff`."""
         return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
-                                         check_cache_salt(cache_salt), tuple(targets)))
+                                         check_cache_salt(cache_salt), tuple(targets)),
+                         request_id)
 
     def release_handoff(self, request_id: int) -> bool:
         """The decode side has the request's KV (or gave up on it): the prefill ranks give its
@@ -467,8 +466,8 @@ class Instance:
         if req is None or req.state is not RequestState.HANDED:
             return False
         del self._requests[request_id]
-        rank_id = req.rank_id
-        return self._recovering(lambda: all(self.rank_group.release_handoff(rank_id)), False)
+        return self._recovering(lambda: all(self.rank_group.release_handoff(request_id)),
+                                False)
 
     @property
     def handed_requests(self) -> int:
@@ -571,15 +570,14 @@ class Instance:
         self.close()
 
 
-def _collect_handoffs(per_rank: Sequence[StepReport], by_rank: dict[int | None, int]
+def _collect_handoffs(per_rank: Sequence[StepReport], pending: set[int]
                       ) -> dict[int, list[HandoffSent]]:
-    """Instance id -> each rank's HandoffSent, for the requests this step handed off
-    (`by_rank`: rank-side id -> instance id)."""
+    """Request id -> each rank's HandoffSent, for the pending requests this step handed
+    off."""
     out: dict[int, list[HandoffSent]] = {}
     for report in per_rank:
-        for rank_id, sent in report.handoffs:
-            req_id = by_rank.get(rank_id)
-            if req_id is not None:
+        for req_id, sent in report.handoffs:
+            if req_id in pending:
                 out.setdefault(req_id, []).append(sent)
     return out
 

@@ -99,8 +99,8 @@ class _Flight:
     targets: list[HandoffTarget] | None = None
     prefill: int = -1   # instance index
     decode: int = -1
-    pid: int | None = None  # request id on the prefill instance
-    did: int | None = None  # on the decode instance
+    pid: int | None = None  # its id (f.id) on the prefill instance, once added there
+    did: int | None = None  # its id (f.id) on the decode instance, once added there
     stages: dict = field(default_factory=dict)
     prefill_out: Output | None = None
     first_token_s: float | None = None
@@ -153,7 +153,8 @@ class PDDriver:
         f.prefill = self._pick_prefill(f)
         if resume is not None and resume.tokens:
             f.mode, f.sent = PDMode.MIXED, len(resume.tokens)
-            f.pid = self.prefill[f.prefill].add_request(f.tokens, sampling, cache_salt, resume)
+            f.pid = self.prefill[f.prefill].add_request(f.tokens, sampling, cache_salt, resume,
+                                                        request_id=f.id)
             self._by_pid[(f.prefill, f.pid)] = f
             return f.id
         if sampling.max_new_tokens > 1:  # else its prefill ends it: no KV to move
@@ -166,10 +167,11 @@ class PDDriver:
         inst = self.prefill[f.prefill]
         if f.targets is None:
             f.mode = PDMode.MIXED
-            f.pid = inst.add_request(f.tokens, sampling, cache_salt)
+            f.pid = inst.add_request(f.tokens, sampling, cache_salt, request_id=f.id)
         else:
             first_only = dataclasses.replace(sampling, max_new_tokens=1)
-            f.pid = inst.add_prefill(f.tokens, first_only, f.targets, cache_salt)
+            f.pid = inst.add_prefill(f.tokens, first_only, f.targets, cache_salt,
+                                     request_id=f.id)
         self._by_pid[(f.prefill, f.pid)] = f
         return f.id
 
@@ -294,7 +296,7 @@ class PDDriver:
         f.added_to_decode_s = time.perf_counter()
         if len(sent) == prefill.size and all(s.ok for s in sent):
             f.did = decode.add_received(f.tokens, f.sampling, sent, f.targets, out.tokens[0],
-                                        f.salt, first[0] if first else None)
+                                        f.salt, first[0] if first else None, request_id=f.id)
         else:
             why = "; ".join(s.error for s in sent if not s.ok) or "no transfer reported"
             log.warning("request %d: the hand-off failed (%s); the decode instance "
@@ -304,7 +306,7 @@ class PDDriver:
             prefill.release_handoff(out.request_id)
             # it goes on after the first token, which its client may have already
             f.did = decode.add_request(f.tokens, f.sampling, f.salt,
-                                       Resume(out.tokens[:1], first))
+                                       Resume(out.tokens[:1], first), request_id=f.id)
         self._by_did[(f.decode, f.did)] = f
 
     def _on_decode_step(self, index: int, step: InstanceStep) -> None:

@@ -151,13 +151,15 @@ class Rank:
 
     # ---- the request stream (every rank gets the same calls, in the same order) ------------
     def add_request(self, tokens: Sequence[int], sampling: bytes,
-                    cache_salt: str = "", resume: bytes | None = None) -> int:
+                    cache_salt: str = "", resume: bytes | None = None,
+                    request_id: int | None = None) -> int:
         """Queue a request (`sampling`: its SamplingParams record, actors.step_wire);
         `resume` (a Resume record): the start of its answer the caller has already, which it
-        goes on after and never reports again."""
+        goes on after and never reports again. `request_id`: the instance's id for it (one
+        id from the server to the ranks); its id."""
         got = decode_resume(resume)
         req_id = self.engine.add_request([int(t) for t in tokens], decode_sampling(sampling),
-                                         cache_salt, resume=got)
+                                         cache_salt, resume=got, request_id=request_id)
         if got is not None:
             self._reported[req_id] = len(got.tokens)
         return req_id
@@ -384,15 +386,17 @@ class Rank:
         return self.handoff_port.cancel(handoff_id, linger_s)
 
     def add_received(self, tokens: Sequence[int], sampling: bytes, cache_salt: str,
-                     incoming: bytes) -> int:
+                     incoming: bytes, request_id: int | None = None) -> int:
         """Queue a decode request over its received pages (SamplingParams and IncomingKV
         records); its id."""
-        return self.handoff_port.add_received(tokens, sampling, cache_salt, incoming)
+        return self.handoff_port.add_received(tokens, sampling, cache_salt, incoming,
+                                              request_id)
 
     def add_handoff_request(self, tokens: Sequence[int], sampling: bytes,
-                            cache_salt: str, targets: list[bytes]) -> int:
+                            cache_salt: str, targets: list[bytes],
+                            request_id: int | None = None) -> int:
         """Queue a prefill request whose prompt KV goes to `targets` once computed."""
-        return self.handoff_port.add_request(tokens, sampling, cache_salt, targets)
+        return self.handoff_port.add_request(tokens, sampling, cache_salt, targets, request_id)
 
     def release_handoff(self, request_id: int) -> bool:
         """The decode side holds the request's KV now: its pages join this rank's cache."""

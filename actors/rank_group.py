@@ -107,27 +107,30 @@ class RankGroup:
         self.actors = []
 
     # ---- the request stream -----------------------------------------------------------------
-    def add_request(self, tokens: list[int], sampling: SamplingParams, cache_salt: str,
-                    resume: Resume | None) -> list[int]:
-        """Each rank's id for the request (`resume`: the answer it goes on after)."""
+    def add_request(self, request_id: int, tokens: list[int], sampling: SamplingParams,
+                    cache_salt: str, resume: Resume | None) -> list[int]:
+        """Queue request `request_id` on every rank (`resume`: the answer it goes on after);
+        the id each rank gave it (the same, unless their streams diverged)."""
         params, got = encode_sampling(sampling), encode_resume(resume)
-        return self._wait([a.add_request.remote(tokens, params, cache_salt, got)
+        return self._wait([a.add_request.remote(tokens, params, cache_salt, got, request_id)
                            for a in self.actors], "calling add_request")
 
-    def add_handoff_request(self, tokens: list[int], sampling: SamplingParams, cache_salt: str,
-                            targets: Sequence[HandoffTarget]) -> list[int]:
+    def add_handoff_request(self, request_id: int, tokens: list[int], sampling: SamplingParams,
+                            cache_salt: str, targets: Sequence[HandoffTarget]) -> list[int]:
         """A prefill whose KV goes to the decode ranks' `targets` (every rank gets them all
         and writes its KV heads to those holding them)."""
         params, wire = encode_sampling(sampling), [pack_record(t) for t in targets]
-        return self._wait([a.add_handoff_request.remote(tokens, params, cache_salt, wire)
+        return self._wait([a.add_handoff_request.remote(tokens, params, cache_salt, wire,
+                                                        request_id)
                            for a in self.actors], "calling add_handoff_request")
 
-    def add_received(self, tokens: list[int], sampling: SamplingParams, cache_salt: str,
-                     incoming: Sequence[IncomingKV]) -> list[int]:
+    def add_received(self, request_id: int, tokens: list[int], sampling: SamplingParams,
+                     cache_salt: str, incoming: Sequence[IncomingKV]) -> list[int]:
         """A decode request over the pages `incoming[r]` describes on rank r."""
         self._check_each(incoming, "add_received")
         params = encode_sampling(sampling)
-        return self._wait([a.add_received.remote(tokens, params, cache_salt, pack_record(kv))
+        return self._wait([a.add_received.remote(tokens, params, cache_salt, pack_record(kv),
+                                                 request_id)
                            for a, kv in zip(self.actors, incoming)], "calling add_received")
 
     def step(self) -> list[StepReport]:
@@ -135,9 +138,9 @@ class RankGroup:
         raw = self._wait([a.step.remote() for a in self.actors], "calling step")
         return [decode_report(data) for data in raw]
 
-    def abort(self, rank_id: int) -> Output | None:
+    def abort(self, request_id: int) -> Output | None:
         """Rank 0's output so far of the aborted request (None: unknown to it, or done)."""
-        raw = self._wait([a.abort.remote(rank_id) for a in self.actors], "calling abort")
+        raw = self._wait([a.abort.remote(request_id) for a in self.actors], "calling abort")
         return decode_output(raw[0])
 
     # ---- rank 0 alone ------------------------------------------------------------------------
@@ -230,8 +233,8 @@ class RankGroup:
         return self._wait([a.handoff_cancel.remote(handoff_id, linger_s) for a in self.actors],
                           "calling handoff_cancel")
 
-    def release_handoff(self, rank_id: int) -> list[bool]:
-        return self._wait([a.release_handoff.remote(rank_id) for a in self.actors],
+    def release_handoff(self, request_id: int) -> list[bool]:
+        return self._wait([a.release_handoff.remote(request_id) for a in self.actors],
                           "calling release_handoff")
 
     def handoff_raw_write(self, targets: Sequence[HandoffTarget], through_kvtier: bool

@@ -78,21 +78,24 @@ class RankHandoffPort:
         return self.engine.handoffs.cancel(handoff_id, linger_s)
 
     def add_received(self, tokens: Sequence[int], sampling: bytes, cache_salt: str,
-                     incoming: bytes) -> int:
+                     incoming: bytes, request_id: int | None = None) -> int:
         """Queue a decode request over its received pages (an IncomingKV record); its id.
         Without its reservation (expired; a replaced rank) it is recomputed."""
         return self.engine.add_received([int(t) for t in tokens], decode_sampling(sampling),
-                                        unpack_record(IncomingKV, incoming), cache_salt)
+                                        unpack_record(IncomingKV, incoming), cache_salt,
+                                        request_id)
 
     # ---- prefill side ------------------------------------------------------------------------
     def add_request(self, tokens: Sequence[int], sampling: bytes,
-                    cache_salt: str, targets: list[bytes]) -> int:
+                    cache_salt: str, targets: list[bytes],
+                    request_id: int | None = None) -> int:
         """Queue a prefill request whose prompt KV goes to `targets` (every decode rank's
         HandoffTarget record) once computed; the step that finishes it sends it."""
         self._need_endpoint()
         return self.engine.add_request([int(t) for t in tokens], decode_sampling(sampling),
                                        cache_salt, handoff_to=[unpack_record(HandoffTarget, t)
-                                                               for t in targets])
+                                                               for t in targets],
+                                       request_id=request_id)
 
     def release(self, request_id: int) -> bool:
         """The decode side holds the request's KV now: its pages join this rank's cache."""

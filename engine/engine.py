@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import time
@@ -102,7 +101,7 @@ class Engine:
                                    policy=schedule_policy)
         self.handoffs = HandoffDesk(cache)  # decode side: pages reserved for hand-offs
         self._owns_cache = owns_cache
-        self._ids = itertools.count()
+        self._next_id = 0  # the next id of a request added without one
         self._done: dict[int, Output] = {}  # finished inside generate(), not yet returned
         self._closed = False
 
@@ -133,15 +132,16 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
                     cache_salt: str = "", handoff_to: Sequence[HandoffTarget] = (),
-                    resume: Resume | None = None) -> int:
-        """Queue a prompt (text needs a tokenizer; token ids are used as given); its id.
+                    resume: Resume | None = None, request_id: int | None = None) -> int:
+        """Queue a prompt (text needs a tokenizer; token ids are used as given); its id
+        (`request_id`: the caller's, which no request here may hold; else the next).
         `cache_salt`: its tenant (it hits only prefixes cached with the same salt).
         `handoff_to`: a prefill instance's request whose prompt KV goes to the decode ranks'
         reserved pages (every decode rank's target); it keeps its pages after it finishes
         until `release_handoff`. `resume`: the start of its answer the caller already has
         (the request ran before and lost its KV): it goes on after those tokens, which its
         output includes and its steps never report again (Request)."""
-        req = self._request(prompt, sampling, cache_salt)
+        req = self._request(prompt, sampling, cache_salt, request_id)
         if resume is not None and resume.tokens:
             if handoff_to:
                 raise ConfigError("a hand-off's prefill starts an answer; it cannot resume "
@@ -159,7 +159,8 @@ class Engine:
         return req.id
 
     def add_received(self, prompt: Sequence[int], sampling: SamplingParams,
-                     incoming: IncomingKV, cache_salt: str = "") -> int:
+                     incoming: IncomingKV, cache_salt: str = "",
+                     request_id: int | None = None) -> int:
         """Queue a decode request whose prompt KV a prefill rank wrote into the pages this
         engine reserved (`reserve_handoff`); it decodes from `incoming.first_token` once every
         rank has the pages whole, or is recomputed from its prompt (also when the
@@ -175,7 +176,7 @@ class Engine:
             if held is not None:
                 self.handoffs.free(held)
             incoming = incoming._replace(pages=(), staged=())
-        req = self._request(prompt, sampling, cache_salt)
+        req = self._request(prompt, sampling, cache_salt, request_id)
         req.incoming = incoming
         self.scheduler.add_received(req)
         return req.id
@@ -198,7 +199,8 @@ class Engine:
         """Prefill side: the decode side holds the request's KV; its pages join the cache."""
         return self.scheduler.release_handoff(request_id)
 
-    def _request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str) -> Request:
+    def _request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str,
+                 request_id: int | None) -> Request:
         if self._closed:
             raise ClosedError("the engine is closed; create a new Engine")
         tokens = tuple(self._encode(prompt))
@@ -206,7 +208,13 @@ class Engine:
             raise ConfigError("an empty prompt has no token to compute; give at least one")
         if sampling.stop_token_ids is None and self.tokenizer is not None:
             sampling = dataclasses.replace(sampling, stop_token_ids=self.tokenizer.stop_token_ids)
-        return Request(next(self._ids), tokens, sampling, self.model.device,
+        if request_id is None:
+            request_id = self._next_id
+        elif self.scheduler.holds(request_id):
+            raise ConfigError(f"request id {request_id} is held by a request of this engine; "
+                              f"give each request its own")
+        self._next_id = max(self._next_id, request_id + 1)
+        return Request(request_id, tokens, sampling, self.model.device,
                        cache_salt=check_cache_salt(cache_salt))
 
     def step(self) -> list[Output]:

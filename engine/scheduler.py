@@ -216,6 +216,11 @@ class Scheduler:
             return self.token_budget
         return max(self.page_size, self.token_budget - decodes)
 
+    def holds(self, request_id: int) -> bool:
+        """Whether a request of this id waits, runs, or is handed off here."""
+        return request_id in self.handed or any(
+            req.id == request_id for req in self.waiting + self.running)
+
     def abort(self, request_id: int) -> Request | None:
         """Stop a request at any stage, releasing all it holds; None if it is not here."""
         for req in self.waiting + self.running:

@@ -381,8 +381,8 @@ class ScriptedInstance:
         self.calls.append(("reserve", handoff_id))
         return [HandoffTarget(handoff_id, b"", 0, 64, tuple(range(pages_for(num_tokens, PAGE))))]
 
-    def add_prefill(self, tokens, sampling, targets, cache_salt=""):
-        return 0
+    def add_prefill(self, tokens, sampling, targets, cache_salt="", request_id=None):
+        return request_id
 
     def step_report(self) -> InstanceStep:
         return self.steps.pop(0) if self.steps else InstanceStep([], {}, None)
@@ -402,10 +402,10 @@ def test_a_request_its_first_token_ended_after_a_failed_write_lingers():
     pd = PDDriver([p], [d], transport="simulated", linger_s=7.0)
     rid = pd.add(PROMPTS[0], GREEDY)
     ((_, hid),) = d.calls
-    out = Output(0, tuple(PROMPTS[0]), (5,), None, FinishReason.STOP,
+    out = Output(rid, tuple(PROMPTS[0]), (5,), None, FinishReason.STOP,
                  RequestLengths(0, 0, 0, 0, len(PROMPTS[0])), CachedTokens(0, 0, 0), 0.1, None)
     timed_out = HandoffSent(hid, False, (), 0, 0, 40.0, "the write did not finish in time")
-    p.steps.append(InstanceStep([out], {}, None, {0: [timed_out]}))
+    p.steps.append(InstanceStep([out], {}, None, {rid: [timed_out]}))
     (done,) = pd.step()
     assert done.request_id == rid and done.tokens == (5,)
-    assert ("cancel", hid, 7.0) in d.calls and ("release", 0) in p.calls
+    assert ("cancel", hid, 7.0) in d.calls and ("release", rid) in p.calls

@@ -222,3 +222,22 @@ def test_abort_at_every_stage_releases_everything(tiny_models, tmp_path) -> None
         assert not eng.has_unfinished
         assert_no_leaks(eng.cache)
         check_lengths(done)
+
+
+def test_a_request_keeps_the_id_its_caller_gives_and_an_id_in_use_is_refused(tiny_models):
+    """One request id from the server to the ranks: the instance passes its id down, and the
+    engine's own numbering goes on after it."""
+    model = tiny_models[torch.float32]
+    with engine(model, make_cache(model)) as eng:
+        params = SamplingParams(max_new_tokens=3)
+        assert eng.add_request(toks(20, 1), params, request_id=41) == 41
+        with pytest.raises(ConfigError, match="request id 41 is held"):
+            eng.add_request(toks(20, 2), params, request_id=41)
+        assert eng.add_request(toks(20, 3), params) == 42  # the next after the given one
+        done = {}
+        for _ in range(50):
+            done.update({o.request_id: o for o in eng.step()})
+            if len(done) == 2:
+                break
+        assert sorted(done) == [41, 42]
+        assert eng.add_request(toks(20, 2), params, request_id=41) == 41  # free again
