@@ -38,7 +38,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.cluster_placement import unplaced_message
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, Rank, RankSettings,
-                                      RankStats, create_rank_actor)
+                                      RankSnapshot, RankStats, create_rank_actor)
 from kvtier.actors.rank_group import (InstanceError, RankDivergence, RankFailure, RankGroup,
                                       wait_ranks)
 from kvtier.actors.step_wire import Progress, StepReport
@@ -523,7 +523,7 @@ class Instance:
         """Rank 0's cache config and engine choices (`Rank.running_config`)."""
         return self.rank_group.running_config()
 
-    def cache_snapshot(self) -> list[dict]:
+    def cache_snapshot(self) -> list[RankSnapshot]:
         """Every rank's counters and pool use (`Rank.cache_snapshot`)."""
         return self.rank_group.cache_snapshot()
 

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import re
 import time
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import ray
 import torch
@@ -100,6 +100,19 @@ class CacheDescription(NamedTuple):
     page_bytes: int = 0  # one page over every KV head and part (a namespace's byte quota)
     kv_heads: int = 1  # the model's KV heads (all ranks'): a namespace's NamespaceSpec.kv_heads
     sliding: bool = False  # a hybrid model's sliding-window sidecar: NamespaceSpec.sliding
+
+
+class RankSnapshot(NamedTuple):
+    """A rank's monotonic counters and pool use at one moment, for metrics (`cache_snapshot`;
+    the serve graph's `InstanceSnapshot` carries rank 0's on)."""
+
+    counters: dict[str, Any]  # CacheCounters, TransferStats and retraction counters by field
+    storage: dict[str, Any] | None  # the L3 backend's stats and StorageCounters (None: no L3)
+    host_used_tokens: int
+    host_total_tokens: int
+    gauges: dict[str, Any]  # L1 use, running and waiting requests
+    agreement_s: tuple[float, ...]  # the agreement rounds' seconds since the last snapshot
+    pins: dict[str, Any]  # pins held, and their L1 and L2 pages
 
 
 class Rank:
@@ -244,8 +257,9 @@ class Rank:
             cache.device_pages, cache.host_pages, l3.value if l3 is not None else None,
             cache.spec.page_bytes * self.size, cache.heads.total, cache.spec.sliding is not None))
 
-    def cache_snapshot(self) -> dict:
-        """Monotonic counters (cache, L3) and pool use, for metrics. It is also the metrics
+    def cache_snapshot(self) -> bytes:
+        """A RankSnapshot record: monotonic counters (cache, L3) and pool use, for metrics.
+        It is also the metrics
         tick's pin upkeep (`refresh`, as a step does): an idle instance takes no steps, and its
         lapsed pins must still let go of their pages (and leave the figures)."""
         self.pin_desk.refresh()
@@ -264,10 +278,9 @@ class Rank:
         # the L1<->L2 copies' bytes and seconds (TransferStats) join the token counters
         counters = {**snap.counters.snapshot(), **snap.transfers._asdict(),
                     **sched.retraction.counters.snapshot()}
-        return {"counters": counters, "storage": storage,
-                "host_used_tokens": snap.used_host_pages * page,
-                "host_total_tokens": snap.host_pages * page, "gauges": gauges,
-                "agreement_s": self._new_agreement_times(), "pins": pins}
+        return pack_record(RankSnapshot(counters, storage, snap.used_host_pages * page,
+                                        snap.host_pages * page, gauges,
+                                        self._new_agreement_times(), pins))
 
     def _new_agreement_times(self) -> tuple[float, ...]:
         """The agreement rounds' times since the last snapshot (the latest 4096 at most)."""

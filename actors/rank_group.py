@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from kvtier.actors.rank_actor import CacheDescription, RankStats
+from kvtier.actors.rank_actor import CacheDescription, RankSnapshot, RankStats
 from kvtier.actors.step_wire import (StepReport, decode_output, decode_pin, decode_report,
                                      encode_resume, encode_sampling)
 from kvtier.engine.agreement import AgreementError
@@ -185,9 +185,10 @@ class RankGroup:
         """Each rank's free L1 pages after."""
         return self._wait([a.drop_cache.remote() for a in self.actors], "calling drop_cache")
 
-    def cache_snapshot(self) -> list[dict]:
-        return self._wait([a.cache_snapshot.remote() for a in self.actors],
-                          "calling cache_snapshot")
+    def cache_snapshot(self) -> list[RankSnapshot]:
+        raw = self._wait([a.cache_snapshot.remote() for a in self.actors],
+                         "calling cache_snapshot")
+        return [unpack_record(RankSnapshot, data) for data in raw]
 
     def audit(self) -> list[dict[str, int]]:
         """Each rank's pages outside its tree (all zero: nothing leaked)."""

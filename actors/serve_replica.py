@@ -267,7 +267,6 @@ def instance_snapshot(inst: Instance, name: str) -> InstanceSnapshot:
     instance's rank restarts and divergences."""
     snap = inst.cache_snapshot()[0]
     faults = RankFaults(rank_restarts=inst.restarts, rank_divergences=inst.divergences)
-    return InstanceSnapshot(name, {**snap["counters"], **faults.snapshot()}, snap["storage"],
-                            snap["host_used_tokens"], snap["host_total_tokens"],
-                            snap["gauges"], tuple(snap["agreement_s"]), snap["pins"],
-                            inst.restarts)
+    return InstanceSnapshot(name, {**snap.counters, **faults.snapshot()}, snap.storage,
+                            snap.host_used_tokens, snap.host_total_tokens, snap.gauges,
+                            snap.agreement_s, snap.pins, inst.restarts)

@@ -386,7 +386,7 @@ def _tier_scenarios(instances: dict, work: _Workload, cold: list,
 
 def _l3_reads(inst: Any) -> list[tuple[int, float]] | None:
     """(bytes read, seconds reading) of each rank's L3 client; None without an L3."""
-    snaps = [inst.rank_call(r, "cache_snapshot")["storage"] for r in range(inst.size)]
+    snaps = [snap.storage for snap in inst.cache_snapshot()]
     if any(s is None for s in snaps):
         return None
     return [(s["bytes_read"], s["read_s"]) for s in snaps]

@@ -112,7 +112,7 @@ def test_instances_keep_serving_through_a_namespace_actor_restart(shared_ray, tm
 
 
 def storage_counter(inst: Instance, name: str) -> int:
-    return inst.cache_snapshot()[0]["storage"][name]
+    return inst.cache_snapshot()[0].storage[name]
 
 
 def test_an_instance_keeps_answering_when_the_actor_comes_back_without_the_namespace(

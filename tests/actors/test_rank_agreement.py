@@ -147,7 +147,7 @@ def test_a_load_failed_on_one_rank_is_recomputed_on_every_rank_without_a_restart
     assert instance.restarts == restarts, "a rank was rebuilt"
     after = instance.stats()
     assert after[0].steps - before[0].steps == after[1].steps - before[1].steps
-    failed = [s["counters"]["failed_load_tokens"] for s in instance.cache_snapshot()]
+    failed = [s.counters["failed_load_tokens"] for s in instance.cache_snapshot()]
     assert failed[0] == 0 and failed[1] > 0  # it failed on rank 1 only
     for rank in range(2):
         audit = instance.rank_call(rank, "audit")

@@ -18,13 +18,14 @@ import torch
 import kvtier.actors.rank_l3 as rank_l3
 from kvtier.actors.namespace_actor import FakeNamespaceClient, NamespaceUnavailable
 from kvtier.actors.namespace_service import NamespaceService
-from kvtier.actors.rank_actor import Rank, RankSettings
+from kvtier.actors.rank_actor import Rank, RankSettings, RankSnapshot
 from kvtier.actors.step_wire import decode_report, encode_sampling
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec
 from kvtier.engine.request import Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weight_sources import TinyWeights
+from kvtier.messages import unpack_record
 
 PAGE = 16
 CONFIG = HiCacheConfig(page_size=PAGE, prefetch_policy="wait_complete",
@@ -134,7 +135,8 @@ def test_a_namespace_the_actor_lost_is_registered_again_by_the_rank(actor, tmp_p
         rank.quiesce()  # C's backups land; their report waits for the directory
         counters = rank.engine.cache.storage.counters
         assert counters.directory_miss_lookups > misses and counters.directory_errors > 0
-        assert rank.cache_snapshot()["storage"]["directory_miss_lookups"] > misses
+        snap = unpack_record(RankSnapshot, rank.cache_snapshot())
+        assert snap.storage["directory_miss_lookups"] > misses
 
         actor.restart()  # and comes back without the namespace again
         actor.down = False

@@ -115,8 +115,8 @@ class Driver:
 
     def stats(self, name: str) -> dict:
         inst = self.instances[name]
-        snap = inst.rank_call(0, "cache_snapshot")
-        return {"restarts": inst.restarts, "storage": snap["storage"]}
+        snap = inst.cache_snapshot()[0]
+        return {"restarts": inst.restarts, "storage": snap.storage}
 
     def pids(self) -> dict:
         import os
