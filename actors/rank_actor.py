@@ -9,7 +9,7 @@ agreement round per step (kvtier.engine.agreement) makes them act alike.
 `create_rank_actor` wraps it in a Ray actor inside a placement-group bundle. The actor's
 methods return plain values, and msgpack for steps and aborts (`actors.step_wire`). It owns
 three collaborators, each with its own module: its L3 link (actors/rank_l3), its pin desk
-(actors/rank_pins) and its hand-off port (actors/rank_handoff); each remote call of theirs is
+(actors/pins) and its hand-off port (actors/rank_handoff); each remote call of theirs is
 one thin method here.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvtier.actors.pins import RankPinDesk
 from kvtier.actors.rank_handoff import RankHandoffPort
 from kvtier.actors.rank_l3 import RankL3Link, directory_client, open_namespace_backend
-from kvtier.actors.rank_pins import RankPinDesk
 from kvtier.actors.step_wire import (Progress, StepReport, decode_resume, decode_sampling,
                                      encode_output, encode_report)
 from kvtier.backends.base import StorageBackend
@@ -351,7 +351,7 @@ class Rank:
         """Stop using L3 (queued backups finish first; nothing leaks)."""
         self.l3_link.detach(self.engine.cache)
 
-    # ---- pins (actors/rank_pins) ---------------------------------------------------------------
+    # ---- pins (actors/pins) ---------------------------------------------------------------
     def pin_held(self, tokens: Sequence[int], salt: str = "") -> int:
         """Whole pages of `tokens` this rank holds in L1 or L2 (the instance pins the MIN)."""
         return self.pin_desk.held(tokens, salt)
