@@ -29,8 +29,8 @@ from typing import NamedTuple
 import ray
 
 from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient, NamespaceUnavailable
+from kvtier.actors.pd.deployment import PD_NAME, member_names
 from kvtier.actors.serve_graph import APP_NAME, instance_names
-from kvtier.actors.serve_pd import PD_NAME, member_names
 from kvtier.errors import KvtierError
 from kvtier.serve.settings import ServeSettings
 

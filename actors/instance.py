@@ -9,7 +9,7 @@ and the model's all-reduces). Ranks must produce the same outputs; rank 0's are 
                                 tp_size=2) as inst:
         outs = inst.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
 
-Prefill/decode hand-offs (actors/pd_driver) go through the same instance: rank r of a
+Prefill/decode hand-offs (actors/pd/driver) go through the same instance: rank r of a
 prefill instance writes into rank r of its decode instance (equal TP sizes: each rank holds
 the same KV heads on both sides), so every per-rank value is a list in rank order.
 

@@ -9,7 +9,7 @@ agreement round per step (kvtier.engine.agreement) makes them act alike.
 `create_rank_actor` wraps it in a Ray actor inside a placement-group bundle. The actor's
 methods return plain values, and msgpack for steps and aborts (`actors.step_wire`). It owns
 three collaborators, each with its own module: its L3 link (actors/rank_l3), its pin desk
-(actors/pins) and its hand-off port (actors/rank_handoff); each remote call of theirs is
+(actors/pins) and its hand-off port (actors/pd/rank_port); each remote call of theirs is
 one thin method here.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvtier.actors.pd.rank_port import RankHandoffPort
 from kvtier.actors.pins import RankPinDesk
-from kvtier.actors.rank_handoff import RankHandoffPort
 from kvtier.actors.rank_l3 import RankL3Link, directory_client, open_namespace_backend
 from kvtier.actors.step_wire import (Progress, StepReport, decode_resume, decode_sampling,
                                      encode_output, encode_report)
@@ -368,7 +368,7 @@ class Rank:
     def pins(self) -> list[dict]:
         return self.pin_desk.describe()
 
-    # ---- prefill/decode hand-off (actors/rank_handoff) -------------------------------------------
+    # ---- prefill/decode hand-off (actors/pd/rank_port) -------------------------------------------
     def handoff_open(self, transport: str, staged: bool = False) -> bytes:
         """Open this rank's endpoint with its L1 pool registered; its address
         (RankHandoffPort.open)."""

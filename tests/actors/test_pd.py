@@ -12,7 +12,7 @@ from eventually import eventually
 from faulty_rank import FaultyRank
 
 from kvtier.actors.instance import InstanceStep
-from kvtier.actors.pd_driver import PDDriver, PDMode
+from kvtier.actors.pd.driver import PDDriver, PDMode
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.handoff import HandoffSent, HandoffTarget
