@@ -589,7 +589,8 @@ def _current_info(info: bytes, l3_actor: str | None) -> bytes:
     address); the saved one when there is no actor or it does not answer."""
     if l3_actor is None:
         return info
-    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient, NamespaceUnavailable
+    from kvtier.actors.l3.namespace_actor import (RAY_NAMESPACE, NamespaceClient,
+                                                  NamespaceUnavailable)
     try:
         client = NamespaceClient(ray.get_actor(l3_actor, namespace=RAY_NAMESPACE))
         return client.info(NamespaceInfo.from_msgpack(info).namespace).to_msgpack()

@@ -250,7 +250,7 @@ class PinDesk:
         def call() -> Any:
             import ray
 
-            from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+            from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
             client = NamespaceClient(ray.get_actor(self.settings.l3_actor,
                                                    namespace=RAY_NAMESPACE))
             return getattr(client, method)(namespace, *args)

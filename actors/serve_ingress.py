@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from kvtier.actors.namespace_actor import purge_namespace
+from kvtier.actors.l3.namespace_actor import purge_namespace
 from kvtier.actors.pins import PinDesk
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier.actors.instance import Instance
-from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.pins import RankPinDesk, pin_on_instance
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
