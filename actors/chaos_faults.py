@@ -6,7 +6,7 @@ the chaos bench.
   (the deployment's replica kills it: ServedReplica.kill_rank). The instance notices at its
   next call, replaces its ranks and recomputes what it has not answered (actors/instance.py).
 - `kill_namespace`: the L3 namespace actor's process killed; Ray restarts it and the new
-  incarnation restores its namespaces from its state directory (actors/namespace_service.py).
+  incarnation restores its namespaces from its state directory (actors/l3/namespace_service.py).
   With `lose_state` that directory is deleted first: the new incarnation knows no namespace.
 - `restart_mooncake_master`: a namespace's Mooncake master killed (SIGKILL); the actor's
   supervisor starts a new one on new ports under a new epoch.
@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import ray
 
-from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient, NamespaceUnavailable
+from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient, NamespaceUnavailable
+from kvtier.actors.pd.deployment import PD_NAME, member_names
 from kvtier.actors.serve_graph import APP_NAME, instance_names
-from kvtier.actors.serve_pd import PD_NAME, member_names
 from kvtier.errors import KvtierError
 from kvtier.serve.settings import ServeSettings
 

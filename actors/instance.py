@@ -9,7 +9,7 @@ and the model's all-reduces). Ranks must produce the same outputs; rank 0's are 
                                 tp_size=2) as inst:
         outs = inst.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
 
-Prefill/decode hand-offs (actors/pd_driver) go through the same instance: rank r of a
+Prefill/decode hand-offs (actors/pd/driver) go through the same instance: rank r of a
 prefill instance writes into rank r of its decode instance (equal TP sizes: each rank holds
 the same KV heads on both sides), so every per-rank value is a list in rank order.
 
@@ -587,7 +587,8 @@ def _current_info(info: bytes, l3_actor: str | None) -> bytes:
     address); the saved one when there is no actor or it does not answer."""
     if l3_actor is None:
         return info
-    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient, NamespaceUnavailable
+    from kvtier.actors.l3.namespace_actor import (RAY_NAMESPACE, NamespaceClient,
+                                                  NamespaceUnavailable)
     try:
         client = NamespaceClient(ray.get_actor(l3_actor, namespace=RAY_NAMESPACE))
         return client.info(NamespaceInfo.from_msgpack(info).namespace).to_msgpack()

@@ -2,7 +2,7 @@
 
 `Instance` is driven by one caller at a time (every call is a lockstep round over its rank
 actors). A server has many concurrent requests, so `InstanceServer` owns the instance (a
-`DrivenInstance`: an Instance, or a prefill/decode driver's instances, actors/serve_pd) in one
+`DrivenInstance`: an Instance, or a prefill/decode driver's instances, actors/pd/deployment) in one
 driver thread: callers hand it commands (add a request, cancel one, run a maintenance call
 between steps) through a thread-safe queue and get results through thread-safe callbacks.
 While any request is pending the thread steps; otherwise it sleeps until a command arrives.
@@ -52,7 +52,7 @@ Sink = Callable[[ServerEvent], None]
 
 class DrivenInstance(Protocol):
     """What an `InstanceServer` drives: an `Instance` (actors/instance) or a prefill/decode
-    driver's instances (`PDInstances`, actors/serve_pd). Request ids are the server's: each
+    driver's instances (`PDInstances`, actors/pd/deployment). Request ids are the server's: each
     request is added under the id the server gives it, and keeps it to its end."""
 
     @property

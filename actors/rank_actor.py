@@ -8,8 +8,8 @@ agreement round per step (kvtier.engine.agreement) makes them act alike.
 `Rank` is the logic, usable without Ray (a TP=1 rank runs in-process in tests);
 `create_rank_actor` wraps it in a Ray actor inside a placement-group bundle. The actor's
 methods return plain values, and msgpack for steps and aborts (`actors.step_wire`). It owns
-three collaborators, each with its own module: its L3 link (actors/rank_l3), its pin desk
-(actors/rank_pins) and its hand-off port (actors/rank_handoff); each remote call of theirs is
+three collaborators, each with its own module: its L3 link (actors/l3/rank_link), its pin desk
+(actors/pins) and its hand-off port (actors/pd/rank_port); each remote call of theirs is
 one thin method here.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvtier.actors.rank_handoff import RankHandoffPort
-from kvtier.actors.rank_l3 import RankL3Link, directory_client, open_namespace_backend
-from kvtier.actors.rank_pins import RankPinDesk
+from kvtier.actors.l3.rank_link import RankL3Link, directory_client, open_namespace_backend
+from kvtier.actors.pd.rank_port import RankHandoffPort
+from kvtier.actors.pins import RankPinDesk
 from kvtier.actors.step_wire import (Progress, StepReport, decode_resume, decode_sampling,
                                      encode_output, encode_report)
 from kvtier.backends.base import StorageBackend
@@ -347,7 +347,7 @@ class Rank:
         self.handoff_port.close()
         destroy_tp()
 
-    # ---- L3 (actors/rank_l3) ---------------------------------------------------------------
+    # ---- L3 (actors/l3/rank_link) ---------------------------------------------------------------
     def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
         """This rank's client of the namespace's storage (a subclass may wrap it)."""
         return open_namespace_backend(info, heads)
@@ -366,7 +366,7 @@ class Rank:
         """Stop using L3 (queued backups finish first; nothing leaks)."""
         self.l3_link.detach(self.engine.cache)
 
-    # ---- pins (actors/rank_pins) ---------------------------------------------------------------
+    # ---- pins (actors/pins) ---------------------------------------------------------------
     def pin_held(self, tokens: Sequence[int], salt: str = "") -> int:
         """Whole pages of `tokens` this rank holds in L1 or L2 (the instance pins the MIN)."""
         return self.pin_desk.held(tokens, salt)
@@ -383,7 +383,7 @@ class Rank:
     def pins(self) -> list[dict]:
         return self.pin_desk.describe()
 
-    # ---- prefill/decode hand-off (actors/rank_handoff) -------------------------------------------
+    # ---- prefill/decode hand-off (actors/pd/rank_port) -------------------------------------------
     def handoff_open(self, transport: str, staged: bool = False) -> bytes:
         """Open this rank's endpoint with its L1 pool registered; its address
         (RankHandoffPort.open)."""

@@ -1,5 +1,5 @@
 """The typed client of one rank set: a method per `Rank` remote call (actors/rank_actor.py,
-its collaborators in rank_l3, rank_pins, rank_handoff), each typed with its arguments and decoded
+its collaborators in l3/rank_link, pins, pd/rank_port), each typed with its arguments and decoded
 result. Arguments and results that are records cross as msgpack (actors/step_wire.py): the
 rank decodes and checks them, nothing is pickled.
 

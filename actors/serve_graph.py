@@ -1,5 +1,5 @@
 """The serve graph: HTTP ingress -> router -> N instance deployments (or one prefill/decode
-deployment of P + D instances, actors/serve_pd), plus the L3 namespace actor (created by the
+deployment of P + D instances, actors/pd/deployment), plus the L3 namespace actor (created by the
 first instance that attaches L3), and `kvtier serve`.
 
     kvtier serve --host 127.0.0.1 --port 8000            # a local Ray cluster, SmolLM2, file L3
@@ -19,10 +19,10 @@ import threading
 from typing import Any
 
 from kvtier.actors.cluster_placement import place
+from kvtier.actors.pd.deployment import PD_NAME, PDDeployment
 from kvtier.actors.rank_actor import Rank
 from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
-from kvtier.actors.serve_pd import PD_NAME, PDDeployment
 from kvtier.actors.serve_router import RouterDeployment
 from kvtier.policies import StorageBackendKind
 from kvtier.serve.admin_key_file import save_admin_key

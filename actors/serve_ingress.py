@@ -23,10 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from kvtier.actors.namespace_actor import purge_namespace
+from kvtier.actors.l3.namespace_actor import purge_namespace
+from kvtier.actors.pins import PinDesk
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
-from kvtier.actors.serve_pins import PinDesk
 from kvtier.actors.serve_replica import bound_attach_options
 from kvtier.actors.serve_snapshots import SnapshotFeed
 from kvtier.errors import ConfigError, KvtierError
@@ -206,7 +206,7 @@ class Ingress:
 
     @api.post("/admin/pin")
     async def admin_pin(self, request: Request) -> Response:
-        """Body: tokens or messages, tenant and cache_salt (optional), ttl_s (actors/serve_pins)."""
+        """Body: tokens or messages, tenant and cache_salt (optional), ttl_s (actors/pins)."""
         return await self._pin(request, PinVerb.PIN)
 
     @api.delete("/admin/pin")

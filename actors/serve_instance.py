@@ -14,8 +14,8 @@ from ray import serve
 
 from kvtier.actors.cluster_placement import rank_gpus
 from kvtier.actors.instance import Instance
-from kvtier.actors.instance_pins import pin_on_instance
 from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.pins import pin_on_instance
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.actors.serve_replica import (ServedReplica, final_fields,
                                          l3_options)  # l3_options: tests read it here too
@@ -77,7 +77,7 @@ class InstanceDeployment(ServedReplica):
     # ---- pinned prefixes (the ingress's /admin/pin) ------------------------------------------
     async def pin(self, pin_id: str, tokens: list[int], salt: str, ttl_s: float,
                   max_fraction: float, tenant: str) -> dict:
-        """Pin the prefix on every rank (actors/instance_pins): the pages pinned, or the
+        """Pin the prefix on every rank (actors/pins): the pages pinned, or the
         refusal with the room missing."""
         return await self._call(lambda inst: pin_on_instance(
             inst, self.name, pin_id, tokens, salt, ttl_s, max_fraction, tenant))

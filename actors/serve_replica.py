@@ -238,7 +238,7 @@ class ServedReplica:
         """Register the namespace of this deployment's instances with the namespace actor
         (created if need be; idempotent: every deployment of the graph registers the same
         one) and attach it on every rank of every instance."""
-        from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+        from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
 
         if self.l3 is not None:
             raise ConfigError(f"instance {self.name} has L3 attached already "

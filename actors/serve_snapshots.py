@@ -100,7 +100,7 @@ class SnapshotFeed:
         """The directory's figures of `namespace` (a blocking actor call: run off the loop)."""
         import ray
 
-        from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+        from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
 
         handle = ray.get_actor(self.l3_actor, namespace=RAY_NAMESPACE)
         return dataclasses.asdict(NamespaceClient(handle).stats(namespace))

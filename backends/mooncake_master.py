@@ -1,6 +1,6 @@
 """A `mooncake_master` subprocess on one address (127.0.0.1 by default): started on free
 ports, watched, stopped. Which address is the caller's decision (under a namespace, the
-namespace actor's: actors/l3_hosts.py); this module binds what it is told, never 0.0.0.0.
+namespace actor's: actors/l3/hosts.py); this module binds what it is told, never 0.0.0.0.
 
 Why no HTTP metadata server: the master's embedded one (`--enable_http_metadata_server`)
 binds 0.0.0.0 whatever `--http_metadata_server_host` says (Mooncake 0.3.13 passes only the

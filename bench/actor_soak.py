@@ -160,7 +160,7 @@ class _Soak:
 
     def __init__(self, params: ActorSoakParams, tmp: str) -> None:
         from kvtier.actors.instance import Instance
-        from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+        from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
         from kvtier.bench.soak_rank import SoakRank
         from kvtier.cli.demo import namespace_spec
 

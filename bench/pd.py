@@ -90,7 +90,7 @@ def session(params: demo.DemoParams, transport: str, prompts_of: Callable[[Any, 
     """On local Ray: a mixed, a prefill and a decode instance; each prompt answered mixed,
     then through PD; then the bare transport's runs over the first prompt's pages."""
     from kvtier.actors.instance import Instance
-    from kvtier.actors.pd_driver import PDDriver
+    from kvtier.actors.pd.driver import PDDriver
     from kvtier.actors.rank_actor import RANK_NUM_CPUS
     from kvtier.actors.ray_env import start_local_ray
 

@@ -187,7 +187,7 @@ def _import_everything() -> None:
     the clock starts, so that `runtime_s` counts the demo's work, not imports."""
     import kvtier.actors.ray_env  # noqa: F401 - sets Ray's env first
     import kvtier.actors.instance  # noqa: F401
-    import kvtier.actors.namespace_actor  # noqa: F401
+    import kvtier.actors.l3.namespace_actor  # noqa: F401
     import kvtier.bench.prefix  # noqa: F401
 
 
@@ -257,7 +257,7 @@ class _Cluster:
     `close` stops them, then Ray, whatever was started before a failure."""
 
     def __init__(self) -> None:
-        self.client = None  # kvtier.actors.namespace_actor's client, once created
+        self.client = None  # kvtier.actors.l3.namespace_actor's client, once created
         self.instances: dict = {}  # name -> kvtier.actors.instance.Instance
 
     def __enter__(self) -> "_Cluster":
@@ -310,7 +310,7 @@ def _start_ray(params: DemoParams, progress: _Progress) -> None:
 def _start_namespace(cluster: _Cluster, params: DemoParams, work: _Workload, tmp: str,
                      progress: _Progress) -> tuple[str, Any]:
     """The L3 namespace actor (its name) and the namespace both instances share."""
-    from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+    from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
 
     progress.stage(f"L3 namespace actor ({params.l3})")
     actor_name = f"kvtier-demo-{uuid.uuid4().hex[:8]}"

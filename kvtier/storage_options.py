@@ -207,7 +207,7 @@ class MooncakeOptions(_Options):
     # Copies of each object, on different segments (clients): 2+ keeps a page readable when
     # one host's segment is gone. "auto": 1 for a backend opened on its own; under an L3
     # namespace, 2 when the Ray cluster's alive nodes are on 2+ hosts at registration
-    # (actors/l3_hosts.py), 1 otherwise.
+    # (actors/l3/hosts.py), 1 otherwise.
     replica_num: int | str = AUTO_REPLICAS
 
     def __post_init__(self) -> None:

@@ -102,12 +102,16 @@ def test_no_python_module_left_inside_kvtier_subfolders():
 
 
 def test_every_folder_is_installed_under_its_name():
-    """pyproject maps each `kvtier.X` to the folder `X/`, and nothing else."""
+    """pyproject maps each `kvtier.X` to the folder `X/`, and nothing else; its packages are
+    those and each subpackage inside them (`X/Y/__init__.py`: `kvtier.X.Y`)."""
     import tomllib
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     expected = {"kvtier" if f == "kvtier" else f"kvtier.{f}": f for f in LAYERS}
     assert tool["package-dir"] == expected
-    assert sorted(tool["packages"]) == sorted(expected)
+    subpackages = [".".join(["kvtier", f, *init.parent.relative_to(ROOT / f).parts])
+                   for f in LAYERS if f != "kvtier"
+                   for init in (ROOT / f).rglob("__init__.py") if init.parent != ROOT / f]
+    assert sorted(tool["packages"]) == sorted([*expected, *subpackages])
 
 
 @pytest.mark.parametrize("source, dotted, message", [

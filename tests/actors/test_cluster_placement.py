@@ -32,7 +32,7 @@ import ray._private.state as ray_state  # noqa: E402  (the GCS tables: no dashbo
 
 from kvtier.actors import serve_graph  # noqa: E402
 from kvtier.actors.instance import Instance  # noqa: E402
-from kvtier.actors.namespace_actor import get_or_create_namespace_actor  # noqa: E402
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor  # noqa: E402
 from kvtier.actors.rank_actor import Rank, RankSettings  # noqa: E402
 from kvtier.config import HiCacheConfig  # noqa: E402
 from kvtier.cli.demo import namespace_spec  # noqa: E402
@@ -146,7 +146,7 @@ def test_auto_master_host_is_the_actors_node_address_on_two_nodes(connected, tmp
     so the address is faked for the decision only); a registered Mooncake namespace's
     master then listens on the head's address and nowhere else."""
     cluster = connected
-    from kvtier.actors import l3_hosts
+    from kvtier.actors.l3 import hosts as l3_hosts
     from kvtier.storage_options import MooncakeOptions
 
     with monkeypatch.context() as m:

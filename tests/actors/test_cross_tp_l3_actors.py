@@ -12,7 +12,7 @@ from eventually import eventually
 from test_tp3_shared_l3 import CONFIG, GREEDY, PAGE, PER_RANK_CPUS, SETTINGS, SOURCE, _tokens
 
 from kvtier.actors.instance import Instance
-from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import Rank
 from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams

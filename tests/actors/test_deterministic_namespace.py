@@ -8,7 +8,7 @@ import pytest
 import torch
 from cache_builder import build_cache
 
-from kvtier.actors.namespace_actor import FakeNamespaceClient
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
 from kvtier.actors.rank_actor import CacheDescription, Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec

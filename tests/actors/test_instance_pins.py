@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from kvtier.actors.instance import Instance
-from kvtier.actors.instance_pins import pin_on_instance
-from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.pins import RankPinDesk, pin_on_instance
 from kvtier.actors.rank_actor import RankSettings
-from kvtier.actors.rank_pins import RankPinDesk
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams

@@ -12,7 +12,7 @@ from eventually import eventually
 
 from kvtier.actors.instance import Instance, InstanceStep
 from kvtier.actors.instance_server import DrivenInstance, InstanceServer
-from kvtier.actors.serve_pd import PDInstances
+from kvtier.actors.pd.deployment import PDInstances
 from kvtier.engine.request import CachedTokens, FinishReason, Output
 from kvtier.engine.sampling import SamplingParams
 from kvtier.tiers.cache_types import RequestLengths

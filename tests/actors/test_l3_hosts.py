@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.actors import l3_hosts
-from kvtier.actors.l3_hosts import (is_loopback, rank_client_info, resolve_master_host,
+from kvtier.actors.l3 import hosts as l3_hosts
+from kvtier.actors.l3.hosts import (is_loopback, rank_client_info, resolve_master_host,
                                     resolve_replica_num)
-from kvtier.actors.namespace_actor import FakeNamespaceClient
-from kvtier.actors.namespace_service import NamespaceService
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
+from kvtier.actors.l3.namespace_service import NamespaceService
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceInfo, NamespaceSpec
 from kvtier.netcheck import listening
@@ -104,7 +104,7 @@ class HostRecorder:
 
 class DecidingClient(FakeNamespaceClient):
     """A fake client whose service asks `decide` where a master binds (as the actor asks
-    actors/l3_hosts.cluster_master_host)."""
+    actors/l3/hosts.cluster_master_host)."""
 
     def __init__(self, decide) -> None:
         self.service = NamespaceService(None, master_host=decide)
@@ -176,7 +176,7 @@ def test_hosts_are_the_distinct_addresses_of_alive_nodes(monkeypatch):
 
 class CopiesClient(FakeNamespaceClient):
     """A fake client whose service asks `decide` how many copies (as the actor asks
-    actors/l3_hosts.cluster_replica_num)."""
+    actors/l3/hosts.cluster_replica_num)."""
 
     def __init__(self, decide) -> None:
         self.service = NamespaceService(None, replica_num=decide)

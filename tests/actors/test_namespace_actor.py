@@ -11,9 +11,9 @@ import pytest
 import torch
 from eventually import eventually
 
-from kvtier.actors.namespace_actor import (FakeNamespaceClient, NamespaceUnavailable,
-                                           get_or_create_namespace_actor)
-from kvtier.actors.namespace_service import STATE_FILE
+from kvtier.actors.l3.namespace_actor import (FakeNamespaceClient, NamespaceUnavailable,
+                                              get_or_create_namespace_actor)
+from kvtier.actors.l3.namespace_service import STATE_FILE
 from kvtier.actors.ray_env import LOOPBACK, shutdown_local_ray, start_local_ray
 from kvtier.errors import ConfigError
 from kvtier.kv_spec import HeadRange, KVSpec
@@ -225,8 +225,8 @@ def test_after_a_failed_call_calls_fail_at_once_until_the_actor_answers(actor):
     back-off waited the timeout again, inside the rank's step."""
     import ray
 
-    from kvtier.actors.namespace_actor import NamespaceClient
-    from kvtier.actors.rank_l3 import RANK_CALL_TIMEOUT_S
+    from kvtier.actors.l3.namespace_actor import NamespaceClient
+    from kvtier.actors.l3.rank_link import RANK_CALL_TIMEOUT_S
 
     name, client = actor
     ns = client.namespaces()[0]

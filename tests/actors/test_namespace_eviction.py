@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from cache_builder import build_cache
 
-from kvtier.actors.namespace_actor import FakeNamespaceClient
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
 from kvtier.backends.file_object import object_bytes
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import NamespaceSpec

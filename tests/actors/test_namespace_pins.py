@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.actors.namespace_actor import FakeNamespaceClient
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
 from kvtier.errors import PinRoomError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceSpec

@@ -12,8 +12,8 @@ import torch
 from eventually import eventually
 
 from kvtier.actors.instance import Instance
-from kvtier.actors.namespace_actor import _BACKOFF_MAX_S, get_or_create_namespace_actor
-from kvtier.actors.namespace_service import STATE_FILE
+from kvtier.actors.l3.namespace_actor import _BACKOFF_MAX_S, get_or_create_namespace_actor
+from kvtier.actors.l3.namespace_service import STATE_FILE
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec

@@ -12,7 +12,7 @@ from eventually import eventually
 from faulty_rank import FaultyRank
 
 from kvtier.actors.instance import InstanceStep
-from kvtier.actors.pd_driver import PDDriver, PDMode
+from kvtier.actors.pd.driver import PDDriver, PDMode
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.handoff import HandoffSent, HandoffTarget
@@ -206,7 +206,7 @@ def test_decode_side_writes_the_finished_conversation_to_l3_for_the_next_turn(
     import uuid
 
     from kvtier.actors.instance import Instance
-    from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+    from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
     from kvtier.cli.demo import namespace_spec
 
     name = f"kvtier-test-{uuid.uuid4().hex[:8]}"

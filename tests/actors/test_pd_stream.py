@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvtier.actors.pd_driver import PDDriver, PDMode
+from kvtier.actors.pd.driver import PDDriver, PDMode
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.sampling import SamplingParams

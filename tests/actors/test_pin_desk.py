@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtier.actors.serve_pins import PinDesk
+from kvtier.actors.pins import PinDesk
 from kvtier.serve import served_model
 from kvtier.serve.openai_requests import ApiError, ApiLimits
 from kvtier.serve.pins import parse_pin_body

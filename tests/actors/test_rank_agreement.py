@@ -13,7 +13,7 @@ import torch
 
 from faulty_rank import FaultyRank
 from kvtier.actors.instance import Instance
-from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.bench.answer_check import Verdict, judge
 from kvtier.config import HiCacheConfig

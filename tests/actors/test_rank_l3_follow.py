@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-import kvtier.actors.rank_l3 as rank_l3
-from kvtier.actors.namespace_actor import FakeNamespaceClient, NamespaceUnavailable
-from kvtier.actors.namespace_service import NamespaceService
+import kvtier.actors.l3.rank_link as rank_link
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient, NamespaceUnavailable
+from kvtier.actors.l3.namespace_service import NamespaceService
 from kvtier.actors.rank_actor import Rank, RankSettings, RankSnapshot
 from kvtier.actors.step_wire import decode_report, encode_sampling
 from kvtier.config import HiCacheConfig
@@ -59,7 +59,7 @@ class SwitchableClient(FakeNamespaceClient):
 
 @pytest.fixture
 def actor(monkeypatch):
-    monkeypatch.setattr(rank_l3, "L3_EPOCH_CHECK_S", 0.0)  # the rank checks at every step
+    monkeypatch.setattr(rank_link, "L3_EPOCH_CHECK_S", 0.0)  # the rank checks at every step
     with SwitchableClient() as client:
         yield client
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 from kvtier.actors.instance_server import InstanceServer, ServerEvent, ServerEventKind
-from kvtier.actors.pd_driver import PDMode, PDOutput, PDStep
-from kvtier.actors.serve_pd import PDDeployment, PDInstances, member_names
+from kvtier.actors.pd.deployment import PDDeployment, PDInstances, member_names
+from kvtier.actors.pd.driver import PDMode, PDOutput, PDStep
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffStages
 from kvtier.engine.request import CachedTokens, FinishReason

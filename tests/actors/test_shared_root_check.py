@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from kvtier.actors.namespace_actor import FakeNamespaceClient
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.backends.shared_root import MARKER_PREFIX, RootNotShared
 from kvtier.config import HiCacheConfig

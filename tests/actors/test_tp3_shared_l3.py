@@ -20,7 +20,7 @@ import torch
 from faulty_rank import FaultyRank
 
 from kvtier.actors.instance import Instance
-from kvtier.actors.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
 from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec

@@ -25,8 +25,8 @@ pytest.importorskip("mooncake.store")
 from cache_builder import build_cache  # noqa: E402
 from test_scheduler import assert_no_leaks, toks  # noqa: E402
 
-from kvtier.actors.namespace_actor import FakeNamespaceClient  # noqa: E402
-from kvtier.actors.namespace_service import NamespaceService  # noqa: E402
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient  # noqa: E402
+from kvtier.actors.l3.namespace_service import NamespaceService  # noqa: E402
 from kvtier.backends.base import StorageTarget  # noqa: E402
 from kvtier.backends.registry import create_backend  # noqa: E402
 from kvtier.config import HiCacheConfig  # noqa: E402

@@ -35,7 +35,7 @@ import ray  # noqa: E402
 import ray._private.state as ray_state  # noqa: E402
 
 from kvtier.actors.instance import Instance  # noqa: E402
-from kvtier.actors.namespace_actor import get_or_create_namespace_actor  # noqa: E402
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor  # noqa: E402
 from kvtier.actors.rank_actor import RankSettings  # noqa: E402
 from kvtier.config import HiCacheConfig  # noqa: E402
 from kvtier.cli.demo import namespace_spec  # noqa: E402

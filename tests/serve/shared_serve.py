@@ -48,7 +48,7 @@ def _delete(settings: ServeSettings) -> None:
     import ray
     from ray import serve
 
-    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+    from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
 
     serve.delete(serve_graph.APP_NAME)
     try:

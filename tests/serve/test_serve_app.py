@@ -136,7 +136,7 @@ def namespace_stats(ns: str):
     """The L3 namespace's directory figures, asked of its actor (this process is the driver)."""
     import ray
 
-    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+    from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
 
     return NamespaceClient(ray.get_actor(SETTINGS.l3_actor, namespace=RAY_NAMESPACE)).stats(ns)
 

@@ -279,7 +279,7 @@ def test_the_fault_families_move_under_real_faults(app) -> None:
     # The namespace actor killed: Ray restarts it; meanwhile directory calls fail.
     import ray
 
-    from kvtier.actors.namespace_actor import RAY_NAMESPACE
+    from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE
 
     ray.kill(ray.get_actor(SETTINGS.l3_actor, namespace=RAY_NAMESPACE), no_restart=False)
     until_moved("directory_errors", lambda: complete(ids(3 * PAGE + 4)))

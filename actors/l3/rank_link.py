@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import ray
 
-from kvtier.actors.l3_hosts import node_address, node_label, rank_client_info
+from kvtier.actors.l3.hosts import node_address, node_label, rank_client_info
 from kvtier.backends.base import StorageBackend, StorageUnavailable
 from kvtier.errors import ConfigError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
@@ -221,7 +221,7 @@ class RankL3Link:
 def open_namespace_backend(info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
     """A rank's client of the namespace's storage: a Mooncake client registers this node's
     address when the master is not on loopback; a file or nixl root must show the namespace
-    actor's marker (actors/l3_hosts, shared_root)."""
+    actor's marker (actors/l3/hosts, shared_root)."""
     address = node_address()
     return open_rank_backend(rank_client_info(info, address), heads, node_label(address))
 
@@ -235,7 +235,7 @@ def same_storage(a: NamespaceInfo, b: NamespaceInfo) -> bool:
 
 def directory_client(actor_name: str) -> PageDirectoryClient:
     """A client of the namespace actor `actor_name` (its page directory), found by name."""
-    from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+    from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
     try:
         handle = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
     except ValueError as exc:

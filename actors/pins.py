@@ -1,31 +1,122 @@
-"""The ingress's pinned prefixes: `POST`, `DELETE` and `GET /admin/pin`.
+"""Pinned prefixes, every side of the feature: a rank's pin desk, the pin on every TP rank of
+an instance, and the ingress's `POST`, `DELETE` and `GET /admin/pin`.
 
-Pinning a prefix: its whole pages are hashed as its requests' pages are (the instances'
-key namespace, the request's salt); when no instance holds all of them and L3 does not
-either, it is prefilled first (a request with one output token, routed like any other);
-then every instance that holds it pins it on all its ranks (actors/instance_pins) and the L3
-namespace pins its published pages. A refusal anywhere (pinned pages past their share) undoes
-the instances' pins and answers 409 with the room missing. The body rules, the pin's id and
-the listing's shape are Ray-free (kvtier.serve.pins); every Ray call of the feature is here or
-in the deployments it calls.
+- Rank desk (`RankPinDesk`): the pinned-prefix calls over one rank's cache pins
+  (tiers/cache_pins). `Rank` (actors/rank_actor) owns one and its remote pin calls delegate
+  here. Every rank of an instance gets the same calls in the same order (`pin_on_instance`);
+  answers are values, never exceptions, since an exception in a rank call counts as a rank
+  fault.
+- Instance (`pin_on_instance`): the same pages pinned on every TP rank. The ranks' MIN
+  agreement copes with ranks that hold different pages, but a pin must not make them differ
+  on its own: a page pinned on one rank and evictable on another would be kept there and lost
+  here. So the instance asks every rank how many whole pages of the prefix it holds, pins
+  that MIN on each, and unpins everywhere if any rank refuses (its share of L2 for pins is
+  used up). Then every rank's L2->L3 backups finish, so the L3 namespace has published the
+  pinned pages before it is asked to pin them. Runs in the instance's driver thread, between
+  steps (`InstanceServer.call`).
+- Serve (`PinDesk`): a prefix's whole pages are hashed as its requests' pages are (the
+  instances' key namespace, the request's salt); when no instance holds all of them and L3
+  does not either, it is prefilled first (a request with one output token, routed like any
+  other); then every instance that holds it pins it on all its ranks (`pin_on_instance`) and
+  the L3 namespace pins its published pages. A refusal anywhere (pinned pages past their
+  share) undoes the instances' pins and answers 409 with the room missing. The body rules,
+  the pin's id and the listing's shape are Ray-free (kvtier.serve.pins); every Ray call of the
+  feature is here or in the deployments it calls.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
+from kvtier.messages import pack_record
 from kvtier.serve.openai_requests import ApiError, ApiLimits, check_prompt_tokens
 from kvtier.serve.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
 from kvtier.serve.records import ReplicaDescription, ReplicaStorage, Route
 from kvtier.serve.settings import ServeSettings
 from kvtier.serve.tenants import request_salt
+from kvtier.tiers.cache_pins import PinRefusal
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
+
+if TYPE_CHECKING:  # a name only: actors/instance imports the rank actor, which imports this
+    from kvtier.actors.instance import Instance
 
 log = logging.getLogger(__name__)
+
+
+# ==== rank desk: one rank's pins ============================================================
+
+class RankPinDesk:
+    """The pins of one rank's cache; rank 0 also extends in L3 the pins hits extended."""
+
+    def __init__(self, cache: HierarchicalCache, rank: int) -> None:
+        self._cache = cache
+        self._pins = cache.pins
+        self.rank = rank
+
+    def held(self, tokens: Sequence[int], salt: str = "") -> int:
+        """Whole pages of `tokens` this rank holds in L1 or L2 (the instance pins the MIN)."""
+        return self._pins.held_pages([int(t) for t in tokens], salt)
+
+    def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
+            max_fraction: float, salt: str = "", tenant: str = "") -> bytes:
+        """Pin the first `pages` whole pages: a PinOutcome record, or a PinRefusal record (a
+        value: an exception would count as a rank fault); actors.step_wire `decode_pin`."""
+        return pack_record(self._pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s,
+                                          max_fraction, salt, tenant))
+
+    def unpin(self, pin_id: str) -> bool:
+        return self._pins.unpin(pin_id)
+
+    def describe(self) -> list[dict]:
+        """The live pins (a read: pins past their TTL are left out here, dropped by the
+        step's `refresh`)."""
+        return [p for p in self._pins.describe() if p["expires_in_s"] > 0]
+
+    def figures(self) -> dict:
+        """The pins' figures, for metrics (a read)."""
+        _, device, host = self._pins.pinned_pages()
+        return {"pins": len(self._pins), "device_pages": device, "host_pages": host}
+
+    def refresh(self) -> None:
+        """The step's pin upkeep: drop expired pins; rank 0 extends in L3 the pins that hits
+        here extended (a hit in L2 never asks L3)."""
+        self._pins.expire()
+        refreshed = self._pins.take_refreshed()
+        if refreshed and self.rank == 0:
+            try:
+                self._cache.extend_l3_pins(refreshed)
+            except Exception as exc:  # noqa: BLE001 - the L3 pin lapses at its TTL at worst
+                log.warning("extending %d L3 pins failed (%s)", len(refreshed), exc)
+
+
+# ==== instance: the same pages pinned on every TP rank ======================================
+
+def pin_on_instance(inst: Instance, name: str, pin_id: str, tokens: Sequence[int], salt: str,
+                    ttl_s: float, max_fraction: float, tenant: str) -> dict:
+    """{"instance", "pages", "device_pages", "host_pages", ...}: the pages pinned on every
+    rank (0: the instance does not hold the prefix), or {"instance", "refused": {
+    "needed_pages", "free_pages", "reason"}} (the rank short of most room)."""
+    tokens = [int(t) for t in tokens]
+    ranks = inst.rank_group
+    held = min(ranks.pin_held(tokens, salt))
+    if held == 0:
+        return {"instance": name, "pages": 0}
+    outs = ranks.pin(pin_id, tokens, held, ttl_s, max_fraction, salt, tenant)
+    refused = [out for out in outs if isinstance(out, PinRefusal)]
+    if refused:
+        ranks.unpin(pin_id)
+        worst = max(refused, key=lambda r: r.needed_pages - r.free_pages)
+        return {"instance": name, "refused": worst._asdict()}
+    inst.quiesce()  # backups written and reported: the namespace publishes the pinned pages
+    return {"instance": name, **outs[0]._asdict()}
+
+
+# ==== serve: the ingress's /admin/pin =======================================================
 
 CALL_TIMEOUT_S = 120.0
 PREFILL_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
@@ -159,7 +250,7 @@ class PinDesk:
         def call() -> Any:
             import ray
 
-            from kvtier.actors.namespace_actor import RAY_NAMESPACE, NamespaceClient
+            from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
             client = NamespaceClient(ray.get_actor(self.settings.l3_actor,
                                                    namespace=RAY_NAMESPACE))
             return getattr(client, method)(namespace, *args)

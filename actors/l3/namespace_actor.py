@@ -22,14 +22,14 @@ from typing import Any, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from kvtier.actors.l3.hosts import cluster_master_host, cluster_replica_num
+from kvtier.actors.l3.namespace_service import NamespaceService
 from kvtier.backends.base import StorageUnavailable
 from kvtier.kv_spec import HeadRange
 from kvtier.errors import PinRoomError
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
                              MissingReport, NamespaceInfo, NamespaceSpec, PinGrant, PinRequest,
                              StoredReport)
-from kvtier.actors.l3_hosts import cluster_master_host, cluster_replica_num
-from kvtier.actors.namespace_service import NamespaceService
 from kvtier.tiers.page_directory import PageDirectory
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ def get_or_create_namespace_actor(name: str = ACTOR_NAME, state_dir: str | None 
     be on the node where the actor runs; an existing actor keeps the one it was created with.
     `resources` (e.g. `{"kvtier_head": 1}`, offered only by the head node in cluster.yaml) pins
     a newly created actor to the nodes that offer them. Mooncake masters it starts bind as
-    actors/l3_hosts decides (the node's address when ranks can span hosts), and so does the
+    actors/l3/hosts decides (the node's address when ranks can span hosts), and so does the
     number of copies of each Mooncake object (2 when they span hosts).
     """
     remote_cls = ray.remote(NamespaceService)

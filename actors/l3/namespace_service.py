@@ -1,7 +1,7 @@
 """The body of the L3 namespace actor, without Ray: directory, persisted specs, Mooncake masters.
 
 Methods take and return msgpack bytes of kvtier.messages records (or plain str/int/list),
-so the Ray actor (actors/namespace_actor.py) and the fake client serve the same object.
+so the Ray actor (actors/l3/namespace_actor.py) and the fake client serve the same object.
 
 State that survives an actor restart: `<state_dir>/namespaces.json` lists every registered
 NamespaceSpec, the epoch of each, and the pid/port of each Mooncake master this actor
@@ -60,8 +60,8 @@ class NamespaceService:
                  replica_num: Callable[[MooncakeOptions], int] = attrgetter("copies")
                  ) -> None:
         self.state_dir = state_dir  # None: nothing persists (tests of code using the client)
-        self._master_host = master_host  # where a master binds (the actor: actors/l3_hosts)
-        self._replica_num = replica_num  # copies of each object (the actor: actors/l3_hosts)
+        self._master_host = master_host  # where a master binds (the actor: actors/l3/hosts)
+        self._replica_num = replica_num  # copies of each object (the actor: actors/l3/hosts)
         self.directory = directory if directory is not None else PageDirectory()
         self.incarnation = secrets.token_hex(4)  # changes on every (re)start
         self._interval_s = supervise_interval_s

@@ -22,7 +22,7 @@ from ray import serve
 
 from kvtier.actors.instance import Instance, InstanceStep
 from kvtier.actors.instance_server import InstanceServer
-from kvtier.actors.pd_driver import PDDriver, PDOutput
+from kvtier.actors.pd.driver import PDDriver, PDOutput
 from kvtier.actors.rank_actor import Rank
 from kvtier.actors.serve_instance import build_instance
 from kvtier.actors.serve_replica import ServedReplica
