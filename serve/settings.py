@@ -147,10 +147,10 @@ class ServeSettings:
                 raise ConfigError(f"{name}: expected true or false, got "
                                   f"{getattr(self, name)!r}")
         backend = self.storage_backend
-        if backend is not None and not (isinstance(backend, str) and backend == L3_NONE):
-            backend = StorageBackendKind.parse(backend, "storage_backend")
-        else:
+        if isinstance(backend, str) and backend.strip().lower() == L3_NONE:
             backend = None
+        if backend is not None:
+            backend = StorageBackendKind.parse(backend, "storage_backend")
         if not self.enable_hierarchical_cache:
             backend = None  # the cache off has no tier below L1
         set_("storage_backend", backend)
