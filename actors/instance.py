@@ -38,7 +38,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.cluster_placement import unplaced_message
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, Rank, RankSettings,
-                                      RankSnapshot, RankStats, create_rank_actor)
+                                      RankSnapshot, RankStats, create_rank_actor,
+                                      pack_rank_settings)
 from kvtier.actors.rank_group import (InstanceError, RankDivergence, RankFailure, RankGroup,
                                       wait_ranks)
 from kvtier.actors.step_wire import Progress, StepReport
@@ -195,8 +196,10 @@ class Instance:
         if s.l3 is not None:  # the namespace as it is now (a restarted master moved it)
             info = _current_info(s.l3.to_msgpack(), s.l3_actor)
             self._settings = s = s._replace(l3=NamespaceInfo.from_msgpack(info))
-        self.rank_group = RankGroup([create_rank_actor(r, self.size, init_method, s, self._pg,
-                                                       self._num_cpus, self._rank_class)
+        packed = pack_rank_settings(s)  # once for the set: msgpack, never a pickled source
+        self.rank_group = RankGroup([create_rank_actor(r, self.size, init_method, packed,
+                                                       self._pg, self._num_cpus,
+                                                       self._rank_class)
                                      for r in range(self.size)], self.step_timeout_s)
         group = self.rank_group
         group.has_unfinished(self.ready_timeout_s)

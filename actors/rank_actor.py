@@ -6,8 +6,10 @@ gives the same tokens everywhere; where the ranks' caches differ, the scheduler'
 agreement round per step (kvtier.engine.agreement) makes them act alike.
 
 `Rank` is the logic, usable without Ray (a TP=1 rank runs in-process in tests);
-`create_rank_actor` wraps it in a Ray actor inside a placement-group bundle. The actor's
-methods return plain values, and msgpack for steps and aborts (`actors.step_wire`). It owns
+`create_rank_actor` wraps it in a Ray actor inside a placement-group bundle, handing it its
+settings as a msgpack record (`pack_rank_settings`: Ray pickles what it hands over, and a
+weight source or a cache config never crosses pickled). The actor's methods return plain
+values, and msgpack for steps and aborts (`actors.step_wire`). It owns
 three collaborators, each with its own module: its L3 link (actors/l3/rank_link), its pin desk
 (actors/pins) and its hand-off port (actors/pd/rank_port); each remote call of theirs is
 one thin method here.
@@ -30,7 +32,7 @@ from kvtier.actors.pins import RankPinDesk
 from kvtier.actors.step_wire import (Progress, StepReport, decode_resume, decode_sampling,
                                      encode_output, encode_report)
 from kvtier.backends.base import StorageBackend
-from kvtier.config import HiCacheConfig
+from kvtier.config import HiCacheConfig, HiCacheConfigRecord
 from kvtier.dtypes import DType, name as dtype_name, resolve
 from kvtier.engine.agreement import CollectiveAgreement
 from kvtier.engine.architectures import build_model
@@ -38,10 +40,11 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
 from kvtier.engine.parallel import SINGLE
 from kvtier.engine.tp_group import destroy_tp, init_tp
+from kvtier.engine.weight_source_record import WeightSourceRecord, open_source, source_record
 from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import NamespaceInfo, pack_record
+from kvtier.messages import NamespaceInfo, pack_record, unpack_record
 from kvtier.policies import SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.storage_types import PageDirectoryClient
@@ -52,7 +55,8 @@ RANK_NUM_CPUS = 0.5  # fractional: a TP=2 instance fits a 2-CPU Ray next to the 
 
 
 class RankSettings(NamedTuple):
-    """What every rank of an instance is built from (the same on each; must pickle)."""
+    """What every rank of an instance is built from (the same on each). It reaches a rank
+    actor as a RankSettingsRecord (`pack_rank_settings`), never pickled."""
 
     source: WeightSource
     config: HiCacheConfig
@@ -70,6 +74,63 @@ class RankSettings(NamedTuple):
     schedule_policy: SchedulePolicy = SchedulePolicy.LPM
     gpu: bool = False  # each rank asks Ray for a GPU of its own (the only one it then sees):
     # its model and L1 live there, and a TP group meets over NCCL; False: CPU and gloo
+
+
+class RankSettingsRecord(NamedTuple):
+    """RankSettings as it crosses to a rank actor, field for field: the weight source as a
+    record the rank rebuilds it from (a path's weights checked against the driver's digest),
+    the cache config as its validated dict (built, and so checked, again on the rank), the
+    dtype as its spelling (a torch dtype by the DType that resolves to it)."""
+
+    source: WeightSourceRecord
+    config: HiCacheConfigRecord
+    device_pages: int
+    dtype: DType
+    chunk_tokens: int | None
+    token_budget: int
+    timeout_s: float
+    l3: NamespaceInfo | None
+    l3_actor: str | None
+    tenant_salt: str
+    deterministic: bool
+    schedule_policy: SchedulePolicy
+    gpu: bool
+
+
+class PackedRankSettings(NamedTuple):
+    """RankSettings packed once for every rank of a set (a model directory's weights are
+    hashed in the packing), and what Ray needs to place the ranks."""
+
+    data: bytes  # a msgpack RankSettingsRecord
+    gpu: bool  # RankSettings.gpu
+
+
+def pack_rank_settings(s: RankSettings) -> PackedRankSettings:
+    """`s` as the msgpack record a rank actor is spawned with."""
+    record = RankSettingsRecord(**{**s._asdict(), "source": source_record(s.source),
+                                   "config": HiCacheConfigRecord.of(s.config),
+                                   "dtype": _dtype_choice(s.dtype)})
+    return PackedRankSettings(pack_record(record), s.gpu)
+
+
+def unpack_rank_settings(data: bytes) -> RankSettings:
+    """The RankSettings in `data` (pack_rank_settings'), the weight source rebuilt here: a
+    MessageError for a payload that is no such record, a WeightsChangedError when the weights
+    at the source's path are not the ones the driver hashed."""
+    record = unpack_record(RankSettingsRecord, data)
+    return RankSettings(**{**record._asdict(), "source": open_source(record.source),
+                           "config": record.config.config()})
+
+
+def _dtype_choice(dtype: torch.dtype | DType) -> DType:
+    """The DType a rank resolves to `dtype` (float32: fp32, bfloat16: bf16)."""
+    if isinstance(dtype, DType):
+        return dtype
+    choices = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16}
+    if dtype not in choices:
+        raise ConfigError(f"RankSettings.dtype {dtype}: a rank runs in "
+                          f"{', '.join(d.value for d in DType)}; give one of those")
+    return choices[dtype]
 
 
 class RankStats(NamedTuple):
@@ -118,7 +179,12 @@ class RankSnapshot(NamedTuple):
 class Rank:
     """One rank: joins the TP group, builds its shard and cache, and steps its Engine."""
 
-    def __init__(self, rank: int, size: int, init_method: str, settings: RankSettings) -> None:
+    def __init__(self, rank: int, size: int, init_method: str,
+                 settings: RankSettings | bytes) -> None:
+        """`settings`: a RankSettings (a rank built in this process), or the packed record a
+        Ray actor is spawned with (`create_rank_actor`), which is unpacked and checked here."""
+        if isinstance(settings, bytes):
+            settings = unpack_rank_settings(settings)
         torch.set_num_threads(1)  # ranks share the machine's cores: one thread each
         self.rank, self.size = rank, size
         self.l3_link = RankL3Link(rank, size, self._open_backend, self._directory)
@@ -458,14 +524,15 @@ def _key_model(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._/-]+", "-", name).strip("-./") or "model"
 
 
-def create_rank_actor(rank: int, size: int, init_method: str, settings: RankSettings,
+def create_rank_actor(rank: int, size: int, init_method: str, settings: PackedRankSettings,
                       placement_group: object, num_cpus: float = RANK_NUM_CPUS,
                       rank_class: type[Rank] = Rank) -> object:
     """A Ray actor running `rank_class` (Rank or a subclass) in bundle `rank` of
-    `placement_group` (with `settings.gpu`, on its bundle's GPU)."""
+    `placement_group` (with `settings.gpu`, on its bundle's GPU), spawned with the packed
+    settings' bytes (`pack_rank_settings`)."""
     gpus = {"num_gpus": 1} if settings.gpu else {}
     actor_cls = ray.remote(rank_class).options(
         num_cpus=num_cpus, **gpus, max_concurrency=1, name=None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group, placement_group_bundle_index=rank))
-    return actor_cls.remote(rank, size, init_method, settings)
+    return actor_cls.remote(rank, size, init_method, settings.data)

@@ -166,7 +166,7 @@ def serve_forever(settings: ServeSettings, host: str, port: int, address: str | 
                  f"instances over {settings.pd_transport}" if settings.pd
                  else f"{settings.instances} instances")
         print(f"kvtier: serving {settings.served_model_name} on http://{host}:{port}/v1 "
-              f"({shape}, TP={settings.tp_size}, L3={settings.l3})", flush=True)
+              f"({shape}, TP={settings.tp_size}, L3={settings.l3_name})", flush=True)
         print(f"kvtier: admin key: generated, in {key_file} (readable by you only)" if key_file
               else "kvtier: admin key: the one given with --admin-key", flush=True)
         done.wait()

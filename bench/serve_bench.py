@@ -8,7 +8,7 @@ cache on and (`--compare-off`) off, or against any OpenAI-compatible server (`--
 Without `--base-url` each run starts the app on a new local Ray cluster
 (`actors.serve_graph.start`), drives `serve_load` against http://127.0.0.1:<port> and stops
 it (in a `finally`). `--compare-off` runs the same load (same seed, same L1 size) against
-`hierarchical=False` and prints `serve_load.compare(on, off)`: the on figures at the top
+`enable_hierarchical_cache=False` and prints `serve_load.compare(on, off)`: the on figures at the top
 level, the off ones under "off", and `round2_ttft_ratio` (round-2 mean TTFT on / off).
 
 With `--base-url` nothing starts: the same load (the bench's clients, rounds, words, answer
@@ -75,6 +75,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.cli.flags import add_hicache_flags, config_from_args
 from kvtier.cli.shared_flags import add_dtype_flag, add_model_flag, add_schedule_policy_flag
+from kvtier.policies import StorageBackendKind
 from kvtier.serve.settings import HICACHE_OWNED, ServeSettings
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
@@ -225,12 +226,13 @@ def cache_flags(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = "") -> ServeSettings:
-    """The app's settings for one run; the off run differs only in `hierarchical` (and so
-    has no L3)."""
+    """The app's settings for one run; the off run differs only in
+    `enable_hierarchical_cache` (and so has no L3)."""
     return ServeSettings(model=ns.model, instances=ns.instances, page_size=PAGE_SIZE,
                          **cache_flags(ns),
                          chunk_tokens=ns.chunk_tokens, device_pages=device_pages_of(ns),
-                         hierarchical=hierarchical, l3="file" if hierarchical else "none",
+                         enable_hierarchical_cache=hierarchical,
+                         storage_backend=StorageBackendKind.FILE if hierarchical else None,
                          l3_root=l3_root if hierarchical else "",
                          max_new_tokens=ns.max_tokens,
                          served_model_name=ns.served_model_name or "",
@@ -269,6 +271,10 @@ def settings_report(ns: argparse.Namespace) -> dict[str, Any]:
                                first_turn_tokens=ns.first_turn_tokens)
     secret = ("admin_key", "api_key", "l3_root", "l3_state_dir")
     values = {k: v for k, v in s.to_mapping().items() if k not in secret}
+    # the report's keys for the cache on/off and its L3, as it has always printed them
+    values["hierarchical"] = values.pop("enable_hierarchical_cache")
+    values["l3"] = s.l3_name
+    del values["storage_backend"]
     return {**values, **load, "port": ns.port, "compare_off": ns.compare_off,
             "conversation_pages": pages,
             "all_histories_pages": ns.clients * pages}

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "next turn's prefill hits the answer too (default on; "
                         "--no-pd-decode-l3: prefill instances only use L3)")
     add_tp_flag(p, 1)
-    # every kind: ServeSettings checks it, as it does a serve config file's `l3`
+    # every kind: ServeSettings checks it, as it does a serve config file's `storage_backend`
     add_l3_flag(p, None, kinds=tuple(StorageBackendKind), allow_none=True,
                 note="; SGLang's --hicache-storage-backend says the same")
     add_l3_root_flag(p)
@@ -143,9 +143,10 @@ def _cache_settings(ns: argparse.Namespace) -> dict[str, Any]:
     if "hicache_ratio" in given:
         out["hicache_ratio"] = plain["hicache_ratio"]
     hierarchical = not ns.no_hierarchical and plain["enable_hierarchical_cache"]
-    l3 = l3_from_flags(config, ns.l3, ns.l3_root, "kvtier serve")
-    out["hierarchical"] = hierarchical
-    out["l3"] = (l3.backend or "file") if hierarchical else L3_NONE
+    l3 = l3_from_flags(config, ns.l3, ns.l3_root, "kvtier serve")  # --l3 or SGLang's flag
+    out["enable_hierarchical_cache"] = hierarchical
+    out["storage_backend"] = (l3.backend or StorageBackendKind.FILE.value) if hierarchical \
+        else L3_NONE
     out["l3_root"] = l3.root
     return out
 

@@ -53,7 +53,7 @@ def assembled_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
 
 @dataclass(frozen=True)
 class Gemma3Weights:
-    """Gemma-3 270M as a weight source (pickles; each rank assembles and converts under a
+    """Gemma-3 270M as a weight source (each rank assembles and converts it under a
     lock). Its identity is the model's name and the GGUF's SHA-256, as any GGUF file's."""
 
     cache_dir: str | None = None

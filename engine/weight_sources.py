@@ -12,7 +12,8 @@ from kvtier.engine.weights import ensure_converted, load_config, load_smollm2, r
 
 
 class WeightSource(Protocol):
-    """Where a rank gets the full (unsharded) weights; must pickle cheaply."""
+    """Where a rank gets the full (unsharded) weights. A source crosses to a rank as a small
+    record it is rebuilt from (engine/weight_source_record.py): each kind is named there."""
 
     def config(self) -> ModelConfig: ...
 

@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.errors import ConfigError
 from kvtier.policies import (HostMode, IoBackend, MemLayout, PrefetchPolicy,
@@ -327,3 +327,28 @@ def knob_names() -> list[str]:
 
 
 _FIELD_DEFAULTS: Mapping[str, Any] = {f.name: f.default for f in dataclasses.fields(HiCacheConfig)}
+
+
+class HiCacheConfigRecord(NamedTuple):
+    """A HiCacheConfig as it crosses to another process (kvtier.messages `pack_record`): its
+    validated dict by SGLang's knob names, as a --hicache-config file spells it, which
+    `config()` builds again, so the receiver runs every check and cross-check once more.
+    HiCacheConfig is no record itself: its storage options are one of several option
+    types, and its construction (normalized values, conflicts) is the check that counts."""
+
+    knobs: dict[str, Any]  # to_dict() without storage_options: plain values
+    storage_options: dict[str, Any] | None = None  # the backend's options, plain values
+    explicit: tuple[str, ...] | None = None  # the knobs the user set (HiCacheConfig.explicit)
+
+    @classmethod
+    def of(cls, config: HiCacheConfig) -> "HiCacheConfigRecord":
+        knobs = config.to_dict()
+        options = knobs.pop("storage_options")
+        explicit = None if config.explicit is None else tuple(sorted(config.explicit))
+        return cls(knobs, options, explicit)
+
+    def config(self) -> HiCacheConfig:
+        """The config again, checked (a ConfigError names a knob that is not one)."""
+        knobs = check_keys(self.knobs, knob_names(), "hicache config")
+        return HiCacheConfig(**{**knobs, "storage_options": self.storage_options},
+                             explicit=None if self.explicit is None else frozenset(self.explicit))

@@ -9,7 +9,8 @@ from kvtier.serve.settings import ModelChoice, ServeSettings
 
 
 def weight_source(s: ServeSettings) -> Any:
-    """The ranks' WeightSource (kvtier.engine.weight_sources); it pickles, ranks load it."""
+    """The ranks' WeightSource (kvtier.engine.weight_sources); ranks rebuild it from its
+    record (engine/weight_source_record.py) and load it."""
     from kvtier.engine.local_model import local_model
     from kvtier.engine.model_config import tiny_config
     from kvtier.engine.weight_sources import SmolLM2Weights, TinyWeights

@@ -31,11 +31,14 @@ from kvtier.storage_options import check_abs_path, check_float, check_int
 MAX_INSTANCES = 64
 DEFAULT_INSTANCES = 2
 GGUF_SUFFIX = ".gguf"
-L3_NONE = "none"
+L3_NONE = "none"  # how `--l3` and a serve config spell "no L3" (storage_backend None)
 # HiCacheConfig knobs a deployment sets with its own settings (knob -> setting)
-HICACHE_OWNED = {"page_size": "page_size", "enable_hierarchical_cache": "hierarchical",
-                 "hicache_ratio": "hicache_ratio", "storage_backend": "l3",
-                 "storage_options": "l3_root", "disable_radix_cache": "hierarchical"}
+HICACHE_OWNED = {"page_size": "page_size",
+                 "enable_hierarchical_cache": "enable_hierarchical_cache",
+                 "hicache_ratio": "hicache_ratio", "storage_backend": "storage_backend",
+                 "storage_options": "l3_root", "disable_radix_cache": "enable_hierarchical_cache"}
+# Serve config keys of earlier releases -> the setting each one names (read by from_mapping)
+OLD_KEYS = {"l3": "storage_backend", "hierarchical": "enable_hierarchical_cache"}
 
 
 class ModelChoice(_Choice):
@@ -49,8 +52,9 @@ class ModelChoice(_Choice):
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """`hierarchical=False` is the cache off: L1 only (no L2, no L3), the baseline that
-    `kvtier bench serve --compare-off` measures against."""
+    """`enable_hierarchical_cache=False` is the cache off: L1 only (no L2, no L3), the
+    baseline that `kvtier bench serve --compare-off` measures against. The cache settings
+    carry SGLang's names (HiCacheConfig's)."""
 
     model: ModelChoice = ModelChoice.SMOLLM2  # or a model directory's or .gguf file's path
     model_path: str = ""  # with model "path": the directory or .gguf file (every node must
@@ -73,8 +77,9 @@ class ServeSettings:
     device_pages: int = 160  # L1 pages per rank
     hicache_ratio: float = 4.0  # L2 pages per L1 page
     dtype: DType = DType.AUTO  # bf16 where the hardware computes in it, else fp32
-    hierarchical: bool = True
-    l3: str = "file"  # a StorageBackendKind value, or "none"
+    enable_hierarchical_cache: bool = True
+    # the L3 backend (None: no L3); a serve config may say "none" too
+    storage_backend: StorageBackendKind | None = StorageBackendKind.FILE
     l3_root: str = ""  # file/nixl: the directory ("" = a temp dir per run)
     l3_max_gb: float | L3Bound = L3Bound.AUTO  # file/nixl: the namespace's bound in GiB; its
     # least recently used pages go past it. auto: half the disk space free where l3_root lives
@@ -105,7 +110,8 @@ class ServeSettings:
     gpus_per_rank: RankGpus = RankGpus.AUTO  # auto: 1 where the nodes' GPUs hold every rank
     # More HiCacheConfig knobs by SGLang's names (write_policy, mem_layout, io_backend,
     # host_mode, prefetch_policy, load_back_threshold_tokens, ...): every rank's cache config.
-    # page_size, hicache_ratio, hierarchical and l3 stay the settings above.
+    # page_size, hicache_ratio, enable_hierarchical_cache and storage_backend stay the
+    # settings above.
     hicache: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,18 +142,22 @@ class ServeSettings:
         check_float(self.num_cpus_per_rank, "num_cpus_per_rank", 0.0, 64.0)
         check_float(self.pin_max_fraction, "pin_max_fraction", 0.0, 1.0)
         set_("l3_max_gb", parse_l3_max_gb(self.l3_max_gb))
-        for name in ("hierarchical", "deterministic", "pd_decode_l3"):
+        for name in ("enable_hierarchical_cache", "deterministic", "pd_decode_l3"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got "
                                   f"{getattr(self, name)!r}")
-        if self.l3 != L3_NONE:
-            StorageBackendKind.parse(self.l3, "l3")
-        if not self.hierarchical and self.l3 != L3_NONE:
-            set_("l3", L3_NONE)  # the cache off has no tier below L1
-        if isinstance(self.l3_max_gb, float) \
-                and self.storage_backend is StorageBackendKind.MOONCAKE:
-            raise ConfigError(f"l3_max_gb bounds a file or nixl L3, not {self.l3!r} (Mooncake's "
-                              f"master bounds its own store); drop it or use l3 file")
+        backend = self.storage_backend
+        if isinstance(backend, str) and backend.strip().lower() == L3_NONE:
+            backend = None
+        if backend is not None:
+            backend = StorageBackendKind.parse(backend, "storage_backend")
+        if not self.enable_hierarchical_cache:
+            backend = None  # the cache off has no tier below L1
+        set_("storage_backend", backend)
+        if isinstance(self.l3_max_gb, float) and backend is StorageBackendKind.MOONCAKE:
+            raise ConfigError("l3_max_gb bounds a file or nixl L3, not 'mooncake' (Mooncake's "
+                              "master bounds its own store); drop it or use storage_backend "
+                              "file")
         for name in ("l3_root", "l3_actor", "l3_state_dir", "tenant_salt", "admin_key",
                      "api_key", "served_model_name"):
             value = getattr(self, name)
@@ -251,7 +261,8 @@ class ServeSettings:
         configured here: layer_first becomes page_first with an L3, as in SGLang)."""
         return HiCacheConfig.from_dict({**(self.hicache if knobs is None else knobs),
                                         "page_size": self.page_size,
-                                        "enable_hierarchical_cache": self.hierarchical,
+                                        "enable_hierarchical_cache":
+                                            self.enable_hierarchical_cache,
                                         "hicache_ratio": self.hicache_ratio}
                                        ).normalize_for_l3(self.storage_backend)
 
@@ -270,6 +281,7 @@ class ServeSettings:
                 values.get("api_keys", {}))}
         elif "api_keys_file" in values:
             values = {k: v for k, v in values.items() if k != "api_keys_file"}
+        values = cls._renamed_old_keys(values)
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key not in known:
@@ -278,6 +290,29 @@ class ServeSettings:
                 raise ConfigError(f"unknown serve setting {key!r}{hint} "
                                   f"(known: {', '.join(sorted(known))})")
         return cls(**dict(values))
+
+    @staticmethod
+    def _renamed_old_keys(values: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`l3` and `hierarchical` (earlier releases' keys) as `storage_backend` and
+        `enable_hierarchical_cache`; both spellings of one setting are an error."""
+        old = [key for key in OLD_KEYS if key in values]
+        if not old:
+            return values
+        values = dict(values)
+        for key in old:
+            new = OLD_KEYS[key]
+            if new in values:
+                raise ConfigError(f"serve settings: {key!r} and {new!r} are the same setting "
+                                  f"({key!r} is its earlier name); give only {new!r}")
+            value = values.pop(key)
+            if key == "l3":  # checked here, so that an error names the key the file gave
+                if not isinstance(value, str):
+                    raise ConfigError(f"l3: expected a backend name ("
+                                      f"{', '.join(k.value for k in StorageBackendKind)}) or "
+                                      f"{L3_NONE!r}, got {value!r}")
+                value = None if value == L3_NONE else StorageBackendKind.parse(value, "l3")
+            values[new] = value
+        return values
 
     def to_mapping(self) -> dict[str, Any]:
         """Plain values (enums as strings): what crosses to the deployments."""
@@ -289,6 +324,7 @@ class ServeSettings:
         out["l3_max_gb"] = (self.l3_max_gb.value if isinstance(self.l3_max_gb, L3Bound)
                             else self.l3_max_gb)
         out["pd_transport"] = self.pd_transport and self.pd_transport.value
+        out["storage_backend"] = self.storage_backend and self.storage_backend.value
         return out
 
     def with_l3_bound(self) -> "ServeSettings":
@@ -301,8 +337,9 @@ class ServeSettings:
         return dataclasses.replace(self, l3_max_gb=auto_l3_gb(self.l3_root))
 
     @property
-    def storage_backend(self) -> StorageBackendKind | None:
-        return None if self.l3 == L3_NONE else StorageBackendKind.parse(self.l3, "l3")
+    def l3_name(self) -> str:
+        """The L3 as logs and reports spell it: its backend, or "none"."""
+        return self.storage_backend.value if self.storage_backend is not None else L3_NONE
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -129,7 +129,7 @@ def test_config_from_a_non_mapping(d):
         HiCacheConfig.from_dict(d)
 
 
-SERVE_KEYS = [f.name for f in dataclasses.fields(ServeSettings)]
+SERVE_KEYS = [f.name for f in dataclasses.fields(ServeSettings)] + ["l3", "hierarchical"]
 
 
 @FUZZ
@@ -139,6 +139,8 @@ SERVE_KEYS = [f.name for f in dataclasses.fields(ServeSettings)]
 @example({"instances": 2**70})
 @example({"hicache_ratio": 10**400})
 @example({"l3": ["file"]})
+@example({"storage_backend": ["file"]})
+@example({"l3": "file", "storage_backend": None})
 @example({"tenant_salt": "../../etc"})
 def test_serve_settings_raise_only_config_error(values):
     s = only_clear_errors(ServeSettings.from_mapping, values, error=ConfigError)
@@ -161,6 +163,9 @@ def test_serve_settings_raise_only_config_error(values):
     ({"hierarchical": "no"}, "hierarchical"),
     ({"l3": "floppy"}, "l3"),
     ({"l3": None}, "l3"),
+    ({"storage_backend": "floppy"}, "storage_backend"),
+    ({"storage_backend": ["file"]}, "storage_backend"),
+    ({"enable_hierarchical_cache": "no"}, "enable_hierarchical_cache"),
     ({"admin_key": "short"}, "admin_key"),
     ({"admin_key": 12345678901234567890}, "admin_key"),
     ({"instancs": 2}, "instances"),

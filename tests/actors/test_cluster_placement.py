@@ -191,7 +191,7 @@ def test_too_few_instance_units_fail_fast_naming_the_nodes(cluster) -> None:
 
 def test_a_missing_head_resource_fails_fast(cluster, tmp_path) -> None:
     msg = _start_fails(cluster, dataclasses.replace(SETTINGS, head_resource="kvtier_l3_host",
-                                                    l3="file", l3_root=str(tmp_path)))
+                                                    storage_backend="file", l3_root=str(tmp_path)))
     assert "no alive node offers the resource 'kvtier_l3_host'" in msg, msg
 
 
@@ -211,7 +211,7 @@ def _nodes_of(class_name: str) -> set[str]:
 
 
 def test_ranks_on_the_instance_node_namespace_actor_on_the_head(cluster, tmp_path) -> None:
-    settings = dataclasses.replace(SETTINGS, l3="file", l3_root=str(tmp_path),
+    settings = dataclasses.replace(SETTINGS, storage_backend="file", l3_root=str(tmp_path),
                                    l3_actor="kvtier-l3-placement")
     try:
         serve_graph.start(settings, port=PORT, address=cluster.address)

@@ -15,7 +15,7 @@ from kvtier.errors import ConfigError, PlacementError
 from kvtier.serve.placement import NodeResources, RankGpus
 from kvtier.serve.settings import ServeSettings
 
-SETTINGS = ServeSettings(model="tiny", instances=2, tp_size=2, l3="none")
+SETTINGS = ServeSettings(model="tiny", instances=2, tp_size=2, storage_backend=None)
 
 
 def node(ip: str, **total: float) -> NodeResources:

@@ -150,7 +150,7 @@ def test_a_near_tie_that_takes_a_stop_token_ends_the_answer_there():
 def test_the_result_names_each_target_missed():
     from kvtier.actors.chaos_faults import RankAudit
 
-    settings = chaos.ServeSettings(model="tiny", instances=2, tp_size=2, l3="none")
+    settings = chaos.ServeSettings(model="tiny", instances=2, tp_size=2, storage_backend=None)
     audit = RankAudit.of({"instance-0": [dict(stray_device_pages=0, stray_host_pages=1,
                                               orphaned_host_pages=0, locked_nodes=0,
                                               protected_nodes=2, open_tickets=0)]})

@@ -30,7 +30,7 @@ HICACHE = {"write_policy": "write_through_selective", "io_backend": "direct",
            "prefetch_capacity_ratio": 0.4, "storage_batch_pages": 8}
 SETTINGS = ServeSettings(model="tiny", instances=1, page_size=16, chunk_tokens=64,
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY,
-                         l3="file", hicache_ratio=3.0, hicache=HICACHE)
+                         storage_backend="file", hicache_ratio=3.0, hicache=HICACHE)
 MODEL = SETTINGS.served_model_name
 MAX_PROMPT = SETTINGS.max_prompt_tokens
 ADMIN = {"Authorization": f"Bearer {KEY}"}

@@ -68,7 +68,7 @@ def test_unbounded_only_when_asked_and_serve_configs_keep_working(free_disk, tmp
 
 
 def test_an_admin_attach_is_bounded_once_for_every_instance(free_disk, tmp_path):
-    s = ServeSettings(l3="none", l3_root="")  # nothing to measure at start
+    s = ServeSettings(storage_backend=None, l3_root="")  # nothing to measure at start
     assert serve_graph.resolve(s).l3_max_gb is L3Bound.AUTO
     body = {"backend": "file", "options": {"root_dir": str(tmp_path / "new")}}
     first = bound_attach_options(s, body)

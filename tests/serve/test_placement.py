@@ -102,7 +102,7 @@ def test_auto_is_resources_on_a_joined_or_multi_node_cluster() -> None:
 
 def test_settings_carry_the_placement() -> None:
     s = ServeSettings(model="tiny", instances=3, tp_size=2, placement="resources",
-                      instance_resource="gpu_box", l3="none")
+                      instance_resource="gpu_box", storage_backend=None)
     assert s.to_mapping()["placement"] == "resources"
     assert ServeSettings.from_mapping(s.to_mapping()).placement is PlacementMode.RESOURCES
     assert rank_resources(s) == {"gpu_box": 1} and head_resources(s) == {"kvtier_head": 1}
@@ -181,7 +181,7 @@ def test_gpus_per_rank_values() -> None:
             RankGpus.parse(bad, "gpus_per_rank")
     with pytest.raises(ConfigError, match="resolve"):
         RankGpus.AUTO.count
-    s = ServeSettings(model="tiny", l3="none")
+    s = ServeSettings(model="tiny", storage_backend=None)
     assert s.gpus_per_rank is RankGpus.AUTO  # the default
-    assert ServeSettings(model="tiny", l3="none", gpus_per_rank=0).gpus_per_rank is RankGpus.NONE
+    assert ServeSettings(model="tiny", storage_backend=None, gpus_per_rank=0).gpus_per_rank is RankGpus.NONE
     assert needs_of(s, RankGpus.ONE).gpus_per_rank == 1 and needs_of(s).gpus_per_rank == 0

@@ -10,7 +10,8 @@ import yaml
 from kvtier.bench import serve_bench
 from kvtier.cli.main import build_parser
 from kvtier.errors import ConfigError
-from kvtier.serve.settings import L3_NONE, ServeSettings
+from kvtier.policies import StorageBackendKind
+from kvtier.serve.settings import ServeSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "serve_config.yaml"
 
@@ -58,8 +59,9 @@ def test_on_and_off_settings_differ_only_in_the_cache() -> None:
     ns = parse("--device-pages", "24", "--instances", "2")
     on = serve_bench.serve_settings(ns, True, "/tmp/l3")
     off = serve_bench.serve_settings(ns, False)
-    assert on.hierarchical and on.l3 == "file" and on.l3_root == "/tmp/l3"
-    assert not off.hierarchical and off.l3 == L3_NONE
+    assert on.enable_hierarchical_cache and on.l3_root == "/tmp/l3"
+    assert on.storage_backend is StorageBackendKind.FILE
+    assert not off.enable_hierarchical_cache and off.storage_backend is None
     for name in ("model", "instances", "device_pages", "page_size", "chunk_tokens",
                  "max_new_tokens", "tp_size"):
         assert getattr(on, name) == getattr(off, name), name
@@ -89,6 +91,7 @@ def test_settings_report_has_no_admin_key() -> None:
     assert "admin_key" not in report
     assert report["device_pages"] == serve_bench.device_pages_of(parse())
     assert report["hierarchical"] is True and report["compare_off"] is True
+    assert report["l3"] == "file" and "storage_backend" not in report  # the report's keys
     assert report["all_histories_pages"] > report["device_pages"]
 
 
@@ -122,7 +125,7 @@ def test_serve_config_args_are_serve_settings() -> None:
     args = load_config()["applications"][0]["args"]
     settings = ServeSettings.from_mapping(args)  # unknown keys or bad values raise
     assert settings.model.value == "smollm2" and settings.instances == 2
-    assert settings.l3 == "file"
+    assert settings.storage_backend is StorageBackendKind.FILE
     assert len(args["admin_key"]) >= 16
     assert "CHANGE THIS" in CONFIG.read_text()  # the placeholder says to replace it
 

@@ -180,7 +180,7 @@ def test_the_example_serve_config_runs_with_serve_run(head: Head, tmp_path: Path
             assert {k: hicache[k] for k in args["hicache"]} == args["hicache"], hicache
             assert hicache["hicache_ratio"] == args["hicache_ratio"]
             assert hicache["enable_hierarchical_cache"] is True
-            assert inst["l3"] == args["l3"]
+            assert inst["l3"] == args["storage_backend"]
             assert inst["device_pages"] == args["device_pages"]
             assert inst["host_pages"] == int(args["device_pages"] * args["hicache_ratio"])
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.policies import StorageBackendKind
 from kvtier.serve.settings import ServeSettings
 from kvtier.cli.serve_command import add_arguments, settings_from
 
@@ -25,7 +26,8 @@ def test_sglang_flags_become_settings(tmp_path):
                  "--hicache-storage-prefetch-policy", "wait_complete",
                  "--hicache-load-back-threshold", "48", "--hicache-storage-backend", "file",
                  "--hicache-storage-backend-extra-config", json.dumps({"root_dir": str(tmp_path)}))
-    assert (s.page_size, s.hicache_ratio, s.l3, s.l3_root) == (32, 3.0, "file", str(tmp_path))
+    assert (s.page_size, s.hicache_ratio, s.storage_backend, s.l3_root) == \
+        (32, 3.0, StorageBackendKind.FILE, str(tmp_path))
     assert s.hicache == {"mem_layout": "page_head", "io_backend": "direct",  # L3: page_head
                          "write_policy": "write_back", "host_mode": "cache",
                          "prefetch_policy": "wait_complete", "load_back_threshold_tokens": 48}
@@ -37,14 +39,18 @@ def test_sglang_flags_become_settings(tmp_path):
 
 def test_defaults_and_the_config_file(tmp_path):
     plain = settings()
-    assert (plain.hicache, plain.l3, plain.page_size, plain.hierarchical) == ({}, "file", 64, True)
+    assert (plain.hicache, plain.storage_backend, plain.page_size,
+            plain.enable_hierarchical_cache) == ({}, StorageBackendKind.FILE, 64, True)
     path = tmp_path / "hicache.json"
     path.write_text(json.dumps({"write_policy": "write_through_selective", "page_size": 16}))
     s = settings("--hicache-config", f"@{path}", "--hicache-write-policy", "write_back")
     assert s.hicache == {"write_policy": "write_back"} and s.page_size == 16  # flags win
     off = settings("--disable-hierarchical-cache")
-    assert not off.hierarchical and off.l3 == "none"
-    assert settings("--hicache-storage-backend", "mooncake").l3 == "mooncake"
+    assert not off.enable_hierarchical_cache and off.storage_backend is None
+    mooncake = StorageBackendKind.MOONCAKE
+    assert settings("--hicache-storage-backend", "mooncake").storage_backend is mooncake
+    assert settings("--l3", "mooncake").storage_backend is mooncake  # kvtier's flag, one field
+    assert settings("--l3", "none").storage_backend is None
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -64,7 +70,7 @@ def test_conflicts_and_bad_values_are_refused(argv, match):
 def test_the_settings_own_page_size_ratio_and_l3():
     with pytest.raises(ConfigError, match="'page_size' setting"):
         ServeSettings(hicache={"page_size": 32})
-    with pytest.raises(ConfigError, match="'l3' setting"):
+    with pytest.raises(ConfigError, match="'storage_backend' setting"):
         ServeSettings(hicache={"storage_backend": "file"})
     with pytest.raises(ConfigError, match="writ_policy"):
         ServeSettings(hicache={"writ_policy": "write_back"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.policies import SchedulePolicy
+from kvtier.policies import SchedulePolicy, StorageBackendKind
 from kvtier.serve.admin import check_admin_key, parse_admin_body
 from kvtier.serve.tenants import ApiKeys
 from kvtier.serve.openai_requests import ApiError
@@ -17,17 +17,39 @@ def test_settings_validate_and_round_trip():
     assert s.model is ModelChoice.TINY and len(s.admin_key) >= 16  # a random key by default
     assert ServeSettings.from_mapping(s.to_mapping()) == s
     assert s.max_prompt_tokens == 160 * 16 - 256 - 64
-    assert ServeSettings(hierarchical=False).l3 == L3_NONE  # the cache off has no L3
+    # the cache off has no L3
+    assert ServeSettings(enable_hierarchical_cache=False).storage_backend is None
+    assert ServeSettings(storage_backend=L3_NONE).storage_backend is None
     with pytest.raises(ConfigError, match="did you mean 'instances'"):
         ServeSettings.from_mapping({"instancse": 2})
     with pytest.raises(ConfigError, match="multiple of page_size"):
         ServeSettings(page_size=64, chunk_tokens=96)
-    with pytest.raises(ConfigError, match="l3"):
-        ServeSettings(l3="floppy")
+    with pytest.raises(ConfigError, match="storage_backend"):
+        ServeSettings(storage_backend="floppy")
     with pytest.raises(ConfigError, match="at least 16"):
         ServeSettings(admin_key="short")
     with pytest.raises(ConfigError, match="raise device_pages"):
         ServeSettings(device_pages=4).max_prompt_tokens
+
+
+def test_a_serve_config_takes_sglangs_names_and_the_earlier_keys():
+    new = ServeSettings.from_mapping({"storage_backend": "nixl", "enable_hierarchical_cache": True})
+    assert new.storage_backend is StorageBackendKind.NIXL and new.enable_hierarchical_cache
+    old = ServeSettings.from_mapping({"l3": "nixl", "hierarchical": True})
+    assert (old.storage_backend, old.enable_hierarchical_cache) == (StorageBackendKind.NIXL, True)
+    assert ServeSettings.from_mapping({"l3": "none"}).storage_backend is None
+    assert ServeSettings.from_mapping({"storage_backend": None}).storage_backend is None
+    assert ServeSettings.from_mapping({"storage_backend": "none"}).storage_backend is None
+    off = ServeSettings.from_mapping({"hierarchical": False})
+    assert not off.enable_hierarchical_cache and off.storage_backend is None
+    assert "l3" not in old.to_mapping() and "hierarchical" not in old.to_mapping()
+    assert ServeSettings.from_mapping(old.to_mapping()) == old
+    with pytest.raises(ConfigError, match="'l3' and 'storage_backend' are the same setting"):
+        ServeSettings.from_mapping({"l3": "file", "storage_backend": "file"})
+    with pytest.raises(ConfigError, match="'hierarchical' and 'enable_hierarchical_cache'"):
+        ServeSettings.from_mapping({"hierarchical": True, "enable_hierarchical_cache": True})
+    with pytest.raises(ConfigError, match="^l3: 'floppy'"):
+        ServeSettings.from_mapping({"l3": "floppy"})
 
 
 def test_engine_mode_and_schedule_policy_reach_every_rank():

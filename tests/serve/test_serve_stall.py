@@ -23,7 +23,7 @@ from kvtier.serve.settings import ServeSettings
 KEY = "test-admin-key-stall-0123456789"
 SETTINGS = ServeSettings(model="tiny", instances=2, page_size=16, chunk_tokens=64,
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY,
-                         l3="none", stall_timeout_s=2.0)
+                         storage_backend=None, stall_timeout_s=2.0)
 STALL_S = 5.0
 PROMPT = "Record 42 of the kvtier ledger says: " * 3
 

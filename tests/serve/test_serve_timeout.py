@@ -24,7 +24,7 @@ from kvtier.serve.settings import ServeSettings
 KEY = "test-admin-key-timeout-0123456789"
 SETTINGS = ServeSettings(model="tiny", instances=1, page_size=16, chunk_tokens=64,
                          device_pages=96, max_new_tokens=32, dtype="fp32", admin_key=KEY,
-                         l3="none", request_timeout_s=1.0, stall_timeout_s=60.0)
+                         storage_backend=None, request_timeout_s=1.0, stall_timeout_s=60.0)
 STALL_S = 4.0  # longer than the timeout: no answer can end in time
 BODY = {"model": SETTINGS.served_model_name, "prompt": "Record 7 of the ledger says:",
         "max_tokens": 16, "temperature": 0, "ignore_eos": True}
