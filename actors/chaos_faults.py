@@ -32,7 +32,7 @@ from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient, Nam
 from kvtier.actors.pd.deployment import PD_NAME, member_names
 from kvtier.actors.serve_graph import APP_NAME, instance_names
 from kvtier.errors import KvtierError
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 

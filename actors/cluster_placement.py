@@ -1,5 +1,5 @@
 """The Ray side of placement: the alive nodes' resources, and the serve settings made
-concrete and checked against them before anything is deployed (serve/placement.py decides):
+concrete and checked against them before anything is deployed (frontend/placement.py decides):
 the placement mode, and whether each rank gets a GPU of its own."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import ray
 import ray._private.state as ray_state
 
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.placement import (NodeResources, PlacementMode, RankGpus, check_placement,
-                                    describe_offers, needs_of, resolve_gpus,
-                                    resolve_mode)
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.placement import (NodeResources, PlacementMode, RankGpus, check_placement,
+                                       describe_offers, needs_of, resolve_gpus,
+                                       resolve_mode)
+from kvtier.frontend.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from kvtier.engine.tp_group import loopback_init_method
 from kvtier.errors import ConfigError, KvtierError, PlacementError
 from kvtier.keys import check_cache_salt
 from kvtier.messages import NamespaceInfo
-from kvtier.serve.placement import rank_bundle
+from kvtier.frontend.placement import rank_bundle
 
 __all__ = ["Instance", "InstanceError", "InstanceStep", "RankDivergence", "RankFailure"]
 

@@ -112,7 +112,7 @@ class ServerPoll(NamedTuple):
     events: list[bytes]  # CacheEventBatch msgpack records since the last poll, oldest first
     broken: str | None  # why the instance stopped serving, or None
     steps: int  # steps completed so far: the router's deadline watches it grow while load > 0
-    recovering: bool = False  # replacing its ranks (kvtier.serve.liveness: RECOVERING)
+    recovering: bool = False  # replacing its ranks (kvtier.frontend.liveness: RECOVERING)
 
 
 class InstanceServer:

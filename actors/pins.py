@@ -20,7 +20,7 @@ an instance, and the ingress's `POST`, `DELETE` and `GET /admin/pin`.
   other); then every instance that holds it pins it on all its ranks (`pin_on_instance`) and
   the L3 namespace pins its published pages. A refusal anywhere (pinned pages past their
   share) undoes the instances' pins and answers 409 with the room missing. The body rules,
-  the pin's id and the listing's shape are Ray-free (kvtier.serve.pins); every Ray call of the
+  the pin's id and the listing's shape are Ray-free (kvtier.frontend.pins); every Ray call of the
   feature is here or in the deployments it calls.
 """
 from __future__ import annotations
@@ -34,11 +34,11 @@ from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
 from kvtier.messages import pack_record
-from kvtier.serve.openai_requests import ApiError, ApiLimits, check_prompt_tokens
-from kvtier.serve.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
-from kvtier.serve.records import ReplicaDescription, ReplicaStorage, Route
-from kvtier.serve.settings import ServeSettings
-from kvtier.serve.tenants import request_salt
+from kvtier.frontend.openai_requests import ApiError, ApiLimits, check_prompt_tokens
+from kvtier.frontend.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
+from kvtier.frontend.records import ReplicaDescription, ReplicaStorage, Route
+from kvtier.frontend.settings import ServeSettings
+from kvtier.frontend.tenants import request_salt
 from kvtier.tiers.cache_pins import PinRefusal
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 

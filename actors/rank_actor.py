@@ -294,7 +294,7 @@ class Rank:
     def watch_cache(self, instance: str) -> None:
         """Record this rank's cache events (pages entering and leaving each tier) for the
         router; they come back with every step. Rank 0 speaks for the instance."""
-        from kvtier.serve.cache_events import CacheEventLog
+        from kvtier.frontend.cache_events import CacheEventLog
         self._events = CacheEventLog(instance)
         self.engine.cache.set_event_listener(self._events)
 

@@ -2,7 +2,7 @@
 that instance stalls (the router says so) or its stream fails while the answer is
 outstanding, from another one, going on after the tokens already passed on.
 
-The pure half is `kvtier.serve.redispatch` (what was passed on) and `kvtier.serve.liveness`
+The pure half is `kvtier.frontend.redispatch` (what was passed on) and `kvtier.frontend.liveness`
 (when an instance is stalled, decided by the router); this module holds the Ray calls. While
 no item comes, the answer asks the router's states every `check_s`; when its instance is
 stalled it asks the router for another live one, sends the request there with the tokens
@@ -19,9 +19,9 @@ import math
 import time
 from typing import Any, AsyncIterator, Callable
 
-from kvtier.serve.liveness import InstanceState
-from kvtier.serve.records import AnswerItem, InstanceStates, Route
-from kvtier.serve.redispatch import InstanceUnavailable, SentTokens
+from kvtier.frontend.liveness import InstanceState
+from kvtier.frontend.records import AnswerItem, InstanceStates, Route
+from kvtier.frontend.redispatch import InstanceUnavailable, SentTokens
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
 from kvtier.actors.serve_router import RouterDeployment
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.admin_key_file import save_admin_key
-from kvtier.serve.placement import PlacementMode
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.admin_key_file import save_admin_key
+from kvtier.frontend.placement import PlacementMode
+from kvtier.frontend.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def resolve(settings: ServeSettings) -> ServeSettings:
     """Settings every deployment can use as they are: a file/nixl L3 without a directory gets
     one temporary directory, shared by all instances (they must see each other's pages), and
     the namespace actor a registry beside it; an `auto` L3 bound is measured there, once
-    (serve/l3_bound.py)."""
+    (frontend/l3_bound.py)."""
     import dataclasses
 
     if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL) \
@@ -86,7 +86,7 @@ def instance_names(settings: ServeSettings) -> list[str]:
 
 def app_builder(args: dict[str, Any]) -> Any:
     """For Serve config files: `args` are ServeSettings keys. Without `admin_key`, the random
-    key is written to a file only this user can read (serve/admin_key_file.py), whose path,
+    key is written to a file only this user can read (frontend/admin_key_file.py), whose path,
     never the key, is logged."""
     settings = ServeSettings.from_mapping(args or {})
     if not (args or {}).get("admin_key"):

@@ -3,7 +3,7 @@
 (No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at
 run time to know which parameter is the `Request`.)
 
-Per request: parse and validate the body (`kvtier.serve.openai_requests`), tokenize (chat
+Per request: parse and validate the body (`kvtier.frontend.openai_requests`), tokenize (chat
 template for chat), ask the router which instance, stream token ids from that instance and
 turn them into text (`TextStream`: incremental detokenizing, stop strings), and answer in
 OpenAI's shapes with `usage.prompt_tokens_details.cached_tokens` and a `kvtier` field
@@ -30,23 +30,23 @@ from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.actors.serve_replica import bound_attach_options
 from kvtier.actors.serve_snapshots import SnapshotFeed
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.serve import openai_responses as out
-from kvtier.serve import served_model
-from kvtier.serve.admin import check_admin_key, parse_admin_body
-from kvtier.serve.metrics import ServeMetrics
-from kvtier.serve.openai_logprobs import chat_logprobs, completion_logprobs
-from kvtier.serve.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
-                                          check_prompt_tokens, parse_chat, parse_completion)
-from kvtier.serve.pd_metrics import PDMetrics
-from kvtier.serve.pins import PinVerb
-from kvtier.serve.records import (NO_CACHED, AnswerFinal, AnswerItemKind, PromptLengths,
-                                  ReplicaStorage, Route, RouterStatus)
-from kvtier.serve.redispatch import InstanceUnavailable
-from kvtier.serve.request_failures import (AnswerFailed, answer_failed, generation_failed,
-                                           timed_out, unavailable, unreadable)
-from kvtier.serve.settings import ServeSettings
-from kvtier.serve.tenants import ApiKeys, request_salt
-from kvtier.serve.text_stream import TextStream
+from kvtier.frontend import openai_responses as out
+from kvtier.frontend import served_model
+from kvtier.frontend.admin import check_admin_key, parse_admin_body
+from kvtier.frontend.metrics import ServeMetrics
+from kvtier.frontend.openai_logprobs import chat_logprobs, completion_logprobs
+from kvtier.frontend.openai_requests import (ApiError, ApiLimits, ChatRequest, CompletionRequest,
+                                             check_prompt_tokens, parse_chat, parse_completion)
+from kvtier.frontend.pd_metrics import PDMetrics
+from kvtier.frontend.pins import PinVerb
+from kvtier.frontend.records import (NO_CACHED, AnswerFinal, AnswerItemKind, PromptLengths,
+                                     ReplicaStorage, Route, RouterStatus)
+from kvtier.frontend.redispatch import InstanceUnavailable
+from kvtier.frontend.request_failures import (AnswerFailed, answer_failed, generation_failed,
+                                              timed_out, unavailable, unreadable)
+from kvtier.frontend.settings import ServeSettings
+from kvtier.frontend.tenants import ApiKeys, request_salt
+from kvtier.frontend.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from kvtier.actors.serve_replica import (ServedReplica, final_fields,
                                          l3_options)  # l3_options: tests read it here too
 from kvtier.calibration import calibrated_thresholds
 from kvtier.dtypes import name as dtype_name, resolve_here
-from kvtier.serve.placement import RANK_STRATEGY, RankGpus, rank_resources
-from kvtier.serve.records import AnswerFinal
-from kvtier.serve.served_model import weight_source
-from kvtier.serve.settings import ModelChoice, ServeSettings
+from kvtier.frontend.placement import RANK_STRATEGY, RankGpus, rank_resources
+from kvtier.frontend.records import AnswerFinal
+from kvtier.frontend.served_model import weight_source
+from kvtier.frontend.settings import ModelChoice, ServeSettings
 
 
 def rank_settings(s: ServeSettings) -> RankSettings:

@@ -23,13 +23,13 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.l3_bound import GiB, L3Bound, auto_l3_gb
-from kvtier.serve.metrics import RankFaults
-from kvtier.serve.placement import head_resources
-from kvtier.serve.records import (AnswerFinal, AnswerItem, AnswerItemKind, InstanceSnapshot,
-                                  L3Attachment, ReplicaDescription, ReplicaPoll,
-                                  ReplicaSnapshot, ReplicaStorage)
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.l3_bound import GiB, L3Bound, auto_l3_gb
+from kvtier.frontend.metrics import RankFaults
+from kvtier.frontend.placement import head_resources
+from kvtier.frontend.records import (AnswerFinal, AnswerItem, AnswerItemKind, InstanceSnapshot,
+                                     L3Attachment, ReplicaDescription, ReplicaPoll,
+                                     ReplicaSnapshot, ReplicaStorage)
+from kvtier.frontend.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
 
 log = logging.getLogger(__name__)

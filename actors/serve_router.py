@@ -2,10 +2,10 @@
 
 It polls every instance (load, restart epoch, steps, cache events) a few times a second, each
 on its own so that one unreachable instance does not hold up the others, keeps the
-approximate per-tier prefix index of `kvtier.serve.router_index`, and answers `choose(tokens)`
+approximate per-tier prefix index of `kvtier.frontend.router_index`, and answers `choose(tokens)`
 with an instance name. The ingress then streams from that instance directly: token traffic
 never passes through the router. An instance that stops stepping with work waiting, or stops
-answering polls, for `stall_timeout_s` is stalled (`kvtier.serve.liveness`): it is not
+answering polls, for `stall_timeout_s` is stalled (`kvtier.frontend.liveness`): it is not
 chosen until it steps again, and the ingress moves its unanswered requests elsewhere.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ from ray import serve
 
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.keys import KeyNamespace
-from kvtier.serve.cache_events import CacheEventBatch
-from kvtier.serve.liveness import Liveness, candidates
-from kvtier.serve.records import (InstanceStates, InstanceStatus, NamedState,
-                                  ReplicaDescription, ReplicaPoll, Route, RouterStatus)
-from kvtier.serve.router_index import PrefixIndex, Router
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.cache_events import CacheEventBatch
+from kvtier.frontend.liveness import Liveness, candidates
+from kvtier.frontend.records import (InstanceStates, InstanceStatus, NamedState,
+                                     ReplicaDescription, ReplicaPoll, Route, RouterStatus)
+from kvtier.frontend.router_index import PrefixIndex, Router
+from kvtier.frontend.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from kvtier.serve.metrics import MetricsError, ServeMetrics
-from kvtier.serve.records import InstanceSnapshot, ReplicaSnapshot, ReplicaStorage, RouterStatus
+from kvtier.frontend.metrics import MetricsError, ServeMetrics
+from kvtier.frontend.records import InstanceSnapshot, ReplicaSnapshot, ReplicaStorage, RouterStatus
 
 log = logging.getLogger(__name__)
 

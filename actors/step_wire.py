@@ -104,7 +104,7 @@ def decode_pin(data: bytes) -> PinOutcome | PinRefusal:
     return record_from_map(PinOutcome, m)
 
 
-# ---- the serve stream's positional forms (serve/redispatch.py builds `resume` lists and the
+# ---- the serve stream's positional forms (frontend/redispatch.py builds `resume` lists and the
 # OpenAI layer reads `logprobs` lists): not the rank boundary, left to the serve records ---
 
 def logprobs_to_wire(logprobs: Sequence[TokenLogprob] | None) -> list | None:

@@ -61,7 +61,7 @@ from kvtier.cli.shared_flags import add_dtype_flag, add_l3_flag, add_model_flag,
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.settings import ModelChoice, ServeSettings
+from kvtier.frontend.settings import ModelChoice, ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def tp_size(model: str, asked: int | None) -> int:
     """`asked`, or 2 when the model splits over two ranks, else the smallest size that does;
     a size that does not split the model is refused here, before any rank starts."""
     from kvtier.engine.parallel import TensorParallel
-    from kvtier.serve.served_model import weight_source
+    from kvtier.frontend.served_model import weight_source
 
     config = weight_source(ServeSettings(model=model)).config()
 
@@ -344,7 +344,7 @@ def judge_answers(answers: list[Answer], settings: ServeSettings) -> Judgement:
 
 
 def vocab_size(settings: ServeSettings) -> int:
-    from kvtier.serve.served_model import tokenizer
+    from kvtier.frontend.served_model import tokenizer
 
     return tokenizer(settings).vocab_size
 

@@ -30,8 +30,8 @@ from kvtier.engine import Engine, SamplingParams, build_model
 from kvtier.engine.request import pages_for
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.errors import ConfigError
-from kvtier.serve import served_model
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend import served_model
+from kvtier.frontend.settings import ServeSettings
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple
 
 from kvtier.cli import demo, demo_flags
 from kvtier.cli.shared_flags import add_dtype_flag, add_pd_transport_flag, add_tp_flag
-from kvtier.serve.pd_settings import PDTransport
+from kvtier.frontend.pd_settings import PDTransport
 from kvtier.errors import ConfigError
 
 TARGET_TTFT_RATIO = 1.3

@@ -76,7 +76,7 @@ from kvtier.errors import ConfigError
 from kvtier.cli.flags import add_hicache_flags, config_from_args
 from kvtier.cli.shared_flags import add_dtype_flag, add_model_flag, add_schedule_policy_flag
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.settings import HICACHE_OWNED, ServeSettings
+from kvtier.frontend.settings import HICACHE_OWNED, ServeSettings
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 LOOPBACK = "127.0.0.1"

@@ -14,7 +14,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, SamplingParams, load_smollm2_model
 from kvtier.engine.request import pages_for
 from kvtier.dtypes import resolve_here
-from kvtier.serve.settings import ModelChoice, ServeSettings
+from kvtier.frontend.settings import ModelChoice, ServeSettings
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 

@@ -34,7 +34,7 @@ from kvtier.cli.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, 
 from kvtier.cli.demo_report import Row, format_table, summary
 from kvtier.cli.shared_flags import (DTYPES, add_dtype_flag, add_l3_root_flag,
                                      add_pd_transport_flag, add_tp_flag)
-from kvtier.serve.pd_settings import PDTransport
+from kvtier.frontend.pd_settings import PDTransport
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -85,11 +85,11 @@ def _l3_options(backend: str, root: str) -> dict:
 
 
 def demo_model(model: str) -> DemoModel:
-    """`model` resolved as `kvtier serve --model` resolves it (kvtier.serve.settings); its
+    """`model` resolved as `kvtier serve --model` resolves it (kvtier.frontend.settings); its
     namespace name is the one its ranks key pages with (kvtier.actors.rank_actor)."""
     from kvtier.actors.rank_actor import namespace_model
-    from kvtier.serve.served_model import tokenizer, weight_source
-    from kvtier.serve.settings import ServeSettings
+    from kvtier.frontend.served_model import tokenizer, weight_source
+    from kvtier.frontend.settings import ServeSettings
 
     settings = ServeSettings(model=model)
     source = weight_source(settings)

@@ -12,11 +12,11 @@ from kvtier.cli.shared_flags import (add_dtype_flag, add_l3_flag, add_l3_root_fl
                                      add_model_flag, add_pd_transport_flag,
                                      add_schedule_policy_flag, add_tp_flag)
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.admin_key_file import save_admin_key
-from kvtier.serve.l3_bound import describe_l3_bound
-from kvtier.serve.placement import PlacementMode, RankGpus
-from kvtier.serve.settings import HICACHE_OWNED, L3_NONE, ServeSettings
-from kvtier.serve.tenants import load_api_keys
+from kvtier.frontend.admin_key_file import save_admin_key
+from kvtier.frontend.l3_bound import describe_l3_bound
+from kvtier.frontend.placement import PlacementMode, RankGpus
+from kvtier.frontend.settings import HICACHE_OWNED, L3_NONE, ServeSettings
+from kvtier.frontend.tenants import load_api_keys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 from kvtier.dtypes import DType
 from kvtier.policies import SchedulePolicy, StorageBackendKind
-from kvtier.serve.pd_settings import PDTransport
-from kvtier.serve.settings import L3_NONE, ModelChoice
+from kvtier.frontend.pd_settings import PDTransport
+from kvtier.frontend.settings import L3_NONE, ModelChoice
 
 
 class Adds(Protocol):

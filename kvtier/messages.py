@@ -45,7 +45,7 @@ class MessageError(KvtierError, ValueError):
 
 class _Record:
     """msgpack encoding and checked decoding for the frozen dataclasses below and the serve
-    graph's (`kvtier.serve.records`); the codec is `record_to_map` / `record_from_map`, which
+    graph's (`kvtier.frontend.records`); the codec is `record_to_map` / `record_from_map`, which
     other modules' NamedTuples and dataclasses use directly through `pack_record` /
     `unpack_record`. Fields are bool, int, float, str, bytes, enums, records, `X | None`,
     tuples, dicts, or plain nested lists of scalars."""
@@ -72,7 +72,7 @@ class _Record:
         return cls.from_map(unpack_payload(cls.__name__, data))
 
 
-Record = _Record  # the base of records defined in other modules (`kvtier.serve.records`)
+Record = _Record  # the base of records defined in other modules (`kvtier.frontend.records`)
 
 
 def unpack_payload(name: str, data: bytes) -> Any:

@@ -111,7 +111,7 @@ class HitPolicy(_Choice):
     TRAILING_PAGES = "trailing_pages"
 
 
-# Cache events (what an instance tells the router; `kvtier.serve.cache_events`).
+# Cache events (what an instance tells the router; `kvtier.frontend.cache_events`).
 class CacheTier(enum.Enum):
     """Where a page is, best first (the order the router prefers)."""
 

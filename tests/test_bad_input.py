@@ -27,9 +27,9 @@ from kvtier.keys import KeyNamespace
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
                              MessageError, NamespaceInfo, NamespaceSpec, StoredReport)
 from kvtier.policies import StorageBackendKind
-from kvtier.serve.admin import check_admin_key, parse_admin_body
-from kvtier.serve.openai_requests import ApiError, ApiLimits, parse_chat, parse_completion
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.admin import check_admin_key, parse_admin_body
+from kvtier.frontend.openai_requests import ApiError, ApiLimits, parse_chat, parse_completion
+from kvtier.frontend.settings import ServeSettings
 from kvtier.storage_options import (FileOptions, MooncakeOptions, NixlOptions, SimulatedOptions,
                                     parse_storage_options)
 
@@ -572,7 +572,7 @@ def test_json_constants_deep_in_a_body_name_their_place():
 
 def test_a_tiny_temperature_is_raised_to_the_least_one_sampled():
     """vLLM's rule: 0 < temperature < 0.01 samples at 0.01 (as good as greedy)."""
-    from kvtier.serve.openai_requests import MIN_TEMPERATURE
+    from kvtier.frontend.openai_requests import MIN_TEMPERATURE
 
     for t in (1e-40, 5e-324, 1e-5, 0.0099):
         assert parse_completion(comp_body(temperature=t), LIMITS).temperature == MIN_TEMPERATURE
@@ -582,7 +582,7 @@ def test_a_tiny_temperature_is_raised_to_the_least_one_sampled():
 
 
 def test_a_repetition_penalty_the_sampler_cannot_apply_is_refused():
-    from kvtier.serve.openai_requests import MIN_REPETITION_PENALTY
+    from kvtier.frontend.openai_requests import MIN_REPETITION_PENALTY
 
     for p in (1e-39, 1e-40, 5e-324, MIN_REPETITION_PENALTY / 2):
         with pytest.raises(ApiError) as info:

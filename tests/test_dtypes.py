@@ -5,7 +5,7 @@ import torch
 from kvtier import dtypes
 from kvtier.dtypes import DType, resolve
 from kvtier.errors import ConfigError
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.settings import ServeSettings
 
 
 def test_auto_is_bf16_only_where_the_device_computes_in_it(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # folder -> layer
-LAYERS = {"kvtier": 0, "backends": 1, "tiers": 2, "engine": 3, "serve": 4, "actors": 5,
+LAYERS = {"kvtier": 0, "backends": 1, "tiers": 2, "engine": 3, "frontend": 4, "actors": 5,
           "bench": 6, "hosts": 6, "cli": 6}
 # `kvtier/__main__.py` only hands `python -m kvtier` to the command line
 ENTRY_POINT = "kvtier.__main__"
@@ -117,7 +117,7 @@ def test_every_folder_is_installed_under_its_name():
 @pytest.mark.parametrize("source, dotted, message", [
     ("from kvtier.actors.instance import Instance", "kvtier.engine.scheduler", "upward"),
     ("import ray", "kvtier.tiers.radix_tree", "only actors/"),
-    ("from ray.util import collective", "kvtier.serve.metrics", "only actors/"),
+    ("from ray.util import collective", "kvtier.frontend.metrics", "only actors/"),
     ("from kvtier.cli import demo", "kvtier.config", "upward"),
     ("from kvtier.cli.flags import add_hicache_flags", "kvtier.actors.instance", "upward"),
     ("from ..engine import scheduler", "kvtier.tiers.radix_tree", "upward"),
@@ -136,7 +136,7 @@ def test_the_checker_catches_what_it_must(source, dotted, message):
     ("from kvtier.cli.demo import namespace_spec", "kvtier.bench.pd"),
     ("from kvtier.cli.main import main", "kvtier.__main__"),
     ("from kvtier.tiers.radix_tree import HiRadixTree", "kvtier.engine.admission"),
-    ("from kvtier.serve import metrics", "kvtier.actors.serve_ingress"),
+    ("from kvtier.frontend import metrics", "kvtier.actors.serve_ingress"),
 ])
 def test_the_checker_allows_what_it_must(source, dotted):
     assert module_violations(ast.parse(source), dotted, False) == []

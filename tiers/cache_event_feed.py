@@ -1,6 +1,6 @@
 """The cache's event feed: which pages entered or left each tier, told as page hashes.
 
-A router (serve/cache_events, actors/serve_router) keeps an approximate index of what each
+A router (frontend/cache_events, actors/serve_router) keeps an approximate index of what each
 instance holds; it hashes a request's tokens with the namespace's chain keys, so events speak
 the same keys. L1 events come from the tree as they happen; an L2 entry is told when its copy
 has landed, an L3 entry when this rank's backup has written it. With no listener nothing is

@@ -28,9 +28,9 @@ from kvtier.actors.serve_instance import build_instance
 from kvtier.actors.serve_replica import ServedReplica
 from kvtier.engine.request import Resume
 from kvtier.engine.sampling import SamplingParams
-from kvtier.serve.openai_responses import pd_field
-from kvtier.serve.records import AnswerFinal, PDReport
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.openai_responses import pd_field
+from kvtier.frontend.records import AnswerFinal, PDReport
+from kvtier.frontend.settings import ServeSettings
 
 PD_NAME = "pd"
 

@@ -40,7 +40,7 @@ from kvtier.engine.sampling import SamplingParams  # noqa: E402
 from kvtier.engine.weight_sources import TinyWeights  # noqa: E402
 from kvtier.errors import PlacementError  # noqa: E402
 from kvtier.netcheck import listening  # noqa: E402
-from kvtier.serve.settings import ServeSettings  # noqa: E402
+from kvtier.frontend.settings import ServeSettings  # noqa: E402
 
 PORT = 8137
 SETTINGS = ServeSettings(model="tiny", instances=1, tp_size=2, page_size=16, chunk_tokens=64,

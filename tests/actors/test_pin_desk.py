@@ -8,11 +8,11 @@ import json
 import pytest
 
 from kvtier.actors.pins import PinDesk
-from kvtier.serve import served_model
-from kvtier.serve.openai_requests import ApiError, ApiLimits
-from kvtier.serve.pins import parse_pin_body
-from kvtier.serve.settings import ServeSettings
-from kvtier.serve.tenants import request_salt
+from kvtier.frontend import served_model
+from kvtier.frontend.openai_requests import ApiError, ApiLimits
+from kvtier.frontend.pins import parse_pin_body
+from kvtier.frontend.settings import ServeSettings
+from kvtier.frontend.tenants import request_salt
 
 SETTINGS = ServeSettings(model="tiny", api_keys={"sk-acme-0001": "acme"})
 LEADING = [{"role": "system", "content": "You answer in one line."},

@@ -12,8 +12,8 @@ from kvtier.actors.rank_actor import Rank, RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.engine.weight_sources import TinyWeights
 from kvtier.errors import ConfigError, PlacementError
-from kvtier.serve.placement import NodeResources, RankGpus
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.placement import NodeResources, RankGpus
+from kvtier.frontend.settings import ServeSettings
 
 SETTINGS = ServeSettings(model="tiny", instances=2, tp_size=2, storage_backend=None)
 

@@ -12,9 +12,9 @@ from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffStages
 from kvtier.engine.request import CachedTokens, FinishReason
 from kvtier.engine.sampling import SamplingParams
-from kvtier.serve.openai_responses import pd_field
-from kvtier.serve.records import AnswerItem, AnswerItemKind
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.openai_responses import pd_field
+from kvtier.frontend.records import AnswerItem, AnswerItemKind
+from kvtier.frontend.settings import ServeSettings
 from kvtier.tiers.cache_types import RequestLengths
 
 

@@ -97,7 +97,7 @@ def test_progress_after_what_a_caller_has():
 
 
 def test_resume_round_trips():
-    """The serve stream's resume form (serve/redispatch.py builds it) still decodes checked."""
+    """The serve stream's resume form (frontend/redispatch.py builds it) still decodes checked."""
     from kvtier.actors.step_wire import resume_from_wire
     from kvtier.engine.request import Resume
 

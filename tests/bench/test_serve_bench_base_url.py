@@ -10,7 +10,7 @@ import kvtier.cli.main as cli
 from kvtier.bench import serve_bench
 from kvtier.bench.serve_load import LoadResult, RequestRecord, summarize
 from kvtier.errors import ConfigError
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.settings import ServeSettings
 
 URL = "http://10.0.0.7:8000"
 

@@ -6,7 +6,7 @@ import torch
 from kvtier.bench.serve_cold import answers_equal_cold
 from kvtier.config import HiCacheConfig
 from kvtier.engine import Engine, SamplingParams
-from kvtier.serve.settings import ServeSettings
+from kvtier.frontend.settings import ServeSettings
 
 SETTINGS = ServeSettings(model="smollm2", dtype="fp32", page_size=16)
 MESSAGES = ({"role": "user", "content": "Name a colour."},)

@@ -153,8 +153,8 @@ def test_a_gemma3_gguf_by_path_is_the_same_model(gemma3) -> None:
     identity (name and SHA-256) as the packaged alias."""
     from kvtier.engine.gemma3_package import Gemma3Weights, assembled_gguf
     from kvtier.engine.gguf_file import GGUFFile
-    from kvtier.serve import served_model
-    from kvtier.serve.settings import ModelChoice, ServeSettings
+    from kvtier.frontend import served_model
+    from kvtier.frontend.settings import ModelChoice, ServeSettings
 
     path = str(assembled_gguf())
     settings = ServeSettings(model=path)

@@ -18,8 +18,8 @@ from kvtier.engine.gguf_file import GGUFFile
 from kvtier.engine.gguf_source import find_gguf, read_header
 from kvtier.engine.weight_sources import SmolLM2Weights
 from kvtier.errors import ConfigError
-from kvtier.serve import served_model
-from kvtier.serve.settings import ModelChoice, ServeSettings
+from kvtier.frontend import served_model
+from kvtier.frontend.settings import ModelChoice, ServeSettings
 
 gguf = pytest.importorskip("gguf")
 

@@ -6,7 +6,7 @@ from cache_builder import build_cache
 
 from kvtier.kv_spec import KVSpec
 from kvtier.policies import PrefetchPolicy, WritePolicy
-from kvtier.serve.cache_events import CacheEventBatch, CacheEventKind, CacheEventLog, CacheTier
+from kvtier.frontend.cache_events import CacheEventBatch, CacheEventKind, CacheEventLog, CacheTier
 from kvtier.tiers.reference_kv import write_prefix_kv
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
