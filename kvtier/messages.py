@@ -311,13 +311,18 @@ def _decoder(hint: Any) -> typing.Callable[[Any, str], Any]:
 
             def dec(v: Any, where: str) -> Any:
                 if isinstance(v, list) and all(type(x) is kind for x in v):
-                    return tuple(v)
-                _fail(hint, v, where)
+                    return tuple(v)  # the common case, checked in one pass
+                if not isinstance(v, list):
+                    _fail(hint, v, where)
+                return tuple([item(x, f"{where}[{i}]") for i, x in enumerate(v)])  # says where
         else:
             def dec(v: Any, where: str) -> Any:
                 if not isinstance(v, list):
                     _fail(hint, v, where)
-                return tuple([item(x, where) for x in v])
+                try:
+                    return tuple([item(x, where) for x in v])
+                except MessageError:  # again, to say which item: a failure's path only
+                    return tuple([item(x, f"{where}[{i}]") for i, x in enumerate(v)])
     elif args == (int, float):  # (token, logprob): many per token, so checked inline
         def dec(v: Any, where: str) -> Any:
             if type(v) is list and len(v) == 2:
