@@ -98,34 +98,16 @@ def measure_ceilings(l3_dir: str, quick: bool, dtype: str) -> tuple[dict, dict, 
 
 
 # ---- one workload x configuration -----------------------------------------------------------
-class _IoTimer:
-    """Seconds spent inside one backend's get_into / set_from (its worker thread calls them)."""
-
-    def __init__(self, cache: HierarchicalCache) -> None:
-        self.read_s = self.write_s = 0.0
-        if cache.storage is not None:
-            backend = cache.storage.backend
-            backend.get_into = self._timed(backend.get_into, "read_s")
-            backend.set_from = self._timed(backend.set_from, "write_s")
-
-    def _timed(self, fn: Callable, field: str) -> Callable:
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
-        return call
-
-
-def _snapshot(cache: HierarchicalCache, timer: _IoTimer) -> TierSnapshot:
+def _snapshot(cache: HierarchicalCache) -> TierSnapshot:
+    """The cache's transfer figures now; L3's seconds are the backend's own time inside its
+    reads and writes (BackendStats)."""
     snap = cache.snapshot()
     t = snap.transfers
     if snap.l3 is None:
         return TierSnapshot(t.write_bytes, t.load_bytes, t.load_s)
     b = snap.l3.backend
     return TierSnapshot(t.write_bytes, t.load_bytes, t.load_s, b.bytes_written, b.bytes_read,
-                        timer.write_s, timer.read_s, snap.l3.counters.prefetch_wait_s)
+                        b.write_s, b.read_s, snap.l3.counters.prefetch_wait_s)
 
 
 def quiesce(caches: Sequence[HierarchicalCache]) -> None:
@@ -141,24 +123,23 @@ def drop_l1_l2(cache: HierarchicalCache) -> None:
 
 class _Column:
     """One configuration of one workload: its engines (one per instance, fresh caches on one
-    L3 directory) and their I/O timers."""
+    L3 directory)."""
 
     def __init__(self, stack: contextlib.ExitStack, model, tokenizer, workload: Workload,
                  mc: MatrixConfig, sizes: MatrixSizes, l3_dir: str | None,
                  name: str = SMOLLM2_NAMESPACE) -> None:
         self.mc = mc
         config = hicache_config(mc, sizes.page_size, l3_dir)
-        self.engines, self.timers = [], []
+        self.engines = []
         for _ in range(workload.instances):
             cache = HierarchicalCache(config, model.kv_spec(sizes.page_size), workload.device_pages,
                                       device=model.device, model=name)
             self.engines.append(stack.enter_context(Engine(model, cache, sizes.chunk_tokens,
                                                            tokenizer=tokenizer, owns_cache=True)))
-            self.timers.append(_IoTimer(cache))
         self.caches = [e.cache for e in self.engines]
 
     def snapshot(self) -> TierSnapshot:
-        return snapshot_sum(map(_snapshot, self.caches, self.timers))
+        return snapshot_sum(map(_snapshot, self.caches))
 
 
 def turn_order(num_columns: int, step: int) -> list[int]:

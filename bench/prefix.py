@@ -241,9 +241,8 @@ def _held(engine: Engine) -> tuple[int, int, int]:
     """(L2 pages, L2 sidecar slots, L1 sidecar slots) in use once copies have landed."""
     cache = engine.cache
     cache.flush()
-    host, device = cache.host_pool, cache.device_pool
-    return (host.allocator.num_used, host.sidecar.used_slots if host.sidecar else 0,
-            device.sidecar.used_slots if device.sidecar else 0)
+    snap = cache.snapshot()
+    return snap.used_host_pages, snap.used_host_sidecar_slots, snap.used_device_sidecar_slots
 
 
 def _kept(engine: Engine, before: tuple[int, int, int], tokens: int) -> KeptBytes:

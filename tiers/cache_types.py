@@ -162,3 +162,5 @@ class CacheSnapshot(NamedTuple):
     used_host_pages: int
     host_pinned: bool  # L2 is page-locked host memory
     l3: L3Snapshot | None  # None: no L3 attached
+    used_host_sidecar_slots: int = 0  # a hybrid model's sliding-window KV slots in use, L2
+    used_device_sidecar_slots: int = 0  # and L1

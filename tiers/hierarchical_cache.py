@@ -639,7 +639,8 @@ class HierarchicalCache:
         return CacheSnapshot(self.spec.page_size, dataclasses.replace(self.counters),
                              self.controller.stats(), self.device_pages,
                              self.free_device_pages, self.host_pages, self.used_host_pages,
-                             self.host_pool.pinned, l3)
+                             self.host_pool.pinned, l3, _sidecar_used(self.host_pool),
+                             _sidecar_used(self.device_pool))
 
     def tree_stats(self) -> TreeStats:
         return self.tree.stats()
@@ -688,3 +689,8 @@ class HierarchicalCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sidecar_used(pool: HostPool | DevicePool) -> int:
+    """Sliding-window KV slots in use in `pool`'s sidecar (0 without one)."""
+    return pool.sidecar.used_slots if pool.sidecar is not None else 0
