@@ -94,7 +94,8 @@ def _refused(err: ApiError) -> Response:
                         headers={"WWW-Authenticate": "Bearer"})
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  graceful_shutdown_wait_loop_s=0.2)
 @serve.ingress(api)
 class Ingress:
     def __init__(self, router: Any, instances: dict[str, Any], settings: dict) -> None:

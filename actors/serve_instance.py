@@ -54,7 +54,8 @@ def build_instance(s: ServeSettings, rank_class: type[Rank] = Rank) -> Instance:
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
-                  health_check_period_s=5, graceful_shutdown_timeout_s=20)
+                  health_check_period_s=5, graceful_shutdown_timeout_s=20,
+                  graceful_shutdown_wait_loop_s=0.2)
 class InstanceDeployment(ServedReplica):
     def __init__(self, name: str, settings: dict,
                  rank_class: type[Rank] = Rank) -> None:

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.1
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
+                  graceful_shutdown_wait_loop_s=0.2)
 class RouterDeployment:
     def __init__(self, instances: dict[str, Any], settings: dict | None = None) -> None:
         keep_serve_replica_on_loopback()

@@ -83,7 +83,8 @@ class PDInstances:
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
-                  health_check_period_s=5, graceful_shutdown_timeout_s=20)
+                  health_check_period_s=5, graceful_shutdown_timeout_s=20,
+                  graceful_shutdown_wait_loop_s=0.2)
 class PDDeployment(ServedReplica):
     def __init__(self, name: str, settings: dict,
                  rank_class: type[Rank] = Rank) -> None:
