@@ -28,24 +28,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence, TypeVar
 
+from kvtier.actors.l3.namespace_actor import NamespaceClient
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
-from kvtier.messages import pack_record
+from kvtier.messages import pack_record, unpack_record
 from kvtier.frontend.openai_requests import ApiError, ApiLimits, check_prompt_tokens
 from kvtier.frontend.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
 from kvtier.frontend.records import ReplicaDescription, ReplicaStorage, Route
 from kvtier.frontend.settings import ServeSettings
 from kvtier.frontend.tenants import request_salt
-from kvtier.tiers.cache_pins import PinRefusal
+from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 if TYPE_CHECKING:  # a name only: actors/instance imports the rank actor, which imports this
     from kvtier.actors.instance import Instance
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # ==== rank desk: one rank's pins ============================================================
@@ -96,24 +98,37 @@ class RankPinDesk:
 
 # ==== instance: the same pages pinned on every TP rank ======================================
 
+class InstancePin(NamedTuple):
+    """One instance's answer to a pin (a msgpack record from its deployment): the pages
+    pinned on every rank (0: the instance does not hold the prefix), or the refusal of the
+    rank short of most room."""
+
+    instance: str
+    outcome: PinOutcome | None = None  # rank 0's (every rank pinned the same pages)
+    refused: PinRefusal | None = None
+
+    @property
+    def pages(self) -> int:
+        """Pages pinned on every rank (0: not held, or refused)."""
+        return self.outcome.pages if self.outcome is not None else 0
+
+
 def pin_on_instance(inst: Instance, name: str, pin_id: str, tokens: Sequence[int], salt: str,
-                    ttl_s: float, max_fraction: float, tenant: str) -> dict:
-    """{"instance", "pages", "device_pages", "host_pages", ...}: the pages pinned on every
-    rank (0: the instance does not hold the prefix), or {"instance", "refused": {
-    "needed_pages", "free_pages", "reason"}} (the rank short of most room)."""
+                    ttl_s: float, max_fraction: float, tenant: str) -> InstancePin:
+    """Pin the prefix on every rank of `inst` (all or none)."""
     tokens = [int(t) for t in tokens]
     ranks = inst.rank_group
     held = min(ranks.pin_held(tokens, salt))
     if held == 0:
-        return {"instance": name, "pages": 0}
+        return InstancePin(name)
     outs = ranks.pin(pin_id, tokens, held, ttl_s, max_fraction, salt, tenant)
     refused = [out for out in outs if isinstance(out, PinRefusal)]
     if refused:
         ranks.unpin(pin_id)
-        worst = max(refused, key=lambda r: r.needed_pages - r.free_pages)
-        return {"instance": name, "refused": worst._asdict()}
+        return InstancePin(name, refused=max(refused,
+                                             key=lambda r: r.needed_pages - r.free_pages))
     inst.quiesce()  # backups written and reported: the namespace publishes the pinned pages
-    return {"instance": name, **outs[0]._asdict()}
+    return InstancePin(name, outs[0])
 
 
 # ==== serve: the ingress's /admin/pin =======================================================
@@ -161,37 +176,38 @@ class PinDesk:
         pid, hashes = pin_id(salt, tokens), keys.page_hashes(tokens, page, salt)
         namespace = await self._namespace()
         held = await self._each(lambda h: h.held.remote(tokens, salt))
-        in_l3 = await self._l3(namespace, "lookup", hashes) if namespace else None
+        in_l3 = await self._l3(lambda c: c.lookup(namespace, hashes)) if namespace else None
         prefilled = max(held.values()) < full and (in_l3 is None or in_l3.hit_pages < full)
         if prefilled:
             await self._prefill(tokens, salt)
         fraction = self.settings.pin_max_fraction
-        results = await self._each(lambda h: h.pin.remote(pid, tokens, salt, ttl_s, fraction,
-                                                          tenant))
-        refused = [r for r in results.values() if "refused" in r]
+        results = {name: unpack_record(InstancePin, raw) for name, raw in (await self._each(
+            lambda h: h.pin.remote(pid, tokens, salt, ttl_s, fraction, tenant))).items()}
+        refused = [r for r in results.values() if r.refused is not None]
         if refused:
             await self._each(lambda h: h.unpin.remote(pid))
-            r = refused[0]["refused"]
-            raise PinRoomError(r["needed_pages"], r["free_pages"],
-                               f"L2 of instance {refused[0]['instance']}", r["reason"])
+            r = refused[0].refused
+            raise PinRoomError(r.needed_pages, r.free_pages,
+                               f"L2 of instance {refused[0].instance}", r.reason)
         l3_pages = None
         if namespace:
             try:
-                l3_pages = await self._l3(namespace, "pin", pid, hashes, ttl_s, fraction, tenant)
+                l3_pages = await self._l3(lambda c: c.pin(namespace, pid, hashes, ttl_s,
+                                                          fraction, tenant))
             except Exception:  # refused (409), or the namespace actor is away (503): no
                 await self._each(lambda h: h.unpin.remote(pid))  # half-made pin stays behind
                 raise
         log.info("pinned %d pages as %s for %.0f s (%s, L3 %s)", full, pid, ttl_s,
-                 {n: r["pages"] for n, r in results.items()}, l3_pages)
+                 {n: r.pages for n, r in results.items()}, l3_pages)
         return {"id": pid, "tenant": tenant, "tokens": full * page, "pages": full,
                 "ttl_s": ttl_s, "prefilled": prefilled,
-                "instances": {n: r["pages"] for n, r in results.items()},
+                "instances": {n: r.pages for n, r in results.items()},
                 "l3_pages": l3_pages}
 
     async def unpin(self, pid: str) -> tuple[int, dict]:
         found = await self._each(lambda h: h.unpin.remote(pid))
         namespace = await self._namespace()
-        in_l3 = await self._l3(namespace, "unpin", pid) if namespace else None
+        in_l3 = await self._l3(lambda c: c.unpin(namespace, pid)) if namespace else None
         if not any(found.values()) and not in_l3:
             raise ApiError(404, f"no pin {pid} (expired, unpinned, or never made); GET "
                                 f"/admin/pin lists them", param="id")
@@ -201,7 +217,7 @@ class PinDesk:
         _, page = await self._key_namespace()
         per_instance = await self._each(lambda h: h.pins.remote())
         namespace = await self._namespace()
-        l3 = await self._l3(namespace, "pins") if namespace else None
+        l3 = await self._l3(lambda c: c.pins(namespace)) if namespace else None
         return merge_pins(per_instance, l3, page, time.time())
 
     # ---- helpers --------------------------------------------------------------------------
@@ -245,16 +261,16 @@ class PinDesk:
             await asyncio.wait_for(handle.storage.remote(), CALL_TIMEOUT_S)).l3
         return None if l3 is None else l3.namespace
 
-    async def _l3(self, namespace: str, method: str, *args: Any) -> Any:
-        """One namespace-actor call (blocking: run off the event loop)."""
-        def call() -> Any:
+    async def _l3(self, call: Callable[[NamespaceClient], T]) -> T:
+        """`call(client)` on the namespace actor's typed client (blocking: run off the event
+        loop)."""
+        def run() -> T:
             import ray
 
-            from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
-            client = NamespaceClient(ray.get_actor(self.settings.l3_actor,
-                                                   namespace=RAY_NAMESPACE))
-            return getattr(client, method)(namespace, *args)
-        return await asyncio.get_running_loop().run_in_executor(None, call)
+            from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE
+            return call(NamespaceClient(ray.get_actor(self.settings.l3_actor,
+                                                      namespace=RAY_NAMESPACE)))
+        return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def _key_namespace(self) -> tuple[KeyNamespace, int]:
         """The instances' page-key namespace and page size (built alike: any one answers)."""

@@ -25,6 +25,7 @@ from kvtier.frontend.placement import RANK_STRATEGY, RankGpus, rank_resources
 from kvtier.frontend.records import AnswerFinal
 from kvtier.frontend.served_model import weight_source
 from kvtier.frontend.settings import ModelChoice, ServeSettings
+from kvtier.messages import pack_record
 
 
 def rank_settings(s: ServeSettings) -> RankSettings:
@@ -77,11 +78,11 @@ class InstanceDeployment(ServedReplica):
 
     # ---- pinned prefixes (the ingress's /admin/pin) ------------------------------------------
     async def pin(self, pin_id: str, tokens: list[int], salt: str, ttl_s: float,
-                  max_fraction: float, tenant: str) -> dict:
-        """Pin the prefix on every rank (actors/pins): the pages pinned, or the
-        refusal with the room missing."""
-        return await self._call(lambda inst: pin_on_instance(
-            inst, self.name, pin_id, tokens, salt, ttl_s, max_fraction, tenant))
+                  max_fraction: float, tenant: str) -> bytes:
+        """Pin the prefix on every rank (actors/pins): an InstancePin record, the pages
+        pinned or the refusal with the room missing."""
+        return pack_record(await self._call(lambda inst: pin_on_instance(
+            inst, self.name, pin_id, tokens, salt, ttl_s, max_fraction, tenant)))
 
     async def held(self, tokens: list[int], salt: str) -> int:
         """Whole pages of the prefix every rank holds (L1 or L2)."""

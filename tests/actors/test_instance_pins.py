@@ -14,12 +14,13 @@ import torch
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.pins import RankPinDesk, pin_on_instance
+from kvtier.actors.pins import InstancePin, RankPinDesk, pin_on_instance
 from kvtier.actors.rank_actor import RankSettings
 from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weight_sources import TinyWeights
+from kvtier.messages import pack_record, unpack_record
 from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
 
 PAGE = 16
@@ -54,7 +55,7 @@ def setup(shared_ray, tmp_path_factory):
         client.shutdown()
 
 
-def pin(inst: Instance, ttl_s: float = 30.0) -> dict:
+def pin(inst: Instance, ttl_s: float = 30.0) -> InstancePin:
     return pin_on_instance(inst, "i0", "p", DOC, "", ttl_s, 0.5, "")
 
 
@@ -63,11 +64,11 @@ def test_every_rank_pins_the_same_pages_or_none(setup):
     inst.generate([DOC + [1, 2, 3]], ONE)
     inst.quiesce()  # L3 backups done: nothing protects the L2 pages any more
     inst.rank_call(1, "drop_cache")  # rank 1 lacks the prefix in L1 and L2 now
-    assert pin(inst)["pages"] == 0
+    assert pin(inst) == InstancePin("i0")
     assert inst.rank_group.pins() == [[], []]  # rank 0 holds it, yet pins nothing alone
     inst.generate([DOC + [4, 5]], ONE)  # both ranks hold it again
     out = pin(inst)
-    assert out["pages"] == 5 and out["host_pages"] == 5, out
+    assert out.pages == 5 and out.outcome.host_pages == 5, out
     per_rank = inst.rank_group.pins()
     assert [[(p["id"], p["pages"], p["host_pages"]) for p in pins] for pins in per_rank] == \
         [[("p", 5, 5)]] * 2
@@ -118,15 +119,15 @@ def test_the_min_of_the_ranks_is_pinned_and_one_refusal_unpins_every_rank():
     ok = PinOutcome("p", 3, 0, 3, 9.0)
     ranks = ScriptedRanks([5, 3], [ok, ok])
     out = pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")
-    assert out == {"instance": "i0", "pin_id": "p", "pages": 3, "device_pages": 0,
-                   "host_pages": 3, "expires_in_s": 9.0}
+    assert out == InstancePin("i0", PinOutcome("p", 3, 0, 3, 9.0))
+    assert unpack_record(InstancePin, pack_record(out)) == out  # as its deployment sends it
     assert ranks.calls[1][:4] == ("pin", "p", DOC, 3)  # every rank pins the MIN: 3 pages
     assert ranks.calls[-1] == ("quiesce",)  # then the backups reach L3
     refusal = PinRefusal(3, 1, "over the share")
     ranks = ScriptedRanks([5, 5], [ok, refusal])
     out = pin_on_instance(ranks, "i0", "p", DOC, "", 9.0, 0.5, "")
-    assert out == {"instance": "i0", "refused": {"needed_pages": 3, "free_pages": 1,
-                                                  "reason": "over the share"}}
+    assert out == InstancePin("i0", refused=PinRefusal(3, 1, "over the share"))
+    assert out.pages == 0 and unpack_record(InstancePin, pack_record(out)) == out
     assert ranks.calls[-1] == ("unpin", "p")  # the rank that pinned lets go too
 
 
