@@ -37,6 +37,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from kvtier.actors.cluster_placement import unplaced_message
+from kvtier.actors.pd.rank_port import RankHandoffCounters
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, Rank, RankSettings,
                                       RankSnapshot, RankStats, create_rank_actor,
                                       pack_rank_settings)
@@ -492,7 +493,7 @@ class Instance:
         writes a hand-off to the decode ranks' `targets` makes; each rank's (bytes, seconds)."""
         return self.rank_group.handoff_raw_write(targets, through_kvtier)
 
-    def handoff_counters(self) -> list[dict]:
+    def handoff_counters(self) -> list[RankHandoffCounters]:
         """Every rank's hand-off counters (transport bytes and pages, reservations, checks)."""
         return self.rank_group.handoff_counters()
 

@@ -34,13 +34,13 @@ from kvtier.actors.l3.namespace_actor import NamespaceClient
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
-from kvtier.messages import pack_record, unpack_record
+from kvtier.messages import pack_record, pack_records, unpack_record, unpack_records
 from kvtier.frontend.openai_requests import ApiError, ApiLimits, check_prompt_tokens
 from kvtier.frontend.pins import PinBody, PinVerb, merge_pins, parse_pin_body, pin_id
 from kvtier.frontend.records import ReplicaDescription, ReplicaStorage, Route
 from kvtier.frontend.settings import ServeSettings
 from kvtier.frontend.tenants import request_salt
-from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
+from kvtier.tiers.cache_pins import PinListing, PinOutcome, PinRefusal
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 
 if TYPE_CHECKING:  # a name only: actors/instance imports the rank actor, which imports this
@@ -74,10 +74,10 @@ class RankPinDesk:
     def unpin(self, pin_id: str) -> bool:
         return self._pins.unpin(pin_id)
 
-    def describe(self) -> list[dict]:
-        """The live pins (a read: pins past their TTL are left out here, dropped by the
-        step's `refresh`)."""
-        return [p for p in self._pins.describe() if p["expires_in_s"] > 0]
+    def describe(self) -> bytes:
+        """The live pins, PinListing records (`pack_records`; a read: pins past their TTL
+        are left out here, dropped by the step's `refresh`)."""
+        return pack_records(p for p in self._pins.describe() if p.expires_in_s > 0)
 
     def figures(self) -> dict:
         """The pins' figures, for metrics (a read)."""
@@ -215,7 +215,8 @@ class PinDesk:
 
     async def list(self) -> list[dict]:
         _, page = await self._key_namespace()
-        per_instance = await self._each(lambda h: h.pins.remote())
+        per_instance = {name: unpack_records(PinListing, b) for name, b in
+                        (await self._each(lambda h: h.pins.remote())).items()}
         namespace = await self._namespace()
         l3 = await self._l3(lambda c: c.pins(namespace)) if namespace else None
         return merge_pins(per_instance, l3, page, time.time())

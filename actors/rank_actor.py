@@ -446,7 +446,8 @@ class Rank:
     def unpin(self, pin_id: str) -> bool:
         return self.pin_desk.unpin(pin_id)
 
-    def pins(self) -> list[dict]:
+    def pins(self) -> bytes:
+        """This rank's live pins: PinListing records (`pack_records`)."""
         return self.pin_desk.describe()
 
     # ---- prefill/decode hand-off (actors/pd/rank_port) -------------------------------------------
@@ -487,9 +488,8 @@ class Rank:
         seconds) (RankHandoffPort.raw_write)."""
         return self.handoff_port.raw_write(targets, through_kvtier)
 
-    def handoff_counters(self) -> dict:
-        """This rank's hand-off counters: the transport's bytes and pages, reservations,
-        verifications."""
+    def handoff_counters(self) -> bytes:
+        """This rank's hand-off counters: a RankHandoffCounters record."""
         return self.handoff_port.counters(self.max_report_bytes)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from kvtier.actors.pd.rank_port import RankHandoffCounters
 from kvtier.actors.rank_actor import CacheDescription, RankSnapshot, RankStats
 from kvtier.actors.step_wire import (StepReport, decode_output, decode_pin, decode_report,
                                      encode_resume, encode_sampling)
@@ -28,8 +29,8 @@ from kvtier.engine.handoff import HandoffTarget, IncomingKV
 from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
-from kvtier.messages import pack_record, unpack_record
-from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
+from kvtier.messages import pack_record, unpack_record, unpack_records
+from kvtier.tiers.cache_pins import PinListing, PinOutcome, PinRefusal
 
 
 class InstanceError(KvtierError, RuntimeError):
@@ -213,9 +214,10 @@ class RankGroup:
     def unpin(self, pin_id: str) -> list[bool]:
         return self._wait([a.unpin.remote(pin_id) for a in self.actors], "calling unpin")
 
-    def pins(self) -> list[list[dict]]:
-        """Each rank's pins (expired ones dropped first)."""
-        return self._wait([a.pins.remote() for a in self.actors], "calling pins")
+    def pins(self) -> list[list[PinListing]]:
+        """Each rank's live pins."""
+        return [unpack_records(PinListing, b) for b in
+                self._wait([a.pins.remote() for a in self.actors], "calling pins")]
 
     # ---- prefill/decode hand-offs ------------------------------------------------------------
     def handoff_open(self, transport: str, staged: bool) -> list[bytes]:
@@ -245,6 +247,7 @@ class RankGroup:
         return self._wait([a.handoff_raw_write.remote(wire, through_kvtier)
                            for a in self.actors], "calling handoff_raw_write")
 
-    def handoff_counters(self) -> list[dict]:
-        return self._wait([a.handoff_counters.remote() for a in self.actors],
-                          "calling handoff_counters")
+    def handoff_counters(self) -> list[RankHandoffCounters]:
+        return [unpack_record(RankHandoffCounters, b) for b in
+                self._wait([a.handoff_counters.remote() for a in self.actors],
+                           "calling handoff_counters")]

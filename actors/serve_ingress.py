@@ -435,7 +435,7 @@ class Ingress:
                                      cached, gen.finish_reason, prompt_tokens, gen.tokens, total,
                                      queue)
         if self.pd_metrics is not None and final is not None and final.pd is not None:
-            self.pd_metrics.observe(gen.answer.instance, final.pd.to_dict())
+            self.pd_metrics.observe(gen.answer.instance, final.pd)
 
     # ---- failures: the client learns what to do and the request id; the log, the details ------
     def _failure_error(self, rid: str, exc: Exception) -> ApiError:

@@ -25,7 +25,7 @@ from kvtier.frontend.placement import RANK_STRATEGY, RankGpus, rank_resources
 from kvtier.frontend.records import AnswerFinal
 from kvtier.frontend.served_model import weight_source
 from kvtier.frontend.settings import ModelChoice, ServeSettings
-from kvtier.messages import pack_record
+from kvtier.messages import pack_record, pack_records
 
 
 def rank_settings(s: ServeSettings) -> RankSettings:
@@ -91,9 +91,10 @@ class InstanceDeployment(ServedReplica):
     async def unpin(self, pin_id: str) -> bool:
         return any(await self._call(lambda inst: inst.rank_group.unpin(pin_id)))
 
-    async def pins(self) -> list[dict]:
-        """Rank 0's pins (every rank pins the same pages); expired ones are dropped first."""
-        return (await self._call(lambda inst: inst.rank_group.pins()))[0]
+    async def pins(self) -> bytes:
+        """Rank 0's live pins (every rank pins the same pages): PinListing records
+        (`pack_records`)."""
+        return pack_records((await self._call(lambda inst: inst.rank_group.pins()))[0])
 
     async def config(self) -> dict:
         """What this instance's ranks run with (rank 0 speaks for them: they are built from

@@ -28,12 +28,15 @@ import json
 import math
 import statistics
 import time
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from kvtier.cli import demo, demo_flags
 from kvtier.cli.shared_flags import add_dtype_flag, add_pd_transport_flag, add_tp_flag
 from kvtier.frontend.pd_settings import PDTransport
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:  # a name only: the actors are imported when a run starts
+    from kvtier.actors.pd.rank_port import RankHandoffCounters
 
 TARGET_TTFT_RATIO = 1.3
 TARGET_TRANSFER_RATIO = 0.8
@@ -82,7 +85,7 @@ class PDSession(NamedTuple):
     mixed: list[tuple[Any, float]]  # each prompt's mixed Output and its TTFT
     pd: list[Any]  # each prompt's PDOutput
     raw_gbps: list[float]  # the bare transport's runs
-    counters: dict  # the prefill rank 0's hand-off counters
+    counters: RankHandoffCounters  # the prefill rank 0's
 
 
 def session(params: demo.DemoParams, transport: str, prompts_of: Callable[[Any, Any], list],
@@ -156,8 +159,9 @@ def run(params: demo.DemoParams, transport: str, requests: int, raw_repeats: int
         "raw_transport_gbps_runs": [round(g, 3) for g in raw],
         "stage_s": stages,
         "transferred_bytes": got[0].transfer_bytes,
-        "transport_bytes_total": counters.get("transport_bytes"),
-        "transport_descriptors_total": counters.get("transport_descriptors"),
+        "transport_bytes_total": counters.transfers.bytes if counters.transfers else None,
+        "transport_descriptors_total": (counters.transfers.descriptors if counters.transfers
+                                        else None),
         "dtype": params.dtype, "dtype_resolved": dtype_name(resolve_here(params.dtype)),
     }
 

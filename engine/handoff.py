@@ -10,7 +10,7 @@ The protocol, one request at a time (each step visible in `HandoffStages`):
              layers runs of (page_size, heads, head_dim) in the pool), into the reserved
              pages over a `HandoffEndpoint` (NIXL or Mooncake), then reports a
              `HandoffSent` with an xxh3 sum per page as it sent it
-  KV-ready   the decode rank sums the pages it received (`page_sums`); the decode ranks
+  KV-ready   the decode rank sums the pages it received (`PageExchange.l1_sums`); the decode ranks
              agree in their step's one MIN collective that every page landed and matched
              (kvtier.engine.admission), and the request starts decoding from its second
              token; on a mismatch any rank saw, every rank recomputes it instead
@@ -24,10 +24,6 @@ arguments or Ray's object store; only these small records do (msgpack records: k
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
-
-import numpy as np
-import torch
-import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.kv_spec import KVSpec
@@ -51,7 +47,7 @@ class HandoffTarget(NamedTuple):
 
 class Staging(NamedTuple):
     """A decode rank's L2 staging pages (`page_head` layout), for prefill ranks of another
-    TP size: they write whole head objects there (kvtier.engine.handoff_staging)."""
+    TP size: they write whole head objects there (kvtier.tiers.page_exchange)."""
 
     base_addr: int
     pool_pages: int
@@ -63,7 +59,7 @@ class HandoffSent(NamedTuple):
 
     handoff_id: str
     ok: bool                 # every page written (False: the decode side must recompute)
-    sums: tuple[int, ...]    # xxh3_64 of each page as sent (page_sums)
+    sums: tuple[int, ...]    # xxh3_64 of each page as sent (PageExchange.l1_sums)
     bytes: int
     descriptors: int
     seconds: float
@@ -117,41 +113,6 @@ def rank_sums(target: HandoffTarget, sent: Sequence[HandoffSent]) -> tuple[int, 
         owners.append((owner, head - owner.heads[0], owner.heads[1] - owner.heads[0]))
     return tuple(s.sums[page * width + index] for page in range(len(target.pages))
                  for s, index, width in owners)
-
-
-def region_bytes(spec: KVSpec) -> int:
-    """One run of a page in an L1 pool: a (page_size, heads, head_dim) block of one layer's
-    K or V."""
-    return spec.page_layer_bytes
-
-
-def pool_regions(spec: KVSpec, base_addr: int, pool_pages: int,
-                 pages: Sequence[int]) -> np.ndarray:
-    """(2 * layers * len(pages), 2) uint64 rows (addr, nbytes) of `pages` in an L1 pool of
-    shape (2, layers, pool_pages, page_size, heads, head_dim) starting at `base_addr`; page
-    by page, and within a page part then layer."""
-    n = region_bytes(spec)
-    ids = np.asarray(pages, dtype=np.uint64)
-    if ids.size and int(ids.max()) >= pool_pages:
-        raise ConfigError(f"page {int(ids.max())} is outside a pool of {pool_pages} pages")
-    runs = np.arange(2 * spec.num_layers, dtype=np.uint64)  # part * layers + layer
-    offsets = (runs[None, :] * np.uint64(pool_pages) + ids[:, None]) * np.uint64(n)
-    rows = np.empty((offsets.size, 2), dtype=np.uint64)
-    rows[:, 0] = offsets.reshape(-1) + np.uint64(base_addr)
-    rows[:, 1] = n
-    return rows
-
-
-def page_sums(kv: torch.Tensor, pages: Sequence[int]) -> tuple[int, ...]:
-    """xxh3_64 of each page's bytes in an L1 pool tensor (2, layers, pages, ...): the same
-    value on both sides of a hand-off when the page arrived whole."""
-    sums = []
-    for page in pages:
-        data = kv[:, :, page].contiguous()
-        if data.device.type != "cpu":
-            data = data.cpu()
-        sums.append(xxhash.xxh3_64_intdigest(data.view(torch.uint8).numpy()))
-    return tuple(sums)
 
 
 def check_handoff_spec(spec: KVSpec) -> None:

@@ -29,7 +29,7 @@ FAILED_WRITE_LINGER_S = 40.0
 
 class Reservation(NamedTuple):
     """What a reservation holds: L1 pages, and L2 staging pages for a prefill instance of
-    another TP size (kvtier.engine.handoff_staging)."""
+    another TP size (kvtier.tiers.page_exchange)."""
 
     pages: list[int]
     staged: list[int]

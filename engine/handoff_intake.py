@@ -13,8 +13,6 @@ import logging
 import time
 from typing import NamedTuple
 
-from kvtier.engine.handoff import page_sums
-from kvtier.engine.handoff_staging import copy_to_device, head_sums
 from kvtier.engine.request import CachedTokens, Request, Resume
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -48,7 +46,7 @@ class HandoffIntake:
             if incoming.staged:
                 got = self._staged(req)
             else:
-                got = page_sums(self.cache.device_pool.kv, incoming.pages)
+                got = self.cache.exchange.l1_sums(incoming.pages)
             bad = sum(a != b for a, b in zip(got, incoming.sums))
             verdict = bad == 0 and len(incoming.sums) == len(got) > 0
             self._counts["pages_verified"] += len(got) - bad
@@ -65,9 +63,9 @@ class HandoffIntake:
         pages are given back here."""
         incoming, cache = req.incoming, self.cache
         heads = range(cache.spec.num_kv_heads)
-        got = head_sums(cache.host_pool, incoming.staged, heads)
+        got = cache.exchange.l2_head_sums(incoming.staged, heads)
         if got == incoming.sums:
-            copy_to_device(cache.host_pool, cache.device_pool, incoming.staged, incoming.pages)
+            cache.exchange.copy_to_l1(incoming.staged, incoming.pages)
         cache.release_host_pages(incoming.staged)
         req.incoming = incoming._replace(staged=())
         return got

@@ -19,14 +19,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-import torch
-
 from kvtier.backends.handoff_base import HandoffTransferError
-from kvtier.engine.handoff import HandoffSent, HandoffTarget, page_sums, pool_regions
-from kvtier.engine.handoff_staging import copy_to_host, head_regions, head_sums
+from kvtier.engine.handoff import HandoffSent, HandoffTarget
 from kvtier.engine.request import FinishReason, Request, pages_for
 from kvtier.errors import KvtierError
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
+from kvtier.tiers.page_exchange import head_regions, pool_regions
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ class HandoffSender:
     `heads`: this rank's KV heads [start, stop) of the model's. A request's targets are every
     decode rank's: with the same heads as this rank (equal TP sizes) its L1 pages go to that
     rank's L1 pages; otherwise its pages are staged through L2 (`page_head`) and each head
-    object goes to the decode rank holding that head (kvtier.engine.handoff_staging)."""
+    object goes to the decode rank holding that head (kvtier.tiers.page_exchange)."""
 
     def __init__(self, endpoint: Any, cache: HierarchicalCache, heads: tuple[int, int],
                  timeout_s: float = TRANSFER_TIMEOUT_S,
@@ -51,18 +49,18 @@ class HandoffSender:
         """`clock`: wall-clock seconds, what `HandoffTarget.write_by` is in (tests inject
         one)."""
         self.endpoint, self.cache, self.timeout_s = endpoint, cache, timeout_s
-        self.pool, self.heads, self.clock = cache.device_pool, heads, clock
-        kv = self.pool.kv
-        endpoint.register(kv.data_ptr(), kv.numel() * kv.element_size(), str(kv.device))
+        self.pages, self.heads, self.clock = cache.exchange, heads, clock
+        l1 = self.pages.l1
+        endpoint.register(l1.addr, l1.nbytes, l1.device)
         self._host_registered: int | None = None
         self._sent: set[int] = set()  # handed-off requests seen, while they are handed off
 
     def register_host(self) -> None:
         """Let peers of another TP size stage through this rank's L2 (`page_head`)."""
-        kv = self.cache.host_pool.kv
-        if self._host_registered != kv.data_ptr():
-            self.endpoint.register(kv.data_ptr(), kv.numel() * kv.element_size(), "cpu")
-            self._host_registered = kv.data_ptr()
+        l2 = self.pages.l2
+        if self._host_registered != l2.addr:
+            self.endpoint.register(l2.addr, l2.nbytes, l2.device)
+            self._host_registered = l2.addr
 
     def send_new(self, handed: Iterable[Request]) -> list[HandoffSent]:
         """Transfer every request in `handed` (all the scheduler's handed-off requests) not
@@ -92,9 +90,8 @@ class HandoffSender:
         targets = req.handoff_to
         assert targets
         hid = targets[0].handoff_id
-        pages = req.pages[:pages_for(len(req.prompt), self.pool.spec.page_size)]
-        if self.pool.kv.is_cuda:  # the prefill's writes must land before the NIC reads them
-            torch.cuda.current_stream(self.pool.kv.device).synchronize()
+        pages = req.pages[:pages_for(len(req.prompt), self.cache.spec.page_size)]
+        self.pages.settle_l1()  # the prefill's writes must land before the NIC reads them
         failed = HandoffSent(hid, False, (), 0, 0, 0.0, "", self.heads)
         try:
             for t in targets:  # none is written when any is late (nothing to copy either)
@@ -127,19 +124,17 @@ class HandoffSender:
         head objects of the L2 `staging` pages the L1 pages were copied to."""
         straight = self._straight(targets)
         if straight is not None:
-            spec, kv = self.pool.spec, self.pool.kv
-            return [(straight, pool_regions(spec, kv.data_ptr(), self.pool.num_pages, pages),
-                     pool_regions(spec, straight.base_addr, straight.pool_pages,
+            return [(straight, self.pages.l1_regions(pages),
+                     pool_regions(self.cache.spec, straight.base_addr, straight.pool_pages,
                                   straight.pages))]
-        host, spec, (lo, hi) = self.cache.host_pool, self.cache.spec, self.heads
+        spec, (lo, hi) = self.cache.spec, self.heads
         writes = []
         for t in targets:
             t_lo, t_hi = t.heads
             heads = range(max(lo, t_lo), min(hi, t_hi))
             if not heads or t.staging is None:
                 continue
-            local = head_regions(spec, hi - lo, host.kv.data_ptr(), host.num_pages, staging,
-                                 [h - lo for h in heads])
+            local = self.pages.l2_head_regions(hi - lo, staging, [h - lo for h in heads])
             remote = head_regions(spec, t_hi - t_lo, t.staging.base_addr, t.staging.pool_pages,
                                   t.staging.pages, [h - t_lo for h in heads])
             writes.append((t, local, remote))
@@ -171,7 +166,7 @@ class HandoffSender:
         """Equal TP sizes: L1 pages into the decode rank's L1 pages, in one write."""
         ((target, local, remote),) = self.plan(targets, pages)
         wrote = self.endpoint.write(target.peer, local, remote, self._time_left_s(target))
-        return HandoffSent(target.handoff_id, True, page_sums(self.pool.kv, pages), wrote.bytes,
+        return HandoffSent(target.handoff_id, True, self.pages.l1_sums(pages), wrote.bytes,
                            wrote.descriptors, wrote.seconds, "", self.heads)
 
     def _send_staged(self, targets: Sequence[HandoffTarget], pages: list[int]) -> HandoffSent:
@@ -184,7 +179,7 @@ class HandoffSender:
             raise HandoffTransferError(f"no L2 room to stage {len(pages)} pages; raise "
                                        f"--hicache-ratio on the prefill instances")
         try:
-            copy_to_host(self.pool, cache.host_pool, pages, staging)
+            self.pages.copy_to_l2(pages, staging)
             nbytes = descriptors = 0
             seconds = 0.0
             for t, local, remote in self.plan(targets, pages, staging):
@@ -192,7 +187,7 @@ class HandoffSender:
                 nbytes += wrote.bytes
                 descriptors += wrote.descriptors
                 seconds += wrote.seconds
-            sums = head_sums(cache.host_pool, staging, range(hi - lo))
+            sums = self.pages.l2_head_sums(staging, range(hi - lo))
         finally:
             cache.release_host_pages(staging)
         return HandoffSent(targets[0].handoff_id, True, sums, nbytes, descriptors, seconds, "",

@@ -9,12 +9,11 @@ registry and carry its `kvtier_instance` label.
 """
 from __future__ import annotations
 
-from typing import Mapping
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvtier.engine.handoff import HandoffStages
 from kvtier.frontend.metrics import LABEL, PREFIX
+from kvtier.frontend.records import PDReport
 
 STAGES = tuple(name.removesuffix("_s") for name in HandoffStages._fields)
 MODES = ("handoff", "recomputed", "mixed")
@@ -50,11 +49,11 @@ class PDMetrics:
         for mode in MODES:
             self._requests.labels(instance, mode)
 
-    def observe(self, instance: str, pd: Mapping) -> None:
+    def observe(self, instance: str, pd: PDReport) -> None:
         """One finished request's `kvtier.pd` field (openai_responses.pd_field)."""
-        for name, seconds in pd["stages"].items():
+        for name, seconds in pd.stages.items():
             if seconds is not None:
                 self._stages.labels(instance, name.removesuffix("_s")).observe(max(0.0, seconds))
-        self._bytes.labels(instance, pd["transport"]).inc(max(0, pd["transfer_bytes"]))
-        self._pages.labels(instance, pd["transport"]).inc(max(0, pd["transfer_pages"]))
-        self._requests.labels(instance, pd["mode"]).inc()
+        self._bytes.labels(instance, pd.transport).inc(max(0, pd.transfer_bytes))
+        self._pages.labels(instance, pd.transport).inc(max(0, pd.transfer_pages))
+        self._requests.labels(instance, pd.mode).inc()

@@ -17,7 +17,8 @@ from typing import Any, Mapping, NamedTuple
 
 from kvtier.frontend.admin import MAX_ADMIN_BODY, parse_admin_body
 from kvtier.frontend.openai_requests import ApiError, ChatMessage, parse_messages
-from kvtier.tiers.page_pins import MAX_PIN_TTL_S
+from kvtier.tiers.cache_pins import PinListing
+from kvtier.tiers.page_pins import MAX_PIN_TTL_S, L3PinListing
 
 PIN_FIELDS = ("tokens", "messages", "tenant", "cache_salt", "ttl_s")
 MAX_TOKEN_ID = 1 << 32
@@ -114,28 +115,30 @@ def pin_id(salt: str, tokens: tuple[int, ...] | list[int]) -> str:
     return h.hexdigest()[:16]
 
 
-def merge_pins(instances: Mapping[str, list[dict]], l3: list[dict] | None,
+def merge_pins(instances: Mapping[str, list[PinListing]], l3: list[L3PinListing] | None,
                page_size: int, now_s: float) -> list[dict]:
-    """One entry per pin id from each instance's pins and the L3 namespace's: its tenant,
-    tokens and pages, its latest expiry (seconds from now, and as a Unix time from `now_s`),
-    and the tiers holding it (per instance: pages in L1 and L2; L3: pages)."""
+    """/admin/pin's listing (JSON): one entry per pin id from each instance's pins and the L3
+    namespace's: its tenant, tokens and pages, its latest expiry (seconds from now, and as a
+    Unix time from `now_s`), and the tiers holding it (per instance: pages in L1 and L2; L3:
+    pages)."""
     merged: dict[str, dict] = {}
 
-    def entry(pin: dict) -> dict:
-        e = merged.setdefault(pin["id"], {"id": pin["id"], "tenant": pin["tenant"],
-                                          "pages": 0, "tokens": 0, "expires_in_s": 0.0,
-                                          "instances": {}, "l3_pages": None})
-        e["pages"] = max(e["pages"], pin["pages"])
+    def entry(pin: PinListing | L3PinListing) -> dict:
+        e = merged.setdefault(pin.pin_id, {"id": pin.pin_id, "tenant": pin.tenant,
+                                           "pages": 0, "tokens": 0, "expires_in_s": 0.0,
+                                           "instances": {}, "l3_pages": None})
+        e["pages"] = max(e["pages"], pin.pages)
         e["tokens"] = e["pages"] * page_size
-        e["expires_in_s"] = max(e["expires_in_s"], pin["expires_in_s"])
+        e["expires_in_s"] = max(e["expires_in_s"], pin.expires_in_s)
         return e
 
     for name, pins in instances.items():
         for pin in pins:
-            entry(pin)["instances"][name] = {k: pin[k] for k in ("device_pages", "host_pages",
-                                                                 "expires_in_s")}
-    for pin in l3 or ():
-        entry(pin)["l3_pages"] = pin["pages"]
+            entry(pin)["instances"][name] = {"device_pages": pin.device_pages,
+                                             "host_pages": pin.host_pages,
+                                             "expires_in_s": pin.expires_in_s}
+    for l3_pin in l3 or ():
+        entry(l3_pin)["l3_pages"] = l3_pin.pages
     for e in merged.values():
         e["expires_at"] = round(now_s + e["expires_in_s"], 3)
     return sorted(merged.values(), key=lambda e: e["id"])

@@ -173,6 +173,20 @@ def unpack_record(cls: type[T], data: bytes) -> T:
     return record_from_map(cls, unpack_payload(cls.__name__, data))
 
 
+def pack_records(records: typing.Iterable[Any]) -> bytes:
+    """A list of records of one type as msgpack bytes (a listing: pins, ...)."""
+    return msgpack.packb([record_to_map(r) for r in records], use_bin_type=True)
+
+
+def unpack_records(cls: type[T], data: bytes) -> list[T]:
+    """The records of type `cls` in msgpack bytes from `pack_records`, each checked."""
+    items = unpack_payload(f"list of {cls.__name__}", data)
+    if type(items) is not list:
+        raise MessageError(f"expected a list of {cls.__name__} records, got "
+                           f"{type(items).__name__}")
+    return [record_from_map(cls, item) for item in items]
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # resolving string annotations costs ~50 us: once

@@ -53,6 +53,17 @@ class PinRefusal(NamedTuple):
     reason: str
 
 
+class PinListing(NamedTuple):
+    """One pin of a rank's cache, as /admin/pins lists it: where its pages are now."""
+
+    pin_id: str
+    tenant: str
+    pages: int
+    expires_in_s: float  # 0 once lapsed (dropped by the next `expire`)
+    device_pages: int    # of its path's pages, those in L1
+    host_pages: int      # and in L2
+
+
 class PinOutcome(NamedTuple):
     """A pin made (or refreshed): its pages and where they are now."""
 
@@ -117,15 +128,13 @@ class CachePins:
     def limit_pages(self, max_fraction: float) -> int:
         return int(max_fraction * self.host_pages)
 
-    def describe(self) -> list[dict]:
+    def describe(self) -> list[PinListing]:
         now = self.clock()
-        return [{"id": p.pin_id, "tenant": p.tenant, "pages": p.pages,
-                 "tokens": p.pages * self.tree.page_size,
-                 "expires_in_s": round(max(0.0, p.expires_at - now), 3),
-                 "device_pages": sum(len(n.value) for n in p.node.path_to_root()
-                                     if n.value is not None),
-                 "host_pages": sum(len(n.host_value) for n in p.node.path_to_root()
-                                   if n.host_value is not None)}
+        return [PinListing(p.pin_id, p.tenant, p.pages, round(max(0.0, p.expires_at - now), 3),
+                           sum(len(n.value) for n in p.node.path_to_root()
+                               if n.value is not None),
+                           sum(len(n.host_value) for n in p.node.path_to_root()
+                               if n.host_value is not None))
                 for p in self._pins.values()]
 
     # ---- pin / unpin -----------------------------------------------------------------------

@@ -45,6 +45,7 @@ from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_copies import HostCopies
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
+from kvtier.tiers.page_exchange import PageExchange
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_kv import SlidingKV
 from kvtier.tiers.sliding_l3 import SlidingL3
@@ -92,6 +93,7 @@ class HierarchicalCache:
                                               ratio=config.hicache_ratio or 0.0, size_gb=size_gb)
                           if self.hierarchical else HostPool(spec, 1, config.mem_layout))
         self.controller = CacheController(self.device_pool, self.host_pool, config.io_backend)
+        self.exchange = PageExchange(self.device_pool, self.host_pool)  # for a hand-off
         self.tree = HiRadixTree(
             spec.page_size, self.device_pool.allocator, self.host_pool.allocator,
             write_back=self._write_back if (self.hierarchical and config.write_policy is

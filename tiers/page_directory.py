@@ -39,6 +39,7 @@ from kvtier.kv_spec import HeadRange
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, NamespaceInfo,
                              NamespaceSpec)
 from kvtier.tiers.directory_state import Lease as _Lease, NamespaceState
+from kvtier.tiers.page_pins import L3PinListing
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
 from kvtier.tiers.page_store import BackendPageStore, PageStore
 
@@ -277,7 +278,7 @@ class PageDirectory:
         """Hits elsewhere (an instance's L2) extend these pins; how many exist."""
         return self._get(ns).pins.refresh(pin_ids, self._expire())
 
-    def pins(self, ns: str) -> list[dict]:
+    def pins(self, ns: str) -> list[L3PinListing]:
         state = self._get(ns)
         return state.pins.describe(self._expire(), state.published)
 

@@ -12,7 +12,7 @@ Plain Python, no Ray, not thread-safe: the directory's owner serializes calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 from kvtier.errors import CacheUsageError, PinRoomError
 
@@ -27,6 +27,15 @@ def check_ttl(ttl_s: object) -> float:
         raise CacheUsageError(f"ttl_s must be a number of seconds in (0, {MAX_PIN_TTL_S:.0f}], "
                               f"got {ttl_s!r}")
     return float(ttl_s)
+
+
+class L3PinListing(NamedTuple):
+    """One pin of an L3 namespace, as /admin/pins lists it."""
+
+    pin_id: str
+    tenant: str
+    pages: int           # its pages still published
+    expires_in_s: float  # 0 once lapsed (dropped at the next pass)
 
 
 @dataclass
@@ -105,9 +114,9 @@ class NamespacePins:
         self.expired_total += len(gone)
         return gone
 
-    def describe(self, now: float, published: Collection[str]) -> list[dict]:
-        return [{"id": i, "tenant": p.tenant, "pages": sum(1 for h in p.hashes if h in published),
-                 "expires_in_s": round(max(0.0, p.expires_at - now), 3)}
+    def describe(self, now: float, published: Collection[str]) -> list[L3PinListing]:
+        return [L3PinListing(i, p.tenant, sum(1 for h in p.hashes if h in published),
+                             round(max(0.0, p.expires_at - now), 3))
                 for i, p in self._pins.items()]
 
     def clear(self) -> None:

@@ -29,8 +29,9 @@ from kvtier.kv_spec import HeadRange
 from kvtier.errors import PinRoomError
 from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
                              MissingReport, NamespaceInfo, NamespaceSpec, PinGrant, PinRequest,
-                             StoredReport)
+                             StoredReport, unpack_records)
 from kvtier.tiers.page_directory import PageDirectory
+from kvtier.tiers.page_pins import L3PinListing
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,8 @@ class _Client:
         """Hits in an instance's L2 extend these pins in L3 too."""
         return int(self._call("refresh_pins", ns, list(pin_ids)))
 
-    def pins(self, ns: str) -> list[dict]:
-        return list(self._call("pins", ns))
+    def pins(self, ns: str) -> list[L3PinListing]:
+        return unpack_records(L3PinListing, self._call("pins", ns))
 
     def masters(self) -> dict[str, int]:
         """The pid of each Mooncake master the actor runs, by namespace (on its node)."""

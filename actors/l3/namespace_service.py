@@ -36,7 +36,7 @@ from kvtier.backends.shared_root import ensure_marker, shared_root_dir
 from kvtier.errors import KvtierError, PinRoomError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import (LookupRequest, MissingReport, NamespaceInfo, NamespaceSpec,
-                             PinGrant, PinRequest, StoredReport)
+                             PinGrant, PinRequest, StoredReport, pack_records)
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import MooncakeOptions
 from kvtier.tiers.page_directory import PageDirectory
@@ -176,9 +176,10 @@ class NamespaceService:
         with self._lock:
             return self._poke(self.directory.refresh_pins(str(ns), [str(i) for i in pin_ids]))
 
-    def pins(self, ns: str) -> list[dict]:
+    def pins(self, ns: str) -> bytes:
+        """The namespace's pins: L3PinListing records (`pack_records`)."""
         with self._lock:  # (lapsing pins may leave the namespace over its quota: a pass)
-            return self._poke(self.directory.pins(str(ns)))
+            return self._poke(pack_records(self.directory.pins(str(ns))))
 
     # ---- eviction -------------------------------------------------------------------------
     def run_pass(self) -> PassResult:

@@ -12,17 +12,34 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from kvtier.actors.step_wire import decode_sampling
+from kvtier.backends.handoff_base import HandoffCounters
 from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, Staging
-from kvtier.engine.handoff_desk import DEFAULT_HOLD_S
+from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, DeskCounters
+from kvtier.engine.handoff_intake import IntakeCounters
 from kvtier.engine.handoff_sender import HandoffSender
 from kvtier.engine.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.messages import pack_record, unpack_record
+from kvtier.policies import HandoffTransportKind
 
 log = logging.getLogger(__name__)
+
+
+class RankHandoffCounters(NamedTuple):
+    """One rank's hand-off counters (`Instance.handoff_counters`): totals since it started,
+    and what it holds now (all 0 once every hand-off is over)."""
+
+    desk: DeskCounters            # the decode side's reservations
+    intake: IntakeCounters        # the decode side's checks of received KV
+    reserved_pages: int           # L1 pages reserved for hand-offs now
+    handed_requests: int          # prefill requests handed off, not released yet
+    sent_unreleased: int          # of those, sent
+    max_report_bytes: int         # the largest step report through Ray
+    transport: HandoffTransportKind | None  # None: no endpoint open
+    transfers: HandoffCounters | None       # the endpoint's writes
 
 
 class RankHandoffPort:
@@ -39,7 +56,6 @@ class RankHandoffPort:
         size, so hand-offs go through L2 in `page_head` (relaid out here if needed) and L2 is
         registered too."""
         from kvtier.backends.handoff_registry import open_endpoint
-        from kvtier.policies import HandoffTransportKind
 
         kind = HandoffTransportKind.parse(transport, "--pd-transport")
         if self._endpoint is not None and self._endpoint.kind is not kind:
@@ -66,11 +82,10 @@ class RankHandoffPort:
         if held is None:
             return None
         cache = self.engine.cache
-        pool, host = cache.device_pool, cache.host_pool
-        staging = Staging(host.kv.data_ptr(), host.num_pages, tuple(held.staged)) \
-            if staged else None
+        l1, l2 = cache.exchange.l1, cache.exchange.l2
+        staging = Staging(l2.addr, l2.num_pages, tuple(held.staged)) if staged else None
         return pack_record(HandoffTarget(
-            handoff_id, endpoint.address(), pool.kv.data_ptr(), pool.num_pages,
+            handoff_id, endpoint.address(), l1.addr, l1.num_pages,
             tuple(held.pages), time.time() + hold_s / 2, (cache.heads.start, cache.heads.stop),
             staging))
 
@@ -123,22 +138,16 @@ class RankHandoffPort:
         return self.sender.raw_writes([unpack_record(HandoffTarget, t) for t in targets],
                                        through_kvtier)
 
-    def counters(self, max_report_bytes: int) -> dict:
-        """This rank's hand-off counters: the transport's bytes and pages, reservations,
-        verifications; `max_report_bytes`: the rank's largest step report (through Ray)."""
-        out: dict[str, Any] = {
-            **{f"desk_{k}": v for k, v in self.engine.handoffs.counters._asdict().items()},
-            **{f"intake_{k}": v for k, v in
-               self.engine.scheduler.admission.handoffs.counters._asdict().items()},
-            "reserved_pages": self.engine.handoffs.held_pages,
-            "max_report_bytes": max_report_bytes,  # through Ray, per step
-            "handed_requests": len(self.engine.scheduler.handed),
-            "sent_unreleased": self.sender.unreleased if self.sender is not None else 0}
-        if self._endpoint is not None:
-            out["transport"] = self._endpoint.kind.value
-            out.update({f"transport_{k}": v for k, v in
-                        self._endpoint.counters._asdict().items()})
-        return out
+    def counters(self, max_report_bytes: int) -> bytes:
+        """This rank's hand-off counters, a RankHandoffCounters record; `max_report_bytes`:
+        the rank's largest step report (through Ray)."""
+        endpoint = self._endpoint
+        return pack_record(RankHandoffCounters(
+            self.engine.handoffs.counters, self.engine.scheduler.admission.handoffs.counters,
+            self.engine.handoffs.held_pages, len(self.engine.scheduler.handed),
+            self.sender.unreleased if self.sender is not None else 0, max_report_bytes,
+            endpoint.kind if endpoint is not None else None,
+            endpoint.counters if endpoint is not None else None))
 
     def _need_endpoint(self) -> Any:
         if self._endpoint is None:

@@ -20,8 +20,8 @@ from kvtier.config import HiCacheConfig
 from kvtier.cli.demo import namespace_spec
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weight_sources import TinyWeights
-from kvtier.messages import pack_record, unpack_record
-from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
+from kvtier.messages import pack_record, unpack_record, unpack_records
+from kvtier.tiers.cache_pins import PinListing, PinOutcome, PinRefusal
 
 PAGE = 16
 SOURCE = TinyWeights(seed=5)
@@ -70,7 +70,7 @@ def test_every_rank_pins_the_same_pages_or_none(setup):
     out = pin(inst)
     assert out.pages == 5 and out.outcome.host_pages == 5, out
     per_rank = inst.rank_group.pins()
-    assert [[(p["id"], p["pages"], p["host_pages"]) for p in pins] for pins in per_rank] == \
+    assert [[(p.pin_id, p.pages, p.host_pages) for p in pins] for pins in per_rank] == \
         [[("p", 5, 5)]] * 2
     assert client.pin(ns, "p", hashes, 30.0, 0.5) == 5  # published: the backups were waited for
     inst.drop_cache()  # an operator's flush: pinned pages stay in L2
@@ -85,7 +85,7 @@ def test_an_l2_hit_extends_the_l3_pin(setup):
     assert out.lengths.prefix_len + out.lengths.host_loaded_length == 5 * PAGE  # from L1/L2
     # rank 0's step told the namespace actor which pins the hit extended (no read needed)
     [after] = client.pins(ns)
-    assert after["expires_in_s"] > before["expires_in_s"] - 0.75, (before, after)
+    assert after.expires_in_s > before.expires_in_s - 0.75, (before, after)
     assert all(a["locked_nodes"] == a["protected_nodes"] == 0
                for a in inst.rank_group.audit())  # pins are neither locks nor leaks
 
@@ -138,8 +138,8 @@ class _Pins:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def describe(self) -> list[dict]:
-        return [{"id": "live", "expires_in_s": 4.0}, {"id": "lapsed", "expires_in_s": 0.0}]
+    def describe(self) -> list[PinListing]:
+        return [PinListing("live", "", 1, 4.0, 1, 1), PinListing("lapsed", "", 1, 0.0, 0, 1)]
 
     def pinned_pages(self) -> tuple[int, int, int]:
         return 3, 1, 2
@@ -164,7 +164,8 @@ def _rank_pins(rank: int) -> tuple[RankPinDesk, _Pins, list[tuple]]:
 
 def test_pin_reads_change_nothing_and_the_step_extends_l3_pins():
     rp, pins, l3_calls = _rank_pins(0)
-    assert [p["id"] for p in rp.describe()] == ["live"]  # the lapsed one is left out
+    assert [p.pin_id for p in unpack_records(PinListing, rp.describe())] == ["live"]  # the
+    # lapsed one is left out
     assert rp.figures() == {"pins": 2, "device_pages": 1, "host_pages": 2}
     assert pins.calls == [] and l3_calls == []  # reads: no expiry, no call to L3
     rp.refresh()  # the step's upkeep

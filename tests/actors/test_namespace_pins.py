@@ -28,7 +28,7 @@ def test_pin_unpin_refresh_and_list_through_the_client():
         assert (err.value.needed_pages, err.value.free_pages) == (3, 1)
         assert client.refresh_pins(ns, ["pa"]) == 1
         [listed] = client.pins(ns)
-        assert (listed["id"], listed["tenant"], listed["pages"]) == ("pa", "acme", 3)
+        assert (listed.pin_id, listed.tenant, listed.pages) == ("pa", "acme", 3)
         stats = client.stats(ns)
         assert (stats.pins, stats.pinned_pages) == (1, 3)
         client.report_stored(ns, [h(i, "c") for i in range(8)], HeadRange.of_rank(1))  # quota pressure

@@ -49,7 +49,7 @@ def _held(*instances) -> list:
     """Whatever is held outside the caches' trees: rank audits, hand-off counters."""
     audits = [a for inst in instances for a in inst.rank_group.audit() if any(a.values())]
     return audits + [c for inst in instances for c in inst.handoff_counters()
-                     if c["reserved_pages"] or c["handed_requests"] or c["sent_unreleased"]] \
+                     if c.reserved_pages or c.handed_requests or c.sent_unreleased] \
         + [f"{inst.handed_requests} handed-off requests" for inst in instances
            if inst.handed_requests]
 
@@ -104,14 +104,14 @@ def test_pd_answers_equal_mixed_and_bytes_go_through_the_transport(
         page_bytes = d.describe().page_bytes  # over every KV head
         pages = sum(pages_for(len(t), PAGE) for t in PROMPTS)
         for c in p.handoff_counters():  # each prefill rank moved its heads' share, no more
-            assert c["transport"] == transport
-            assert c["transport_bytes"] == pages * page_bytes // prefill_tp
+            assert c.transport.value == transport
+            assert c.transfers.bytes == pages * page_bytes // prefill_tp
         for c in d.handoff_counters():
-            assert c["intake_adopted"] == len(PROMPTS)
+            assert c.intake.adopted == len(PROMPTS)
         assert sum(o.transfer_bytes for o in outs) == pages * page_bytes
         # ...and none through Ray: no step report of either side carried even one page
         for c in p.handoff_counters() + d.handoff_counters():
-            assert 0 < c["max_report_bytes"] < page_bytes // max(prefill_tp, decode_tp)
+            assert 0 < c.max_report_bytes < page_bytes // max(prefill_tp, decode_tp)
         _no_leaks(p, d)
 
 
@@ -137,8 +137,8 @@ def test_corrupt_page_on_one_rank_makes_every_rank_recompute(instance_factory, m
         assert p.release_handoff(pid)
         assert out.tokens == mixed_answers[0]
         counters = d.handoff_counters()
-        assert [c["intake_recomputed"] for c in counters] == [1, 1]
-        assert [c["intake_pages_corrupt"] for c in counters] == [0, 1]
+        assert [c.intake.recomputed for c in counters] == [1, 1]
+        assert [c.intake.pages_corrupt for c in counters] == [0, 1]
         _no_leaks(p, d)
 
 
@@ -185,7 +185,7 @@ def test_prefill_past_its_write_deadline_leaves_the_decode_side_to_recompute(
                 break
         assert outs[0].request_id == rid and outs[0].mode is PDMode.RECOMPUTED
         assert outs[0].tokens == mixed_answers[0]
-        assert p.handoff_counters()[0]["transport_bytes"] == 0
+        assert p.handoff_counters()[0].transfers.bytes == 0
         _no_leaks(p, d, settle=True)
 
 
@@ -270,7 +270,7 @@ def test_transfer_timeout_on_one_prefill_rank_makes_the_decode_side_recompute(
         assert [o.tokens for o in outs] == mixed_answers[:2]
         assert [o.mode for o in outs] == [PDMode.RECOMPUTED, PDMode.HANDOFF]
         # the timed-out write's target pages are held for the linger, then freed
-        assert any(c["reserved_pages"] for c in d.handoff_counters())
+        assert any(c.reserved_pages for c in d.handoff_counters())
         _no_leaks(p, d, settle=True)
 
 
@@ -339,9 +339,9 @@ def test_a_request_its_prefill_ends_moves_no_kv(instance_factory, mixed_answers)
         assert outs[ids[0]].tokens == mixed_answers[1][:1] and outs[ids[0]].mode is PDMode.MIXED
         assert outs[ids[1]].tokens == mixed_answers[0][:1]
         assert outs[ids[1]].finish_reason.value == "stop"
-        assert p.handoff_counters()[0]["transport_bytes"] == 0
-        (desk,) = d.handoff_counters()
-        assert (desk["desk_reserved"], desk["desk_cancelled"]) == (1, 1)
+        assert p.handoff_counters()[0].transfers.bytes == 0
+        (counters,) = d.handoff_counters()
+        assert (counters.desk.reserved, counters.desk.cancelled) == (1, 1)
         _no_leaks(p, d)
 
 

@@ -36,7 +36,7 @@ def no_leaks(driver: PDDriver) -> None:
         for audit in inst.rank_group.audit():
             assert not any(audit.values()), audit
         for c in inst.handoff_counters():
-            assert c["reserved_pages"] == 0 and c["handed_requests"] == 0, c
+            assert c.reserved_pages == 0 and c.handed_requests == 0, c
 
 
 def run(driver: PDDriver, rid: int, steps: int = 500):

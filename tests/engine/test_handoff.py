@@ -12,8 +12,7 @@ from cache_builder import build_cache
 
 from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.engine.engine import Engine
-from kvtier.engine.handoff import (HandoffTarget, IncomingKV, Staging, page_sums, pool_regions,
-                                   rank_sums)
+from kvtier.engine.handoff import HandoffTarget, IncomingKV, Staging, rank_sums
 from kvtier.engine.handoff_sender import HandoffSender
 from kvtier.engine.request import FinishReason
 from kvtier.engine.sampling import SamplingParams
@@ -278,7 +277,7 @@ def test_regions_cover_each_page_once(tiny):
     spec = tiny.kv_spec(PAGE)
     with build_cache(spec, 8, model="tiny") as cache:
         kv = cache.device_pool.kv
-        rows = pool_regions(spec, kv.data_ptr(), 8, [3, 0])
+        rows = cache.exchange.l1_regions([3, 0])
         assert len(rows) == 2 * 2 * spec.num_layers
         assert int(rows[:, 1].sum()) == 2 * spec.page_bytes
         kv[:, :, 3] = 1.5
@@ -287,7 +286,7 @@ def test_regions_cover_each_page_once(tiny):
         for addr, n in rows[: len(rows) // 2].tolist():
             part = view[addr - base: addr - base + n].view(kv.dtype)
             assert torch.all(part == 1.5)
-        assert page_sums(kv, [3]) != page_sums(kv, [0])
+        assert cache.exchange.l1_sums([3]) != cache.exchange.l1_sums([0])
 
 
 def test_abort_before_adoption_frees_the_received_pages(tiny):

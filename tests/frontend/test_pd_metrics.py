@@ -10,6 +10,7 @@ from kvtier.engine.handoff import HandoffStages
 from kvtier.frontend import openai_responses as out
 from kvtier.frontend.metrics import ServeMetrics
 from kvtier.frontend.pd_metrics import MODES, STAGES, PDMetrics
+from kvtier.frontend.records import PDReport
 
 CACHED = {"device": 0, "host": 0, "storage": 32}
 LENGTHS = {"prefix_len": 0, "host_hit_length": 32, "host_loaded_length": 32,
@@ -53,10 +54,11 @@ def test_metrics_per_stage_transport_and_mode():
     for mode in MODES:
         assert before[("kvtier_pd_requests_total",
                        (("kvtier_instance", "pd"), ("mode", mode)))] == 0
-    pd.observe("pd", handed_off(transfer_s=0.002))
-    pd.observe("pd", handed_off(transfer_s=3.0))  # a slow transfer stands out
-    pd.observe("pd", out.pd_field("mixed", "nixl", "prefill-0", None,
-                                  HandoffStages(bootstrap_s=0.001, prefill_s=0.2), 0, 0))
+    pd.observe("pd", PDReport(**handed_off(transfer_s=0.002)))
+    pd.observe("pd", PDReport(**handed_off(transfer_s=3.0)))  # a slow transfer stands out
+    pd.observe("pd", PDReport(**out.pd_field("mixed", "nixl", "prefill-0", None,
+                                             HandoffStages(bootstrap_s=0.001, prefill_s=0.2),
+                                             0, 0)))
     got = samples(m)
     label = (("kvtier_instance", "pd"), ("transport", "nixl"))
     assert got[("kvtier_pd_transferred_bytes_total", label)] == 2 * 12288

@@ -11,7 +11,8 @@ from kvtier.frontend.metrics import ServeMetrics
 from kvtier.frontend.openai_requests import ApiError
 from kvtier.frontend.pins import merge_pins, parse_pin_body, pin_id
 from kvtier.frontend.settings import ServeSettings
-from kvtier.tiers.page_pins import MAX_PIN_TTL_S
+from kvtier.tiers.cache_pins import PinListing
+from kvtier.tiers.page_pins import MAX_PIN_TTL_S, L3PinListing
 
 GOOD = {"tokens": [1, 2, 3], "ttl_s": 60}
 
@@ -92,11 +93,9 @@ def test_a_pin_id_names_the_salt_and_the_tokens():
 
 
 def test_the_listing_merges_instances_and_l3():
-    pin = {"id": "p", "tenant": "", "pages": 3, "expires_in_s": 5.0, "device_pages": 1,
-           "host_pages": 3}
+    pin = PinListing("p", "", 3, 5.0, device_pages=1, host_pages=3)
     merged = merge_pins({"instance-0": [pin], "instance-1": []},
-                        [{"id": "p", "tenant": "", "pages": 3, "expires_in_s": 9.0},
-                         {"id": "q", "tenant": "acme", "pages": 2, "expires_in_s": 1.0}], 16,
+                        [L3PinListing("p", "", 3, 9.0), L3PinListing("q", "acme", 2, 1.0)], 16,
                         now_s=1000.0)
     assert [m["id"] for m in merged] == ["p", "q"]
     assert merged[0]["tokens"] == 48 and merged[0]["expires_in_s"] == 9.0

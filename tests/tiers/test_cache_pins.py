@@ -111,7 +111,7 @@ def test_a_hit_refreshes_the_ttl_a_miss_does_not():
         assert cache.pins.take_refreshed() == ["p1"]
         clock.now += 8.0  # 16 s after the pin, 8 s after the hit
         assert cache.pins.expire() == []
-        assert cache.pins.describe()[0]["expires_in_s"] == pytest.approx(2.0)
+        assert cache.pins.describe()[0].expires_in_s == pytest.approx(2.0)
         clock.now += 2.5
         assert cache.pins.expire() == ["p1"]
 

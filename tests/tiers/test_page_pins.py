@@ -13,7 +13,7 @@ from kvtier.messages import NamespaceSpec
 from kvtier.policies import StorageBackendKind
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_eviction import run_pass
-from kvtier.tiers.page_pins import MAX_PIN_TTL_S
+from kvtier.tiers.page_pins import MAX_PIN_TTL_S, L3PinListing
 
 
 @pytest.fixture
@@ -50,8 +50,7 @@ def test_quota_pressure_evicts_others_never_pinned_pages(directory, clock):
     s = directory.stats(ns)
     assert s.published_pages == 10 and s.evicted_pages == 14
     assert (s.pins, s.pinned_pages) == (1, 4)
-    assert directory.pins(ns) == [{"id": "p", "tenant": "", "pages": 4,
-                                   "expires_in_s": 60.0}]
+    assert directory.pins(ns) == [L3PinListing("p", "", 4, 60.0)]
 
 
 def test_a_pin_expires_after_its_ttl_then_the_quota_takes_it(directory, clock):
@@ -99,7 +98,7 @@ def test_a_pin_past_its_share_of_the_quota_is_refused_with_the_room_it_needs(dir
     assert directory.stats(ns).pins == 1
     assert directory.pin(ns, "a2", a[:2], 60.0, 0.5) == 2  # shares its pages: fits
     assert directory.pin(ns, "c", chain("c", 3), 60.0, 0.5) == 0  # nothing published: no pin
-    assert [p["id"] for p in directory.pins(ns)] == ["a", "a2"]
+    assert [p.pin_id for p in directory.pins(ns)] == ["a", "a2"]
 
 
 def test_an_unbounded_namespace_has_no_pin_share_and_ttls_are_bounded(directory):
