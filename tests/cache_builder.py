@@ -30,3 +30,17 @@ def build_cache(spec: KVSpec, device_pages: int = 32, config: HiCacheConfig | No
     return HierarchicalCache(config, spec, device_pages, device="cpu", model=model,
                              tenant_salt=tenant_salt, storage=storage, tp_rank=tp_rank,
                              tp_size=tp_size, directory=directory, deterministic=deterministic)
+
+
+def directory_cache(spec: KVSpec, directory: PageDirectoryClient | None,
+                    storage: StorageBackend | None = None) -> HierarchicalCache:
+    """A 32-page cache whose L3 hits are what an L3 namespace's `directory` published: it
+    writes through to L3 in batches of 3 pages (`page_head`) and waits for whole prefetches,
+    so the directory's view is settled when a call returns."""
+    from kvtier.policies import PrefetchPolicy, WritePolicy
+
+    return build_cache(spec, 32, storage=storage, directory=directory,
+                       write_policy=WritePolicy.WRITE_THROUGH,
+                       prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, hicache_ratio=2.0,
+                       prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
+                       storage_batch_pages=3, mem_layout="page_head")

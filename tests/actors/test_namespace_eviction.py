@@ -8,13 +8,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from cache_builder import build_cache
+from cache_builder import directory_cache
 
 from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
 from kvtier.backends.file_object import object_bytes
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import NamespaceSpec
-from kvtier.policies import PrefetchPolicy, StorageBackendKind, WritePolicy
+from kvtier.policies import StorageBackendKind
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_store import open_rank_backend
 from kvtier.tiers.reference_kv import serve_reference
@@ -27,11 +27,7 @@ DOC_A, DOC_B = list(range(100, 120)), list(range(300, 320))  # 5 pages each
 
 
 def make_cache(directory, storage=None):
-    return build_cache(SPEC, 32, storage=storage, directory=directory,
-                       write_policy=WritePolicy.WRITE_THROUGH,
-                       prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, hicache_ratio=2.0,
-                       prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
-                       storage_batch_pages=3, mem_layout="page_head")
+    return directory_cache(SPEC, directory, storage)
 
 
 def serve(cache, tokens) -> int:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from cache_builder import build_cache
+from cache_builder import directory_cache
 from eventually import eventually
 from test_page_directory import RecordingStore
 
@@ -17,7 +17,7 @@ from kvtier.backends.file_object import object_bytes
 from kvtier.backends.registry import create_backend
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import MessageError, NamespaceInfo, NamespaceSpec
-from kvtier.policies import MemLayout, PrefetchPolicy, StorageBackendKind, WritePolicy
+from kvtier.policies import MemLayout, StorageBackendKind
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_eviction import DeleteOutcome, run_pass
@@ -138,11 +138,7 @@ def test_a_replaced_store_is_closed_only_after_its_deletes_returned():
 # ---- a page deleted behind the directory's back --------------------------------------------
 
 def make_cache(directory, storage=None):
-    return build_cache(SPEC, 32, storage=storage, directory=directory,
-                       write_policy=WritePolicy.WRITE_THROUGH,
-                       prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, hicache_ratio=2.0,
-                       prefetch_threshold_tokens=8, load_back_threshold_tokens=4,
-                       storage_batch_pages=3, mem_layout="page_head")
+    return directory_cache(SPEC, directory, storage)
 
 
 def serve(cache, tokens) -> int:
