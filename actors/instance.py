@@ -513,12 +513,13 @@ class Instance:
         """Evict every unlocked L1 and L2 page on every rank (L3 is untouched)."""
         return self.rank_group.drop_cache()
 
-    def rank_call(self, rank: int, method: str, *args: Any) -> Any:
-        """Call one rank only, by the method's name: fault injection and per-rank cache surgery
-        in tests and soaks (their rank classes add the fault methods: no typed client has
-        them). The instance itself calls its ranks through `rank_group`."""
-        return wait_ranks(getattr(self.ranks[rank], method).remote(*args), self.step_timeout_s,
-                          f"calling {method} on rank {rank}", self.size)
+    def on_rank(self, rank: int, call: Callable[[Any], Any]) -> Any:
+        """One rank's answer to `call(actor)`, a remote call on its actor handle (`lambda a:
+        a.audit.remote()`), waited for as the instance's own calls are: fault injection and
+        per-rank cache surgery in tests and soaks, whose rank classes add the fault methods.
+        The instance itself calls its ranks through `rank_group`'s typed methods."""
+        return wait_ranks(call(self.ranks[rank]), self.step_timeout_s,
+                          f"a call on rank {rank}", self.size)
 
     def describe(self) -> CacheDescription:
         return self.rank_group.describe()

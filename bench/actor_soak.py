@@ -274,7 +274,7 @@ class _Soak:
         kind = self.rng.choice(kinds)
         log.warning("soak: fault %s on instance %d rank %d", kind, k, rank)
         if kind == "lookup":
-            armed = inst.rank_call(rank, "fail_lookups", 2)
+            armed = inst.on_rank(rank, lambda a: a.fail_lookups.remote(2))
         elif kind == "corrupt":
             armed = self._corrupt()
         elif kind == "kill_rank":
@@ -286,7 +286,7 @@ class _Soak:
             armed = True
         else:
             op, how = kind
-            armed = inst.rank_call(rank, "inject", op, how, 1)
+            armed = inst.on_rank(rank, lambda a: a.inject.remote(op, how, 1))
             if how == "hang":
                 self.releases.append((time.monotonic() + HANG_RELEASE_S, k, rank))
         self.ledger.injected += int(bool(armed))
@@ -314,7 +314,7 @@ class _Soak:
         """Add the faults `inst`'s ranks have hit so far to the tally (and reset them)."""
         for rank in range(self.params.tp):
             try:
-                self.ledger.hit += inst.rank_call(rank, "take_faults_hit")
+                self.ledger.hit += inst.on_rank(rank, lambda a: a.take_faults_hit.remote())
             except Exception as exc:  # noqa: BLE001 - a dead rank's count is lost
                 log.info("counting faults on rank %d: %s", rank, exc)
 
@@ -323,7 +323,7 @@ class _Soak:
         self.releases = [r for r in self.releases if r[0] > now]
         for _, k, rank in due:
             try:
-                self.instances[k].rank_call(rank, "release_hangs")
+                self.instances[k].on_rank(rank, lambda a: a.release_hangs.remote())
             except Exception as exc:  # noqa: BLE001 - a rank replaced meanwhile has no hang
                 log.info("releasing hangs on instance %d rank %d: %s", k, rank, exc)
 
@@ -333,8 +333,8 @@ class _Soak:
         for inst in self.instances:
             self._count_hits(inst)
             for rank in range(self.params.tp):
-                inst.rank_call(rank, "release_hangs")
-                audit = inst.rank_call(rank, "audit")
+                inst.on_rank(rank, lambda a: a.release_hangs.remote())
+                audit = inst.on_rank(rank, lambda a: a.audit.remote())
                 leaked_pages += (audit["stray_device_pages"] + audit["stray_host_pages"]
                                  + audit["orphaned_host_pages"])
                 leaked_locks += audit["locked_nodes"] + audit["protected_nodes"]

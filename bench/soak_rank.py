@@ -3,7 +3,7 @@
 `kvtier bench soak` on the actor system runs its instances with `rank_class=SoakRank`.
 The storage client is wrapped in `FaultyBackend` (errors, delays, partial writes, torn reads,
 hangs) and the directory client in `FlakyDirectory` (lookups that fail on this rank only), so
-faults are armed per rank, between steps, through `Instance.rank_call`, and every fault that
+faults are armed per rank, between steps, through `Instance.on_rank`, and every fault that
 met a call is counted (`faults_fired`), so a test can tell a fault that fired from one that
 was armed and never reached.
 """

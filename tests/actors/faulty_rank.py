@@ -2,8 +2,9 @@
 
 Instances under test run it through `Instance(rank_class=FaultyRank)`, so production
 modules carry no fault hooks. Every fault that takes effect is counted (`faults_fired`), so
-a test asserts that the fault it injected happened, not only that the answers came out right. Ray workers cannot import this file (tests/ is not installed),
-so the class travels pickled by value.
+a test asserts that the fault it injected happened, not only that the answers came out
+right. Ray workers cannot import this file (tests/ is not installed), so the class travels
+pickled by value. Tests call its methods on one rank through `Instance.on_rank`.
 """
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ class FaultyRank(SoakRank):
     def faults_fired(self) -> dict[str, int]:
         """The soak rank's counts plus this class's: "publish_late" (lookups answered as
         before the publication), "host_refused_tokens" (L3 hits a prefetch could not take
-        for want of L2 room while pages were held), "allocation_refused", "l1_corrupted", "handoff_timeout". A crash is seen in
-        the instance's `restarts`."""
+        for want of L2 room while pages were held), "allocation_refused", "l1_corrupted",
+        "handoff_timeout". A crash is seen in the instance's `restarts`."""
         fired = {**super().faults_fired(), **(self._fired or {})}
         if isinstance(self._flaky, LateDirectory):
             fired["publish_late"] = self._flaky.hidden

@@ -63,7 +63,7 @@ def test_every_rank_pins_the_same_pages_or_none(setup):
     inst, client, ns, hashes = setup
     inst.generate([DOC + [1, 2, 3]], ONE)
     inst.quiesce()  # L3 backups done: nothing protects the L2 pages any more
-    inst.rank_call(1, "drop_cache")  # rank 1 lacks the prefix in L1 and L2 now
+    inst.on_rank(1, lambda a: a.drop_cache.remote())  # rank 1 lacks the prefix in L1 and L2
     assert pin(inst) == InstancePin("i0")
     assert inst.rank_group.pins() == [[], []]  # rank 0 holds it, yet pins nothing alone
     inst.generate([DOC + [4, 5]], ONE)  # both ranks hold it again

@@ -131,7 +131,7 @@ def test_corrupt_page_on_one_rank_makes_every_rank_recompute(instance_factory, m
                 first, sent = step.finished[0].tokens[0], step.handoffs[pid]
                 break
         assert sent is not None and all(s.ok for s in sent)
-        d.rank_call(1, "corrupt_l1_page", targets[1].pages[1])
+        d.on_rank(1, lambda a: a.corrupt_l1_page.remote(targets[1].pages[1]))
         did = d.add_received(prompt, GREEDY, sent, targets, first)
         (out,) = d.wait([did])
         assert p.release_handoff(pid)
@@ -148,7 +148,8 @@ def test_decode_rank_dies_before_kv_ready(instance_factory, mixed_answers):
     with instance_factory(SETTINGS, tp_size=2) as p, \
             instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as d:
         pd = PDDriver([p], [d], transport="nixl")
-        d.rank_call(1, "crash_after", 0)  # at its next step: the one that would adopt the KV
+        # at its next step: the one that would adopt the KV
+        d.on_rank(1, lambda a: a.crash_after.remote(0))
         outs = pd.generate(PROMPTS[:2], GREEDY)
         assert [o.tokens for o in outs] == mixed_answers[:2]
         assert [o.mode for o in outs] == [PDMode.RECOMPUTED] * 2
@@ -162,7 +163,7 @@ def test_prefill_rank_dies_and_the_request_is_retried(instance_factory, mixed_an
     with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
         pd = PDDriver([p], [d], transport="nixl")
-        p.rank_call(0, "crash_after", 0)
+        p.on_rank(0, lambda a: a.crash_after.remote(0))
         outs = pd.generate(PROMPTS[:2], GREEDY)
         assert [o.tokens for o in outs] == mixed_answers[:2]
         assert [o.mode for o in outs] == [PDMode.HANDOFF] * 2
@@ -264,9 +265,9 @@ def test_transfer_timeout_on_one_prefill_rank_makes_the_decode_side_recompute(
     with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
         pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
-        p.rank_call(1, "time_out_next_handoff")
+        p.on_rank(1, lambda a: a.time_out_next_handoff.remote())
         outs = pd.generate(PROMPTS[:2], GREEDY)
-        assert p.rank_call(1, "faults_fired").get("handoff_timeout") == 1
+        assert p.on_rank(1, lambda a: a.faults_fired.remote()).get("handoff_timeout") == 1
         assert [o.tokens for o in outs] == mixed_answers[:2]
         assert [o.mode for o in outs] == [PDMode.RECOMPUTED, PDMode.HANDOFF]
         # the timed-out write's target pages are held for the linger, then freed
@@ -282,7 +283,7 @@ def test_a_prefill_rank_that_dies_in_a_release_costs_its_instance_a_restart_only
     with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
         pd = PDDriver([p], [d], transport="nixl")
-        p.rank_call(1, "crash_in_next", "release_handoff")
+        p.on_rank(1, lambda a: a.crash_in_next.remote("release_handoff"))
         ids = [pd.add(t, GREEDY) for t in PROMPTS]
         outs = _answered_once(pd, ids)
         assert [outs[i].tokens for i in ids] == mixed_answers
@@ -299,8 +300,8 @@ def test_a_decode_rank_that_dies_in_a_cancel_costs_its_instance_a_restart_only(
     with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as d:
         pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
-        p.rank_call(1, "time_out_next_handoff")
-        d.rank_call(0, "crash_in_next", "handoff_cancel")
+        p.on_rank(1, lambda a: a.time_out_next_handoff.remote())
+        d.on_rank(0, lambda a: a.crash_in_next.remote("handoff_cancel"))
         ids = [pd.add(t, GREEDY) for t in PROMPTS[:2]]
         outs = _answered_once(pd, ids)
         assert [outs[i].tokens for i in ids] == mixed_answers[:2]
@@ -318,7 +319,7 @@ def test_an_abort_whose_cancel_kills_a_decode_rank_leaves_the_others_answered(
             instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as d:
         pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
         gone, kept = pd.add(PROMPTS[0], GREEDY), pd.add(PROMPTS[1], GREEDY)
-        d.rank_call(1, "crash_in_next", "handoff_cancel")
+        d.on_rank(1, lambda a: a.crash_in_next.remote("handoff_cancel"))
         assert pd.abort(gone)
         out = _answered_once(pd, [kept])[kept]
         assert out.tokens == mixed_answers[1] and out.mode is PDMode.RECOMPUTED
@@ -354,7 +355,7 @@ def test_a_prefill_never_released_is_forgotten_when_its_hold_ends(instance_facto
         one = SamplingParams(max_new_tokens=1)
         aborted = p.add_prefill(PROMPTS[1], one, d.reserve_handoff("a", len(PROMPTS[1])))
         assert p.abort(aborted) is not None and p.handed_requests == 0
-        p.rank_call(0, "hold_handed_for", 0.0)
+        p.on_rank(0, lambda a: a.hold_handed_for.remote(0.0))
         p.handed_hold_s = 0.0
         pid = p.add_prefill(PROMPTS[0], one, d.reserve_handoff("b", len(PROMPTS[0])))
         (out,) = p.wait([pid])

@@ -74,12 +74,12 @@ def test_tp2_matches_tp1_with_one_agreement_per_step(instance, reference) -> Non
 
 
 def _refused(instance) -> int:
-    return instance.rank_call(1, "faults_fired").get("allocation_refused", 0)
+    return instance.on_rank(1, lambda a: a.faults_fired.remote()).get("allocation_refused", 0)
 
 
 def test_rank_local_allocation_failure_is_rolled_back_everywhere(instance, reference) -> None:
     before, refused = instance.stats(), _refused(instance)
-    instance.rank_call(1, "refuse_allocations", 1)
+    instance.on_rank(1, lambda a: a.refuse_allocations.remote(1))
     (out,) = instance.generate(PROMPTS["c"], GREEDY)
     after = instance.stats()
     assert _refused(instance) == refused + 1
@@ -88,7 +88,7 @@ def test_rank_local_allocation_failure_is_rolled_back_everywhere(instance, refer
     assert after[0].rolled_back - before[0].rolled_back == 1
     assert after[1].rolled_back == before[1].rolled_back
     assert len({s.steps for s in after}) == 1  # lockstep: no rank ran ahead or hung
-    free = [instance.rank_call(r, "drop_cache") for r in range(2)]
+    free = [instance.on_rank(r, lambda a: a.drop_cache.remote()) for r in range(2)]
     assert free == [SETTINGS.device_pages] * 2, "every page is back once the caches are dropped"
 
 
@@ -97,7 +97,7 @@ def test_diverged_caches_use_the_min_hit(instance, reference) -> None:
     (hit,) = instance.generate(PROMPTS["hit"], GREEDY)
     assert (doc.tokens, hit.tokens) == (reference["doc"][0], reference["hit"][0])
     assert hit.cached.total == 32  # both ranks hold the document's first two pages
-    instance.rank_call(1, "drop_cache")  # rank 1 forgets them; rank 0 keeps them
+    instance.on_rank(1, lambda a: a.drop_cache.remote())  # rank 1 forgets them; rank 0 not
     before = instance.stats()
     (out,) = instance.generate(PROMPTS["diverged"], GREEDY)
     after = instance.stats()
@@ -105,7 +105,7 @@ def test_diverged_caches_use_the_min_hit(instance, reference) -> None:
     assert after[1].device_hit_tokens == before[1].device_hit_tokens       # ...rank 1 missed
     assert out.cached.total == 0 and out.lengths.extend_len == len(PROMPTS["diverged"][0])
     assert out.tokens == reference["diverged"][0]
-    free = [instance.rank_call(r, "drop_cache") for r in range(2)]
+    free = [instance.on_rank(r, lambda a: a.drop_cache.remote()) for r in range(2)]
     assert free == [SETTINGS.device_pages] * 2
 
 
@@ -115,7 +115,8 @@ def test_rank_local_decode_page_shortage_preempts_on_every_rank(instance, refere
     instance.step()  # both admitted and prefilled
     instance.step()  # first decode: the 31-token prompt's KV still fits its two pages
     refused = _refused(instance)
-    instance.rank_call(1, "refuse_allocations", 1)  # the next decode needs a third page
+    # the next decode needs a third page
+    instance.on_rank(1, lambda a: a.refuse_allocations.remote(1))
     done = {}
     for _ in range(50):
         done.update({o.request_id: o for o in instance.step()})
@@ -125,7 +126,7 @@ def test_rank_local_decode_page_shortage_preempts_on_every_rank(instance, refere
     assert _refused(instance) == refused + 1  # rank 1 was short of the page
     after = instance.stats()
     assert after[0].steps - before[0].steps == after[1].steps - before[1].steps
-    free = [instance.rank_call(r, "drop_cache") for r in range(2)]
+    free = [instance.on_rank(r, lambda a: a.drop_cache.remote()) for r in range(2)]
     assert free == [SETTINGS.device_pages] * 2
 
 
@@ -141,7 +142,7 @@ def test_a_load_failed_on_one_rank_is_recomputed_on_every_rank_without_a_restart
     assert first.tokens == reference["doc"][0]
     instance.evict_device()  # the prompt's pages are in L2 only, on both ranks
     restarts, before = instance.restarts, instance.stats()
-    instance.rank_call(1, "fail_next_load")
+    instance.on_rank(1, lambda a: a.fail_next_load.remote())
     (again,) = instance.generate(PROMPTS["doc"], GREEDY)
     assert again.tokens == reference["doc"][0]
     assert instance.restarts == restarts, "a rank was rebuilt"
@@ -150,7 +151,7 @@ def test_a_load_failed_on_one_rank_is_recomputed_on_every_rank_without_a_restart
     failed = [s.counters["failed_load_tokens"] for s in instance.cache_snapshot()]
     assert failed[0] == 0 and failed[1] > 0  # it failed on rank 1 only
     for rank in range(2):
-        audit = instance.rank_call(rank, "audit")
+        audit = instance.on_rank(rank, lambda a: a.audit.remote())
         assert audit["stray_device_pages"] == audit["stray_host_pages"] == 0, audit
         assert audit["locked_nodes"] == audit["protected_nodes"] == 0, audit
     (third,) = instance.generate(PROMPTS["doc"], GREEDY)  # the L2 copies are intact
@@ -213,7 +214,7 @@ def test_tp3_serves_every_request_of_a_long_queue_whose_head_is_stalled(tp3_l3):
     inst.generate([DOC_L3 + [5]], GREEDY)  # the document's pages go to L3...
     inst.quiesce()
     inst.drop_cache()  # ...and then are only there
-    assert inst.rank_call(1, "inject", "get", "hang", -1)
+    assert inst.on_rank(1, lambda a: a.inject.remote("get", "hang", -1))
     try:
         stalled = [inst.add_request(p, SHORT) for p in STALLED]
         behind = [inst.add_request(p, SHORT) for p in BEHIND]
@@ -225,7 +226,8 @@ def test_tp3_serves_every_request_of_a_long_queue_whose_head_is_stalled(tp3_l3):
         assert set(behind) <= set(done), f"{len(set(behind) - set(done))} requests starved"
         assert not set(stalled) <= set(done), "the hang held none of them back"
     finally:
-        inst.rank_call(1, "release_hangs")  # the hung reads fail: those are recomputed
+        # the hung reads fail: those are recomputed
+        inst.on_rank(1, lambda a: a.release_hangs.remote())
     rest = [i for i in stalled if i not in done]
     done.update(zip(rest, inst.wait(rest)))
     verdicts = [judge(done[i].tokens, w.tokens, w.logprobs)
@@ -234,7 +236,7 @@ def test_tp3_serves_every_request_of_a_long_queue_whose_head_is_stalled(tp3_l3):
     assert inst.restarts == 0
     inst.quiesce()
     for rank in range(3):
-        audit = inst.rank_call(rank, "audit")
+        audit = inst.on_rank(rank, lambda a: a.audit.remote())
         assert audit["stray_device_pages"] == audit["stray_host_pages"] == 0, audit
         assert audit["locked_nodes"] == audit["protected_nodes"] == 0, audit
         assert audit["open_prefetches"] == 0, audit

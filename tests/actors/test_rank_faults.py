@@ -107,7 +107,7 @@ def test_a_restart_mid_answer_goes_on_after_the_tokens_returned(instance, refere
 
 def test_a_rank_dying_inside_a_step_is_replaced_and_nothing_is_lost(instance, reference):
     before = instance.restarts
-    instance.rank_call(0, "crash_after", 3)
+    instance.on_rank(0, lambda a: a.crash_after.remote(3))
     ids = _submit(instance)
     outs = instance.wait(ids)
     assert instance.restarts == before + 1
@@ -120,7 +120,7 @@ def test_a_rank_dying_inside_a_step_is_replaced_and_nothing_is_lost(instance, re
 def test_an_instance_without_restarts_left_says_so(instance):
     instance.max_restarts = 0
     try:
-        instance.rank_call(1, "crash_after", 1)
+        instance.on_rank(1, lambda a: a.crash_after.remote(1))
         with pytest.raises(InstanceError, match="max_restarts=0"):
             instance.generate([PROMPTS[1]], GREEDY)
     finally:
@@ -135,7 +135,7 @@ def test_a_rank_dying_during_a_load_back_is_replaced_and_nothing_is_lost(instanc
     assert first.tokens == reference[0]
     instance.evict_device()  # L1 -> L2: the next request is a load-back
     before = instance.restarts
-    instance.rank_call(1, "crash_after", 0)
+    instance.on_rank(1, lambda a: a.crash_after.remote(0))
     again = instance.generate([PROMPTS[0]], GREEDY)[0]
     assert instance.restarts == before + 1
     assert again.tokens == reference[0]

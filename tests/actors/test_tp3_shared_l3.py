@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
@@ -96,7 +96,7 @@ def _cold(cold: Rank, prompts: list[list[int]]) -> list[tuple[int, ...]]:
 def _no_leaks(*instances: Instance) -> None:
     for inst in instances:
         for rank in range(TP):
-            audit = inst.rank_call(rank, "audit")
+            audit = inst.on_rank(rank, lambda a: a.audit.remote())
             assert audit["stray_device_pages"] == audit["stray_host_pages"] == 0, audit
             assert audit["locked_nodes"] == audit["protected_nodes"] == 0, audit
             assert audit["open_prefetches"] == 0, audit
@@ -106,13 +106,13 @@ class Fault(NamedTuple):
     """What a case does to instance B, and the count on the faulty rank that shows it fired."""
 
     rank: int
-    arm: tuple  # a FaultyRank method and its arguments
+    arm: Callable[[Any], Any]  # a remote call on the FaultyRank's handle that arms it
     fired: str  # its name in FaultyRank.faults_fired
-    undo: tuple = ()
+    undo: Callable[[Any], Any] | None = None
 
 
 def _fired(b: Instance, fault: Fault) -> int:
-    return b.rank_call(fault.rank, "faults_fired").get(fault.fired, 0)
+    return b.on_rank(fault.rank, lambda a: a.faults_fired.remote()).get(fault.fired, 0)
 
 
 def _case(cluster, cold, case: int, fault: Fault | None) -> list:
@@ -124,14 +124,14 @@ def _case(cluster, cold, case: int, fault: Fault | None) -> list:
     b.drop_cache()  # B's L1 and L2 are empty: the documents can only come from L3
     before = _fired(b, fault) if fault else 0
     if fault:
-        b.rank_call(fault.rank, *fault.arm)
+        b.on_rank(fault.rank, fault.arm)
     try:
         outs = [b.generate([p], GREEDY)[0] for p in b_prompts]
     finally:
-        if fault and fault.undo:
-            b.rank_call(fault.rank, *fault.undo)
+        if fault and fault.undo is not None:
+            b.on_rank(fault.rank, fault.undo)
     if fault:
-        assert _fired(b, fault) - before >= 1, f"{fault.arm[0]} on rank {fault.rank} never fired"
+        assert _fired(b, fault) - before >= 1, f"{fault.fired} on rank {fault.rank} never fired"
     assert [o.tokens for o in outs] == expected
     b.quiesce()
     _no_leaks(a, b)
@@ -139,16 +139,17 @@ def _case(cluster, cold, case: int, fault: Fault | None) -> list:
 
 
 def test_one_ranks_lookups_fail(cluster, cold):
-    _case(cluster, cold, 1, Fault(1, ("fail_lookups", len(DOCS)), "lookup", ("release_hangs",)))
+    _case(cluster, cold, 1, Fault(1, lambda a: a.fail_lookups.remote(len(DOCS)), "lookup",
+                                  lambda a: a.release_hangs.remote()))
 
 
 def test_pages_published_between_two_ranks_lookups(cluster, cold):
-    _case(cluster, cold, 2, Fault(0, ("publish_late", len(DOCS)), "publish_late"))
+    _case(cluster, cold, 2, Fault(0, lambda a: a.publish_late.remote(len(DOCS)), "publish_late"))
 
 
 def test_one_rank_short_of_host_room(cluster, cold):
-    _case(cluster, cold, 3, Fault(2, ("hold_host_pages", 0), "host_refused_tokens",
-                                  ("release_host_pages",)))
+    _case(cluster, cold, 3, Fault(2, lambda a: a.hold_host_pages.remote(0),
+                                  "host_refused_tokens", lambda a: a.release_host_pages.remote()))
 
 
 def test_without_faults_b_hits_what_a_wrote(cluster, cold):
