@@ -33,6 +33,8 @@ from kvtier.actors.pd.deployment import PD_NAME, member_names
 from kvtier.actors.serve_graph import APP_NAME, instance_names
 from kvtier.errors import KvtierError
 from kvtier.frontend.settings import ServeSettings
+from kvtier.messages import unpack_record
+from kvtier.tiers.cache_types import CacheAudit
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +64,15 @@ class RankAudit(NamedTuple):
     leaked_pages: int  # L1 and L2 pages no tree node holds, orphaned L2 pages
     leaked_locks: int  # nodes still locked or protected
     open_tickets: int  # L3 reads or writes still open
-    by_instance: dict[str, list[dict]]  # each rank's audit, by instance name
+    by_instance: dict[str, list[CacheAudit]]  # each rank's audit, by instance name
 
     @classmethod
-    def of(cls, by_instance: dict[str, list[dict]]) -> "RankAudit":
+    def of(cls, by_instance: dict[str, list[CacheAudit]]) -> "RankAudit":
         audits = [a for ranks in by_instance.values() for a in ranks]
         return cls(len(audits),
-                   sum(a["stray_device_pages"] + a["stray_host_pages"] + a["orphaned_host_pages"]
-                       for a in audits),
-                   sum(a["locked_nodes"] + a["protected_nodes"] for a in audits),
-                   sum(a.get("open_tickets", 0) for a in audits), by_instance)
+                   sum(a.leaked_pages + a.orphaned_host_pages for a in audits),
+                   sum(a.locked_nodes + a.protected_nodes for a in audits),
+                   sum(a.open_prefetches for a in audits), by_instance)
 
     @property
     def clean(self) -> bool:
@@ -168,13 +169,14 @@ class ChaosFaults:
 
     def audit(self) -> RankAudit:
         """Every rank's audit, by instance (call once the traffic has stopped)."""
-        by_deployment: dict[str, list[list[dict]]] = {}
-        by_instance: dict[str, list[dict]] = {}
+        by_deployment: dict[str, list[list[bytes]]] = {}
+        by_instance: dict[str, list[CacheAudit]] = {}
         for target in rank_targets(self.settings):
             if target.deployment not in by_deployment:
                 call = self._handle(target.deployment).audit.remote()
                 by_deployment[target.deployment] = call.result(timeout_s=self.call_timeout_s)
-            by_instance[target.name] = by_deployment[target.deployment][target.member]
+            by_instance[target.name] = [unpack_record(CacheAudit, b) for b in
+                                        by_deployment[target.deployment][target.member]]
         return RankAudit.of(by_instance)
 
     def close(self) -> None:

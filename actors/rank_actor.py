@@ -357,9 +357,10 @@ class Rank:
         self._snapshot_rounds = agr.rounds
         return tuple(agr.times_s)[len(agr.times_s) - new:] if new else ()
 
-    def retraction_counters(self) -> dict[str, int]:
-        """Requests this rank retracted to L2 and restored, and the fallbacks to recompute."""
-        return self.engine.scheduler.retraction.counters.snapshot()
+    def retraction_counters(self) -> bytes:
+        """Requests this rank retracted to L2 and restored, and the fallbacks to recompute: a
+        RetractionCounters record."""
+        return pack_record(self.engine.scheduler.retraction.counters)
 
     def abort(self, request_id: int) -> bytes:
         """The aborted request's output so far (msgpack; nil when it is unknown or done)."""
@@ -380,11 +381,11 @@ class Rank:
                                      cache.counters.device_hit_tokens, self.step_s,
                                      tuple(agr.times_s) if agr else ()))
 
-    def audit(self) -> dict[str, int]:
+    def audit(self) -> bytes:
         """What this rank's cache holds outside its tree (all zero when nothing leaked), after
-        copies in flight and L3 backups have settled."""
+        copies in flight and L3 backups have settled: a CacheAudit record."""
         self.quiesce()
-        return self.engine.cache.audit()._asdict()
+        return pack_record(self.engine.cache.audit())
 
     def drop_cache(self) -> int:
         """Evict every unlocked page of L1 and L2 on this rank only; L1 pages free after."""

@@ -27,10 +27,12 @@ from kvtier.actors.step_wire import (StepReport, decode_output, decode_pin, deco
 from kvtier.engine.agreement import AgreementError
 from kvtier.engine.handoff import HandoffTarget, IncomingKV
 from kvtier.engine.request import Output, Resume
+from kvtier.engine.retraction import RetractionCounters
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
 from kvtier.messages import pack_record, unpack_record, unpack_records
 from kvtier.tiers.cache_pins import PinListing, PinOutcome, PinRefusal
+from kvtier.tiers.cache_types import CacheAudit
 
 
 class InstanceError(KvtierError, RuntimeError):
@@ -191,13 +193,15 @@ class RankGroup:
                          "calling cache_snapshot")
         return [unpack_record(RankSnapshot, data) for data in raw]
 
-    def audit(self) -> list[dict[str, int]]:
+    def audit(self) -> list[CacheAudit]:
         """Each rank's pages outside its tree (all zero: nothing leaked)."""
-        return self._wait([a.audit.remote() for a in self.actors], "calling audit")
+        return [unpack_record(CacheAudit, b) for b in
+                self._wait([a.audit.remote() for a in self.actors], "calling audit")]
 
-    def retraction_counters(self) -> list[dict[str, int]]:
-        return self._wait([a.retraction_counters.remote() for a in self.actors],
-                          "calling retraction_counters")
+    def retraction_counters(self) -> list[RetractionCounters]:
+        return [unpack_record(RetractionCounters, b) for b in
+                self._wait([a.retraction_counters.remote() for a in self.actors],
+                           "calling retraction_counters")]
 
     # ---- pins --------------------------------------------------------------------------------
     def pin_held(self, tokens: list[int], salt: str) -> list[int]:

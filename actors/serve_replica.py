@@ -21,7 +21,7 @@ from kvtier.actors.step_wire import logprobs_to_wire, resume_from_wire
 from kvtier.engine.request import FinishReason
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
-from kvtier.messages import NamespaceSpec
+from kvtier.messages import NamespaceSpec, pack_record
 from kvtier.policies import StorageBackendKind
 from kvtier.frontend.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.frontend.metrics import RankFaults
@@ -209,10 +209,11 @@ class ServedReplica:
             return False
         return True
 
-    async def audit(self) -> list[list[dict]]:
+    async def audit(self) -> list[list[bytes]]:
         """Every rank's `audit` (pages outside the tree, locked and protected nodes, after
-        its copies settle), per instance in `_members` order, between two steps."""
-        return await self._call(lambda target: [inst.rank_group.audit()
+        its copies settle), per instance in `_members` order, between two steps: CacheAudit
+        records."""
+        return await self._call(lambda target: [[pack_record(a) for a in inst.rank_group.audit()]
                                                 for inst in self._members(target)])
 
     def check_health(self) -> None:

@@ -334,10 +334,9 @@ class _Soak:
             self._count_hits(inst)
             for rank in range(self.params.tp):
                 inst.on_rank(rank, lambda a: a.release_hangs.remote())
-                audit = inst.on_rank(rank, lambda a: a.audit.remote())
-                leaked_pages += (audit["stray_device_pages"] + audit["stray_host_pages"]
-                                 + audit["orphaned_host_pages"])
-                leaked_locks += audit["locked_nodes"] + audit["protected_nodes"]
+            for audit in inst.rank_group.audit():
+                leaked_pages += audit.leaked_pages + audit.orphaned_host_pages
+                leaked_locks += audit.locked_nodes + audit.protected_nodes
         t = self.ledger
         return ActorSoakResult(
             t.sent, t.answered, t.aborted, t.answers.wrong, t.answers.near_ties, t.hangs,

@@ -86,7 +86,7 @@ def test_an_l2_hit_extends_the_l3_pin(setup):
     # rank 0's step told the namespace actor which pins the hit extended (no read needed)
     [after] = client.pins(ns)
     assert after.expires_in_s > before.expires_in_s - 0.75, (before, after)
-    assert all(a["locked_nodes"] == a["protected_nodes"] == 0
+    assert all(a.locked_nodes == a.protected_nodes == 0
                for a in inst.rank_group.audit())  # pins are neither locks nor leaks
 
 

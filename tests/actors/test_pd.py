@@ -47,7 +47,7 @@ HOLD_S = 0.2  # a reservation's hold where a test lets it run out
 
 def _held(*instances) -> list:
     """Whatever is held outside the caches' trees: rank audits, hand-off counters."""
-    audits = [a for inst in instances for a in inst.rank_group.audit() if any(a.values())]
+    audits = [a for inst in instances for a in inst.rank_group.audit() if any(a)]
     return audits + [c for inst in instances for c in inst.handoff_counters()
                      if c.reserved_pages or c.handed_requests or c.sent_unreleased] \
         + [f"{inst.handed_requests} handed-off requests" for inst in instances
@@ -255,8 +255,8 @@ def test_decode_instance_short_of_l1_retracts_to_l2_and_restores(instance_factor
         assert [o.tokens for o in outs] == want
         assert [o.mode for o in outs] == [PDMode.HANDOFF] * 3
         (counts,) = d.rank_group.retraction_counters()
-        assert counts["restored_requests"] >= 1
-        assert counts["restored_requests"] == counts["retracted_requests"]
+        assert counts.restored_requests >= 1
+        assert counts.restored_requests == counts.retracted_requests
         _no_leaks(p, d)
 
 

@@ -34,7 +34,7 @@ def pd(instance_factory):
 def no_leaks(driver: PDDriver) -> None:
     for inst in [*driver.prefill, *driver.decode]:
         for audit in inst.rank_group.audit():
-            assert not any(audit.values()), audit
+            assert not any(audit), audit
         for c in inst.handoff_counters():
             assert c.reserved_pages == 0 and c.handed_requests == 0, c
 

@@ -150,10 +150,9 @@ def test_a_load_failed_on_one_rank_is_recomputed_on_every_rank_without_a_restart
     assert after[0].steps - before[0].steps == after[1].steps - before[1].steps
     failed = [s.counters["failed_load_tokens"] for s in instance.cache_snapshot()]
     assert failed[0] == 0 and failed[1] > 0  # it failed on rank 1 only
-    for rank in range(2):
-        audit = instance.on_rank(rank, lambda a: a.audit.remote())
-        assert audit["stray_device_pages"] == audit["stray_host_pages"] == 0, audit
-        assert audit["locked_nodes"] == audit["protected_nodes"] == 0, audit
+    for audit in instance.rank_group.audit():
+        assert audit.stray_device_pages == audit.stray_host_pages == 0, audit
+        assert audit.locked_nodes == audit.protected_nodes == 0, audit
     (third,) = instance.generate(PROMPTS["doc"], GREEDY)  # the L2 copies are intact
     assert third.tokens == reference["doc"][0] and third.cached.total > 0
 
@@ -235,8 +234,7 @@ def test_tp3_serves_every_request_of_a_long_queue_whose_head_is_stalled(tp3_l3):
     assert Verdict.WRONG not in verdicts
     assert inst.restarts == 0
     inst.quiesce()
-    for rank in range(3):
-        audit = inst.on_rank(rank, lambda a: a.audit.remote())
-        assert audit["stray_device_pages"] == audit["stray_host_pages"] == 0, audit
-        assert audit["locked_nodes"] == audit["protected_nodes"] == 0, audit
-        assert audit["open_prefetches"] == 0, audit
+    for audit in inst.rank_group.audit():
+        assert audit.stray_device_pages == audit.stray_host_pages == 0, audit
+        assert audit.locked_nodes == audit.protected_nodes == 0, audit
+        assert audit.open_prefetches == 0, audit

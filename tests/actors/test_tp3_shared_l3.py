@@ -95,11 +95,10 @@ def _cold(cold: Rank, prompts: list[list[int]]) -> list[tuple[int, ...]]:
 
 def _no_leaks(*instances: Instance) -> None:
     for inst in instances:
-        for rank in range(TP):
-            audit = inst.on_rank(rank, lambda a: a.audit.remote())
-            assert audit["stray_device_pages"] == audit["stray_host_pages"] == 0, audit
-            assert audit["locked_nodes"] == audit["protected_nodes"] == 0, audit
-            assert audit["open_prefetches"] == 0, audit
+        for audit in inst.rank_group.audit():
+            assert audit.stray_device_pages == audit.stray_host_pages == 0, audit
+            assert audit.locked_nodes == audit.protected_nodes == 0, audit
+            assert audit.open_prefetches == 0, audit
 
 
 class Fault(NamedTuple):

@@ -17,6 +17,7 @@ from kvtier.bench.cold_judge import Cold, check_answer
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.policies import StorageBackendKind
+from kvtier.tiers.cache_types import CacheAudit
 
 FILE, MOONCAKE = StorageBackendKind.FILE, StorageBackendKind.MOONCAKE
 LIMITS = Limits("kvtier-tiny", 49152, 1952, 32, 1 << 20)
@@ -151,9 +152,9 @@ def test_the_result_names_each_target_missed():
     from kvtier.actors.chaos_faults import RankAudit
 
     settings = chaos.ServeSettings(model="tiny", instances=2, tp_size=2, storage_backend=None)
-    audit = RankAudit.of({"instance-0": [dict(stray_device_pages=0, stray_host_pages=1,
-                                              orphaned_host_pages=0, locked_nodes=0,
-                                              protected_nodes=2, open_tickets=0)]})
+    audit = RankAudit.of({"instance-0": [CacheAudit(stray_device_pages=0, stray_host_pages=1,
+                                                    orphaned_host_pages=0, locked_nodes=0,
+                                                    protected_nodes=2, open_prefetches=1)]})
     tally = Tally(sent=3, answered=2)
     tally.error(True, "http_503", '{"error": {"message": "instance gone"}}', 1.0, 2.0)
     served = chaos.Served(tally, [], audit, "",
@@ -161,6 +162,7 @@ def test_the_result_names_each_target_missed():
     out = chaos.result_json(chaos.ChaosParams(), settings, served,
                             chaos.Judgement(2, 1, 0, 1, []))
     assert (out["leaked_pages"], out["leaked_locks"], out["instances_lost"]) == (1, 2, 1)
+    assert out["open_tickets"] == 1  # the audit's open_prefetches (a key no audit had: read 0)
     assert out["missed"] == ["wrong", "server_errors", "instances_lost", "leaked_pages",
                              "leaked_locks"]
     assert out["unaccounted"] == 0
