@@ -412,11 +412,9 @@ class Ingress:
         (the first answer's: where its prompt came from, its route)."""
         gen = gens[0]
         final = gen.final
-        cached = (NO_CACHED if final is None else final.cached).to_dict()
-        lengths = (PromptLengths(0, 0, 0, 0, prompt_tokens) if final is None
-                   else final.lengths).to_dict()
-        pd = None if final is None or final.pd is None else final.pd.to_dict()
-        kvtier = out.kvtier_field(cached, lengths, pd)
+        cached = NO_CACHED if final is None else final.cached
+        lengths = PromptLengths(0, 0, 0, 0, prompt_tokens) if final is None else final.lengths
+        kvtier = out.kvtier_field(cached, lengths, None if final is None else final.pd)
         kvtier["instance"] = None if final is None else final.instance  # which served it
         kvtier["route"] = gen.route.to_field()
         answered = sum(g.tokens for g in gens)
@@ -429,7 +427,7 @@ class Ingress:
         if gen.first_token_s is not None and gen.tokens > 1:
             tpot = (total - gen.first_token_s) / (gen.tokens - 1)
         final = gen.final
-        cached = (NO_CACHED if final is None else final.cached).to_dict()
+        cached = NO_CACHED if final is None else final.cached
         queue = None if final is None else final.queue_s
         self.metrics.observe_request(gen.answer.instance, gen.first_token_s or total, tpot,
                                      cached, gen.finish_reason, prompt_tokens, gen.tokens, total,

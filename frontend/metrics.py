@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvtier.backends.base import BackendStats
 from kvtier.engine.retraction import RetractionCounters
 from kvtier.errors import KvtierError
+from kvtier.frontend.records import CachedCounts
 from kvtier.messages import DirectoryStats
 from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.controller import TransferStats
@@ -34,7 +35,6 @@ from kvtier.tiers.storage_types import StorageCounters
 
 PREFIX = "kvtier_"
 LABEL = "kvtier_instance"  # the serving instance a series belongs to
-TIERS = ("device", "host", "storage")
 
 # µs-scale: one MIN all-reduce per scheduling step should cost tens of microseconds
 AGREEMENT_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
@@ -334,7 +334,7 @@ class ServeMetrics:
 
     # ---- per request ---------------------------------------------------------------------
     def observe_request(self, instance: str, ttft_s: float, tpot_s: float | None,
-                        cached: Mapping[str, int] | tuple, finish_reason: str,
+                        cached: CachedCounts, finish_reason: str,
                         prompt_tokens: int = 0, generation_tokens: int = 0,
                         e2e_s: float | None = None, queue_s: float | None = None) -> None:
         """One finished request: its latencies, its tokens (cached ones by tier), its finish
@@ -348,9 +348,8 @@ class ServeMetrics:
             self._histograms["queue_seconds"].labels(instance).observe(max(0.0, queue_s))
         self._counters["prompt_tokens"].labels(instance).inc(max(0, prompt_tokens))
         self._counters["generation_tokens"].labels(instance).inc(max(0, generation_tokens))
-        cached = cached._asdict() if hasattr(cached, "_asdict") else cached  # CachedTokens too
-        for tier in TIERS:
-            self._counters["cached_tokens"].labels(instance, tier).inc(max(0, cached.get(tier, 0)))
+        for tier, tokens in cached.to_dict().items():
+            self._counters["cached_tokens"].labels(instance, tier).inc(max(0, tokens))
         self._counters["requests"].labels(instance, finish_reason).inc()
 
     def observe_agreement(self, instance: str, seconds_list: Sequence[float]) -> None:

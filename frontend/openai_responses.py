@@ -11,11 +11,9 @@ from collections.abc import Mapping
 
 from kvtier.engine.handoff import HandoffStages
 from kvtier.frontend.openai_requests import Role
+from kvtier.frontend.records import CachedCounts, PDReport, PromptLengths
 
 SSE_DONE = "data: [DONE]\n\n"
-LENGTH_KEYS = ("prefix_len", "host_hit_length", "host_loaded_length", "storage_hit_length",
-               "extend_len")
-CACHED_KEYS = ("device", "host", "storage")
 
 
 # ---------------------------------------------------------------- responses
@@ -45,46 +43,37 @@ def new_request_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def _plain(values: Mapping | tuple, keys: tuple[str, ...]) -> dict[str, int]:
-    """A dict or a NamedTuple (CachedTokens, RequestLengths) as a dict with exactly `keys`."""
-    d = values._asdict() if hasattr(values, "_asdict") else values
-    return {k: int(d[k]) for k in keys}
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached: Mapping | tuple,
-          lengths: Mapping | tuple | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached: CachedCounts,
+          lengths: PromptLengths | None = None) -> dict:
     """OpenAI usage; cached_tokens counts prompt tokens reused from any tier. `lengths`, when
     given, is only checked against `cached` (both come from the same admission)."""
-    c = _plain(cached, CACHED_KEYS)
-    total = sum(c.values())
+    total = cached.device + cached.host + cached.storage
     if lengths is not None:
-        ln = _plain(lengths, LENGTH_KEYS)
-        assert total == ln["prefix_len"] + ln["host_loaded_length"], (c, ln)
+        assert total == lengths.prefix_len + lengths.host_loaded_length, (cached, lengths)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": total}}
 
 
-def kvtier_field(cached: Mapping | tuple, lengths: Mapping | tuple,
-                 pd: Mapping | None = None) -> dict:
+def kvtier_field(cached: CachedCounts, lengths: PromptLengths,
+                 pd: PDReport | None = None) -> dict:
     """The extra top-level `kvtier` field: where the cached prompt came from, the five
-    lengths (docs/architecture.md invariant 4), and `pd` (`pd_field`) in a prefill/decode
+    lengths (docs/architecture.md invariant 4), and `pd` (`pd_report`) in a prefill/decode
     graph. OpenAI clients ignore unknown fields."""
-    out = {"cached_tokens": _plain(cached, CACHED_KEYS), "lengths": _plain(lengths, LENGTH_KEYS)}
+    out: dict = {"cached_tokens": cached.to_dict(), "lengths": lengths.to_dict()}
     if pd is not None:
-        out["pd"] = dict(pd)
+        out["pd"] = pd.to_dict()
     return out
 
 
-def pd_field(mode: str, transport: str, prefill_instance: str, decode_instance: str | None,
-             stages: HandoffStages, transfer_bytes: int, transfer_pages: int) -> dict:
+def pd_report(mode: str, transport: str, prefill_instance: str, decode_instance: str | None,
+              stages: HandoffStages, transfer_bytes: int, transfer_pages: int) -> PDReport:
     """`kvtier.pd`: how a prefill/decode graph served the request (`mode` handoff,
     recomputed or mixed), on which instances, each stage's seconds to the microsecond (None:
     it did not happen), and the KV bytes and prompt pages the hand-off moved over `transport`."""
     seconds = {k: None if v is None else round(v, 6) for k, v in stages.to_dict().items()}
-    return {"mode": mode, "transport": transport, "prefill_instance": prefill_instance,
-            "decode_instance": decode_instance, "stages": seconds,
-            "transfer_bytes": int(transfer_bytes), "transfer_pages": int(transfer_pages)}
+    return PDReport(mode, transport, prefill_instance, decode_instance, seconds,
+                    int(transfer_bytes), int(transfer_pages))
 
 
 def _envelope(obj: str, request_id: str, model: str, created: int, choice: dict,

@@ -50,7 +50,7 @@ class PDMetrics:
             self._requests.labels(instance, mode)
 
     def observe(self, instance: str, pd: PDReport) -> None:
-        """One finished request's `kvtier.pd` field (openai_responses.pd_field)."""
+        """One finished request's `kvtier.pd` field (openai_responses.pd_report)."""
         for name, seconds in pd.stages.items():
             if seconds is not None:
                 self._stages.labels(instance, name.removesuffix("_s")).observe(max(0.0, seconds))

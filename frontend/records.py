@@ -84,7 +84,7 @@ class PromptLengths(Record):
 
 @dataclass(frozen=True)
 class PDReport(Record):
-    """`kvtier.pd` of an answer in a prefill/decode graph (`openai_responses.pd_field`)."""
+    """`kvtier.pd` of an answer in a prefill/decode graph (`openai_responses.pd_report`)."""
 
     mode: str
     transport: str

@@ -28,7 +28,7 @@ from kvtier.actors.serve_instance import build_instance
 from kvtier.actors.serve_replica import ServedReplica
 from kvtier.engine.request import Resume
 from kvtier.engine.sampling import SamplingParams
-from kvtier.frontend.openai_responses import pd_field
+from kvtier.frontend.openai_responses import pd_report
 from kvtier.frontend.records import AnswerFinal, PDReport
 from kvtier.frontend.settings import ServeSettings
 
@@ -120,9 +120,8 @@ class PDDeployment(ServedReplica):
         s = self.settings
         decode = None if out.decode_instance < 0 else self.names[s.prefill_instances
                                                                  + out.decode_instance]
-        pd = PDReport(**pd_field(out.mode.value, s.pd_transport.value,
-                                 self.names[out.prefill_instance], decode, out.stages,
-                                 out.transfer_bytes, out.transfer_pages))
+        pd = pd_report(out.mode.value, s.pd_transport.value, self.names[out.prefill_instance],
+                       decode, out.stages, out.transfer_bytes, out.transfer_pages)
         return AnswerFinal.of(out, self.name, pd)
 
     # ---- operator calls -----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from kvtier.actors.step_wire import Progress
 from kvtier.engine.handoff import HandoffStages
 from kvtier.engine.request import CachedTokens, FinishReason
 from kvtier.engine.sampling import SamplingParams
-from kvtier.frontend.openai_responses import pd_field
+from kvtier.frontend.openai_responses import pd_report
 from kvtier.frontend.records import AnswerItem, AnswerItemKind
 from kvtier.frontend.settings import ServeSettings
 from kvtier.tiers.cache_types import RequestLengths
@@ -101,7 +101,7 @@ def test_the_instances_are_named_by_role():
 
 
 def test_a_pd_answers_last_item_says_how_it_went_in_a_record():
-    """The final item's `pd` report comes back from its msgpack trip as `pd_field` made it
+    """The final item's `pd` report comes back from its msgpack trip as `pd_report` made it
     (the `kvtier.pd` JSON a client reads), with the prefill and decode instances' names."""
     deployment = object.__new__(PDDeployment.func_or_class)
     deployment.name = "pd"
@@ -114,7 +114,7 @@ def test_a_pd_answers_last_item_says_how_it_went_in_a_record():
     final = deployment._final(out)
     item = AnswerItem.from_msgpack(
         AnswerItem(AnswerItemKind.FINAL, (8,), final=final).to_msgpack())
-    expected = pd_field("handoff", deployment.settings.pd_transport.value, "prefill-0",
-                        "decode-0", stages, 4096, 1)
-    assert list(item.final.pd.to_dict().items()) == list(expected.items())
+    expected = pd_report("handoff", deployment.settings.pd_transport.value, "prefill-0",
+                         "decode-0", stages, 4096, 1)
+    assert list(item.final.pd.to_dict().items()) == list(expected.to_dict().items())
     assert item.final.instance == "pd" and item.final.finish_reason is FinishReason.LENGTH

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import pytest
 from prometheus_client import REGISTRY
@@ -14,6 +13,7 @@ from kvtier.frontend.metrics import (CACHE_COUNTERS, CACHE_SOURCES, COUNTERS, GA
                                      NAMESPACE_COUNTERS, NAMESPACE_GAUGES, STORAGE_SOURCES,
                                      TIER_GAUGES, MetricsError, RankFaults, ServeMetrics, _src,
                                      check_sources, counter_deltas, field_names)
+from kvtier.frontend.records import NO_CACHED, CachedCounts
 from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.controller import TransferStats
 from kvtier.tiers.storage_types import StorageCounters
@@ -43,7 +43,7 @@ def cache_snapshot(**kw) -> dict:
 
 def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     m = ServeMetrics()
-    m.observe_request("a", 0.2, 0.01, {"device": 64, "host": 32, "storage": 0}, "stop",
+    m.observe_request("a", 0.2, 0.01, CachedCounts(64, 32, 0), "stop",
                       prompt_tokens=100, generation_tokens=5, e2e_s=0.3, queue_s=0.05)
     m.update_gauges("a", {"device_used_tokens": 64, "device_total_tokens": 640,
                           "running_requests": 1, "waiting_requests": 2, "unknown": 3})
@@ -91,9 +91,10 @@ def test_the_namespace_figures_are_the_directorys():
 
 def test_tokens_latency_and_gauges():
     m = ServeMetrics()
-    m.observe_request("a", 0.1, 0.02, {"device": 64}, "stop", prompt_tokens=100,
+    m.observe_request("a", 0.1, 0.02, CachedCounts(64, 0, 0), "stop", prompt_tokens=100,
                       generation_tokens=7, e2e_s=0.5)
-    m.observe_request("a", 0.1, None, {}, "length", prompt_tokens=20, generation_tokens=1)
+    m.observe_request("a", 0.1, None, NO_CACHED, "length", prompt_tokens=20,
+                      generation_tokens=1)
     assert value(m, "prompt_tokens", "_total", kvtier_instance="a") == 120
     assert value(m, "generation_tokens", "_total", kvtier_instance="a") == 8
     assert value(m, "e2e_request_seconds", "_count", kvtier_instance="a") == 1
@@ -113,9 +114,8 @@ def test_private_registry_leaves_the_global_one_alone():
 
 def test_request_observations():
     m = ServeMetrics()
-    m.observe_request("a", 0.1, 0.02, {"device": 64, "host": 32}, "stop")
-    cached = NamedTuple("CachedTokens", [("device", int), ("host", int), ("storage", int)])
-    m.observe_request("a", 0.3, None, cached(0, 0, 128), "length")
+    m.observe_request("a", 0.1, 0.02, CachedCounts(64, 32, 0), "stop")
+    m.observe_request("a", 0.3, None, CachedCounts(0, 0, 128), "length")
     assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="device") == 64
     assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="host") == 32
     assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="storage") == 128
@@ -260,7 +260,7 @@ def test_the_grafana_dashboard_queries_only_exported_series():
     assert all("kvtier_instance" in e for e in dashboard_queries())
     # What it names is what a deployment renders (the private registry, fed once).
     m = ServeMetrics()
-    m.observe_request("a", 0.2, 0.01, {"device": 1}, "stop", 10, 2, 0.3)
+    m.observe_request("a", 0.2, 0.01, CachedCounts(1, 0, 0), "stop", 10, 2, 0.3)
     rendered = {s.name for f in families(m).values() for s in f.samples}
     assert {"kvtier_prompt_tokens_total", "kvtier_ttft_seconds_bucket"} <= rendered
 

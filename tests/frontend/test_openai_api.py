@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from collections import namedtuple
 
 import pytest
 from hypothesis import given, settings
@@ -15,13 +14,14 @@ from kvtier.frontend.openai_requests import (
     ApiError, ApiLimits, ChatRequest, CompletionRequest, ErrorType, Role, check_prompt_tokens,
     parse_chat, parse_completion)
 from kvtier.frontend.openai_responses import SSE_DONE
+from kvtier.frontend.records import CachedCounts, PromptLengths
 from kvtier.frontend.stop_strings import StopMatcher
 
 LIMITS = ApiLimits(model_names=("smol", "tiny"), max_prompt_tokens=100, max_new_tokens=64,
                    max_body_bytes=4096)
-CACHED = {"device": 3, "host": 2, "storage": 1}
-LENGTHS = {"prefix_len": 3, "host_hit_length": 4, "host_loaded_length": 3,
-           "storage_hit_length": 1, "extend_len": 5}
+CACHED = CachedCounts(device=3, host=2, storage=1)
+LENGTHS = PromptLengths(prefix_len=3, host_hit_length=4, host_loaded_length=3,
+                        storage_hit_length=1, extend_len=5)
 
 
 def comp(**fields):
@@ -243,9 +243,9 @@ def test_usage_and_kvtier_field():
     assert u == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15,
                  "prompt_tokens_details": {"cached_tokens": 6}}
     kv = api.kvtier_field(CACHED, LENGTHS)
-    assert kv == {"cached_tokens": CACHED, "lengths": LENGTHS}
-    Cached = namedtuple("Cached", "device host storage")  # the engine passes NamedTuples
-    assert api.kvtier_field(Cached(3, 2, 1), LENGTHS)["cached_tokens"] == CACHED
+    assert kv == {"cached_tokens": {"device": 3, "host": 2, "storage": 1},
+                  "lengths": {"prefix_len": 3, "host_hit_length": 4, "host_loaded_length": 3,
+                              "storage_hit_length": 1, "extend_len": 5}}
 
 
 @pytest.mark.parametrize("reason, expected", [

@@ -10,17 +10,17 @@ from kvtier.engine.handoff import HandoffStages
 from kvtier.frontend import openai_responses as out
 from kvtier.frontend.metrics import ServeMetrics
 from kvtier.frontend.pd_metrics import MODES, STAGES, PDMetrics
-from kvtier.frontend.records import PDReport
+from kvtier.frontend.records import CachedCounts, PDReport, PromptLengths
 
-CACHED = {"device": 0, "host": 0, "storage": 32}
-LENGTHS = {"prefix_len": 0, "host_hit_length": 32, "host_loaded_length": 32,
-           "storage_hit_length": 32, "extend_len": 16}
+CACHED = CachedCounts(device=0, host=0, storage=32)
+LENGTHS = PromptLengths(prefix_len=0, host_hit_length=32, host_loaded_length=32,
+                        storage_hit_length=32, extend_len=16)
 
 
-def handed_off(transfer_s: float = 0.002) -> dict:
+def handed_off(transfer_s: float = 0.002) -> PDReport:
     stages = HandoffStages(bootstrap_s=0.0004, prefill_s=0.05, transfer_s=transfer_s,
                            kv_ready_s=0.01, decode_queue_s=0.02)
-    return out.pd_field("handoff", "nixl", "prefill-0", "decode-1", stages, 3 * 4096, 3)
+    return out.pd_report("handoff", "nixl", "prefill-0", "decode-1", stages, 3 * 4096, 3)
 
 
 def samples(m: ServeMetrics) -> dict:
@@ -31,18 +31,18 @@ def samples(m: ServeMetrics) -> dict:
 
 def test_the_field_says_how_the_request_went():
     pd = handed_off()
-    assert pd == {"mode": "handoff", "transport": "nixl", "prefill_instance": "prefill-0",
+    assert pd.to_dict() == {"mode": "handoff", "transport": "nixl", "prefill_instance": "prefill-0",
                   "decode_instance": "decode-1", "transfer_bytes": 12288, "transfer_pages": 3,
                   "stages": {"bootstrap_s": 0.0004, "prefill_s": 0.05, "transfer_s": 0.002,
                              "kv_ready_s": 0.01, "decode_queue_s": 0.02}}
     field = out.kvtier_field(CACHED, LENGTHS, pd)
-    assert field["pd"] == pd and field["lengths"] == LENGTHS
+    assert field["pd"] == pd.to_dict() and field["lengths"] == LENGTHS.to_dict()
     assert "pd" not in out.kvtier_field(CACHED, LENGTHS)  # instances that do both: as before
-    mixed = out.pd_field("mixed", "nixl", "prefill-0", None, HandoffStages(bootstrap_s=0.001,
-                                                                           prefill_s=0.2),
-                         0, 0)
-    json.dumps(mixed, allow_nan=False)  # stages that did not happen are null
-    assert mixed["stages"]["transfer_s"] is None and mixed["decode_instance"] is None
+    mixed = out.pd_report("mixed", "nixl", "prefill-0", None, HandoffStages(bootstrap_s=0.001,
+                                                                            prefill_s=0.2),
+                          0, 0)
+    json.dumps(mixed.to_dict(), allow_nan=False)  # stages that did not happen are null
+    assert mixed.stages["transfer_s"] is None and mixed.decode_instance is None
 
 
 def test_metrics_per_stage_transport_and_mode():
@@ -54,11 +54,10 @@ def test_metrics_per_stage_transport_and_mode():
     for mode in MODES:
         assert before[("kvtier_pd_requests_total",
                        (("kvtier_instance", "pd"), ("mode", mode)))] == 0
-    pd.observe("pd", PDReport(**handed_off(transfer_s=0.002)))
-    pd.observe("pd", PDReport(**handed_off(transfer_s=3.0)))  # a slow transfer stands out
-    pd.observe("pd", PDReport(**out.pd_field("mixed", "nixl", "prefill-0", None,
-                                             HandoffStages(bootstrap_s=0.001, prefill_s=0.2),
-                                             0, 0)))
+    pd.observe("pd", handed_off(transfer_s=0.002))
+    pd.observe("pd", handed_off(transfer_s=3.0))  # a slow transfer stands out
+    pd.observe("pd", out.pd_report("mixed", "nixl", "prefill-0", None,
+                                   HandoffStages(bootstrap_s=0.001, prefill_s=0.2), 0, 0))
     got = samples(m)
     label = (("kvtier_instance", "pd"), ("transport", "nixl"))
     assert got[("kvtier_pd_transferred_bytes_total", label)] == 2 * 12288

@@ -28,7 +28,7 @@ class Output:
 
 def pd_report() -> PDReport:
     stages = HandoffStages(0.001, 0.2, None, 0.0301234567, None)
-    return PDReport(**out.pd_field("handoff", "mooncake", "prefill-0", None, stages, 4096, 2))
+    return out.pd_report("handoff", "mooncake", "prefill-0", None, stages, 4096, 2)
 
 
 def roundtrip(record):
@@ -55,11 +55,15 @@ def test_the_http_fields_are_the_dicts_of_before():
     stages = HandoffStages(0.001, 0.2, None, 0.0301234567, None)
     assert final.cached.to_dict() == Output.cached._asdict()
     assert list(final.lengths.to_dict().items()) == list(Output.lengths._asdict().items())
-    expected_pd = out.pd_field("handoff", "mooncake", "prefill-0", None, stages, 4096, 2)
+    expected_pd = {"mode": "handoff", "transport": "mooncake", "prefill_instance": "prefill-0",
+                   "decode_instance": None, "stages": {"bootstrap_s": 0.001, "prefill_s": 0.2,
+                                                       "transfer_s": None, "kv_ready_s": 0.030123,
+                                                       "decode_queue_s": None},
+                   "transfer_bytes": 4096, "transfer_pages": 2}
     assert list(final.pd.to_dict().items()) == list(expected_pd.items())
-    assert out.kvtier_field(final.cached.to_dict(), final.lengths.to_dict(),
-                            final.pd.to_dict()) == out.kvtier_field(Output.cached, Output.lengths,
-                                                                    expected_pd)
+    assert out.kvtier_field(final.cached, final.lengths, final.pd) == {
+        "cached_tokens": Output.cached._asdict(), "lengths": Output.lengths._asdict(),
+        "pd": expected_pd}
     assert final.finish_reason.value == "stop" and final.instance == "instance-1"
     route = roundtrip(Route.of(Choice("a", ChoiceReason.BEST_HIT, TierHits(2, 1, 0), 0.2)))
     assert route.to_field() == {"reason": "best_hit", "expected_pages": {
