@@ -128,14 +128,19 @@ class HFModelDir:
         return f"{self.config().name}-{self.digest()[:16]}"
 
     def digest(self) -> str:
-        """SHA-256 over the weight files (names and bytes): the checkpoint's identity."""
-        h = hashlib.sha256()
-        for path in self.weight_files():
-            h.update(path.name.encode() + b"\0")
-            with path.open("rb") as fh:
-                while chunk := fh.read(_CHUNK):
-                    h.update(chunk)
-        return h.hexdigest()
+        """SHA-256 over the weight files (names and bytes): the checkpoint's identity. Read
+        once per object: a rank checks it against the driver's, then names its cache by it
+        (`identity`), and a checkpoint is hundreds of MB."""
+        known = self.__dict__.get("_digest")
+        if known is None:
+            h = hashlib.sha256()
+            for path in self.weight_files():
+                h.update(path.name.encode() + b"\0")
+                with path.open("rb") as fh:
+                    while chunk := fh.read(_CHUNK):
+                        h.update(chunk)
+            known = self.__dict__["_digest"] = h.hexdigest()  # frozen: not a field
+        return known
 
     # ---- tokenizer -----------------------------------------------------------------------------
     def tokenizer(self) -> Tokenizer:

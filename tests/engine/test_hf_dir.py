@@ -118,6 +118,14 @@ def test_the_digest_tells_checkpoints_apart(tmp_path):
     assert HFModelDir(str(a)).digest() != HFModelDir(str(b)).digest()
     assert HFModelDir(str(a)).config() == HFModelDir(str(b)).config().__class__(
         **{**HFModelDir(str(b)).config().to_dict(), "name": "llama-0"})  # same shapes
+    source = HFModelDir(str(a))
+    digest = source.digest()
+    with source.weight_files()[0].open("ab") as fh:  # the checkpoint changes under it
+        fh.write(b"\0")
+    # one object reads its files once (`identity` reuses the digest); a rank builds its own
+    # object from the path, so it sees the change and refuses the weights
+    assert source.identity().endswith(digest[:16]) and source.digest() == digest
+    assert HFModelDir(str(a)).digest() != digest
 
 
 def test_two_checkpoints_of_one_architecture_share_no_l3_page(tmp_path):
