@@ -87,6 +87,23 @@ def locked(directory: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def swapped_in(target: Path) -> Iterator[Path]:
+    """A fresh sibling temp directory to fill; when the block ends it replaces `target` (an
+    error removes it instead), so a crash never leaves a half-written directory. Hold
+    `locked(target)` around it."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def ensure_converted(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """The converted SmolLM2 directory, converting the packaged GGUF first when needed."""
     from kvtier.engine.gguf_source import find_gguf, source_fingerprint
@@ -141,9 +158,7 @@ def _convert(gguf_path: Path, fingerprint: dict, target: Path) -> None:
     backend, special = build_from_gguf(source.metadata)  # refused before the weights are read
     state = {name: torch.from_numpy(array)
              for name, array in source.tensors(config)}
-    # Write into a sibling temp dir and swap it in, so a crash never leaves a half cache.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with swapped_in(target) as tmp:  # a crash never leaves a half cache
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         Tokenizer(backend, special).save(tmp / "tokenizer.json")
         meta = {"converter_version": CONVERTER_VERSION, "source": fingerprint, "dtype": "float32",
@@ -151,15 +166,8 @@ def _convert(gguf_path: Path, fingerprint: dict, target: Path) -> None:
                 "source_sha256": file_sha256(gguf_path),
                 "chat_template": gguf_chat_template(source.metadata)}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         for name in _FILES:
             (tmp / name).chmod(0o644)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("converted %s in %.1f s", config.name, time.perf_counter() - start)
 
 

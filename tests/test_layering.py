@@ -1,9 +1,9 @@
 """The layout rule and the layering, read from every package module's imports (with `ast`).
 
 Layers, bottom to top: the vocabulary of `kvtier/` <- backends <- tiers <- engine <- serve <-
-actors <- bench, hosts and the commands of `cli/`. A module
-may import from its own layer or below; only `actors/` may import ray. Tests and examples are
-outside these rules.
+actors <- bench, hosts, the commands of `cli/` and vLLM's connector. A module may import from
+its own layer or below; only `actors/` may import ray and only `connector/` vllm. Tests and
+examples are outside these rules.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # folder -> layer
 LAYERS = {"kvtier": 0, "backends": 1, "tiers": 2, "engine": 3, "frontend": 4, "actors": 5,
-          "bench": 6, "hosts": 6, "cli": 6}
+          "bench": 6, "hosts": 6, "cli": 6, "connector": 6}
 # `kvtier/__main__.py` only hands `python -m kvtier` to the command line
 ENTRY_POINT = "kvtier.__main__"
 TOP = 6
 RAY_ALLOWED = {"actors"}
+VLLM_ALLOWED = {"connector"}
 
 
 def module_layer(dotted: str) -> int | None:
@@ -74,6 +75,9 @@ def module_violations(tree: ast.AST, dotted: str, is_package: bool) -> list[tupl
         if target.split(".")[0] == "ray" and folder not in RAY_ALLOWED:
             bad.append((line, f"imports {target}: only actors/ may import ray"))
             continue
+        if target.split(".")[0] == "vllm" and folder not in VLLM_ALLOWED:
+            bad.append((line, f"imports {target}: only connector/ may import vllm"))
+            continue
         target_layer = module_layer(target)
         if target_layer is not None and target_layer > layer:
             bad.append((line, f"imports {target} (layer {target_layer}) from layer {layer}: "
@@ -122,6 +126,7 @@ def test_every_folder_is_installed_under_its_name():
     ("from kvtier.cli.flags import add_hicache_flags", "kvtier.actors.instance", "upward"),
     ("from ..engine import scheduler", "kvtier.tiers.radix_tree", "upward"),
     ("from kvtier.bench import soak", "kvtier.actors.instance", "upward"),
+    ("from vllm.config import VllmConfig", "kvtier.engine.hf_export", "only connector/"),
 ])
 def test_the_checker_catches_what_it_must(source, dotted, message):
     """The rules applied to snippets (lazy imports inside a function too)."""
@@ -137,6 +142,7 @@ def test_the_checker_catches_what_it_must(source, dotted, message):
     ("from kvtier.cli.main import main", "kvtier.__main__"),
     ("from kvtier.tiers.radix_tree import HiRadixTree", "kvtier.engine.admission"),
     ("from kvtier.frontend import metrics", "kvtier.actors.serve_ingress"),
+    ("from vllm import LLM", "kvtier.connector.vllm_connector"),
 ])
 def test_the_checker_allows_what_it_must(source, dotted):
     assert module_violations(ast.parse(source), dotted, False) == []

@@ -1,0 +1,79 @@
+"""The connector's settings: vLLM's `kv_connector_extra_config`, read under SGLang's names.
+
+SGLang's flags without their dashes (`hicache_ratio`, `hicache_size`, `hicache_write_policy`,
+`hicache_storage_prefetch_policy`, `hicache_storage_backend`,
+`hicache_storage_backend_extra_config`) set kvtier's `HiCacheConfig`, validated as for
+`kvtier serve`; `ray_address` names the Ray cluster of the L3 namespace actor. See
+docs/vllm.md for what each does under vLLM.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvtier.config import FIELD_FLAGS, GB, HiCacheConfig
+from kvtier.errors import ConfigError
+from kvtier.policies import WritePolicy
+
+CONNECTOR = "KvtierConnector"
+# HiCacheConfig fields the connector takes; the rest are the engine's (vLLM owns L1)
+_FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetch_policy",
+           "storage_backend", "storage_options")
+_KEYS = {FIELD_FLAGS[f].lstrip("-").replace("-", "_"): f for f in _FIELDS}
+RAY_ADDRESS = "ray_address"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    cache: HiCacheConfig
+    ray_address: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_KEYS) - {RAY_ADDRESS})
+        if unknown:
+            raise ConfigError(f"{CONNECTOR}: unknown kv_connector_extra_config key(s) "
+                              f"{', '.join(unknown)}; it takes "
+                              f"{', '.join(sorted([*_KEYS, RAY_ADDRESS]))}")
+        fields = {_KEYS[k]: v for k, v in extra.items() if k in _KEYS}
+        if isinstance(fields.get("storage_options"), str):
+            fields["storage_options"] = _json_object(fields["storage_options"])
+        cache = HiCacheConfig.from_dict(fields).normalize()
+        if cache.write_policy is not WritePolicy.WRITE_THROUGH:
+            raise ConfigError(f"{CONNECTOR}: hicache_write_policy {cache.write_policy.value} "
+                              f"is not available under vLLM (vLLM does not tell a connector "
+                              f"when it evicts a block); use write_through")
+        if cache.storage_backend is not None:
+            raise ConfigError(f"{CONNECTOR}: an L3 storage backend is not available through "
+                              f"the vLLM connector yet; drop hicache_storage_backend (L2 only)")
+        address = extra.get(RAY_ADDRESS)
+        if address is not None and not isinstance(address, str):
+            raise ConfigError(f"{CONNECTOR}: {RAY_ADDRESS} must be a string such as "
+                              f"'127.0.0.1:6379', got {address!r}")
+        return cls(cache, address)
+
+    def host_slots(self, device_blocks: int, slot_bytes: int) -> int:
+        """Host-pool slots per rank: `hicache_size` GB of `slot_bytes` pages, else
+        `hicache_ratio` times vLLM's device blocks."""
+        if self.cache.hicache_size_gb > 0:
+            slots = int(self.cache.hicache_size_gb * GB) // slot_bytes
+            if slots < 1:
+                raise ConfigError(f"{CONNECTOR}: hicache_size {self.cache.hicache_size_gb} GB "
+                                  f"holds no page of {slot_bytes} bytes; raise it")
+            return slots
+        return max(1, math.ceil(self.cache.hicache_ratio * device_blocks))
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{CONNECTOR}: hicache_storage_backend_extra_config is not valid "
+                          f"JSON ({exc}); give an object") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{CONNECTOR}: hicache_storage_backend_extra_config must be an "
+                          f"object, got {type(data).__name__}")
+    return data

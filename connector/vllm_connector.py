@@ -1,0 +1,220 @@
+"""`KvtierConnector`: kvtier's L2 (and, later, L3) under vLLM, as a vLLM v1 KV connector.
+
+vLLM builds one instance per process: in EngineCore with the scheduler role (it answers
+`get_num_new_matched_tokens` and plans each step: kvtier.connector.scheduler_side) and in
+each worker with the worker role (it copies between vLLM's blocks and its host pool:
+kvtier.connector.worker_side). This module only translates vLLM's objects into theirs. Load
+it with `--kv-transfer-config '{"kv_connector": "KvtierConnector", "kv_role": "kv_both"}'`
+once kvtier is installed (its `vllm.general_plugins` entry point registers the name), or
+with `"kv_connector_module_path": "kvtier.connector.vllm_connector"`. See docs/vllm.md.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole,
+                                                               KVConnectorWorkerMetadata)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.connector.identity import BlockIdentity, block_namespace
+from kvtier.connector.plan import StepPlan, WorkerReport
+from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
+from kvtier.connector.settings import CONNECTOR, ConnectorSettings
+from kvtier.connector.worker_side import BlockLayout, WorkerSide
+from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KvtierStepMeta(KVConnectorMetadata):
+    """Scheduler -> workers: this step's plan."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KvtierWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: one rank's report, merged over the ranks by vLLM."""
+
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvtierWorkerMeta":
+        if not isinstance(other, KvtierWorkerMeta):
+            raise TypeError(f"cannot merge a {type(other).__name__} into kvtier's report")
+        return KvtierWorkerMeta(self.report.merge(other.report))
+
+
+def device_kind() -> str:
+    """What the block bytes depend on besides the backend: the CPU's ISA or the GPU."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda-sm{major}{minor}"
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """kvtier's tiers under vLLM (the class vLLM loads by name)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._settings = ConnectorSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ConfigError(f"{CONNECTOR} needs a model with one KV cache group (full "
+                              f"attention in every layer); this one has {len(groups)}. "
+                              f"Hybrid models are not supported yet: run vLLM without it")
+        spec = groups[0].kv_cache_spec
+        self._block_size = spec.block_size
+        self._slots = self._settings.host_slots(
+            kv_cache_config.num_blocks, spec.page_size_bytes * len(groups[0].layer_names))
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._report = WorkerReport()
+        if role is KVConnectorRole.SCHEDULER:
+            self._recompute_failed_loads()
+            self._requests: dict[str, "Request"] = {}
+            self._blocks: dict[str, list[int]] = {}
+            self._scheduler = SchedulerSide(self._namespace(vllm_config, spec),
+                                            self._block_size, self._slots, self._tp_size)
+            log.info("%s: L2 of %d pages of %d tokens per rank", CONNECTOR, self._slots,
+                     self._block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that did not happen is a later miss, nothing more
+
+    def _recompute_failed_loads(self) -> None:
+        """A block that fails to load is recomputed, never an error: vLLM reads this policy
+        right after building the scheduler's connector."""
+        config = self._kv_transfer_config
+        if config.kv_load_failure_policy != "recompute":
+            log.info("%s: setting kv_load_failure_policy to recompute (was %s)", CONNECTOR,
+                     config.kv_load_failure_policy)
+            object.__setattr__(config, "kv_load_failure_policy", "recompute")
+
+    @staticmethod
+    def _namespace(vllm_config: "VllmConfig", spec: Any):
+        import vllm
+
+        mc = vllm_config.model_config
+        backend = vllm_config.attention_config.backend
+        identity = BlockIdentity(
+            engine=f"vllm {vllm.__version__}",
+            attention_backend=backend.name if backend is not None else "auto",
+            device=device_kind(), kv_dtype=str(spec.dtype), block_size=spec.block_size,
+            num_layers=mc.get_num_layers(vllm_config.parallel_config),
+            total_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
+        return block_namespace(mc.model, identity)
+
+    # ---- scheduler side ------------------------------------------------------------------
+    def on_new_request(self, request: "Request") -> None:
+        self._requests[request.request_id] = request
+        self._sched.add(request.request_id, request.cache_salt or "")
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.match(request.request_id, request.all_token_ids,
+                                 num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        block_ids = list(blocks.get_block_ids()[0])
+        self._sched.allocated(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierStepMeta:
+        out = scheduler_output
+        steps = []
+        for new in out.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            steps.append(self._scheduled(new.req_id, new.num_computed_tokens, out))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self._blocks[req_id] = list(new_ids[0]) if new_ids else []
+            elif new_ids is not None:
+                self._blocks.setdefault(req_id, []).extend(new_ids[0])
+            steps.append(self._scheduled(req_id, cached.num_computed_tokens[i], out))
+        return KvtierStepMeta(self._sched.plan([s for s in steps if s is not None]))
+
+    def _scheduled(self, req_id: str, computed: int,
+                   out: "SchedulerOutput") -> ScheduledRequest | None:
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        return ScheduledRequest(req_id, request.all_token_ids, self._blocks.get(req_id, []),
+                                computed + out.num_scheduled_tokens.get(req_id, 0))
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMeta):
+            self._sched.settle(meta.report)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._blocks.pop(request.request_id, None)
+        self._sched.finish(request.request_id)
+        return False, None
+
+    @property
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError(f"{CONNECTOR}: a scheduler hook was called on a worker")
+        return self._scheduler
+
+    # ---- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker = WorkerSide(kv_caches, self._slots, BlockLayout.CPU)
+        log.info("%s: host pool of %d pages, %.1f MB", CONNECTOR, self._slots,
+                 self._slots * self._worker.shape.slot_bytes / 1e6)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._work.begin_step(self._bound_plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv copied every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # full blocks are saved after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._report = self._work.end_step(self._bound_plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work.take_failed_blocks() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMeta:
+        report, self._report = self._report, WorkerReport()
+        return KvtierWorkerMeta(report)
+
+    def _bound_plan(self) -> StepPlan:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, KvtierStepMeta) else StepPlan()
+
+    @property
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError(f"{CONNECTOR}: vLLM ran a step before register_kv_caches")
+        return self._worker

@@ -1,0 +1,139 @@
+"""The worker half of the vLLM connector, free of vLLM: one TP rank's L2 host pool and the
+copies a `StepPlan` asks for (docs/vllm.md).
+
+vLLM's KV cache is its L1. Each layer is one tensor whose first dimension is the block; the
+CPU attention backend lays a block out as `[kv_heads, block_size, 2 x head_dim]` and reads the
+first `block_size x head_dim` values of each head as its keys and the rest as its values
+(`BlockLayout.CPU`). The bytes inside are the backend's own: a page is copied, never
+interpreted. The host pool keeps, for each slot, each of this rank's KV heads and each part
+(K, V) contiguous across the layers, `[slots, heads, 2, layers, block_size x head_dim]`, so
+one L3 object (a page's head and part) is one contiguous run of host memory.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from kvtier.connector.plan import PageLoad, PageSave, StepPlan, WorkerReport
+from kvtier.errors import ConfigError
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class BlockLayout(enum.Enum):
+    """How an attention backend lays out one layer's KV tensor."""
+
+    CPU = "cpu"  # [num_blocks, kv_heads, block_size, 2 x head_dim]: K rows then V rows per head
+
+    def parts(self, layer: torch.Tensor) -> torch.Tensor:
+        """`layer` as `[num_blocks, kv_heads, 2, block_size x head_dim]` (a view)."""
+        blocks, heads = layer.shape[0], layer.shape[1]
+        return layer.view(blocks, heads, 2, -1)
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """What one rank's host pool holds per slot."""
+
+    num_layers: int
+    kv_heads: int
+    part_elems: int  # block_size x head_dim values per head and part
+    dtype: torch.dtype
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_layers * self.kv_heads * 2 * self.part_elems * self.dtype.itemsize
+
+
+def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """vLLM's per-layer KV tensors in layer order (by the index in each layer's name)."""
+    def index(name: str) -> int:
+        found = _LAYER_INDEX.search(name)
+        if found is None:
+            raise ConfigError(f"cannot tell the layer index of vLLM KV cache {name!r}")
+        return int(found.group(1))
+
+    return [kv_caches[name] for name in sorted(kv_caches, key=index)]
+
+
+def pool_shape(layers: Sequence[torch.Tensor], layout: BlockLayout) -> PoolShape:
+    """The host pool shape `layers` need; raises when the layers differ in shape or dtype."""
+    first = layout.parts(layers[0])
+    for i, layer in enumerate(layers):
+        if layer.shape != layers[0].shape or layer.dtype != layers[0].dtype:
+            raise ConfigError(f"vLLM KV cache layer {i} has shape {tuple(layer.shape)} "
+                              f"{layer.dtype}, layer 0 {tuple(layers[0].shape)} "
+                              f"{layers[0].dtype}: kvtier needs one KV cache group of "
+                              f"identical layers")
+    return PoolShape(len(layers), first.shape[1], first.shape[3], first.dtype)
+
+
+class WorkerSide:
+    """One TP rank: its host pool and the copies between it and vLLM's blocks."""
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_slots: int,
+                 layout: BlockLayout = BlockLayout.CPU) -> None:
+        self.layers = [layout.parts(t) for t in ordered_layers(kv_caches)]
+        self.shape = pool_shape(ordered_layers(kv_caches), layout)
+        s = self.shape
+        pin = torch.cuda.is_available() and self.layers[0].is_cuda
+        self.host = torch.empty((num_slots, s.kv_heads, 2, s.num_layers, s.part_elems),
+                                dtype=s.dtype, pin_memory=pin)
+        self.failed_blocks: set[int] = set()  # for vLLM to recompute
+        self._failed_loads: frozenset[int] = frozenset()  # slots, for the step's report
+
+    def load(self, loads: Sequence[PageLoad]) -> frozenset[int]:
+        """Copy L2 slots into vLLM blocks; returns the slots that could not be loaded (their
+        blocks are in `failed_blocks` for vLLM to recompute)."""
+        failed: set[int] = set()
+        for load in loads:
+            try:
+                self._copy_in(load.slots, load.blocks)
+            except (RuntimeError, IndexError):
+                failed.update(load.slots)
+                self.failed_blocks.update(load.blocks)
+        return frozenset(failed)
+
+    def save(self, saves: Sequence[PageSave]) -> tuple[frozenset[int], frozenset[int]]:
+        """Copy full vLLM blocks into L2 slots: (saved slots, failed slots)."""
+        saved: set[int] = set()
+        failed: set[int] = set()
+        for save in saves:
+            try:
+                self._copy_out(save.blocks, save.slots)
+                saved.update(save.slots)
+            except (RuntimeError, IndexError):
+                failed.update(save.slots)
+        return frozenset(saved), frozenset(failed)
+
+    def begin_step(self, plan: StepPlan) -> None:
+        """Before the forward: the plan's loads."""
+        self._failed_loads |= self.load(plan.loads)
+
+    def end_step(self, plan: StepPlan) -> WorkerReport:
+        """After the forward: the plan's saves, and the step's report."""
+        saved, failed = self.save(plan.saves)
+        report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads)
+        self._failed_loads = frozenset()
+        return report
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self.failed_blocks = self.failed_blocks, set()
+        return out
+
+    def _copy_in(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        src = torch.tensor(slots, dtype=torch.long)
+        dst = torch.tensor(blocks, dtype=torch.long, device=self.layers[0].device)
+        rows = self.host.index_select(0, src).to(self.layers[0].device, non_blocking=True)
+        for i, layer in enumerate(self.layers):
+            layer[dst] = rows[:, :, :, i]
+
+    def _copy_out(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        src = torch.tensor(blocks, dtype=torch.long, device=self.layers[0].device)
+        dst = torch.tensor(slots, dtype=torch.long)
+        for i, layer in enumerate(self.layers):
+            self.host[dst, :, :, i] = layer[src].to("cpu", non_blocking=False)

@@ -1,0 +1,37 @@
+"""What a vLLM block's key includes: never a page of kvtier's own engine, nor of another
+backend, ISA, dtype, block size or checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+
+from tiny_llama import make_checkpoint
+
+from kvtier.connector.identity import BlockIdentity, block_namespace, model_identity
+from kvtier.engine.hf_dir import HFModelDir
+from kvtier.keys import KeyNamespace, layout_fingerprint
+from kvtier.kv_spec import KVSpec
+
+BLOCK = BlockIdentity(engine="vllm 0.32.0", attention_backend="CPU_ATTN", device="cpu-avx2",
+                      kv_dtype="torch.bfloat16", block_size=32, num_layers=2, total_kv_heads=2,
+                      head_dim=16)
+TOKENS = list(range(64))
+
+
+def test_a_vllm_block_never_shares_a_key_with_kvtiers_engine(tmp_path):
+    model = str(make_checkpoint(tmp_path / "tiny"))
+    assert model_identity(model) == HFModelDir(model).identity()  # one name for the weights
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, page_size=32)
+    engine = KeyNamespace(HFModelDir(model).identity(),
+                          layout_fingerprint=layout_fingerprint(spec, 2))
+    vllm = block_namespace(model, BLOCK)
+    assert set(vllm.page_hashes(TOKENS, 32)).isdisjoint(engine.page_hashes(TOKENS, 32))
+
+
+def test_every_part_of_the_block_identity_changes_the_key():
+    keys = {BLOCK.fingerprint()}
+    for name, other in (("engine", "vllm 0.33.0"), ("attention_backend", "FLASH_ATTN"),
+                        ("device", "cpu-avx512"), ("kv_dtype", "torch.float16"),
+                        ("block_size", 64), ("num_layers", 3), ("total_kv_heads", 4),
+                        ("head_dim", 32)):
+        keys.add(dataclasses.replace(BLOCK, **{name: other}).fingerprint())
+    assert len(keys) == 9

@@ -1,0 +1,83 @@
+"""KvtierConnector inside vLLM's CPU build, on SmolLM2 (one engine for the module: starting
+one takes most of a minute here). vLLM's own prefix cache is off, so every cached token of a
+request came from kvtier's L2, and a cold run of the same engine is vLLM alone."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+try:
+    import vllm  # noqa: F401  (make test installs vLLM's CPU build where there is no GPU)
+except ImportError:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise  # a CPU machine's .venv has it: a missing vLLM is a broken install, not a skip
+    pytest.skip("vLLM is not installed (on a GPU host, install it: docs/vllm.md)",
+                allow_module_level=True)
+
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from kvtier.engine.hf_export import smollm2_hf_dir
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
+    engine = LLM(model=str(smollm2_hf_dir()), enforce_eager=True, enable_prefix_caching=False,
+                 max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=128 << 20,
+                 kv_transfer_config=KVTransferConfig(
+                     kv_connector="KvtierConnector", kv_role="kv_both",
+                     kv_connector_extra_config={"hicache_ratio": 2.0}))
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def document(topic: str, items: int = 120) -> str:
+    facts = " ".join(f"{topic} {i} is {i * 7 % 13}." for i in range(items))
+    return f"Read this list. {facts} Question: what is {topic} 7? Answer:"
+
+
+def generate(llm, prompt: str, salt: str | None = None):
+    from vllm import SamplingParams
+
+    request = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
+    out = llm.generate([request], SamplingParams(max_tokens=8, temperature=0, logprobs=1),
+                       use_tqdm=False)[0]
+    completion = out.outputs[0]
+    return (out.num_cached_tokens or 0, len(out.prompt_token_ids), list(completion.token_ids),
+            [next(iter(lp.values())).logprob for lp in completion.logprobs])
+
+
+def test_a_repeated_prompt_loads_from_l2_and_answers_as_vllm_alone(llm):
+    cached, length, tokens, logprobs = generate(llm, document("apple"))
+    assert cached == 0 and length > 4 * BLOCK
+    again = generate(llm, document("apple"))
+    assert again[0] == (length - 1) // BLOCK * BLOCK  # all but the last token's block
+    assert again[2:] == (tokens, logprobs)
+
+
+def test_generated_blocks_are_saved_too(llm):
+    from vllm import SamplingParams
+
+    prompt = document("pear", items=40)
+    first = llm.generate([prompt], SamplingParams(max_tokens=200, temperature=0,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    grown = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+    out = llm.generate([{"prompt_token_ids": grown}], SamplingParams(max_tokens=1, temperature=0),
+                       use_tqdm=False)[0]
+    assert out.num_cached_tokens == (len(grown) - 1) // BLOCK * BLOCK
+    assert out.num_cached_tokens > len(first.prompt_token_ids)
+
+
+def test_cache_salts_never_share_a_block(llm):
+    prompt = document("plum")
+    assert generate(llm, prompt, salt="tenant-a")[0] == 0
+    assert generate(llm, prompt, salt="tenant-b")[0] == 0
+    assert generate(llm, prompt)[0] == 0
+    assert generate(llm, prompt, salt="tenant-a")[0] > 0
