@@ -100,11 +100,12 @@ def test_instances_keep_serving_through_a_namespace_actor_restart(shared_ray, tm
             return out.cached.storage == 4 * PAGE
         eventually(lambda: b_hits(1), BACKOFF_BOUND_S, "B hit prompt 1 in L3", interval_s=0.2)
         assert b_hits(2), "B hit prompt 2 in L3"
-        # and A keeps reporting to the new incarnation: prompt 3 is published once stored.
+        # and A keeps reporting to the new incarnation: prompt 3 is published once stored
+        # (its report may wait out a back-off of A's client, as B's lookups may: a bound,
+        # not a moment; under a loaded machine both happened).
         assert a.generate([PROMPTS[3]], GREEDY)[0].tokens == reference[3]
         a.quiesce()
-        out = b.generate([PROMPTS[3]], GREEDY)[0]
-        assert out.cached.storage == 4 * PAGE and out.tokens == reference[3]
+        eventually(lambda: b_hits(3), BACKOFF_BOUND_S, "B hit prompt 3 in L3", interval_s=0.2)
     finally:
         for inst in instances:
             inst.close()
