@@ -19,12 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
                                                                KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                  KVConnectorStats)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.identity import BlockIdentity, block_namespace
 from kvtier.connector.plan import StepPlan, WorkerReport
 from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
 from kvtier.connector.settings import CONNECTOR, ConnectorSettings
+from kvtier.connector.stats import FAMILIES, CopyStats
 from kvtier.connector.worker_side import BlockLayout, WorkerSide
 from kvtier.errors import ConfigError
 
@@ -57,6 +60,52 @@ class KvtierWorkerMeta(KVConnectorWorkerMetadata):
         if not isinstance(other, KvtierWorkerMeta):
             raise TypeError(f"cannot merge a {type(other).__name__} into kvtier's report")
         return KvtierWorkerMeta(self.report.merge(other.report))
+
+
+@dataclass
+class KvtierStats(KVConnectorStats):
+    """vLLM's container for the workers' `CopyStats` (its payload is `CopyStats`'s)."""
+
+    def copies(self) -> CopyStats:
+        return CopyStats.from_payload(self.data)
+
+    def aggregate(self, other: KVConnectorStats) -> "KvtierStats":
+        other_copies = CopyStats.from_payload(other.data)
+        return KvtierStats((self.copies() + other_copies).to_payload())
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def reduce(self) -> dict[str, int | float]:
+        copies = self.copies()
+        load, save = copies.gbps()
+        return {"hit_tokens": copies.hit_tokens, "backup_tokens": copies.backup_tokens,
+                "load_gbps": round(load, 3), "save_gbps": round(save, 3)}
+
+    def is_empty(self) -> bool:
+        return self.copies().empty
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """kvtier's counter families (kvtier.connector.stats.FAMILIES) in vLLM's registry."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = []
+        for family, labels, field_name, text in FAMILIES:
+            counter = self._counter_cls(name=family, documentation=text,
+                                        labelnames=[*labelnames, *labels])
+            per_engine = {idx: counter.labels(*values, *labels.values())
+                          for idx, values in per_engine_labelvalues.items()}
+            self._counters.append((field_name, per_engine))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        copies = CopyStats.from_payload(transfer_stats_data)
+        for field_name, per_engine in self._counters:
+            value = getattr(copies, field_name)
+            if value:
+                per_engine[engine_idx].inc(value)
 
 
 def device_kind() -> str:
@@ -185,7 +234,10 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker = WorkerSide(kv_caches, self._slots, BlockLayout.CPU)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._worker = WorkerSide(kv_caches, self._slots, BlockLayout.CPU, self._block_size,
+                                  counts_tokens=get_tensor_model_parallel_rank() == 0)
         log.info("%s: host pool of %d pages, %.1f MB", CONNECTOR, self._slots,
                  self._slots * self._worker.shape.slot_bytes / 1e6)
 
@@ -204,6 +256,22 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_failed_blocks() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        if self._worker is None:
+            return None
+        copies = self._worker.take_stats()
+        return None if copies.empty else KvtierStats(copies.to_payload())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
+        return KvtierStats(CopyStats.from_payload(data).to_payload())
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KvtierWorkerMeta:
         report, self._report = self._report, WorkerReport()

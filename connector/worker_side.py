@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import enum
 import re
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
 from kvtier.connector.plan import PageLoad, PageSave, StepPlan, WorkerReport
+from kvtier.connector.stats import CopyStats
 from kvtier.errors import ConfigError
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -76,7 +78,10 @@ class WorkerSide:
     """One TP rank: its host pool and the copies between it and vLLM's blocks."""
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_slots: int,
-                 layout: BlockLayout = BlockLayout.CPU) -> None:
+                 layout: BlockLayout = BlockLayout.CPU, block_size: int = 0,
+                 counts_tokens: bool = True) -> None:
+        """`block_size` and `counts_tokens` (rank 0 counts tokens, every rank its bytes) are
+        for the stats only."""
         self.layers = [layout.parts(t) for t in ordered_layers(kv_caches)]
         self.shape = pool_shape(ordered_layers(kv_caches), layout)
         s = self.shape
@@ -85,17 +90,25 @@ class WorkerSide:
                                 dtype=s.dtype, pin_memory=pin)
         self.failed_blocks: set[int] = set()  # for vLLM to recompute
         self._failed_loads: frozenset[int] = frozenset()  # slots, for the step's report
+        self._page_tokens = block_size if counts_tokens else 0
+        self._stats = CopyStats()
 
     def load(self, loads: Sequence[PageLoad]) -> frozenset[int]:
         """Copy L2 slots into vLLM blocks; returns the slots that could not be loaded (their
         blocks are in `failed_blocks` for vLLM to recompute)."""
         failed: set[int] = set()
         for load in loads:
+            start = time.perf_counter()
             try:
                 self._copy_in(load.slots, load.blocks)
             except (RuntimeError, IndexError):
                 failed.update(load.slots)
                 self.failed_blocks.update(load.blocks)
+                self._count(CopyStats(failed_load_tokens=len(load.slots) * self._page_tokens))
+                continue
+            self._count(CopyStats(hit_tokens=len(load.slots) * self._page_tokens,
+                                  load_back_bytes=len(load.slots) * self.shape.slot_bytes,
+                                  load_back_seconds=time.perf_counter() - start))
         return frozenset(failed)
 
     def save(self, saves: Sequence[PageSave]) -> tuple[frozenset[int], frozenset[int]]:
@@ -103,11 +116,16 @@ class WorkerSide:
         saved: set[int] = set()
         failed: set[int] = set()
         for save in saves:
+            start = time.perf_counter()
             try:
                 self._copy_out(save.blocks, save.slots)
-                saved.update(save.slots)
             except (RuntimeError, IndexError):
                 failed.update(save.slots)
+                continue
+            saved.update(save.slots)
+            self._count(CopyStats(backup_tokens=len(save.slots) * self._page_tokens,
+                                  backup_bytes=len(save.slots) * self.shape.slot_bytes,
+                                  backup_seconds=time.perf_counter() - start))
         return frozenset(saved), frozenset(failed)
 
     def begin_step(self, plan: StepPlan) -> None:
@@ -120,6 +138,14 @@ class WorkerSide:
         report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads)
         self._failed_loads = frozenset()
         return report
+
+    def take_stats(self) -> CopyStats:
+        """The copies since the last call."""
+        out, self._stats = self._stats, CopyStats()
+        return out
+
+    def _count(self, delta: CopyStats) -> None:
+        self._stats = self._stats + delta
 
     def take_failed_blocks(self) -> set[int]:
         out, self.failed_blocks = self.failed_blocks, set()

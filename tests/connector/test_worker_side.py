@@ -19,7 +19,7 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
 
 def test_blocks_round_trip_through_l2_into_other_blocks():
     src, dst = kv_caches(0), kv_caches(1)
-    a, b = WorkerSide(src, num_slots=4), WorkerSide(dst, num_slots=4)
+    a, b = (WorkerSide(caches, num_slots=4, block_size=BS) for caches in (src, dst))
     b.host = a.host  # one rank's pool seen by a second engine's blocks
     a.begin_step(StepPlan())
     report = a.end_step(StepPlan(saves=(PageSave((1, 4), (3, 0)),)))
@@ -28,6 +28,12 @@ def test_blocks_round_trip_through_l2_into_other_blocks():
     for name in src:
         assert torch.equal(dst[name][5], src[name][1]) and torch.equal(dst[name][2], src[name][4])
     assert b.end_step(StepPlan()).failed_loads == frozenset()
+    saved, loaded = a.take_stats(), b.take_stats()
+    page = LAYERS * HEADS * BS * 2 * HD * 2  # bf16
+    assert (saved.backup_tokens, saved.backup_bytes, saved.hit_tokens) == (2 * BS, 2 * page, 0)
+    assert (loaded.hit_tokens, loaded.load_back_bytes) == (2 * BS, 2 * page)
+    assert saved.backup_seconds > 0 and loaded.load_back_seconds > 0
+    assert a.take_stats().empty  # taken once
 
 
 def test_host_pool_keeps_a_head_and_part_contiguous_over_layers():
@@ -43,7 +49,8 @@ def test_host_pool_keeps_a_head_and_part_contiguous_over_layers():
 
 
 def test_a_load_that_fails_is_reported_with_its_blocks():
-    w = WorkerSide(kv_caches(3), num_slots=2)
+    w = WorkerSide(kv_caches(3), num_slots=2, block_size=BS)
     w.begin_step(StepPlan(loads=(PageLoad("r", (0, 7), (1, 2)),)))  # slot 7 does not exist
     assert w.end_step(StepPlan()).failed_loads == {0, 7}
+    assert w.take_stats().failed_load_tokens == 2 * BS
     assert w.take_failed_blocks() == {1, 2} and w.take_failed_blocks() == set()
