@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier.cli import demo
     from kvtier.cli import serve_command
     from kvtier.bench import (chaos, instances, matrix, pd, prefix, serve_bench, soak, storage,
-                              transfer, tree)
+                              transfer, tree, vllm_bench)
 
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a hierarchical KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(bench, "transfer", transfer, "L1<->L2 copy bandwidth per host layout")
     _command(bench, "storage", storage, "L3 backend write/read GB/s next to the raw library")
     _command(bench, "prefix", prefix, "SmolLM2 TTFT: cold vs L1, L2 and L3 hits")
+    _command(bench, "vllm", vllm_bench, "SmolLM2 through vLLM with and without KvtierConnector: "
+             "TTFT cold and from L2, answers, overhead, copy GB/s")
     _command(bench, "instances", instances, "the demo's two instances at TP=3: TTFT per tier, "
              "agreement time per step, actor-call overhead")
     _command(bench, "pd", pd, "prefill/decode disaggregation: TTFT and KV transfer GB/s "

@@ -1,0 +1,187 @@
+"""`kvtier bench vllm`: SmolLM2 through vLLM's CPU build, with and without KvtierConnector.
+
+One run, one process, two vLLM engines of the same model, block size, KV cache bytes and
+thread binding: A with the connector, B without (vLLM alone); both keep vLLM's own prefix
+cache on, as deployed. Both first serve warm-up prompts. Each of `--documents` synthetic
+documents of `--tokens` tokens (bench prefix's sensor log, a different log per document) is
+asked `--questions` questions:
+- B answers every question: the reference tokens (greedy, `--new-tokens`);
+- A answers the first question cold (`ttft_cold_s`), then, after vLLM's own prefix cache was
+  reset each time (`LLM.reset_prefix_cache`: the document is gone from vLLM's device memory),
+  the same question again and every other question: the document's blocks come from L2
+  (`ttft_l2_s`, `ttft_l2_ratio` = the same question's L2 TTFT / its cold TTFT);
+- `identical`: A's greedy tokens equal B's on every question;
+- `no_reuse_overhead`: `--pairs` distinct prompts of the document's length that nothing can
+  reuse, A and B interleaved, the median of A's TTFT / B's (the cost of saving every block);
+- `save_gbps`, `load_gbps`: A's copies between vLLM's blocks and its host pool (its
+  `vllm:kvtier_*` counters).
+TTFT is a one-token generate's wall time. The L3 figure (`ttft_l3_ratio`) needs L3 through the
+connector, which is not available yet: null, with the reason in `l3`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any, NamedTuple
+
+from kvtier.bench import emit
+from kvtier.bench.prefix import document_tokens
+from kvtier.errors import ConfigError
+
+TARGETS = {"ttft_l2_ratio": 0.15, "no_reuse_overhead": 1.05}  # at most
+QUESTION = "\n\nQuestion: what did the sensor in room {room} read in record {record}? Answer:"
+KV_CACHE_BYTES = 256 << 20
+
+
+class VllmBenchParams(NamedTuple):
+    tokens: int = 2048
+    documents: int = 2
+    questions: int = 4
+    new_tokens: int = 8
+    pairs: int = 5
+    block_size: int = 128
+    hicache_ratio: float = 2.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = VllmBenchParams()
+    p.add_argument("--tokens", type=int, default=d.tokens, help="document length in tokens")
+    p.add_argument("--documents", type=int, default=d.documents)
+    p.add_argument("--questions", type=int, default=d.questions, help="questions per document")
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    p.add_argument("--pairs", type=int, default=d.pairs,
+                   help="no-reuse prompt pairs (with and without the connector)")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help="vLLM's block size, a multiple of 32 (a kvtier page)")
+    p.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio)
+    p.add_argument("--json", action="store_true")
+
+
+def engine(model: str, params: VllmBenchParams, connector: bool) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="KvtierConnector", kv_role="kv_both",
+        kv_connector_extra_config={"hicache_ratio": params.hicache_ratio}) if connector else None
+    return LLM(model=model, enforce_eager=True, enable_prefix_caching=True,
+               max_model_len=params.tokens + 256, max_num_seqs=4,
+               block_size=params.block_size, kv_cache_memory_bytes=KV_CACHE_BYTES,
+               disable_log_stats=not connector,  # A's metrics: the connector's copies
+               kv_transfer_config=transfer)
+
+
+def answer(llm: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids)
+
+
+def ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token, tokens the request found cached)."""
+    from vllm import SamplingParams
+
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1,
+                                                                      temperature=0),
+                       use_tqdm=False)[0]
+    return time.perf_counter() - start, out.num_cached_tokens or 0
+
+
+def copy_counters() -> dict[str, float]:
+    """The connector's byte and second counters in this process's registry (vLLM records
+    them in its front end; LLM.get_metrics would read the seconds as ints)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("vllm:kvtier_") and sample.name.endswith("_total"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def gbps(counters: dict[str, float], kind: str) -> float | None:
+    size = counters.get(f"vllm:kvtier_{kind}_bytes_total", 0.0)
+    seconds = counters.get(f"vllm:kvtier_{kind}_seconds_total", 0.0)
+    return round(size / seconds / 1e9, 3) if seconds > 0 else None
+
+
+def prompts(tokenizer, params: VllmBenchParams, doc: int) -> list[list[int]]:
+    """Document `doc` (the sensor log under a header of its own, so no two documents share
+    a block) and its questions."""
+    header = tokenizer.encode(f"Log {doc}.\n")
+    body = header + document_tokens(tokenizer, params.tokens - len(header))
+    return [body + tokenizer.encode(QUESTION.format(room=(doc + q) % 17, record=12 + 7 * q))
+            for q in range(params.questions)]
+
+
+def run(params: VllmBenchParams = VllmBenchParams()) -> dict:
+    from kvtier.engine.hf_export import smollm2_hf_dir
+    from kvtier.engine.tokenizer import Tokenizer
+    from kvtier.engine.weights import ensure_converted
+
+    if params.block_size % 32 or params.tokens < 2 * params.block_size:
+        raise ConfigError("--block-size must be a multiple of 32 and --tokens at least two "
+                          "blocks")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # both engines: the same core
+    tokenizer = Tokenizer.from_files(ensure_converted())
+    model = str(smollm2_hf_dir())
+    with_kv, alone = engine(model, params, True), engine(model, params, False)
+    docs = [prompts(tokenizer, params, d) for d in range(params.documents + 1)]
+    for llm in (with_kv, alone):  # warm-up: first-call setup, a long prompt, a hit
+        ttft(llm, docs[-1][0])
+        ttft(llm, docs[-1][0])
+    with_kv.reset_prefix_cache()
+    ttft(with_kv, docs[-1][0])  # and a load from L2
+    identical, cold, l2, l2_other = True, [], [], []
+    for questions in docs[:-1]:
+        reference = [answer(alone, q, params.new_tokens) for q in questions]
+        cold.append(ttft(with_kv, questions[0])[0])
+        for i, question in enumerate([questions[0], *questions[1:]]):
+            with_kv.reset_prefix_cache()
+            (l2 if i == 0 else l2_other).append(ttft(with_kv, question)[0])
+        for question, expected in zip(questions, reference):
+            with_kv.reset_prefix_cache()
+            identical &= answer(with_kv, question, params.new_tokens) == expected
+    ratios = []
+    for pair in range(params.pairs):
+        fresh = tokenizer.encode(f"Unrelated text {pair}: ") + docs[0][0][:params.tokens]
+        ratios.append(ttft(with_kv, fresh)[0] / ttft(alone, fresh)[0])  # new to both
+    counters = copy_counters()
+    return report(params, identical, cold, l2, l2_other, ratios, counters)
+
+
+def report(params: VllmBenchParams, identical: bool, cold: list[float], l2: list[float],
+           l2_other: list[float], ratios: list[float], counters: dict[str, float]) -> dict:
+    import vllm
+
+    ttft_cold = statistics.median(cold)
+    result: dict[str, Any] = {
+        "identical": identical, "ttft_cold_s": round(ttft_cold, 4),
+        "ttft_l2_s": round(statistics.median(l2), 4),
+        "ttft_l2_ratio": round(statistics.median(l2) / ttft_cold, 4),
+        "ttft_l2_other_question_s": round(statistics.median(l2_other), 4) if l2_other else None,
+        "ttft_l3_ratio": None, "l3": "L3 is not available through the connector yet",
+        "no_reuse_overhead": round(statistics.median(ratios), 4),
+        "save_gbps": gbps(counters, "backup"), "load_gbps": gbps(counters, "load_back"),
+        "tokens": params.tokens, "documents": params.documents,
+        "questions": params.questions * params.documents, "pairs": params.pairs,
+        "block_size": params.block_size, "kv_cache_bytes": KV_CACHE_BYTES,
+        "hicache_ratio": params.hicache_ratio, "vllm": vllm.__version__,
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "load_avg_1m": round(os.getloadavg()[0], 2)}
+    result["targets_met"] = identical and all(result[k] <= v for k, v in TARGETS.items())
+    return result
+
+
+def main(ns: argparse.Namespace) -> int:
+    params = VllmBenchParams(ns.tokens, ns.documents, ns.questions, ns.new_tokens, ns.pairs,
+                             ns.block_size, ns.hicache_ratio)
+    emit(run(params), ns.json)
+    return 0
