@@ -4,9 +4,13 @@ A page key is the SHA-256 chain digest of a page-aligned token prefix (kvtier.ke
 names its whole prefix and a dict over keys is a radix tree of pages: a prompt's hit is the run
 of its keys found in order. The index lives on vLLM's scheduler side, the only place that sees
 every request, and is the only owner of slot assignments; every rank's host pool holds the
-same slots (a rank holds its own KV heads of each). A slot is SAVING from the step that asked
-the ranks to copy a block into it until every rank reported it saved, then HELD; only HELD
-pages are hits, and only HELD pages are evicted (least recently used first).
+same slots (a rank holds its own KV heads of each).
+
+A slot is SAVING from the step that asked the ranks to copy a block into it until every rank
+reported it saved, or FETCHING from the step that asked them to read it from L3 until every
+rank read it; then HELD. Only HELD pages are hits. A HELD page is evicted least recently used
+first, and not while the ranks still write it to L3 (its `backing_up` votes are short of the
+ranks): its slot's bytes are being read.
 """
 from __future__ import annotations
 
@@ -20,23 +24,28 @@ from kvtier.tiers.allocator import PageAllocator
 
 class SlotState(enum.Enum):
     SAVING = "saving"  # the ranks were asked to copy a block in; not a hit yet
-    HELD = "held"  # every rank holds its part: a hit, evictable
+    FETCHING = "fetching"  # the ranks were asked to read it from L3; not a hit yet
+    HELD = "held"  # every rank holds its part: a hit
 
 
 @dataclass
 class _Entry:
     key: str
     state: SlotState
+    votes: int = 0  # ranks that finished the slot's background work (a fetch, an L3 write)
+    backing_up: bool = False  # the ranks write it to L3: not evictable until they all did
+    dropped: bool = False  # forgotten while backing up: freed once the writes ended
 
 
 class L2Index:
-    """Page keys -> host-pool slots for one engine (all its TP ranks)."""
+    """Page keys -> host-pool slots for one engine of `ranks` TP ranks."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, ranks: int = 1) -> None:
         self._slots = PageAllocator(num_slots)
+        self.ranks = ranks
         self._by_key: dict[str, int] = {}
         self._entries: dict[int, _Entry] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # HELD slots, least recent first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # evictable slots, least recent first
 
     @property
     def num_slots(self) -> int:
@@ -44,10 +53,14 @@ class L2Index:
 
     @property
     def held(self) -> int:
-        return len(self._lru)
+        return sum(e.state is SlotState.HELD for e in self._entries.values())
 
     def __contains__(self, key: str) -> bool:
         return key in self._by_key
+
+    def state(self, key: str) -> SlotState | None:
+        slot = self._by_key.get(key)
+        return None if slot is None else self._entries[slot].state
 
     def held_run(self, keys: Sequence[str]) -> list[int]:
         """The slots of the longest leading run of `keys` held in L2."""
@@ -66,10 +79,10 @@ class L2Index:
             if slot in self._lru:
                 self._lru.move_to_end(slot)
 
-    def reserve(self, keys: Sequence[str]) -> list[int]:
-        """A SAVING slot for each key not already indexed, in order, evicting HELD pages as
-        needed; stops early when the pool is full of pages being saved. Returns the slots
-        taken, one per key from the first, so the caller saves that many leading keys."""
+    def reserve(self, keys: Sequence[str], state: SlotState = SlotState.SAVING) -> list[int]:
+        """A slot in `state` (SAVING or FETCHING) for each key not already indexed, in order,
+        evicting as needed; stops early when nothing more can be evicted. Returns the slots
+        taken, one per key from the first, so the caller moves that many leading keys."""
         taken: list[int] = []
         for key in keys:
             if key in self._by_key:
@@ -78,36 +91,83 @@ class L2Index:
             if slot is None:
                 break
             self._by_key[key] = slot
-            self._entries[slot] = _Entry(key, SlotState.SAVING)
+            self._entries[slot] = _Entry(key, state)
             taken.append(slot)
         return taken
 
-    def settle(self, saved: Iterable[int], failed: Iterable[int]) -> None:
-        """The ranks' word on SAVING slots: saved ones become HELD, failed ones are freed."""
+    def settle(self, saved: Iterable[int], failed: Iterable[int],
+               backing_up: bool = False) -> None:
+        """The ranks' word on SAVING slots: saved ones become HELD (`backing_up`: the ranks
+        write them to L3 next, so they stay until `stored` counts every rank), failed ones
+        are freed."""
         for slot in saved:
             entry = self._entries.get(slot)
             if entry is not None and entry.state is SlotState.SAVING:
+                entry.state, entry.backing_up, entry.votes = SlotState.HELD, backing_up, 0
+                if not backing_up:
+                    self._lru[slot] = None
+        self._free_failed(failed, SlotState.SAVING)
+
+    def stored(self, slots: Iterable[int]) -> None:
+        """One vote per rank that finished writing a slot to L3 (or gave up): once every rank
+        did, the slot may be evicted."""
+        for slot in slots:
+            entry = self._entries.get(slot)
+            if entry is None or not entry.backing_up or not self._vote(entry):
+                continue
+            entry.backing_up = False
+            if entry.dropped:
+                self._entries.pop(slot)
+                self._slots.free([slot])
+            else:
+                self._lru[slot] = None
+
+    def fetched(self, slots: Iterable[int], failed: Iterable[int]) -> list[int]:
+        """One vote per rank that read a FETCHING slot from L3: once every rank did, it is
+        HELD (returned). Failed fetches are freed."""
+        done = []
+        for slot in slots:
+            entry = self._entries.get(slot)
+            if entry is not None and entry.state is SlotState.FETCHING and self._vote(entry):
                 entry.state = SlotState.HELD
                 self._lru[slot] = None
-        for slot in failed:
-            entry = self._entries.get(slot)
-            if entry is not None and entry.state is SlotState.SAVING:
-                self._drop(slot)
+                done.append(slot)
+        self._free_failed(failed, SlotState.FETCHING)
+        return done
 
     def drop_slots(self, slots: Iterable[int]) -> int:
-        """Forget HELD pages (a load from them failed on some rank); returns how many."""
+        """Forget HELD pages (a load from them failed on some rank); returns how many. One
+        still being written to L3 goes once the writes ended."""
         dropped = 0
         for slot in set(slots):
             entry = self._entries.get(slot)
-            if entry is not None and entry.state is SlotState.HELD:
+            if entry is None or entry.state is not SlotState.HELD or entry.dropped:
+                continue
+            if entry.backing_up:  # its bytes are being written: the key goes, the slot waits
+                del self._by_key[entry.key]
+                entry.dropped = True
+            else:
                 self._drop(slot)
-                dropped += 1
+            dropped += 1
         return dropped
 
     def clear(self) -> None:
-        """Forget every HELD page (a reset); pages being saved settle as usual."""
+        """Forget every evictable HELD page (a reset)."""
         for slot in list(self._lru):
             self._drop(slot)
+
+    def _vote(self, entry: _Entry) -> bool:
+        entry.votes += 1
+        if entry.votes < self.ranks:
+            return False
+        entry.votes = 0
+        return True
+
+    def _free_failed(self, slots: Iterable[int], state: SlotState) -> None:
+        for slot in slots:
+            entry = self._entries.get(slot)
+            if entry is not None and entry.state is state:
+                self._drop(slot)
 
     def _take_slot(self) -> int | None:
         got = self._slots.alloc(1)

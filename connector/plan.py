@@ -22,9 +22,19 @@ class PageLoad:
 
 @dataclass(frozen=True)
 class PageSave:
-    """Copy full vLLM blocks into L2 slots after this step's forward (block i into slot i)."""
+    """Copy full vLLM blocks into L2 slots after this step's forward (block i into slot i);
+    with L3, then write each slot's objects (this rank's KV heads) under page key i."""
 
     blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    keys: tuple[str, ...] = ()  # with L3: the pages' keys, for their objects
+
+
+@dataclass(frozen=True)
+class PageFetch:
+    """Read pages from L3 into L2 slots (key i into slot i), in the background."""
+
+    keys: tuple[str, ...]
     slots: tuple[int, ...]
 
 
@@ -36,10 +46,11 @@ class StepPlan:
 
     loads: tuple[PageLoad, ...] = ()
     saves: tuple[PageSave, ...] = ()
+    fetches: tuple[PageFetch, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.fetches
 
 
 @dataclass(frozen=True)
@@ -53,10 +64,18 @@ class WorkerReport:
     saved: frozenset[int] = field(default_factory=frozenset)
     failed_saves: frozenset[int] = field(default_factory=frozenset)
     failed_loads: frozenset[int] = field(default_factory=frozenset)  # L2 slots
+    # L3, finished in the background since the last report, so ranks report one slot in
+    # different steps: one entry per rank that finished it (the scheduler counts them)
+    stored: tuple[int, ...] = ()  # slots whose objects the rank wrote, or gave up on
+    fetched: tuple[int, ...] = ()  # slots the rank read from L3
+    failed_fetches: frozenset[int] = field(default_factory=frozenset)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         return WorkerReport(ranks=self.ranks + other.ranks,
                             saved=self.saved & other.saved,
                             failed_saves=self.failed_saves | other.failed_saves
                             | (self.saved ^ other.saved),
-                            failed_loads=self.failed_loads | other.failed_loads)
+                            failed_loads=self.failed_loads | other.failed_loads,
+                            stored=self.stored + other.stored,
+                            fetched=self.fetched + other.fetched,
+                            failed_fetches=self.failed_fetches | other.failed_fetches)

@@ -1,21 +1,46 @@
-"""The scheduler half of the vLLM connector, free of vLLM: it answers how many of a
-request's tokens L2 can supply, and plans each step's copies (docs/vllm.md).
+"""The scheduler half of the vLLM connector, free of vLLM and Ray: it answers how many of a
+request's tokens L2 can supply, fetches from L3 what L2 lacks, and plans each step's copies
+(docs/vllm.md).
 
 vLLM's adapter (kvtier.connector.vllm_connector) calls it from the EngineCore process:
 `add` when a request arrives, `match` when vLLM asks for external tokens, `allocated` once
 vLLM gave the request its blocks, `plan` once per step, `settle` with the ranks' merged
 report, `finish` when the request leaves. Every full block a request computes (prompt or
-generated) is saved once, after the step that filled it, unless L2 already holds its page.
+generated) is saved once, after the step that filled it, unless L2 already holds its page;
+with L3, the ranks then write it there.
+
+L3: when L2's run of a prompt's pages ends early, `match` asks the namespace's directory how
+many of the following pages L3 holds (published by every rank of whoever wrote them), leases
+them and has the ranks read them into L2 slots in the background. A page read by every rank
+is an L2 page like any other. Until then `match` answers None (vLLM asks again next step) as
+long as the prefetch policy waits: `best_effort` never, `wait_complete` until the reads end,
+`timeout` until the config's length-dependent timeout; then it answers what L2 holds.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
-from kvtier.connector.l2_index import L2Index
-from kvtier.connector.plan import PageLoad, PageSave, StepPlan, WorkerReport
+from kvtier.config import HiCacheConfig
+from kvtier.connector.l2_index import L2Index, SlotState
+from kvtier.connector.plan import PageFetch, PageLoad, PageSave, StepPlan, WorkerReport
 from kvtier.keys import KeyNamespace, page_hashes
+from kvtier.policies import PrefetchPolicy
+
+
+class L3Directory(Protocol):
+    """The L3 namespace's page directory as the scheduler side sees it. Never raises: a
+    directory that cannot answer is a miss (kvtier.actors.l3.connector_link)."""
+
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str]:
+        """(leading pages of `keys` published, a lease id that keeps them until released)"""
+        ...
+
+    def release(self, lease_id: str) -> None: ...
+
+    def report_missing(self, keys: Sequence[str]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -38,6 +63,10 @@ class ConnectorCounts:
     loaded_pages: int = 0
     failed_saves: int = 0
     failed_loads: int = 0
+    l3_lookups: int = 0
+    l3_hit_pages: int = 0  # pages L3 said it holds past L2's run
+    fetched_pages: int = 0  # of those, read into L2 by every rank
+    failed_fetches: int = 0
 
 
 @dataclass
@@ -47,18 +76,28 @@ class _Request:
     planned_pages: int = 0  # pages before this one were saved, or found in L2
     match: tuple[int, list[int]] | None = None  # (first page, L2 slots) of the last match
     load: PageLoad | None = None  # waiting for the next plan
+    wait_until: float | None = None  # monotonic deadline of its L3 prefetch, if waiting
 
 
 class SchedulerSide:
     """L2 hits and copy plans for one vLLM engine of `tp_size` ranks."""
 
     def __init__(self, namespace: KeyNamespace, block_size: int, num_slots: int,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, l3: L3Directory | None = None,
+                 config: HiCacheConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`l3`: the namespace's directory when L3 is attached; `config`: its prefetch
+        policy and timeouts."""
         self.namespace = namespace
         self.block_size = block_size
         self.tp_size = tp_size
-        self.index = L2Index(num_slots)
+        self.index = L2Index(num_slots, tp_size)
+        self.l3 = l3
+        self.config = config or HiCacheConfig()
+        self._clock = clock
         self._requests: dict[str, _Request] = {}
+        self._fetches: list[PageFetch] = []  # for the next plan
+        self._fetching: dict[int, tuple[str, str]] = {}  # slot -> (page key, lookup lease)
         self._counts = ConnectorCounts()
 
     @property
@@ -69,18 +108,68 @@ class SchedulerSide:
         self._requests[req_id] = _Request(salt)
         self._counts.requests += 1
 
-    def match(self, req_id: str, tokens: Sequence[int], local_tokens: int) -> int:
+    def match(self, req_id: str, tokens: Sequence[int], local_tokens: int) -> int | None:
         """Tokens past `local_tokens` (vLLM's own hit, block-aligned) that L2 holds for every
-        rank; at least one token is left for vLLM to compute."""
+        rank; at least one token is left for vLLM to compute. None: pages are on their way
+        from L3 and the prefetch policy waits for them (ask again next step)."""
         req = self._requests[req_id]
         last_page = (len(tokens) - 1) // self.block_size
         first = local_tokens // self.block_size
+        req.match = None
         if last_page <= first:
-            req.match = None
             return 0
-        slots = self.index.held_run(self._keys(req, tokens, last_page)[first:last_page])
+        keys = self._keys(req, tokens, last_page)[first:last_page]
+        slots = self.index.held_run(keys)
+        rest = keys[len(slots):]
+        if rest and self.l3 is not None and self._waits(req, rest, len(tokens)):
+            return None
+        req.wait_until = None
         req.match = (first, slots)
         return len(slots) * self.block_size
+
+    def _waits(self, req: _Request, rest: list[str], num_tokens: int) -> bool:
+        """Whether to wait for L3 pages past L2's run: a fetch of the next page is running
+        (started now when the directory has it) and the policy waits for it."""
+        state = self.index.state(rest[0])
+        if state is None:
+            if not self._fetch(rest):
+                return False
+        elif state is not SlotState.FETCHING:
+            return False  # being saved by another request: computed here, no wait
+        if req.wait_until is None:  # its first wait (a fetch that failed may start again)
+            req.wait_until = self._clock() + self._patience(num_tokens)
+        return self._clock() < req.wait_until
+
+    def _patience(self, num_tokens: int) -> float:
+        policy = self.config.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return 0.0
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return self.config.prefetch_timeout_max_s  # bounded all the same: a lost rank
+        return self.config.prefetch_timeout_s(num_tokens)
+
+    def _fetch(self, keys: list[str]) -> bool:
+        """Start reading the leading pages of `keys` that L3 holds into L2; whether any."""
+        assert self.l3 is not None
+        self._counts.l3_lookups += 1
+        hit, lease = self.l3.lookup(keys)
+        if hit == 0:
+            if lease:
+                self.l3.release(lease)
+            return False
+        wanted = []
+        for key in keys[:hit]:  # up to a page another request is moving already
+            if key in self.index:
+                break
+            wanted.append(key)
+        slots = self.index.reserve(wanted, SlotState.FETCHING)
+        if not slots:
+            self.l3.release(lease)
+            return False
+        self._counts.l3_hit_pages += len(slots)
+        self._fetches.append(PageFetch(tuple(wanted[:len(slots)]), tuple(slots)))
+        self._fetching.update({slot: (key, lease) for slot, key in zip(slots, wanted)})
+        return True
 
     def allocated(self, req_id: str, blocks: Sequence[int], external_tokens: int) -> None:
         """vLLM gave the request `blocks` and will take `external_tokens` from the connector:
@@ -107,16 +196,32 @@ class SchedulerSide:
                 loads.append(req.load)
                 req.load = None
         saves = [save for s in scheduled if (save := self._saves(s)) is not None]
-        return StepPlan(tuple(loads), tuple(saves))
+        fetches, self._fetches = tuple(self._fetches), []
+        return StepPlan(tuple(loads), tuple(saves), fetches)
 
     def settle(self, report: WorkerReport) -> None:
-        """The ranks' merged report on the last plan."""
+        """The ranks' merged report on the last plan, and their background L3 work."""
         saved = report.saved if report.ranks >= self.tp_size else frozenset()
         failed = report.failed_saves | (report.saved - saved)
-        self.index.settle(saved, failed)
+        self.index.settle(saved, failed, backing_up=self.l3 is not None)
+        self.index.stored(report.stored)
+        done = self.index.fetched(report.fetched, report.failed_fetches)
+        self._counts.fetched_pages += len(done)
+        self._counts.failed_fetches += len(report.failed_fetches)
+        missing = [self._fetching[s][0] for s in report.failed_fetches if s in self._fetching]
+        if missing and self.l3 is not None:  # the directory unpublishes them: no retry loop
+            self.l3.report_missing(missing)
+        self._end_leases([*done, *report.failed_fetches])
         dropped = self.index.drop_slots(report.failed_loads)
         self._counts.failed_saves += len(failed)
         self._counts.failed_loads += dropped
+
+    def _end_leases(self, slots: Sequence[int]) -> None:
+        """Release a lookup's lease once none of its slots is still being read."""
+        ended = {self._fetching.pop(s)[1] for s in slots if s in self._fetching}
+        for lease in ended - {lease for _, lease in self._fetching.values()}:
+            if lease and self.l3 is not None:
+                self.l3.release(lease)
 
     def finish(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -136,7 +241,9 @@ class SchedulerSide:
         if not slots:
             return None
         self._counts.saved_pages += len(slots)
-        return PageSave(tuple(step.blocks[p] for p in new[:len(slots)]), tuple(slots))
+        pages = new[:len(slots)]
+        return PageSave(tuple(step.blocks[p] for p in pages), tuple(slots),
+                        tuple(keys[p] for p in pages) if self.l3 is not None else ())
 
     def _keys(self, req: _Request, tokens: Sequence[int], pages: int) -> list[str]:
         """The request's first `pages` page keys, extending its chain as tokens arrive."""

@@ -3,8 +3,8 @@
 SGLang's flags without their dashes (`hicache_ratio`, `hicache_size`, `hicache_write_policy`,
 `hicache_storage_prefetch_policy`, `hicache_storage_backend`,
 `hicache_storage_backend_extra_config`) set kvtier's `HiCacheConfig`, validated as for
-`kvtier serve`; `ray_address` names the Ray cluster of the L3 namespace actor. See
-docs/vllm.md for what each does under vLLM.
+`kvtier serve`; `ray_address` names the Ray cluster of the L3 namespace actor and `l3_actor`
+that actor (kvtier's default name). See docs/vllm.md for what each does under vLLM.
 """
 from __future__ import annotations
 
@@ -23,21 +23,28 @@ _FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetch_policy"
            "storage_backend", "storage_options")
 _KEYS = {FIELD_FLAGS[f].lstrip("-").replace("-", "_"): f for f in _FIELDS}
 RAY_ADDRESS = "ray_address"
+L3_ACTOR = "l3_actor"
+_OWN_KEYS = (RAY_ADDRESS, L3_ACTOR)
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
     cache: HiCacheConfig
     ray_address: str | None = None
+    l3_actor: str | None = None  # None: the namespace actor's default name
+
+    @property
+    def l3(self) -> bool:
+        return self.cache.storage_backend is not None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(_KEYS) - {RAY_ADDRESS})
+        unknown = sorted(set(extra) - set(_KEYS) - set(_OWN_KEYS))
         if unknown:
             raise ConfigError(f"{CONNECTOR}: unknown kv_connector_extra_config key(s) "
                               f"{', '.join(unknown)}; it takes "
-                              f"{', '.join(sorted([*_KEYS, RAY_ADDRESS]))}")
+                              f"{', '.join(sorted([*_KEYS, *_OWN_KEYS]))}")
         fields = {_KEYS[k]: v for k, v in extra.items() if k in _KEYS}
         if isinstance(fields.get("storage_options"), str):
             fields["storage_options"] = _json_object(fields["storage_options"])
@@ -46,14 +53,11 @@ class ConnectorSettings:
             raise ConfigError(f"{CONNECTOR}: hicache_write_policy {cache.write_policy.value} "
                               f"is not available under vLLM (vLLM does not tell a connector "
                               f"when it evicts a block); use write_through")
-        if cache.storage_backend is not None:
-            raise ConfigError(f"{CONNECTOR}: an L3 storage backend is not available through "
-                              f"the vLLM connector yet; drop hicache_storage_backend (L2 only)")
-        address = extra.get(RAY_ADDRESS)
-        if address is not None and not isinstance(address, str):
-            raise ConfigError(f"{CONNECTOR}: {RAY_ADDRESS} must be a string such as "
-                              f"'127.0.0.1:6379', got {address!r}")
-        return cls(cache, address)
+        for key in _OWN_KEYS:
+            if extra.get(key) is not None and not isinstance(extra[key], str):
+                raise ConfigError(f"{CONNECTOR}: {key} must be a string (e.g. ray_address "
+                                  f"'127.0.0.1:6379'), got {extra[key]!r}")
+        return cls(cache, extra.get(RAY_ADDRESS), extra.get(L3_ACTOR))
 
     def host_slots(self, device_blocks: int, slot_bytes: int) -> int:
         """Host-pool slots per rank: `hicache_size` GB of `slot_bytes` pages, else

@@ -1,4 +1,4 @@
-"""`KvtierConnector`: kvtier's L2 (and, later, L3) under vLLM, as a vLLM v1 KV connector.
+"""`KvtierConnector`: kvtier's L2 and L3 under vLLM, as a vLLM v1 KV connector.
 
 vLLM builds one instance per process: in EngineCore with the scheduler role (it answers
 `get_num_new_matched_tokens` and plans each step: kvtier.connector.scheduler_side) and in
@@ -24,12 +24,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.identity import BlockIdentity, block_namespace
+from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.plan import StepPlan, WorkerReport
 from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
 from kvtier.connector.settings import CONNECTOR, ConnectorSettings
 from kvtier.connector.stats import FAMILIES, CopyStats
 from kvtier.connector.worker_side import BlockLayout, WorkerSide
 from kvtier.errors import ConfigError
+from kvtier.keys import KeyNamespace
+from kvtier.kv_spec import HeadRange
+from kvtier.messages import NamespaceSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -136,6 +140,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._slots = self._settings.host_slots(
             kv_cache_config.num_blocks, spec.page_size_bytes * len(groups[0].layer_names))
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._namespace = self._key_namespace(vllm_config, spec)
+        self._total_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._report = WorkerReport()
@@ -143,10 +149,11 @@ class KvtierConnector(KVConnectorBase_V1):
             self._recompute_failed_loads()
             self._requests: dict[str, "Request"] = {}
             self._blocks: dict[str, list[int]] = {}
-            self._scheduler = SchedulerSide(self._namespace(vllm_config, spec),
-                                            self._block_size, self._slots, self._tp_size)
-            log.info("%s: L2 of %d pages of %d tokens per rank", CONNECTOR, self._slots,
-                     self._block_size)
+            self._scheduler = SchedulerSide(self._namespace, self._block_size, self._slots,
+                                            self._tp_size, self._directory(spec),
+                                            self._settings.cache)
+            log.info("%s: L2 of %d pages of %d tokens per rank%s", CONNECTOR, self._slots,
+                     self._block_size, ", L3 attached" if self._settings.l3 else "")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -161,8 +168,42 @@ class KvtierConnector(KVConnectorBase_V1):
                      config.kv_load_failure_policy)
             object.__setattr__(config, "kv_load_failure_policy", "recompute")
 
+    def _l3_spec(self, spec: Any) -> NamespaceSpec:
+        """The L3 namespace of this engine's blocks (every process computes the same)."""
+        cache = self._settings.cache
+        assert cache.storage_backend is not None and cache.storage_options is not None
+        ns = self._namespace
+        page_bytes = spec.page_size_bytes * self._vllm_config.model_config.get_num_layers(
+            self._vllm_config.parallel_config) * self._tp_size
+        return NamespaceSpec(ns.model, ns.tenant_salt, ns.layout_fingerprint,
+                             cache.storage_backend, cache.storage_options.to_dict(),
+                             kv_heads=self._total_heads, page_bytes=page_bytes)
+
+    def _directory(self, spec: Any):
+        """The scheduler side's link to the namespace's directory (None: no L3)."""
+        if not self._settings.l3:
+            return None
+        from kvtier.actors.l3.connector_link import DirectoryLink, register_namespace
+
+        s = self._settings
+        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor)
+        return DirectoryLink(s.ray_address, info.namespace, s.l3_actor)
+
+    def _attach_l3(self, worker: WorkerSide) -> None:
+        """This worker's storage client (its own KV heads) and background traffic."""
+        from kvtier.actors.l3.connector_link import WorkerStorage, register_namespace
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        s = self._settings
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor)
+        heads = HeadRange.of_rank(self._total_heads, get_tensor_model_parallel_rank(),
+                                  self._tp_size)
+        storage = WorkerStorage(s.ray_address, info, heads, s.l3_actor)
+        worker.attach_l3(L3Traffic(storage.backend, worker.host, storage.report_stored))
+
     @staticmethod
-    def _namespace(vllm_config: "VllmConfig", spec: Any):
+    def _key_namespace(vllm_config: "VllmConfig", spec: Any) -> KeyNamespace:
         import vllm
 
         mc = vllm_config.model_config
@@ -238,6 +279,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
         self._worker = WorkerSide(kv_caches, self._slots, BlockLayout.CPU, self._block_size,
                                   counts_tokens=get_tensor_model_parallel_rank() == 0)
+        if self._settings.l3:
+            self._attach_l3(self._worker)
         log.info("%s: host pool of %d pages, %.1f MB", CONNECTOR, self._slots,
                  self._slots * self._worker.shape.slot_bytes / 1e6)
 
@@ -253,6 +296,10 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._report = self._work.end_step(self._bound_plan())
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_failed_blocks() if self._worker is not None else set()

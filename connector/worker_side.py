@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.plan import PageLoad, PageSave, StepPlan, WorkerReport
 from kvtier.connector.stats import CopyStats
 from kvtier.errors import ConfigError
@@ -92,6 +93,7 @@ class WorkerSide:
         self._failed_loads: frozenset[int] = frozenset()  # slots, for the step's report
         self._page_tokens = block_size if counts_tokens else 0
         self._stats = CopyStats()
+        self.l3: L3Traffic | None = None  # attach_l3
 
     def load(self, loads: Sequence[PageLoad]) -> frozenset[int]:
         """Copy L2 slots into vLLM blocks; returns the slots that could not be loaded (their
@@ -128,16 +130,43 @@ class WorkerSide:
                                   backup_seconds=time.perf_counter() - start))
         return frozenset(saved), frozenset(failed)
 
+    def attach_l3(self, traffic: L3Traffic) -> None:
+        """Write saved pages to L3 and read fetched ones, through `traffic` (its backend holds
+        this pool registered)."""
+        self.l3 = traffic
+
     def begin_step(self, plan: StepPlan) -> None:
-        """Before the forward: the plan's loads."""
+        """Before the forward: the plan's loads; its L3 reads start in the background."""
         self._failed_loads |= self.load(plan.loads)
+        for fetch in plan.fetches:
+            self._traffic.fetch(fetch.keys, fetch.slots)
 
     def end_step(self, plan: StepPlan) -> WorkerReport:
-        """After the forward: the plan's saves, and the step's report."""
+        """After the forward: the plan's saves (then their L3 writes, in the background),
+        and the step's report with the L3 work finished since the last one."""
         saved, failed = self.save(plan.saves)
-        report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads)
+        for save in plan.saves:
+            done = [(key, slot) for key, slot in zip(save.keys, save.slots) if slot in saved]
+            if done:
+                self._traffic.store(*zip(*done))
+        l3 = self.l3.take() if self.l3 is not None else None
+        report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads,
+                              stored=tuple(l3.stored) if l3 else (),
+                              fetched=tuple(l3.fetched) if l3 else (),
+                              failed_fetches=frozenset(l3.failed_fetches) if l3 else frozenset())
         self._failed_loads = frozenset()
         return report
+
+    @property
+    def _traffic(self) -> L3Traffic:
+        if self.l3 is None:
+            raise RuntimeError("the plan moves pages to or from L3, but this worker has none "
+                               "attached: the scheduler and the workers disagree on L3")
+        return self.l3
+
+    def close(self) -> None:
+        if self.l3 is not None:
+            self.l3.close()
 
     def take_stats(self) -> CopyStats:
         """The copies since the last call."""

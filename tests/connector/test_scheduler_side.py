@@ -99,3 +99,96 @@ def test_index_evicts_least_recent_deepest_first_and_never_saving_pages():
     assert d == slots[2] and "c" not in idx and idx.held_run(["a", "b"]) == slots[:2]
     with pytest.raises(ValueError):
         idx.reserve(["a"])
+
+
+class FakeDirectory:
+    """The namespace directory as the scheduler side sees it, over a set of published keys."""
+
+    def __init__(self, published: list[str]) -> None:
+        self.published = list(published)
+        self.leases: list[str] = []
+        self.missing: list[str] = []
+
+    def lookup(self, keys):
+        hit = 0
+        while hit < len(keys) and keys[hit] in self.published:
+            hit += 1
+        lease = f"lease-{len(self.leases)}" if hit else ""
+        if lease:
+            self.leases.append(lease)
+        return hit, lease
+
+    def release(self, lease_id):
+        self.leases.remove(lease_id)
+
+    def report_missing(self, keys):
+        self.missing += keys
+        self.published = [k for k in self.published if k not in keys]
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def l3_side(published_tokens: list[int], policy: str = "wait_complete", tp: int = 1):
+    from kvtier.config import HiCacheConfig
+
+    directory = FakeDirectory(NS.page_hashes(published_tokens, BS))
+    clock = Clock()
+    config = HiCacheConfig(prefetch_policy=policy, prefetch_timeout_base_s=1.0,
+                           prefetch_timeout_max_s=5.0)
+    return SchedulerSide(NS, BS, 16, tp, directory, config, clock), directory, clock
+
+
+def test_pages_in_l3_are_fetched_into_l2_then_hit():
+    tokens = list(range(17))
+    s, directory, _ = l3_side(tokens, tp=2)
+    s.add("a")
+    assert s.match("a", tokens, 0) is None  # fetching: ask again
+    (fetch,) = s.plan([]).fetches
+    assert fetch.keys == tuple(NS.page_hashes(tokens, BS)) and len(directory.leases) == 1
+    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))  # rank 0 read all four
+    assert s.match("a", tokens, 0) is None  # rank 1 has not: not a hit yet
+    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))
+    assert s.match("a", tokens, 0) == 16 and directory.leases == []
+    assert s.counts.fetched_pages == 4
+
+
+def test_a_failed_fetch_is_reported_missing_and_computed():
+    tokens = list(range(13))
+    s, directory, _ = l3_side(tokens)
+    s.add("a")
+    assert s.match("a", tokens, 0) is None
+    (fetch,) = s.plan([]).fetches
+    s.settle(WorkerReport(fetched=fetch.slots[:1], failed_fetches=frozenset(fetch.slots[1:])))
+    assert directory.missing == list(fetch.keys[1:]) and directory.leases == []
+    assert s.match("a", tokens, 0) == 4  # the page read; the rest is not asked for again
+    assert s.plan([]).fetches == ()
+
+
+def test_the_prefetch_policy_bounds_the_wait():
+    tokens = list(range(13))
+    for policy, waits in (("best_effort", False), ("timeout", True)):
+        s, _, clock = l3_side(tokens, policy)
+        s.add("a")
+        first = s.match("a", tokens, 0)
+        assert (first is None) == waits
+        clock.now = 10.0  # past the timeout: what L2 holds now
+        assert s.match("a", tokens, 0) == 0
+
+
+def test_with_l3_saved_pages_are_written_and_kept_until_every_rank_wrote_them():
+    s, _, _ = l3_side([], tp=2)
+    s.index = L2Index(2, ranks=2)  # two slots: a third page needs one evicted
+    tokens = list(range(9))
+    s.add("a")
+    s.allocated("a", [1, 2, 3], s.match("a", tokens, 0))
+    (save,) = s.plan([ScheduledRequest("a", tokens, [1, 2, 3], 9)]).saves
+    assert save.keys == tuple(NS.page_hashes(tokens, BS))
+    s.settle(WorkerReport(ranks=2, saved=frozenset(save.slots)))
+    assert s.index.reserve(["new"]) == []  # both are being written to L3
+    s.settle(WorkerReport(ranks=2, stored=save.slots + save.slots[:1]))
+    assert s.index.reserve(["new"]) == [save.slots[0]]  # written by both ranks: evictable

@@ -1,10 +1,15 @@
-"""KvtierConnector inside vLLM's CPU build, on SmolLM2 (one engine for the module: starting
-one takes most of a minute here). vLLM's own prefix cache is off, so every cached token of a
-request came from kvtier's L2, and a cold run of the same engine is vLLM alone. Prompts are
-prefilled in chunks of 512 tokens (several steps each), as long prompts are in vLLM."""
+"""KvtierConnector inside vLLM's CPU build, on SmolLM2: one engine for most of the module
+(starting one takes most of a minute here), a second one in its own processes for L3, both
+on a local Ray cluster with the L3 namespace actor and a file L3. vLLM's own prefix cache is
+off, so every cached token of a request came from kvtier, and a cold run of the same engine
+is vLLM alone. Prompts are prefilled in chunks of 512 tokens (several steps each), as long
+prompts are in vLLM."""
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -21,8 +26,31 @@ except ImportError:
 BLOCK = 128
 
 
+class L3(NamedTuple):
+    """The module's Ray cluster, its namespace actor and the file L3's root."""
+
+    address: str
+    root: Path
+    actor: Any  # NamespaceClient
+
+
 @pytest.fixture(scope="module")
-def llm():
+def l3(tmp_path_factory):
+    import ray
+
+    from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
+    from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray
+
+    start_local_ray(num_cpus=2)
+    try:  # the actor first, with a state of its own: the connector finds it by name
+        actor = get_or_create_namespace_actor(state_dir=str(tmp_path_factory.mktemp("state")))
+        yield L3(ray.get_runtime_context().gcs_address, tmp_path_factory.mktemp("l3"), actor)
+    finally:
+        shutdown_local_ray()
+
+
+def engine(l3: L3):
+    """SmolLM2 in vLLM with the connector: L2, and L3 shared through the module's cluster."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -30,15 +58,31 @@ def llm():
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
-    engine = LLM(model=str(smollm2_hf_dir()), enforce_eager=True, enable_prefix_caching=False,
-                 max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=128 << 20,
-                 max_num_batched_tokens=512,
-                 disable_log_stats=False,  # the connector's metrics reach vLLM's registry
-                 kv_transfer_config=KVTransferConfig(
-                     kv_connector="KvtierConnector", kv_role="kv_both",
-                     kv_connector_extra_config={"hicache_ratio": 2.0}))
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+    extra = {"hicache_ratio": 2.0, "hicache_storage_backend": "file",
+             "hicache_storage_backend_extra_config": {"root_dir": str(l3.root)},
+             "hicache_storage_prefetch_policy": "wait_complete", "ray_address": l3.address}
+    return LLM(model=str(smollm2_hf_dir()), enforce_eager=True, enable_prefix_caching=False,
+               max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=128 << 20,
+               max_num_batched_tokens=512,
+               disable_log_stats=False,  # the connector's metrics reach vLLM's registry
+               kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
+                                                   kv_role="kv_both",
+                                                   kv_connector_extra_config=extra))
+
+
+@pytest.fixture(scope="module")
+def llm(l3):
+    engine_a = engine(l3)
+    yield engine_a
+    engine_a.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reader(l3, llm):
+    """A second engine (its own processes) on the same L3 namespace."""
+    engine_b = engine(l3)
+    yield engine_b
+    engine_b.llm_engine.engine_core.shutdown()
 
 
 def document(topic: str, items: int = 120) -> str:
@@ -137,3 +181,41 @@ def test_the_copies_show_in_vllms_metrics_under_kvtiers_names(llm):
     assert moved("vllm:kvtier_load_failed_tokens") == 0
     # (the seconds families are there too; LLM.get_metrics reads counters as ints, so a few
     # milliseconds show as 0: tests/connector/test_worker_side.py checks the timing)
+
+
+def published(l3: L3, prompt_ids: list[int]) -> list[str]:
+    """The page keys of `prompt_ids` in the only namespace (vLLM's), once every one is
+    published (the writer's ranks write and report them in the background)."""
+    (ns,) = l3.actor.namespaces()
+    keys = l3.actor.info(ns).spec.key_namespace.page_hashes(prompt_ids, BLOCK)
+    keys = keys[:(len(prompt_ids) - 1) // BLOCK]
+    deadline = time.monotonic() + 60
+    while l3.actor.lookup(ns, keys).hit_pages < len(keys):
+        assert time.monotonic() < deadline, "the writer's pages were never published"
+        time.sleep(0.05)
+    return keys
+
+
+def test_a_second_engine_reads_from_l3_what_the_first_computed(llm, reader, l3):
+    from vllm import SamplingParams
+
+    prompt = document("cherry", items=55)
+    first = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=1),
+                         use_tqdm=False)[0]
+    published(l3, list(first.prompt_token_ids))
+    cached, length, tokens, logprobs = generate(reader, prompt)
+    assert cached == (length - 1) // BLOCK * BLOCK > 0
+    assert (tokens, logprobs) == (list(first.outputs[0].token_ids),
+                                  [next(iter(lp.values())).logprob
+                                   for lp in first.outputs[0].logprobs])
+
+
+def test_a_corrupt_l3_object_is_recomputed_and_the_answer_stays(llm, reader, l3):
+    prompt = document("date", items=55)
+    cold = generate(llm, prompt)
+    first = llm.generate([prompt], use_tqdm=False)[0]
+    keys = published(l3, list(first.prompt_token_ids))
+    for path in l3.root.rglob(f"*{keys[1]}*"):  # every object of the second page
+        path.write_bytes(b"\0" * path.stat().st_size)
+    cached, _, tokens, _ = generate(reader, prompt)
+    assert cached == BLOCK and tokens == cold[2]  # the first page from L3, the rest computed

@@ -1,0 +1,99 @@
+"""What vLLM's KvtierConnector needs from Ray: the cluster, the L3 namespace actor, its page
+directory and each worker's client of the namespace's storage (docs/vllm.md).
+
+The connector runs in vLLM's processes (EngineCore for the scheduler side, one process per
+worker), which join the Ray cluster that holds the namespace actor here, as `kvtier serve
+--address` joins one. Every directory call is bounded and never raises: a directory that does
+not answer is an L3 miss, a report that does not reach it a page left unpublished.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import ray
+
+from kvtier.actors.l3.namespace_actor import ACTOR_NAME, get_or_create_namespace_actor
+from kvtier.actors.l3.rank_link import directory_client, open_namespace_backend
+from kvtier.actors.ray_join import join_cluster
+from kvtier.backends.base import StorageBackend
+from kvtier.errors import ConfigError
+from kvtier.kv_spec import HeadRange
+from kvtier.messages import NamespaceInfo, NamespaceSpec
+from kvtier.tiers.storage_tier import DIRECTORY_LEASE_S
+from kvtier.tiers.storage_types import PageDirectoryClient
+
+log = logging.getLogger(__name__)
+
+
+def join(address: str | None) -> None:
+    """This process on the Ray cluster at `address` (already on one: kept)."""
+    if ray.is_initialized():
+        return
+    if not address:
+        raise ConfigError("KvtierConnector: an L3 storage backend needs the Ray cluster of the "
+                          "L3 namespace actor: set ray_address in kv_connector_extra_config "
+                          "(e.g. '127.0.0.1:6379' after `ray start --head`)")
+    join_cluster(address)
+
+
+def register_namespace(address: str | None, spec: NamespaceSpec,
+                       actor: str | None = None) -> NamespaceInfo:
+    """The namespace `spec` registered with the cluster's namespace actor `actor` (default
+    kvtier's; created when none runs; registering is idempotent, so every vLLM process may
+    do it)."""
+    join(address)
+    return get_or_create_namespace_actor(actor or ACTOR_NAME).register(spec)
+
+
+class DirectoryLink:
+    """The scheduler side's view of one namespace's page directory (connector's L3Directory)."""
+
+    def __init__(self, address: str | None, namespace: str, actor: str | None = None) -> None:
+        join(address)
+        self.namespace = namespace
+        self._client: PageDirectoryClient = directory_client(actor or ACTOR_NAME)
+
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str]:
+        try:
+            found = self._client.lookup(self.namespace, list(keys), DIRECTORY_LEASE_S)
+            hit, lease = int(found.hit_pages), str(found.lease_id or "")
+        except Exception as exc:  # noqa: BLE001 - any directory failure is an L3 miss
+            log.warning("L3 lookup failed (%s: %s); a miss", type(exc).__name__, exc)
+            return 0, ""
+        return (hit, lease) if 0 <= hit <= len(keys) else (0, lease)
+
+    def release(self, lease_id: str) -> None:
+        try:
+            self._client.release(lease_id)
+        except Exception as exc:  # noqa: BLE001 - an unreleased lease expires by itself
+            log.warning("releasing an L3 lease failed (%s); it expires", exc)
+
+    def report_missing(self, keys: Sequence[str]) -> None:
+        try:
+            self._client.report_missing(self.namespace, list(keys))
+        except Exception as exc:  # noqa: BLE001 - the next reader reports them again
+            log.warning("reporting %d unreadable L3 pages failed (%s)", len(keys), exc)
+
+
+class WorkerStorage:
+    """One worker's L3: its client of the namespace's storage (its own KV heads) and its
+    reports of what it stored to the directory."""
+
+    def __init__(self, address: str | None, info: NamespaceInfo, heads: HeadRange,
+                 actor: str | None = None) -> None:
+        join(address)
+        self.info, self.heads = info, heads
+        self.backend: StorageBackend = open_namespace_backend(info, heads)
+        self._client = directory_client(actor or ACTOR_NAME)
+
+    def report_stored(self, keys: Sequence[str]) -> None:
+        """A page is published once every head's objects were reported, by any ranks."""
+        try:
+            self._client.report_stored(self.info.namespace, list(keys), self.heads)
+        except Exception as exc:  # noqa: BLE001 - the page stays unpublished: a later miss
+            log.warning("reporting %d stored L3 pages failed (%s); they stay unpublished",
+                        len(keys), exc)
+
+    def close(self) -> None:
+        self.backend.close()

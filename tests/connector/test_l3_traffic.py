@@ -1,0 +1,66 @@
+"""A worker's L3 traffic through the real file backend: its heads' objects written from one
+host pool and read into others, at another TP size too."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvtier.backends.registry import create_backend
+from kvtier.backends.object_names import StorageTarget
+from kvtier.connector.l3_traffic import L3Traffic, TrafficResults
+from kvtier.keys import KeyNamespace
+from kvtier.kv_spec import HeadRange
+
+NS = KeyNamespace("m", layout_fingerprint="vllm")
+SLOTS, HEADS, LAYERS, VALUES = 4, 2, 3, 16
+
+
+def traffic(root: str, heads: HeadRange, host: torch.Tensor, reported: list) -> L3Traffic:
+    backend = create_backend("file", StorageTarget(NS, heads), {"root_dir": root})
+    return L3Traffic(backend, host, reported.extend)
+
+
+def settled(t: L3Traffic, count: int) -> TrafficResults:
+    """What `t` finished, once `count` slots did (bounded)."""
+    got = TrafficResults()
+    deadline = time.monotonic() + 30
+    while len(got.stored) + len(got.fetched) + len(got.failed_fetches) < count:
+        assert time.monotonic() < deadline, "the L3 thread did not finish"
+        more = t.take()
+        got.stored += more.stored
+        got.fetched += more.fetched
+        got.failed_fetches |= more.failed_fetches
+        time.sleep(0.01)
+    return got
+
+
+def test_pages_written_at_tp1_are_read_by_two_tp2_ranks(tmp_path):
+    keys = NS.page_hashes(list(range(8)), 4)
+    host = torch.randn(SLOTS, HEADS, 2, LAYERS, VALUES).to(torch.bfloat16)
+    reported: list[str] = []
+    writer = traffic(str(tmp_path), HeadRange(0, 2, 2), host, reported)
+    writer.store(keys, [3, 1])
+    assert sorted(settled(writer, 2).stored) == [1, 3] and reported == keys
+    for rank in (0, 1):
+        mine = torch.zeros(SLOTS, 1, 2, LAYERS, VALUES, dtype=torch.bfloat16)
+        reader = traffic(str(tmp_path), HeadRange.of_rank(2, rank, 2), mine, [])
+        reader.fetch(keys, [0, 2])
+        assert sorted(settled(reader, 2).fetched) == [0, 2]
+        assert torch.equal(mine[0, 0], host[3, rank]) and torch.equal(mine[2, 0], host[1, rank])
+        reader.close()
+    writer.close()
+
+
+def test_a_corrupt_or_missing_object_is_a_failed_fetch(tmp_path):
+    keys = NS.page_hashes(list(range(12)), 4)
+    host = torch.randn(SLOTS, HEADS, 2, LAYERS, VALUES).to(torch.bfloat16)
+    writer = traffic(str(tmp_path), HeadRange(0, 2, 2), host, [])
+    writer.store(keys[:2], [0, 1])
+    settled(writer, 2)
+    victim = next(p for p in tmp_path.rglob("*") if p.is_file() and keys[1] in p.name)
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, wrong bytes
+    writer.fetch(keys, [2, 3, 0])  # page 2 was never written
+    got = settled(writer, 3)
+    assert got.fetched == [2] and got.failed_fetches == {3, 0}
+    writer.close()
