@@ -1,8 +1,9 @@
 """`kvtier bench vllm`: SmolLM2 through vLLM's CPU build, with and without KvtierConnector.
 
-One run, one process, two vLLM engines of the same model, block size, KV cache bytes and
-thread binding: A with the connector, B without (vLLM alone); both keep vLLM's own prefix
-cache on, as deployed. Both first serve warm-up prompts. Each of `--documents` synthetic
+One run, one process, three vLLM engines of the same model, block size, KV cache bytes and
+thread binding: A and C with the connector (L2, and a file L3 in a temporary directory shared
+through a local Ray cluster and kvtier's namespace actor), B without (vLLM alone); all keep
+vLLM's own prefix cache on, as deployed. Each first serves warm-up prompts. Each of `--documents` synthetic
 documents of `--tokens` tokens (bench prefix's sensor log, a different log per document) is
 asked `--questions` questions:
 - B answers every question: the reference tokens (greedy, `--new-tokens`);
@@ -13,16 +14,19 @@ asked `--questions` questions:
 - `identical`: A's greedy tokens equal B's on every question;
 - `no_reuse_overhead`: `--pairs` distinct prompts of the document's length that nothing can
   reuse, A and B interleaved, the median of A's TTFT / B's (the cost of saving every block);
+- `ttft_l3_ratio`: C, an engine with processes of its own and nothing in its L2, asks each
+  document's first question once A's pages are published: its blocks come from L3
+  (`ttft_l3_s` / the same question's cold TTFT);
 - `save_gbps`, `load_gbps`: A's copies between vLLM's blocks and its host pool (its
   `vllm:kvtier_*` counters).
-TTFT is a one-token generate's wall time. The L3 figure (`ttft_l3_ratio`) needs L3 through the
-connector, which is not available yet: null, with the reason in `l3`.
+TTFT is a one-token generate's wall time.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from typing import Any, NamedTuple
 
@@ -30,7 +34,7 @@ from kvtier.bench import emit
 from kvtier.bench.prefix import document_tokens
 from kvtier.errors import ConfigError
 
-TARGETS = {"ttft_l2_ratio": 0.15, "no_reuse_overhead": 1.05}  # at most
+TARGETS = {"ttft_l2_ratio": 0.15, "ttft_l3_ratio": 0.2, "no_reuse_overhead": 1.05}  # at most
 QUESTION = "\n\nQuestion: what did the sensor in room {room} read in record {record}? Answer:"
 KV_CACHE_BYTES = 256 << 20
 
@@ -59,18 +63,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def engine(model: str, params: VllmBenchParams, connector: bool) -> Any:
+class L3Setup(NamedTuple):
+    address: str  # the local Ray cluster's
+    root: str  # the file L3's directory
+
+
+def engine(model: str, params: VllmBenchParams, l3: L3Setup | None,
+           metrics: bool = False) -> Any:
+    """One engine; with `l3`, with the connector on that L3 (`metrics`: vLLM's registry)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(
+    transfer = None if l3 is None else KVTransferConfig(
         kv_connector="KvtierConnector", kv_role="kv_both",
-        kv_connector_extra_config={"hicache_ratio": params.hicache_ratio}) if connector else None
+        kv_connector_extra_config={
+            "hicache_ratio": params.hicache_ratio, "hicache_storage_backend": "file",
+            "hicache_storage_backend_extra_config": {"root_dir": l3.root},
+            "hicache_storage_prefetch_policy": "wait_complete", "ray_address": l3.address})
     return LLM(model=model, enforce_eager=True, enable_prefix_caching=True,
                max_model_len=params.tokens + 256, max_num_seqs=4,
                block_size=params.block_size, kv_cache_memory_bytes=KV_CACHE_BYTES,
-               disable_log_stats=not connector,  # A's metrics: the connector's copies
-               kv_transfer_config=transfer)
+               disable_log_stats=not metrics, kv_transfer_config=transfer)
+
+
+def wait_published(actor: Any, prompt: list[int], block_size: int,
+                   timeout_s: float = 120.0) -> None:
+    """Until the L3 directory publishes every page `prompt` can reuse (A's ranks write and
+    report them in the background)."""
+    (ns,) = actor.namespaces()
+    keys = actor.info(ns).spec.key_namespace.page_hashes(prompt, block_size)
+    keys = keys[:(len(prompt) - 1) // block_size]
+    deadline = time.monotonic() + timeout_s
+    while actor.lookup(ns, keys).hit_pages < len(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError("A's pages were not published in L3 within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def answer(llm: Any, prompt: list[int], new_tokens: int) -> list[int]:
@@ -121,18 +149,34 @@ def prompts(tokenizer, params: VllmBenchParams, doc: int) -> list[list[int]]:
 
 
 def run(params: VllmBenchParams = VllmBenchParams()) -> dict:
-    from kvtier.engine.hf_export import smollm2_hf_dir
-    from kvtier.engine.tokenizer import Tokenizer
-    from kvtier.engine.weights import ensure_converted
+    import ray
+
+    from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
+    from kvtier.actors.ray_env import local_ray
 
     if params.block_size % 32 or params.tokens < 2 * params.block_size:
         raise ConfigError("--block-size must be a multiple of 32 and --tokens at least two "
                           "blocks")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # both engines: the same core
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # every engine: the same core
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp, local_ray(1):
+        actor = get_or_create_namespace_actor(state_dir=os.path.join(tmp, "state"))
+        l3 = L3Setup(ray.get_runtime_context().gcs_address, os.path.join(tmp, "l3"))
+        os.makedirs(l3.root)
+        try:
+            return _measure(params, l3, actor)
+        finally:
+            actor.shutdown()
+
+
+def _measure(params: VllmBenchParams, l3: L3Setup, actor: Any) -> dict:
+    from kvtier.engine.hf_export import smollm2_hf_dir
+    from kvtier.engine.tokenizer import Tokenizer
+    from kvtier.engine.weights import ensure_converted
+
     tokenizer = Tokenizer.from_files(ensure_converted())
     model = str(smollm2_hf_dir())
-    with_kv, alone = engine(model, params, True), engine(model, params, False)
+    with_kv, alone = engine(model, params, l3, metrics=True), engine(model, params, None)
     docs = [prompts(tokenizer, params, d) for d in range(params.documents + 1)]
     for llm in (with_kv, alone):  # warm-up: first-call setup, a long prompt, a hit
         ttft(llm, docs[-1][0])
@@ -154,20 +198,42 @@ def run(params: VllmBenchParams = VllmBenchParams()) -> dict:
         fresh = tokenizer.encode(f"Unrelated text {pair}: ") + docs[0][0][:params.tokens]
         ratios.append(ttft(with_kv, fresh)[0] / ttft(alone, fresh)[0])  # new to both
     counters = copy_counters()
-    return report(params, identical, cold, l2, l2_other, ratios, counters)
+    l3_reads = _from_l3(params, l3, actor, model, docs)
+    return report(params, identical, Timings(cold, l2, l2_other, l3_reads), ratios, counters)
 
 
-def report(params: VllmBenchParams, identical: bool, cold: list[float], l2: list[float],
-           l2_other: list[float], ratios: list[float], counters: dict[str, float]) -> dict:
+def _from_l3(params: VllmBenchParams, l3: L3Setup, actor: Any, model: str,
+             docs: list[list[list[int]]]) -> list[float]:
+    """C's TTFT on each document's first question, its blocks read from L3."""
+    reader = engine(model, params, l3)
+    ttft(reader, docs[-1][0])  # warm-up: first-call setup (the warm-up document is in L3)
+    seconds = []
+    for questions in docs[:-1]:
+        wait_published(actor, questions[0], params.block_size)
+        seconds.append(ttft(reader, questions[0])[0])
+    return seconds
+
+
+class Timings(NamedTuple):
+    cold: list[float]  # each document's first question, cold on A
+    l2: list[float]  # the same question on A from L2
+    l2_other: list[float]  # its other questions on A, the document from L2
+    l3: list[float]  # the first question on C, from L3
+
+
+def report(params: VllmBenchParams, identical: bool, t: Timings, ratios: list[float],
+           counters: dict[str, float]) -> dict:
     import vllm
 
-    ttft_cold = statistics.median(cold)
+    ttft_cold = statistics.median(t.cold)
     result: dict[str, Any] = {
         "identical": identical, "ttft_cold_s": round(ttft_cold, 4),
-        "ttft_l2_s": round(statistics.median(l2), 4),
-        "ttft_l2_ratio": round(statistics.median(l2) / ttft_cold, 4),
-        "ttft_l2_other_question_s": round(statistics.median(l2_other), 4) if l2_other else None,
-        "ttft_l3_ratio": None, "l3": "L3 is not available through the connector yet",
+        "ttft_l2_s": round(statistics.median(t.l2), 4),
+        "ttft_l2_ratio": round(statistics.median(t.l2) / ttft_cold, 4),
+        "ttft_l2_other_question_s": (round(statistics.median(t.l2_other), 4)
+                                     if t.l2_other else None),
+        "ttft_l3_s": round(statistics.median(t.l3), 4),
+        "ttft_l3_ratio": round(statistics.median(t.l3) / ttft_cold, 4),
         "no_reuse_overhead": round(statistics.median(ratios), 4),
         "save_gbps": gbps(counters, "backup"), "load_gbps": gbps(counters, "load_back"),
         "tokens": params.tokens, "documents": params.documents,
