@@ -35,6 +35,7 @@ class _Entry:
     votes: int = 0  # ranks that finished the slot's background work (a fetch, an L3 write)
     backing_up: bool = False  # the ranks write it to L3: not evictable until they all did
     dropped: bool = False  # forgotten while backing up: freed once the writes ended
+    from_l3: bool = False  # read from L3 and not loaded since: its first hit is L3's
 
 
 class L2Index:
@@ -71,6 +72,15 @@ class L2Index:
                 break
             slots.append(slot)
         return slots
+
+    def take_from_l3(self, slots: Sequence[int]) -> int:
+        """How many of `slots` were read from L3 and not loaded since (now they are)."""
+        count = 0
+        for slot in slots:
+            entry = self._entries[slot]
+            count += entry.from_l3
+            entry.from_l3 = False
+        return count
 
     def touch(self, slots: Sequence[int]) -> None:
         """Mark a prefix's slots used now; its deepest page becomes the first to go, so
@@ -129,7 +139,7 @@ class L2Index:
         for slot in slots:
             entry = self._entries.get(slot)
             if entry is not None and entry.state is SlotState.FETCHING and self._vote(entry):
-                entry.state = SlotState.HELD
+                entry.state, entry.from_l3 = SlotState.HELD, True
                 self._lru[slot] = None
                 done.append(slot)
         self._free_failed(failed, SlotState.FETCHING)

@@ -18,6 +18,7 @@ class PageLoad:
     req_id: str
     slots: tuple[int, ...]
     blocks: tuple[int, ...]
+    from_l3: int = 0  # how many of the slots were read from L3 for it (counted by tier)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ class ConnectorCounts:
 
     requests: int = 0
     l2_hit_tokens: int = 0
+    l3_hit_tokens: int = 0  # loaded from L2 slots read from L3 for the request
     saved_pages: int = 0
     loaded_pages: int = 0
     failed_saves: int = 0
@@ -183,9 +184,20 @@ class SchedulerSide:
             raise ValueError(f"vLLM asked request {req_id} for {pages} pages from the "
                              f"connector, which matched {len(slots)}")
         self.index.touch(slots[:pages])
-        req.load = PageLoad(req_id, tuple(slots[:pages]), tuple(blocks[first:first + pages]))
-        self._counts.l2_hit_tokens += external_tokens
+        from_l3 = self.index.take_from_l3(slots[:pages])
+        req.load = PageLoad(req_id, tuple(slots[:pages]), tuple(blocks[first:first + pages]),
+                            from_l3)
+        self._counts.l2_hit_tokens += (pages - from_l3) * self.block_size
+        self._counts.l3_hit_tokens += from_l3 * self.block_size
         self._counts.loaded_pages += pages
+
+    def hit_sources(self, req_id: str) -> tuple[int, int]:
+        """(tokens from L2, tokens read from L3 for it) of the request's load."""
+        load = self._requests[req_id].load
+        if load is None:
+            return 0, 0
+        return ((len(load.slots) - load.from_l3) * self.block_size,
+                load.from_l3 * self.block_size)
 
     def plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's copies: the loads `allocated` asked for, then a save of every block

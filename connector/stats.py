@@ -18,7 +18,8 @@ from kvtier.errors import ConfigError
 
 @dataclass(frozen=True)
 class CopyStats:
-    hit_tokens: int = 0  # loaded from L2 into vLLM's blocks (rank 0)
+    hit_tokens: int = 0  # loaded into vLLM's blocks from pages L2 held (rank 0)
+    l3_hit_tokens: int = 0  # loaded from pages read from L3 for the request (rank 0)
     backup_tokens: int = 0  # saved from vLLM's blocks into L2 (rank 0)
     failed_load_tokens: int = 0  # loads that failed and were recomputed (rank 0)
     load_back_bytes: int = 0
@@ -58,6 +59,8 @@ class CopyStats:
 # Prometheus family (vLLM adds no _total suffix to a counter's name here; the exposition does), labels, CopyStats field, help
 FAMILIES = (
     ("vllm:kvtier_hit_tokens", {"tier": "host"}, "hit_tokens",
+     "Prompt tokens the connector loaded into vLLM's blocks, by tier"),
+    ("vllm:kvtier_hit_tokens", {"tier": "storage"}, "l3_hit_tokens",
      "Prompt tokens the connector loaded into vLLM's blocks, by tier"),
     ("vllm:kvtier_backup_tokens", {}, "backup_tokens", "Tokens of full blocks saved into L2"),
     ("vllm:kvtier_load_failed_tokens", {}, "failed_load_tokens",

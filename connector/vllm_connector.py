@@ -97,10 +97,12 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = []
+        families: dict[str, Any] = {}  # one counter per family, a child per label set
         for family, labels, field_name, text in FAMILIES:
-            counter = self._counter_cls(name=family, documentation=text,
-                                        labelnames=[*labelnames, *labels])
-            per_engine = {idx: counter.labels(*values, *labels.values())
+            if family not in families:
+                families[family] = self._counter_cls(name=family, documentation=text,
+                                                     labelnames=[*labelnames, *labels])
+            per_engine = {idx: families[family].labels(*values, *labels.values())
                           for idx, values in per_engine_labelvalues.items()}
             self._counters.append((field_name, per_engine))
 
@@ -230,6 +232,14 @@ class KvtierConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         block_ids = list(blocks.get_block_ids()[0])
         self._sched.allocated(request.request_id, block_ids, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request",
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Tokens from pages L2 held as host hits, from pages read from L3 for the request as
+        disk hits (vLLM's nearest word for shared storage)."""
+        from_l2, from_l3 = self._sched.hit_sources(request.request_id)
+        sources = {CacheHitSource.HOST: from_l2, CacheHitSource.DISK: from_l3}
+        return {source: n for source, n in sources.items() if n}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierStepMeta:
         out = scheduler_output

@@ -108,7 +108,9 @@ class WorkerSide:
                 self.failed_blocks.update(load.blocks)
                 self._count(CopyStats(failed_load_tokens=len(load.slots) * self._page_tokens))
                 continue
-            self._count(CopyStats(hit_tokens=len(load.slots) * self._page_tokens,
+            l2_pages = len(load.slots) - load.from_l3
+            self._count(CopyStats(hit_tokens=l2_pages * self._page_tokens,
+                                  l3_hit_tokens=load.from_l3 * self._page_tokens,
                                   load_back_bytes=len(load.slots) * self.shape.slot_bytes,
                                   load_back_seconds=time.perf_counter() - start))
         return frozenset(failed)

@@ -158,11 +158,17 @@ def test_cache_salts_never_share_a_block(llm):
 
 
 def counters(llm) -> dict[str, float]:
-    """kvtier's counter families in vLLM's registry, summed over their labels."""
+    """kvtier's counter families in vLLM's registry, summed over their labels, and by tier
+    (`name{tier=...}`, `name{source=...}`: vLLM's cached tokens by source too)."""
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kvtier_"):
-            out[metric.name] = out.get(metric.name, 0) + metric.value
+        if not metric.name.startswith(("vllm:kvtier_", "vllm:prompt_tokens_cached_by")):
+            continue
+        out[metric.name] = out.get(metric.name, 0) + metric.value
+        for label in ("tier", "source"):
+            if label in metric.labels:
+                name = f"{metric.name}{{{label}={metric.labels[label]}}}"
+                out[name] = out.get(name, 0) + metric.value
     return out
 
 
@@ -203,8 +209,14 @@ def test_a_second_engine_reads_from_l3_what_the_first_computed(llm, reader, l3):
     first = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=1),
                          use_tqdm=False)[0]
     published(l3, list(first.prompt_token_ids))
+    before = counters(reader)
     cached, length, tokens, logprobs = generate(reader, prompt)
     assert cached == (length - 1) // BLOCK * BLOCK > 0
+    after = counters(reader)
+    assert after["vllm:kvtier_hit_tokens{tier=storage}"] - before.get(
+        "vllm:kvtier_hit_tokens{tier=storage}", 0) == cached
+    assert after.get("vllm:prompt_tokens_cached_by_source{source=disk}", 0) - before.get(
+        "vllm:prompt_tokens_cached_by_source{source=disk}", 0) == cached
     assert (tokens, logprobs) == (list(first.outputs[0].token_ids),
                                   [next(iter(lp.values())).logprob
                                    for lp in first.outputs[0].logprobs])
