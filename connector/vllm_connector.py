@@ -157,6 +157,11 @@ class KvtierConnector(KVConnectorBase_V1):
             log.info("%s: L2 of %d pages of %d tokens per rank%s", CONNECTOR, self._slots,
                      self._block_size, ", L3 attached" if self._settings.l3 else "")
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks): the workers hold views of the KV tensors that sleep remaps."""
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save that did not happen is a later miss, nothing more
@@ -287,8 +292,12 @@ class KvtierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        expected = (self._kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size,
+                    spec.head_size)
         self._worker = WorkerSide(kv_caches, self._slots, BlockLayout.CPU, self._block_size,
-                                  counts_tokens=get_tensor_model_parallel_rank() == 0)
+                                  counts_tokens=get_tensor_model_parallel_rank() == 0,
+                                  expected=expected)
         if self._settings.l3:
             self._attach_l3(self._worker)
         log.info("%s: host pool of %d pages, %.1f MB", CONNECTOR, self._slots,

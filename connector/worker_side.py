@@ -37,6 +37,18 @@ class BlockLayout(enum.Enum):
         blocks, heads = layer.shape[0], layer.shape[1]
         return layer.view(blocks, heads, 2, -1)
 
+    def check(self, layer: torch.Tensor, expected: tuple[int, int, int, int]) -> None:
+        """Refuse a KV tensor laid out otherwise (`expected`: blocks, this rank's KV heads,
+        block size, head dim): reading its blocks as this layout would move wrong bytes."""
+        blocks, heads, block_size, head_dim = expected
+        want = (blocks, heads, block_size, 2 * head_dim)
+        if tuple(layer.shape) != want or not layer.is_contiguous():
+            raise ConfigError(f"KvtierConnector reads vLLM's CPU attention layout "
+                              f"{list(want)} (blocks, KV heads, block size, 2 x head dim); "
+                              f"this engine's KV cache is {list(layer.shape)} on "
+                              f"{layer.device}: its attention backend is not supported yet, "
+                              f"run vLLM without the connector")
+
 
 @dataclass(frozen=True)
 class PoolShape:
@@ -80,9 +92,14 @@ class WorkerSide:
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_slots: int,
                  layout: BlockLayout = BlockLayout.CPU, block_size: int = 0,
-                 counts_tokens: bool = True) -> None:
+                 counts_tokens: bool = True,
+                 expected: tuple[int, int, int, int] | None = None) -> None:
         """`block_size` and `counts_tokens` (rank 0 counts tokens, every rank its bytes) are
-        for the stats only."""
+        for the stats only; `expected` (blocks, KV heads, block size, head dim), when given,
+        is checked against every layer's tensor."""
+        if expected is not None:
+            for layer in kv_caches.values():
+                layout.check(layer, expected)
         self.layers = [layout.parts(t) for t in ordered_layers(kv_caches)]
         self.shape = pool_shape(ordered_layers(kv_caches), layout)
         s = self.shape

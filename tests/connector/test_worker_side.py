@@ -54,3 +54,15 @@ def test_a_load_that_fails_is_reported_with_its_blocks():
     assert w.end_step(StepPlan()).failed_loads == {0, 7}
     assert w.take_stats().failed_load_tokens == 2 * BS
     assert w.take_failed_blocks() == {1, 2} and w.take_failed_blocks() == set()
+
+
+def test_a_kv_cache_in_another_layout_is_refused():
+    import pytest
+
+    from kvtier.errors import ConfigError
+
+    gpu_like = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, BLOCKS, BS, HEADS, HD)
+                for i in range(LAYERS)}  # FlashAttention's [2, blocks, block_size, heads, dim]
+    with pytest.raises(ConfigError, match="not supported yet"):
+        WorkerSide(gpu_like, num_slots=2, expected=(BLOCKS, HEADS, BS, HD))
+    WorkerSide(kv_caches(4), num_slots=2, expected=(BLOCKS, HEADS, BS, HD))  # vLLM's CPU one
