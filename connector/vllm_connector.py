@@ -26,7 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.identity import BlockIdentity, block_namespace
 from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.plan import StepPlan, WorkerReport
-from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
+from kvtier.connector.scheduler_side import L3Directory, ScheduledRequest, SchedulerSide
 from kvtier.connector.settings import CONNECTOR, ConnectorSettings
 from kvtier.connector.stats import FAMILIES, CopyStats
 from kvtier.connector.worker_side import BlockLayout, WorkerSide
@@ -186,7 +186,7 @@ class KvtierConnector(KVConnectorBase_V1):
                              cache.storage_backend, cache.storage_options.to_dict(),
                              kv_heads=self._total_heads, page_bytes=page_bytes)
 
-    def _directory(self, spec: Any):
+    def _directory(self, spec: Any) -> L3Directory | None:
         """The scheduler side's link to the namespace's directory (None: no L3)."""
         if not self._settings.l3:
             return None
