@@ -59,6 +59,11 @@ def start_local_ray(num_cpus: int = 2, object_store_memory: int = DEFAULT_OBJECT
     return ctx
 
 
+def cluster_address() -> str:
+    """The address processes join this process's Ray cluster by (its GCS, host:port)."""
+    return ray.get_runtime_context().gcs_address
+
+
 def shutdown_local_ray() -> None:
     """Stop the cluster this process started (its detached actors end with it)."""
     if ray.is_initialized():

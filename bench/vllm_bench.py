@@ -149,10 +149,8 @@ def prompts(tokenizer, params: VllmBenchParams, doc: int) -> list[list[int]]:
 
 
 def run(params: VllmBenchParams = VllmBenchParams()) -> dict:
-    import ray
-
     from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
-    from kvtier.actors.ray_env import local_ray
+    from kvtier.actors.ray_env import cluster_address, local_ray
 
     if params.block_size % 32 or params.tokens < 2 * params.block_size:
         raise ConfigError("--block-size must be a multiple of 32 and --tokens at least two "
@@ -161,7 +159,7 @@ def run(params: VllmBenchParams = VllmBenchParams()) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # every engine: the same core
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp, local_ray(1):
         actor = get_or_create_namespace_actor(state_dir=os.path.join(tmp, "state"))
-        l3 = L3Setup(ray.get_runtime_context().gcs_address, os.path.join(tmp, "l3"))
+        l3 = L3Setup(cluster_address(), os.path.join(tmp, "l3"))
         os.makedirs(l3.root)
         try:
             return _measure(params, l3, actor)

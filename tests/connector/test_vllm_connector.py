@@ -36,15 +36,13 @@ class L3(NamedTuple):
 
 @pytest.fixture(scope="module")
 def l3(tmp_path_factory):
-    import ray
-
     from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
-    from kvtier.actors.ray_env import shutdown_local_ray, start_local_ray
+    from kvtier.actors.ray_env import cluster_address, shutdown_local_ray, start_local_ray
 
     start_local_ray(num_cpus=2)
     try:  # the actor first, with a state of its own: the connector finds it by name
         actor = get_or_create_namespace_actor(state_dir=str(tmp_path_factory.mktemp("state")))
-        yield L3(ray.get_runtime_context().gcs_address, tmp_path_factory.mktemp("l3"), actor)
+        yield L3(cluster_address(), tmp_path_factory.mktemp("l3"), actor)
     finally:
         shutdown_local_ray()
 

@@ -68,16 +68,14 @@ def answer(llm, prompt: list[int], salt: str | None = None) -> tuple[int, list[i
 
 
 def test_a_page_written_at_tp1_is_read_at_tp2(tmp_path):
-    import ray
-
     from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
-    from kvtier.actors.ray_env import local_ray
+    from kvtier.actors.ray_env import cluster_address, local_ray
 
     model = tiny_llama(tmp_path / "tiny")
     prompt = list(range(1000, 1300))  # 9 full blocks, the 10th computed
     with local_ray(2):
         actor = get_or_create_namespace_actor(state_dir=str(tmp_path / "state"))
-        address = ray.get_runtime_context().gcs_address
+        address = cluster_address()
         writer = engine(model, 1, address, tmp_path / "l3")
         assert answer(writer, prompt)[0] == 0
         writer.llm_engine.engine_core.shutdown()  # its L3 writes end with it
