@@ -106,17 +106,20 @@ class L2Index:
         return taken
 
     def settle(self, saved: Iterable[int], failed: Iterable[int],
-               backing_up: bool = False) -> None:
+               backing_up: bool = False) -> list[tuple[str, int]]:
         """The ranks' word on SAVING slots: saved ones become HELD (`backing_up`: the ranks
         write them to L3 next, so they stay until `stored` counts every rank), failed ones
-        are freed."""
+        are freed. Returns (key, slot) of the slots that became HELD."""
+        held = []
         for slot in saved:
             entry = self._entries.get(slot)
             if entry is not None and entry.state is SlotState.SAVING:
                 entry.state, entry.backing_up, entry.votes = SlotState.HELD, backing_up, 0
+                held.append((entry.key, slot))
                 if not backing_up:
                     self._lru[slot] = None
         self._free_failed(failed, SlotState.SAVING)
+        return held
 
     def stored(self, slots: Iterable[int]) -> None:
         """One vote per rank that finished writing a slot to L3 (or gave up): once every rank

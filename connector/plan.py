@@ -23,17 +23,25 @@ class PageLoad:
 
 @dataclass(frozen=True)
 class PageSave:
-    """Copy full vLLM blocks into L2 slots after this step's forward (block i into slot i);
-    with L3, then write each slot's objects (this rank's KV heads) under page key i."""
+    """Copy full vLLM blocks into L2 slots after this step's forward (block i into slot i)."""
 
     blocks: tuple[int, ...]
     slots: tuple[int, ...]
-    keys: tuple[str, ...] = ()  # with L3: the pages' keys, for their objects
 
 
 @dataclass(frozen=True)
 class PageFetch:
     """Read pages from L3 into L2 slots (key i into slot i), in the background."""
+
+    keys: tuple[str, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PageStore:
+    """Write L2 slots' objects (this rank's KV heads) to L3 under page key i, in the
+    background: planned once every rank reported the slots saved, so no rank ever writes a
+    slot another rank failed to fill (the scheduler side may have reused it)."""
 
     keys: tuple[str, ...]
     slots: tuple[int, ...]
@@ -48,10 +56,11 @@ class StepPlan:
     loads: tuple[PageLoad, ...] = ()
     saves: tuple[PageSave, ...] = ()
     fetches: tuple[PageFetch, ...] = ()
+    stores: tuple[PageStore, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves and not self.fetches
+        return not (self.loads or self.saves or self.fetches or self.stores)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ vLLM's adapter (kvtier.connector.vllm_connector) calls it from the EngineCore pr
 vLLM gave the request its blocks, `plan` once per step, `settle` with the ranks' merged
 report, `finish` when the request leaves. Every full block a request computes (prompt or
 generated) is saved once, after the step that filled it, unless L2 already holds its page;
-with L3, the ranks then write it there.
+with L3, once every rank reported it saved, the next plan has the ranks write it there.
 
 L3: when L2's run of a prompt's pages ends early, `match` asks the namespace's directory how
 many of the following pages L3 holds (published by every rank of whoever wrote them), leases
@@ -25,7 +25,8 @@ from typing import Callable, Protocol, Sequence
 
 from kvtier.config import HiCacheConfig
 from kvtier.connector.l2_index import L2Index, SlotState
-from kvtier.connector.plan import PageFetch, PageLoad, PageSave, StepPlan, WorkerReport
+from kvtier.connector.plan import (PageFetch, PageLoad, PageSave, PageStore, StepPlan,
+                                   WorkerReport)
 from kvtier.keys import KeyNamespace, page_hashes
 from kvtier.policies import PrefetchPolicy
 
@@ -98,6 +99,7 @@ class SchedulerSide:
         self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._fetches: list[PageFetch] = []  # for the next plan
+        self._stores: list[PageStore] = []  # for the next plan
         self._fetching: dict[int, tuple[str, str]] = {}  # slot -> (page key, lookup lease)
         self._counts = ConnectorCounts()
 
@@ -209,13 +211,17 @@ class SchedulerSide:
                 req.load = None
         saves = [save for s in scheduled if (save := self._saves(s)) is not None]
         fetches, self._fetches = tuple(self._fetches), []
-        return StepPlan(tuple(loads), tuple(saves), fetches)
+        stores, self._stores = tuple(self._stores), []
+        return StepPlan(tuple(loads), tuple(saves), fetches, stores)
 
     def settle(self, report: WorkerReport) -> None:
         """The ranks' merged report on the last plan, and their background L3 work."""
         saved = report.saved if report.ranks >= self.tp_size else frozenset()
         failed = report.failed_saves | (report.saved - saved)
-        self.index.settle(saved, failed, backing_up=self.l3 is not None)
+        held = self.index.settle(saved, failed, backing_up=self.l3 is not None)
+        if held and self.l3 is not None:  # every rank saved them: now they may go to L3
+            keys, slots = zip(*held)
+            self._stores.append(PageStore(keys, slots))
         self.index.stored(report.stored)
         done = self.index.fetched(report.fetched, report.failed_fetches)
         self._counts.fetched_pages += len(done)
@@ -253,9 +259,7 @@ class SchedulerSide:
         if not slots:
             return None
         self._counts.saved_pages += len(slots)
-        pages = new[:len(slots)]
-        return PageSave(tuple(step.blocks[p] for p in pages), tuple(slots),
-                        tuple(keys[p] for p in pages) if self.l3 is not None else ())
+        return PageSave(tuple(step.blocks[p] for p in new[:len(slots)]), tuple(slots))
 
     def _keys(self, req: _Request, tokens: Sequence[int], pages: int) -> list[str]:
         """The request's first `pages` page keys, extending its chain as tokens arrive."""

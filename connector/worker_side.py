@@ -155,19 +155,18 @@ class WorkerSide:
         self.l3 = traffic
 
     def begin_step(self, plan: StepPlan) -> None:
-        """Before the forward: the plan's loads; its L3 reads start in the background."""
+        """Before the forward: the plan's loads; its L3 writes and reads start in the
+        background (after the loads: a slot a load reads may be refilled next)."""
         self._failed_loads |= self.load(plan.loads)
+        for store in plan.stores:
+            self._traffic.store(store.keys, store.slots)
         for fetch in plan.fetches:
             self._traffic.fetch(fetch.keys, fetch.slots)
 
     def end_step(self, plan: StepPlan) -> WorkerReport:
-        """After the forward: the plan's saves (then their L3 writes, in the background),
-        and the step's report with the L3 work finished since the last one."""
+        """After the forward: the plan's saves, and the step's report with the L3 work
+        finished since the last one."""
         saved, failed = self.save(plan.saves)
-        for save in plan.saves:
-            done = [(key, slot) for key, slot in zip(save.keys, save.slots) if slot in saved]
-            if done:
-                self._traffic.store(*zip(*done))
         l3 = self.l3.take() if self.l3 is not None else None
         report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads,
                               stored=tuple(l3.stored) if l3 else (),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.connector.l2_index import L2Index
-from kvtier.connector.plan import WorkerReport
+from kvtier.connector.plan import PageStore, WorkerReport
 from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
 from kvtier.keys import KeyNamespace
 
@@ -187,8 +187,15 @@ def test_with_l3_saved_pages_are_written_and_kept_until_every_rank_wrote_them():
     s.add("a")
     s.allocated("a", [1, 2, 3], s.match("a", tokens, 0))
     (save,) = s.plan([ScheduledRequest("a", tokens, [1, 2, 3], 9)]).saves
-    assert save.keys == tuple(NS.page_hashes(tokens, BS))
-    s.settle(WorkerReport(ranks=2, saved=frozenset(save.slots)))
-    assert s.index.reserve(["new"]) == []  # both are being written to L3
-    s.settle(WorkerReport(ranks=2, stored=save.slots + save.slots[:1]))
-    assert s.index.reserve(["new"]) == [save.slots[0]]  # written by both ranks: evictable
+    s.settle(WorkerReport(ranks=2, saved=frozenset(save.slots[:1]),
+                          failed_saves=frozenset(save.slots[1:])))  # one rank failed one
+    (store,) = s.plan([]).stores  # written only once every rank saved it
+    assert store == PageStore((NS.page_hashes(tokens, BS)[0],), save.slots[:1])
+    assert s.plan([]).stores == ()
+    (slot,) = store.slots
+    assert s.index.reserve(["new"]) != [slot]  # the failed slot was free; this one is kept
+    assert s.index.reserve(["newer"]) == []  # being written to L3
+    s.settle(WorkerReport(ranks=2, stored=(slot,)))
+    assert s.index.reserve(["newest"]) == []  # one rank wrote it: not yet
+    s.settle(WorkerReport(ranks=2, stored=(slot,)))
+    assert s.index.reserve(["newest"]) == [slot]  # written by both ranks: evictable
