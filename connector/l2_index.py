@@ -48,14 +48,6 @@ class L2Index:
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable slots, least recent first
 
-    @property
-    def num_slots(self) -> int:
-        return self._slots.num_pages
-
-    @property
-    def held(self) -> int:
-        return sum(e.state is SlotState.HELD for e in self._entries.values())
-
     def __contains__(self, key: str) -> bool:
         return key in self._by_key
 
@@ -163,11 +155,6 @@ class L2Index:
                 self._drop(slot)
             dropped += 1
         return dropped
-
-    def clear(self) -> None:
-        """Forget every evictable HELD page (a reset)."""
-        for slot in list(self._lru):
-            self._drop(slot)
 
     def _vote(self, entry: _Entry) -> bool:
         entry.votes += 1

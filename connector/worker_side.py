@@ -100,8 +100,9 @@ class WorkerSide:
         if expected is not None:
             for layer in kv_caches.values():
                 layout.check(layer, expected)
-        self.layers = [layout.parts(t) for t in ordered_layers(kv_caches)]
-        self.shape = pool_shape(ordered_layers(kv_caches), layout)
+        layers = ordered_layers(kv_caches)
+        self.layers = [layout.parts(t) for t in layers]
+        self.shape = pool_shape(layers, layout)
         s = self.shape
         pin = torch.cuda.is_available() and self.layers[0].is_cuda
         self.host = torch.empty((num_slots, s.kv_heads, 2, s.num_layers, s.part_elems),
