@@ -16,7 +16,7 @@ demo-single: $(STAMP)
 	$(PY) examples/single_process.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # `ray up` of cluster.yaml over three harness hosts, then kvtier serve on it (root, sshd)
 test-ray-up: $(STAMP)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 # One OpenMP thread per process unless the environment chooses: the suite runs many processes
 # at once (Ray workers, TP ranks, servers, the hosts' drivers) on few cores, and torch's
@@ -12,6 +15,42 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _exit_status: list[int] = []
+
+HERE = Path(__file__).parent
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`): each directory of tests/ is
+# one unit of work, run whole and in order on one worker (`pytest_xdist_make_scheduler`), so
+# that a directory's shared cluster (tests/actors/conftest.py, tests/frontend/shared_serve.py)
+# starts once and its modules keep the order they rely on. Most tests wait on processes,
+# deadlines and sockets more than they compute, so two directories at a time fill the two
+# cores. The directories are handed out longest first (seconds of a serial run, rounded), so
+# that no long one starts last while the other worker idles. Tests bind only ports of their
+# own directory's (or free ones), and the host harness picks a free subnet per run.
+GROUP_SECONDS = {"actors": 370, "frontend": 270, "hosts": 230, "bench": 190, "connector": 170,
+                 "engine": 110, "backends": 110, "tiers": 15}
+TOP = "top"  # the modules directly under tests/: a few seconds
+
+
+def _group(nodeid: str) -> str:
+    """The directory of tests/ a test is in (`TOP` for tests/*.py)."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == HERE.name else TOP
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The directories longest first (`GROUP_SECONDS`); each keeps its order."""
+    items.sort(key=lambda item: -GROUP_SECONDS.get(_group(item.nodeid), 0))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `-n N`: a directory at a time per worker, in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class DirectoryScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False  # collection order: longest first
+    return DirectoryScheduling(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
