@@ -79,6 +79,7 @@ class _Request:
     match: tuple[int, list[int]] | None = None  # (first page, L2 slots) of the last match
     load: PageLoad | None = None  # waiting for the next plan
     wait_until: float | None = None  # monotonic deadline of its L3 prefetch, if waiting
+    supplied: tuple[int, int] = (0, 0)  # tokens of its last load: from L2, read from L3
 
 
 class SchedulerSide:
@@ -189,6 +190,7 @@ class SchedulerSide:
         from_l3 = self.index.take_from_l3(slots[:pages])
         req.load = PageLoad(req_id, tuple(slots[:pages]), tuple(blocks[first:first + pages]),
                             from_l3)
+        req.supplied = ((pages - from_l3) * self.block_size, from_l3 * self.block_size)
         self._counts.l2_hit_tokens += (pages - from_l3) * self.block_size
         self._counts.l3_hit_tokens += from_l3 * self.block_size
         self._counts.loaded_pages += pages
@@ -200,6 +202,11 @@ class SchedulerSide:
             return 0, 0
         return ((len(load.slots) - load.from_l3) * self.block_size,
                 load.from_l3 * self.block_size)
+
+    def supplied(self, req_id: str) -> tuple[int, int]:
+        """(tokens from L2, tokens read from L3 for it) the request's last load brought."""
+        req = self._requests.get(req_id)
+        return (0, 0) if req is None else req.supplied
 
     def plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's copies: the loads `allocated` asked for, then a save of every block

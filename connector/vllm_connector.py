@@ -30,6 +30,7 @@ from kvtier.connector.scheduler_side import L3Directory, ScheduledRequest, Sched
 from kvtier.connector.settings import CONNECTOR, ConnectorSettings
 from kvtier.connector.stats import FAMILIES, CopyStats
 from kvtier.connector.worker_side import BlockLayout, WorkerSide
+from kvtier.vllm_engine.cached import CachedBySource
 from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange
@@ -279,8 +280,9 @@ class KvtierConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
+        supplied = CachedBySource(*self._sched.supplied(request.request_id))
         self._sched.finish(request.request_id)
-        return False, None
+        return False, supplied.to_params() if any(supplied) else None
 
     @property
     def _sched(self) -> SchedulerSide:

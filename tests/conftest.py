@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
 # that no long one starts last while the other worker idles. Tests bind only ports of their
 # own directory's (or free ones), and the host harness picks a free subnet per run.
 GROUP_SECONDS = {"actors": 370, "frontend": 270, "hosts": 230, "bench": 190, "connector": 170,
-                 "engine": 110, "backends": 110, "tiers": 15}
+                 "engine": 110, "backends": 110, "vllm_engine": 45, "tiers": 15}
 TOP = "top"  # the modules directly under tests/: a few seconds
 
 

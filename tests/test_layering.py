@@ -1,9 +1,9 @@
 """The layout rule and the layering, read from every package module's imports (with `ast`).
 
 Layers, bottom to top: the vocabulary of `kvtier/` <- backends <- tiers <- engine <- serve <-
-actors <- bench, hosts, the commands of `cli/` and vLLM's connector. A module may import from
-its own layer or below; only `actors/` may import ray, and only `connector/` and `bench/`
-vllm. Tests and
+actors and vLLM engines as instances (`vllm_engine/`) <- bench, hosts, the commands of `cli/`
+and vLLM's connector. A module may import from its own layer or below; only `actors/` may
+import ray, and only `connector/`, `vllm_engine/` and `bench/` vllm. Tests and
 examples are outside these rules.
 """
 from __future__ import annotations
@@ -16,12 +16,13 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # folder -> layer
 LAYERS = {"kvtier": 0, "backends": 1, "tiers": 2, "engine": 3, "frontend": 4, "actors": 5,
-          "bench": 6, "hosts": 6, "cli": 6, "connector": 6}
+          "vllm_engine": 5, "bench": 6, "hosts": 6, "cli": 6, "connector": 6}
 # `kvtier/__main__.py` only hands `python -m kvtier` to the command line
 ENTRY_POINT = "kvtier.__main__"
 TOP = 6
 RAY_ALLOWED = {"actors"}
-VLLM_ALLOWED = {"connector", "bench"}  # the connector, and `kvtier bench vllm`
+VLLM_ALLOWED = {"connector", "vllm_engine", "bench"}  # the connector, the engines the graph
+# serves with, and `kvtier bench vllm`
 
 
 def module_layer(dotted: str) -> int | None:
@@ -77,7 +78,7 @@ def module_violations(tree: ast.AST, dotted: str, is_package: bool) -> list[tupl
             bad.append((line, f"imports {target}: only actors/ may import ray"))
             continue
         if target.split(".")[0] == "vllm" and folder not in VLLM_ALLOWED:
-            bad.append((line, f"imports {target}: only connector/ and bench/ may import vllm"))
+            bad.append((line, f"imports {target}: only connector/, vllm_engine/ and bench/ may import vllm"))
             continue
         target_layer = module_layer(target)
         if target_layer is not None and target_layer > layer:

@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import vllm  # noqa: F401  (make test installs vLLM's CPU build where there is no GPU)
-except ImportError:
-    import torch
+from vllm_required import require_vllm
 
-    if not torch.cuda.is_available():
-        raise
-    pytest.skip("vLLM is not installed (on a GPU host, install it: docs/vllm.md)",
-                allow_module_level=True)
+require_vllm()
 
 BLOCK = 32
 

@@ -1,0 +1,216 @@
+"""One serving instance that is one vLLM engine with KvtierConnector (docs/vllm.md): what an
+`InstanceServer` (actors/instance_server) drives when the serve graph runs `engine: vllm`.
+
+The server drives it as it drives kvtier's own instance: from one thread, a step at a time;
+requests are added under the server's ids; each step reports every running request's new
+tokens once (a `Progress`) and the finished requests as `Output`s. vLLM's synchronous
+client (`LLMEngine`: the same EngineCore process and TP workers as `AsyncLLM`, without an
+asyncio loop) fits that loop. vLLM's prefix cache is L1; the connector's L2 and L3 say what
+they supplied to each request in the `kv_transfer_params` its last output carries
+(`CachedBySource`), so an answer reports its cached tokens by tier as kvtier's engine does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+from kvtier.actors.instance import InstanceStep
+from kvtier.actors.step_wire import Progress
+from kvtier.engine.request import CachedTokens, FinishReason, Output, Resume
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
+from kvtier.errors import ConfigError
+from kvtier.tiers.cache_types import RequestLengths
+from kvtier.vllm_engine.cached import CachedBySource
+
+CONNECTOR = "KvtierConnector"
+
+
+class VllmSettings(NamedTuple):
+    """One engine: its Hugging Face model directory and sizes; `connector`: KvtierConnector's
+    `kv_connector_extra_config` (docs/vllm.md), or None for vLLM alone."""
+
+    model_dir: str
+    block_size: int = 64
+    kv_cache_bytes: int = 256 << 20
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    tp_size: int = 1
+    connector: dict[str, Any] | None = None
+
+    def engine_args(self) -> Any:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+
+        transfer = None if self.connector is None else KVTransferConfig(
+            kv_connector=CONNECTOR, kv_role="kv_both",
+            kv_connector_extra_config=dict(self.connector))
+        return EngineArgs(model=self.model_dir, enforce_eager=True, enable_prefix_caching=True,
+                          block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
+                          max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                          tensor_parallel_size=self.tp_size, kv_transfer_config=transfer)
+
+
+def vllm_sampling(sampling: SamplingParams, already: int) -> Any:
+    """vLLM's parameters for kvtier's, `already` answer tokens in (a resumed request)."""
+    from vllm import SamplingParams as VllmSampling
+    from vllm.sampling_params import RequestOutputKind
+
+    left = sampling.max_new_tokens - already
+    if left < 1:
+        raise ConfigError(f"a request resumed after {already} tokens has none left of its "
+                          f"max_new_tokens={sampling.max_new_tokens}")
+    stops = sampling.stop_token_ids
+    return VllmSampling(
+        max_tokens=left, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, min_p=sampling.min_p, seed=sampling.seed,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty, logprobs=sampling.logprobs,
+        stop_token_ids=None if stops is None else list(stops), ignore_eos=stops == (),
+        output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
+          "abort": FinishReason.ABORTED, "error": FinishReason.ERROR}
+
+
+def token_logprobs(tokens: Sequence[int], entries: Sequence[dict] | None, k: int
+                   ) -> tuple[TokenLogprob, ...] | None:
+    """kvtier's log-probabilities from vLLM's (one {token: Logprob} per chosen token: the
+    chosen one and the `k` most likely)."""
+    if entries is None:
+        return None
+    out = []
+    for token, entry in zip(tokens, entries):
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                     key=lambda item: item[1].rank)
+        out.append(TokenLogprob(int(token), float(entry[token].logprob),
+                                tuple((int(t), float(lp.logprob)) for t, lp in top)))
+    return tuple(out)
+
+
+@dataclass
+class _Running:
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    resumed: tuple[int, ...]  # answer tokens the caller had before this run
+    resumed_logprobs: tuple[TokenLogprob, ...] | None
+    arrived: float  # monotonic
+    answer: list[int] = field(default_factory=list)  # this run's tokens
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class VllmInstance:
+    """A `DrivenInstance` (actors/instance_server) over one vLLM engine."""
+
+    def __init__(self, settings: VllmSettings) -> None:
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.settings = settings
+        self._engine = LLMEngine.from_engine_args(settings.engine_args())
+        self._running: dict[int, _Running] = {}
+        self._watching: str | None = None
+
+    # ---- DrivenInstance ---------------------------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        return 0  # vLLM does not replace its workers: a dead engine stops the instance
+
+    @property
+    def recovering(self) -> bool:
+        return False
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._running)
+
+    def watch_cache(self, name: str) -> None:
+        self._watching = name
+
+    def drain_events(self) -> bytes | None:
+        return None
+
+    def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
+                    cache_salt: str = "", resume: Resume | None = None,
+                    request_id: int | None = None) -> int:
+        from vllm.inputs import TokensPrompt
+
+        if request_id is None:
+            raise ValueError("a vLLM instance takes its requests under the server's ids")
+        resumed = () if resume is None else tuple(resume.tokens)
+        params = vllm_sampling(sampling, len(resumed))
+        prompt = TokensPrompt(prompt_token_ids=[*tokens, *resumed])
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        self._engine.add_request(str(request_id), prompt, params)
+        self._running[request_id] = _Running(
+            tuple(tokens), sampling, resumed, None if resume is None else resume.logprobs,
+            time.monotonic())
+        return request_id
+
+    def abort(self, request_id: int) -> object:
+        if self._running.pop(request_id, None) is not None:
+            self._engine.abort_request([str(request_id)])
+        return None
+
+    def step_report(self) -> InstanceStep:
+        outputs = self._engine.step()
+        now = time.monotonic()
+        finished: list[Output] = []
+        progress: dict[int, Progress] = {}
+        for out in outputs:
+            request_id = int(out.request_id)
+            req = self._running.get(request_id)
+            if req is None:
+                continue  # aborted meanwhile
+            (completion,) = out.outputs
+            new = tuple(int(t) for t in completion.token_ids)
+            lps = token_logprobs(new, completion.logprobs, req.sampling.logprobs or 0)
+            if new:
+                start = len(req.resumed) + len(req.answer)
+                req.answer.extend(new)
+                req.logprobs.extend(lps or ())
+                req.first_token = req.first_token or now
+                req.last_token = now
+                progress[request_id] = Progress(start, new, lps)
+            if out.finished:
+                del self._running[request_id]
+                finished.append(self._output(request_id, req, out, completion))
+        return InstanceStep(finished, progress, None)
+
+    def close(self) -> None:
+        self._engine.engine_core.shutdown()
+
+    # ---- maintenance (between steps) --------------------------------------------------------
+    def drop_cache(self) -> bool:
+        """Drop vLLM's prefix cache (L1); the connector's L2 and L3 keep their pages. False:
+        vLLM refused (requests are running)."""
+        return bool(self._engine.reset_prefix_cache())
+
+    # ---- answers ----------------------------------------------------------------------------
+    def _output(self, request_id: int, req: _Running, out: Any, completion: Any) -> Output:
+        prompt_len = len(req.prompt) + len(req.resumed)
+        by_source = CachedBySource.of(out.kv_transfer_params)
+        total = int(out.num_cached_tokens or 0)
+        cached = CachedTokens(total - by_source.host - by_source.storage, by_source.host,
+                              by_source.storage)
+        from_host = by_source.host + by_source.storage
+        lengths = RequestLengths(cached.device, from_host, from_host, by_source.storage,
+                                 prompt_len - total)
+        reason = FINISH.get(str(completion.finish_reason), FinishReason.ERROR)
+        logprobs = None
+        if req.sampling.logprobs is not None:
+            logprobs = (*(req.resumed_logprobs or ()), *req.logprobs)
+        decoded = len(req.answer) - 1
+        rate = None
+        if decoded > 0 and req.last_token > req.first_token:
+            rate = decoded / (req.last_token - req.first_token)
+        return Output(request_id, req.prompt, (*req.resumed, *req.answer), None, reason,
+                      lengths, cached,
+                      None if req.first_token is None else req.first_token - req.arrived,
+                      rate, logprobs=logprobs,
+                      error=None if reason is not FinishReason.ERROR
+                      else f"vLLM finished the request with {completion.finish_reason!r}")
