@@ -20,8 +20,11 @@ from kvtier.actors.step_wire import Progress
 from kvtier.engine.request import CachedTokens, FinishReason, Output, Resume
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
+from kvtier.frontend.cache_events import CacheEventLog
+from kvtier.keys import KeyNamespace
 from kvtier.tiers.cache_types import RequestLengths
 from kvtier.vllm_engine.cached import CachedBySource
+from kvtier.vllm_engine.kv_events import EventFeed, KeyTranslator
 
 CONNECTOR = "KvtierConnector"
 
@@ -38,17 +41,22 @@ class VllmSettings(NamedTuple):
     tp_size: int = 1
     connector: dict[str, Any] | None = None
 
-    def engine_args(self) -> Any:
-        from vllm.config import KVTransferConfig
+    def engine_args(self, events_endpoint: str | None = None) -> Any:
+        """vLLM's arguments; `events_endpoint`: where it publishes its KV events (none: it
+        publishes none)."""
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
 
         transfer = None if self.connector is None else KVTransferConfig(
             kv_connector=CONNECTOR, kv_role="kv_both",
             kv_connector_extra_config=dict(self.connector))
+        events = None if events_endpoint is None else KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)
         return EngineArgs(model=self.model_dir, enforce_eager=True, enable_prefix_caching=True,
                           block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                           max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                          tensor_parallel_size=self.tp_size, kv_transfer_config=transfer)
+                          tensor_parallel_size=self.tp_size, kv_transfer_config=transfer,
+                          kv_events_config=events)
 
 
 def vllm_sampling(sampling: SamplingParams, already: int) -> Any:
@@ -104,15 +112,25 @@ class _Running:
 
 
 class VllmInstance:
-    """A `DrivenInstance` (actors/instance_server) over one vLLM engine."""
+    """A `DrivenInstance` (actors/instance_server) over one vLLM engine. `event_keys`: the
+    router's key namespace; with it the engine publishes its KV events and the instance
+    reports them as cache events once watched (vllm_engine/kv_events.py)."""
 
-    def __init__(self, settings: VllmSettings) -> None:
+    def __init__(self, settings: VllmSettings, event_keys: KeyNamespace | None = None) -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.settings = settings
-        self._engine = LLMEngine.from_engine_args(settings.engine_args())
+        self._event_keys = event_keys
+        self._feed = None if event_keys is None else EventFeed()
+        self._translator: KeyTranslator | None = None
+        endpoint = None if self._feed is None else self._feed.endpoint
+        try:
+            self._engine = LLMEngine.from_engine_args(settings.engine_args(endpoint))
+        except BaseException:
+            if self._feed is not None:
+                self._feed.close()
+            raise
         self._running: dict[int, _Running] = {}
-        self._watching: str | None = None
 
     # ---- DrivenInstance ---------------------------------------------------------------------
     @property
@@ -128,10 +146,23 @@ class VllmInstance:
         return len(self._running)
 
     def watch_cache(self, name: str) -> None:
-        self._watching = name
+        """Report cache events under `name` (none without `event_keys`: the engine
+        publishes none)."""
+        if self._event_keys is None:
+            return
+        self._translator = KeyTranslator(self._event_keys, self.settings.block_size,
+                                         CacheEventLog(name))
 
     def drain_events(self) -> bytes | None:
-        return None
+        if self._feed is None:
+            return None
+        batches = self._feed.take()
+        if self._translator is None:
+            return None  # not watched: nobody wants them
+        for batch in batches:
+            self._translator.feed(batch)
+        drained = self._translator.log.drain()
+        return None if drained is None else drained.to_msgpack()
 
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
                     cache_salt: str = "", resume: Resume | None = None,
@@ -179,10 +210,14 @@ class VllmInstance:
             if out.finished:
                 del self._running[request_id]
                 finished.append(self._output(request_id, req, out, completion))
-        return InstanceStep(finished, progress, None)
+        return InstanceStep(finished, progress, self.drain_events())
 
     def close(self) -> None:
-        self._engine.engine_core.shutdown()
+        try:
+            self._engine.engine_core.shutdown()
+        finally:
+            if self._feed is not None:
+                self._feed.close()
 
     # ---- maintenance (between steps) --------------------------------------------------------
     def drop_cache(self) -> bool:

@@ -15,6 +15,9 @@ from vllm_required import require_vllm
 from kvtier.actors.instance_server import InstanceServer, ServerEventKind
 from kvtier.engine.request import FinishReason, Resume
 from kvtier.engine.sampling import SamplingParams
+from kvtier.frontend.cache_events import CacheEventBatch
+from kvtier.keys import KeyNamespace
+from kvtier.policies import CacheEventKind, CacheTier
 
 require_vllm()
 
@@ -22,6 +25,7 @@ BLOCK = 64
 PROMPT = 300  # tokens: four full blocks can be reused ((300 - 1) // 64 = 4)
 REUSABLE = (PROMPT - 1) // BLOCK * BLOCK
 GREEDY = SamplingParams(max_new_tokens=8, stop_token_ids=())
+KEYS = KeyNamespace("smollm2-under-vllm")  # the router's key space for the cache events
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,7 @@ def server():
     settings = VllmSettings(str(smollm2_hf_dir()), block_size=BLOCK, kv_cache_bytes=128 << 20,
                             max_model_len=2048, max_num_seqs=4,
                             connector={"hicache_ratio": 2.0})
-    srv = InstanceServer(VllmInstance(settings), "vllm-0")
+    srv = InstanceServer(VllmInstance(settings, event_keys=KEYS), "vllm-0")
     try:
         yield srv
     finally:
@@ -131,3 +135,32 @@ def test_a_cancelled_request_is_heard_of_no_more(server):
         assert events.get().kind is ServerEventKind.TOKENS
     _, after = run(server, prompt(6))  # the engine goes on
     assert len(after.tokens) == 8
+
+
+def events_until(server, kind: CacheEventKind, keys: list[str], timeout_s: float = 30.0):
+    """Poll the server's cache events (a maintenance call drains what vLLM published since
+    its last step) until `keys` all had `kind` in L1."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not set(keys) <= seen:
+        assert time.monotonic() < deadline, f"only {len(seen & set(keys))} of {len(keys)} " \
+                                            f"pages were reported {kind.value} in L1"
+        server.call(lambda inst: None).result(timeout=30)
+        for raw in server.poll().events:
+            batch = CacheEventBatch.from_msgpack(raw)
+            assert batch.instance == "vllm-0"
+            seen.update(h for e in batch.events if e.kind is kind and e.tier is CacheTier.DEVICE
+                        for h in e.page_hashes)
+        time.sleep(0.05)
+
+
+def test_vllms_prefix_cache_reports_its_pages_in_the_routers_key_space(server):
+    tokens = prompt(7)
+    server.poll()
+    run(server, tokens, salt="tenant-e")
+    keys = KEYS.page_hashes(tokens, BLOCK, "tenant-e")
+    assert len(keys) == PROMPT // BLOCK  # the answer's 8 tokens fill no further block
+    events_until(server, CacheEventKind.STORED, keys)
+    assert server.call(lambda inst: inst.drop_cache()).result(timeout=60)
+    run(server, prompt(8))  # vLLM publishes what a reset cleared with its next step
+    events_until(server, CacheEventKind.EVICTED, keys)

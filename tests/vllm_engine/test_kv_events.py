@@ -1,0 +1,67 @@
+"""vLLM's KV events keyed in the router's key space (KeyTranslator), on events built as vLLM
+builds them; the engine's own events are in test_vllm_instance.py."""
+from __future__ import annotations
+
+from vllm_required import require_vllm
+
+from kvtier.frontend.cache_events import CacheEventLog
+from kvtier.keys import KeyNamespace
+from kvtier.policies import CacheEventKind, CacheTier
+from kvtier.vllm_engine.kv_events import KeyTranslator
+
+require_vllm()
+
+PAGE = 4
+KEYS = KeyNamespace("m")
+
+
+def stored(hashes, parent, tokens, medium=None, extra_keys=None, block_size=PAGE):
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                       block_size=block_size, lora_id=None, medium=medium, lora_name=None,
+                       extra_keys=extra_keys)
+
+
+def translated(*events):
+    """(translator, what its log drained: [(kind, tier, page_hashes), ...])."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    translator = KeyTranslator(KEYS, PAGE, CacheEventLog("i"))
+    translator.feed(KVEventBatch(ts=0.0, events=list(events)))
+    batch = translator.log.drain()
+    got = [] if batch is None else [(e.kind, e.tier, e.page_hashes) for e in batch.events]
+    return translator, got
+
+
+def test_a_chain_over_several_events_is_keyed_as_its_whole_prefix():
+    tokens = list(range(12))
+    _, got = translated(stored([11, 12], None, tokens[:8]), stored([13], 12, tokens[8:]))
+    assert got == [(CacheEventKind.STORED, CacheTier.DEVICE,
+                    tuple(KEYS.page_hashes(tokens, PAGE)))]
+
+
+def test_the_salt_among_a_first_blocks_extra_keys_seeds_its_chain():
+    tokens = list(range(8))
+    _, got = translated(stored([1, 2], None, tokens, extra_keys=[("tenant",), None]))
+    assert got[0][2] == tuple(KEYS.page_hashes(tokens, PAGE, "tenant"))
+    assert got[0][2] != tuple(KEYS.page_hashes(tokens, PAGE))
+
+
+def test_removed_blocks_and_a_clear_evict_and_mediums_name_tiers():
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
+    tokens = list(range(8))
+    keys = tuple(KEYS.page_hashes(tokens, PAGE))
+    _, got = translated(stored([1, 2], None, tokens, medium="CPU"),
+                        BlockRemoved(block_hashes=[2], medium="CPU"))
+    assert got == [(CacheEventKind.STORED, CacheTier.HOST, keys[:1]),
+                   (CacheEventKind.EVICTED, CacheTier.HOST, keys[1:])]
+    _, got = translated(stored([1, 2], None, tokens), AllBlocksCleared())
+    assert got == [(CacheEventKind.EVICTED, CacheTier.DEVICE, tuple(sorted(keys)))]
+
+
+def test_blocks_it_cannot_key_are_skipped_and_counted():
+    translator, got = translated(stored([5], 99, [1, 2, 3, 4]),  # parent never seen
+                                 stored([6], None, [1, 2, 3, 4, 5, 6, 7, 8], block_size=8))
+    assert got == [] and translator.skipped_blocks == 2
