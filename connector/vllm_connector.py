@@ -30,11 +30,11 @@ from kvtier.connector.scheduler_side import L3Directory, ScheduledRequest, Sched
 from kvtier.connector.settings import CONNECTOR, ConnectorSettings
 from kvtier.connector.stats import FAMILIES, CopyStats
 from kvtier.connector.worker_side import BlockLayout, WorkerSide
-from kvtier.vllm_engine.cached import CachedBySource
 from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceSpec
+from kvtier.vllm_engine.cached import CachedBySource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

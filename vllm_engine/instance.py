@@ -131,6 +131,7 @@ class VllmInstance:
                 self._feed.close()
             raise
         self._running: dict[int, _Running] = {}
+        self._refused: dict[int, Output] = {}  # requests vLLM would not take, answered next step
 
     # ---- DrivenInstance ---------------------------------------------------------------------
     @property
@@ -143,7 +144,7 @@ class VllmInstance:
 
     @property
     def num_pending(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._refused)
 
     def watch_cache(self, name: str) -> None:
         """Report cache events under `name` (none without `event_keys`: the engine
@@ -167,30 +168,40 @@ class VllmInstance:
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
                     cache_salt: str = "", resume: Resume | None = None,
                     request_id: int | None = None) -> int:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         if request_id is None:
             raise ValueError("a vLLM instance takes its requests under the server's ids")
         resumed = () if resume is None else tuple(resume.tokens)
-        params = vllm_sampling(sampling, len(resumed))
         prompt = TokensPrompt(prompt_token_ids=[*tokens, *resumed])
         if cache_salt:
             prompt["cache_salt"] = cache_salt
-        self._engine.add_request(str(request_id), prompt, params)
+        try:  # a request vLLM refuses (too long, bad parameters) fails alone
+            self._engine.add_request(str(request_id), prompt,
+                                     vllm_sampling(sampling, len(resumed)))
+        except (VLLMClientError, ValueError, TypeError, ConfigError) as exc:
+            self._refused[request_id] = Output(
+                request_id, tuple(tokens), resumed, None, FinishReason.ERROR,
+                RequestLengths(0, 0, 0, 0, 0), CachedTokens(0, 0, 0), None, None,
+                error=f"vLLM refused the request: {exc}")
+            return request_id
         self._running[request_id] = _Running(
             tuple(tokens), sampling, resumed, None if resume is None else resume.logprobs,
             time.monotonic())
         return request_id
 
     def abort(self, request_id: int) -> object:
+        self._refused.pop(request_id, None)
         if self._running.pop(request_id, None) is not None:
             self._engine.abort_request([str(request_id)])
         return None
 
     def step_report(self) -> InstanceStep:
-        outputs = self._engine.step()
+        finished: list[Output] = list(self._refused.values())
+        self._refused.clear()
+        outputs = self._engine.step() if self._running else []
         now = time.monotonic()
-        finished: list[Output] = []
         progress: dict[int, Progress] = {}
         for out in outputs:
             request_id = int(out.request_id)

@@ -112,6 +112,14 @@ def test_log_probabilities_are_the_chosen_tokens_and_the_top_ones(server):
     assert [lp for p in progress for lp in p.logprobs] == list(out.logprobs)
 
 
+def test_a_request_vllm_refuses_fails_alone(server):
+    _, refused = run(server, prompt(9) * 8)  # 2,400 tokens: past max_model_len
+    assert refused.finish_reason is FinishReason.ERROR and "vLLM refused" in refused.error
+    assert refused.tokens == () and server.poll().broken is None
+    _, after = run(server, prompt(9))
+    assert len(after.tokens) == 8
+
+
 def test_tenants_never_share_a_prefix(server):
     tokens = prompt(4)
     run(server, tokens, salt="tenant-a")
