@@ -15,8 +15,11 @@ demo: $(STAMP)
 demo-single: $(STAMP)
 	$(PY) examples/single_process.py
 
+# two xdist workers, a test directory each at a time (tests/conftest.py); then the host tests
+# alone: their link cuts and node deaths race Ray's health checks and want the cores
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --ignore=tests/hosts
+	$(PY) -m pytest -q tests/hosts
 
 # `ray up` of cluster.yaml over three harness hosts, then kvtier serve on it (root, sshd)
 test-ray-up: $(STAMP)
