@@ -42,6 +42,7 @@ def mixed_answers(instance_factory):
 
 
 LINGER_S = 0.3  # failed writes' pages stay held this long in these tests
+TIMED_OUT_LINGER_S = 15.0  # ... in the one that checks they are held (under LINGER_S + 30)
 HOLD_S = 0.2  # a reservation's hold where a test lets it run out
 
 
@@ -264,7 +265,9 @@ def test_transfer_timeout_on_one_prefill_rank_makes_the_decode_side_recompute(
         instance_factory, mixed_answers):
     with instance_factory(SETTINGS, tp_size=2, rank_class=FaultyRank) as p, \
             instance_factory(SETTINGS, tp_size=2) as d:
-        pd = PDDriver([p], [d], transport="nixl", linger_s=LINGER_S)
+        # held long enough to outlast the rest of the run on a loaded machine (with 0.3 s
+        # the pages were once freed before the check below, under another test's load)
+        pd = PDDriver([p], [d], transport="nixl", linger_s=TIMED_OUT_LINGER_S)
         p.on_rank(1, lambda a: a.time_out_next_handoff.remote())
         outs = pd.generate(PROMPTS[:2], GREEDY)
         assert p.on_rank(1, lambda a: a.faults_fired.remote()).get("handoff_timeout") == 1
