@@ -11,13 +11,19 @@ reported it saved, or FETCHING from the step that asked them to read it from L3 
 rank read it; then HELD. Only HELD pages are hits. A HELD page is evicted least recently used
 first, and not while the ranks still write it to L3 (its `backing_up` votes are short of the
 ranks): its slot's bytes are being read.
+
+The index also keeps what the router must learn (`take_changes`): a page becomes HELD, is
+EVICTED from L2, or was STORED in L3 by every rank. Each change carries the page's
+`PageOrigin` (its tokens, its parent's key, the request's salt), from which the router keys
+it in its own key space (kvtier.vllm_engine.kv_events); the origin is kept only until the
+page's last change that needs it.
 """
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from kvtier.tiers.allocator import PageAllocator
 
@@ -28,12 +34,35 @@ class SlotState(enum.Enum):
     HELD = "held"  # every rank holds its part: a hit
 
 
+class PageOrigin(NamedTuple):
+    """What a page holds: its tokens, the key of the page before it (None: the prompt's
+    first), the cache salt of the request that brought it."""
+
+    tokens: tuple[int, ...]
+    parent: str | None
+    salt: str = ""
+
+
+class L2ChangeKind(enum.Enum):
+    HELD = "held"  # every rank holds it: a hit from now on
+    EVICTED = "evicted"  # gone from L2
+    STORED = "stored"  # every rank wrote its objects to L3
+
+
+class L2Change(NamedTuple):
+    kind: L2ChangeKind
+    key: str
+    origin: PageOrigin | None  # None for EVICTED, or a page reserved without one
+
+
 @dataclass
 class _Entry:
     key: str
     state: SlotState
+    origin: PageOrigin | None = None  # until its last HELD or STORED change
     votes: int = 0  # ranks that finished the slot's background work (a fetch, an L3 write)
     backing_up: bool = False  # the ranks write it to L3: not evictable until they all did
+    store_failed: bool = False  # some rank failed to write it to L3: not published
     dropped: bool = False  # forgotten while backing up: freed once the writes ended
     from_l3: bool = False  # read from L3 and not loaded since: its first hit is L3's
 
@@ -47,6 +76,17 @@ class L2Index:
         self._by_key: dict[str, int] = {}
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable slots, least recent first
+        self._changes: list[L2Change] = []
+
+    def take_changes(self) -> list[L2Change]:
+        """The pages that became HELD, were EVICTED or STORED since the last call, in order."""
+        out, self._changes = self._changes, []
+        return out
+
+    def _announce(self, kind: L2ChangeKind, entry: _Entry, last: bool) -> None:
+        self._changes.append(L2Change(kind, entry.key, entry.origin))
+        if last:
+            entry.origin = None
 
     def __contains__(self, key: str) -> bool:
         return key in self._by_key
@@ -81,19 +121,21 @@ class L2Index:
             if slot in self._lru:
                 self._lru.move_to_end(slot)
 
-    def reserve(self, keys: Sequence[str], state: SlotState = SlotState.SAVING) -> list[int]:
+    def reserve(self, keys: Sequence[str], state: SlotState = SlotState.SAVING,
+                origins: Sequence[PageOrigin] | None = None) -> list[int]:
         """A slot in `state` (SAVING or FETCHING) for each key not already indexed, in order,
         evicting as needed; stops early when nothing more can be evicted. Returns the slots
-        taken, one per key from the first, so the caller moves that many leading keys."""
+        taken, one per key from the first, so the caller moves that many leading keys.
+        `origins`: each key's page, for the changes the router learns."""
         taken: list[int] = []
-        for key in keys:
+        for i, key in enumerate(keys):
             if key in self._by_key:
                 raise ValueError(f"page {key[:12]} is already in L2: reserve only new pages")
             slot = self._take_slot()
             if slot is None:
                 break
             self._by_key[key] = slot
-            self._entries[slot] = _Entry(key, state)
+            self._entries[slot] = _Entry(key, state, origins[i] if origins else None)
             taken.append(slot)
         return taken
 
@@ -108,19 +150,28 @@ class L2Index:
             if entry is not None and entry.state is SlotState.SAVING:
                 entry.state, entry.backing_up, entry.votes = SlotState.HELD, backing_up, 0
                 held.append((entry.key, slot))
+                self._announce(L2ChangeKind.HELD, entry, last=not backing_up)
                 if not backing_up:
                     self._lru[slot] = None
         self._free_failed(failed, SlotState.SAVING)
         return held
 
-    def stored(self, slots: Iterable[int]) -> None:
-        """One vote per rank that finished writing a slot to L3 (or gave up): once every rank
-        did, the slot may be evicted."""
+    def stored(self, slots: Iterable[int], failed: Iterable[int] = ()) -> None:
+        """One vote per rank that finished writing a slot to L3 (or gave up: also in
+        `failed`): once every rank did, the slot may be evicted, and unless one failed the
+        page is STORED."""
+        for slot in failed:
+            entry = self._entries.get(slot)
+            if entry is not None and entry.backing_up:
+                entry.store_failed = True
         for slot in slots:
             entry = self._entries.get(slot)
             if entry is None or not entry.backing_up or not self._vote(entry):
                 continue
             entry.backing_up = False
+            if not entry.store_failed:
+                self._announce(L2ChangeKind.STORED, entry, last=True)
+            entry.origin = None
             if entry.dropped:
                 self._entries.pop(slot)
                 self._slots.free([slot])
@@ -137,6 +188,7 @@ class L2Index:
                 entry.state, entry.from_l3 = SlotState.HELD, True
                 self._lru[slot] = None
                 done.append(slot)
+                self._announce(L2ChangeKind.HELD, entry, last=True)
         self._free_failed(failed, SlotState.FETCHING)
         return done
 
@@ -151,6 +203,7 @@ class L2Index:
             if entry.backing_up:  # its bytes are being written: the key goes, the slot waits
                 del self._by_key[entry.key]
                 entry.dropped = True
+                self._changes.append(L2Change(L2ChangeKind.EVICTED, entry.key, None))
             else:
                 self._drop(slot)
             dropped += 1
@@ -179,5 +232,7 @@ class L2Index:
     def _drop(self, slot: int) -> None:
         entry = self._entries.pop(slot)
         del self._by_key[entry.key]
+        if entry.state is SlotState.HELD:  # the router knew it
+            self._changes.append(L2Change(L2ChangeKind.EVICTED, entry.key, None))
         self._lru.pop(slot, None)
         self._slots.free([slot])

@@ -45,6 +45,7 @@ class HostPoolView:
 @dataclass
 class TrafficResults:
     stored: list[int] = field(default_factory=list)  # slots written (or given up on)
+    failed_stores: set[int] = field(default_factory=set)  # of those: given up on
     fetched: list[int] = field(default_factory=list)  # slots read in
     failed_fetches: set[int] = field(default_factory=set)
 
@@ -107,6 +108,7 @@ class L3Traffic:
             self._report_stored(written)
         with self._lock:
             self._results.stored.extend(job.slots)
+            self._results.failed_stores.update(s for s, good in zip(job.slots, ok) if not good)
 
     def _read(self, job: _Job) -> None:
         try:

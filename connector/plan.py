@@ -77,6 +77,7 @@ class WorkerReport:
     # L3, finished in the background since the last report, so ranks report one slot in
     # different steps: one entry per rank that finished it (the scheduler counts them)
     stored: tuple[int, ...] = ()  # slots whose objects the rank wrote, or gave up on
+    failed_stores: frozenset[int] = field(default_factory=frozenset)  # of those: gave up on
     fetched: tuple[int, ...] = ()  # slots the rank read from L3
     failed_fetches: frozenset[int] = field(default_factory=frozenset)
 
@@ -87,5 +88,6 @@ class WorkerReport:
                             | (self.saved ^ other.saved),
                             failed_loads=self.failed_loads | other.failed_loads,
                             stored=self.stored + other.stored,
+                            failed_stores=self.failed_stores | other.failed_stores,
                             fetched=self.fetched + other.fetched,
                             failed_fetches=self.failed_fetches | other.failed_fetches)

@@ -15,6 +15,9 @@ them and has the ranks read them into L2 slots in the background. A page read by
 is an L2 page like any other. Until then `match` answers None (vLLM asks again next step) as
 long as the prefetch policy waits: `best_effort` never, `wait_complete` until the reads end,
 `timeout` until the config's length-dependent timeout; then it answers what L2 holds.
+
+`take_changes` gives what the router should learn since the last call: pages that became
+HELD in L2, were evicted from it, or were STORED in L3 (kvtier.connector.l2_index).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from kvtier.config import HiCacheConfig
-from kvtier.connector.l2_index import L2Index, SlotState
+from kvtier.connector.l2_index import L2Change, L2Index, PageOrigin, SlotState
 from kvtier.connector.plan import (PageFetch, PageLoad, PageSave, PageStore, StepPlan,
                                    WorkerReport)
 from kvtier.keys import KeyNamespace, page_hashes
@@ -125,18 +128,21 @@ class SchedulerSide:
         keys = self._keys(req, tokens, last_page)[first:last_page]
         slots = self.index.held_run(keys)
         rest = keys[len(slots):]
-        if rest and self.l3 is not None and self._waits(req, rest, len(tokens)):
+        if rest and self.l3 is not None and self._waits(
+                req, rest, tokens, first + len(slots)):
             return None
         req.wait_until = None
         req.match = (first, slots)
         return len(slots) * self.block_size
 
-    def _waits(self, req: _Request, rest: list[str], num_tokens: int) -> bool:
-        """Whether to wait for L3 pages past L2's run: a fetch of the next page is running
-        (started now when the directory has it) and the policy waits for it."""
+    def _waits(self, req: _Request, rest: list[str], tokens: Sequence[int], page: int) -> bool:
+        """Whether to wait for L3 pages past L2's run (`rest`, from page `page` of `tokens`):
+        a fetch of the next page is running (started now when the directory has it) and the
+        policy waits for it."""
+        num_tokens = len(tokens)
         state = self.index.state(rest[0])
         if state is None:
-            if not self._fetch(rest):
+            if not self._fetch(rest, self._origins(req, tokens, page, len(rest))):
                 return False
         elif state is not SlotState.FETCHING:
             return False  # being saved by another request: computed here, no wait
@@ -152,7 +158,7 @@ class SchedulerSide:
             return self.config.prefetch_timeout_max_s  # bounded all the same: a lost rank
         return self.config.prefetch_timeout_s(num_tokens)
 
-    def _fetch(self, keys: list[str]) -> bool:
+    def _fetch(self, keys: list[str], origins: list[PageOrigin]) -> bool:
         """Start reading the leading pages of `keys` that L3 holds into L2; whether any."""
         assert self.l3 is not None
         self._counts.l3_lookups += 1
@@ -166,7 +172,7 @@ class SchedulerSide:
             if key in self.index:
                 break
             wanted.append(key)
-        slots = self.index.reserve(wanted, SlotState.FETCHING)
+        slots = self.index.reserve(wanted, SlotState.FETCHING, origins[:len(wanted)])
         if not slots:
             self.l3.release(lease)
             return False
@@ -179,6 +185,7 @@ class SchedulerSide:
         """vLLM gave the request `blocks` and will take `external_tokens` from the connector:
         the next plan loads them."""
         req = self._requests[req_id]
+        req.supplied = (0, 0)
         pages = external_tokens // self.block_size
         if pages == 0 or req.match is None:
             return
@@ -195,16 +202,9 @@ class SchedulerSide:
         self._counts.l3_hit_tokens += from_l3 * self.block_size
         self._counts.loaded_pages += pages
 
-    def hit_sources(self, req_id: str) -> tuple[int, int]:
-        """(tokens from L2, tokens read from L3 for it) of the request's load."""
-        load = self._requests[req_id].load
-        if load is None:
-            return 0, 0
-        return ((len(load.slots) - load.from_l3) * self.block_size,
-                load.from_l3 * self.block_size)
-
     def supplied(self, req_id: str) -> tuple[int, int]:
-        """(tokens from L2, tokens read from L3 for it) the request's last load brought."""
+        """(tokens from L2, tokens read from L3 for it) the request's last allocation took
+        from the connector (vLLM asks right after it, and again when the request ends)."""
         req = self._requests.get(req_id)
         return (0, 0) if req is None else req.supplied
 
@@ -229,7 +229,7 @@ class SchedulerSide:
         if held and self.l3 is not None:  # every rank saved them: now they may go to L3
             keys, slots = zip(*held)
             self._stores.append(PageStore(keys, slots))
-        self.index.stored(report.stored)
+        self.index.stored(report.stored, report.failed_stores)
         done = self.index.fetched(report.fetched, report.failed_fetches)
         self._counts.fetched_pages += len(done)
         self._counts.failed_fetches += len(report.failed_fetches)
@@ -251,6 +251,10 @@ class SchedulerSide:
     def finish(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
+    def take_changes(self) -> list[L2Change]:
+        """What L2 and L3 gained and lost since the last call (`L2Index.take_changes`)."""
+        return self.index.take_changes()
+
     def _saves(self, step: ScheduledRequest) -> PageSave | None:
         req = self._requests.get(step.req_id)
         if req is None:
@@ -262,11 +266,21 @@ class SchedulerSide:
         keys = self._keys(req, step.tokens, full)
         new = [p for p in range(req.planned_pages, full) if keys[p] not in self.index]
         req.planned_pages = full
-        slots = self.index.reserve([keys[p] for p in new])
+        origins = [self._origins(req, step.tokens, p, 1)[0] for p in new]
+        slots = self.index.reserve([keys[p] for p in new], origins=origins)
         if not slots:
             return None
         self._counts.saved_pages += len(slots)
         return PageSave(tuple(step.blocks[p] for p in new[:len(slots)]), tuple(slots))
+
+    def _origins(self, req: _Request, tokens: Sequence[int], first: int,
+                 count: int) -> list[PageOrigin]:
+        """Pages `first`.. `first + count - 1` of the request (keyed already): their tokens
+        and parents."""
+        bs = self.block_size
+        return [PageOrigin(tuple(tokens[p * bs:(p + 1) * bs]),
+                           req.keys[p - 1] if p > 0 else None, req.salt)
+                for p in range(first, first + count)]
 
     def _keys(self, req: _Request, tokens: Sequence[int], pages: int) -> list[str]:
         """The request's first `pages` page keys, extending its chain as tokens arrive."""

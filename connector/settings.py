@@ -3,13 +3,16 @@
 SGLang's flags without their dashes (`hicache_ratio`, `hicache_size`, `hicache_write_policy`,
 `hicache_storage_prefetch_policy`, `hicache_storage_backend`,
 `hicache_storage_backend_extra_config`) set kvtier's `HiCacheConfig`, validated as for
-`kvtier serve`; `ray_address` names the Ray cluster of the L3 namespace actor and `l3_actor`
-that actor (kvtier's default name). See docs/vllm.md for what each does under vLLM.
+`kvtier serve`; `ray_address` names the Ray cluster of the L3 namespace actor, `l3_actor`
+that actor (kvtier's default name) and `l3_state_dir` where it keeps its registry when this
+engine starts it (default: beside a file or nixl L3's pages, as `kvtier serve` keeps it, so
+another L3 directory starts another registry). See docs/vllm.md for what each does under vLLM.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -24,7 +27,9 @@ _FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetch_policy"
 _KEYS = {FIELD_FLAGS[f].lstrip("-").replace("-", "_"): f for f in _FIELDS}
 RAY_ADDRESS = "ray_address"
 L3_ACTOR = "l3_actor"
-_OWN_KEYS = (RAY_ADDRESS, L3_ACTOR)
+L3_STATE_DIR = "l3_state_dir"
+STATE_DIR_NAME = ".kvtier-l3-state"  # beside a file or nixl L3's pages, as kvtier serve's
+_OWN_KEYS = (RAY_ADDRESS, L3_ACTOR, L3_STATE_DIR)
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class ConnectorSettings:
     cache: HiCacheConfig
     ray_address: str | None = None
     l3_actor: str | None = None  # None: the namespace actor's default name
+    l3_state_dir: str | None = None  # where a namespace actor it starts keeps its registry
 
     @property
     def l3(self) -> bool:
@@ -57,7 +63,12 @@ class ConnectorSettings:
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise ConfigError(f"{CONNECTOR}: {key} must be a string (e.g. ray_address "
                                   f"'127.0.0.1:6379'), got {extra[key]!r}")
-        return cls(cache, extra.get(RAY_ADDRESS), extra.get(L3_ACTOR))
+        state_dir = extra.get(L3_STATE_DIR)
+        root = (cache.storage_options.to_dict().get("root_dir")
+                if cache.storage_options is not None else None)
+        if state_dir is None and isinstance(root, str):
+            state_dir = os.path.join(root, STATE_DIR_NAME)
+        return cls(cache, extra.get(RAY_ADDRESS), extra.get(L3_ACTOR), state_dir)
 
     def host_slots(self, device_blocks: int, slot_bytes: int) -> int:
         """Host-pool slots per rank: `hicache_size` GB of `slot_bytes` pages, else

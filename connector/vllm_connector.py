@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.identity import BlockIdentity, block_namespace
+from kvtier.connector.l2_index import L2Change, L2ChangeKind
 from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.plan import StepPlan, WorkerReport
 from kvtier.connector.scheduler_side import L3Directory, ScheduledRequest, SchedulerSide
@@ -38,6 +39,7 @@ from kvtier.vllm_engine.cached import CachedBySource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -113,6 +115,50 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             value = getattr(copies, field_name)
             if value:
                 per_engine[engine_idx].inc(value)
+
+
+def connector_events(changes: Sequence[L2Change], block_size: int) -> list["KVCacheEvent"]:
+    """L2's and L3's changes as vLLM's KV events: a page HELD in L2 is stored on medium CPU,
+    one STORED in L3 stored on medium STORAGE, one EVICTED from L2 removed from CPU. A page's
+    hash is its kvtier key's 32 bytes and its parent's the key before it, so a subscriber keys
+    it by its tokens as it keys vLLM's own blocks (kvtier.vllm_engine.kv_events); the chain's
+    first page carries the request's cache salt in `extra_keys`, as vLLM's do. Consecutive
+    changes of one kind along one chain go in one event."""
+    from vllm.distributed.kv_events import (MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
+                                            BlockStored)
+
+    events: list[Any] = []
+    run: list[L2Change] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        first = run[0]
+        hashes = [bytes.fromhex(c.key) for c in run]
+        if first.kind is L2ChangeKind.EVICTED:
+            events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU))
+        else:
+            origin = first.origin
+            assert origin is not None
+            salt = [(origin.salt,)] if origin.parent is None and origin.salt else None
+            events.append(BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None if origin.parent is None else bytes.fromhex(origin.parent),
+                token_ids=[t for c in run for t in c.origin.tokens],  # type: ignore[union-attr]
+                block_size=block_size, lora_id=None, lora_name=None, extra_keys=salt,
+                medium=MEDIUM_CPU if first.kind is L2ChangeKind.HELD else MEDIUM_STORAGE))
+        run.clear()
+
+    for change in changes:
+        if change.kind is not L2ChangeKind.EVICTED and change.origin is None:
+            continue  # reserved without its page: nothing to key it by
+        if run and (change.kind is not run[-1].kind or (
+                change.kind is not L2ChangeKind.EVICTED
+                and change.origin.parent != run[-1].key)):  # type: ignore[union-attr]
+            flush()
+        run.append(change)
+    flush()
+    return events
 
 
 def device_kind() -> str:
@@ -194,7 +240,8 @@ class KvtierConnector(KVConnectorBase_V1):
         from kvtier.actors.l3.connector_link import DirectoryLink, register_namespace
 
         s = self._settings
-        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor)
+        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor,
+                                  s.l3_state_dir)
         return DirectoryLink(s.ray_address, info.namespace, s.l3_actor)
 
     def _attach_l3(self, worker: WorkerSide) -> None:
@@ -204,7 +251,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
         s = self._settings
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor)
+        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor,
+                                  s.l3_state_dir)
         heads = HeadRange.of_rank(self._total_heads, get_tensor_model_parallel_rank(),
                                   self._tp_size)
         storage = WorkerStorage(s.ray_address, info, heads, s.l3_actor)
@@ -243,7 +291,7 @@ class KvtierConnector(KVConnectorBase_V1):
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Tokens from pages L2 held as host hits, from pages read from L3 for the request as
         disk hits (vLLM's nearest word for shared storage)."""
-        from_l2, from_l3 = self._sched.hit_sources(request.request_id)
+        from_l2, from_l3 = self._sched.supplied(request.request_id)
         sources = {CacheHitSource.HOST: from_l2, CacheHitSource.DISK: from_l3}
         return {source: n for source, n in sources.items() if n}
 
@@ -275,6 +323,13 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMeta):
             self._sched.settle(meta.report)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        """What L2 and L3 gained and lost since the last step, as vLLM's KV events (vLLM
+        publishes them with its own when `kv_events_config` enables events)."""
+        if self._scheduler is None:
+            return ()
+        return connector_events(self._scheduler.take_changes(), self._block_size)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

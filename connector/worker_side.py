@@ -171,6 +171,7 @@ class WorkerSide:
         l3 = self.l3.take() if self.l3 is not None else None
         report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads,
                               stored=tuple(l3.stored) if l3 else (),
+                              failed_stores=frozenset(l3.failed_stores) if l3 else frozenset(),
                               fetched=tuple(l3.fetched) if l3 else (),
                               failed_fetches=frozenset(l3.failed_fetches) if l3 else frozenset())
         self._failed_loads = frozenset()

@@ -76,9 +76,12 @@ class PageDirectory:
         current = self._ns.get(ns)
         if current is not None:
             if current.info.spec != spec:
+                old, new = current.info.spec, spec
+                differ = {f: (getattr(old, f), getattr(new, f)) for f in spec.__dataclass_fields__
+                          if getattr(old, f) != getattr(new, f)}
                 raise ConfigError(
-                    f"namespace {ns} is already registered with other settings "
-                    f"({current.info.spec}); register the same spec, or give this one another "
+                    f"namespace {ns} is already registered with other settings (registered, "
+                    f"this one: {differ}); register the same spec, or give this one another "
                     "tenant_salt or layout_fingerprint")
             return current.info
         info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch,

@@ -134,6 +134,9 @@ class VllmInstance:
         self._refused: dict[int, Output] = {}  # requests vLLM would not take, answered next step
 
     # ---- DrivenInstance ---------------------------------------------------------------------
+    events_when_idle = True  # vLLM publishes a step's KV events after the step, from its
+    # EngineCore process: the last ones arrive when no request runs
+
     @property
     def restarts(self) -> int:
         return 0  # vLLM does not replace its workers: a dead engine stops the instance
@@ -231,10 +234,17 @@ class VllmInstance:
                 self._feed.close()
 
     # ---- maintenance (between steps) --------------------------------------------------------
-    def drop_cache(self) -> bool:
-        """Drop vLLM's prefix cache (L1); the connector's L2 and L3 keep their pages. False:
-        vLLM refused (requests are running)."""
-        return bool(self._engine.reset_prefix_cache())
+    @property
+    def num_blocks(self) -> int:
+        """vLLM's KV blocks (its L1), as its engine sized them."""
+        return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    def drop_cache(self) -> int | None:
+        """Drop vLLM's prefix cache (L1); the connector's L2 and L3 keep their pages. The
+        blocks free now (all of them), or None: vLLM refused (requests are running)."""
+        if not self._engine.reset_prefix_cache():
+            return None
+        return self.num_blocks
 
     # ---- answers ----------------------------------------------------------------------------
     def _output(self, request_id: int, req: _Running, out: Any, completion: Any) -> Output:

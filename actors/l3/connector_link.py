@@ -37,13 +37,13 @@ def join(address: str | None) -> None:
     join_cluster(address)
 
 
-def register_namespace(address: str | None, spec: NamespaceSpec,
-                       actor: str | None = None) -> NamespaceInfo:
+def register_namespace(address: str | None, spec: NamespaceSpec, actor: str | None = None,
+                       state_dir: str | None = None) -> NamespaceInfo:
     """The namespace `spec` registered with the cluster's namespace actor `actor` (default
-    kvtier's; created when none runs; registering is idempotent, so every vLLM process may
-    do it)."""
+    kvtier's; created when none runs, keeping its registry in `state_dir`; registering is
+    idempotent, so every vLLM process may do it)."""
     join(address)
-    return get_or_create_namespace_actor(actor or ACTOR_NAME).register(spec)
+    return get_or_create_namespace_actor(actor or ACTOR_NAME, state_dir).register(spec)
 
 
 class DirectoryLink:

@@ -199,3 +199,32 @@ def test_with_l3_saved_pages_are_written_and_kept_until_every_rank_wrote_them():
     assert s.index.reserve(["newest"]) == []  # one rank wrote it: not yet
     s.settle(WorkerReport(ranks=2, stored=(slot,)))
     assert s.index.reserve(["newest"]) == [slot]  # written by both ranks: evictable
+
+
+def test_the_router_learns_pages_held_evicted_and_stored_with_their_tokens():
+    """`take_changes`: a page is HELD once every rank saved it (with its tokens, parent key
+    and salt, from which the router keys it), EVICTED when its slot is reused, STORED once
+    every rank wrote it to L3, and not STORED when a rank gave up."""
+    from kvtier.connector.l2_index import L2ChangeKind, PageOrigin
+
+    s, _, _ = l3_side([], tp=2)
+    s.index = L2Index(3, ranks=2)
+    tokens = list(range(9))
+    s.add("a", salt="t")
+    s.allocated("a", [1, 2, 3], s.match("a", tokens, 0))
+    (save,) = s.plan([ScheduledRequest("a", tokens, [1, 2, 3], 9)]).saves
+    assert s.take_changes() == []  # saving: not a hit yet
+    s.settle(WorkerReport(ranks=2, saved=frozenset(save.slots)))
+    keys = NS.page_hashes(tokens, BS, salt="t")
+    assert s.take_changes() == [
+        (L2ChangeKind.HELD, keys[0], PageOrigin((0, 1, 2, 3), None, "t")),
+        (L2ChangeKind.HELD, keys[1], PageOrigin((4, 5, 6, 7), keys[0], "t"))]
+    (store,) = s.plan([]).stores
+    first, second = store.slots
+    s.settle(WorkerReport(ranks=2, stored=(first, second), failed_stores=frozenset({second})))
+    s.settle(WorkerReport(ranks=2, stored=(first, second)))
+    assert s.take_changes() == [
+        (L2ChangeKind.STORED, keys[0], PageOrigin((0, 1, 2, 3), None, "t"))]
+    s.index.reserve(["x", "y"])  # one slot free: the least recently written page goes
+    assert [(c.kind, c.key) for c in s.take_changes()] == [(L2ChangeKind.EVICTED, keys[0])]
+    assert all(e.origin is None for e in s.index._entries.values())  # nothing kept for them

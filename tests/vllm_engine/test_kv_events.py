@@ -65,3 +65,28 @@ def test_blocks_it_cannot_key_are_skipped_and_counted():
     translator, got = translated(stored([5], 99, [1, 2, 3, 4]),  # parent never seen
                                  stored([6], None, [1, 2, 3, 4, 5, 6, 7, 8], block_size=8))
     assert got == [] and translator.skipped_blocks == 2
+
+
+def test_the_connectors_l2_and_l3_changes_reach_the_router_in_its_key_space():
+    """KvtierConnector.take_events: pages HELD in L2 are stored on medium CPU, pages STORED
+    in L3 on STORAGE, evicted ones removed; keyed by the connector's own namespace (the
+    engine's block identity), they come out in the router's (`KEYS`), salt included."""
+    from kvtier.connector.l2_index import L2Change, L2ChangeKind, PageOrigin
+    from kvtier.connector.vllm_connector import connector_events
+
+    own = KeyNamespace("vllm-block-identity", layout_fingerprint="cpu")
+    tokens = list(range(12))
+    theirs = own.page_hashes(tokens, PAGE, salt="t")
+    origins = [PageOrigin(tuple(tokens[i * PAGE:(i + 1) * PAGE]),
+                          theirs[i - 1] if i else None, "t") for i in range(3)]
+    held = [L2Change(L2ChangeKind.HELD, k, o) for k, o in zip(theirs, origins)]
+    events = connector_events([*held[:2], L2Change(L2ChangeKind.STORED, theirs[0], origins[0]),
+                               held[2], L2Change(L2ChangeKind.EVICTED, theirs[2], None)], PAGE)
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockStored", "BlockStored",
+                                                 "BlockRemoved"]
+    assert len(events[0].block_hashes) == 2  # one chain, one event
+    _, got = translated(*events)
+    want = KEYS.page_hashes(tokens, PAGE, "t")
+    assert got == [(CacheEventKind.STORED, CacheTier.HOST, tuple(want[:2])),
+                   (CacheEventKind.STORED, CacheTier.STORAGE, tuple(want[:1])),
+                   (CacheEventKind.EVICTED, CacheTier.HOST, tuple(want[2:]))]

@@ -145,20 +145,22 @@ def test_a_cancelled_request_is_heard_of_no_more(server):
     assert len(after.tokens) == 8
 
 
-def events_until(server, kind: CacheEventKind, keys: list[str], timeout_s: float = 30.0):
+def events_until(server, keys: list[str], *wanted: tuple[CacheEventKind, CacheTier],
+                 timeout_s: float = 30.0):
     """Poll the server's cache events (a maintenance call drains what vLLM published since
-    its last step) until `keys` all had `kind` in L1."""
-    seen: set[str] = set()
+    its last step) until `keys` all had each (kind, tier) of `wanted`."""
+    seen: dict[tuple, set[str]] = {w: set() for w in wanted}
     deadline = time.monotonic() + timeout_s
-    while not set(keys) <= seen:
-        assert time.monotonic() < deadline, f"only {len(seen & set(keys))} of {len(keys)} " \
-                                            f"pages were reported {kind.value} in L1"
+    while not all(set(keys) <= got for got in seen.values()):
+        assert time.monotonic() < deadline, ", ".join(
+            f"{len(got & set(keys))} of {len(keys)} pages {kind.value} in {tier.value}"
+            for (kind, tier), got in seen.items())
         server.call(lambda inst: None).result(timeout=30)
         for raw in server.poll().events:
             batch = CacheEventBatch.from_msgpack(raw)
             assert batch.instance == "vllm-0"
-            seen.update(h for e in batch.events if e.kind is kind and e.tier is CacheTier.DEVICE
-                        for h in e.page_hashes)
+            for e in batch.events:
+                seen.get((e.kind, e.tier), set()).update(e.page_hashes)
         time.sleep(0.05)
 
 
@@ -168,7 +170,9 @@ def test_vllms_prefix_cache_reports_its_pages_in_the_routers_key_space(server):
     run(server, tokens, salt="tenant-e")
     keys = KEYS.page_hashes(tokens, BLOCK, "tenant-e")
     assert len(keys) == PROMPT // BLOCK  # the answer's 8 tokens fill no further block
-    events_until(server, CacheEventKind.STORED, keys)
+    # vLLM's prefix cache, and the connector's L2 copies (its take_events), keyed alike
+    events_until(server, keys, (CacheEventKind.STORED, CacheTier.DEVICE),
+                 (CacheEventKind.STORED, CacheTier.HOST))
     assert server.call(lambda inst: inst.drop_cache()).result(timeout=60)
     run(server, prompt(8))  # vLLM publishes what a reset cleared with its next step
-    events_until(server, CacheEventKind.EVICTED, keys)
+    events_until(server, keys, (CacheEventKind.EVICTED, CacheTier.DEVICE))

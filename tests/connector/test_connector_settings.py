@@ -1,0 +1,31 @@
+"""KvtierConnector's `kv_connector_extra_config`, read under SGLang's names (without vLLM)."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier.connector.settings import ConnectorSettings
+from kvtier.errors import ConfigError
+
+
+def test_a_file_l3_keeps_the_namespace_registry_beside_its_pages(tmp_path):
+    """A namespace actor the engine starts keeps its registry beside the L3 pages, so an
+    engine given another L3 directory starts another registry (a fixed one refused the new
+    directory's namespace as already registered with the old directory)."""
+    root = tmp_path / "kv"
+    s = ConnectorSettings.from_extra_config({"hicache_storage_backend": "file",
+                                             "hicache_storage_backend_extra_config":
+                                                 {"root_dir": str(root)}})
+    assert s.l3 and s.l3_state_dir == str(root / ".kvtier-l3-state")
+    given = ConnectorSettings.from_extra_config({"hicache_storage_backend": "file",
+                                                 "hicache_storage_backend_extra_config":
+                                                     {"root_dir": str(root)},
+                                                 "l3_state_dir": "/var/lib/kvtier"})
+    assert given.l3_state_dir == "/var/lib/kvtier"
+    assert ConnectorSettings.from_extra_config({}).l3_state_dir is None  # no L3
+
+
+def test_unknown_keys_and_a_write_back_policy_are_refused():
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key"):
+        ConnectorSettings.from_extra_config({"hicache_ratoi": 2.0})
+    with pytest.raises(ConfigError, match="write_through"):
+        ConnectorSettings.from_extra_config({"hicache_write_policy": "write_back"})
