@@ -3,7 +3,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo demo-single test test-parallel test-ray-up bench-tree bench-transfer bench-storage bench-prefix bench-instances bench-matrix clean-venv
+.PHONY: demo demo-single test test-serial test-ray-up bench-tree bench-transfer bench-storage bench-prefix bench-instances bench-matrix clean-venv
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -15,15 +15,15 @@ demo: $(STAMP)
 demo-single: $(STAMP)
 	$(PY) examples/single_process.py
 
+# two xdist workers, a test directory each at a time (tests/conftest.py), then the host tests
+# alone (their link cuts and node deaths race Ray's health checks under load)
 test: $(STAMP)
-	$(PY) -m pytest -q
-
-# the same suite faster: two xdist workers, a test directory each at a time
-# (tests/conftest.py), then the host tests alone (their link cuts and node deaths race Ray's
-# health checks); two timing-dependent tests surfaced under it, so `test` stays serial for now
-test-parallel: $(STAMP)
 	$(PY) -m pytest -q -n 2 --ignore=tests/hosts
 	$(PY) -m pytest -q tests/hosts
+
+# the same suite in one process, in pytest's own order
+test-serial: $(STAMP)
+	$(PY) -m pytest -q
 
 # `ray up` of cluster.yaml over three harness hosts, then kvtier serve on it (root, sshd)
 test-ray-up: $(STAMP)

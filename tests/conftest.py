@@ -17,18 +17,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _exit_status: list[int] = []
 
 HERE = Path(__file__).parent
-# `make test-parallel` runs the suite on two pytest-xdist workers (`-n 2`): each directory of
-# tests/ is one unit of work, run whole and in order on one worker
-# (`pytest_xdist_make_scheduler`), so that a directory's shared cluster (tests/actors/conftest.py, tests/frontend/shared_serve.py)
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`): each directory of tests/ is
+# one unit of work, run whole and in order on one worker (`pytest_xdist_make_scheduler`), so
+# that a directory's shared cluster (tests/actors/conftest.py, tests/frontend/shared_serve.py)
 # starts once and its modules keep the order they rely on. Most tests wait on processes,
 # deadlines and sockets more than they compute, so two directories at a time fill the two
 # cores. The directories are handed out longest first (seconds of a serial run, rounded), so
 # that no long one starts last while the other worker idles. Tests bind only ports of their
-# own directory's (or free ones). `make test-parallel` runs tests/hosts afterwards, alone: its link
+# own directory's (or free ones). `make test` runs tests/hosts afterwards, alone: its link
 # cuts and node deaths race Ray's health checks, and once, next to another directory's load,
 # a rank replacement there missed its 120-s window.
 GROUP_SECONDS = {"actors": 370, "frontend": 270, "bench": 190, "connector": 170, "engine": 110,
-                 "backends": 110, "vllm_engine": 45, "tiers": 15, "hosts": 230}
+                 "backends": 110, "vllm_engine": 160, "tiers": 15, "hosts": 230}
 TOP = "top"  # the modules directly under tests/: a few seconds
 
 

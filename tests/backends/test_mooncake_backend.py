@@ -490,8 +490,12 @@ def test_a_second_copy_serves_pages_whose_segment_owner_stopped(copies, monkeypa
                 stored = _replicas(b, ks)
                 assert stored == copies * 8 * 3  # K, V and the checksum object of each page
                 owners[0].stop()
-                with pytest.raises(PagesStillInUse):
-                    b.get_into(KV_POOL, ks, list(range(8, 16)))  # quarantined from now on
+                try:  # quarantined from now on; on a loaded machine the master may have
+                    # dropped the segment already (its 2-s TTL), and the read finds the rest
+                    early = b.get_into(KV_POOL, ks, list(range(8, 16))).ok
+                except PagesStillInUse:
+                    early = None
+                assert early is None or copies == 1 or early == [True] * 8, early
                 eventually(lambda: _replicas(b, ks) < stored, 30, "the master dropped the segment")
                 eventually(lambda: b.calls.stuck == 0, 60, "the read past its deadline returned")
                 ok = b.get_into(KV_POOL, ks, list(range(16, 24))).ok
