@@ -52,6 +52,7 @@ from kvtier.engine.scheduler import HANDED_HOLD_S
 from kvtier.engine.tp_group import loopback_init_method
 from kvtier.errors import ConfigError, KvtierError, PlacementError
 from kvtier.keys import check_cache_salt
+from kvtier.frontend.records import RunningConfig
 from kvtier.messages import NamespaceInfo
 from kvtier.frontend.placement import rank_bundle
 
@@ -132,6 +133,7 @@ class Instance:
     handed_hold_s = HANDED_HOLD_S  # how long the ranks hold a handed-off request's pages
     restarts: int  # rank sets replaced after a fault, over the instance's life
     recovering: bool  # replacing its ranks now (read by other threads: a poll)
+    events_when_idle = False  # its ranks record cache events in steps and calls only
 
     def __init__(self, settings: RankSettings, tp_size: int = 2,
                  num_cpus_per_rank: float = RANK_NUM_CPUS, strategy: str = "PACK",
@@ -524,7 +526,7 @@ class Instance:
     def describe(self) -> CacheDescription:
         return self.rank_group.describe()
 
-    def running_config(self) -> dict:
+    def running_config(self) -> RunningConfig:
         """Rank 0's cache config and engine choices (`Rank.running_config`)."""
         return self.rank_group.running_config()
 

@@ -7,6 +7,10 @@ driver thread: callers hand it commands (add a request, cancel one, run a mainte
 between steps) through a thread-safe queue and get results through thread-safe callbacks.
 While any request is pending the thread steps; otherwise it sleeps until a command arrives.
 
+The server also keeps an index of the cache events it passed on (`holdings`): a router that
+starts again, or that missed batches, asks for what the instance holds (`poll(full=True)`)
+instead of waiting for every page to be touched again.
+
 Per request the callback receives, in order: a `ServerEvent` of kind TOKENS whenever its
 answer grows (a `Progress`: only the new tokens, each once, also across a rank restart),
 then one of kind DONE (the `Output`; a request that failed by itself has
@@ -27,10 +31,13 @@ from kvtier.actors.instance import InstanceError, InstanceStep
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
+from kvtier.frontend.cache_events import CacheEventBatch
+from kvtier.frontend.router_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
 MAX_EVENT_BATCHES = 4096  # undrained cache-event batches kept; older ones are dropped
+MAX_HOLDINGS_PAGES = 1 << 17  # pages per tier the server's index of its events keeps
 IDLE_WAIT_S = 0.05
 
 
@@ -66,6 +73,11 @@ class DrivenInstance(Protocol):
     @property
     def num_pending(self) -> int:
         """Requests added and not yet returned."""
+
+    @property
+    def events_when_idle(self) -> bool:
+        """Its cache events may arrive between steps (an engine of its own publishes them
+        from another process): the server drains them while it is idle too."""
 
     def watch_cache(self, name: str) -> None:
         """Report cache events under `name` with every step."""
@@ -113,6 +125,8 @@ class ServerPoll(NamedTuple):
     broken: str | None  # why the instance stopped serving, or None
     steps: int  # steps completed so far: the router's deadline watches it grow while load > 0
     recovering: bool = False  # replacing its ranks (kvtier.frontend.liveness: RECOVERING)
+    holdings: bytes | None = None  # asked for (`full`): everything it holds, one
+    # CacheEventBatch at the last seq, in place of `events` (None: no events yet)
 
 
 class InstanceServer:
@@ -126,6 +140,8 @@ class InstanceServer:
         self._ids = itertools.count(1)  # request ids: the instance's too
         self._sinks: dict[int, Sink] = {}  # request id -> its caller, while it runs
         self._events: deque[bytes] = deque(maxlen=MAX_EVENT_BATCHES)
+        self._holdings = PrefixIndex(MAX_HOLDINGS_PAGES, MAX_HOLDINGS_PAGES)  # its events
+        self._holdings_epoch = instance.restarts
         self._lock = threading.Lock()  # guards broken, the queue's last puts, _events and
         # the counters read by poll
         self._load = 0
@@ -171,12 +187,18 @@ class InstanceServer:
             self._commands.put(cmd)
         self._wake.set()
 
-    def poll(self) -> ServerPoll:
+    def poll(self, full: bool = False) -> ServerPoll:
+        """Load, epoch, steps and the cache events since the last poll; `full`: what the
+        instance holds instead of those events (a router rebuilding its index)."""
         with self._lock:
             events = list(self._events)
             self._events.clear()
+            holdings = None
+            if full:
+                snapshot = self._holdings.holdings(self.name)
+                events, holdings = [], None if snapshot is None else snapshot.to_msgpack()
             return ServerPoll(self._load, self.instance.restarts, events, self.broken,
-                              self._steps, self.instance.recovering)
+                              self._steps, self.instance.recovering, holdings)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self._stop = True
@@ -192,6 +214,8 @@ class InstanceServer:
                 if self.instance.num_pending == 0:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
+                    if self.instance.events_when_idle:
+                        self._keep_events(self.instance.drain_events())
                     continue
                 self._step()
         except Exception as exc:  # noqa: BLE001 - every waiting caller must hear why
@@ -245,9 +269,15 @@ class InstanceServer:
                 self._done_one()
 
     def _keep_events(self, batch: bytes | None) -> None:
-        if batch is not None:
-            with self._lock:
-                self._events.append(batch)
+        if batch is None:
+            return
+        decoded = CacheEventBatch.from_msgpack(batch)
+        with self._lock:
+            if self._holdings_epoch != self.instance.restarts:  # new ranks: events from 1
+                self._holdings.forget(self.name)
+                self._holdings_epoch = self.instance.restarts
+            self._holdings.apply(decoded)
+            self._events.append(batch)
 
     def _done_one(self) -> None:
         with self._lock:

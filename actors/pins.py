@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence, TypeVar
 
 from kvtier.actors.l3.namespace_actor import NamespaceClient
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import PinRoomError
 from kvtier.keys import KeyNamespace
 from kvtier.messages import pack_record, pack_records, unpack_record, unpack_records
@@ -134,7 +135,7 @@ def pin_on_instance(inst: Instance, name: str, pin_id: str, tokens: Sequence[int
 # ==== serve: the ingress's /admin/pin =======================================================
 
 CALL_TIMEOUT_S = 120.0
-PREFILL_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
+PREFILL_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
 class PinDesk:

@@ -43,6 +43,7 @@ from kvtier.engine.tp_group import destroy_tp, init_tp
 from kvtier.engine.weight_source_record import WeightSourceRecord, open_source, source_record
 from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
+from kvtier.frontend.records import RunningConfig
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo, pack_record, unpack_record
 from kvtier.policies import SchedulePolicy
@@ -298,20 +299,16 @@ class Rank:
         self._events = CacheEventLog(instance)
         self.engine.cache.set_event_listener(self._events)
 
-    def running_config(self) -> dict:
-        """What this rank runs with: its cache config (SGLang's knob names, normalized; an L3
-        attached through the namespace actor shows under `l3`), the resolved dtype and the
-        engine's scheduling choices."""
+    def running_config(self) -> bytes:
+        """What this rank runs with: a RunningConfig record (`kvtier.frontend.records`)."""
         engine, l3 = self.engine, self.engine.cache.l3_kind
-        return {"hicache": engine.cache.config.to_dict(),
-                "l3": l3.value if l3 is not None else None,  # attached
-                "model": engine.cache.namespace.model,  # the cache namespace's model part
-                "dtype": dtype_name(engine.model.dtype),
-                "chunk_tokens": engine.runner.chunk_tokens,
-                "deterministic": engine.scheduler.deterministic,
-                "schedule_policy": engine.scheduler.policy.value,
-                "device_pages": engine.cache.device_pages,
-                "host_pages": engine.cache.host_pages}
+        return pack_record(RunningConfig(
+            HiCacheConfigRecord.of(engine.cache.config),
+            l3.value if l3 is not None else None,  # attached
+            engine.cache.namespace.model,  # the cache namespace's model part
+            dtype_name(engine.model.dtype), engine.runner.chunk_tokens,
+            engine.scheduler.deterministic, engine.scheduler.policy.value,
+            engine.cache.device_pages, engine.cache.host_pages))
 
     def describe(self) -> bytes:
         """What a router needs to compute this cache's page keys from tokens: a

@@ -30,6 +30,7 @@ from kvtier.engine.request import Output, Resume
 from kvtier.engine.retraction import RetractionCounters
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
+from kvtier.frontend.records import RunningConfig
 from kvtier.messages import pack_record, unpack_record, unpack_records
 from kvtier.tiers.cache_pins import PinListing, PinOutcome, PinRefusal
 from kvtier.tiers.cache_types import CacheAudit
@@ -160,8 +161,9 @@ class RankGroup:
         return unpack_record(CacheDescription,
                              self._first(self.actors[0].describe.remote(), "describe"))
 
-    def running_config(self) -> dict:
-        return self._first(self.actors[0].running_config.remote(), "running_config")
+    def running_config(self) -> RunningConfig:
+        return unpack_record(RunningConfig, self._first(self.actors[0].running_config.remote(),
+                                                        "running_config"))
 
     # ---- maintenance and inspection ----------------------------------------------------------
     def attach_l3(self, info: bytes, l3_actor: str | None) -> list[str]:

@@ -19,6 +19,8 @@ import math
 import time
 from typing import Any, AsyncIterator, Callable
 
+from kvtier.actors.step_wire import encode_resume, encode_sampling
+from kvtier.engine.sampling import SamplingParams
 from kvtier.frontend.liveness import InstanceState
 from kvtier.frontend.records import AnswerItem, InstanceStates, Route
 from kvtier.frontend.redispatch import InstanceUnavailable, SentTokens
@@ -61,7 +63,7 @@ class RoutedAnswer:
     serving it."""
 
     def __init__(self, router: Any, instances: dict[str, Any], states: RouterStates,
-                 tokens: list[int], sampling: dict, instance: str, check_s: float,
+                 tokens: list[int], sampling: SamplingParams, instance: str, check_s: float,
                  on_move: Callable[[str], None] = lambda _: None, cache_salt: str = "",
                  give_up_s: float | None = None) -> None:
         self._router, self._instances, self._states = router, instances, states
@@ -120,8 +122,8 @@ class RoutedAnswer:
     def _open(self, instance: str) -> Any:
         handle = self._instances[instance]
         return handle.options(stream=True).generate.remote(
-            self._tokens, self._sampling, self._salt,
-            self.sent.resume(self._sampling.get("logprobs") is not None))
+            self._tokens, encode_sampling(self._sampling), self._salt,
+            encode_resume(self.sent.resume(self._sampling.logprobs is not None)))
 
     async def _move(self, why: str, failed: bool, patient: bool = False) -> None:
         """Send the request to another live instance, which goes on after what was passed

@@ -24,10 +24,11 @@ from kvtier.actors.rank_actor import Rank
 from kvtier.actors.serve_ingress import Ingress
 from kvtier.actors.serve_instance import InstanceDeployment
 from kvtier.actors.serve_router import RouterDeployment
+from kvtier.actors.serve_vllm import VllmDeployment
 from kvtier.policies import StorageBackendKind
 from kvtier.frontend.admin_key_file import save_admin_key
 from kvtier.frontend.placement import PlacementMode
-from kvtier.frontend.settings import ServeSettings
+from kvtier.frontend.settings import EngineKind, ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,12 @@ def build_app(settings: ServeSettings, rank_class: type[Rank] = Rank) -> Any:
     if s.pd:
         instances[PD_NAME] = PDDeployment.options(name=PD_NAME, **on_head).bind(
             PD_NAME, values, rank_class)
-    for name in instance_names(s):
+    for index, name in enumerate(instance_names(s)):
+        if s.engine is EngineKind.VLLM:  # its replica runs the engine: it holds the CPUs
+            cpus = {"num_cpus": s.num_cpus_per_rank * s.tp_size}
+            instances[name] = VllmDeployment.options(name=name, ray_actor_options=cpus).bind(
+                name, values, index)
+            continue
         instances[name] = InstanceDeployment.options(name=name, **on_head).bind(
             name, values, rank_class)
     router, ingress = RouterDeployment, Ingress

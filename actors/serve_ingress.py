@@ -17,7 +17,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +29,7 @@ from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
 from kvtier.actors.serve_replica import bound_attach_options
 from kvtier.actors.serve_snapshots import SnapshotFeed
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.frontend import openai_responses as out
 from kvtier.frontend import served_model
@@ -40,11 +41,12 @@ from kvtier.frontend.openai_requests import (ApiError, ApiLimits, ChatRequest, C
 from kvtier.frontend.pd_metrics import PDMetrics
 from kvtier.frontend.pins import PinVerb
 from kvtier.frontend.records import (NO_CACHED, AnswerFinal, AnswerItemKind, PromptLengths,
-                                     ReplicaStorage, Route, RouterStatus)
+                                     ReplicaConfig, ReplicaFlush, ReplicaStorage, Route,
+                                     RouterStatus)
 from kvtier.frontend.redispatch import InstanceUnavailable
 from kvtier.frontend.request_failures import (AnswerFailed, answer_failed, generation_failed,
                                               timed_out, unavailable, unreadable)
-from kvtier.frontend.settings import ServeSettings
+from kvtier.frontend.settings import EngineKind, ServeSettings
 from kvtier.frontend.tenants import ApiKeys, request_salt
 from kvtier.frontend.text_stream import TextStream
 
@@ -66,10 +68,11 @@ class _Generation:
         self.final: AnswerFinal | None = None
         self.first_token_s: float | None = None
         self.finish_reason = "length"
-        self.logprobs: list = []  # wire entries, one per answer token (when asked)
+        self.logprobs: list[TokenLogprob] = []  # one per answer token (when asked)
         self.text_offset = 0  # completions' logprobs: where the next token's text starts
 
-    def logprobs_object(self, entries: list, tokenizer: Any, chat: bool) -> dict:
+    def logprobs_object(self, entries: Sequence[TokenLogprob], tokenizer: Any,
+                        chat: bool) -> dict:
         """OpenAI's logprobs object for `entries` (the next ones of this answer)."""
         if chat:
             return chat_logprobs(entries, tokenizer)
@@ -81,6 +84,11 @@ class _Generation:
 def _storage_json(data: bytes) -> dict:
     """A replica's `ReplicaStorage` record as the admin endpoints show it."""
     return ReplicaStorage.from_msgpack(data).to_dict()
+
+
+def _not_with_vllm(what: str) -> ApiError:
+    return ApiError(400, f"{what} is not supported with engine vllm; serve with engine kvtier "
+                         f"for it", code="not_supported_with_vllm")
 
 
 def _error(err: ApiError) -> Response:
@@ -157,11 +165,13 @@ class Ingress:
     # ---- admin (Authorization: Bearer <admin key>) --------------------------------------------
     @api.post("/admin/flush")
     async def admin_flush(self, request: Request) -> Response:
-        return await self._admin(request, lambda h, _: h.flush.remote())
+        return await self._admin(request, lambda h, _: h.flush.remote(),
+                                 decode=lambda data: ReplicaFlush.from_msgpack(data).to_json())
 
     @api.get("/admin/config")
     async def admin_config(self, request: Request) -> Response:
-        return await self._admin(request, lambda h, _: h.config.remote(), body=False)
+        return await self._admin(request, lambda h, _: h.config.remote(), body=False,
+                                 decode=lambda data: ReplicaConfig.from_msgpack(data).to_json())
 
     @api.get("/admin/storage")
     async def admin_storage(self, request: Request) -> Response:
@@ -186,6 +196,8 @@ class Ingress:
         the directory reset; the ranks back pages up again); answers the pages deleted."""
         if (denied := self._check_admin(request)) is not None:
             return denied
+        if self.settings.engine is EngineKind.VLLM:
+            return _error(_not_with_vllm("purging L3 through the admin API"))
         shown = [ReplicaStorage.from_msgpack(s) for s in await asyncio.gather(
             *(h.storage.remote() for h in self.instances.values()))]
         ns = next((s.l3.namespace for s in shown if s.l3), None)  # one for all
@@ -227,6 +239,8 @@ class Ingress:
                                 "serve with --instances to pin prefixes",
                            code="not_supported_with_pd")
             return JSONResponse(err.to_body(), status_code=400)
+        if self.settings.engine is EngineKind.VLLM:
+            return _error(_not_with_vllm("pinned prefixes"))
         try:
             status, body = await self.pins.handle(verb, await request.body())
         except Exception as exc:  # noqa: BLE001 - an instance or the L3 actor failed
@@ -329,7 +343,7 @@ class Ingress:
                 if item.tokens and gen.first_token_s is None:
                     gen.first_token_s = time.perf_counter() - start
                 gen.tokens += len(item.tokens)
-                entries = item.logprobs or []
+                entries = item.logprobs or ()
                 gen.logprobs += entries
                 text, stopped = gen.stream.push(item.tokens)
                 if item.final is not None:

@@ -22,7 +22,7 @@ from kvtier.actors.serve_replica import (ServedReplica, final_fields,
 from kvtier.calibration import calibrated_thresholds
 from kvtier.dtypes import name as dtype_name, resolve_here
 from kvtier.frontend.placement import RANK_STRATEGY, RankGpus, rank_resources
-from kvtier.frontend.records import AnswerFinal
+from kvtier.frontend.records import AnswerFinal, ReplicaConfig, ReplicaFlush
 from kvtier.frontend.served_model import weight_source
 from kvtier.frontend.settings import ModelChoice, ServeSettings
 from kvtier.messages import pack_record, pack_records
@@ -71,10 +71,10 @@ class InstanceDeployment(ServedReplica):
         return [target]
 
     # ---- router and operator calls ------------------------------------------------------------
-    async def flush(self) -> dict:
-        """Drop every unlocked L1 and L2 page (L3 is untouched)."""
+    async def flush(self) -> bytes:
+        """Drop every unlocked L1 and L2 page (L3 is untouched): a ReplicaFlush record."""
         free = await self._call(lambda inst: inst.drop_cache())
-        return {"instance": self.name, "free_device_pages": free[0]}
+        return ReplicaFlush(self.name, free[0]).to_msgpack()
 
     # ---- pinned prefixes (the ingress's /admin/pin) ------------------------------------------
     async def pin(self, pin_id: str, tokens: list[int], salt: str, ttl_s: float,
@@ -96,8 +96,7 @@ class InstanceDeployment(ServedReplica):
         (`pack_records`)."""
         return pack_records((await self._call(lambda inst: inst.rank_group.pins()))[0])
 
-    async def config(self) -> dict:
-        """What this instance's ranks run with (rank 0 speaks for them: they are built from
-        the same settings)."""
+    async def config(self) -> bytes:
+        """What this instance's ranks run with: a ReplicaConfig record."""
         running = await self._call(lambda inst: inst.running_config())
-        return {"instance": self.name, **running}
+        return ReplicaConfig(self.name, running).to_msgpack()

@@ -17,9 +17,8 @@ import torch
 from kvtier.actors.instance import Instance, InstanceError
 from kvtier.actors.instance_server import InstanceServer, ServerEventKind
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
-from kvtier.actors.step_wire import logprobs_to_wire, resume_from_wire
+from kvtier.actors.step_wire import decode_resume, decode_sampling
 from kvtier.engine.request import FinishReason
-from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.messages import NamespaceSpec, pack_record
 from kvtier.policies import StorageBackendKind
@@ -84,9 +83,8 @@ def _last_item(out: Any, have: int, final: AnswerFinal | None) -> AnswerItem:
     rest = tuple(out.tokens[have:])
     lps = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(rest):]
     if final is None:
-        return AnswerItem(AnswerItemKind.ERROR, rest, logprobs_to_wire(lps),
-                          error=out.error or "it failed")
-    return AnswerItem(AnswerItemKind.FINAL, rest, logprobs_to_wire(lps), final=final)
+        return AnswerItem(AnswerItemKind.ERROR, rest, lps, error=out.error or "it failed")
+    return AnswerItem(AnswerItemKind.FINAL, rest, lps, final=final)
 
 
 class ServedReplica:
@@ -125,21 +123,22 @@ class ServedReplica:
         return [self.name]
 
     # ---- requests ---------------------------------------------------------------------------
-    async def generate(self, tokens: list[int], sampling: dict, cache_salt: str = "",
-                       resume: list | None = None) -> AsyncIterator[bytes]:
+    async def generate(self, tokens: list[int], sampling: bytes, cache_salt: str = "",
+                       resume: bytes | None = None) -> AsyncIterator[bytes]:
         """Stream `AnswerItem` records (msgpack): new token ids (and their log-probabilities
         when it asked), the last one FINAL with `_final`: the finish reason, cached tokens by
         tier, the five lengths, the instance-side TTFT; or, when this request alone failed,
         ERROR with why (in words a client may read) instead. `cache_salt`: the request's
-        tenant (it hits only prefixes cached with the same salt). `resume` (`resume_to_wire`): the
+        tenant (it hits only prefixes cached with the same salt). `sampling`: a SamplingParams
+        record (step_wire `encode_sampling`). `resume` (a Resume record or None): the
         start of its answer the caller already has (it ran on another instance): the answer
         goes on after it and those tokens are not sent again. A caller that goes away
         (disconnect, stop string) cancels it. The instance stopping raises InstanceError."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        got = resume_from_wire(resume)
+        got = decode_resume(resume)
         key = self.server.submit(
-            tokens, SamplingParams(**sampling),
+            tokens, decode_sampling(sampling),
             lambda event: loop.call_soon_threadsafe(events.put_nowait, event), cache_salt, got)
         have, finished = (0 if got is None else len(got.tokens)), False
         try:
@@ -148,8 +147,7 @@ class ServedReplica:
                 if event.kind is ServerEventKind.TOKENS:
                     new = event.progress.after(have)
                     if new is not None:
-                        yield AnswerItem.more(new.tokens,
-                                              logprobs_to_wire(new.logprobs)).to_msgpack()
+                        yield AnswerItem.more(new.tokens, new.logprobs).to_msgpack()
                         have = new.stop
                 elif event.kind is ServerEventKind.DONE:
                     finished, out = True, event.output
@@ -166,9 +164,10 @@ class ServedReplica:
                 self.server.cancel(key)
 
     # ---- router and operator calls ------------------------------------------------------------
-    async def poll(self) -> bytes:
-        """A `ReplicaPoll` record (msgpack)."""
-        return ReplicaPoll.of(self.server.poll()).to_msgpack()
+    async def poll(self, full: bool = False) -> bytes:
+        """A `ReplicaPoll` record (msgpack); `full`: with what the instance holds in place of
+        the events since the last poll (a router rebuilding its index)."""
+        return ReplicaPoll.of(self.server.poll(full)).to_msgpack()
 
     async def describe(self) -> bytes:
         """The first instance's cache (every instance is built from the same settings): a

@@ -3,8 +3,11 @@
 It polls every instance (load, restart epoch, steps, cache events) a few times a second, each
 on its own so that one unreachable instance does not hold up the others, keeps the
 approximate per-tier prefix index of `kvtier.frontend.router_index`, and answers `choose(tokens)`
-with an instance name. The ingress then streams from that instance directly: token traffic
-never passes through the router. An instance that stops stepping with work waiting, or stops
+with an instance name. Its first poll of an instance, and any poll after it missed batches,
+asks for what the instance holds (`poll(full=True)`): a router that starts again (its replica
+replaced) rebuilds its index from the instances, not from the requests that come next. The
+ingress then streams from that instance directly: token traffic never passes through the
+router. An instance that stops stepping with work waiting, or stops
 answering polls, for `stall_timeout_s` is stalled (`kvtier.frontend.liveness`): it is not
 chosen until it steps again, and the ingress moves its unanswered requests elsewhere.
 """
@@ -49,6 +52,7 @@ class RouterDeployment:
         self._keys: tuple[KeyNamespace, int] | None = None
         self._rng = random.Random()
         self._pollers: dict[str, asyncio.Task] = {}
+        self._rebuilt: set[str] = set()  # instances whose holdings the index was built from
 
     async def choose(self, tokens: list[int], avoid: tuple[str, ...] = (),
                      cache_salt: str = "") -> bytes:
@@ -117,8 +121,10 @@ class RouterDeployment:
         await asyncio.gather(*(self._poll(n) for n in self.handles))
 
     async def _poll(self, name: str) -> None:
+        full = name not in self._rebuilt or self.router.index.is_stale(name)
         try:
-            res = await asyncio.wait_for(self.handles[name].poll.remote(), self.poll_timeout_s)
+            res = await asyncio.wait_for(self.handles[name].poll.remote(full),
+                                         self.poll_timeout_s)
         except asyncio.TimeoutError:
             self.liveness.unanswered(name)
             return
@@ -126,9 +132,9 @@ class RouterDeployment:
             self.broken[name] = f"poll failed: {type(exc).__name__}: {exc}"
             self.liveness.unanswered(name)
             return
-        self._apply(name, ReplicaPoll.from_msgpack(res))
+        self._apply(name, ReplicaPoll.from_msgpack(res), full)
 
-    def _apply(self, name: str, poll: ReplicaPoll) -> None:
+    def _apply(self, name: str, poll: ReplicaPoll, full: bool = False) -> None:
         if poll.broken:
             self.broken[name] = poll.broken
         else:
@@ -136,6 +142,11 @@ class RouterDeployment:
         if self.epochs.get(name) != poll.epoch:
             self.router.index.forget(name)  # new ranks: new caches, events from seq 1 again
             self.epochs[name] = poll.epoch
+        if full:  # what it holds, in place of what the index knew
+            self.router.index.forget(name)
+            if poll.holdings is not None:
+                self.router.index.restore(CacheEventBatch.from_msgpack(poll.holdings))
+            self._rebuilt.add(name)
         for data in poll.events:
             self.router.apply(CacheEventBatch.from_msgpack(data))
         self.loads[name] = poll.load

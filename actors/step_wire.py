@@ -15,15 +15,15 @@ abort, a `HandoffTarget` from a reservation.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple
 
 import msgpack
 
 from kvtier.engine.handoff import HandoffSent
 from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
-from kvtier.messages import (MessageError, pack_record, record_from_map, record_to_map,
-                             unpack_payload, unpack_record)
+from kvtier.messages import (pack_record, record_from_map, record_to_map, unpack_payload,
+                             unpack_record)
 from kvtier.tiers.cache_pins import PinOutcome, PinRefusal
 
 
@@ -102,22 +102,3 @@ def decode_pin(data: bytes) -> PinOutcome | PinRefusal:
     if kind == PinRefusal.__name__:
         return record_from_map(PinRefusal, m)
     return record_from_map(PinOutcome, m)
-
-
-# ---- the serve stream's positional forms (frontend/redispatch.py builds `resume` lists and the
-# OpenAI layer reads `logprobs` lists): not the rank boundary, left to the serve records ---
-
-def logprobs_to_wire(logprobs: Sequence[TokenLogprob] | None) -> list | None:
-    """Log-probabilities as plain lists: [[token, logprob, [[token, logprob], ...]], ...]."""
-    if logprobs is None:
-        return None
-    return [lp.to_wire() for lp in logprobs]
-
-
-def resume_from_wire(m: Any) -> Resume | None:
-    if m is None:
-        return None
-    try:
-        return Resume.from_wire(m)
-    except (TypeError, ValueError) as exc:
-        raise MessageError(f"a bad Resume record: {exc}") from exc

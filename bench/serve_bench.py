@@ -4,12 +4,17 @@ cache on and (`--compare-off`) off, or against any OpenAI-compatible server (`--
     kvtier bench serve --json                       # cache on: L1 + L2 + file L3
     kvtier bench serve --compare-off --json         # then the same load with L1 only
     kvtier bench serve --base-url http://127.0.0.1:8000 --json    # a server already running
+    kvtier bench serve --engine vllm --compare-off --json   # vLLM instances; and vLLM alone
 
 Without `--base-url` each run starts the app on a new local Ray cluster
 (`actors.serve_graph.start`), drives `serve_load` against http://127.0.0.1:<port> and stops
 it (in a `finally`). `--compare-off` runs the same load (same seed, same L1 size) against
 `enable_hierarchical_cache=False` and prints `serve_load.compare(on, off)`: the on figures at the top
 level, the off ones under "off", and `round2_ttft_ratio` (round-2 mean TTFT on / off).
+With `--engine vllm` the app's instance is a vLLM engine with KvtierConnector, the off run
+the same engine without it, and the same load then goes to vLLM's own OpenAI server with
+the same engine settings (`serve_vllm_alone`): `vllm_alone` holds its figures,
+`round2_vs_vllm_alone` the round-2 mean TTFT on / vLLM alone.
 
 With `--base-url` nothing starts: the same load (the bench's clients, rounds, words, answer
 tokens, seed and rate) goes to that server as it was started (vLLM, SGLang, kvtier on another
@@ -70,13 +75,13 @@ import urllib.parse
 from typing import Any, Iterator
 
 from kvtier.bench import emit
-from kvtier.bench.serve_load import LoadParams, LoadResult, compare, run_load_sync
+from kvtier.bench.serve_load import LoadParams, LoadResult, compare, round_ratio, run_load_sync
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.cli.flags import add_hicache_flags, config_from_args
 from kvtier.cli.shared_flags import add_dtype_flag, add_model_flag, add_schedule_policy_flag
 from kvtier.policies import StorageBackendKind
-from kvtier.frontend.settings import HICACHE_OWNED, ServeSettings
+from kvtier.frontend.settings import HICACHE_OWNED, EngineKind, ServeSettings
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 LOOPBACK = "127.0.0.1"
@@ -152,6 +157,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="answers bit-identical to a cold run (as kvtier serve --deterministic)")
     add_schedule_policy_flag(app, SERVE_DEFAULTS["schedule_policy"].value, ", as kvtier serve",
                              action=AppFlag)
+    app.add_argument("--engine", choices=[e.value for e in EngineKind],
+                     default=EngineKind.KVTIER.value, action=AppFlag,
+                     help="what the app's instance runs (as kvtier serve --engine); with vllm "
+                          "and --compare-off the same load also goes to vLLM's own server "
+                          "(prefix caching on, no connector), started by the bench")
     app.add_argument("--compare-off", nargs=0, default=False, action=AppFlag,
                      help="then run the same load with the cache off (L1 only, same L1 size)")
     app.add_argument("--check-cold", nargs=0, default=False, action=AppFlag,
@@ -228,7 +238,8 @@ def cache_flags(ns: argparse.Namespace) -> dict[str, Any]:
 def serve_settings(ns: argparse.Namespace, hierarchical: bool, l3_root: str = "") -> ServeSettings:
     """The app's settings for one run; the off run differs only in
     `enable_hierarchical_cache` (and so has no L3)."""
-    return ServeSettings(model=ns.model, instances=ns.instances, page_size=PAGE_SIZE,
+    return ServeSettings(engine=ns.engine, model=ns.model, instances=ns.instances,
+                         page_size=PAGE_SIZE,
                          **cache_flags(ns),
                          chunk_tokens=ns.chunk_tokens, device_pages=device_pages_of(ns),
                          enable_hierarchical_cache=hierarchical,
@@ -310,6 +321,21 @@ def run_once(ns: argparse.Namespace, hierarchical: bool) -> LoadResult:
             shutil.rmtree(l3_root, ignore_errors=True)
 
 
+def run_vllm_alone(ns: argparse.Namespace) -> LoadResult:
+    """The load against vLLM's own server, set up as the app's vLLM instance is (its block
+    size, KV cache bytes, context and batch) without the connector (bench.serve_vllm_alone)."""
+    from kvtier.actors.serve_vllm import vllm_settings
+    from kvtier.bench.serve_vllm_alone import vllm_alone
+
+    settings = serve_settings(ns, False)
+    if not ns.json:
+        print("kvtier bench serve: starting vLLM's own server (prefix caching on, no "
+              "connector)", file=sys.stderr, flush=True)
+    with vllm_alone(vllm_settings(settings, None), ns.port + 1,
+                    settings.served_model_name) as base_url:
+        return run_load_sync(base_url, load_params(ns))
+
+
 def run_remote(ns: argparse.Namespace) -> LoadResult:
     """The load against the server at --base-url, as it runs."""
     url = base_url_of(ns)
@@ -329,6 +355,9 @@ def check(ns: argparse.Namespace) -> None:
         raise ConfigError("--rate must be 0 (all at once) or more")
     if ns.base_url is None:
         serve_settings(ns, True).max_prompt_tokens  # ConfigError: an L1 with no room for a prompt
+        if ns.engine == EngineKind.VLLM.value and ns.check_cold:
+            raise ConfigError("--check-cold replays answers on kvtier's engine; with --engine "
+                              "vllm drop it (the vLLM tests compare answers with vLLM alone)")
         return
     base_url_of(ns)
     cache = config_from_args(ns).explicit or frozenset()
@@ -370,9 +399,16 @@ def main(ns: argparse.Namespace) -> int:
         with stdout_to_stderr(ns.json):
             on = run_once(ns, hierarchical=True)
             off = run_once(ns, hierarchical=False) if ns.compare_off else None
+            alone = run_vllm_alone(ns) if ns.compare_off and ns.engine == "vllm" else None
     if off is not None:
         result = compare(on, off)
         complete = on.answered == on.planned and off.answered == off.planned
+        if alone is not None:
+            result["vllm_alone"] = alone.to_json()
+            second = alone.ttft_by_round_s[1] if len(alone.ttft_by_round_s) > 1 else None
+            result["vllm_alone_round2_ttft_s"] = second
+            result["round2_vs_vllm_alone"] = round_ratio(on, alone, 1)
+            complete = complete and alone.answered == alone.planned
     else:
         result = on.to_json()
         complete = on.answered == on.planned

@@ -396,7 +396,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2000,
                    help="document length, rounded to whole 512-token chunks (default 2000)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per answer")
-    add_tp_flag(p, 3, "SmolLM2-135M has 3 KV heads: 1 or 3")
+    add_tp_flag(p, None, "default 3; SmolLM2-135M has 3 KV heads: 1 or 3; 1 with --engine "
+                         "vllm")
     add_dtype_flag(p)
     p.add_argument("--json-only", action="store_true",
                    help="print only the final JSON line (no table, no progress bar)")
@@ -415,6 +416,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer through a prefill and a decode instance (KV handed over), "
                         "each answer checked against a mixed instance's")
     add_pd_transport_flag(g, PDTransport.NIXL.value, "; with --pd")
+    p.add_argument("--engine", choices=("kvtier", "vllm"), default="kvtier",
+                   help="vllm: the same story with two vLLM engines whose L2 and L3 are "
+                        "kvtier's (KvtierConnector; SmolLM2, TP 1, file L3; docs/vllm.md)")
     demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags
 
 
@@ -427,13 +431,21 @@ def params_from(ns: argparse.Namespace) -> DemoParams:
         nodes.append((name, address))
     cache = demo_flags.cache_from_args(ns, ns.l3_root)  # l3, l3_root, page_size, hicache
     return DemoParams(tokens=ns.tokens, new_tokens=ns.new_tokens, progress=not ns.json_only,
-                      tp_size=ns.tp, address=ns.address, nodes=tuple(nodes), dtype=ns.dtype,
-                      hosts=ns.hosts, model=ns.model, **cache._asdict())
+                      tp_size=3 if ns.tp is None else ns.tp, address=ns.address,
+                      nodes=tuple(nodes), dtype=ns.dtype, hosts=ns.hosts, model=ns.model,
+                      **cache._asdict())
 
 
 def main(ns: argparse.Namespace) -> int:
     params = params_from(ns)
     _check_params(params)
+    if ns.engine == "vllm":
+        from kvtier.cli import demo_vllm
+
+        if ns.pd:
+            raise ConfigError("--engine vllm has no prefill/decode demo; drop --pd")
+        demo_vllm.check(params, tp_given=ns.tp is not None)
+        return demo_vllm.main(params._replace(tp_size=1), ns.json_only)
     if ns.pd:
         if params.hosts or params.address:
             raise ConfigError("--pd runs on local Ray only; drop --hosts/--address")

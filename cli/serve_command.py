@@ -15,7 +15,7 @@ from kvtier.policies import StorageBackendKind
 from kvtier.frontend.admin_key_file import save_admin_key
 from kvtier.frontend.l3_bound import describe_l3_bound
 from kvtier.frontend.placement import PlacementMode, RankGpus
-from kvtier.frontend.settings import HICACHE_OWNED, L3_NONE, ServeSettings
+from kvtier.frontend.settings import HICACHE_OWNED, L3_NONE, EngineKind, ServeSettings
 from kvtier.frontend.tenants import load_api_keys
 
 
@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="1: each rank asks Ray for a GPU of its own (an error where the nodes "
                         "lack them); 0: CPU ranks; auto (default): 1 where the nodes' GPUs "
                         "hold every instance's ranks, else 0 with a warning")
+    p.add_argument("--engine", choices=[e.value for e in EngineKind],
+                   default=EngineKind.KVTIER.value,
+                   help="what each instance runs: kvtier (default: kvtier's reference engine) "
+                        "or vllm (a vLLM engine with KvtierConnector as its L2 and L3; "
+                        "--model smollm2 or a Hugging Face directory; docs/vllm.md)")
     add_model_flag(p, note="; a GGUF file holds its tokenizer and chat template, Gemma's "
                            "template is built in")
     p.add_argument("--instances", type=int, default=None,
@@ -112,7 +117,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
     cache = _cache_settings(ns)
     if ns.instances is not None and ns.instances < 1:  # 0 is the setting's "not given"
         raise ConfigError(f"--instances {ns.instances}: give at least 1")
-    return ServeSettings(model=ns.model, instances=ns.instances,
+    return ServeSettings(engine=ns.engine, model=ns.model, instances=ns.instances,
                          prefill_instances=ns.prefill_instances,
                          decode_instances=ns.decode_instances, pd_transport=ns.pd_transport,
                          pd_decode_l3=ns.pd_decode_l3,

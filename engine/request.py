@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -72,17 +72,6 @@ class Resume(NamedTuple):
 
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
-
-    def to_wire(self) -> list:
-        """[tokens, [TokenLogprob wire, ...] or nil]."""
-        lps = None if self.logprobs is None else [lp.to_wire() for lp in self.logprobs]
-        return [list(self.tokens), lps]
-
-    @classmethod
-    def from_wire(cls, m: Any) -> "Resume":
-        tokens, lps = m
-        return cls(tuple(int(t) for t in tokens),
-                   None if lps is None else tuple(TokenLogprob.from_wire(x) for x in lps))
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

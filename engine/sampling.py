@@ -14,7 +14,7 @@ import hashlib
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -33,15 +33,6 @@ class TokenLogprob(NamedTuple):
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
-
-    def to_wire(self) -> list:
-        """Plain lists: [token, logprob, [[token, logprob], ...]]."""
-        return [self.token, self.logprob, [list(p) for p in self.top]]
-
-    @classmethod
-    def from_wire(cls, m: Any) -> "TokenLogprob":
-        token, logprob, top = m
-        return cls(int(token), float(logprob), tuple((int(i), float(v)) for i, v in top))
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ token -> logprob object per token), "text_offset"}`. A token's text is its bytes
 (a byte-level token that holds part of a character reads as U+FFFD there; its `bytes` are
 exact). The log-probabilities are the model's distribution, before penalties and temperature.
 
-Entries arrive in the wire form the instances stream (`[token, logprob, [[token, logprob],
-...]]`, kvtier.actors.step_wire).
+Entries are the engine's `TokenLogprob`s, as the instances stream them (`AnswerItem`).
 """
 from __future__ import annotations
 

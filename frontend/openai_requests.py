@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
 from kvtier.keys import MAX_CACHE_SALT_CHARS
 
@@ -121,20 +122,19 @@ class GenerationOptions:
     # None: no log-probabilities; k: each answer token's and its k most likely alternatives'
     logprobs: int | None = None
 
-    def sampling(self, model_stops: Sequence[int], seed: int, index: int = 0) -> dict:
-        """The engine's SamplingParams fields (a dict that crosses the actor boundary) of
-        answer `index` (of `n`); `seed` when the request brought none (so a redispatched
-        request samples the same tokens). Answer i samples with the seed plus i."""
+    def sampling(self, model_stops: Sequence[int], seed: int, index: int = 0) -> SamplingParams:
+        """The engine's SamplingParams of answer `index` (of `n`); `seed` when the request
+        brought none (so a redispatched request samples the same tokens). Answer i samples
+        with the seed plus i."""
         stops = tuple(dict.fromkeys(self.stop_token_ids + (() if self.ignore_eos
                                                            else tuple(model_stops))))
-        return {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                "repetition_penalty": self.repetition_penalty,
-                "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "stop_token_ids": stops,
-                "logprobs": self.logprobs,
-                "seed": ((self.seed if self.seed is not None else seed) + index
-                         - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0]) + SEED_RANGE[0]}
+        return SamplingParams(
+            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            stop_token_ids=stops, logprobs=self.logprobs,
+            seed=((self.seed if self.seed is not None else seed) + index
+                  - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0]) + SEED_RANGE[0])
 
 
 @dataclass(frozen=True, kw_only=True)

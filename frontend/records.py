@@ -12,6 +12,8 @@ by the receiver with `from_msgpack`), never pickled objects or dicts keyed by co
 - `ReplicaStorage`: the L3 a replica's instances have attached (GET /admin/storage).
 - `InstanceStates`: each instance's liveness state (what answers in flight watch).
 - `RouterStatus`: the router's view of every instance (GET /admin/router, /health, metrics).
+- `RunningConfig`, `ReplicaConfig`: what a rank runs with, and a replica's (GET /admin/config).
+- `ReplicaFlush`: the L1 pages free after a replica's flush (POST /admin/flush).
 
 The HTTP answers built from them (`kvtier.frontend.openai_responses`, the admin endpoints) take
 their fields from `to_dict()`: a record's fields as plain values (enums by value), in order.
@@ -22,7 +24,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from kvtier.config import HiCacheConfigRecord
 from kvtier.engine.request import FinishReason
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.keys import KeyNamespace
 from kvtier.messages import MessageError, Record
 from kvtier.policies import StorageBackendKind
@@ -124,16 +128,18 @@ class AnswerItemKind(enum.Enum):
 @dataclass(frozen=True)
 class AnswerItem(Record):
     """One item of an answer stream: new token ids and, when the request asked, their
-    log-probabilities (`actors/step_wire.py` logprobs_to_wire form)."""
+    log-probabilities."""
 
     kind: AnswerItemKind
     tokens: tuple[int, ...]
-    logprobs: list | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
     final: AnswerFinal | None = None
     error: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(self.tokens))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", tuple(self.logprobs))
         if (self.final is not None) != (self.kind is AnswerItemKind.FINAL):
             raise MessageError(f"AnswerItem: a {self.kind.value} item has `final` "
                                f"{'missing' if self.final is None else 'set'}")
@@ -147,8 +153,10 @@ class AnswerItem(Record):
         return self.kind is not AnswerItemKind.TOKENS
 
     @classmethod
-    def more(cls, tokens: Sequence[int], logprobs: list | None = None) -> "AnswerItem":
-        return cls(AnswerItemKind.TOKENS, tuple(tokens), logprobs)
+    def more(cls, tokens: Sequence[int],
+             logprobs: Sequence[TokenLogprob] | None = None) -> "AnswerItem":
+        return cls(AnswerItemKind.TOKENS, tuple(tokens),
+                   None if logprobs is None else tuple(logprobs))
 
 
 @dataclass(frozen=True)
@@ -161,11 +169,12 @@ class ReplicaPoll(Record):
     broken: str | None  # why the instance stopped serving, or None
     steps: int  # steps completed so far
     recovering: bool = False  # replacing its ranks (kvtier.frontend.liveness: RECOVERING)
+    holdings: bytes | None = None  # a full poll's: what it holds (a CacheEventBatch)
 
     @classmethod
     def of(cls, poll: Any) -> "ReplicaPoll":
         return cls(poll.load, poll.epoch, tuple(poll.events), poll.broken, poll.steps,
-                   poll.recovering)
+                   poll.recovering, poll.holdings)
 
 
 @dataclass(frozen=True)
@@ -287,3 +296,61 @@ class InstanceStates(Record):
     def of(self, name: str) -> InstanceState:
         """`name`'s state (LIVE when the router did not say)."""
         return next((s.state for s in self.states if s.name == name), InstanceState.LIVE)
+
+
+@dataclass(frozen=True)
+class RunningConfig(Record):
+    """What a rank runs with (`Rank.running_config`): its cache config (SGLang's knob names,
+    normalized), the L3 attached through the namespace actor, the cache namespace's model
+    part, the resolved dtype and the engine's scheduling choices."""
+
+    hicache: HiCacheConfigRecord
+    l3: str | None
+    model: str
+    dtype: str
+    chunk_tokens: int
+    deterministic: bool
+    schedule_policy: str
+    device_pages: int
+    host_pages: int
+    engine: str = "kvtier"  # what computes the answers (frontend.settings.EngineKind)
+
+    def to_json(self) -> dict[str, Any]:
+        """As GET /admin/config shows it: the cache's knobs as `HiCacheConfig.to_dict()`."""
+        out = self.to_dict()
+        out["hicache"] = {**self.hicache.knobs, "storage_options": self.hicache.storage_options}
+        return out
+
+
+@dataclass(frozen=True)
+class ReplicaConfig(Record):
+    """What a replica's `config` answers: its ranks' running config (rank 0 speaks for them:
+    they are built from the same settings) and, for a prefill/decode graph, its layout."""
+
+    instance: str
+    running: RunningConfig
+    prefill_instances: tuple[str, ...] = ()
+    decode_instances: tuple[str, ...] = ()
+    pd_transport: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"instance": self.instance, **self.running.to_json()}
+        if self.pd_transport is not None:
+            out.update(prefill_instances=list(self.prefill_instances),
+                       decode_instances=list(self.decode_instances),
+                       pd_transport=self.pd_transport)
+        return out
+
+
+@dataclass(frozen=True)
+class ReplicaFlush(Record):
+    """What a replica's `flush` answers: its L1 pages free after dropping every unlocked L1 and
+    L2 page; a prefill/decode graph's per instance (`per_instance`)."""
+
+    instance: str
+    free_device_pages: int
+    per_instance: dict[str, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        free = self.free_device_pages if self.per_instance is None else dict(self.per_instance)
+        return {"instance": self.instance, "free_device_pages": free}

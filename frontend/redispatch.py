@@ -11,8 +11,10 @@ late answer from it is dropped, so nothing is answered twice. A request that fai
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
+from kvtier.engine.request import Resume
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.errors import KvtierError
 
 
@@ -22,22 +24,21 @@ class InstanceUnavailable(KvtierError, RuntimeError):
 
 
 class SentTokens:
-    """Token ids passed on so far and their log-probabilities (wire entries, when asked);
-    `moves` counts the instances the answer left."""
+    """Token ids passed on so far and their log-probabilities (when asked); `moves` counts
+    the instances the answer left."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self.logprobs: list[Any] = []
+        self.logprobs: list[TokenLogprob] = []
         self.moves = 0
 
-    def add(self, tokens: Sequence[int], logprobs: Sequence[Any] | None = None) -> None:
+    def add(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> None:
         self.ids += [int(t) for t in tokens]
         if logprobs:
             self.logprobs += list(logprobs)
 
-    def resume(self, with_logprobs: bool) -> list | None:
-        """What another instance goes on after, as `generate`'s `resume` takes it (a Resume's
-        wire form); None when nothing was passed on yet."""
+    def resume(self, with_logprobs: bool) -> Resume | None:
+        """What another instance goes on after; None when nothing was passed on yet."""
         if not self.ids:
             return None
-        return [list(self.ids), list(self.logprobs) if with_logprobs else None]
+        return Resume(tuple(self.ids), tuple(self.logprobs) if with_logprobs else None)

@@ -23,6 +23,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 from kvtier.errors import ConfigError
 from kvtier.frontend.cache_events import CacheEvent, CacheEventBatch, CacheEventKind, CacheTier
+from kvtier.messages import MAX_HASHES
 
 DEFAULT_MAX_PAGES_PER_INSTANCE = 1 << 20  # ~1M pages x ~150 B: about 150 MiB per instance
 DEFAULT_MAX_STORAGE_PAGES = 1 << 22
@@ -84,14 +85,17 @@ class PrefixIndex:
         gap = batch.seq != inst.last_seq + 1
         inst.last_seq = batch.seq
         inst.stale = inst.stale or gap
-        for event in batch.events:
+        self._apply_events(inst, batch.events)
+        return ApplyOutcome.GAP if gap else ApplyOutcome.APPLIED
+
+    def _apply_events(self, inst: _InstanceIndex, events: Sequence[CacheEvent]) -> None:
+        for event in events:
             if event.tier is CacheTier.STORAGE:
                 self._apply_storage(event)
             else:
                 self._apply_local(inst, event)
         self._trim(inst.pages, self.max_pages_per_instance)
         self._trim(self._storage, self.max_storage_pages)
-        return ApplyOutcome.GAP if gap else ApplyOutcome.APPLIED
 
     def _apply_local(self, inst: _InstanceIndex, event: CacheEvent) -> None:
         pages, kind = inst.pages, event.kind
@@ -134,6 +138,28 @@ class PrefixIndex:
     def forget(self, instance: str) -> None:
         """Drop an instance (gone, or restarted: its seq starts again at 1, its pages are gone)."""
         self._instances.pop(instance, None)
+
+    def holdings(self, instance: str) -> CacheEventBatch | None:
+        """What the index knows `instance` holds, as one batch at its last seq: its L1 and L2
+        pages and the L3 pages it was told of, STORED (`restore` rebuilds another index's
+        entries from it); None before its first batch. An instance's server keeps an index
+        of its own events for this: a router that starts again asks for it."""
+        inst = self._instances.get(instance)
+        if inst is None or inst.last_seq == 0:
+            return None
+        runs = [(CacheTier.DEVICE, [h for h, bits in inst.pages.items() if bits & _DEVICE]),
+                (CacheTier.HOST, [h for h, bits in inst.pages.items() if bits & _HOST]),
+                (CacheTier.STORAGE, list(self._storage))]
+        events = tuple(CacheEvent(CacheEventKind.STORED, tier, tuple(pages[i:i + MAX_HASHES]))
+                       for tier, pages in runs for i in range(0, len(pages), MAX_HASHES))
+        return CacheEventBatch(instance, inst.last_seq, events)
+
+    def restore(self, batch: CacheEventBatch) -> None:
+        """Replace `batch.instance`'s entries by the holdings in `batch` (`holdings`): no
+        longer stale, at its seq, so the batches after it apply in order."""
+        self.forget(batch.instance)
+        inst = self._instances[batch.instance] = _InstanceIndex(OrderedDict(), batch.seq)
+        self._apply_events(inst, batch.events)
 
     # ---- queries --------------------------------------------------------------------------
     def instances(self) -> list[str]:

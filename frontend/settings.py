@@ -50,12 +50,29 @@ class ModelChoice(_Choice):
     PATH = "path"  # model_path: a Hugging Face model directory or a GGUF file (Llama, Gemma-3)
 
 
+class EngineKind(_Choice):
+    """What computes the answers of each instance."""
+
+    KVTIER = "kvtier"  # kvtier's reference engine: its ranks' L1 and L2 (actors/rank_actor)
+    VLLM = "vllm"  # a vLLM engine with KvtierConnector as its L2 and L3 (docs/vllm.md)
+
+
+# what an `engine: vllm` graph does not have, and why (the setting -> the refusal's reason)
+VLLM_REFUSED = {
+    "prefill_instances": "prefill/decode disaggregation runs on kvtier's engine only",
+    "deterministic": "deterministic mode is kvtier's engine's; vLLM schedules its own batches",
+    "tenant_salt": "the connector keys its pages by vLLM's block layout; separate tenants "
+                   "with API keys (api_keys) or each request's cache_salt instead",
+}
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     """`enable_hierarchical_cache=False` is the cache off: L1 only (no L2, no L3), the
     baseline that `kvtier bench serve --compare-off` measures against. The cache settings
     carry SGLang's names (HiCacheConfig's)."""
 
+    engine: EngineKind = EngineKind.KVTIER  # what each instance runs (vllm: docs/vllm.md)
     model: ModelChoice = ModelChoice.SMOLLM2  # or a model directory's or .gguf file's path
     model_path: str = ""  # with model "path": the directory or .gguf file (every node must
     # have it)
@@ -124,6 +141,7 @@ class ServeSettings:
         check_resource_name(self.head_resource, "head_resource")
         check_resource_name(self.instance_resource, "instance_resource")
         self._resolve_pd()
+        set_("engine", EngineKind.parse(self.engine, "engine"))
         check_int(self.tp_size, "tp_size", 1, 8)
         if self.model is ModelChoice.GEMMA3_270M and self.tp_size != 1:
             raise ConfigError(f"tp_size {self.tp_size}: Gemma-3 270M has one KV head, so it runs "
@@ -174,6 +192,8 @@ class ServeSettings:
                               "random one)")
         if not self.admin_key:
             set_("admin_key", secrets.token_urlsafe(24))
+        if self.engine is EngineKind.VLLM:
+            self._check_vllm()
         if not self.served_model_name:
             names = {ModelChoice.SMOLLM2: "SmolLM2-135M-Instruct", ModelChoice.TINY: "kvtier-tiny",
                      ModelChoice.GEMMA3_270M: "gemma-3-270m"}
@@ -223,6 +243,22 @@ class ServeSettings:
                               f".gguf file that every node can read")
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "model_path", path)
+
+    def _check_vllm(self) -> None:
+        """What a vLLM instance runs: SmolLM2 (made a Hugging Face directory from the GGUF
+        kvtier ships) or a Hugging Face model directory; what it lacks is refused."""
+        if self.model not in (ModelChoice.SMOLLM2, ModelChoice.PATH) \
+                or self.model_path.lower().endswith(GGUF_SUFFIX):
+            shown = self.model_path if self.model is ModelChoice.PATH else self.model.value
+            raise ConfigError(f"engine vllm: model {shown!r} is not one vLLM loads here; give "
+                              f"smollm2 or a Hugging Face model directory (config.json, "
+                              f"*.safetensors, tokenizer.json)")
+        given = {"prefill_instances": self.pd, "deterministic": self.deterministic,
+                 "tenant_salt": bool(self.tenant_salt)}
+        for name, why in VLLM_REFUSED.items():
+            if given[name]:
+                raise ConfigError(f"engine vllm: {name} is not supported ({why}); drop it or "
+                                  f"serve with engine kvtier")
 
     def _resolve_pd(self) -> None:
         """`instances` and `pd_transport` from the prefill and decode counts
@@ -318,6 +354,7 @@ class ServeSettings:
         """Plain values (enums as strings): what crosses to the deployments."""
         out = dataclasses.asdict(self)
         out["model"], out["dtype"] = self.model.value, self.dtype.value
+        out["engine"] = self.engine.value
         out["placement"] = self.placement.value
         out["gpus_per_rank"] = self.gpus_per_rank.value
         out["schedule_policy"] = self.schedule_policy.value

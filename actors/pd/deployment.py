@@ -29,7 +29,7 @@ from kvtier.actors.serve_replica import ServedReplica
 from kvtier.engine.request import Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.frontend.openai_responses import pd_report
-from kvtier.frontend.records import AnswerFinal, PDReport
+from kvtier.frontend.records import AnswerFinal, ReplicaConfig, ReplicaFlush
 from kvtier.frontend.settings import ServeSettings
 
 PD_NAME = "pd"
@@ -44,6 +44,8 @@ def member_names(s: ServeSettings) -> list[str]:
 class PDInstances:
     """A PDDriver as `InstanceServer` drives an Instance (a `DrivenInstance`, actors/
     instance_server). It reports no cache events: the router has one deployment to choose."""
+
+    events_when_idle = False  # it reports none
 
     def __init__(self, driver: PDDriver) -> None:
         self.driver = driver
@@ -125,18 +127,18 @@ class PDDeployment(ServedReplica):
         return AnswerFinal.of(out, self.name, pd)
 
     # ---- operator calls -----------------------------------------------------------------------
-    async def flush(self) -> dict:
-        """Drop every unlocked L1 and L2 page of every instance (L3 is untouched)."""
+    async def flush(self) -> bytes:
+        """Drop every unlocked L1 and L2 page of every instance (L3 is untouched): a
+        ReplicaFlush record."""
         free = await self._call(lambda target: [inst.drop_cache()[0]
                                                 for inst in target.members])
-        return {"instance": self.name, "free_device_pages": dict(zip(self.names, free))}
+        return ReplicaFlush(self.name, sum(free), dict(zip(self.names, free))).to_msgpack()
 
-    async def config(self) -> dict:
+    async def config(self) -> bytes:
         """What the instances' ranks run with (the first instance's rank 0 speaks for all:
         they are built from the same settings), and the prefill/decode layout."""
         running = await self._call(lambda target: target.members[0].running_config())
         s = self.settings
-        return {"instance": self.name, **running,
-                "prefill_instances": self.names[:s.prefill_instances],
-                "decode_instances": self.names[s.prefill_instances:],
-                "pd_transport": s.pd_transport.value}
+        return ReplicaConfig(self.name, running, tuple(self.names[:s.prefill_instances]),
+                             tuple(self.names[s.prefill_instances:]),
+                             s.pd_transport.value).to_msgpack()

@@ -10,6 +10,7 @@ import ray
 
 import kvtier.cli.main as cli
 from kvtier.bench import instances
+from kvtier.cli import demo
 from kvtier.cli.demo import PLAN, DemoParams, run
 from kvtier.cli.demo_report import format_table
 
@@ -40,7 +41,9 @@ def test_demo_hits_every_tier_with_cold_answers() -> None:
 def test_demo_cli_parses() -> None:
     ns = cli.build_parser().parse_args(["demo", "--l3", "nixl", "--tokens", "600",
                                         "--json-only"])
-    assert (ns.l3, ns.tokens, ns.json_only, ns.tp) == ("nixl", 600, True, 3)
+    assert (ns.l3, ns.tokens, ns.json_only, ns.tp) == ("nixl", 600, True, None)
+    assert demo.params_from(ns).tp_size == 3  # the default: not given, so --engine vllm's 1
+    # is not refused
     ns = cli.build_parser().parse_args(["bench", "instances", "--json", "--tp", "1"])
     assert (ns.json, ns.tp, instances.params_from(ns).l3) == (True, 1, "file")
 

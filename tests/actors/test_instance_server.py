@@ -23,6 +23,7 @@ class InstantInstance:
 
     restarts = 0
     recovering = False
+    events_when_idle = False
 
     def __init__(self) -> None:
         self._running: deque[int] = deque()
@@ -125,3 +126,48 @@ def test_what_the_server_drives_conforms_to_its_protocol():
             return 0
 
     assert protocol_gaps(Lacking) != []  # the check can fail
+
+
+class LoggingInstance(InstantInstance):
+    """Each request's answer stores one page of the prompt in L1 (a cache event)."""
+
+    def watch_cache(self, name: str) -> None:
+        from kvtier.frontend.cache_events import CacheEventLog
+
+        self.log = CacheEventLog(name)
+
+    def step_report(self) -> InstanceStep:
+        from kvtier.keys import KeyNamespace
+        from kvtier.policies import CacheEventKind, CacheTier
+
+        step = super().step_report()
+        for out in step.finished:
+            self.log.record(CacheEventKind.STORED, CacheTier.DEVICE,
+                            KeyNamespace("m").page_hashes([out.request_id] * 4, 4))
+        drained = self.log.drain()
+        return step._replace(events=None if drained is None else drained.to_msgpack())
+
+
+def test_a_full_poll_gives_what_the_instance_holds_in_place_of_the_events():
+    """A router that starts again asks for holdings (`poll(full=True)`): every page its
+    events ever stored, at the last batch's seq; the events before it are not sent again."""
+    from kvtier.frontend.cache_events import CacheEventBatch
+
+    server = InstanceServer(LoggingInstance(), "logging")
+    try:
+        assert server.poll(full=True).holdings is None  # nothing stored yet
+        done = threading.Semaphore(0)
+        for _ in range(3):
+            server.submit([1], SamplingParams(max_new_tokens=1), lambda e: done.release())
+            assert done.acquire(timeout=10)
+        eventually(lambda: server.poll(full=False).events, 10, "the events of the answers")
+        server.submit([1], SamplingParams(max_new_tokens=1), lambda e: done.release())
+        assert done.acquire(timeout=10)
+        eventually(lambda: server.poll().load == 0, 10, "the last answer")
+        full = server.poll(full=True)
+        held = CacheEventBatch.from_msgpack(full.holdings)
+        assert full.events == [] and held.instance == "logging" and held.seq >= 2
+        assert len(held.events[0].page_hashes) == 4  # every page, also the polled ones
+        assert server.poll().events == []
+    finally:
+        server.close()

@@ -124,16 +124,18 @@ def test_progress_after_what_a_caller_has():
 
 
 def test_resume_round_trips():
-    """The serve stream's resume form (frontend/redispatch.py builds it) still decodes checked."""
-    from kvtier.actors.step_wire import resume_from_wire
+    """A resume (frontend/redispatch.py builds it, the serve replica takes it) decodes checked."""
+    from kvtier.actors.step_wire import decode_resume, encode_resume
     from kvtier.engine.request import Resume
+    from kvtier.messages import record_to_map
 
     r = Resume((4, 5), (TokenLogprob(4, -0.5, ((4, -0.5),)), TokenLogprob(5, -0.1, ())))
-    assert resume_from_wire(r.to_wire()) == r
-    assert resume_from_wire(Resume((1,)).to_wire()) == Resume((1,))
-    assert resume_from_wire(None) is None
+    assert decode_resume(encode_resume(r)) == r
+    assert decode_resume(encode_resume(Resume((1,)))) == Resume((1,))
+    assert decode_resume(encode_resume(None)) is None
+    bad = {**record_to_map(r), "tokens": ["x"]}
     with pytest.raises(MessageError):
-        resume_from_wire([["x"], None])
+        decode_resume(msgpack.packb(bad))
 
 
 def test_a_step_report_does_not_grow_with_the_answer():

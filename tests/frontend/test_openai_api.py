@@ -168,13 +168,12 @@ def test_sampling_fields_reach_the_engine():
                                 presence_penalty=0.5, frequency_penalty=-0.5,
                                 stop_token_ids=[7, 2], seed=3, max_tokens=9), LIMITS)
     s = req.sampling(model_stops=(2, 0), seed=99)
-    assert s == {"max_new_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                 "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
-                 "frequency_penalty": -0.5, "stop_token_ids": (7, 2, 0), "seed": 3,
-                 "logprobs": None}
-    SamplingParams(**s)  # the engine takes every field as it is
+    assert s == SamplingParams(max_new_tokens=9, temperature=1.0, top_p=1.0, top_k=0,
+                               min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+                               frequency_penalty=-0.5, stop_token_ids=(7, 2, 0), seed=3,
+                               logprobs=None)
     free = parse_chat(chat(ignore_eos=True, top_k=5), LIMITS).sampling((2, 0), seed=99)
-    assert free["stop_token_ids"] == () and free["top_k"] == 5 and free["seed"] == 99
+    assert free.stop_token_ids == () and free.top_k == 5 and free.seed == 99
 
 
 def test_several_unsupported_fields_are_all_named():
@@ -377,9 +376,9 @@ def test_stop_matcher_any_split_matches_whole(text, stops, data):
 def test_n_answers_sample_with_consecutive_seeds():
     req = parse_chat(chat(n=3, seed=5), LIMITS)
     assert req.n == 3
-    assert [req.sampling((2,), 99, i)["seed"] for i in range(3)] == [5, 6, 7]
-    assert parse_chat(chat(), LIMITS).sampling((2,), 99)["seed"] == 99  # its own seed
-    top = parse_chat(chat(seed=2**64 - 1), LIMITS).sampling((2,), 0, 1)["seed"]
+    assert [req.sampling((2,), 99, i).seed for i in range(3)] == [5, 6, 7]
+    assert parse_chat(chat(), LIMITS).sampling((2,), 99).seed == 99  # its own seed
+    top = parse_chat(chat(seed=2**64 - 1), LIMITS).sampling((2,), 0, 1).seed
     assert top == -(2**63)  # wraps within what the sampler takes
 
 
@@ -387,8 +386,7 @@ def test_logprobs_fields_reach_the_engine():
     assert parse_chat(chat(), LIMITS).logprobs is None
     assert parse_chat(chat(logprobs=True), LIMITS).logprobs == 0
     req = parse_chat(chat(logprobs=True, top_logprobs=5), LIMITS)
-    assert req.sampling((2,), 1)["logprobs"] == 5
-    SamplingParams(**req.sampling((2,), 1))
+    assert req.sampling((2,), 1).logprobs == 5
     assert parse_completion(comp(logprobs=3), LIMITS).logprobs == 3
     assert parse_completion(comp(logprobs=0), LIMITS).logprobs == 0
     assert parse_completion(comp(), LIMITS).logprobs is None

@@ -137,6 +137,28 @@ def test_stale_and_out_of_order_batches_are_ignored_and_gaps_flagged():
     assert index.score("a", doc) == TierHits(0, 0, 0)
 
 
+def test_holdings_rebuild_a_new_routers_index_and_later_batches_follow_in_order():
+    """An instance's server keeps an index of its own events; a router that starts again
+    (or missed batches) restores that instance's entries from its holdings."""
+    mirror, doc = Router(), keys(range(40))
+    a = Feed(mirror, "a")
+    assert mirror.index.holdings("a") is None  # nothing sent yet
+    a.send(STORED, DEVICE, doc[:3])
+    a.send(STORED, HOST, doc[:5])
+    a.send(STORED, STORAGE, doc[:7])
+    a.send(EVICTED, DEVICE, doc[2:3])
+    held = CacheEventBatch.from_msgpack(mirror.index.holdings("a").to_msgpack())
+    assert held.seq == 4
+    fresh = PrefixIndex()
+    fresh.apply(CacheEventBatch("a", 9, (CacheEvent(STORED, DEVICE, tuple(doc)),)))  # stale
+    fresh.restore(held)
+    assert not fresh.is_stale("a") and fresh.score("a", doc) == TierHits(2, 3, 2)
+    log = a.log
+    log.record(STORED, DEVICE, doc[2:4])
+    assert fresh.apply(log.drain()) is ApplyOutcome.APPLIED  # seq 5: in order, no gap
+    assert fresh.score("a", doc) == TierHits(4, 1, 2)
+
+
 def test_memory_cap_drops_least_recently_changed_pages():
     index = PrefixIndex(max_pages_per_instance=50, max_storage_pages=20)
     for seq in range(1, 11):

@@ -113,3 +113,31 @@ def test_the_request_timeout_flag():
     assert settings("--request-timeout-s", "30").request_timeout_s == 30.0
     with pytest.raises(ConfigError, match="request_timeout_s"):
         settings("--request-timeout-s", "0")
+
+
+def test_engine_vllm_takes_smollm2_or_a_directory_and_refuses_what_it_lacks(tmp_path):
+    """`--engine vllm`: what a vLLM instance cannot do is refused when the graph is built,
+    naming the setting; the kvtier engine stays the default."""
+    from kvtier.actors.serve_vllm import connector_config, event_namespace
+    from kvtier.frontend.settings import EngineKind
+
+    assert settings().engine is EngineKind.KVTIER
+    s = settings("--engine", "vllm", "--hicache-storage-prefetch-policy", "timeout",
+                 "--l3-root", str(tmp_path))
+    assert s.engine is EngineKind.VLLM
+    assert ServeSettings.from_mapping(s.to_mapping()).engine is EngineKind.VLLM
+    assert event_namespace(s).model == "vllm/SmolLM2-135M-Instruct"
+    extra = connector_config(s, "127.0.0.1:6379")
+    assert extra["hicache_storage_prefetch_policy"] == "timeout"
+    assert extra["hicache_storage_backend"] == "file" and extra["ray_address"] == "127.0.0.1:6379"
+    assert json.loads(extra["hicache_storage_backend_extra_config"])["root_dir"] == str(tmp_path)
+    for argv, needle in [(["--model", "tiny"], "not one vLLM loads"),
+                         (["--tenant-salt", "x"], "tenant_salt is not supported"),
+                         (["--deterministic"], "deterministic is not supported"),
+                         (["--prefill-instances", "1", "--decode-instances", "1"],
+                          "prefill_instances is not supported")]:
+        with pytest.raises(ConfigError, match=needle):
+            settings("--engine", "vllm", *argv)
+    with pytest.raises(ConfigError, match="mem_layout"):  # a knob of kvtier's engine only
+        connector_config(settings("--engine", "vllm", "--hicache-mem-layout", "page_first"),
+                         None)

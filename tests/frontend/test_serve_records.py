@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.engine.handoff import HandoffStages
 from kvtier.engine.request import CachedTokens, FinishReason
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.messages import MessageError
 from kvtier.frontend import openai_responses as out
 from kvtier.frontend.records import (AnswerFinal, AnswerItem, AnswerItemKind, ExpectedPages,
@@ -37,7 +38,7 @@ def roundtrip(record):
 
 def test_every_record_comes_back_equal():
     final = AnswerFinal.of(Output(), "instance-1", pd_report())
-    items = [AnswerItem.more([1, 2], [[1, -0.5, [[1, -0.5], [7, -2.0]]]]),
+    items = [AnswerItem.more([1, 2], [TokenLogprob(1, -0.5, ((1, -0.5), (7, -2.0)))]),
              AnswerItem(AnswerItemKind.FINAL, (3,), None, final),
              AnswerItem(AnswerItemKind.ERROR, (), error="sampling failed")]
     records = [*items, Route.of(Choice("instance-1", ChoiceReason.TIE, TierHits(2, 1, 0), 3.0)),
@@ -90,7 +91,7 @@ def test_a_bad_payload_is_refused_at_the_receiver():
     good = AnswerItem.more([1, 2]).to_map()
     for bad, match in [({**good, "tokens": [1, "2"]}, r"tokens\[1\]"),
                        ({**good, "kind": "done"}, "not one of"),
-                       ({**good, "logprobs": [{"a": 1}]}, "logprobs"),
+                       ({**good, "logprobs": [{"a": 1}]}, "TokenLogprob"),
                        ({**good, "extra": 1}, "unknown field")]:
         with pytest.raises(MessageError, match=match):
             AnswerItem.from_msgpack(msgpack.packb(bad, use_bin_type=True))

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 
 from kvtier.actors.serve_answer import RoutedAnswer, RouterStates
-from kvtier.engine.request import FinishReason
+from kvtier.actors.step_wire import decode_resume, decode_sampling
+from kvtier.engine.request import FinishReason, Resume
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.frontend.liveness import InstanceState, Liveness, candidates
 from kvtier.frontend.metrics import ServeMetrics
@@ -77,11 +79,12 @@ def test_candidates_leave_out_broken_stalled_and_avoided():
 def test_sent_tokens_are_what_another_instance_goes_on_after():
     sent = SentTokens()
     assert sent.resume(with_logprobs=True) is None  # nothing sent: from the prompt
-    sent.add([1, 2], [["lp1"], ["lp2"]])
+    lps = [TokenLogprob(1, -0.5, ()), TokenLogprob(2, -0.25, ((2, -0.25),))]
+    sent.add([1, 2], lps)
     sent.add([3])
     assert sent.ids == [1, 2, 3]
-    assert sent.resume(with_logprobs=False) == [[1, 2, 3], None]
-    assert sent.resume(with_logprobs=True) == [[1, 2, 3], [["lp1"], ["lp2"]]]
+    assert sent.resume(with_logprobs=False) == Resume((1, 2, 3), None)
+    assert sent.resume(with_logprobs=True) == Resume((1, 2, 3), tuple(lps))
 
 
 def test_stall_timeout_is_validated():
@@ -169,8 +172,10 @@ class FakeInstance:
 
     def remote(self, tokens, sampling, cache_salt="", resume=None) -> FakeStream:
         self.salts.append(cache_salt)
-        self.resumes.append(resume)
-        have = 0 if resume is None else len(resume[0])
+        resume = decode_resume(resume)  # the wire form the replica takes
+        decode_sampling(sampling)
+        self.resumes.append(None if resume is None else [list(resume.tokens), resume.logprobs])
+        have = 0 if resume is None else len(resume.tokens)
         self.streams.append(FakeStream(self.items, self.hang, have, self.fail, self.error))
         self.streams[-1].delay_s = self.delay_s
         return self.streams[-1]
@@ -210,8 +215,8 @@ def run_answer(instances: dict, router: FakeRouter) -> tuple[list[int], RoutedAn
 
     async def go() -> tuple[list[int], RoutedAnswer]:
         answer = RoutedAnswer(router, instances, RouterStates(router, max_age_s=0.0),
-                              [1, 2, 3], {}, "a", check_s=0.01, on_move=moved.append,
-                              cache_salt="salt-1")
+                              [1, 2, 3], SamplingParams(), "a", check_s=0.01,
+                              on_move=moved.append, cache_salt="salt-1")
         got = []
         async for item in answer.items():
             got.extend(item.tokens)
@@ -252,7 +257,7 @@ def test_a_request_that_failed_by_itself_is_not_sent_again():
     async def go() -> list[AnswerItem]:
         router = FakeRouter("a", "b", stall_after=10**6)
         answer = RoutedAnswer(router, {"a": a, "b": b}, RouterStates(router, max_age_s=0.0),
-                              [1], {}, "a", check_s=0.01)
+                              [1], SamplingParams(), "a", check_s=0.01)
         return [item async for item in answer.items()]
 
     items = asyncio.run(asyncio.wait_for(go(), 10))
@@ -267,7 +272,7 @@ def test_without_another_live_instance_the_answer_waits_then_gives_up():
 
     async def first_items() -> list[int]:
         answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1],
-                              {}, "a", check_s=0.01, give_up_s=1.0)
+                              SamplingParams(), "a", check_s=0.01, give_up_s=1.0)
         items = answer.items()
         got = list((await items.__anext__()).tokens)
         with pytest.raises(asyncio.TimeoutError):  # it waits for the stalled one a while
@@ -303,8 +308,8 @@ def test_a_recovering_instance_with_nowhere_else_is_waited_on():
     router = FakeRouter("a", None, stall_after=0, state="recovering")
 
     async def go() -> list[int]:
-        answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1], {},
-                              "a", check_s=0.01, give_up_s=0.05)
+        answer = RoutedAnswer(router, {"a": a}, RouterStates(router, max_age_s=0.0), [1],
+                              SamplingParams(), "a", check_s=0.01, give_up_s=0.05)
         got = []
         async for item in answer.items():
             got += item.tokens

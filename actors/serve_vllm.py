@@ -1,0 +1,183 @@
+"""The instance deployment of an `engine: vllm` graph: one vLLM engine with KvtierConnector
+(kvtier.vllm_engine.instance) behind an `InstanceServer`, where an `engine: kvtier` graph has
+kvtier's rank actors (actors/serve_instance). See docs/vllm.md.
+
+The ingress and the router treat it as any instance: it streams `AnswerItem`s, answers the
+router's poll with its load and cache events, and describes the key space of those events.
+vLLM's prefix cache is its L1 (vLLM's KV events), the connector's host pool its L2 and the
+shared L3 namespace its L3 (the connector's events, `take_events`); both reach the router
+keyed by tokens in the graph's key space (`event_namespace`), whatever vLLM hashes them with.
+
+The replica holds the instance's CPUs (`num_cpus_per_rank` x `tp_size`): vLLM's engine and
+workers are its child processes, which Ray does not schedule. What kvtier's instance offers
+and a vLLM engine does not (pins, rank faults and audits, L3 attached at run time) is refused
+with an error that says so (pins by the ingress).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+
+from kvtier.actors.instance_server import InstanceServer
+from kvtier.actors.serve_replica import ServedReplica, final_fields, l3_options
+from kvtier.config import FIELD_FLAGS, HiCacheConfig, HiCacheConfigRecord
+from kvtier.errors import ConfigError
+from kvtier.frontend.records import (AnswerFinal, InstanceSnapshot, L3Attachment, ReplicaConfig,
+                                     ReplicaDescription, ReplicaFlush, ReplicaSnapshot,
+                                     ReplicaStorage, RunningConfig)
+from kvtier.frontend.settings import ModelChoice, ServeSettings
+from kvtier.keys import KeyNamespace
+
+# the cache knobs the connector takes besides its ratio and L3 (docs/vllm.md); the others
+# are kvtier's engine's
+CONNECTOR_KNOBS = ("hicache_size_gb", "write_policy", "prefetch_policy")
+MAX_NUM_SEQS = 16
+KV_SLACK = 1.05
+
+
+def event_namespace(s: ServeSettings) -> KeyNamespace:
+    """The key space the router hashes prompts in and the instances key their events in."""
+    return KeyNamespace(f"vllm/{s.served_model_name}", "", f"vllm-block{s.page_size}")
+
+
+def model_dir(s: ServeSettings) -> str:
+    """The Hugging Face directory vLLM loads: SmolLM2's made from the GGUF kvtier ships."""
+    if s.model is ModelChoice.SMOLLM2:
+        from kvtier.engine.hf_export import smollm2_hf_dir
+
+        return str(smollm2_hf_dir())
+    return s.model_path
+
+
+def block_bytes(directory: str, block_size: int, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(bytes of one KV block over every layer, the model's context length), from its
+    config.json (16-bit KV: what vLLM keeps on this machine's CPUs and on GPUs)."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_block = config["num_hidden_layers"] * heads * head_dim * 2 * block_size * dtype_bytes
+    return per_block, int(config.get("max_position_embeddings", 4096))
+
+
+def connector_config(s: ServeSettings, ray_address: str | None) -> dict[str, Any]:
+    """KvtierConnector's `kv_connector_extra_config` for this deployment (SGLang's names)."""
+    other = sorted(set(s.hicache) - set(CONNECTOR_KNOBS))
+    if other:
+        raise ConfigError(f"engine vllm: hicache knob(s) {', '.join(other)} are kvtier "
+                          f"engine's; under vLLM the connector takes "
+                          f"{', '.join(CONNECTOR_KNOBS)} (docs/vllm.md)")
+    flag = lambda knob: FIELD_FLAGS[knob].lstrip("-").replace("-", "_")  # noqa: E731
+    extra: dict[str, Any] = {flag("hicache_ratio"): s.hicache_ratio, "l3_actor": s.l3_actor,
+                             **{flag(k): v for k, v in s.hicache.items()}}
+    if s.l3_state_dir:
+        extra["l3_state_dir"] = s.l3_state_dir
+    if ray_address:
+        extra["ray_address"] = ray_address
+    if s.storage_backend is not None:
+        extra[flag("storage_backend")] = s.storage_backend.value
+        extra[flag("storage_options")] = json.dumps(l3_options(s.storage_backend, s, None))
+    return extra
+
+
+def vllm_settings(s: ServeSettings, ray_address: str | None) -> Any:
+    """One engine's settings: L1 of `device_pages` blocks of `page_size` tokens, the
+    connector's L2 `hicache_ratio` times that (and L3 as the deployment says)."""
+    from kvtier.vllm_engine.instance import VllmSettings
+
+    directory = model_dir(s)
+    per_block, context = block_bytes(directory, s.page_size)
+    connector = connector_config(s, ray_address) if s.enable_hierarchical_cache else None
+    # vLLM's blocks take a few percent more than their KV (it keeps fewer than bytes/KV)
+    return VllmSettings(directory, block_size=s.page_size,
+                        kv_cache_bytes=math.ceil(s.device_pages * per_block * KV_SLACK),
+                        max_model_len=min(context, s.device_pages * s.page_size),
+                        max_num_seqs=MAX_NUM_SEQS, tp_size=s.tp_size, connector=connector)
+
+
+def _not_here(what: str) -> ConfigError:
+    return ConfigError(f"{what} is not supported with engine vllm (a vLLM engine has no "
+                       f"kvtier ranks); serve with engine kvtier for it")
+
+
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=5,
+                  graceful_shutdown_timeout_s=30, graceful_shutdown_wait_loop_s=0.2)
+class VllmDeployment(ServedReplica):
+    """One `engine: vllm` instance (`serve_graph.build_app` gives it its CPUs)."""
+
+    def __init__(self, name: str, settings: dict, index: int = 0) -> None:
+        """`index`: the instance's place in the graph; on CPUs its engine computes on core
+        `index` modulo this node's."""
+        s = self._open(name, settings)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub at run time
+        if not torch.cuda.is_available():  # instances side by side: a core each, in turn
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
+        from kvtier.vllm_engine.instance import VllmInstance
+
+        self.keys = event_namespace(s)
+        self.vllm = vllm_settings(s, ray.get_runtime_context().gcs_address)
+        self.server = InstanceServer(VllmInstance(self.vllm, event_keys=self.keys), name)
+        if s.storage_backend is not None:  # the connector attached it (its own namespace id)
+            self.l3 = L3Attachment(s.storage_backend, "",
+                                   l3_options(s.storage_backend, s, None))
+
+    def _final(self, out: Any) -> AnswerFinal:
+        return final_fields(out, self.name)
+
+    def _members(self, target: Any) -> list:
+        raise _not_here("this call")
+
+    # ---- router and operator calls ------------------------------------------------------------
+    async def describe(self) -> bytes:
+        k = self.keys
+        return ReplicaDescription(k.model, k.tenant_salt, k.layout_fingerprint,
+                                  self.settings.page_size, self.name,
+                                  self.settings.tp_size).to_msgpack()
+
+    async def snapshot(self) -> bytes:
+        """Its restarts only: vLLM counts its cache in its own metrics (the connector's
+        families among them), not in kvtier's snapshot."""
+        return ReplicaSnapshot((InstanceSnapshot(self.name, {}, None, 0, 0, {}, (), {}, 0),)
+                               ).to_msgpack()
+
+    async def flush(self) -> bytes:
+        """Drop vLLM's prefix cache (L1); the connector's L2 and L3 keep their pages. vLLM
+        refuses while requests run: a ConfigError then (the admin API's 400)."""
+        free = await self._call(lambda inst: inst.drop_cache())
+        if free is None:
+            raise ConfigError(f"instance {self.name}: vLLM does not reset its prefix cache "
+                              f"while requests run; retry when it is idle")
+        return ReplicaFlush(self.name, free).to_msgpack()
+
+    async def config(self) -> bytes:
+        s, v = self.settings, self.vllm
+        config = HiCacheConfig(page_size=s.page_size, hicache_ratio=s.hicache_ratio,
+                               enable_hierarchical_cache=s.enable_hierarchical_cache)
+        blocks = await self._call(lambda inst: inst.num_blocks)
+        running = RunningConfig(HiCacheConfigRecord.of(config), s.l3_name, v.model_dir,
+                                "auto", v.max_model_len, False, "fcfs", blocks,
+                                int(blocks * s.hicache_ratio) if v.connector else 0,
+                                engine=s.engine.value)
+        return ReplicaConfig(self.name, running).to_msgpack()
+
+    async def attach_l3(self, backend: str, options: dict | None) -> bytes:
+        raise _not_here("attaching L3 at run time (give storage_backend when serving)")
+
+    async def detach_l3(self) -> bytes:
+        raise _not_here("detaching L3 at run time")
+
+    async def storage(self) -> bytes:
+        return ReplicaStorage(self.name, self.l3).to_msgpack()
+
+    async def kill_rank(self, member: int, rank: int) -> bool:
+        raise _not_here("kill_rank")
+
+    async def audit(self) -> list[list[bytes]]:
+        raise _not_here("the leak audit")

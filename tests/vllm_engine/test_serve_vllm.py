@@ -1,0 +1,197 @@
+"""`kvtier serve --engine vllm`: the serve graph over two vLLM engines (SmolLM2, vLLM's CPU
+build), each with KvtierConnector as its L2 and the graph's file L3. Routing follows the
+instance that holds a prompt in vLLM's prefix cache, then in the connector's L2 once that is
+flushed; a document computed on one instance is read from L3 on the other, with the answer
+of the cold run; tenants never share a prefix. One graph for the module (two engines take
+most of two minutes to start here)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from http_client import ServeClient
+from vllm_required import require_vllm
+
+from kvtier.frontend.settings import ServeSettings
+
+require_vllm()
+pytestmark = pytest.mark.timeout(900)
+
+PORT = 8139
+BLOCK = 64
+PROMPT = 300  # tokens: four full blocks can be reused ((300 - 1) // 64 = 4)
+REUSABLE = (PROMPT - 1) // BLOCK * BLOCK
+KEY = "serve-vllm-admin-key-0123456789"
+TENANTS = {"key-of-a": "tenant-a", "key-of-b": "tenant-b"}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    from kvtier.actors import serve_graph
+
+    settings = ServeSettings(engine="vllm", instances=2, page_size=BLOCK, device_pages=48,
+                             hicache_ratio=2.0, max_new_tokens=96, admin_key=KEY,
+                             api_keys=TENANTS, l3_root=str(tmp_path_factory.mktemp("l3")),
+                             hicache={"prefetch_policy": "wait_complete"})
+    try:
+        serve_graph.start(settings, port=PORT)
+        yield ServeClient(f"http://127.0.0.1:{PORT}", settings.served_model_name, KEY,
+                          timeout_s=300)
+    finally:
+        serve_graph.stop()
+
+
+def document(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(PROMPT)]
+
+
+def ask(app: ServeClient, tokens: list[int], key: str = "key-of-a", max_tokens: int = 8,
+        **fields) -> dict:
+    """A greedy completion of the token prompt: its JSON body."""
+    return app.complete(tokens, max_tokens=max_tokens, key=key, **fields)
+
+
+def settled(app: ServeClient, holder: str, timeout_s: float = 30.0) -> dict:
+    """Until the router saw every instance idle and `holder` holding pages (it learns both
+    by polling): the router's view then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shown = app.router()
+        if all(i["load"] == 0 for i in shown.values()) and shown[holder]["indexed_pages"]:
+            return shown
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.1)
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
+    doc = document(1)
+    cold = ask(app, doc)
+    holder = cold["kvtier"]["instance"]
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    settled(app, holder)
+
+    again = ask(app, doc)  # vLLM's prefix cache holds it: the same instance, an L1 hit
+    assert again["kvtier"]["instance"] == holder, again["kvtier"]["route"]
+    assert again["kvtier"]["cached_tokens"] == {"device": REUSABLE, "host": 0, "storage": 0}
+    assert again["choices"][0]["text"] == cold["choices"][0]["text"]
+
+    settled(app, holder)
+    flushed = app.flush()["instances"]
+    assert all(f["free_device_pages"] > 0 for f in flushed)
+    from_l2 = ask(app, doc)  # L1 dropped, the connector's L2 kept it
+    assert from_l2["kvtier"]["instance"] == holder, from_l2["kvtier"]["route"]
+    assert from_l2["kvtier"]["cached_tokens"] == {"device": 0, "host": REUSABLE, "storage": 0}
+    assert from_l2["choices"][0]["text"] == cold["choices"][0]["text"]
+
+    # once the router knows the document's pages are in L3 (the holder's connector wrote
+    # them), the holder busy with a long answer over it: the other instance is as cheap and
+    # idle, takes the question and reads the document from L3
+    settled(app, holder)
+    wait_until(lambda: app.get("/admin/router", admin=True).json()["storage_pages"]
+               >= REUSABLE // BLOCK, "the router learns the document's pages are in L3")
+    answered: list[dict] = []
+    busy = threading.Thread(target=lambda: answered.append(
+        ask(app, doc + [7], max_tokens=96, ignore_eos=True)))
+    busy.start()
+    try:
+        wait_until(lambda: app.router()[holder]["load"] >= 1, "the holder busy")
+        other = ask(app, doc)
+    finally:
+        busy.join()
+    assert answered[0]["kvtier"]["instance"] == holder
+    assert other["kvtier"]["instance"] != holder, other["kvtier"]["route"]
+    assert other["kvtier"]["cached_tokens"] == {"device": 0, "host": 0, "storage": REUSABLE}
+    assert other["choices"][0]["text"] == cold["choices"][0]["text"]
+
+
+def test_tenants_never_share_a_prefix(app):
+    doc = document(2)
+    first = ask(app, doc, key="key-of-a")
+    settled(app, first["kvtier"]["instance"])
+    ask(app, doc, key="key-of-a")
+    theirs = ask(app, doc, key="key-of-b")
+    assert theirs["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert theirs["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_the_admin_api_says_what_a_vllm_instance_runs_and_lacks(app):
+    config = app.get("/admin/config", admin=True).json()["instances"]
+    assert [c["engine"] for c in config] == ["vllm", "vllm"]
+    assert all(c["l3"] == "file" and c["device_pages"] >= 48 for c in config)
+    pin = app.post("/admin/pin", {"tokens": document(3)}, admin=True)
+    assert pin.status_code == 400 and "engine vllm" in pin.text
+    attach = app.post("/admin/storage/attach", {"backend": "file"}, admin=True)
+    assert attach.status_code == 400 and "engine vllm" in attach.text
+    assert app.get("/health").json()["status"] == "ok"
+
+
+def test_a_router_that_starts_again_rebuilds_its_index_from_the_instances(app):
+    """The router's replica killed: Serve starts another, whose first polls ask each
+    instance what it holds, so a known document still goes to its holder."""
+    import ray
+
+    doc = document(4)
+    holder = ask(app, doc)["kvtier"]["instance"]
+    settled(app, holder)
+    (router,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "RouterDeployment" in a["name"]]
+    ray.kill(ray.get_actor(router["name"], namespace=router["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 120
+    while True:  # until the new router answers and indexed the instances' holdings
+        assert time.monotonic() < deadline, "no router came back with the instances' pages"
+        try:
+            shown = app.router()
+        except (AssertionError, OSError):
+            shown = {}
+        if shown and shown[holder]["indexed_pages"] > 0:
+            break
+        time.sleep(0.5)
+    again = ask(app, doc)
+    assert again["kvtier"]["instance"] == holder, again["kvtier"]["route"]
+    assert again["kvtier"]["cached_tokens"]["device"] == REUSABLE
+
+
+def test_an_instance_killed_mid_answer_is_routed_around_and_its_answer_goes_on(app):
+    """The replica of the instance streaming an answer dies (its vLLM engine with it): the
+    answer goes on on the other instance after the tokens already sent, each token once,
+    equal to the answer that ran through; the next requests avoid the dead instance until
+    Serve replaces it. Last in the module: the graph has a new instance after it."""
+    import json
+
+    import ray
+
+    doc = document(5)
+    long = {"max_tokens": 48, "ignore_eos": True}
+    whole = ask(app, doc, **long)
+    holder = whole["kvtier"]["instance"]
+    settled(app, holder)
+    (victim,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if f"#{holder}#" in a["name"]]
+    r = app.post("/v1/completions", {"model": app.model, "prompt": doc, "temperature": 0,
+                                     "stream": True, **long}, key="key-of-a", stream=True)
+    assert r.status_code == 200, r.text
+    texts, killed = [], False
+    for line in r.iter_lines():
+        if not line or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[len(b"data: "):])
+        assert "error" not in chunk, chunk
+        texts += [c["text"] for c in chunk["choices"]]
+        if not killed and len(texts) >= 4:  # some tokens out: the holder dies now
+            ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]),
+                     no_restart=True)
+            killed = True
+    assert killed and "".join(texts) == whole["choices"][0]["text"]
+    after = ask(app, doc)
+    assert after["kvtier"]["instance"] != holder
