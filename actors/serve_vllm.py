@@ -94,7 +94,7 @@ def vllm_settings(s: ServeSettings, ray_address: str | None) -> Any:
     directory = model_dir(s)
     per_block, context = block_bytes(directory, s.page_size)
     connector = connector_config(s, ray_address) if s.enable_hierarchical_cache else None
-    # vLLM's blocks take a few percent more than their KV (it keeps fewer than bytes/KV)
+    # vLLM makes a few percent fewer blocks than these bytes hold of KV: ask for more
     return VllmSettings(directory, block_size=s.page_size,
                         kv_cache_bytes=math.ceil(s.device_pages * per_block * KV_SLACK),
                         max_model_len=min(context, s.device_pages * s.page_size),
@@ -160,10 +160,10 @@ class VllmDeployment(ServedReplica):
         s, v = self.settings, self.vllm
         config = HiCacheConfig(page_size=s.page_size, hicache_ratio=s.hicache_ratio,
                                enable_hierarchical_cache=s.enable_hierarchical_cache)
-        blocks = await self._call(lambda inst: inst.num_blocks)
+        facts = await self._call(lambda inst: inst.facts())
         running = RunningConfig(HiCacheConfigRecord.of(config), s.l3_name, v.model_dir,
-                                "auto", v.max_model_len, False, "fcfs", blocks,
-                                int(blocks * s.hicache_ratio) if v.connector else 0,
+                                facts.dtype, facts.batched_tokens, False, "fcfs", facts.blocks,
+                                int(facts.blocks * s.hicache_ratio) if v.connector else 0,
                                 engine=s.engine.value)
         return ReplicaConfig(self.name, running).to_msgpack()
 

@@ -98,6 +98,14 @@ def token_logprobs(tokens: Sequence[int], entries: Sequence[dict] | None, k: int
     return tuple(out)
 
 
+class EngineFacts(NamedTuple):
+    """What a vLLM engine runs with (`VllmInstance.facts`)."""
+
+    blocks: int  # KV blocks: its L1
+    dtype: str  # the model's, resolved (bfloat16, float32, ...)
+    batched_tokens: int  # most tokens one step computes (vLLM's max_num_batched_tokens)
+
+
 @dataclass
 class _Running:
     prompt: tuple[int, ...]
@@ -238,6 +246,13 @@ class VllmInstance:
     def num_blocks(self) -> int:
         """vLLM's KV blocks (its L1), as its engine sized them."""
         return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    def facts(self) -> "EngineFacts":
+        """What the engine runs with, as vLLM resolved it."""
+        config = self._engine.vllm_config
+        dtype = str(config.model_config.dtype).removeprefix("torch.")
+        return EngineFacts(self.num_blocks, dtype,
+                           int(config.scheduler_config.max_num_batched_tokens))
 
     def drop_cache(self) -> int | None:
         """Drop vLLM's prefix cache (L1); the connector's L2 and L3 keep their pages. The

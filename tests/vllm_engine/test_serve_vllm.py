@@ -26,6 +26,7 @@ PROMPT = 300  # tokens: four full blocks can be reused ((300 - 1) // 64 = 4)
 REUSABLE = (PROMPT - 1) // BLOCK * BLOCK
 KEY = "serve-vllm-admin-key-0123456789"
 TENANTS = {"key-of-a": "tenant-a", "key-of-b": "tenant-b"}
+DTYPES = ("bfloat16", "float16", "float32")  # what vLLM resolves on CPUs and GPUs
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,8 @@ def test_tenants_never_share_a_prefix(app):
 def test_the_admin_api_says_what_a_vllm_instance_runs_and_lacks(app):
     config = app.get("/admin/config", admin=True).json()["instances"]
     assert [c["engine"] for c in config] == ["vllm", "vllm"]
-    assert all(c["l3"] == "file" and c["device_pages"] >= 48 for c in config)
+    assert all(c["l3"] == "file" and c["device_pages"] >= 48 and c["dtype"] in DTYPES
+               and c["host_pages"] == 2 * c["device_pages"] for c in config)
     pin = app.post("/admin/pin", {"tokens": document(3)}, admin=True)
     assert pin.status_code == 400 and "engine vllm" in pin.text
     attach = app.post("/admin/storage/attach", {"backend": "file"}, admin=True)
