@@ -107,7 +107,12 @@ def head() -> Iterator[Head]:
     process = subprocess.Popen(argv, env=env, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        yield Head(process, f"{LOOPBACK}:{port}", temp_dir)
+        address = f"{LOOPBACK}:{port}"
+        # a driver joins only once the head's node registered: `serve run` started sooner
+        # exits ("No node info found"), as it once did on a loaded machine
+        eventually(lambda: joinable(address), UP_S, "the Ray head took a driver",
+                   retry_on=(subprocess.TimeoutExpired,), interval_s=0.5)
+        yield Head(process, address, temp_dir)
         # `ray start --block` stops its node on SIGTERM (the raylet ends its workers)
         assert stop(process, signal.SIGTERM, STOP_S) is not None, "the Ray head did not stop"
         # workers may take a moment after the raylet
@@ -118,6 +123,14 @@ def head() -> Iterator[Head]:
         kill_session(process.pid)
         process.wait(10)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def joinable(address: str) -> bool:
+    """Whether a driver (another process, as `serve run` is) joins the cluster at `address`."""
+    probe = ("import ray; ray.init(address=%r, log_to_driver=False, "
+             "include_dashboard=False); ray.shutdown()" % address)
+    return subprocess.run([sys.executable, "-c", probe], env=ray_env(), timeout=60,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
 def config_copy(tmp_path: Path) -> tuple[Path, dict]:
