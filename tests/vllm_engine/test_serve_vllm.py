@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 
+from eventually import eventually
 from http_client import ServeClient
 from vllm_required import require_vllm
 
@@ -59,20 +59,12 @@ def ask(app: ServeClient, tokens: list[int], key: str = "key-of-a", max_tokens: 
 def settled(app: ServeClient, holder: str, timeout_s: float = 30.0) -> dict:
     """Until the router saw every instance idle and `holder` holding pages (it learns both
     by polling): the router's view then."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def idle() -> dict | None:
         shown = app.router()
-        if all(i["load"] == 0 for i in shown.values()) and shown[holder]["indexed_pages"]:
-            return shown
-        assert time.monotonic() < deadline, shown
-        time.sleep(0.1)
+        quiet = all(i["load"] == 0 for i in shown.values()) and shown[holder]["indexed_pages"]
+        return shown if quiet else None
 
-
-def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
+    return eventually(idle, timeout_s, "the router saw every instance idle", interval_s=0.1)
 
 
 def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
@@ -99,14 +91,16 @@ def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
     # them), the holder busy with a long answer over it: the other instance is as cheap and
     # idle, takes the question and reads the document from L3
     settled(app, holder)
-    wait_until(lambda: app.get("/admin/router", admin=True).json()["storage_pages"]
-               >= REUSABLE // BLOCK, "the router learns the document's pages are in L3")
+    eventually(lambda: app.get("/admin/router", admin=True).json()["storage_pages"]
+               >= REUSABLE // BLOCK, 60, "the router learns the document's pages are in L3",
+               interval_s=0.05)
     answered: list[dict] = []
     busy = threading.Thread(target=lambda: answered.append(
         ask(app, doc + [7], max_tokens=96, ignore_eos=True)))
     busy.start()
     try:
-        wait_until(lambda: app.router()[holder]["load"] >= 1, "the holder busy")
+        eventually(lambda: app.router()[holder]["load"] >= 1, 60, "the holder busy",
+                   interval_s=0.05)
         other = ask(app, doc)
     finally:
         busy.join()
@@ -149,16 +143,10 @@ def test_a_router_that_starts_again_rebuilds_its_index_from_the_instances(app):
     (router,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
                  if "RouterDeployment" in a["name"]]
     ray.kill(ray.get_actor(router["name"], namespace=router["namespace"]), no_restart=True)
-    deadline = time.monotonic() + 120
-    while True:  # until the new router answers and indexed the instances' holdings
-        assert time.monotonic() < deadline, "no router came back with the instances' pages"
-        try:
-            shown = app.router()
-        except (AssertionError, OSError):
-            shown = {}
-        if shown and shown[holder]["indexed_pages"] > 0:
-            break
-        time.sleep(0.5)
+    # until the new router answers and indexed the instances' holdings
+    eventually(lambda: app.router()[holder]["indexed_pages"] > 0, 120,
+               "a router came back with the instances' pages",
+               retry_on=(AssertionError, OSError), interval_s=0.5)
     again = ask(app, doc)
     assert again["kvtier"]["instance"] == holder, again["kvtier"]["route"]
     assert again["kvtier"]["cached_tokens"]["device"] == REUSABLE
