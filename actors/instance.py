@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (placement_group, placement_group_table,
+                                      remove_placement_group)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtier.actors.cluster_placement import unplaced_message
 from kvtier.actors.pd.rank_port import RankHandoffCounters
@@ -66,6 +68,14 @@ MAX_RESTARTS = 3  # rank-set replacements in a row without a completed step
 IDLE_WAIT_S = 0.0005
 
 T = TypeVar("T")
+
+
+@ray.remote(num_cpus=0)
+def _node_rendezvous() -> str:
+    """A rendezvous address free on the node this task runs on (`Instance._rendezvous`)."""
+    from kvtier.engine import tp_group  # by name: Ray ships this function by value
+
+    return tp_group.loopback_init_method()
 
 
 class InstanceStep(NamedTuple):
@@ -193,8 +203,20 @@ class Instance:
                                                   self.ready_timeout_s))
         ray.get(ready[0])
 
+    def _rendezvous(self) -> str:
+        """The TP group's rendezvous address: a loopback port free on the node of bundle 0,
+        where rank 0 listens (all of an instance's ranks share one node). Chosen here when
+        that node is this process's, else by a zero-CPU task on it: a port free on the
+        driver's host may be taken on the ranks' host."""
+        node = placement_group_table(self._pg)["bundles_to_node_id"][0]
+        if node == ray.get_runtime_context().get_node_id():
+            return loopback_init_method()
+        task = _node_rendezvous.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self._pg, placement_group_bundle_index=0))
+        return ray.get(task.remote(), timeout=self.ready_timeout_s)
+
     def _start_ranks(self) -> None:
-        init_method = loopback_init_method()
+        init_method = self._rendezvous()
         s = self._settings
         if s.l3 is not None:  # the namespace as it is now (a restarted master moved it)
             info = _current_info(s.l3.to_msgpack(), s.l3_actor)

@@ -140,6 +140,25 @@ def test_two_nodes_share_l3_pages_across_instances(connected, tmp_path) -> None:
         ref.close()
 
 
+def test_a_tp_group_on_another_node_meets_at_a_port_chosen_on_that_node(connected,
+                                                                        monkeypatch) -> None:
+    """The rendezvous port of a rank set on the worker node is chosen there, never on the
+    driver's node (a port free here may be taken there)."""
+    import kvtier.actors.instance as instance_module
+
+    def not_here() -> str:
+        raise AssertionError("the driver chose the rendezvous port of ranks on another node")
+
+    monkeypatch.setattr(instance_module, "loopback_init_method", not_here)
+    b = Instance(RANK_SETTINGS, tp_size=2, resources={"kvtier_instance": 1},
+                 ready_timeout_s=60, step_timeout_s=30)
+    try:
+        assert {_node_of(r) for r in b.ranks} == {connected.node_ids[NODE2_RES]}
+        assert b.generate([PROMPT], GREEDY)[0].tokens
+    finally:
+        b.close()
+
+
 def test_auto_master_host_is_the_actors_node_address_on_two_nodes(connected, tmp_path,
                                                                    monkeypatch) -> None:
     """With two alive nodes "auto" binds the node's address (here every node is 127.0.0.1,
