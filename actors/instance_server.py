@@ -31,8 +31,10 @@ from kvtier.actors.instance import InstanceError, InstanceStep
 from kvtier.actors.step_wire import Progress
 from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
+from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.frontend.cache_events import CacheEventBatch
 from kvtier.frontend.router_index import PrefixIndex
+from kvtier.policies import CacheEventKind, CacheTier
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ class InstanceServer:
         self._events: deque[bytes] = deque(maxlen=MAX_EVENT_BATCHES)
         self._holdings = PrefixIndex(MAX_HOLDINGS_PAGES, MAX_HOLDINGS_PAGES)  # its events
         self._holdings_epoch = instance.restarts
+        self._l2: L2Reporter | None = None  # tells the namespace directory its L2 pages
         self._lock = threading.Lock()  # guards broken, the queue's last puts, _events and
         # the counters read by poll
         self._load = 0
@@ -200,11 +203,28 @@ class InstanceServer:
             return ServerPoll(self._load, self.instance.restarts, events, self.broken,
                               self._steps, self.instance.recovering, holdings)
 
+    def report_l2(self, reporter: L2Reporter | None) -> None:
+        """From now on tell `reporter` the L2 pages its events say the instance holds, and
+        gains and loses (None: stop; the reporter before closes, so the directory forgets
+        them). For an instance whose event keys are its L3 namespace's page keys."""
+        with self._lock:
+            before, self._l2 = self._l2, reporter
+            if reporter is not None:
+                snapshot = self._holdings.holdings(self.name)
+                for event in () if snapshot is None else snapshot.events:
+                    if event.tier is CacheTier.HOST and event.kind is CacheEventKind.STORED:
+                        reporter.held(event.page_hashes)
+        if before is not None:
+            before.close()
+
     def close(self, timeout_s: float = 30.0) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout_s)
-        self.instance.close()
+        try:
+            self.instance.close()
+        finally:
+            self.report_l2(None)
 
     # ---- the driver thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -273,11 +293,22 @@ class InstanceServer:
             return
         decoded = CacheEventBatch.from_msgpack(batch)
         with self._lock:
+            l2 = self._l2
             if self._holdings_epoch != self.instance.restarts:  # new ranks: events from 1
                 self._holdings.forget(self.name)
                 self._holdings_epoch = self.instance.restarts
+                if l2 is not None:
+                    l2.cleared()
             self._holdings.apply(decoded)
             self._events.append(batch)
+            if l2 is not None:
+                for event in decoded.events:
+                    if event.tier is not CacheTier.HOST:
+                        continue
+                    if event.kind is CacheEventKind.STORED:
+                        l2.held(event.page_hashes)
+                    elif event.kind is CacheEventKind.EVICTED:
+                        l2.dropped(event.page_hashes)
 
     def _done_one(self) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ import torch
 
 from kvtier.actors.instance import Instance, InstanceError
 from kvtier.actors.instance_server import InstanceServer, ServerEventKind
+from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.actors.ray_env import keep_serve_replica_on_loopback
 from kvtier.actors.step_wire import decode_resume, decode_sampling
 from kvtier.engine.request import FinishReason
@@ -184,6 +185,7 @@ class ServedReplica:
 
     async def detach_l3(self) -> bytes:
         await self._call(lambda target: [inst.detach_l3() for inst in self._l3_members(target)])
+        await asyncio.get_running_loop().run_in_executor(None, self.server.report_l2, None)
         self.l3 = None
         return ReplicaStorage(self.name, None).to_msgpack()
 
@@ -256,6 +258,8 @@ class ServedReplica:
         server.call(lambda target: [inst.attach_l3(info, s.l3_actor)
                                     for inst in self._l3_members(target)]
                     ).result(CALL_TIMEOUT_S)
+        # its cache events key pages as the namespace does: the directory learns its L2
+        server.report_l2(L2Reporter(client, info.namespace, self.name))
         self.l3 = L3Attachment(kind, info.namespace, dict(options))
         log.info("instance %s: L3 %s attached (namespace %s)", self.name, kind.value,
                  info.namespace)

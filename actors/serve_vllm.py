@@ -122,7 +122,8 @@ class VllmDeployment(ServedReplica):
         from kvtier.vllm_engine.instance import VllmInstance
 
         self.keys = event_namespace(s)
-        self.vllm = vllm_settings(s, ray.get_runtime_context().gcs_address)
+        self.vllm = vllm_settings(s, ray.get_runtime_context().gcs_address
+                                  )._replace(engine_id=name)
         self.server = InstanceServer(VllmInstance(self.vllm, event_keys=self.keys), name)
         if s.storage_backend is not None:  # the connector attached it (its own namespace id)
             self.l3 = L3Attachment(s.storage_backend, "",

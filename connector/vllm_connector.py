@@ -194,6 +194,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._report = WorkerReport()
+        self._l2_reporter: Any = None  # an L2Reporter with L3: the directory learns our L2
         if role is KVConnectorRole.SCHEDULER:
             self._recompute_failed_loads()
             self._requests: dict[str, "Request"] = {}
@@ -242,7 +243,11 @@ class KvtierConnector(KVConnectorBase_V1):
         s = self._settings
         info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor,
                                   s.l3_state_dir)
-        return DirectoryLink(s.ray_address, info.namespace, s.l3_actor)
+        link = DirectoryLink(s.ray_address, info.namespace, s.l3_actor)
+        # listed under vLLM's engine id (kv_transfer_config.engine_id; kvtier serve: the
+        # instance's name)
+        self._l2_reporter = link.l2_reporter(str(self._kv_transfer_config.engine_id))
+        return link
 
     def _attach_l3(self, worker: WorkerSide) -> None:
         """This worker's storage client (its own KV heads) and background traffic."""
@@ -329,7 +334,11 @@ class KvtierConnector(KVConnectorBase_V1):
         publishes them with its own when `kv_events_config` enables events)."""
         if self._scheduler is None:
             return ()
-        return connector_events(self._scheduler.take_changes(), self._block_size)
+        changes = self._scheduler.take_changes()
+        if self._l2_reporter is not None:
+            self._l2_reporter.held(c.key for c in changes if c.kind is L2ChangeKind.HELD)
+            self._l2_reporter.dropped(c.key for c in changes if c.kind is L2ChangeKind.EVICTED)
+        return connector_events(changes, self._block_size)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -376,6 +385,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._l2_reporter is not None:  # the directory forgets our L2
+            self._l2_reporter.close()
+            self._l2_reporter = None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_failed_blocks() if self._worker is not None else set()

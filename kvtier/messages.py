@@ -546,6 +546,48 @@ class LookupResult(_Record):
     lease_id: str = ""
 
 
+MAX_HOLDER_CHARS = 256
+
+
+def _check_holder(holder: str, where: str) -> None:
+    if not isinstance(holder, str) or not 0 < len(holder) <= MAX_HOLDER_CHARS:
+        raise MessageError(f"{where}: a holder is a name of 1-{MAX_HOLDER_CHARS} characters, "
+                           f"got {holder!r:.40}")
+
+
+@dataclass(frozen=True)
+class L2Report(_Record):
+    """What one holder (an instance's L2, host memory) gained and lost of a namespace's
+    pages since its last report; `replace`: `held` is everything it holds now."""
+
+    namespace: str
+    holder: str
+    held: tuple[str, ...]
+    dropped: tuple[str, ...] = ()
+    replace: bool = False
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder, "L2Report.holder")
+        _check_hashes(self.held, "L2Report.held")
+        _check_hashes(self.dropped, "L2Report.dropped")
+
+
+@dataclass(frozen=True)
+class L2Holding(_Record):
+    """`holder` holds the first `pages` pages asked about in its L2."""
+
+    holder: str
+    pages: int
+
+
+@dataclass(frozen=True)
+class L2Listing(_Record):
+    """Who holds a leading run of the pages asked about in L2, the longest run first."""
+
+    namespace: str
+    holders: tuple[L2Holding, ...] = ()
+
+
 @dataclass(frozen=True)
 class DirectoryStats(_Record):
     """Per-namespace counters of the page directory (monotonic, except the gauges)."""
@@ -572,6 +614,8 @@ class DirectoryStats(_Record):
     pins: int = 0  # gauge: pinned prefixes
     pinned_pages: int = 0  # gauge: published pages pins keep past the quota
     expired_pins: int = 0
+    l2_pages: int = 0  # gauge: pages some instance holds in L2 (as they reported)
+    l2_holders: int = 0  # gauge: instances holding pages in L2
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What the page directory keeps per namespace (its pages, leases on them, its counters)
+"""What the page directory keeps per namespace (its pages, leases on them, its counters,
+who holds which of its pages in L2)
 and per lease.
 
 Plain data, owned by kvtier.tiers.page_directory.PageDirectory (the one writer)."""
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.messages import NamespaceInfo
+from kvtier.tiers.l2_holders import L2Holders
 from kvtier.tiers.page_pins import NamespacePins
 from kvtier.tiers.page_store import PageStore
 
@@ -38,6 +40,7 @@ class NamespaceState:
     leased: Counter[str] = field(default_factory=Counter)  # page -> active leases on it
     counters: DirectoryCounters = field(default_factory=DirectoryCounters)
     pins: NamespacePins = field(default_factory=NamespacePins)  # kept past any quota
+    l2: L2Holders = field(default_factory=L2Holders)  # who holds which pages in L2
     needs_pass: bool = False  # the quota may be exceeded: the next eviction pass checks
 
 

@@ -36,8 +36,8 @@ from typing import Callable, Sequence
 from kvtier.backends.base import check_page_hash
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import (DirectoryStats, LeaseGrant, LookupResult, NamespaceInfo,
-                             NamespaceSpec)
+from kvtier.messages import (DirectoryStats, L2Holding, LeaseGrant, LookupResult,
+                             NamespaceInfo, NamespaceSpec)
 from kvtier.tiers.directory_state import Lease as _Lease, NamespaceState
 from kvtier.tiers.page_pins import L3PinListing
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
@@ -247,6 +247,24 @@ class PageDirectory:
                     len(doomed), state.info.epoch)
         return len(doomed)
 
+    # ---- L2 holdings (l2_holders) ------------------------------------------------------------
+    def report_l2(self, ns: str, holder: str, held: Sequence[str], dropped: Sequence[str] = (),
+                  replace: bool = False) -> int:
+        """`holder` (an instance) gained `held` and lost `dropped` in its L2 (`replace`: held
+        is all it holds); returns the pages it lists now."""
+        holders = self._get(ns).l2
+        holders.apply(holder, held, dropped, replace)
+        return holders.held_by(holder)
+
+    def forget_l2(self, holder: str) -> int:
+        """`holder` holds nothing any more, in any namespace (it stopped); the pages it
+        listed."""
+        return sum(state.l2.forget(holder) for state in self._ns.values())
+
+    def l2_holders(self, ns: str, hashes: Sequence[str]) -> tuple[L2Holding, ...]:
+        """Who holds a leading run of `hashes` in L2, the longest first."""
+        return self._get(ns).l2.leading(hashes)
+
     def stats(self, ns: str) -> DirectoryStats:
         state = self._get(ns)
         self._expire()
@@ -255,7 +273,8 @@ class PageDirectory:
                               state.info.spec.capacity_pages, active, epoch=state.info.epoch,
                               doomed_pages=self._deletes.count(ns), pins=len(state.pins),
                               pinned_pages=state.pins.pinned_pages(state.published),
-                              expired_pins=state.pins.expired_total, **vars(state.counters))
+                              expired_pins=state.pins.expired_total, l2_pages=len(state.l2),
+                              l2_holders=state.l2.holders, **vars(state.counters))
 
     # ---- pinned prefixes (page_pins) --------------------------------------------------------
     def pin(self, ns: str, pin_id: str, hashes: Sequence[str], ttl_s: float,

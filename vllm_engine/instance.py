@@ -40,6 +40,8 @@ class VllmSettings(NamedTuple):
     max_num_seqs: int = 8
     tp_size: int = 1
     connector: dict[str, Any] | None = None
+    engine_id: str | None = None  # vLLM's (None: a new uuid): the L3 directory lists the
+    # connector's L2 under it
 
     def engine_args(self, events_endpoint: str | None = None) -> Any:
         """vLLM's arguments; `events_endpoint`: where it publishes its KV events (none: it
@@ -48,7 +50,7 @@ class VllmSettings(NamedTuple):
         from vllm.engine.arg_utils import EngineArgs
 
         transfer = None if self.connector is None else KVTransferConfig(
-            kv_connector=CONNECTOR, kv_role="kv_both",
+            kv_connector=CONNECTOR, kv_role="kv_both", engine_id=self.engine_id,
             kv_connector_extra_config=dict(self.connector))
         events = None if events_endpoint is None else KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)

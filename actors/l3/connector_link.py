@@ -13,6 +13,7 @@ from typing import Sequence
 
 import ray
 
+from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.actors.l3.namespace_actor import ACTOR_NAME, get_or_create_namespace_actor
 from kvtier.actors.l3.rank_link import directory_client, open_namespace_backend
 from kvtier.actors.ray_join import join_cluster
@@ -74,6 +75,10 @@ class DirectoryLink:
             self._client.report_missing(self.namespace, list(keys))
         except Exception as exc:  # noqa: BLE001 - the next reader reports them again
             log.warning("reporting %d unreadable L3 pages failed (%s)", len(keys), exc)
+
+    def l2_reporter(self, holder: str) -> L2Reporter:
+        """What tells the directory the engine's L2 pages, under `holder`."""
+        return L2Reporter(self._client, self.namespace, holder)
 
 
 class WorkerStorage:

@@ -27,9 +27,9 @@ from kvtier.actors.l3.namespace_service import NamespaceService
 from kvtier.backends.base import StorageUnavailable
 from kvtier.kv_spec import HeadRange
 from kvtier.errors import PinRoomError
-from kvtier.messages import (DirectoryStats, LeaseGrant, LookupRequest, LookupResult,
-                             MissingReport, NamespaceInfo, NamespaceSpec, PinGrant, PinRequest,
-                             StoredReport, unpack_records)
+from kvtier.messages import (DirectoryStats, L2Holding, L2Listing, L2Report, LeaseGrant,
+                             LookupRequest, LookupResult, MissingReport, NamespaceInfo,
+                             NamespaceSpec, PinGrant, PinRequest, StoredReport, unpack_records)
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_pins import L3PinListing
 
@@ -88,6 +88,22 @@ class _Client:
 
     def release(self, lease_id: str) -> bool:
         return bool(self._call("release", lease_id))
+
+    def report_l2(self, ns: str, holder: str, held: Sequence[str], dropped: Sequence[str] = (),
+                  replace: bool = False) -> int:
+        """`holder` (an instance) gained `held` and lost `dropped` in its L2 (`replace`: held
+        is all it holds now); the pages it lists now."""
+        report = L2Report(ns, holder, tuple(held), tuple(dropped), replace)
+        return int(self._call("report_l2", report.to_msgpack()))
+
+    def forget_l2(self, holder: str) -> int:
+        """`holder` stopped: the pages it listed in L2 are forgotten (how many)."""
+        return int(self._call("forget_l2", holder))
+
+    def l2_holders(self, ns: str, hashes: Sequence[str]) -> tuple[L2Holding, ...]:
+        """Who holds a leading run of `hashes` in L2, the longest run first."""
+        request = LookupRequest(ns, tuple(hashes))
+        return L2Listing.from_msgpack(self._call("l2_holders", request.to_msgpack())).holders
 
     def rebuild(self, ns: str) -> int:
         return int(self._call("rebuild", ns))

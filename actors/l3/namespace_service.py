@@ -35,8 +35,8 @@ from kvtier.backends.mooncake_master import MooncakeMaster, default_master_host
 from kvtier.backends.shared_root import ensure_marker, shared_root_dir
 from kvtier.errors import KvtierError, PinRoomError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import (LookupRequest, MissingReport, NamespaceInfo, NamespaceSpec,
-                             PinGrant, PinRequest, StoredReport, pack_records)
+from kvtier.messages import (L2Listing, L2Report, LookupRequest, MissingReport, NamespaceInfo,
+                             NamespaceSpec, PinGrant, PinRequest, StoredReport, pack_records)
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import MooncakeOptions
 from kvtier.tiers.page_directory import PageDirectory
@@ -153,6 +153,25 @@ class NamespaceService:
     def release(self, lease_id: str) -> bool:
         with self._lock:
             return self._poke(self.directory.release(str(lease_id)))
+
+    # ---- L2 holdings (the directory's l2_holders) --------------------------------------------
+    def report_l2(self, report_bytes: bytes) -> int:
+        """An instance's L2 changes (an L2Report); the pages it lists now."""
+        r = L2Report.from_msgpack(report_bytes)
+        with self._lock:
+            return self.directory.report_l2(r.namespace, r.holder, r.held, r.dropped, r.replace)
+
+    def forget_l2(self, holder: str) -> int:
+        """An instance stopped: it holds nothing in L2 any more."""
+        with self._lock:
+            return self.directory.forget_l2(str(holder))
+
+    def l2_holders(self, request_bytes: bytes) -> bytes:
+        """Who holds a leading run of the pages of a LookupRequest in L2: L2Listing bytes."""
+        q = LookupRequest.from_msgpack(request_bytes)
+        with self._lock:
+            return L2Listing(q.namespace, self.directory.l2_holders(q.namespace,
+                                                                    q.hashes)).to_msgpack()
 
     # ---- pinned prefixes (the directory's page_pins) -----------------------------------------
     def pin(self, request_bytes: bytes) -> bytes:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from eventually import eventually
 
 from vllm_required import require_vllm
 
@@ -200,7 +201,12 @@ def test_a_second_engine_reads_from_l3_what_the_first_computed(llm, reader, l3):
     prompt = document("cherry", items=55)
     first = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=1),
                          use_tqdm=False)[0]
-    published(l3, list(first.prompt_token_ids))
+    keys = published(l3, list(first.prompt_token_ids))
+    # the directory lists the writer's L2 too, under vLLM's engine id
+    (ns,) = l3.actor.namespaces()
+    writer = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    eventually(lambda: {h.holder: h.pages for h in l3.actor.l2_holders(ns, keys)}.get(writer)
+               == len(keys) or None, 30, "the writer's L2 pages listed", interval_s=0.1)
     before = counters(reader)
     cached, length, tokens, logprobs = generate(reader, prompt)
     assert cached == (length - 1) // BLOCK * BLOCK > 0
@@ -212,6 +218,10 @@ def test_a_second_engine_reads_from_l3_what_the_first_computed(llm, reader, l3):
     assert (tokens, logprobs) == (list(first.outputs[0].token_ids),
                                   [next(iter(lp.values())).logprob
                                    for lp in first.outputs[0].logprobs])
+    # the reader keeps what it read in its L2: listed under its own id as well
+    ours = reader.llm_engine.vllm_config.kv_transfer_config.engine_id
+    eventually(lambda: {h.holder for h in l3.actor.l2_holders(ns, keys)} >= {writer, ours}
+               or None, 30, "the reader's L2 pages listed", interval_s=0.1)
 
 
 def test_a_corrupt_l3_object_is_recomputed_and_the_answer_stays(llm, reader, l3):

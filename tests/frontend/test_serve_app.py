@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import random
 
 import pytest
 import requests
@@ -172,6 +173,34 @@ def test_admin_purge_empties_the_namespace_and_ranks_back_up_again(app):
     wait_for("ranks back up again", lambda s: s.published_pages > 0, ns, lambda: CLIENT.chat(ask))
 
 
+def test_the_namespace_directory_lists_the_l2_pages_of_each_instance(app):
+    """An instance tells the L3 namespace's directory what its L2 holds (its cache events):
+    a prompt's pages are listed under the instance that computed them; detached from L3 it
+    is listed no more."""
+    import ray
+
+    from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
+
+    shown = requests.get(f"{BASE}/admin/storage", headers=ADMIN, timeout=30).json()
+    ns = shown["instances"][0]["l3"]["namespace"]
+    client = NamespaceClient(ray.get_actor(SETTINGS.l3_actor, namespace=RAY_NAMESPACE))
+    tokens = [random.Random(31).randrange(100, 40000) for _ in range(5 * 16 + 3)]
+    hashes = client.info(ns).spec.key_namespace.page_hashes(tokens, 16)
+    answered = {CLIENT.complete(tokens)["kvtier"]["instance"]}
+
+    def listed():
+        found = client.l2_holders(ns, hashes)
+        if found and found[0].holder in answered and found[0].pages == len(hashes):
+            return found
+        # a page may reach L2 once it was hit (the write policy)
+        answered.add(CLIENT.complete(tokens)["kvtier"]["instance"])
+        raise AssertionError(found)
+
+    eventually(listed, 30, "the prompt's L2 pages listed under an instance that answered it",
+               retry_on=(AssertionError,), interval_s=0.3)
+    assert namespace_stats(ns).l2_holders >= 1
+
+
 def test_admin_detach_and_attach(app):
     bad = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=30,
                         json={"backend": "floppy"})
@@ -181,13 +210,18 @@ def test_admin_detach_and_attach(app):
     twice = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=60,
                           json={"backend": "file"})
     assert twice.status_code == 400 and "detach it first" in twice.json()["error"]["message"]
+    shown = requests.get(f"{BASE}/admin/storage", headers=ADMIN, timeout=30).json()
+    ns = shown["instances"][0]["l3"]["namespace"]
     off = requests.post(f"{BASE}/admin/storage/detach", headers=ADMIN, timeout=60).json()
     assert [i["l3"] for i in off["instances"]] == [None, None]
+    assert namespace_stats(ns).l2_holders == 0  # detached: no instance is listed
     CLIENT.chat([{"role": "user", "content": "served without L3"}])
     on = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=60,
                        json={"backend": "file"})
     assert on.status_code == 200, on.text
     assert {i["l3"]["backend"] for i in on.json()["instances"]} == {"file"}
+    assert on.json()["instances"][0]["l3"]["namespace"] == ns
+    wait_for("the L2 listings come back", lambda s: s.l2_holders >= 1, ns)
 
 
 def test_32_concurrent_requests_are_all_answered(app):

@@ -1,0 +1,128 @@
+"""The namespace directory's list of who holds which pages in L2 (tiers/l2_holders), through
+PageDirectory, the namespace service's records (FakeNamespaceClient: the actor's bytes without
+Ray) and the reporter an instance feeds (actors/l3/l2_reporter)."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier.actors.l3.l2_reporter import L2Reporter
+from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
+from kvtier.messages import L2Holding, L2Listing, L2Report, MessageError, NamespaceSpec
+from kvtier.policies import StorageBackendKind
+from kvtier.tiers.l2_holders import L2Holders
+
+
+def h(i: int, tag: str = "a") -> str:
+    return f"{tag}{i:063x}"
+
+
+def chain(n: int, tag: str = "a") -> list[str]:
+    return [h(i, tag) for i in range(n)]
+
+
+def test_each_holder_is_listed_with_its_leading_run_longest_first():
+    l2 = L2Holders()
+    l2.apply("x", chain(5))
+    l2.apply("y", chain(3))
+    l2.apply("z", chain(5)[1:])  # not the first page: no run
+    assert l2.leading(chain(6)) == (L2Holding("x", 5), L2Holding("y", 3))
+    l2.apply("x", (), dropped=[h(2)])  # a hole ends x's run there
+    assert l2.leading(chain(6)) == (L2Holding("y", 3), L2Holding("x", 2))
+    assert l2.leading([]) == () and l2.leading([h(9, "b")]) == ()
+    assert len(l2) == 5 and l2.holders == 3
+
+
+def test_replace_and_forget_leave_nothing_of_the_holder_behind():
+    l2 = L2Holders()
+    l2.apply("x", chain(4))
+    l2.apply("y", chain(2))
+    l2.apply("x", [h(7, "b")], replace=True)
+    assert l2.leading(chain(4)) == (L2Holding("y", 2),)
+    assert l2.held_by("x") == 1
+    assert l2.forget("x") == 1 and l2.forget("x") == 0
+    assert len(l2) == 2 and l2.holders == 1
+    l2.apply("y", (), dropped=chain(2))
+    assert len(l2) == 0 and l2.holders == 0
+
+
+def test_a_holder_lists_at_most_its_bound_the_oldest_go_first():
+    l2 = L2Holders(max_pages_per_holder=3)
+    l2.apply("x", chain(5))
+    assert l2.held_by("x") == 3 and l2.dropped_entries == 2
+    assert l2.leading(chain(5)) == ()  # pages 0 and 1 went first
+    assert l2.leading(chain(5)[2:]) == (L2Holding("x", 3),)
+
+
+def test_the_records_are_checked():
+    report = L2Report("ns", "instance-0", tuple(chain(2)), (h(5),), True)
+    assert L2Report.from_msgpack(report.to_msgpack()) == report
+    listing = L2Listing("ns", (L2Holding("a", 2),))
+    assert L2Listing.from_msgpack(listing.to_msgpack()) == listing
+    with pytest.raises(MessageError, match="holder"):
+        L2Report("ns", "", ())
+    with pytest.raises(MessageError, match="hex"):
+        L2Report("ns", "x", ("nothex",))
+
+
+@pytest.fixture
+def client():
+    with FakeNamespaceClient() as c:
+        yield c
+
+
+@pytest.fixture
+def ns(client):
+    spec = NamespaceSpec("org/model", "", "fp", StorageBackendKind.SIMULATED, {}, 2, 0)
+    return client.register(spec).namespace
+
+
+def test_the_directory_lists_l2_holders_per_namespace_and_counts_them(client, ns):
+    assert client.report_l2(ns, "a", chain(3)) == 3
+    assert client.report_l2(ns, "b", chain(2)) == 2
+    assert client.l2_holders(ns, chain(3)) == (L2Holding("a", 3), L2Holding("b", 2))
+    stats = client.stats(ns)
+    assert (stats.l2_pages, stats.l2_holders) == (3, 2)
+    assert stats.published_pages == 0  # L2 holdings publish nothing in L3
+    assert client.forget_l2("a") == 3
+    assert client.l2_holders(ns, chain(3)) == (L2Holding("b", 2),)
+
+
+def test_a_reporter_sends_net_changes_and_makes_a_failed_report_good(client, ns):
+    class Flaky:
+        fail = False
+
+        def report_l2(self, *args, **kw):
+            if self.fail:
+                raise OSError("directory down")
+            return client.report_l2(*args, **kw)
+
+        def forget_l2(self, holder):
+            return client.forget_l2(holder)
+
+    flaky = Flaky()
+    reporter = L2Reporter(flaky, ns, "instance-0", interval_s=3600)  # flushed by hand
+    try:
+        client.report_l2(ns, "instance-0", [h(9, "c")])  # an earlier run's leftover
+        reporter.held(chain(4))
+        reporter.dropped([h(3)])
+        assert reporter.flush()
+        assert client.l2_holders(ns, chain(4)) == (L2Holding("instance-0", 3),)
+        assert client.l2_holders(ns, [h(9, "c")]) == ()  # the first report replaced it
+
+        flaky.fail = True
+        reporter.dropped([h(2)])
+        assert not reporter.flush() and reporter.failures == 1
+        flaky.fail = False
+        reporter.held([h(0, "d")])
+        assert reporter.flush()  # everything again: the lost drop is made good
+        assert client.l2_holders(ns, chain(4)) == (L2Holding("instance-0", 2),)
+        assert client.l2_holders(ns, [h(0, "d")]) == (L2Holding("instance-0", 1),)
+
+        reporter.cleared()  # new ranks: an empty L2
+        assert reporter.flush()
+        assert client.stats(ns).l2_pages == 0
+        reporter.held(chain(2))
+        assert reporter.flush()
+    finally:
+        reporter.close()
+    assert client.stats(ns).l2_holders == 0  # closed: forgotten
