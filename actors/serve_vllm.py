@@ -143,10 +143,12 @@ class VllmDeployment(ServedReplica):
                                   self.settings.tp_size).to_msgpack()
 
     async def snapshot(self) -> bytes:
-        """Its restarts only: vLLM counts its cache in its own metrics (the connector's
-        families among them), not in kvtier's snapshot."""
-        return ReplicaSnapshot((InstanceSnapshot(self.name, {}, None, 0, 0, {}, (), {}, 0),)
-                               ).to_msgpack()
+        """kvtier's counters of the engine: its requests' hits by tier and the connector's
+        copies (vLLM's stats carry them; vLLM's own metrics have the connector's families
+        too). L2 use is not known outside vLLM's EngineCore: 0."""
+        counters = await self._call(lambda inst: inst.counters())
+        return ReplicaSnapshot((InstanceSnapshot(self.name, counters.cache, counters.storage,
+                                                 0, 0, {}, (), {}, 0),)).to_msgpack()
 
     async def flush(self) -> bytes:
         """Drop vLLM's prefix cache (L1); the connector's L2 and L3 keep their pages. vLLM

@@ -29,7 +29,8 @@ from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.plan import StepPlan, WorkerReport
 from kvtier.connector.scheduler_side import L3Directory, ScheduledRequest, SchedulerSide
 from kvtier.connector.settings import CONNECTOR, ConnectorSettings
-from kvtier.connector.stats import FAMILIES, CopyStats
+from kvtier.connector.stats import FAMILIES
+from kvtier.vllm_engine.copy_stats import CopyStats
 from kvtier.connector.worker_side import BlockLayout, WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace

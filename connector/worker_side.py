@@ -21,7 +21,7 @@ import torch
 
 from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.plan import PageLoad, PageSave, StepPlan, WorkerReport
-from kvtier.connector.stats import CopyStats
+from kvtier.vllm_engine.copy_stats import CopyStats
 from kvtier.errors import ConfigError
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")

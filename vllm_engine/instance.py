@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from kvtier.actors.instance import InstanceStep
 from kvtier.actors.step_wire import Progress
@@ -22,8 +22,11 @@ from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
 from kvtier.frontend.cache_events import CacheEventLog
 from kvtier.keys import KeyNamespace
-from kvtier.tiers.cache_types import RequestLengths
+from kvtier.tiers.cache_types import CacheCounters, RequestLengths
+from kvtier.tiers.controller import TransferStats
+from kvtier.tiers.storage_types import StorageCounters
 from kvtier.vllm_engine.cached import CachedBySource
+from kvtier.vllm_engine.copy_stats import CopyStats
 from kvtier.vllm_engine.kv_events import EventFeed, KeyTranslator
 
 CONNECTOR = "KvtierConnector"
@@ -100,6 +103,35 @@ def token_logprobs(tokens: Sequence[int], entries: Sequence[dict] | None, k: int
     return tuple(out)
 
 
+class VllmCounters(NamedTuple):
+    """An engine's figures for kvtier's metrics (`InstanceSnapshot`): fields of CacheCounters
+    and TransferStats, and of StorageCounters (None: no L3), from its requests' outputs and
+    the connector's copies."""
+
+    cache: dict[str, Any]
+    storage: dict[str, Any] | None
+
+
+def _copy_tally(tally: Callable[[dict[str, Any]], None]) -> Any:
+    """A vLLM stat logger class that hands each step's connector figures to `tally`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class ConnectorTally(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            payload = None if scheduler_stats is None else scheduler_stats.kv_connector_stats
+            if payload:
+                tally(payload)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return ConnectorTally
+
+
 class EngineFacts(NamedTuple):
     """What a vLLM engine runs with (`VllmInstance.facts`)."""
 
@@ -134,8 +166,12 @@ class VllmInstance:
         self._feed = None if event_keys is None else EventFeed()
         self._translator: KeyTranslator | None = None
         endpoint = None if self._feed is None else self._feed.endpoint
+        self._copies = CopyStats()  # what the connector's workers copied (vLLM's stats)
+        self._hits = CachedTokens(0, 0, 0)  # finished requests' cached prompt tokens by tier
+        self._lookups = 0  # finished requests
         try:
-            self._engine = LLMEngine.from_engine_args(settings.engine_args(endpoint))
+            self._engine = LLMEngine.from_engine_args(settings.engine_args(endpoint),
+                                                      stat_loggers=[_copy_tally(self._tally)])
         except BaseException:
             if self._feed is not None:
                 self._feed.close()
@@ -263,6 +299,27 @@ class VllmInstance:
             return None
         return self.num_blocks
 
+    def counters(self) -> "VllmCounters":
+        """kvtier's cache and L3 counters of this engine so far (monotonic)."""
+        copies, hits = self._copies, self._hits
+        cache = {**CacheCounters(
+            lookups=self._lookups, device_hit_tokens=hits.device, host_hit_tokens=hits.host,
+            loaded_back_tokens=copies.hit_tokens + copies.l3_hit_tokens,
+            backed_up_tokens=copies.backup_tokens,
+            failed_load_tokens=copies.failed_load_tokens).snapshot(),
+            **TransferStats(write_bytes=copies.backup_bytes, write_s=copies.backup_seconds,
+                            load_bytes=copies.load_back_bytes,
+                            load_s=copies.load_back_seconds)._asdict()}
+        l3 = self.settings.connector is not None and bool(
+            self.settings.connector.get("hicache_storage_backend"))
+        storage = StorageCounters(storage_hit_tokens=hits.storage,
+                                  prefetched_tokens=copies.l3_hit_tokens).snapshot()
+        return VllmCounters(cache, storage if l3 else None)
+
+    def _tally(self, payload: dict[str, Any]) -> None:
+        """One step's connector figures, as vLLM's stats carry them (its step thread)."""
+        self._copies = self._copies + CopyStats.from_payload(payload)
+
     # ---- answers ----------------------------------------------------------------------------
     def _output(self, request_id: int, req: _Running, out: Any, completion: Any) -> Output:
         prompt_len = len(req.prompt) + len(req.resumed)
@@ -271,6 +328,8 @@ class VllmInstance:
         cached = CachedTokens(total - by_source.host - by_source.storage, by_source.host,
                               by_source.storage)
         from_host = by_source.host + by_source.storage
+        self._lookups += 1
+        self._hits = CachedTokens(*(a + b for a, b in zip(self._hits, cached)))
         lengths = RequestLengths(cached.device, from_host, from_host, by_source.storage,
                                  prompt_len - total)
         reason = FINISH.get(str(completion.finish_reason), FinishReason.ERROR)

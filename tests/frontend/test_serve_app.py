@@ -10,6 +10,8 @@ import pytest
 import requests
 from eventually import eventually
 from http_client import ServeClient
+from openai_checks import (greedy_logprobs_are_sorted_with_the_chosen_first,
+                           n_answers_equal_single_requests)
 from shared_serve import BASE, served
 
 from kvtier.netcheck import listening
@@ -338,13 +340,7 @@ def test_n_answers_come_back_indexed_and_equal_single_requests(app):
     client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "n?"}]
     kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0)
-    many = client.chat.completions.create(n=3, seed=11, **kw)
-    assert [c.index for c in many.choices] == [0, 1, 2]
-    singles = [client.chat.completions.create(seed=11 + i, **kw) for i in range(3)]
-    assert [c.message.content for c in many.choices] == \
-        [s.choices[0].message.content for s in singles]
-    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
-    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    many = n_answers_equal_single_requests(client, 11, **kw)
     chunks = list(client.chat.completions.create(n=2, seed=11, stream=True, **kw))
     texts, ends = ["", ""], [None, None]
     for chunk in chunks:
@@ -365,14 +361,7 @@ def test_logprobs_come_with_every_answer_token(app):
     kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
               top_logprobs=3)
     whole = client.chat.completions.create(**kw)
-    content = whole.choices[0].logprobs.content
-    assert len(content) == whole.usage.completion_tokens
-    for entry in content:
-        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
-        best = entry.top_logprobs[0]  # greedy: the chosen token is the most likely one
-        assert (best.bytes, best.logprob) == (entry.bytes, entry.logprob)
-        assert [t.logprob for t in entry.top_logprobs] == \
-            sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    content = greedy_logprobs_are_sorted_with_the_chosen_first(whole, 3)
     joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
     assert joined.startswith(whole.choices[0].message.content)
     chunks = list(client.chat.completions.create(stream=True, **kw))

@@ -13,6 +13,8 @@ import pytest
 
 from eventually import eventually
 from http_client import ServeClient
+from openai_checks import (greedy_logprobs_are_sorted_with_the_chosen_first,
+                           n_answers_equal_single_requests)
 from vllm_required import require_vllm
 
 from kvtier.frontend.settings import ServeSettings
@@ -67,6 +69,36 @@ def settled(app: ServeClient, holder: str, timeout_s: float = 30.0) -> dict:
     return eventually(idle, timeout_s, "the router saw every instance idle", interval_s=0.1)
 
 
+def metrics_moved() -> None:
+    """kvtier's /metrics counted the vLLM instances' cache in kvtier's own families: hits by
+    tier, L2 loads and backups with their bytes, L3 hits."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def moved() -> dict:
+        text = requests.get(f"http://127.0.0.1:{PORT}/metrics", timeout=30).text
+        sums: dict = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (family.name, sample.labels.get("tier", ""))
+                    sums[key] = sums.get(key, 0.0) + sample.value
+        wanted = [("kvtier_hit_tokens", "device"), ("kvtier_hit_tokens", "host"),
+                  ("kvtier_hit_tokens", "storage"), ("kvtier_load_back_tokens", ""),
+                  ("kvtier_load_back_bytes", ""), ("kvtier_backup_tokens", ""),
+                  ("kvtier_backup_bytes", ""), ("kvtier_lookups", ""),
+                  ("kvtier_prefetch_hit_tokens", "")]
+        still = [w for w in wanted if sums.get(w, 0) <= 0]
+        assert not still, f"not moved: {still}"
+        return sums
+
+    sums = eventually(moved, 30, "kvtier's cache families moved", retry_on=(AssertionError,),
+                      interval_s=0.5)
+    # the connector loaded at least what the answers say it supplied
+    assert sums[("kvtier_hit_tokens", "host")] + sums[("kvtier_hit_tokens", "storage")] <= \
+        sums[("kvtier_load_back_tokens", "")]
+
+
 def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
     doc = document(1)
     cold = ask(app, doc)
@@ -108,6 +140,7 @@ def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
     assert other["kvtier"]["instance"] != holder, other["kvtier"]["route"]
     assert other["kvtier"]["cached_tokens"] == {"device": 0, "host": 0, "storage": REUSABLE}
     assert other["choices"][0]["text"] == cold["choices"][0]["text"]
+    metrics_moved()  # the three tiers' hits, in kvtier's own metrics
 
 
 def test_tenants_never_share_a_prefix(app):
@@ -118,6 +151,22 @@ def test_tenants_never_share_a_prefix(app):
     theirs = ask(app, doc, key="key-of-b")
     assert theirs["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert theirs["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_n_answers_and_logprobs_come_back_as_from_kvtiers_own_instances(app):
+    """n=3 over a vLLM instance: three answers sampled with seeds s, s+1, s+2 (answer i is
+    the single request with seed s+i), the prompt counted once. Log-probabilities: one entry
+    per answer token, the chosen token the most likely under greedy decoding, top-k sorted."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="key-of-a",
+                           max_retries=0, timeout=300)
+    model = app.model
+    messages = [{"role": "user", "content": "Name three rivers and one lake."}]
+    kw = dict(model=model, messages=messages, max_tokens=6, temperature=1.0)
+    n_answers_equal_single_requests(client, 11, **kw)
+    greedy = client.chat.completions.create(**{**kw, "temperature": 0}, logprobs=True,
+                                            top_logprobs=3)
+    greedy_logprobs_are_sorted_with_the_chosen_first(greedy, 3)
 
 
 def test_the_admin_api_says_what_a_vllm_instance_runs_and_lacks(app):
