@@ -31,7 +31,7 @@ from kvtier.connector.scheduler_side import L3Directory, ScheduledRequest, Sched
 from kvtier.connector.settings import CONNECTOR, ConnectorSettings
 from kvtier.connector.stats import FAMILIES
 from kvtier.vllm_engine.copy_stats import CopyStats
-from kvtier.connector.worker_side import BlockLayout, WorkerSide
+from kvtier.connector.worker_side import WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange
@@ -362,13 +362,14 @@ class KvtierConnector(KVConnectorBase_V1):
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         expected = (self._kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size,
                     spec.head_size)
-        self._worker = WorkerSide(kv_caches, self._slots, BlockLayout.CPU, self._block_size,
+        self._worker = WorkerSide(kv_caches, self._slots, block_size=self._block_size,
                                   counts_tokens=get_tensor_model_parallel_rank() == 0,
-                                  expected=expected)
+                                  expected=expected)  # the layout, told from the shapes
         if self._settings.l3:
             self._attach_l3(self._worker)
-        log.info("%s: host pool of %d pages, %.1f MB", CONNECTOR, self._slots,
-                 self._slots * self._worker.shape.slot_bytes / 1e6)
+        log.info("%s: host pool of %d pages, %.1f MB; vLLM's KV in the %s layout", CONNECTOR,
+                 self._slots, self._slots * self._worker.shape.slot_bytes / 1e6,
+                 self._worker.layout.value)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._work.begin_step(self._bound_plan())

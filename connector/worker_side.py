@@ -1,11 +1,13 @@
 """The worker half of the vLLM connector, free of vLLM: one TP rank's L2 host pool and the
 copies a `StepPlan` asks for (docs/vllm.md).
 
-vLLM's KV cache is its L1. Each layer is one tensor whose first dimension is the block; the
-CPU attention backend lays a block out as `[kv_heads, block_size, 2 x head_dim]` and reads the
-first `block_size x head_dim` values of each head as its keys and the rest as its values
-(`BlockLayout.CPU`). The bytes inside are the backend's own: a page is copied, never
-interpreted. The host pool keeps, for each slot, each of this rank's KV heads and each part
+vLLM's KV cache is its L1: one tensor per layer, laid out as its attention backend wants
+(`BlockLayout`, told from the tensor's shape). The CPU backend lays a block out as
+`[kv_heads, block_size, 2 x head_dim]` and reads the first `block_size x head_dim` values of
+each head as its keys and the rest as its values; the GPU backends keep keys and values apart,
+FlashAttention as `[2, blocks, block_size, kv_heads, head_dim]`, FlashInfer and Triton as
+`[blocks, 2, block_size, kv_heads, head_dim]`. The bytes of a head's keys or values are the
+backend's own: a page is copied, never interpreted. The host pool keeps, for each slot, each of this rank's KV heads and each part
 (K, V) contiguous across the layers, `[slots, heads, 2, layers, block_size x head_dim]`, so
 one L3 object (a page's head and part) is one contiguous run of host memory.
 """
@@ -28,26 +30,49 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 class BlockLayout(enum.Enum):
-    """How an attention backend lays out one layer's KV tensor."""
+    """How an attention backend lays out one layer's KV tensor (the shape vLLM hands the
+    connector, whatever the strides under it)."""
 
     CPU = "cpu"  # [num_blocks, kv_heads, block_size, 2 x head_dim]: K rows then V rows per head
+    KV_FIRST = "kv_first"  # [2, num_blocks, block_size, kv_heads, head_dim]: FlashAttention's
+    BLOCK_FIRST = "block_first"  # [num_blocks, 2, block_size, kv_heads, head_dim]: FlashInfer's
 
     def parts(self, layer: torch.Tensor) -> torch.Tensor:
-        """`layer` as `[num_blocks, kv_heads, 2, block_size x head_dim]` (a view)."""
-        blocks, heads = layer.shape[0], layer.shape[1]
-        return layer.view(blocks, heads, 2, -1)
+        """`layer` as `[num_blocks, kv_heads, 2, block_size, head_dim]` (a view: writing it
+        writes the layer)."""
+        if self is BlockLayout.CPU:
+            blocks, heads, block_size, two_dims = layer.shape
+            return layer.view(blocks, heads, 2, block_size, two_dims // 2)
+        if self is BlockLayout.KV_FIRST:
+            return layer.permute(1, 3, 0, 2, 4)
+        return layer.permute(0, 3, 1, 2, 4)
 
-    def check(self, layer: torch.Tensor, expected: tuple[int, int, int, int]) -> None:
-        """Refuse a KV tensor laid out otherwise (`expected`: blocks, this rank's KV heads,
-        block size, head dim): reading its blocks as this layout would move wrong bytes."""
+    def shape(self, expected: tuple[int, int, int, int]) -> tuple[int, ...]:
+        """A layer's shape in this layout (`expected`: blocks, KV heads, block size, head
+        dim)."""
         blocks, heads, block_size, head_dim = expected
-        want = (blocks, heads, block_size, 2 * head_dim)
-        if tuple(layer.shape) != want or not layer.is_contiguous():
-            raise ConfigError(f"KvtierConnector reads vLLM's CPU attention layout "
-                              f"{list(want)} (blocks, KV heads, block size, 2 x head dim); "
-                              f"this engine's KV cache is {list(layer.shape)} on "
-                              f"{layer.device}: its attention backend is not supported yet, "
-                              f"run vLLM without the connector")
+        return {BlockLayout.CPU: (blocks, heads, block_size, 2 * head_dim),
+                BlockLayout.KV_FIRST: (2, blocks, block_size, heads, head_dim),
+                BlockLayout.BLOCK_FIRST: (blocks, 2, block_size, heads, head_dim)}[self]
+
+    @classmethod
+    def of(cls, layer: torch.Tensor, expected: tuple[int, int, int, int]) -> "BlockLayout":
+        """The layout `layer` has (`expected`: blocks, this rank's KV heads, block size,
+        head dim); ConfigError for a shape none of them has, or more than one: reading its
+        blocks as a wrong layout would move wrong bytes."""
+        found = [layout for layout in cls if tuple(layer.shape) == layout.shape(expected)]
+        if found == [cls.CPU] and not layer.is_contiguous():
+            found = []  # the CPU backend's bytes are read as one run per head
+        if len(found) != 1:
+            shapes = "; ".join(f"{list(layout.shape(expected))} ({layout.value})"
+                               for layout in cls)
+            raise ConfigError(f"KvtierConnector reads a layer's KV tensor as one of {shapes} "
+                              f"(blocks, KV heads, block size, head dim: {list(expected)}); "
+                              f"this engine's is {list(layer.shape)} on {layer.device}"
+                              + (" and fits more than one" if found else "")
+                              + ": its attention backend is not supported, run vLLM without "
+                              f"the connector")
+        return found[0]
 
 
 @dataclass(frozen=True)
@@ -77,7 +102,7 @@ def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
 
 def pool_shape(layers: Sequence[torch.Tensor], layout: BlockLayout) -> PoolShape:
     """The host pool shape `layers` need; raises when the layers differ in shape or dtype."""
-    first = layout.parts(layers[0])
+    first = layout.parts(layers[0]).flatten(3)
     for i, layer in enumerate(layers):
         if layer.shape != layers[0].shape or layer.dtype != layers[0].dtype:
             raise ConfigError(f"vLLM KV cache layer {i} has shape {tuple(layer.shape)} "
@@ -96,10 +121,15 @@ class WorkerSide:
                  expected: tuple[int, int, int, int] | None = None) -> None:
         """`block_size` and `counts_tokens` (rank 0 counts tokens, every rank its bytes) are
         for the stats only; `expected` (blocks, KV heads, block size, head dim), when given,
-        is checked against every layer's tensor."""
+        tells the layout from the tensors' shape (`layout` is then ignored) and checks every
+        layer has it."""
         if expected is not None:
-            for layer in kv_caches.values():
-                layout.check(layer, expected)
+            found = {BlockLayout.of(layer, expected) for layer in kv_caches.values()}
+            if len(found) != 1:
+                raise ConfigError(f"vLLM's KV cache layers come in several layouts "
+                                  f"{sorted(x.value for x in found)}: kvtier needs one")
+            (layout,) = found
+        self.layout = layout
         layers = ordered_layers(kv_caches)
         self.layers = [layout.parts(t) for t in layers]
         self.shape = pool_shape(layers, layout)
@@ -205,10 +235,10 @@ class WorkerSide:
         dst = torch.tensor(blocks, dtype=torch.long, device=self.layers[0].device)
         rows = self.host.index_select(0, src).to(self.layers[0].device, non_blocking=True)
         for i, layer in enumerate(self.layers):
-            layer[dst] = rows[:, :, :, i]
+            layer[dst] = rows[:, :, :, i].unflatten(3, layer.shape[3:])
 
     def _copy_out(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         src = torch.tensor(blocks, dtype=torch.long, device=self.layers[0].device)
         dst = torch.tensor(slots, dtype=torch.long)
         for i, layer in enumerate(self.layers):
-            self.host[dst, :, :, i] = layer[src].to("cpu", non_blocking=False)
+            self.host[dst, :, :, i] = layer[src].flatten(3).to("cpu", non_blocking=False)

@@ -1,10 +1,12 @@
-"""The connector's worker half, without vLLM: copies between CPU-layout blocks and L2."""
+"""The connector's worker half, without vLLM: copies between vLLM's blocks (the CPU backend's
+layout and the GPU backends') and L2."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.connector.plan import PageLoad, PageSave, StepPlan
-from kvtier.connector.worker_side import WorkerSide
+from kvtier.connector.worker_side import BlockLayout, WorkerSide, ordered_layers
 
 LAYERS, BLOCKS, HEADS, BS, HD = 3, 6, 2, 4, 8
 
@@ -56,13 +58,67 @@ def test_a_load_that_fails_is_reported_with_its_blocks():
     assert w.take_failed_blocks() == {1, 2} and w.take_failed_blocks() == set()
 
 
-def test_a_kv_cache_in_another_layout_is_refused():
-    import pytest
+def gpu_caches(layout: BlockLayout, logical: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per layer `[blocks, heads, 2, block_size, head_dim]` values, laid out as a GPU
+    backend keeps them (as strided views of one buffer, as vLLM hands them over)."""
+    out = {}
+    for i, values in enumerate(logical):
+        if layout is BlockLayout.KV_FIRST:  # [2, blocks, block_size, heads, dim]
+            t = values.permute(2, 0, 3, 1, 4).contiguous()
+        else:  # BLOCK_FIRST: [blocks, 2, block_size, heads, dim]
+            t = values.permute(0, 2, 3, 1, 4).contiguous()
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out
 
+
+@pytest.mark.parametrize("layout", [BlockLayout.KV_FIRST, BlockLayout.BLOCK_FIRST])
+def test_gpu_layouts_save_each_heads_keys_and_values_and_load_them_back(layout):
+    """The GPU backends' layouts (told from the shape): a head's keys (values) of a block are
+    its [block_size, head_dim] keys (values) in the host pool, whatever the layout, and a
+    block loads back into another block of another engine bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    logical = [torch.randn(BLOCKS, HEADS, 2, BS, HD, generator=gen).to(torch.bfloat16)
+               for _ in range(LAYERS)]
+    src = gpu_caches(layout, logical)
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    a = WorkerSide(src, num_slots=3, block_size=BS, expected=(BLOCKS, HEADS, BS, HD))
+    b = WorkerSide(dst, num_slots=3, block_size=BS, expected=(BLOCKS, HEADS, BS, HD))
+    assert a.layout is b.layout is layout
+    b.host = a.host
+    a.end_step(StepPlan(saves=(PageSave((4, 1), (2, 0)),)))
+    for i in range(LAYERS):
+        for head in range(HEADS):
+            for part in range(2):
+                assert torch.equal(a.host[2, head, part, i], logical[i][4, head, part].flatten())
+    b.begin_step(StepPlan(loads=(PageLoad("r", (2, 0), (0, 5)),)))
+    back = [BlockLayout.parts(layout, t) for t in ordered_layers(dst)]
+    for i in range(LAYERS):
+        assert torch.equal(back[i][0], logical[i][4]) and torch.equal(back[i][5], logical[i][1])
+        assert not back[i][1:5].any()  # nothing else written
+
+
+def test_the_same_kv_gives_the_same_host_pages_in_both_gpu_layouts():
+    gen = torch.Generator().manual_seed(6)
+    logical = [torch.randn(BLOCKS, HEADS, 2, BS, HD, generator=gen) for _ in range(LAYERS)]
+    pools = []
+    for layout in (BlockLayout.KV_FIRST, BlockLayout.BLOCK_FIRST):
+        w = WorkerSide(gpu_caches(layout, logical), num_slots=2,
+                       expected=(BLOCKS, HEADS, BS, HD))
+        w.end_step(StepPlan(saves=(PageSave((3, 0), (0, 1)),)))
+        pools.append(w.host)
+    assert torch.equal(*pools)
+
+
+def test_a_kv_cache_in_an_unknown_layout_is_refused():
     from kvtier.errors import ConfigError
 
-    gpu_like = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, BLOCKS, BS, HEADS, HD)
-                for i in range(LAYERS)}  # FlashAttention's [2, blocks, block_size, heads, dim]
-    with pytest.raises(ConfigError, match="not supported yet"):
-        WorkerSide(gpu_like, num_slots=2, expected=(BLOCKS, HEADS, BS, HD))
-    WorkerSide(kv_caches(4), num_slots=2, expected=(BLOCKS, HEADS, BS, HD))  # vLLM's CPU one
+    mla_like = {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, BS, HD)
+                for i in range(LAYERS)}  # one latent per token: no heads, no K/V
+    with pytest.raises(ConfigError, match="attention backend is not supported"):
+        WorkerSide(mla_like, num_slots=2, expected=(BLOCKS, HEADS, BS, HD))
+    strided = {name: t.transpose(2, 3).contiguous().transpose(2, 3)
+               for name, t in kv_caches(4).items()}  # the CPU shape, not its one run per head
+    with pytest.raises(ConfigError, match="attention backend is not supported"):
+        WorkerSide(strided, num_slots=2, expected=(BLOCKS, HEADS, BS, HD))
+    cpu = WorkerSide(kv_caches(4), num_slots=2, expected=(BLOCKS, HEADS, BS, HD))
+    assert cpu.layout is BlockLayout.CPU
