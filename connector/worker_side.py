@@ -7,9 +7,10 @@ vLLM's KV cache is its L1: one tensor per layer, laid out as its attention backe
 each head as its keys and the rest as its values; the GPU backends keep keys and values apart,
 FlashAttention as `[2, blocks, block_size, kv_heads, head_dim]`, FlashInfer and Triton as
 `[blocks, 2, block_size, kv_heads, head_dim]`. The bytes of a head's keys or values are the
-backend's own: a page is copied, never interpreted. The host pool keeps, for each slot, each of this rank's KV heads and each part
-(K, V) contiguous across the layers, `[slots, heads, 2, layers, block_size x head_dim]`, so
-one L3 object (a page's head and part) is one contiguous run of host memory.
+backend's own: a page is copied, never interpreted. The host pool keeps, for each slot, each
+of this rank's KV heads and each part (K, V) contiguous across the layers, `[slots, heads, 2,
+layers, block_size x head_dim]`, so one L3 object (a page's head and part) is one contiguous
+run of host memory.
 """
 from __future__ import annotations
 
