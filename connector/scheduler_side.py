@@ -5,9 +5,11 @@ request's tokens L2 can supply, fetches from L3 what L2 lacks, and plans each st
 vLLM's adapter (kvtier.connector.vllm_connector) calls it from the EngineCore process:
 `add` when a request arrives, `match` when vLLM asks for external tokens, `allocated` once
 vLLM gave the request its blocks, `plan` once per step, `settle` with the ranks' merged
-report, `finish` when the request leaves. Every full block a request computes (prompt or
-generated) is saved once, after the step that filled it, unless L2 already holds its page;
-with L3, once every rank reported it saved, the next plan has the ranks write it there.
+report, `finish` when the request leaves. Under `write_through` every full block a request
+computes (prompt or generated) is saved once, after the step that filled it, unless L2
+already holds its page; under `write_through_selective` only once a second request used the
+page (hit it in vLLM's prefix cache, or computed it again), from that request's blocks. With
+L3, once every rank reported a page saved, the next plan has the ranks write it there.
 
 L3: when L2's run of a prompt's pages ends early, `match` asks the namespace's directory how
 many of the following pages L3 holds (published by every rank of whoever wrote them), leases
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -32,6 +35,8 @@ from kvtier.connector.plan import (PageFetch, PageLoad, PageSave, PageStore, Ste
                                    WorkerReport)
 from kvtier.keys import KeyNamespace, page_hashes
 from kvtier.policies import PrefetchPolicy
+
+USES_PER_SLOT = 4  # write_through_selective: use counts kept, per L2 slot
 
 
 class L3Directory(Protocol):
@@ -79,6 +84,7 @@ class _Request:
     salt: str
     keys: list[str] = field(default_factory=list)  # chain digests of its full pages so far
     planned_pages: int = 0  # pages before this one were saved, or found in L2
+    counted_pages: int = 0  # its pages counted as used (write_through_selective)
     match: tuple[int, list[int]] | None = None  # (first page, L2 slots) of the last match
     load: PageLoad | None = None  # waiting for the next plan
     wait_until: float | None = None  # monotonic deadline of its L3 prefetch, if waiting
@@ -105,6 +111,11 @@ class SchedulerSide:
         self._fetches: list[PageFetch] = []  # for the next plan
         self._stores: list[PageStore] = []  # for the next plan
         self._fetching: dict[int, tuple[str, str]] = {}  # slot -> (page key, lookup lease)
+        # write_through_selective: a page is saved once this many requests used it (computed
+        # or hit it); write_through: 1, every page once computed
+        self._hot_after = self.config.write_through_hit_threshold or 1
+        self._uses: OrderedDict[str, int] = OrderedDict()  # page -> requests, newest last
+        self._max_uses = USES_PER_SLOT * num_slots
         self._counts = ConnectorCounts()
 
     @property
@@ -125,6 +136,7 @@ class SchedulerSide:
         req.match = None
         if last_page <= first:
             return 0
+        self._count_uses(req, self._keys(req, tokens, last_page), last_page)
         keys = self._keys(req, tokens, last_page)[first:last_page]
         slots = self.index.held_run(keys)
         rest = keys[len(slots):]
@@ -264,7 +276,9 @@ class SchedulerSide:
         if full <= req.planned_pages:
             return None
         keys = self._keys(req, step.tokens, full)
-        new = [p for p in range(req.planned_pages, full) if keys[p] not in self.index]
+        self._count_uses(req, keys, full)
+        new = [p for p in range(req.planned_pages, full)
+               if keys[p] not in self.index and self._hot(keys[p])]
         req.planned_pages = full
         origins = [self._origins(req, step.tokens, p, 1)[0] for p in new]
         slots = self.index.reserve([keys[p] for p in new], origins=origins)
@@ -272,6 +286,21 @@ class SchedulerSide:
             return None
         self._counts.saved_pages += len(slots)
         return PageSave(tuple(step.blocks[p] for p in new[:len(slots)]), tuple(slots))
+
+    def _count_uses(self, req: _Request, keys: Sequence[str], pages: int) -> None:
+        """The request used its pages before `pages` (once each): their use counts grow
+        (write_through_selective only; the counts of the pages used longest ago go first)."""
+        if self._hot_after <= 1 or pages <= req.counted_pages:
+            return
+        for key in keys[req.counted_pages:pages]:
+            self._uses[key] = self._uses.pop(key, 0) + 1
+        req.counted_pages = pages
+        while len(self._uses) > self._max_uses:
+            self._uses.popitem(last=False)
+
+    def _hot(self, key: str) -> bool:
+        """Whether the write policy saves this page now."""
+        return self._hot_after <= 1 or self._uses.get(key, 0) >= self._hot_after
 
     def _origins(self, req: _Request, tokens: Sequence[int], first: int,
                  count: int) -> list[PageOrigin]:

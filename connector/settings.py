@@ -55,10 +55,11 @@ class ConnectorSettings:
         if isinstance(fields.get("storage_options"), str):
             fields["storage_options"] = _json_object(fields["storage_options"])
         cache = HiCacheConfig.from_dict(fields).normalize()
-        if cache.write_policy is not WritePolicy.WRITE_THROUGH:
+        if cache.write_policy is WritePolicy.WRITE_BACK:
             raise ConfigError(f"{CONNECTOR}: hicache_write_policy {cache.write_policy.value} "
                               f"is not available under vLLM (vLLM does not tell a connector "
-                              f"when it evicts a block); use write_through")
+                              f"when it evicts a block); use write_through or "
+                              f"write_through_selective")
         for key in _OWN_KEYS:
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise ConfigError(f"{CONNECTOR}: {key} must be a string (e.g. ray_address "

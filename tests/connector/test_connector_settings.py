@@ -29,3 +29,6 @@ def test_unknown_keys_and_a_write_back_policy_are_refused():
         ConnectorSettings.from_extra_config({"hicache_ratoi": 2.0})
     with pytest.raises(ConfigError, match="write_through"):
         ConnectorSettings.from_extra_config({"hicache_write_policy": "write_back"})
+    selective = ConnectorSettings.from_extra_config(
+        {"hicache_write_policy": "write_through_selective"})
+    assert selective.cache.write_through_hit_threshold == 2

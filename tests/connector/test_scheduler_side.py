@@ -228,3 +228,27 @@ def test_the_router_learns_pages_held_evicted_and_stored_with_their_tokens():
     s.index.reserve(["x", "y"])  # one slot free: the least recently written page goes
     assert [(c.kind, c.key) for c in s.take_changes()] == [(L2ChangeKind.EVICTED, keys[0])]
     assert all(e.origin is None for e in s.index._entries.values())  # nothing kept for them
+
+
+def test_write_through_selective_saves_a_page_once_a_second_request_used_it():
+    """SGLang's write_through_selective: a page computed once stays in vLLM's blocks only; the
+    second request that uses it (a hit in vLLM's prefix cache here) saves it from its own
+    blocks, and the third finds it in L2."""
+    from kvtier.config import HiCacheConfig
+
+    s = SchedulerSide(NS, BS, 16, config=HiCacheConfig(page_size=BS,
+                                                       write_policy="write_through_selective"))
+    tokens = list(range(200, 213))  # 13 tokens: 3 full pages
+    plan, hit = run_prefill(s, "a", tokens, [1, 2, 3, 4])
+    assert hit == 0 and plan.saves == ()  # used once: not saved
+    s.finish("a")
+    plan, hit = run_prefill(s, "b", tokens, [1, 2, 3, 9], local=8)  # vLLM's own hit: 2 pages
+    assert hit == 0  # nothing in L2 yet
+    assert [save.blocks for save in plan.saves] == [(1, 2, 3)]  # used twice: saved now
+    s.finish("b")
+    plan, hit = run_prefill(s, "c", tokens, [5, 6, 7, 8])
+    assert hit == 12 and plan.saves == ()
+    # a page used once more than the others: only the hot run is saved
+    longer = tokens + list(range(300, 304))  # page 3 (tokens 12..15) used for the first time
+    plan, _ = run_prefill(s, "d", longer, [5, 6, 7, 10, 11], local=12)
+    assert plan.saves == ()
