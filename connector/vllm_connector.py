@@ -375,7 +375,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._work.begin_step(self._bound_plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # start_load_kv copied every layer before the forward
+        # CUDA: this layer's copies (start_load_kv queued them layer by layer on a stream of
+        # their own) land before its attention; on CPU they all landed before the forward
+        self._work.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:

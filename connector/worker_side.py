@@ -11,6 +11,12 @@ backend's own: a page is copied, never interpreted. The host pool keeps, for eac
 of this rank's KV heads and each part (K, V) contiguous across the layers, `[slots, heads, 2,
 layers, block_size x head_dim]`, so one L3 object (a page's head and part) is one contiguous
 run of host memory.
+
+Loads run before the forward. On a CPU they are plain copies, done by then. On CUDA the host
+pool is pinned and they go layer by layer on a stream of their own, each layer's copy marked
+by an event; vLLM calls `wait_for_layer_load` before each layer's attention, and the compute
+stream waits for that layer's event only (`wait_layer`), so layer 0 computes while later
+layers still copy.
 """
 from __future__ import annotations
 
@@ -90,15 +96,20 @@ class PoolShape:
         return self.num_layers * self.kv_heads * 2 * self.part_elems * self.dtype.itemsize
 
 
-def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """vLLM's per-layer KV tensors in layer order (by the index in each layer's name)."""
+def ordered_names(kv_caches: Mapping[str, torch.Tensor]) -> list[str]:
+    """vLLM's layer names in layer order (by the index in each name)."""
     def index(name: str) -> int:
         found = _LAYER_INDEX.search(name)
         if found is None:
             raise ConfigError(f"cannot tell the layer index of vLLM KV cache {name!r}")
         return int(found.group(1))
 
-    return [kv_caches[name] for name in sorted(kv_caches, key=index)]
+    return sorted(kv_caches, key=index)
+
+
+def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """vLLM's per-layer KV tensors in layer order (by the index in each layer's name)."""
+    return [kv_caches[name] for name in ordered_names(kv_caches)]
 
 
 def pool_shape(layers: Sequence[torch.Tensor], layout: BlockLayout) -> PoolShape:
@@ -133,9 +144,15 @@ class WorkerSide:
         self.layout = layout
         layers = ordered_layers(kv_caches)
         self.layers = [layout.parts(t) for t in layers]
+        self.layer_index = {name: i for i, name in enumerate(ordered_names(kv_caches))}
         self.shape = pool_shape(layers, layout)
         s = self.shape
         pin = torch.cuda.is_available() and self.layers[0].is_cuda
+        # CUDA: loads go layer by layer on a stream of their own, each layer's copy followed
+        # by an event the forward waits on before that layer's attention (`wait_layer`)
+        self._stream = torch.cuda.Stream(self.layers[0].device) if pin else None
+        self._landed: list[torch.cuda.Event | None] = [None] * len(self.layers)
+        self._pinned: list[torch.Tensor] = []  # pinned rows the load stream still reads
         self.host = torch.empty((num_slots, s.kv_heads, 2, s.num_layers, s.part_elems),
                                 dtype=s.dtype, pin_memory=pin)
         self.failed_blocks: set[int] = set()  # for vLLM to recompute
@@ -198,6 +215,10 @@ class WorkerSide:
     def end_step(self, plan: StepPlan) -> WorkerReport:
         """After the forward: the plan's saves, and the step's report with the L3 work
         finished since the last one."""
+        if self._stream is not None:  # every load landed (a layer nobody waited for too)
+            self._stream.synchronize()
+            self._landed = [None] * len(self.layers)
+            self._pinned.clear()
         saved, failed = self.save(plan.saves)
         l3 = self.l3.take() if self.l3 is not None else None
         report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads,
@@ -231,12 +252,41 @@ class WorkerSide:
         out, self.failed_blocks = self.failed_blocks, set()
         return out
 
+    def wait_layer(self, name: str) -> None:
+        """Before layer `name`'s attention: its loads of this step have landed (CUDA: the
+        compute stream waits for that layer's copy; on CPU they landed before the forward)."""
+        i = self.layer_index.get(name)
+        event = None if i is None else self._landed[i]
+        if event is not None:
+            torch.cuda.current_stream(self.layers[0].device).wait_event(event)
+            self._landed[i] = None
+
     def _copy_in(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
         src = torch.tensor(slots, dtype=torch.long)
-        dst = torch.tensor(blocks, dtype=torch.long, device=self.layers[0].device)
-        rows = self.host.index_select(0, src).to(self.layers[0].device, non_blocking=True)
-        for i, layer in enumerate(self.layers):
-            layer[dst] = rows[:, :, :, i].unflatten(3, layer.shape[3:])
+        device = self.layers[0].device
+        if self._stream is None:  # CPU: every layer now, before the forward
+            dst = torch.tensor(blocks, dtype=torch.long)
+            rows = self.host.index_select(0, src)
+            for i, layer in enumerate(self.layers):
+                layer[dst] = rows[:, :, :, i].unflatten(3, layer.shape[3:])
+            return
+        # CUDA: gather the slots into pinned memory once, layer by layer contiguous, then one
+        # copy per layer on the load stream, after what the compute stream queued so far
+        # (blocks it may still use)
+        gathered = self.host.index_select(0, src)  # [n, heads, 2, layers, elems]
+        rows = torch.empty((gathered.shape[3], *gathered.shape[:3], gathered.shape[4]),
+                           dtype=gathered.dtype, pin_memory=True)
+        rows.copy_(gathered.permute(3, 0, 1, 2, 4))  # [layers, n, heads, 2, elems]
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            dst = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
+            for i, layer in enumerate(self.layers):
+                part = rows[i].to(device, non_blocking=True)
+                layer[dst] = part.unflatten(3, layer.shape[3:])
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._landed[i] = event
+        self._pinned.append(rows)  # kept until the step ends: the copies read it
 
     def _copy_out(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         src = torch.tensor(blocks, dtype=torch.long, device=self.layers[0].device)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.connector.plan import PageLoad, PageSave, StepPlan
-from kvtier.connector.worker_side import BlockLayout, WorkerSide, ordered_layers
+from kvtier.connector.worker_side import BlockLayout, WorkerSide, ordered_layers, ordered_names
 
 LAYERS, BLOCKS, HEADS, BS, HD = 3, 6, 2, 4, 8
 
@@ -122,3 +122,39 @@ def test_a_kv_cache_in_an_unknown_layout_is_refused():
         WorkerSide(strided, num_slots=2, expected=(BLOCKS, HEADS, BS, HD))
     cpu = WorkerSide(kv_caches(4), num_slots=2, expected=(BLOCKS, HEADS, BS, HD))
     assert cpu.layout is BlockLayout.CPU
+
+
+def test_wait_layer_knows_every_layer_and_on_cpu_the_loads_landed_before_it():
+    src = kv_caches(7)
+    w = WorkerSide(src, num_slots=2, block_size=BS)
+    assert sorted(w.layer_index.values()) == list(range(LAYERS))
+    w.end_step(StepPlan(saves=(PageSave((2,), (0,)),)))
+    w.begin_step(StepPlan(loads=(PageLoad("r", (0,), (5,)),)))
+    for name in src:  # landed already: waiting changes nothing
+        assert torch.equal(src[name][5], src[name][2])
+        w.wait_layer(name)
+    w.wait_layer("not.a.layer")  # a layer vLLM has and the connector does not: no wait
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_each_layer_loads_on_its_own_stream_and_lands_before_its_attention():
+    """The load stream copies layer by layer; after `wait_layer(name)` the compute stream
+    sees that layer's blocks, and the step's end waits for every layer."""
+    gen = torch.Generator().manual_seed(8)
+    logical = [torch.randn(BLOCKS, HEADS, 2, BS, HD, generator=gen).to(torch.bfloat16)
+               for _ in range(LAYERS)]
+    src = {k: v.cuda() for k, v in gpu_caches(BlockLayout.KV_FIRST, logical).items()}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    a = WorkerSide(src, num_slots=3, block_size=BS, expected=(BLOCKS, HEADS, BS, HD))
+    b = WorkerSide(dst, num_slots=3, block_size=BS, expected=(BLOCKS, HEADS, BS, HD))
+    assert a.host.is_pinned()
+    a.end_step(StepPlan(saves=(PageSave((4, 1), (2, 0)),)))
+    b.host.copy_(a.host)
+    b.begin_step(StepPlan(loads=(PageLoad("r", (2, 0), (0, 5)),)))
+    for name in ordered_names(dst):
+        b.wait_layer(name)
+        i = b.layer_index[name]
+        view = BlockLayout.KV_FIRST.parts(dst[name])
+        assert torch.equal(view[0].cpu(), logical[i][4]) and torch.equal(view[5].cpu(),
+                                                                          logical[i][1])
+    assert b.end_step(StepPlan()).failed_loads == frozenset()
