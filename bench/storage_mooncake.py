@@ -7,14 +7,20 @@ segment). kvtier = `MooncakeBackend.set_from` / `get_into` of the same pages in 
 (existence check, pointers and size checks included). One client holds the only segment, so
 both sides move bytes within this process. Each round writes fresh objects, reads them
 back and removes them, alternating which side goes first; best of `repeats` after a warm-up
-round that faults the segment in. A second backend with `verify_checksums` then measures the
-same way what checksums cost. `*_ratio` = kvtier GB/s / raw GB/s; the target is >= 0.8.
+round that faults the segment in. kvtier is measured twice, on backends of their own: with
+`verify_checksums` off (`write_gbps`, `read_gbps`, `*_ratio`) and on, the default
+(`verified_*`). `*_ratio` = kvtier GB/s / raw GB/s; the target is >= 0.8 verified, 0.9 not.
+
+Per-object figures (`objects`): the objects a page is stored as (one per KV head and part,
+and with verification a checksum object per head), their bytes, the Mooncake calls one
+`set_from` / `get_into` of the whole batch makes (counted on the client) and objects moved
+per second, for kvtier with and without verification and for the raw calls.
 """
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -46,16 +52,63 @@ def measure(pages: int, repeats: int = 5) -> dict:
                                  generator=torch.Generator().manual_seed(0)))
         base = dict(master_address=master.address, global_segment_size_bytes=segment,
                     local_buffer_size_bytes=0)
-        plain = _measure_backend(MooncakeOptions(**base), pool, keys, repeats)
+        plain = _measure_backend(MooncakeOptions(**base, verify_checksums=False), pool, keys,
+                                 repeats)
         checked = _measure_backend(MooncakeOptions(**base, verify_checksums=True), pool, keys,
                                    repeats)
     total = pages * SPEC.page_bytes
-    out = _figures(plain, total, "")
-    out["exists_1000_ms"] = round(plain["exists"] * 1e3, 3)
+    out = _figures(plain.best, total, "")
+    out["exists_1000_ms"] = round(plain.best["exists"] * 1e3, 3)
     out.update(page_bytes=SPEC.page_bytes, pages=pages, layout=MemLayout.PAGE_HEAD.value,
                objects_per_page=2 * SPEC.num_kv_heads)
-    out.update(_figures(checked, total, "verified_"))
+    out.update(_figures(checked.best, total, "verified_"))
+    out["objects"] = {"raw": _per_object(plain, pages, "raw"),
+                      "kvtier": _per_object(plain, pages, "kv"),
+                      "kvtier_verified": _per_object(checked, pages, "kv")}
     return out
+
+
+class _Measured(NamedTuple):
+    best: dict[str, float]  # best seconds of raw_w, raw_r, kv_w, kv_r, exists
+    objects: dict[str, int]  # objects one batch moves: raw_w, raw_r, kv_w, kv_r
+    object_bytes: dict[str, int]  # their bytes, all together
+    calls: dict[str, int]  # Mooncake calls one batch makes
+
+
+def _per_object(m: _Measured, pages: int, side: str) -> dict:
+    w, r = side + "_w", side + "_r"
+    return {"objects_per_page": m.objects[w] // pages,
+            "bytes_per_object": m.object_bytes[w] // max(1, m.objects[w]),
+            "write_calls_per_batch": m.calls[w], "read_calls_per_batch": m.calls[r],
+            "write_objects_per_s": round(m.objects[w] / m.best[w]),
+            "read_objects_per_s": round(m.objects[r] / m.best[r])}
+
+
+class _CountingStore:
+    """The backend's Mooncake client, counting the calls made through it."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.calls = 0
+        self.objects = 0
+        self.object_bytes = 0
+
+    @property
+    def unwrapped(self) -> Any:
+        return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not name.startswith("batch_") and name not in ("get_size", "put_from", "get_into"):
+            return attr
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            self.calls += 1
+            if name in ("batch_put_from", "batch_get_into"):
+                self.objects += len(args[0])
+                self.object_bytes += sum(args[2])
+            return attr(*args, **kw)
+        return counted
 
 
 def _figures(best: dict[str, float], total: int, prefix: str) -> dict:
@@ -69,8 +122,9 @@ def _figures(best: dict[str, float], total: int, prefix: str) -> dict:
 
 
 def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
-                     repeats: int) -> dict[str, float]:
-    """Best seconds of raw/kvtier writes and reads (pages 0..n-1 -> n..2n-1) and of exists."""
+                     repeats: int) -> _Measured:
+    """Best seconds of raw/kvtier writes and reads (pages 0..n-1 -> n..2n-1) and of exists,
+    and what one batch of each moves in how many calls (counted in the first round)."""
     n = len(keys)
     src, dst = list(range(n)), list(range(n, 2 * n))
     ns = KeyNamespace("bench/storage-mooncake", "", "bench")
@@ -78,7 +132,9 @@ def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
     objects = [(h, part) for h in range(heads.count) for part in (0, 1)]
     with MooncakeBackend(options, StorageTarget(ns, heads)) as backend:
         backend.register_pool(KV_POOL, pool)
-        store = backend.store  # the same client and registered pool: only the path differs
+        counting = _CountingStore(backend.store)
+        backend.store = counting  # counted: the calls each path makes
+        store = counting  # the same client and registered pool: only the path differs
         names = [f"bench-raw/{i}_{h}_{part}" for i in range(n) for h, part in objects]
         sizes = [SPEC.page_part_bytes // heads.count] * len(names)
         put_ptrs = [pool.page_head_view(p, h, part).data_ptr() for p in src for h, part in objects]
@@ -91,11 +147,17 @@ def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
         }
         probe = [keys[i % n] for i in range(EXISTS_KEYS)]
         best = {k: float("inf") for k in (*ops, "exists")}
+        calls, objects, object_bytes = {}, {}, {}
         for rnd in range(repeats + 1):  # round 0 warms the segment up and is not counted
             spent = {}
             for side in (("raw", "kv") if rnd % 2 == 0 else ("kv", "raw")):
                 for phase in ("_w", "_r"):
+                    before = (counting.calls, counting.objects, counting.object_bytes)
                     spent[side + phase] = _timed(ops[side + phase])
+                    if rnd == 0:
+                        calls[side + phase] = counting.calls - before[0]
+                        objects[side + phase] = counting.objects - before[1]
+                        object_bytes[side + phase] = counting.object_bytes - before[2]
                 if side == "kv":
                     spent["exists"] = _timed(lambda: backend.exists(probe))
                     backend.delete(keys)
@@ -103,10 +165,11 @@ def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
                     store.batch_remove(names, True)
             if rnd:
                 best = {k: min(best[k], spent[k]) for k in best}
+        backend.store = counting.unwrapped  # closed as it was opened
         if not all(torch.equal(pool.page_part_view(s, 0), pool.page_part_view(d, 0))
                    for s, d in zip(src, dst)):
             raise KvtierError("mooncake bench: pages read back differ from the pages written")
-    return best
+    return _Measured(best, objects, object_bytes, calls)
 
 
 def _raw(rcs: list[int], sizes: list[int], want: int | None) -> None:

@@ -239,6 +239,15 @@ def test_bench_measure_reports_every_field():
         assert out[field] > 0
     assert out["page_bytes"] == 2 * 737_280 and out["pages"] == 2
     assert out["layout"] == "page_head" and out["objects_per_page"] == 6
+    raw, plain, verified = (out["objects"][k] for k in ("raw", "kvtier", "kvtier_verified"))
+    assert raw["objects_per_page"] == plain["objects_per_page"] == 6
+    assert verified["objects_per_page"] == 6 + 3  # a checksum object per KV head
+    assert raw["bytes_per_object"] == plain["bytes_per_object"] == 737_280 // 3
+    assert (raw["write_calls_per_batch"], raw["read_calls_per_batch"]) == (1, 1)
+    assert plain["write_calls_per_batch"] == 2  # an existence check, then the puts
+    assert plain["read_calls_per_batch"] == 1
+    assert all(d["write_objects_per_s"] > 0 and d["read_objects_per_s"] > 0
+               for d in (raw, plain, verified))
 
 
 def test_reads_are_verified_by_default():
