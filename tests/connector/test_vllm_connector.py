@@ -224,6 +224,17 @@ def test_a_second_engine_reads_from_l3_what_the_first_computed(llm, reader, l3):
                or None, 30, "the reader's L2 pages listed", interval_s=0.1)
 
 
+def test_an_engine_that_goes_idle_still_writes_its_last_pages_to_l3(llm, l3):
+    """A one-token answer ends in the step that saved the prompt's last blocks; the step
+    vLLM runs to retire the finished request carries their L3 writes, so they are published
+    with no other request."""
+    from vllm import SamplingParams
+
+    out = llm.generate([document("damson", items=55)],
+                       SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    published(l3, list(out.prompt_token_ids))  # its deadline: 60 s
+
+
 def test_a_corrupt_l3_object_is_recomputed_and_the_answer_stays(llm, reader, l3):
     prompt = document("date", items=55)
     cold = generate(llm, prompt)
