@@ -114,14 +114,14 @@ def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
 
 def pool_shape(layers: Sequence[torch.Tensor], layout: BlockLayout) -> PoolShape:
     """The host pool shape `layers` need; raises when the layers differ in shape or dtype."""
-    first = layout.parts(layers[0]).flatten(3)
+    first = layout.parts(layers[0])  # a view: nothing copied
     for i, layer in enumerate(layers):
         if layer.shape != layers[0].shape or layer.dtype != layers[0].dtype:
             raise ConfigError(f"vLLM KV cache layer {i} has shape {tuple(layer.shape)} "
                               f"{layer.dtype}, layer 0 {tuple(layers[0].shape)} "
                               f"{layers[0].dtype}: kvtier needs one KV cache group of "
                               f"identical layers")
-    return PoolShape(len(layers), first.shape[1], first.shape[3], first.dtype)
+    return PoolShape(len(layers), first.shape[1], first.shape[3] * first.shape[4], first.dtype)
 
 
 class WorkerSide:

@@ -22,6 +22,7 @@ from kvtier.messages import MAX_HASHES
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.2
+MAX_BACKOFF_S = 5.0  # after failures the reporter waits up to this long between tries
 
 
 class L2Directory(Protocol):
@@ -41,13 +42,15 @@ class L2Reporter:
         self.namespace, self.holder = namespace, holder
         self._directory = directory
         self._interval_s = interval_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards what is held and changed
+        self._sending = threading.Lock()
         self._holding: dict[str, None] = {}  # what the holder holds now, oldest first
         self._changes: dict[str, bool] = {}  # page -> held, since the last report sent
         self._replace = True  # the next report lists everything
         self._stop = threading.Event()
         self.reports = 0  # sent and answered
         self.failures = 0
+        self._ok = True  # the last report reached the directory
         self._thread = threading.Thread(target=self._run, name=f"l2-report-{holder}",
                                         daemon=True)
         self._thread.start()
@@ -87,10 +90,15 @@ class L2Reporter:
                         self.holder, exc)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self._send()
+        wait = self._interval_s
+        while not self._stop.wait(wait):  # a directory that fails is tried less often
+            wait = self._interval_s if self._send() else min(MAX_BACKOFF_S, 2 * wait)
 
     def _send(self) -> bool:
+        with self._sending:  # one report at a time: `flush` and the thread never overlap
+            return self._send_one()
+
+    def _send_one(self) -> bool:
         with self._lock:
             replace = self._replace
             if not replace and not self._changes:
@@ -114,8 +122,14 @@ class L2Reporter:
             self.failures += 1
             with self._lock:
                 self._replace = True
-            log.warning("L2 holder %s: reporting to the namespace directory failed (%s); the "
-                        "next report lists all of its pages", self.holder, exc)
+            if self._ok:  # once per outage, not at every try
+                log.warning("L2 holder %s: reporting to the namespace directory failed (%s); "
+                            "the next report lists all of its pages", self.holder, exc)
+            self._ok = False
             return False
+        if not self._ok:
+            log.info("L2 holder %s: the namespace directory takes its reports again",
+                     self.holder)
+        self._ok = True
         self.reports += 1
         return True
