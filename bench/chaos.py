@@ -51,12 +51,11 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from kvtier.bench import emit
+from kvtier.bench import emit, stdout_to_stderr
 from kvtier.bench.answer_check import Verdict
 from kvtier.bench.chaos_bodies import Limits
 from kvtier.bench.chaos_clients import Answer, ClientParams, ErrorRecord, Tally, Traffic
 from kvtier.bench.chaos_monitor import Monitor, get_json, idle
-from kvtier.bench.serve_bench import stdout_to_stderr
 from kvtier.cli.shared_flags import add_dtype_flag, add_l3_flag, add_model_flag, add_tp_flag
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError

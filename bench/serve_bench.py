@@ -67,14 +67,13 @@ import argparse
 import contextlib
 import dataclasses
 import math
-import os
 import shutil
 import sys
 import tempfile
 import urllib.parse
 from typing import Any, Iterator
 
-from kvtier.bench import emit
+from kvtier.bench import emit, stdout_to_stderr
 from kvtier.bench.serve_load import LoadParams, LoadResult, compare, round_ratio, run_load_sync
 from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
@@ -370,25 +369,6 @@ def check(ns: argparse.Namespace) -> None:
                           "own app, which the bench then does not start. Drop "
                           f"{'it' if len(flags) == 1 else 'them'} (for a cache-off baseline, run "
                           "the bench again against the server started with its cache off)")
-
-
-@contextlib.contextmanager
-def stdout_to_stderr(active: bool) -> Iterator[None]:
-    """File descriptor 1 pointed at stderr for the block (Ray's driver prints raylet
-    messages on stdout), restored after."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Any, NamedTuple
 
-from kvtier.bench import emit
+from kvtier.bench import emit, stdout_to_stderr
 from kvtier.bench.prefix import document_tokens
 from kvtier.errors import ConfigError
 
@@ -247,5 +247,7 @@ def report(params: VllmBenchParams, identical: bool, t: Timings, ratios: list[fl
 def main(ns: argparse.Namespace) -> int:
     params = VllmBenchParams(ns.tokens, ns.documents, ns.questions, ns.new_tokens, ns.pairs,
                              ns.block_size, ns.hicache_ratio)
-    emit(run(params), ns.json)
+    with stdout_to_stderr(ns.json):  # vLLM's processes log on stdout
+        result = run(params)
+    emit(result, ns.json)
     return 0
