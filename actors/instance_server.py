@@ -32,7 +32,7 @@ from kvtier.actors.step_wire import Progress
 from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.actors.l3.l2_reporter import L2Reporter
-from kvtier.frontend.cache_events import CacheEventBatch
+from kvtier.frontend.cache_events import CacheEvent, CacheEventBatch
 from kvtier.frontend.router_index import PrefixIndex
 from kvtier.policies import CacheEventKind, CacheTier
 
@@ -209,11 +209,9 @@ class InstanceServer:
         them). For an instance whose event keys are its L3 namespace's page keys."""
         with self._lock:
             before, self._l2 = self._l2, reporter
-            if reporter is not None:
-                snapshot = self._holdings.holdings(self.name)
-                for event in () if snapshot is None else snapshot.events:
-                    if event.tier is CacheTier.HOST and event.kind is CacheEventKind.STORED:
-                        reporter.held(event.page_hashes)
+            snapshot = self._holdings.holdings(self.name) if reporter is not None else None
+            if snapshot is not None:  # what it holds already (all STORED)
+                _tell_l2(reporter, snapshot.events)
         if before is not None:
             before.close()
 
@@ -302,13 +300,7 @@ class InstanceServer:
             self._holdings.apply(decoded)
             self._events.append(batch)
             if l2 is not None:
-                for event in decoded.events:
-                    if event.tier is not CacheTier.HOST:
-                        continue
-                    if event.kind is CacheEventKind.STORED:
-                        l2.held(event.page_hashes)
-                    elif event.kind is CacheEventKind.EVICTED:
-                        l2.dropped(event.page_hashes)
+                _tell_l2(l2, decoded.events)
 
     def _done_one(self) -> None:
         with self._lock:
@@ -330,3 +322,14 @@ class InstanceServer:
                 cmd.sink(failed)
             elif isinstance(cmd, _Call):
                 cmd.future.set_exception(InstanceError(why))
+
+
+def _tell_l2(reporter: L2Reporter, events: Sequence[CacheEvent]) -> None:
+    """The L2 (host tier) pages `events` stored and evicted, told to `reporter`."""
+    for event in events:
+        if event.tier is not CacheTier.HOST:
+            continue
+        if event.kind is CacheEventKind.STORED:
+            reporter.held(event.page_hashes)
+        elif event.kind is CacheEventKind.EVICTED:
+            reporter.dropped(event.page_hashes)
