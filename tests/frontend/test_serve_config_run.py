@@ -34,6 +34,7 @@ HEAD_CPUS = 2
 OBJECT_STORE_BYTES = 128 << 20
 UP_S = 150.0  # `serve run` until /health answers with every instance (~20 s when idle)
 STOP_S = 60.0  # each of `serve run` and the head, after its signal
+HEAD_STARTS = 3  # a head that exits at start (a port taken meanwhile) is started again
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,23 +96,34 @@ def stop(process: subprocess.Popen, sig: int, timeout_s: float) -> int | None:
 def head() -> Iterator[Head]:
     """A one-node Ray cluster on 127.0.0.1, started the way an operator would."""
     temp_dir = tempfile.mkdtemp(prefix="kvr-")  # short: Ray's socket paths live below it
-    port = free_port()
-    argv = [str(BIN / "ray"), "start", "--head", "--block", f"--node-ip-address={LOOPBACK}",
-            f"--port={port}", f"--num-cpus={HEAD_CPUS}",
-            f"--object-store-memory={OBJECT_STORE_BYTES}", "--include-dashboard=false",
-            "--disable-usage-stats", f"--temp-dir={temp_dir}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}"]
     # Serve is shut down before the head stops: no drain to wait for (Ray's default is 30 s)
     env = {**ray_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    process = subprocess.Popen(argv, env=env, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = None
     try:
-        address = f"{LOOPBACK}:{port}"
-        # a driver joins only once the head's node registered: `serve run` started sooner
-        # exits ("No node info found"), as it once did on a loaded machine
-        eventually(lambda: joinable(address), UP_S, "the Ray head took a driver",
-                   retry_on=(subprocess.TimeoutExpired,), interval_s=0.5)
+        for _ in range(HEAD_STARTS):
+            # ports free now may be taken before the head binds them (the suite runs other
+            # tests meanwhile): a head that exits is started again on fresh ports
+            port = free_port()
+            argv = [str(BIN / "ray"), "start", "--head", "--block",
+                    f"--node-ip-address={LOOPBACK}", f"--port={port}",
+                    f"--num-cpus={HEAD_CPUS}", f"--object-store-memory={OBJECT_STORE_BYTES}",
+                    "--include-dashboard=false", "--disable-usage-stats",
+                    f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}",
+                    f"--dashboard-agent-listen-port={free_port()}"]
+            process = subprocess.Popen(argv, env=env, start_new_session=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            address = f"{LOOPBACK}:{port}"
+            # a driver joins only once the head's node registered: `serve run` started sooner
+            # exits ("No node info found"), as it once did on a loaded machine
+            if eventually(lambda: joinable(address) or process.poll() is not None, UP_S,
+                          "the Ray head took a driver", retry_on=(subprocess.TimeoutExpired,),
+                          interval_s=0.5) and process.poll() is None:
+                break
+            kill_session(process.pid)
+            process.wait(10)
+        else:
+            pytest.fail(f"the Ray head exited at start {HEAD_STARTS} times (exit code "
+                        f"{process.returncode})")
         yield Head(process, address, temp_dir)
         # `ray start --block` stops its node on SIGTERM (the raylet ends its workers)
         assert stop(process, signal.SIGTERM, STOP_S) is not None, "the Ray head did not stop"
@@ -119,9 +131,10 @@ def head() -> Iterator[Head]:
         eventually(lambda: not session_pids(process.pid), 10,
                    "the Ray processes ended with the head", interval_s=0.2)
     finally:
-        process.kill()
-        kill_session(process.pid)
-        process.wait(10)
+        if process is not None:
+            process.kill()
+            kill_session(process.pid)
+            process.wait(10)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
