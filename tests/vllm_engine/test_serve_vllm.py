@@ -158,8 +158,10 @@ def test_n_answers_and_logprobs_come_back_as_from_kvtiers_own_instances(app):
     the single request with seed s+i), the prompt counted once. Log-probabilities: one entry
     per answer token, the chosen token the most likely under greedy decoding, top-k sorted."""
     openai = pytest.importorskip("openai")
+    # a 503 ("no instance can serve the request now", an instance seen as stalled on a
+    # loaded machine) says to retry: the client does, as OpenAI's clients do by default
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="key-of-a",
-                           max_retries=0, timeout=300)
+                           max_retries=3, timeout=300)
     model = app.model
     messages = [{"role": "user", "content": "Name three rivers and one lake."}]
     kw = dict(model=model, messages=messages, max_tokens=6, temperature=1.0)
