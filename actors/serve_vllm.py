@@ -88,7 +88,8 @@ def connector_config(s: ServeSettings, ray_address: str | None) -> dict[str, Any
 
 def vllm_settings(s: ServeSettings, ray_address: str | None) -> Any:
     """One engine's settings: L1 of `device_pages` blocks of `page_size` tokens, the
-    connector's L2 `hicache_ratio` times that (and L3 as the deployment says)."""
+    connector's L2 `hicache_ratio` times that (and L3 as the deployment says), at most
+    `chunk_tokens` computed per step, admitted hit-first (kvtier.connector.vllm_scheduler)."""
     from kvtier.vllm_engine.instance import VllmSettings
 
     directory = model_dir(s)
@@ -98,7 +99,8 @@ def vllm_settings(s: ServeSettings, ray_address: str | None) -> Any:
     return VllmSettings(directory, block_size=s.page_size,
                         kv_cache_bytes=math.ceil(s.device_pages * per_block * KV_SLACK),
                         max_model_len=min(context, s.device_pages * s.page_size),
-                        max_num_seqs=MAX_NUM_SEQS, tp_size=s.tp_size, connector=connector)
+                        max_num_seqs=MAX_NUM_SEQS, tp_size=s.tp_size, connector=connector,
+                        batched_tokens=s.chunk_tokens, hit_first=True)
 
 
 def _not_here(what: str) -> ConfigError:

@@ -11,9 +11,10 @@ Without `--base-url` each run starts the app on a new local Ray cluster
 it (in a `finally`). `--compare-off` runs the same load (same seed, same L1 size) against
 `enable_hierarchical_cache=False` and prints `serve_load.compare(on, off)`: the on figures at the top
 level, the off ones under "off", and `round2_ttft_ratio` (round-2 mean TTFT on / off).
-With `--engine vllm` the app's instance is a vLLM engine with KvtierConnector, the off run
-the same engine without it, and the same load then goes to vLLM's own OpenAI server with
-the same engine settings (`serve_vllm_alone`): `vllm_alone` holds its figures,
+With `--engine vllm` the app's instance is a vLLM engine with KvtierConnector and hit-first
+admission (kvtier.connector.vllm_scheduler), the off run the same engine without the
+connector, and the same load then goes to vLLM's own OpenAI server with the same engine
+settings (`serve_vllm_alone`): `vllm_alone` holds its figures,
 `round2_vs_vllm_alone` the round-2 mean TTFT on / vLLM alone.
 
 With `--base-url` nothing starts: the same load (the bench's clients, rounds, words, answer

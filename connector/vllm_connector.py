@@ -288,6 +288,11 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._sched.match(request.request_id, request.all_token_ids,
                                  num_computed_tokens), False
 
+    def held_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        """Tokens past `num_computed_tokens` (block-aligned) L2 holds for the request now,
+        with no effect on it (kvtier.connector.vllm_scheduler asks)."""
+        return self._sched.held(request.request_id, request.all_token_ids, num_computed_tokens)
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         block_ids = list(blocks.get_block_ids()[0])

@@ -30,6 +30,7 @@ from kvtier.vllm_engine.copy_stats import CopyStats
 from kvtier.vllm_engine.kv_events import EventFeed, KeyTranslator
 
 CONNECTOR = "KvtierConnector"
+HIT_FIRST = "kvtier.connector.vllm_scheduler.KvtierScheduler"
 
 
 class VllmSettings(NamedTuple):
@@ -45,6 +46,8 @@ class VllmSettings(NamedTuple):
     connector: dict[str, Any] | None = None
     engine_id: str | None = None  # vLLM's (None: a new uuid): the L3 directory lists the
     # connector's L2 under it
+    batched_tokens: int | None = None  # most tokens a step computes (None: vLLM's default)
+    hit_first: bool = False  # vLLM's scheduler with kvtier's hit-first admission
 
     def engine_args(self, events_endpoint: str | None = None) -> Any:
         """vLLM's arguments; `events_endpoint`: where it publishes its KV events (none: it
@@ -61,7 +64,8 @@ class VllmSettings(NamedTuple):
                           block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                           max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                           tensor_parallel_size=self.tp_size, kv_transfer_config=transfer,
-                          kv_events_config=events)
+                          kv_events_config=events, max_num_batched_tokens=self.batched_tokens,
+                          scheduler_cls=HIT_FIRST if self.hit_first else None)
 
 
 def vllm_sampling(sampling: SamplingParams, already: int) -> Any:

@@ -1,0 +1,88 @@
+"""`KvtierScheduler`: vLLM's scheduler with hit-first admission (kvtier.connector.admission):
+before each step it puts the waiting request with the most cached tokens (vLLM's prefix
+cache, then KvtierConnector's L2) first in line, preempting cold prefills whose computed
+pages L2 already holds when it needs their blocks or token budget. Everything else is
+vLLM's `Scheduler`.
+
+The serve graph's vLLM instances run it; with `vllm serve` load it beside the connector
+with `--scheduler-cls kvtier.connector.vllm_scheduler.KvtierScheduler` (docs/vllm.md). vLLM
+runs a custom scheduler without async scheduling (its CPU build never schedules async). It
+acts only under the first-come-first-served policy (under `--scheduling-policy priority`
+the priorities decide) and only on requests the connector can see; without the connector
+it orders by vLLM's prefix cache alone and never preempts what L2 does not hold.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from kvtier.connector.admission import RunningRequest, WaitingRequest, admit, blocks_for
+from kvtier.connector.vllm_connector import KvtierConnector
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+MAX_CANDIDATES = 64  # waiting requests looked at per step, from the head of the queue
+
+
+class KvtierScheduler(Scheduler):
+    """vLLM's scheduler, hit-first (module docstring)."""
+
+    def schedule(self, throttle_prefills: bool = False) -> "SchedulerOutput":
+        if (self.policy == SchedulingPolicy.FCFS and self._pause_state == PauseState.UNPAUSED
+                and len(self.waiting)):
+            self._admit_hits_first()
+        return super().schedule(throttle_prefills)
+
+    def _admit_hits_first(self) -> None:
+        waiting = []
+        for request in list(self.waiting)[:MAX_CANDIDATES]:
+            if request.status == RequestStatus.WAITING and request.num_computed_tokens == 0:
+                waiting.append(self._waiting(request))
+        manager = self.kv_cache_manager
+        running = [self._running(r) for r in self.running]
+        admission = admit(waiting, running, manager.block_pool.get_num_free_blocks(),
+                          self.max_num_scheduled_tokens, self.block_size)
+        now = time.monotonic()
+        for req_id in admission.preempt:
+            victim = self.requests[req_id]
+            self.running.remove(victim)
+            self._preempt_request(victim, now, drop_stale_output=self.requires_kv_delivery)
+        if admission.first is not None:
+            first = self.requests[admission.first]
+            self.waiting.remove_request(first)
+            self.waiting.prepend_request(first)
+
+    def _waiting(self, request: "Request") -> WaitingRequest:
+        manager = self.kv_cache_manager
+        local, in_use = 0, 0
+        if manager.prefix_cache_lookup_enabled(request):
+            blocks, local, _ = manager.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1)
+            in_use = sum(1 for block in blocks[0] if block.ref_cnt > 0)
+        local -= local % self.block_size
+        cached = local + self._held(request, local)
+        return WaitingRequest(request.request_id, request.num_tokens, cached,
+                              blocks_for(request.num_tokens, self.block_size) - in_use)
+
+    def _running(self, request: "Request") -> RunningRequest:
+        blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
+        prefilling = request.num_computed_tokens < request.num_prompt_tokens
+        return RunningRequest(
+            request.request_id, request.num_prompt_tokens, request.num_computed_tokens,
+            saved=self._held(request, 0) if prefilling else 0,
+            freeable_blocks=sum(1 for block in blocks if block.ref_cnt == 1),
+            preempted_before=request.num_preemptions > 0,
+            can_free=self._request_blocks_can_be_freed(request))
+
+    def _held(self, request: "Request", local_tokens: int) -> int:
+        connector = self.connector
+        if not isinstance(connector, KvtierConnector) or request.skip_reading_prefix_cache:
+            return 0
+        return connector.held_tokens(request, local_tokens)
