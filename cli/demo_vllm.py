@@ -46,6 +46,9 @@ def main(params: DemoParams, json_only: bool) -> int:
     from kvtier.actors.ray_env import cluster_address, shutdown_local_ray, start_local_ray
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # the demo prints its story; vLLM's start-up log in every engine process (hundreds of
+    # lines, warnings about CPU libraries and weight dtypes included) would bury it
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     work = _workload(params, demo_model(params.model))
     started = time.perf_counter()
     servers: dict[str, Any] = {}
