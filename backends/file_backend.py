@@ -2,7 +2,8 @@
 
 Reads and writes go straight between the registered host pool and the page cache (readv /
 writev on the pool's memory, no intermediate bytes); every object carries its own name and
-an xxh3 checksum (file_object), so torn, foreign or rotten files are misses that get removed.
+an xxh3 checksum (file_object), so torn, foreign or rotten files are misses that get removed
+(rotten ones only while `verify_checksums` is on, the default: off, reads skip the xxh3).
 Several processes may share one root: objects appear atomically and are never replaced.
 With `max_size_bytes` the backend evicts whole pages, least recently used first: the root,
 its LRU index and the bound are file_store's, shared with the nixl backend.
@@ -13,6 +14,7 @@ alone touches the index and the counters; workers only move bytes and report out
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -46,6 +48,8 @@ class FileBackend(StorageBackend):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ConfigError(f"file backend: io_threads must be an int >= 1, got {io_threads!r}")
         self.options = options
+        self.capabilities = dataclasses.replace(type(self).capabilities,
+                                                verified=options.verify_checksums)
         # the root, its LRU index and the byte bound; StorageUnavailable here, at attach
         self.store = FileStore(options.root_dir, options.max_size_bytes, self.counters,
                                total_heads=target.heads.total)
@@ -74,7 +78,7 @@ class FileBackend(StorageBackend):
         jobs = [(pf.names(k), pf.paths(k), [pf.view(p, i) for i in range(len(pf.suffixes))])
                 for k, p in zip(keys, host_pages)]
         ok = [self._note_reads(names, outcomes)
-              for (names, _, _), outcomes in zip(jobs, self._map(_read_page, jobs))]
+              for (names, _, _), outcomes in zip(jobs, self._map(self._read_page, jobs))]
         self.store.sync_stored()
         return TransferResult(ok, sum(ok) * len(pf.suffixes) * pf.part_bytes)
 
@@ -137,6 +141,15 @@ class FileBackend(StorageBackend):
             where.append(i)
         return jobs, where
 
+    def _read_page(self, job: _Job) -> list[ReadOutcome]:
+        """Read every part of one page (worker thread); stops at the first part that fails."""
+        out = []
+        for name, path, view in zip(*job):
+            out.append(read_object(path, name.encode(), view, self.options.verify_checksums))
+            if out[-1].status is not ReadStatus.OK:
+                break
+        return out
+
     def _write_page(self, job: _Job) -> list[WriteOutcome]:
         out = []
         for name, path, view in zip(*job):
@@ -193,16 +206,6 @@ class FileBackend(StorageBackend):
         finally:
             wait(futures)
         return first + [r for f in futures for r in f.result()]
-
-
-def _read_page(job: _Job) -> list[ReadOutcome]:
-    """Read every part of one page (worker thread); stops at the first part that fails."""
-    out = []
-    for name, path, view in zip(*job):
-        out.append(read_object(path, name.encode(), view))
-        if out[-1].status is not ReadStatus.OK:
-            break
-    return out
 
 
 def _run_all(fn: Callable[[_Job], _T], jobs: list[_Job]) -> list[_T]:

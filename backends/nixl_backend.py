@@ -8,11 +8,13 @@ FileStore, the very class the file backend uses). One root_dir serves either bac
 - each `get_into` / `set_from` batch is ONE NIXL request over zero-copy descriptors
   (pool page part <-> file payload range), instead of one read/write per object;
 - what NIXL does not do is done around it: headers are checked before a read is posted,
-  every payload is verified (xxh3 over the host page) after it lands, and written files
+  every payload is verified (xxh3 over the host page) after it lands (unless
+  `verify_checksums` is off: writes store the checksum either way), and written files
   get their names (atomic link, never replacing) only after the request succeeded.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -80,6 +82,8 @@ class NixlBackend(StorageBackend):
                 f"plugin {options.plugin} is not supported here: set storage_options plugin "
                 "to POSIX (or leave it out)")
         self.options = options
+        self.capabilities = dataclasses.replace(type(self).capabilities,
+                                                verified=options.verify_checksums)
         self.store = FileStore(options.root_dir, options.max_size_bytes, self.counters,
                                label="nixl backend", total_heads=target.heads.total)
         self.root, self.index = self.store.root.path, self.store.index
@@ -160,11 +164,13 @@ class NixlBackend(StorageBackend):
                 parts += self._open_page(pf, key, page, slot)
             if not parts or not self._move("READ", parts):
                 return TransferResult(ok, 0)
-            sums = self._checksums([p.view for p in parts])()
-            bad = {p.slot for p, s in zip(parts, sums) if s != p.checksum}
-            for p, s in zip(parts, sums):
-                if s != p.checksum:
-                    self._drop_bad(p.name, p.path, p.fd, "checksum mismatch")
+            bad: set[int] = set()
+            if self.options.verify_checksums:
+                sums = self._checksums([p.view for p in parts])()
+                for p, s in zip(parts, sums):
+                    if s != p.checksum:
+                        bad.add(p.slot)
+                        self._drop_bad(p.name, p.path, p.fd, "checksum mismatch")
             for p in parts:
                 if p.slot not in bad:
                     ok[p.slot] = True

@@ -168,11 +168,19 @@ class FileOptions(_Options):
     root_dir: str = "/tmp/kvtier-l3"
     max_size_bytes: int = 0  # 0 = unbounded
     fsync: bool = False
+    # Readers compare each payload's xxh3 with the one in its header (writers always store
+    # it: the format is the same either way). Off trades safety for CPU: a flipped payload
+    # bit reads as wrong KV instead of a miss (the header is still checked, so a foreign,
+    # torn or truncated file stays a miss), and reads skip the xxh3 pass over every byte,
+    # which the I/O threads partly hide (docs/benchmarks.md has the figures). Turn it off
+    # only on trusted storage.
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         check_abs_path(self.root_dir, self._where("root_dir"))
         check_int(self.max_size_bytes, self._where("max_size_bytes"), 0, MAX_BYTES)
         check_bool(self.fsync, self._where("fsync"))
+        check_bool(self.verify_checksums, self._where("verify_checksums"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,11 +262,17 @@ class NixlOptions(_Options):
     root_dir: str = "/tmp/kvtier-nixl"
     plugin: NixlPlugin = NixlPlugin.POSIX
     max_size_bytes: int = 0  # 0 = unbounded
+    # As FileOptions.verify_checksums (the same objects, headers still checked): off, a
+    # flipped payload bit reads as wrong KV instead of a miss, and reads skip the xxh3 of
+    # every landed payload, which runs after NIXL's request and adds to it
+    # (docs/benchmarks.md has the figures). Turn it off only on trusted storage.
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         check_abs_path(self.root_dir, self._where("root_dir"))
         self._set("plugin", NixlPlugin.parse(self.plugin, self._where("plugin")))
         check_int(self.max_size_bytes, self._where("max_size_bytes"), 0, MAX_BYTES)
+        check_bool(self.verify_checksums, self._where("verify_checksums"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from kvtier.backends.file_backend import FileBackend
 from kvtier.backends.file_index import STALE_TMP_S, page_siblings
 from kvtier.backends.file_object import HEADER_BYTES, WriteStatus, object_bytes, write_object
 from kvtier.backends.registry import create_backend
-from kvtier.errors import CacheUsageError
+from kvtier.errors import CacheUsageError, ConfigError
 from kvtier.keys import KeyNamespace, page_hashes
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.policies import MemLayout
@@ -293,11 +293,16 @@ def _bad_magic(path: Path, other: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", [_flip_payload, _truncate, _truncate_header, _append,
-                                    _change_header_key, _rename_other_page, _bad_magic])
-def test_damaged_object_is_a_miss_and_removed(tmp_path, damage, caplog):
+_HEADER_DAMAGE = [_truncate, _truncate_header, _append, _change_header_key, _rename_other_page,
+                  _bad_magic]
+
+
+# without verify_checksums the header is still checked: only a payload flip goes unseen
+@pytest.mark.parametrize(("damage", "verify"), [(_flip_payload, True)]
+                         + [(d, v) for d in _HEADER_DAMAGE for v in (True, False)])
+def test_damaged_object_is_a_miss_and_removed(tmp_path, damage, verify, caplog):
     pool = make_pool()
-    b = attached(tmp_path, pool)
+    b = attached(tmp_path, pool, verify_checksums=verify)
     ks = keys(4)
     b.set_from(KV_POOL, ks, [0, 1, 2, 3])
     victim, other = obj_path(tmp_path, b, ks[1], 1), obj_path(tmp_path, b, ks[3], 1)
@@ -311,6 +316,25 @@ def test_damaged_object_is_a_miss_and_removed(tmp_path, damage, caplog):
     assert b.exists(ks[:3]).usable_pages == 1
     if damage is not _rename_other_page:  # a rename behind its back is not seen by the index
         assert b.stats().stored_bytes == stored_on_disk(tmp_path)
+
+
+def test_without_verification_a_flipped_payload_byte_is_read_as_is(tmp_path):
+    pool = make_pool()
+    b = attached(tmp_path, pool, verify_checksums=False)
+    assert not b.capabilities.verified
+    ks = keys(2)
+    b.set_from(KV_POOL, ks, [0, 1])
+    victim = obj_path(tmp_path, b, ks[1], 1)
+    _flip_payload(victim, victim)
+    assert b.get_into(KV_POOL, ks, [8, 9]).ok == [True, True]
+    assert same_page(pool, 0, pool, 8) and torch.equal(part(pool, 1, 0), part(pool, 9, 0))
+    flipped = part(pool, 9, 1).view(torch.uint8) != part(pool, 1, 1).view(torch.uint8)
+    assert flipped.sum() == 1 and flipped[3]  # the very byte, not a miss
+    assert b.stats().corrupt_objects == 0 and victim.exists()
+    # the writer stored the checksum all the same: a verifying reader finds the damage
+    assert attached(tmp_path, pool).get_into(KV_POOL, ks, [10, 11]).ok == [True, False]
+    with pytest.raises(ConfigError, match="verify_checksums.*true or false"):
+        FileOptions(root_dir=str(tmp_path), verify_checksums="no")
 
 
 def test_symlink_under_an_object_name_is_never_followed(tmp_path):
@@ -489,9 +513,11 @@ def test_bench_measure_reports_every_field(tmp_path):
     from kvtier.bench.storage_file import measure
     out = measure(2, str(tmp_path / "bench"), repeats=1)
     assert set(out) == {"write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
-                        "read_ratio", "exists_1000_ms", "page_bytes", "pages", "layout",
-                        "objects_per_page"}
+                        "read_ratio", "unverified_write_gbps", "unverified_read_gbps",
+                        "unverified_write_ratio", "unverified_read_ratio", "objects",
+                        "exists_1000_ms", "page_bytes", "pages", "layout", "objects_per_page"}
     assert out["page_bytes"] == 2 * 737_280 and out["pages"] == 2
     assert out["layout"] == "page_head" and out["objects_per_page"] == 6  # 3 heads x K, V
-    assert all(out[k] > 0 for k in out if k != "layout")
+    assert all(out[k] > 0 for k in out if k not in ("layout", "objects"))
+    assert set(out["objects"]) == {"raw", "kvtier_verified", "kvtier_unverified"}
     assert not any((tmp_path / "bench").iterdir())  # cleans up after itself

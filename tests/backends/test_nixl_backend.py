@@ -12,10 +12,11 @@ pytest.importorskip("nixl")
 
 from kvtier.backends.base import KV_POOL, PagePart, StorageTarget, StorageUnavailable  # noqa: E402
 from kvtier.backends.registry import create_backend  # noqa: E402
-from kvtier.errors import CacheUsageError  # noqa: E402
+from kvtier.errors import CacheUsageError, ConfigError  # noqa: E402
 from kvtier.keys import KeyNamespace, page_hashes  # noqa: E402
 from kvtier.kv_spec import KVSpec  # noqa: E402
 from kvtier.policies import MemLayout  # noqa: E402
+from kvtier.storage_options import NixlOptions  # noqa: E402
 from kvtier.tiers.host_pool import HostPool  # noqa: E402
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.bfloat16)
@@ -88,7 +89,8 @@ def test_calls_larger_than_a_request_split_into_whole_requests(open_backend, mon
     b.register_pool(KV_POOL, pool)
     calls = []
     real = b.agent.transfer
-    monkeypatch.setattr(b.agent, "transfer", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(b.agent, "transfer",
+                        lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     ks = keys(5)
     assert b.set_from(KV_POOL, ks, [0, 1, 2, 3, 4]).ok == [True] * 5
     assert b.get_into(KV_POOL, ks, [5, 6, 7, 8, 9]).ok == [True] * 5
@@ -110,14 +112,7 @@ def test_existing_pages_are_skipped_never_overwritten(open_backend):
     assert path_of(Path(b.root), b, k[0]).read_bytes() == before
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "flip_header_name", "truncate", "extend"])
-def test_damaged_objects_are_counted_removed_misses(open_backend, damage):
-    pool = make_pool()
-    b = open_backend()
-    b.register_pool(KV_POOL, pool)
-    ks = keys(3)
-    b.set_from(KV_POOL, ks, [0, 1, 2])
-    p = path_of(Path(b.root), b, ks[1], PagePart.V)
+def damage_object(p: Path, damage: str) -> None:
     data = bytearray(p.read_bytes())
     if damage == "flip_payload":
         data[-3] ^= 0x01
@@ -128,11 +123,48 @@ def test_damaged_objects_are_counted_removed_misses(open_backend, damage):
     else:
         data += b"\0"
     p.write_bytes(bytes(data))
+
+
+# without verify_checksums the header and size are still checked: only a payload flip goes unseen
+@pytest.mark.parametrize(("damage", "verify"), [("flip_payload", True)]
+                         + [(d, v) for d in ("flip_header_name", "truncate", "extend")
+                            for v in (True, False)])
+def test_damaged_objects_are_counted_removed_misses(open_backend, damage, verify):
+    pool = make_pool()
+    b = open_backend(verify_checksums=verify)
+    b.register_pool(KV_POOL, pool)
+    ks = keys(3)
+    b.set_from(KV_POOL, ks, [0, 1, 2])
+    p = path_of(Path(b.root), b, ks[1], PagePart.V)
+    damage_object(p, damage)
     res = b.get_into(KV_POOL, ks, [8, 9, 10])
     assert res.ok == [True, False, True]
     assert same(pool, 0, 8) and same(pool, 2, 10)
     assert b.stats().corrupt_objects == 1 and not p.exists()
     assert b.exists(ks).usable_pages == 1
+
+
+def test_without_verification_a_flipped_payload_byte_is_read_as_is(open_backend, monkeypatch):
+    pool = make_pool()
+    b = open_backend(verify_checksums=False)
+    b.register_pool(KV_POOL, pool)
+    assert not b.capabilities.verified
+    ks = keys(2)
+    b.set_from(KV_POOL, ks, [0, 1])
+    p = path_of(Path(b.root), b, ks[1], PagePart.V)
+    damage_object(p, "flip_payload")
+    monkeypatch.setattr(b, "_checksums", lambda views: pytest.fail("a read hashed its pages"))
+    assert b.get_into(KV_POOL, ks, [8, 9]).ok == [True, True]
+    assert same(pool, 0, 8) and torch.equal(pool.page_part_view(1, 0), pool.page_part_view(9, 0))
+    v_read, v_written = (pool.page_part_view(page, 1).view(torch.uint8) for page in (9, 1))
+    assert (v_read != v_written).sum() == 1 and v_read[-3] != v_written[-3]  # the very byte
+    assert b.stats().corrupt_objects == 0 and p.exists()
+    # the writer stored the checksum all the same: a verifying reader finds the damage
+    checker = open_backend()
+    checker.register_pool(KV_POOL, pool)
+    assert checker.get_into(KV_POOL, ks, [10, 11]).ok == [True, False]
+    with pytest.raises(ConfigError, match="verify_checksums.*true or false"):
+        NixlOptions(verify_checksums=1)
 
 
 def test_file_renamed_under_another_key_is_foreign(open_backend):
@@ -323,5 +355,9 @@ def test_bench_measure_runs_small_and_cleans_up(tmp_path):
                         "read_ratio", "exists_1000_ms", "page_bytes", "pages"}
     assert out["page_bytes"] == 2 * 737_280 and out["object_bytes"] == 245_760 and out["pages"] == 2
     assert out["layout"] == "page_head"  # one object per KV head and part
-    assert all(out[k] > 0 for k in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps"))
+    assert all(out[k] > 0 for k in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
+                                    "unverified_write_gbps", "unverified_read_gbps"))
+    for side in ("raw", "kvtier_verified", "kvtier_unverified"):  # 12 objects: one request each
+        assert out["objects"][side]["write_calls_per_batch"] == 1
+        assert out["objects"][side]["read_calls_per_batch"] == 1
     assert list(tmp_path.iterdir()) == []
