@@ -202,10 +202,10 @@ class MooncakeOptions(_Options):
     local_hostname: str | None = None
     global_segment_size_bytes: int = 256 * MiB
     local_buffer_size_bytes: int = 64 * MiB
-    # xxh3 of every page part in a small checksum object, verified after each read (sizes are
-    # checked always). On by default: a corrupt page must be a miss, never wrong KV. It costs
-    # ~40% of Mooncake's local-segment throughput here (5.0 -> 3.0 GB/s reads), less over TCP;
-    # turn it off only where the store is trusted.
+    # xxh3 of every page part as an 8-byte trailer of its object, verified after each read
+    # (sizes are checked always). On by default: a corrupt page must be a miss, never wrong
+    # KV. Every backend of a namespace must agree (objects differ by the trailer); the cost
+    # is in docs/benchmarks.md. Turn it off only where the store is trusted.
     verify_checksums: bool = True
     start_timeout_s: float = 15.0  # bound on starting the master and connecting to it
     # Bound on each Mooncake Store call (exists, get, put, remove): past it a read is a miss

@@ -7,8 +7,10 @@ import signal
 import socket
 import time
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 from eventually import eventually
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # before mooncake loads: INFO floods stderr
@@ -127,7 +129,53 @@ def test_wrong_size_object_is_a_miss_and_removed(pair, factor):
     assert r.exists(ks).usable_pages == 1
 
 
-def test_checksums_turn_corrupt_bytes_into_a_miss(master):
+_SCRATCH = []  # buffers registered with a client must outlive it
+
+
+def _rewrite(store, name, change) -> None:
+    """Object `name` replaced, through the raw client, by `change(its bytes)`."""
+    size = store.get_size(name)
+    buf = np.zeros(size, dtype=np.uint8)
+    _SCRATCH.append(buf)
+    assert store.register_buffer(buf.ctypes.data, size) == 0
+    assert store.batch_get_into([name], [buf.ctypes.data], [size]) == [size]
+    data = np.ascontiguousarray(change(buf))
+    if data is not buf:
+        _SCRATCH.append(data)
+        assert store.register_buffer(data.ctypes.data, data.nbytes) == 0
+    assert store.remove(name, True) == 0
+    assert store.batch_put_from([name], [data.ctypes.data], [data.nbytes]) == [0]
+
+
+def _flip(at):
+    def change(buf):
+        buf[at] ^= 0x01
+        return buf
+    return change
+
+
+@pytest.mark.parametrize("factor", [0.5, 2])
+def test_wrong_size_verified_object_is_a_miss_and_removed(master, factor):
+    """Verified reads scatter an object into its part and its checksum: Mooncake fails one
+    shorter than both (-800) or longer (-600); the master's size tells corruption apart."""
+    with make(master, verify=True) as b:
+        pool = filled_pool()
+        b.register_pool(KV_POOL, pool)
+        ks = keys(2, salt=220 + int(factor * 10))
+        assert b.set_from(KV_POOL, ks, [0, 1]).ok == [True, True]
+        name = b.target.object_name(KV_POOL, ks[1], 0, PagePart.K)
+        _rewrite(b.store, name, lambda buf: np.resize(buf, int(buf.size * factor)))
+        assert b.get_into(KV_POOL, ks, [8, 9]).ok == [True, False]
+        assert b.stats().corrupt_objects == 1 and b.stats().extra["foreign_objects"] == 0
+        assert b.store.is_exist(name) == 0
+        assert b.exists(ks).usable_pages == 1
+
+
+@pytest.mark.parametrize("damage", ["part_byte", "trailer_byte", "other_page"])
+def test_checksums_turn_corrupt_bytes_into_a_miss(master, damage):
+    """A verified object is its part's bytes and their xxh3_64: one flipped bit, in the part
+    or in the checksum, or another page's bytes of the same size, is a corrupt object (a
+    miss, counted, the page's objects removed), never wrong KV."""
     with make(master, verify=True) as b:
         pool = filled_pool()
         b.register_pool(KV_POOL, pool)
@@ -137,13 +185,52 @@ def test_checksums_turn_corrupt_bytes_into_a_miss(master):
         assert b.get_into(KV_POOL, ks, [8, 9, 10]).ok == [True] * 3
         assert same(pool, 0, 8) and same(pool, 2, 10)
         name = b.target.object_name(KV_POOL, ks[1], 0, PagePart.V)
-        b.store.remove(name, True)  # same size, another page's bytes: only a checksum sees it
-        view = pool.page_part_view(5, 1)
-        assert b.store.batch_put_from([name], [view.data_ptr()], [view.numel()]) == [0]
+        other = pool.page_part_view(5, 1).numpy()
+        change = {"part_byte": _flip(17), "trailer_byte": _flip(-3),
+                  "other_page": lambda buf: np.concatenate([other, buf[-8:]])}[damage]
+        _rewrite(b.store, name, change)
         res = b.get_into(KV_POOL, ks, [11, 12, 13])
         assert res.ok == [True, False, True] and res.leading_ok == 1
         assert b.stats().corrupt_objects == 1
         assert b.exists(ks).usable_pages == 1  # the page's objects were dropped
+
+
+def test_a_verified_object_is_the_part_then_its_xxh3(master):
+    """The format other readers (and tools) see: part bytes, then xxh3_64 little-endian."""
+    with make(master, verify=True) as b:
+        pool = filled_pool()
+        b.register_pool(KV_POOL, pool)
+        k = keys(1, salt=320)
+        assert b.set_from(KV_POOL, k, [4]).ok == [True]
+        for part in (PagePart.K, PagePart.V):
+            seen = []
+            _rewrite(b.store, b.target.object_name(KV_POOL, k[0], 0, part),
+                     lambda buf: seen.append(buf.copy()) or buf)
+            raw, expected = seen[0], pool.page_part_view(4, int(part)).numpy()
+            assert raw.size == SPEC.page_part_bytes + 8
+            assert np.array_equal(raw[:-8], expected)
+            assert int(raw[-8:].view("<u8")[0]) == xxhash.xxh3_64_intdigest(expected)
+
+
+@pytest.mark.parametrize("writer_verifies", [True, False])
+def test_a_reader_whose_verification_differs_from_the_writers_misses_cleanly(
+        master, writer_verifies):
+    """Verified objects are 8 bytes longer: a reader configured the other way finds every
+    object 8 bytes off its size. That is a miss, counted in foreign_objects, not corruption:
+    the objects stay for readers configured like their writer."""
+    w = make(master, verify=writer_verifies)
+    r = make(master, verify=not writer_verifies, model=w.target.namespace.model)
+    with w, r:
+        src, dst = filled_pool(seed=4), filled_pool(seed=5)
+        w.register_pool(KV_POOL, src)
+        r.register_pool(KV_POOL, dst)
+        ks = keys(2, salt=340)
+        assert w.set_from(KV_POOL, ks, [0, 1]).ok == [True, True]
+        assert r.get_into(KV_POOL, ks, [2, 3]).ok == [False, False]
+        assert r.stats().corrupt_objects == 0
+        assert r.stats().extra["foreign_objects"] == 2 * 2  # K and V of each page
+        assert w.get_into(KV_POOL, ks, [4, 5]).ok == [True, True]  # left in place
+        assert same(src, 0, 4) and same(src, 1, 5)
 
 
 def test_delete(pair):
@@ -235,14 +322,16 @@ def test_bench_measure_reports_every_field():
     from kvtier.bench.storage_mooncake import measure
     out = measure(2, repeats=1)
     for field in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
-                  "read_ratio", "exists_1000_ms", "verified_read_ratio"):
+                  "read_ratio", "exists_1000_ms", "unverified_read_ratio"):
         assert out[field] > 0
     assert out["page_bytes"] == 2 * 737_280 and out["pages"] == 2
     assert out["layout"] == "page_head" and out["objects_per_page"] == 6
-    raw, plain, verified = (out["objects"][k] for k in ("raw", "kvtier", "kvtier_verified"))
+    raw, plain, verified = (out["objects"][k]
+                            for k in ("raw", "kvtier_unverified", "kvtier_verified"))
     assert raw["objects_per_page"] == plain["objects_per_page"] == 6
-    assert verified["objects_per_page"] == 6 + 3  # a checksum object per KV head
+    assert verified["objects_per_page"] == 6  # the checksum rides in each object
     assert raw["bytes_per_object"] == plain["bytes_per_object"] == 737_280 // 3
+    assert verified["bytes_per_object"] == 737_280 // 3 + 8
     assert (raw["write_calls_per_batch"], raw["read_calls_per_batch"]) == (1, 1)
     assert plain["write_calls_per_batch"] == 2  # an existence check, then the puts
     assert plain["read_calls_per_batch"] == 1
@@ -320,8 +409,9 @@ def test_what_a_client_listens_on(master):
 @pytest.mark.parametrize("verify", [False, True])
 def test_one_batch_call_carries_every_heads_objects_of_many_pages(master, verify):
     """Per-head objects must not multiply the calls: with 3 KV heads, 5 pages are one
-    batch_put_from and one batch_get_into of 5 x 3 x 2 objects (plus one checksum object per
-    head and page when verifying), read back byte for byte by a reader owning one head."""
+    put and one get of 5 x 3 x 2 objects (batch_put_from / batch_get_into, or verifying,
+    their multi-buffer forms: part and checksum), read back byte for byte by a reader owning
+    one head."""
     from kvtier.kv_spec import HeadRange
 
     spec3 = KVSpec(num_layers=2, num_kv_heads=3, head_dim=8, page_size=4, dtype=torch.bfloat16)
@@ -339,8 +429,10 @@ def test_one_batch_call_carries_every_heads_objects_of_many_pages(master, verify
         ks = keys(5, salt=700 + verify)
         assert w.set_from(KV_POOL, ks, [0, 1, 2, 3, 4]).ok == [True] * 5
         assert w.get_into(KV_POOL, ks, [5, 6, 7, 0, 1]).ok == [True] * 5
-        per_page = 3 * 2 + (3 if verify else 0)
-        assert calls == [("batch_put_from", 5 * per_page), ("batch_get_into", 5 * per_page)]
+        put, get = ("batch_put_from", "batch_get_into")
+        if verify:
+            put, get = put + "_multi_buffers", get + "_multi_buffers"
+        assert calls == [(put, 5 * 3 * 2), (get, 5 * 3 * 2)]
         assert r.get_into(KV_POOL, ks[:2], [2, 3]).ok == [True, True]  # head 1 alone
         for src, dst in zip([5, 6], [2, 3]):
             assert all(torch.equal(pool.page_head_view(src, 1, p), one.page_head_view(dst, 0, p))
@@ -355,13 +447,82 @@ class _CountingStore:
 
     def __getattr__(self, name: str):
         attr = getattr(self._inner, name)
-        if name not in ("batch_put_from", "batch_get_into"):
+        if not name.startswith(("batch_put_from", "batch_get_into")):
             return attr
 
         def counted(names, *args):
             self._calls.append((name, len(names)))
             return attr(names, *args)
         return counted
+
+
+
+def test_verified_batches_go_in_chunks_each_checked_on_its_own(master):
+    """A verified batch of twice `chunk_bytes` or more is put in chunks of whole pages that
+    double from `chunk_bytes`, and got in the same sizes in reverse (the hashing of one
+    overlaps the transfer of the next); a corrupt object in a middle chunk costs its page
+    only."""
+    with make(master, verify=True) as b:
+        pool = filled_pool(pages=24, seed=6)
+        b.register_pool(KV_POOL, pool)
+        b.chunk_bytes = 3 * SPEC.page_bytes  # 10 pages: puts of 3, 6, 1; gets of 1, 6, 3
+        calls: list = []
+        b.store = _CountingStore(b.store, calls)
+        ks = keys(10, salt=360)
+        assert b.set_from(KV_POOL, ks, list(range(10))).ok == [True] * 10
+        assert calls == [("batch_put_from_multi_buffers", n) for n in (6, 12, 2)]
+        _rewrite(b.store._inner, b.target.object_name(KV_POOL, ks[4], 0, PagePart.K), _flip(5))
+        res = b.get_into(KV_POOL, ks, list(range(10, 20)))
+        assert calls[3:] == [("batch_get_into_multi_buffers", n) for n in (2, 12, 6)]
+        assert res.ok == [i != 4 for i in range(10)]
+        assert res.bytes_moved == 9 * SPEC.page_bytes
+        assert b.stats().corrupt_objects == 1
+        assert all(same(pool, i, 10 + i) for i in range(10) if i != 4)
+        assert b.present(ks) == [i != 4 for i in range(10)]
+
+
+def test_a_chunk_past_its_deadline_leaves_no_hash_running(master):
+    """The second chunk's put passes its deadline: the write raises PagesStillInUse, and by
+    then no hashing of the batch still reads its pages (the rest are cancelled or done)."""
+    import threading
+    from concurrent.futures import Future
+
+    from kvtier.backends.base import PagesStillInUse
+    from kvtier.backends.bounded_calls import CallOutcome, CallState
+
+    with make(master, verify=True) as b:
+        b.register_pool(KV_POOL, filled_pool(pages=16))
+        b.chunk_bytes = 2 * SPEC.page_bytes
+        m = b._maps[KV_POOL]
+        seal, running, lock = m.seal, [0], threading.Lock()
+
+        def slow_seal(*args):
+            with lock:
+                running[0] += 1
+            time.sleep(0.05)
+            seal(*args)
+            with lock:
+                running[0] -= 1
+        m.seal = slow_seal
+        run, puts = b.calls.run, []
+        stuck = Future()
+
+        def run_or_time_out(fn, keep, call, *args):
+            if _name(call) == "batch_put_from_multi_buffers":
+                puts.append(len(args[0]))
+                if len(puts) == 2:
+                    return CallOutcome(CallState.TIMED_OUT, pending=stuck)
+            return run(fn, keep, call, *args)
+        b.calls.run = run_or_time_out
+        with pytest.raises(PagesStillInUse) as caught:
+            b.set_from(KV_POOL, keys(8, salt=380), list(range(8)))
+        assert running[0] == 0 and puts == [4, 8]  # chunks of 2 and 4 pages
+        assert caught.value.pending is stuck
+        assert b.stats().write_failures == 8
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", "")
 
 
 
@@ -497,7 +658,7 @@ def test_a_second_copy_serves_pages_whose_segment_owner_stopped(copies, monkeypa
                 ks = keys(8, salt=1000)
                 assert b.set_from(KV_POOL, ks, list(range(8))).ok == [True] * 8
                 stored = _replicas(b, ks)
-                assert stored == copies * 8 * 3  # K, V and the checksum object of each page
+                assert stored == copies * 8 * 2  # K and V of each page
                 owners[0].stop()
                 try:  # quarantined from now on; on a loaded machine the master may have
                     # dropped the segment already (its 2-s TTL), and the read finds the rest
