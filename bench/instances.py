@@ -16,7 +16,8 @@ and the report adds `ttft_l3_cross_host_ratio` (B's L3 hit on host 3 of what A c
 host 2, over B's cold TTFT on host 3), `l3_read_gbps` (kvtier's L3 reads, all ranks' bytes
 over the longest rank's read time), `raw_mooncake_read_gbps` (Mooncake's own batch_get_into
 of as many objects of the same size between the same hosts, as many readers as ranks),
-`raw_tcp_gbps` (one TCP stream host 2 -> host 3: the ceiling) and `bytes_across_hosts`.
+`raw_tcp_gbps` (one TCP stream host 2 -> host 3: the ceiling), `bytes_across_hosts`, and
+per-object figures of kvtier's and the raw read (`l3_read`, `raw_mooncake_read`).
 
 With `--writer-tp W --reader-tp R` it measures L3 across TP sizes instead (bench/cross_tp):
 an instance at TP=W stores the document, one at TP=R reads it from L3; the report has

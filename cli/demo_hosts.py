@@ -139,7 +139,9 @@ def run_demo(run: HostsRun, params: Any, extra: Sequence[str] = ()) -> tuple[dic
 def measure_ceilings(run: HostsRun, result: dict) -> dict:
     """`raw_tcp_gbps` (host 2 -> host 3) and `raw_mooncake_read_gbps`: a client on host 3
     reading, with one reader per TP rank, the objects B read from L3 (same count and size),
-    stored by a client on host 2 under a master on host 1."""
+    stored by a client on host 2 under a master on host 1. Per-object figures of both reads
+    (`raw_mooncake_read`, `l3_read`: objects, bytes per object, objects/s; the raw one's
+    calls, one `batch_get_into` per reader)."""
     from kvtier.bench.host_ceilings import mooncake_read_gbps, tcp_gbps
 
     h1, h2, h3 = run.net.hosts
@@ -151,7 +153,13 @@ def measure_ceilings(run: HostsRun, result: dict) -> dict:
         object_bytes = l3[0]["l3_read_bytes"] // objects
         raw = mooncake_read_gbps(h1, h2, h3, object_bytes, objects, readers=tp)
         out["raw_mooncake_read_gbps"] = round(raw.gbps, 3)
-        out["raw_mooncake_read"] = {"objects": objects, "object_bytes": object_bytes}
+        raw_s = objects * object_bytes / (raw.gbps * 1e9)
+        out["raw_mooncake_read"] = {"objects": objects, "object_bytes": object_bytes,
+                                    "calls_per_batch": tp, "objects_per_s": round(objects / raw_s)}
+        # kvtier's side of the same read: every rank's objects over the longest rank's time
+        seconds = l3[0].get("l3_read_s") or 0
+        out["l3_read"] = {"objects": objects, "object_bytes": object_bytes,
+                          "objects_per_s": round(objects / seconds) if seconds > 0 else None}
         if result.get("l3_read_gbps"):
             out["l3_read_vs_raw_mooncake"] = round(result["l3_read_gbps"] / raw.gbps, 3)
     return out
