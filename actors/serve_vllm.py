@@ -167,7 +167,8 @@ class VllmDeployment(ServedReplica):
                                enable_hierarchical_cache=s.enable_hierarchical_cache)
         facts = await self._call(lambda inst: inst.facts())
         running = RunningConfig(HiCacheConfigRecord.of(config), s.l3_name, v.model_dir,
-                                facts.dtype, facts.batched_tokens, False, "fcfs", facts.blocks,
+                                facts.dtype, facts.batched_tokens, False,
+                                "hit_first" if v.hit_first else "fcfs", facts.blocks,
                                 int(facts.blocks * s.hicache_ratio) if v.connector else 0,
                                 engine=s.engine.value)
         return ReplicaConfig(self.name, running).to_msgpack()

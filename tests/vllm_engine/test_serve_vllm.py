@@ -176,6 +176,9 @@ def test_the_admin_api_says_what_a_vllm_instance_runs_and_lacks(app):
     assert [c["engine"] for c in config] == ["vllm", "vllm"]
     assert all(c["l3"] == "file" and c["device_pages"] >= 48 and c["dtype"] in DTYPES
                and c["host_pages"] == 2 * c["device_pages"] for c in config)
+    # each step computes at most the deployment's chunk, admitted hit-first
+    assert all(c["schedule_policy"] == "hit_first" and c["chunk_tokens"] == 512  # the default
+               for c in config)
     pin = app.post("/admin/pin", {"tokens": document(3)}, admin=True)
     assert pin.status_code == 400 and "engine vllm" in pin.text
     attach = app.post("/admin/storage/attach", {"backend": "file"}, admin=True)
