@@ -17,13 +17,17 @@ The rules, each bounded:
   only running requests still in their prompt, with more prompt left to compute than the
   hit has, whose computed pages L2 holds, and never one preempted before (no request is
   pushed back twice: no starvation);
-- without a hit nothing changes: vLLM's own order.
+- without a hit nothing changes: vLLM's own order; nor once a request has waited
+  `max_wait_steps` steps (kvtier's engine's aging, engine/queue_order): vLLM's order then
+  serves the oldest first, so a stream of hits cannot hold a cold prompt back for ever.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
+
+from kvtier.engine.queue_order import DEFAULT_MAX_WAIT_STEPS
 
 HIT_SHARE = 0.5  # a waiting request is a hit when this share of its prompt is cached
 
@@ -75,10 +79,12 @@ def is_hit(request: WaitingRequest, block_size: int) -> bool:
 
 
 def admit(waiting: Sequence[WaitingRequest], running: Sequence[RunningRequest],
-          free_blocks: int, token_budget: int, block_size: int) -> Admission:
-    """The admission for this step (module docstring)."""
+          free_blocks: int, token_budget: int, block_size: int, oldest_wait_steps: int = 0,
+          max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS) -> Admission:
+    """The admission for this step (module docstring); `oldest_wait_steps`: the steps the
+    longest-waiting request (of any kind) has waited."""
     hits = [w for w in waiting if is_hit(w, block_size)]
-    if not hits:
+    if not hits or oldest_wait_steps >= max_wait_steps:
         return KEEP
     first = max(hits, key=lambda w: w.cached)  # the earliest of equals: max keeps the first
     own_tokens = max(1, first.tokens - first.cached)

@@ -1,8 +1,9 @@
 """`KvtierScheduler`: vLLM's scheduler with hit-first admission (kvtier.connector.admission):
 before each step it puts the waiting request with the most cached tokens (vLLM's prefix
 cache, then KvtierConnector's L2) first in line, preempting cold prefills whose computed
-pages L2 already holds when it needs their blocks or token budget. Everything else is
-vLLM's `Scheduler`.
+pages L2 already holds when it needs their blocks or token budget, until some request has
+waited `max_wait_steps` steps (aging: vLLM's order serves it). Everything else is vLLM's
+`Scheduler`.
 
 The serve graph's vLLM instances run it; with `vllm serve` load it beside the connector
 with `--scheduler-cls kvtier.connector.vllm_scheduler.KvtierScheduler` (docs/vllm.md). vLLM
@@ -14,7 +15,7 @@ it orders by vLLM's prefix cache alone and never preempts what L2 does not hold.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -34,6 +35,10 @@ MAX_CANDIDATES = 64  # waiting requests looked at per step, from the head of the
 class KvtierScheduler(Scheduler):
     """vLLM's scheduler, hit-first (module docstring)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._waiting_since: dict[str, int] = {}  # request id -> step first seen waiting
+
     def schedule(self, throttle_prefills: bool = False) -> "SchedulerOutput":
         if (self.policy == SchedulingPolicy.FCFS and self._pause_state == PauseState.UNPAUSED
                 and len(self.waiting)):
@@ -41,14 +46,20 @@ class KvtierScheduler(Scheduler):
         return super().schedule(throttle_prefills)
 
     def _admit_hits_first(self) -> None:
+        queue = list(self.waiting)
+        # the step each waiting request was first seen waiting (aging), kept while it waits
+        self._waiting_since = {r.request_id: self._waiting_since.get(r.request_id,
+                                                                     self.current_step)
+                               for r in queue}
+        oldest = self.current_step - min(self._waiting_since.values())
         waiting = []
-        for request in list(self.waiting)[:MAX_CANDIDATES]:
+        for request in queue[:MAX_CANDIDATES]:
             if request.status == RequestStatus.WAITING and request.num_computed_tokens == 0:
                 waiting.append(self._waiting(request))
         manager = self.kv_cache_manager
         running = [self._running(r) for r in self.running]
         admission = admit(waiting, running, manager.block_pool.get_num_free_blocks(),
-                          self.max_num_scheduled_tokens, self.block_size)
+                          self.max_num_scheduled_tokens, self.block_size, oldest)
         now = time.monotonic()
         for req_id in admission.preempt:
             victim = self.requests[req_id]

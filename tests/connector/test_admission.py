@@ -78,3 +78,11 @@ def test_partial_pages_do_not_count_as_lost():
                 0, BUDGET,
                 BS)
     assert got == Admission("hit", ("c",))
+
+
+def test_a_request_waiting_too_long_gets_vllms_order_back():
+    queue, running = [waiting("cold", 1100, 0), waiting("hit", 1200, 1152)], [cold("c")]
+    assert admit(queue, running, 2, BUDGET, BS, oldest_wait_steps=127,
+                 max_wait_steps=128) == Admission("hit", ("c",))
+    assert admit(queue, running, 0, BUDGET, BS, oldest_wait_steps=128,
+                 max_wait_steps=128) == KEEP
