@@ -79,8 +79,10 @@ class TransferTimeout(PagesStillInUse):
 class PosixAgent:
     """A NIXL agent with one POSIX backend; moves registered host memory to/from files.
 
-    `transfer` is one NIXL request for a whole batch: register the files, one
-    initialize_xfer + transfer + bounded wait, release, deregister the files.
+    `transfer` is one NIXL request (a write batch, a chunk of a read batch): register the
+    files, one initialize_xfer + transfer + bounded wait, release, deregister the files. It
+    blocks: with the POSIX plugin the waiting thread does the copying, so a caller that
+    wants other work done meanwhile does it on another thread (as the backend's reads do).
     """
 
     def __init__(self, params: dict[str, str] | None = None) -> None:
@@ -97,8 +99,9 @@ class PosixAgent:
                                        backends=[])
             self._agent = nixl_agent(self.name, config)
         except Exception as exc:
-            raise StorageUnavailable(f"cannot create a NIXL agent ({exc}); check the nixl "
-                                     "installation (NIXL_PLUGIN_DIR) or choose another backend") from exc
+            raise StorageUnavailable(
+                f"cannot create a NIXL agent ({exc}); check the nixl installation "
+                "(NIXL_PLUGIN_DIR) or choose another backend") from exc
         plugins = self._agent.get_plugin_list()
         if PLUGIN not in plugins:
             raise StorageUnavailable(f"NIXL has no {PLUGIN} plugin (found {plugins}); install a "
@@ -106,8 +109,9 @@ class PosixAgent:
         try:
             self._agent.create_backend(PLUGIN, dict(POSIX_PARAMS if params is None else params))
         except Exception as exc:
-            raise StorageUnavailable(f"cannot create NIXL's {PLUGIN} backend ({exc}); on Linux "
-                                     "it needs libaio or io_uring; choose the file backend") from exc
+            raise StorageUnavailable(
+                f"cannot create NIXL's {PLUGIN} backend ({exc}); on Linux it needs libaio or "
+                "io_uring; choose the file backend") from exc
         self._dram: list = []  # registrations to undo at close
         self._dram_ranges: set[tuple[int, int]] = set()
         self._stuck: list = []  # handles of transfers that timed out: kept alive, never freed
@@ -121,33 +125,38 @@ class PosixAgent:
         try:
             reg = self._agent.register_memory([(addr, nbytes, 0, "")], "DRAM", backends=[PLUGIN])
         except Exception as exc:
-            raise StorageUnavailable(f"NIXL cannot register {nbytes} bytes of host memory ({exc})") from exc
+            raise StorageUnavailable(
+                f"NIXL cannot register {nbytes} bytes of host memory ({exc}); choose the file "
+                "backend") from exc
         self._dram.append(reg)
         self._dram_ranges.add((addr, nbytes))
 
     # ---- transfers ---------------------------------------------------------------------
-    def transfer(self, op: str, mem: Sequence[tuple[int, int]], files: Sequence[tuple[int, int, int]],
-                 timeout_s: float) -> bool:
-        """One NIXL request: `mem[i]` = (addr, len) <-> `files[i]` = (fd, offset, len).
+    def transfer(self, op: str, mem: Sequence[tuple[int, int]] | np.ndarray,
+                 files: Sequence[tuple[int, int, int]] | np.ndarray, timeout_s: float) -> bool:
+        """One NIXL request: `mem[i]` = (addr, len) <-> `files[i]` = (fd, offset, len), as
+        sequences of tuples or uint64 arrays of 2 and 3 columns.
 
         op is "READ" (file -> memory) or "WRITE". Returns False when NIXL reports an error
         (the caller treats the batch as failed); raises TransferTimeout when the request is
         still running after `timeout_s` and cannot be cancelled.
         """
         assert op in ("READ", "WRITE") and len(mem) == len(files) and not self.closed
-        if not mem:
+        if not len(mem):
             return True
         a = self._agent
-        fd_rows = np.array([(0, off + n, fd) for fd, off, n in files], dtype=np.uint64)
+        m = np.asarray(mem, dtype=np.uint64).reshape(-1, 2)  # columns: addr, len
+        f = np.asarray(files, dtype=np.uint64).reshape(-1, 3)  # columns: fd, offset, len
+        zeros = np.zeros(len(f), dtype=np.uint64)
+        fd_rows = np.column_stack((zeros, f[:, 1] + f[:, 2], f[:, 0]))  # (0, file end, fd)
         try:
             file_reg = a.register_memory(fd_rows, "FILE", backends=[PLUGIN])
         except Exception as exc:
             log.warning("NIXL could not register %d files: %s", len(files), exc)
             return False
         try:
-            local = a.get_xfer_descs(np.array([(p, n, 0) for p, n in mem], dtype=np.uint64), "DRAM")
-            remote = a.get_xfer_descs(np.array([(off, n, fd) for fd, off, n in files],
-                                               dtype=np.uint64), "FILE")
+            local = a.get_xfer_descs(np.column_stack((m, zeros)), "DRAM")  # (addr, len, 0)
+            remote = a.get_xfer_descs(np.ascontiguousarray(f[:, [1, 2, 0]]), "FILE")
             done = self._run(op, local, remote, timeout_s)
         except TransferTimeout:
             self._stuck.append(file_reg)  # in-flight I/O still refers to these files

@@ -15,46 +15,68 @@ header it reads back before the payload is trusted.
 """
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 
 from kvtier.backends.file_object import (HEADER_BYTES, MAGIC, TMP_PREFIX, encode_header,
                                          object_bytes)
 
-__all__ = ["HEADER_BYTES", "TempFiles", "check_header", "encode_header", "object_bytes", "temp_path"]
+__all__ = ["HEADER_BYTES", "TempFiles", "check_header", "encode_header", "object_bytes",
+           "temp_path"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC
 
 
-def _checksum_offset() -> int:
-    """Where encode_header puts the u64 checksum: the 8 bytes that differ between two
-    headers that differ only in it. Found through the public encoder, not restated here."""
+def _layout() -> tuple[int, int]:
+    """Where encode_header puts the u64 checksum (the 8 bytes that differ between two headers
+    that differ only in it) and the name (right after it, then zeros to HEADER_BYTES).
+    Found through the public encoder, not restated here."""
     a, b = encode_header(b"x", 1, 0), encode_header(b"x", 1, (1 << 64) - 1)
     diff = [i for i in range(len(a)) if a[i] != b[i]]
     assert diff == list(range(diff[0], diff[0] + 8)), "file_object's checksum is not one u64"
-    return diff[0]
+    name_at = diff[0] + 8
+    sample, other = encode_header(b"xyz", 5, 7), encode_header(b"abc", 5, 7)
+    assert sample[name_at:] == b"xyz" + bytes(HEADER_BYTES - name_at - 3) and \
+        sample[:name_at] == other[:name_at], \
+        "file_object's header no longer ends with the name and zero padding"
+    return diff[0], name_at
 
 
-_CHECKSUM_AT = _checksum_offset()
+_CHECKSUM_AT, _NAME_AT = _layout()
+
+
+@functools.lru_cache(maxsize=64)
+def _head(name_len: int, payload_len: int) -> bytes:
+    """encode_header's bytes before the checksum: the same for every name of that length
+    (one per pool and name length: cached)."""
+    return encode_header(bytes(name_len), payload_len, 0)[:_CHECKSUM_AT]
+
+
+@functools.lru_cache(maxsize=64)
+def _padding(name_len: int) -> bytes:
+    return bytes(HEADER_BYTES - _NAME_AT - name_len)
 
 
 def check_header(block: bytes, name: bytes, payload_len: int) -> tuple[int | None, str]:
     """(stored checksum, "") when `block` is exactly the header that `name` with
     `payload_len` bytes and that checksum would have, else (None, why not).
 
-    Byte equality with encode_header's output checks magic, version, sizes, the name and
-    the zero padding at once, in the file backend's own encoding.
+    Byte equality with encode_header's output (its bytes before the checksum, then the
+    name and zero padding after it) checks magic, version, sizes, the name and the padding
+    at once, in the file backend's own encoding; two comparisons, no header built per call.
     """
     if len(block) < HEADER_BYTES:
         return None, f"truncated header ({len(block)} bytes)"
-    stored = int.from_bytes(block[_CHECKSUM_AT:_CHECKSUM_AT + 8], "little")
-    if block[:HEADER_BYTES] == encode_header(name, payload_len, stored):
-        return stored, ""
+    block = block[:HEADER_BYTES]
+    if (block.startswith(_head(len(name), payload_len))
+            and block.endswith(name + _padding(len(name)))):
+        return int.from_bytes(block[_CHECKSUM_AT:_NAME_AT], "little"), ""
     if not block.startswith(MAGIC):
         return None, "not a kvtier object (bad magic)"
-    if name not in block[:HEADER_BYTES]:
+    if name not in block:
         return None, "foreign object: its header names another object"
     return None, "header differs (format version, payload length or padding)"
 

@@ -5,7 +5,8 @@ under L3) and files of the same size, one per object (KV head and part), with th
 at the same offset, through agents with the same POSIX plugin settings and the host pool
 registered once beforehand:
 - kvtier: `set_from` / `get_into` of all pages in one call (names, temp file + link,
-  header, capacity index, one NIXL request per MAX_OBJECTS_PER_TRANSFER objects), twice,
+  header, capacity index; writes one NIXL request per MAX_OBJECTS_PER_TRANSFER objects,
+  reads one per READ_CHUNK_BYTES of pages, pipelined: backends/nixl_backend.py), twice,
   on backends and roots of their own: with `verify_checksums` on (the default, the
   top-level figures: xxh3 over every page part on reads) and off (`unverified_*`).
 - raw: open (create) the files, register them, one initialize_xfer + transfer + busy wait,
@@ -19,7 +20,7 @@ run says little). Every read lands on zeroed pages and is checked against the wr
 `object_bytes`: one object's payload (kvtier's files add the header: `bytes_per_object`).
 `exists_1000_ms`: one `exists` of 1,000 stored pages (2,000 stats), tiny pages on the same root.
 `verify_ms`: xxh3 over every landed page part once, timed alone: what read verification
-costs (it runs after NIXL's single request completes, so it adds to the read time).
+would cost serially (the backend hashes each chunk while NIXL moves the next).
 """
 from __future__ import annotations
 

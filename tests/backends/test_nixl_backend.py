@@ -1,5 +1,6 @@
 """The nixl backend (NIXL POSIX plugin): exact round trips, never-overwrite, verification,
-capacity, restart, and the file format it shares with the file backend."""
+capacity, restart, the file format it shares with the file backend, and reads pipelined in
+chunks (a failed or hung chunk, damage found on either thread, every file closed)."""
 from __future__ import annotations
 
 import os
@@ -96,6 +97,99 @@ def test_calls_larger_than_a_request_split_into_whole_requests(open_backend, mon
     assert b.get_into(KV_POOL, ks, [5, 6, 7, 8, 9]).ok == [True] * 5
     assert calls == [4, 4, 2, 4, 4, 2]  # descriptors per request: 1 head x 2 parts per page
     assert all(same(pool, i, 5 + i) for i in range(5))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def chunked(monkeypatch):
+    """Reads pipelined in chunks of 2 pages (1 head x 2 parts: 4 objects per request)."""
+    import kvtier.backends.nixl_backend as nb
+    monkeypatch.setattr(nb, "READ_CHUNK_BYTES", 2 * 2 * PART_BYTES)
+
+
+def count_requests(b, monkeypatch, fail_read: int = 0) -> list[tuple[str, int]]:
+    """Records (op, objects) per NIXL request; the `fail_read`-th read request (1-based)
+    reports a NIXL error instead of moving anything."""
+    calls: list[tuple[str, int]] = []
+    real = b.agent.transfer
+
+    def counted(op, mem, files, timeout_s):
+        calls.append((op, len(mem)))
+        if op == "READ" and sum(c[0] == "READ" for c in calls) == fail_read:
+            return False
+        return real(op, mem, files, timeout_s)
+    monkeypatch.setattr(b.agent, "transfer", counted)
+    return calls
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_large_reads_pipeline_chunks_of_pages(open_backend, monkeypatch, chunked, verify):
+    pool = make_pool()
+    b = open_backend(verify_checksums=verify)
+    b.register_pool(KV_POOL, pool)
+    ks = keys(5)
+    assert b.set_from(KV_POOL, ks, [0, 1, 2, 3, 4]).ok == [True] * 5
+    calls = count_requests(b, monkeypatch)
+    before = open_fds()
+    res = b.get_into(KV_POOL, ks, [8, 9, 10, 11, 12])
+    assert res.ok == [True] * 5 and res.bytes_moved == 5 * 2 * PART_BYTES
+    assert calls == [("READ", 4), ("READ", 4), ("READ", 2)]  # whole pages per request
+    assert all(same(pool, i, 8 + i) for i in range(5))
+    assert open_fds() == before
+
+
+def test_a_failed_chunk_is_misses_the_others_hits(open_backend, monkeypatch, chunked):
+    pool = make_pool()
+    b = open_backend()
+    b.register_pool(KV_POOL, pool)
+    ks = keys(5)
+    b.set_from(KV_POOL, ks, [0, 1, 2, 3, 4])
+    calls = count_requests(b, monkeypatch, fail_read=2)
+    before = open_fds()
+    res = b.get_into(KV_POOL, ks, [8, 9, 10, 11, 12])
+    assert res.ok == [True, True, False, False, True]  # pages 2 and 3 rode the failed request
+    assert res.bytes_moved == 3 * 2 * PART_BYTES and len(calls) == 3
+    assert same(pool, 0, 8) and same(pool, 1, 9) and same(pool, 4, 12)
+    assert open_fds() == before and b.stats().corrupt_objects == 0
+    assert b.exists(ks).usable_pages == 5  # a failed request removes nothing
+    calls.clear()
+    assert b.get_into(KV_POOL, ks[2:4], [10, 11]).ok == [True, True]
+    assert same(pool, 2, 10) and same(pool, 3, 11)
+
+
+@pytest.mark.parametrize("where", [0, 2, 4])  # verified on the helper (0, 2) or at the end (4)
+def test_damage_in_any_chunk_is_a_miss_and_removed(open_backend, monkeypatch, chunked, where):
+    pool = make_pool()
+    b = open_backend()
+    b.register_pool(KV_POOL, pool)
+    ks = keys(5)
+    b.set_from(KV_POOL, ks, [0, 1, 2, 3, 4])
+    flipped = path_of(Path(b.root), b, ks[where], PagePart.V)
+    damage_object(flipped, "flip_payload")
+    foreign = path_of(Path(b.root), b, ks[3], PagePart.K)
+    damage_object(foreign, "flip_header_name")  # found while the helper opens a chunk
+    before = open_fds()
+    res = b.get_into(KV_POOL, ks, [8, 9, 10, 11, 12])
+    assert res.ok == [i not in (where, 3) for i in range(5)]
+    assert all(same(pool, i, 8 + i) for i in range(5) if res.ok[i])
+    assert b.stats().corrupt_objects == 2 and not flipped.exists() and not foreign.exists()
+    assert open_fds() == before
+    assert b.exists(ks).usable_pages == (where if where < 3 else 3)
+
+
+def test_unverified_chunked_reads_hash_nothing(open_backend, monkeypatch, chunked):
+    import kvtier.backends.nixl_backend as nb
+    pool = make_pool()
+    b = open_backend(verify_checksums=False)
+    b.register_pool(KV_POOL, pool)
+    ks = keys(5)
+    b.set_from(KV_POOL, ks, [0, 1, 2, 3, 4])
+    monkeypatch.setattr(nb, "_hash_all", lambda views: pytest.fail("a read hashed its pages"))
+    monkeypatch.setattr(b, "_checksums", lambda views: pytest.fail("a read hashed its pages"))
+    assert b.get_into(KV_POOL, ks, [8, 9, 10, 11, 12]).ok == [True] * 5
 
 
 def test_existing_pages_are_skipped_never_overwritten(open_backend):
@@ -306,6 +400,34 @@ def test_hung_transfer_disables_the_backend(open_backend, monkeypatch):
         b.get_into(KV_POOL, ks, [3])
     with pytest.raises(StorageUnavailable, match="disabled"):
         b.exists(ks)
+
+
+def test_a_later_chunk_that_hangs_disables_the_backend_and_closes_every_file(
+        open_backend, monkeypatch, chunked):
+    """The second of three read requests never finishes: the helper's work (verifying the
+    first chunk, opening the third) is waited for, every file is closed, the backend stops."""
+    b = open_backend()
+    pool = make_pool()
+    b.register_pool(KV_POOL, pool)
+    ks = keys(5)
+    b.set_from(KV_POOL, ks, [0, 1, 2, 3, 4])
+    nixl, posted = b.agent._agent, []
+    real_transfer, real_check = nixl.transfer, nixl.check_xfer_state
+
+    def transfer(handle, notif_msg=b""):
+        posted.append(handle)
+        return real_transfer(handle) if len(posted) == 1 else "PROC"  # never posted: hangs
+
+    monkeypatch.setattr(nixl, "transfer", transfer)
+    monkeypatch.setattr(nixl, "check_xfer_state",
+                        lambda h: real_check(h) if h is posted[0] else "PROC")
+    b.timeout_base_s = 0.05
+    before = open_fds()
+    with pytest.raises(StorageUnavailable, match="did not finish"):
+        b.get_into(KV_POOL, ks, [8, 9, 10, 11, 12])
+    assert len(posted) == 2 and open_fds() == before
+    with pytest.raises(StorageUnavailable, match="disabled"):
+        b.get_into(KV_POOL, ks, [8, 9, 10, 11, 12])
 
 
 def test_a_transfer_nixl_cannot_release_keeps_its_handle_and_disables_the_backend(
