@@ -1,4 +1,5 @@
-"""What the storage benches (`storage_file`, `storage_nixl`) share: timing and the report.
+"""What the storage benches (`storage_file`, `storage_nixl`, `storage_mooncake`) share:
+timing and the report.
 
 Each bench measures kvtier's backend twice, with `verify_checksums` on (the default) and
 off, against the raw I/O it is built on, and reports (`report`):
@@ -52,16 +53,16 @@ def report(seconds: dict[str, float], total_bytes: int, pages: int,
     SIDES; `shapes` by side."""
     gbps = {op: total_bytes / s / 1e9 for op, s in seconds.items()}
     return {
-        **_bandwidth(gbps["kv_w"], gbps["kv_r"], gbps["raw_w"], gbps["raw_r"]),
-        **_bandwidth(gbps["kvu_w"], gbps["kvu_r"], gbps["raw_w"], gbps["raw_r"],
+        **bandwidth(gbps["kv_w"], gbps["kv_r"], gbps["raw_w"], gbps["raw_r"]),
+        **bandwidth(gbps["kvu_w"], gbps["kvu_r"], gbps["raw_w"], gbps["raw_r"],
                      prefix="unverified_"),
-        "objects": {name: _per_object(shapes[side], pages, seconds[f"{side}_w"],
+        "objects": {name: per_object(shapes[side], pages, seconds[f"{side}_w"],
                                       seconds[f"{side}_r"])
                     for side, name in SIDES.items()},
     }
 
 
-def _bandwidth(write: float, read: float, raw_write: float, raw_read: float,
+def bandwidth(write: float, read: float, raw_write: float, raw_read: float,
                prefix: str = "") -> dict:
     """kvtier's GB/s and their ratios to raw's, rounded (computed from the unrounded figures),
     named with `prefix`; raw's own GB/s come along only without one."""
@@ -73,7 +74,7 @@ def _bandwidth(write: float, read: float, raw_write: float, raw_read: float,
     return out
 
 
-def _per_object(shape: BatchShape, pages: int, write_s: float, read_s: float) -> dict:
+def per_object(shape: BatchShape, pages: int, write_s: float, read_s: float) -> dict:
     return {"objects_per_page": shape.objects // pages,
             "bytes_per_object": shape.bytes_per_object,
             "write_calls_per_batch": shape.write_calls,

@@ -22,7 +22,6 @@ verification and for the raw calls.
 from __future__ import annotations
 
 import hashlib
-import time
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from kvtier.backends.base import KV_POOL, StorageTarget, TransferResult
 from kvtier.backends.mooncake_backend import MooncakeBackend
 from kvtier.backends.mooncake_master import MooncakeMaster
+from kvtier.bench.storage_measure import BatchShape, bandwidth, per_object, timed
 from kvtier.errors import KvtierError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange, KVSpec
@@ -80,11 +80,9 @@ class _Measured(NamedTuple):
 
 def _per_object(m: _Measured, pages: int, side: str) -> dict:
     w, r = side + "_w", side + "_r"
-    return {"objects_per_page": m.objects[w] // pages,
-            "bytes_per_object": m.object_bytes[w] // max(1, m.objects[w]),
-            "write_calls_per_batch": m.calls[w], "read_calls_per_batch": m.calls[r],
-            "write_objects_per_s": round(m.objects[w] / m.best[w]),
-            "read_objects_per_s": round(m.objects[r] / m.best[r])}
+    shape = BatchShape(m.objects[w], m.object_bytes[w] // max(1, m.objects[w]), m.calls[w],
+                       m.calls[r])
+    return per_object(shape, pages, m.best[w], m.best[r])
 
 
 class _CountingStore:
@@ -119,12 +117,7 @@ class _CountingStore:
 
 def _figures(best: dict[str, float], total: int, prefix: str) -> dict:
     g = {k: total / best[k] / 1e9 for k in ("raw_w", "raw_r", "kv_w", "kv_r")}
-    out = {f"{prefix}write_gbps": round(g["kv_w"], 3), f"{prefix}read_gbps": round(g["kv_r"], 3)}
-    if not prefix:
-        out.update(raw_write_gbps=round(g["raw_w"], 3), raw_read_gbps=round(g["raw_r"], 3))
-    out.update({f"{prefix}write_ratio": round(g["kv_w"] / g["raw_w"], 3),
-                f"{prefix}read_ratio": round(g["kv_r"] / g["raw_r"], 3)})
-    return out
+    return bandwidth(g["kv_w"], g["kv_r"], g["raw_w"], g["raw_r"], prefix=prefix)
 
 
 def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
@@ -160,13 +153,13 @@ def _measure_backend(options: MooncakeOptions, pool: HostPool, keys: list[str],
             for side in (("raw", "kv") if rnd % 2 == 0 else ("kv", "raw")):
                 for phase in ("_w", "_r"):
                     before = (counting.calls, counting.objects, counting.object_bytes)
-                    spent[side + phase] = _timed(ops[side + phase])
+                    spent[side + phase] = timed(ops[side + phase])
                     if rnd == 0:
                         calls[side + phase] = counting.calls - before[0]
                         objects[side + phase] = counting.objects - before[1]
                         object_bytes[side + phase] = counting.object_bytes - before[2]
                 if side == "kv":
-                    spent["exists"] = _timed(lambda: backend.exists(probe))
+                    spent["exists"] = timed(lambda: backend.exists(probe))
                     backend.delete(keys)
                 else:
                     store.batch_remove(names, True)
@@ -188,9 +181,3 @@ def _raw(rcs: list[int], sizes: list[int], want: int | None) -> None:
 def _check(result: TransferResult) -> None:
     if not all(result.ok):
         raise KvtierError(f"mooncake bench: {result.ok.count(False)} pages failed; see the log")
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start

@@ -22,7 +22,8 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from kvtier.connector.admission import RunningRequest, WaitingRequest, admit, blocks_for
+from kvtier.connector.admission import (RunningRequest, WaitingRequest, admit, blocks_for,
+                                        is_hit)
 from kvtier.connector.vllm_connector import KvtierConnector
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class KvtierScheduler(Scheduler):
         for request in queue[:MAX_CANDIDATES]:
             if request.status == RequestStatus.WAITING and request.num_computed_tokens == 0:
                 waiting.append(self._waiting(request))
+        if not any(is_hit(w, self.block_size) for w in waiting):
+            return  # nothing to put first: spare the running requests' L2 lookups
         manager = self.kv_cache_manager
         running = [self._running(r) for r in self.running]
         admission = admit(waiting, running, manager.block_pool.get_num_free_blocks(),
