@@ -57,6 +57,7 @@ from kvtier.keys import check_cache_salt
 from kvtier.frontend.records import RunningConfig
 from kvtier.messages import NamespaceInfo
 from kvtier.frontend.placement import rank_bundle
+from kvtier.tiers.peer_pages import PeerReadCounters, RawPeerRead
 
 __all__ = ["Instance", "InstanceError", "InstanceStep", "RankDivergence", "RankFailure"]
 
@@ -175,9 +176,10 @@ class Instance:
         self._requests: dict[int, InstanceRequest] = {}
         self._done: dict[int, Output] = {}  # returned by a step, not yet asked for by `wait`
         self.call_s = 0.0  # driver time inside step calls (for the actor-call overhead)
-        self._l3: tuple[bytes, str | None] | None = None  # what attach_l3 was given
+        self._l3: tuple[bytes, str | None, bool] | None = None  # what attach_l3 was given
         self._watch: str | None = None  # the name watch_cache was given
         self._transport: tuple[str, bool] | None = None  # what handoff_open was given
+        self._peers: tuple[str, str, bool] | None = None  # what peer_open was given
         self.rank_group = RankGroup([], step_timeout_s)
         bundle = rank_bundle(num_cpus_per_rank, int(settings.gpu), resources)
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
@@ -229,11 +231,13 @@ class Instance:
         group = self.rank_group
         group.has_unfinished(self.ready_timeout_s)
         if self._l3 is not None:  # a replacement set gets the namespace as it is now
-            group.attach_l3(_current_info(*self._l3), self._l3[1])
+            group.attach_l3(_current_info(*self._l3[:2]), *self._l3[1:])
         if self._watch is not None:
             group.watch_cache(self._watch)
         if self._transport is not None:
             group.handoff_open(*self._transport)
+        if self._peers is not None:
+            group.peer_open(*self._peers)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
@@ -565,9 +569,10 @@ class Instance:
         """Rank 0's cache events since its last step (maintenance calls evict outside steps)."""
         return self.rank_group.drain_events() if self._watch is not None else None
 
-    def attach_l3(self, info: NamespaceInfo, l3_actor: str | None) -> str:
-        """Every rank attaches its client of the namespace `info` (kept across restarts)."""
-        args = (info.to_msgpack(), l3_actor)
+    def attach_l3(self, info: NamespaceInfo, l3_actor: str | None, storage: bool = True) -> str:
+        """Every rank attaches its client of the namespace `info` (kept across restarts).
+        `storage` False: only the namespace actor's directory, L3 off (for `peer_open`)."""
+        args = (info.to_msgpack(), l3_actor, storage)
         kinds = self.rank_group.attach_l3(*args)
         self._l3 = args
         return kinds[0]
@@ -575,6 +580,24 @@ class Instance:
     def detach_l3(self) -> None:
         self.rank_group.detach_l3()
         self._l3 = None
+
+    def peer_open(self, holder: str, transport: str = "nixl", report_l2: bool = True) -> None:
+        """Every rank lends its L2 pages to the namespace's other instances and reads theirs
+        (docs/architecture.md, "Peer-to-peer L2"), as L2 holder `holder`, over a NIXL or
+        Mooncake endpoint; after `attach_l3` with a namespace actor, kept across restarts.
+        `report_l2`: rank 0 tells the directory what its L2 holds (off when a serve replica
+        does it for the instance)."""
+        self.rank_group.peer_open(holder, transport, report_l2)
+        self._peers = (holder, transport, report_l2)
+
+    def peer_counters(self) -> list[PeerReadCounters]:
+        """Each rank's reads from peers so far (PeerReader.counters)."""
+        return self.rank_group.peer_counters()
+
+    def peer_raw_read(self, tokens: Sequence[int], salt: str = "") -> list[RawPeerRead]:
+        """Each rank's transport alone reading what the best peer holds of `tokens` (the
+        benchmark's baseline: RankPeerLink.raw_read)."""
+        return self.rank_group.peer_raw_read(list(tokens), salt)
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank's process (fault injection): the next call notices and recovers."""

@@ -20,12 +20,14 @@ import dataclasses
 import logging
 import re
 import time
+import uuid
 from typing import Any, NamedTuple, Sequence
 
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvtier.actors.l3.peer_link import RankPeerLink
 from kvtier.actors.l3.rank_link import RankL3Link, directory_client, open_namespace_backend
 from kvtier.actors.pd.rank_port import RankHandoffPort
 from kvtier.actors.pins import RankPinDesk
@@ -46,7 +48,7 @@ from kvtier.errors import ConfigError
 from kvtier.frontend.records import RunningConfig
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo, pack_record, unpack_record
-from kvtier.policies import SchedulePolicy
+from kvtier.policies import HandoffTransportKind, SchedulePolicy
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.storage_types import PageDirectoryClient
 
@@ -75,6 +77,8 @@ class RankSettings(NamedTuple):
     schedule_policy: SchedulePolicy = SchedulePolicy.LPM
     gpu: bool = False  # each rank asks Ray for a GPU of its own (the only one it then sees):
     # its model and L1 live there, and a TP group meets over NCCL; False: CPU and gloo
+    l3_storage: bool = True  # with l3: False attaches the namespace's directory alone, L3
+    # off (peer-to-peer L2 finds holders through it: Instance.peer_open)
 
 
 class RankSettingsRecord(NamedTuple):
@@ -96,6 +100,7 @@ class RankSettingsRecord(NamedTuple):
     deterministic: bool
     schedule_policy: SchedulePolicy
     gpu: bool
+    l3_storage: bool = True
 
 
 class PackedRankSettings(NamedTuple):
@@ -189,6 +194,7 @@ class Rank:
         torch.set_num_threads(1)  # ranks share the machine's cores: one thread each
         self.rank, self.size = rank, size
         self.l3_link = RankL3Link(rank, size, self._open_backend, self._directory)
+        self.peer_link = RankPeerLink(rank, size)
         self.device = _own_device(settings.gpu)
         # Under Ray a rank sees only its own GPU: index 0, whatever its rank.
         self.tp = SINGLE if size == 1 else init_tp(
@@ -297,7 +303,7 @@ class Rank:
         router; they come back with every step. Rank 0 speaks for the instance."""
         from kvtier.frontend.cache_events import CacheEventLog
         self._events = CacheEventLog(instance)
-        self.engine.cache.set_event_listener(self._events)
+        self.engine.cache.set_event_listener(self.peer_link.listener(self._events))
 
     def running_config(self) -> bytes:
         """What this rank runs with: a RunningConfig record (`kvtier.frontend.records`)."""
@@ -407,9 +413,34 @@ class Rank:
         return cache.free_device_pages
 
     def close(self) -> None:
+        self.peer_link.close(self.engine.cache)
         self.engine.close()
         self.handoff_port.close()
         destroy_tp()
+
+    # ---- peer-to-peer L2 (actors/l3/peer_link) ----------------------------------------------
+    def peer_open(self, holder: str, transport: str, report_l2: bool = False) -> None:
+        """Lend this rank's L2 pages to other instances and read theirs, as L2 holder
+        `holder`, over a `transport` endpoint (RankPeerLink.open); L3 must be attached."""
+        cache = self.engine.cache
+        self.peer_link.open(cache, self.l3_link.directory, holder,
+                            HandoffTransportKind.parse(transport, "peer transport"), report_l2)
+        if self.peer_link.reporter is not None:
+            cache.set_event_listener(self.peer_link.listener(self._events))
+
+    def peer_lend(self, tokens: list[int], salt: str, first_page: int, num_pages: int,
+                  heads: list[int]) -> bytes:
+        """A peer asks where pages of a prefix lie in this rank's L2: a PeerLend record."""
+        return self.peer_link.lend(tokens, salt, first_page, num_pages, heads)
+
+    def peer_counters(self) -> bytes:
+        """What this rank's reads from peers moved and took: a PeerReadCounters record."""
+        return pack_record(self.peer_link.counters())
+
+    def peer_raw_read(self, tokens: list[int], salt: str = "") -> bytes:
+        """The benchmark's baseline (RankPeerLink.raw_read): a RawPeerRead record."""
+        return pack_record(self.peer_link.raw_read(self.engine.cache, self.l3_link.directory,
+                                                   tokens, salt))
 
     # ---- L3 (actors/l3/rank_link) ---------------------------------------------------------------
     def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:
@@ -421,10 +452,10 @@ class Rank:
         it)."""
         return directory_client(l3_actor)
 
-    def attach_l3(self, info: bytes, l3_actor: str | None) -> str:
+    def attach_l3(self, info: bytes, l3_actor: str | None, storage: bool = True) -> str:
         """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3; its
-        backend's kind (RankL3Link.attach_l3)."""
-        return self.l3_link.attach_l3(self.engine.cache, info, l3_actor)
+        backend's kind (RankL3Link.attach_l3; `storage` False: its directory alone)."""
+        return self.l3_link.attach_l3(self.engine.cache, info, l3_actor, storage)
 
     def detach_l3(self) -> None:
         """Stop using L3 (queued backups finish first; nothing leaks)."""
@@ -530,7 +561,7 @@ def create_rank_actor(rank: int, size: int, init_method: str, settings: PackedRa
     settings' bytes (`pack_rank_settings`)."""
     gpus = {"num_gpus": 1} if settings.gpu else {}
     actor_cls = ray.remote(rank_class).options(
-        num_cpus=num_cpus, **gpus, max_concurrency=1, name=None,
+        num_cpus=num_cpus, **gpus, max_concurrency=1, name=f"kvtier-rank-{uuid.uuid4().hex}",
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group, placement_group_bundle_index=rank))
     return actor_cls.remote(rank, size, init_method, settings.data)

@@ -34,6 +34,7 @@ from kvtier.frontend.records import RunningConfig
 from kvtier.messages import pack_record, unpack_record, unpack_records
 from kvtier.tiers.cache_pins import PinListing, PinOutcome, PinRefusal
 from kvtier.tiers.cache_types import CacheAudit
+from kvtier.tiers.peer_pages import PeerReadCounters, RawPeerRead
 
 
 class InstanceError(KvtierError, RuntimeError):
@@ -166,13 +167,26 @@ class RankGroup:
                                                         "running_config"))
 
     # ---- maintenance and inspection ----------------------------------------------------------
-    def attach_l3(self, info: bytes, l3_actor: str | None) -> list[str]:
+    def attach_l3(self, info: bytes, l3_actor: str | None, storage: bool = True) -> list[str]:
         """Each rank's L3 backend kind."""
-        return self._wait([a.attach_l3.remote(info, l3_actor) for a in self.actors],
+        return self._wait([a.attach_l3.remote(info, l3_actor, storage) for a in self.actors],
                           "calling attach_l3")
 
     def detach_l3(self) -> None:
         self._wait([a.detach_l3.remote() for a in self.actors], "calling detach_l3")
+
+    def peer_open(self, holder: str, transport: str, report_l2: bool) -> None:
+        self._wait([a.peer_open.remote(holder, transport, report_l2) for a in self.actors],
+                   "calling peer_open")
+
+    def peer_counters(self) -> list[PeerReadCounters]:
+        raw = self._wait([a.peer_counters.remote() for a in self.actors], "calling peer_counters")
+        return [unpack_record(PeerReadCounters, data) for data in raw]
+
+    def peer_raw_read(self, tokens: list[int], salt: str) -> list[RawPeerRead]:
+        raw = self._wait([a.peer_raw_read.remote(tokens, salt) for a in self.actors],
+                         "calling peer_raw_read")
+        return [unpack_record(RawPeerRead, data) for data in raw]
 
     def stats(self) -> list[RankStats]:
         raw = self._wait([a.stats.remote() for a in self.actors], "calling stats")

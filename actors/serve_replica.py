@@ -258,6 +258,11 @@ class ServedReplica:
         server.call(lambda target: [inst.attach_l3(info, s.l3_actor)
                                     for inst in self._l3_members(target)]
                     ).result(CALL_TIMEOUT_S)
+        if s.peer_transport is not None:  # the server reports its L2 (below), not rank 0
+            server.call(lambda target: [inst.peer_open(self.name, s.peer_transport.value,
+                                                       report_l2=False)
+                                        for inst in self._l3_members(target)]
+                        ).result(CALL_TIMEOUT_S)
         # its cache events key pages as the namespace does: the directory learns its L2
         server.report_l2(L2Reporter(client, info.namespace, self.name))
         self.l3 = L3Attachment(kind, info.namespace, dict(options))

@@ -40,10 +40,11 @@ class RouterDeployment:
     def __init__(self, instances: dict[str, Any], settings: dict | None = None) -> None:
         keep_serve_replica_on_loopback()
         self.handles = instances
-        stall_timeout_s = ServeSettings.from_mapping(settings or {}).stall_timeout_s
+        serve_settings = ServeSettings.from_mapping(settings or {})
+        stall_timeout_s = serve_settings.stall_timeout_s
         self.liveness = Liveness(instances, stall_timeout_s)
         self.poll_timeout_s = stall_timeout_s  # a poll that long unanswered stalls it anyway
-        self.router = Router(PrefixIndex())
+        self.router = Router(PrefixIndex(), peers=serve_settings.peer_transport is not None)
         self.loads = {name: 0 for name in instances}
         self.epochs: dict[str, int] = {}
         self.broken: dict[str, str] = {}

@@ -1,15 +1,25 @@
-"""The contract of the prefill -> decode KV handoff: one endpoint per rank, one-sided writes.
+"""The contract of the prefill -> decode KV handoff: one endpoint per rank, one-sided writes
+and reads.
 
 A decode rank registers its KV pool tensors and hands `address()` to the prefill rank (through
 the engine's bootstrap message; the bytes are opaque). The prefill rank `write()`s rows
 `(addr, nbytes)` of its own registered memory into rows of the peer's: row i of `local` lands
 in row i of `remote`, whole. Pages never travel through Ray's object store.
 
-What every transport shares lives here (the template around `_write`): row validation
-(shapes, equal sizes, local rows inside local registrations, remote rows inside the peer's
-advertised registrations), the per-address peer cache, counters, close. Each transport module
-adds only its library calls. `raw_write` is the benchmark's baseline: the transport's same
-library calls with none of this around them.
+`read()` is the same transfer the other way: row i of the PEER's registered memory (`remote`)
+lands in row i of this endpoint's (`local`). A reader pulls pages from a peer's host pool
+instead of having them pushed: the reader controls its own memory, so a peer that dies or
+hangs never writes into pages the reader has meanwhile reused. One caveat, the reader's own
+library: after a read's HandoffTimeout, NIXL has cancelled the transfer (or keeps it, and
+its agent, when it cannot), while Mooncake's abandoned call may still land its rows until
+Mooncake's own timeout (backends/handoff_mooncake.py).
+
+What every transport shares lives here (the template around `_transfer`, one code path for
+both directions, `HandoffDirection`): row validation (shapes, equal sizes, local rows inside
+local registrations, remote rows inside the peer's advertised registrations), the per-address
+peer cache, counters, close. Each transport module adds only its library calls. `raw_write`
+and `raw_read` are the benchmark's baselines: the transport's same library calls with none of
+this around them.
 
 Errors: a caller bug (mismatched rows, a local row outside registered memory) raises
 CacheUsageError; anything the peer or the wire causes raises HandoffTransferError (the
@@ -18,6 +28,7 @@ engine then recomputes or retries the request), HandoffTimeout when `timeout_s` 
 from __future__ import annotations
 
 import abc
+import enum
 import itertools
 import logging
 import os
@@ -39,30 +50,60 @@ MAX_PEERS = 1024  # cached peer addresses (and their connections) per endpoint, 
 _IDS = itertools.count()
 
 
-class HandoffWrite(NamedTuple):
-    """What one write moved."""
+class HandoffDirection(str, enum.Enum):
+    """Which way a one-sided transfer moves rows; the value is NIXL's operation name."""
+
+    WRITE = "WRITE"  # row i of this endpoint's memory -> row i of the peer's
+    READ = "READ"  # row i of the peer's memory -> row i of this endpoint's
+
+    @property
+    def verb(self) -> str:
+        return self.value.lower()
+
+    @property
+    def toward(self) -> str:
+        """How the peer is named after the verb: "a write of 3 rows to P", "... from P"."""
+        return "to" if self is HandoffDirection.WRITE else "from"
+
+    def source_and_destination(self, local, remote):
+        """(source, destination) of a transfer between `local` and `remote` rows."""
+        return (local, remote) if self is HandoffDirection.WRITE else (remote, local)
+
+
+class HandoffMove(NamedTuple):
+    """What one write() or read() moved."""
 
     bytes: int
     descriptors: int
     seconds: float
 
 
-class HandoffCounters(NamedTuple):
-    """Monotonic totals of one endpoint's write() calls (raw_write is not counted)."""
+HandoffWrite = HandoffMove  # the name write()'s callers know
+HandoffRead = HandoffMove
 
-    bytes: int
+
+class HandoffCounters(NamedTuple):
+    """Monotonic totals of one endpoint's write() calls, then of its read() calls (raw_write
+    and raw_read are not counted). A failure is a call that raised HandoffTransferError."""
+
+    bytes: int  # written
     descriptors: int
     writes: int
-    failures: int
+    failures: int  # of writes
+    read_bytes: int = 0
+    read_descriptors: int = 0
+    reads: int = 0
+    read_failures: int = 0
 
 
 class HandoffTransferError(TransferError):
-    """A handoff write failed: the peer is gone or unreachable, its address is stale, or a
-    remote row lies outside what the peer registered. The message says what to check."""
+    """A handoff write or read failed: the peer is gone or unreachable, its address is stale,
+    or a remote row lies outside what the peer registered. The message says what to check."""
 
 
 class HandoffTimeout(HandoffTransferError):
-    """A handoff write did not finish within its timeout (the peer may be hung or overloaded)."""
+    """A handoff write or read did not finish within its timeout (the peer may be hung or
+    overloaded)."""
 
 
 class HandoffUnavailable(TransferError):
@@ -78,7 +119,7 @@ class Target(NamedTuple):
 
 
 class Rows(NamedTuple):
-    """A validated write: both row arrays and the region index of every row on each side."""
+    """A validated write or read: both row arrays and the region index of every row on each side."""
 
     local: np.ndarray
     remote: np.ndarray
@@ -97,13 +138,15 @@ class HandoffEndpoint(abc.ABC):
         self._peers: OrderedDict[bytes, Target] = OrderedDict()
         self._peer_lock = threading.RLock()  # the cache's order and its connections
         self._count_lock = threading.Lock()
-        self._totals = [0, 0, 0, 0]  # bytes, descriptors, writes, failures
+        # per direction: bytes, descriptors, calls, failures (HandoffCounters' order)
+        self._totals = {d: [0, 0, 0, 0] for d in HandoffDirection}
         self.closed = False
 
     # ---- memory ------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
-        """Let peers write into (and this side read from) `nbytes` at `addr`: a pool tensor's
-        data_ptr() and nbytes. Idempotent per (addr, nbytes). Register before address()."""
+        """Let peers write into and read from (and this side move rows to and from)
+        `nbytes` at `addr`: a pool tensor's data_ptr() and nbytes. Idempotent per (addr,
+        nbytes). Register before address()."""
         self._check_open()
         kind, index = parse_device(device)
         region = Region(int(addr), int(nbytes), "cpu" if kind == "cpu" else f"cuda:{index}")
@@ -115,45 +158,64 @@ class HandoffEndpoint(abc.ABC):
                 raise
 
     def address(self) -> bytes:
-        """Opaque bytes a peer passes to write(): how to reach this endpoint's memory."""
+        """Opaque bytes a peer passes to write() and read(): how to reach this endpoint's memory."""
         self._check_open()
         return handoff_address.encode(PeerAddress(self.kind, self.unique_name, os.getpid(),
                                                   tuple(self._regions.regions), self._blob()))
 
-    # ---- writes ------------------------------------------------------------------------
+    # ---- writes and reads --------------------------------------------------------------
     def write(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
-              timeout_s: float) -> HandoffWrite:
+              timeout_s: float) -> HandoffMove:
         """Write row i of `local` (this side's registered memory) into row i of `remote` (the
         peer's), all rows as one transfer; blocks until done or `timeout_s` has passed."""
+        return self._move(HandoffDirection.WRITE, peer, local, remote, timeout_s)
+
+    def read(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
+             timeout_s: float) -> HandoffMove:
+        """Read row i of `remote` (the peer's registered memory) into row i of `local` (this
+        side's), all rows as one transfer; blocks until done or `timeout_s` has passed."""
+        return self._move(HandoffDirection.READ, peer, local, remote, timeout_s)
+
+    def raw_write(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
+                  timeout_s: float) -> float:
+        """The benchmark baseline of write(): the transport's library calls for the same rows,
+        without kvtier's checks or counters (the peer must be reachable; rows uint64 (n, 2)).
+        Returns seconds; raises HandoffTransferError on failure."""
+        return self._raw_move(HandoffDirection.WRITE, peer, local, remote, timeout_s)
+
+    def raw_read(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
+                 timeout_s: float) -> float:
+        """The benchmark baseline of read(), as raw_write is of write()."""
+        return self._raw_move(HandoffDirection.READ, peer, local, remote, timeout_s)
+
+    def _move(self, direction: HandoffDirection, peer: bytes, local: np.ndarray,
+              remote: np.ndarray, timeout_s: float) -> HandoffMove:
         self._check_open()
         t0 = time.perf_counter()
         if not timeout_s > 0:
             raise CacheUsageError(f"timeout_s must be a positive number of seconds: {timeout_s}")
-        rows = self._local_rows(local, remote)
+        rows = self._local_rows(direction, local, remote)
         nbytes = int(rows.local[:, 1].sum())
         try:
             target = self._target(peer)
             rows = rows._replace(remote_region=self._remote_regions(target, rows.remote))
             if len(rows.local):
-                self._write(target, rows, float(timeout_s))
+                self._transfer(direction, target, rows, float(timeout_s))
         except HandoffTransferError:
-            self._count(0, 0, 0, 1)
+            self._count(direction, 0, 0, 0, 1)
             raise
-        self._count(nbytes, len(rows.local), 1, 0)
-        return HandoffWrite(nbytes, len(rows.local), time.perf_counter() - t0)
+        self._count(direction, nbytes, len(rows.local), 1, 0)
+        return HandoffMove(nbytes, len(rows.local), time.perf_counter() - t0)
 
-    def raw_write(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
-                  timeout_s: float) -> float:
-        """The benchmark baseline: the transport's library calls for the same rows, without
-        kvtier's checks or counters (the peer must be reachable; rows uint64 (n, 2)).
-        Returns seconds; raises HandoffTransferError on failure."""
+    def _raw_move(self, direction: HandoffDirection, peer: bytes, local: np.ndarray,
+                  remote: np.ndarray, timeout_s: float) -> float:
         target = self._peers.get(peer) or self._target(peer)
         t0 = time.perf_counter()
-        self._raw_write(target, local, remote, float(timeout_s))
+        self._raw_transfer(direction, target, local, remote, float(timeout_s))
         return time.perf_counter() - t0
 
     def disconnect(self, peer: bytes) -> None:
-        """Forget `peer` (and drop this side's connection to it); a later write reconnects."""
+        """Forget `peer` (and drop this side's connection to it); a later call reconnects."""
         with self._peer_lock:
             target = self._peers.pop(bytes(peer), None)
             if target is not None and all(t.conn != target.conn for t in self._peers.values()):
@@ -162,11 +224,13 @@ class HandoffEndpoint(abc.ABC):
     @property
     def counters(self) -> HandoffCounters:
         with self._count_lock:
-            return HandoffCounters(*self._totals)
+            return HandoffCounters(*self._totals[HandoffDirection.WRITE],
+                                   *self._totals[HandoffDirection.READ])
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
-        """Release the library's resources (idempotent). Writes after close raise ClosedError."""
+        """Release the library's resources (idempotent). Writes and reads after close raise
+        ClosedError."""
         if self.closed:
             return
         self.closed = True
@@ -188,16 +252,20 @@ class HandoffEndpoint(abc.ABC):
             raise ClosedError(f"the {self.kind} handoff endpoint {self.unique_name} is closed; "
                               "open a new one")
 
-    def _count(self, nbytes: int, descriptors: int, writes: int, failures: int) -> None:
+    def _count(self, direction: HandoffDirection, nbytes: int, descriptors: int, calls: int,
+               failures: int) -> None:
         with self._count_lock:
-            for i, v in enumerate((nbytes, descriptors, writes, failures)):
-                self._totals[i] += v
+            totals = self._totals[direction]
+            for i, v in enumerate((nbytes, descriptors, calls, failures)):
+                totals[i] += v
 
-    def _local_rows(self, local: np.ndarray, remote: np.ndarray) -> Rows:
+    def _local_rows(self, direction: HandoffDirection, local: np.ndarray,
+                    remote: np.ndarray) -> Rows:
         local, remote = as_rows(local, "local"), as_rows(remote, "remote")
         if local.shape != remote.shape:
+            src, dst = direction.source_and_destination("local", "remote")
             raise CacheUsageError(f"{len(local)} local rows but {len(remote)} remote rows: "
-                                  "row i of local is written to row i of remote")
+                                  f"row i of {src} is copied to row i of {dst}")
         if not np.array_equal(local[:, 1], remote[:, 1]):
             i = int(np.flatnonzero(local[:, 1] != remote[:, 1])[0])
             raise CacheUsageError(f"row {i}: {int(local[i, 1])} local bytes but "
@@ -206,8 +274,9 @@ class HandoffEndpoint(abc.ABC):
         idx = self._regions.locate(local)
         outside = self._regions.first_outside(local, idx)
         if outside:
-            raise CacheUsageError(f"local {outside} of this endpoint: register the source pool "
-                                  "before writing from it")
+            pool = "source" if direction is HandoffDirection.WRITE else "destination"
+            raise CacheUsageError(f"local {outside} of this endpoint: register the {pool} pool "
+                                  f"before the {direction.verb}")
         empty = np.zeros(0, np.int64)
         return Rows(local, remote, idx, empty)
 
@@ -216,8 +285,8 @@ class HandoffEndpoint(abc.ABC):
         outside = target.table.first_outside(remote, idx)
         if outside:
             raise HandoffTransferError(
-                f"remote {outside} of peer {target.address.name}: the decode side's page "
-                "addresses do not match the memory it registered (stale address or wrong pool)")
+                f"remote {outside} of peer {target.address.name}: the peer's page addresses "
+                "do not match the memory it registered (stale address or wrong pool)")
         return idx
 
     def _target(self, peer: bytes) -> Target:
@@ -234,11 +303,11 @@ class HandoffEndpoint(abc.ABC):
         try:
             address = handoff_address.decode(key)
         except ValueError as exc:
-            raise HandoffTransferError(f"cannot write to this peer: {exc}; pass the bytes the "
+            raise HandoffTransferError(f"cannot reach this peer: {exc}; pass the bytes the "
                                        "peer endpoint's address() returned") from exc
         if address.kind != self.kind:
             raise HandoffTransferError(f"the peer {address.name} is a {address.kind} endpoint; "
-                                       f"a {self.kind} endpoint cannot write to it (both ranks "
+                                       f"a {self.kind} endpoint cannot reach it (both ranks "
                                        "must use the same handoff transport)")
         target = Target(address, address.table(), None)
         target = target._replace(conn=self._connect(target))
@@ -261,11 +330,15 @@ class HandoffEndpoint(abc.ABC):
         """Drop the library's connection to `target` (nothing by default)."""
 
     @abc.abstractmethod
-    def _write(self, target: Target, rows: Rows, timeout_s: float) -> None: ...
+    def _transfer(self, direction: HandoffDirection, target: Target, rows: Rows,
+                  timeout_s: float) -> None:
+        """Move every row of `rows` in `direction` as one library transfer; raise
+        HandoffTransferError (HandoffTimeout after `timeout_s`) unless it finished."""
 
     @abc.abstractmethod
-    def _raw_write(self, target: Target, local: np.ndarray, remote: np.ndarray,
-                   timeout_s: float) -> None: ...
+    def _raw_transfer(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+                      remote: np.ndarray, timeout_s: float) -> None:
+        """The same library calls as `_transfer`, rows unchecked (the benchmark baseline)."""
 
     @abc.abstractmethod
     def _close(self) -> None: ...

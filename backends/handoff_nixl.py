@@ -2,10 +2,14 @@
 
 A write is one NIXL request for all its rows: `get_xfer_descs` of the local and the remote
 rows (Nx3 numpy arrays, built without a Python loop), `initialize_xfer("WRITE", ...)` towards
-the peer agent, `transfer`, a bounded poll, `release_xfer_handle`. The peer's address carries
-its agent metadata (UCX worker address and registrations); the first write to an address
-loads it (`add_remote_agent`) and UCX connects on the first transfer. No listener thread:
-metadata travels in the address, so NIXL's metadata socket is never opened.
+the peer agent, `transfer`, a bounded poll, `release_xfer_handle`. A read is the same request
+with "READ": NIXL's argument order stays (local descriptors, remote descriptors, peer agent)
+and only the op says which way the bytes go (remote -> local: a reader pulling pages from a
+peer's host pool, so that a peer that dies or hangs never writes into the reader's memory).
+The peer's address carries its agent metadata (UCX worker address and registrations); the
+first transfer to an address loads it (`add_remote_agent`) and UCX connects on the first
+transfer. No listener thread: metadata travels in the address, so NIXL's metadata socket is
+never opened.
 
 NIXL / UCX facts this relies on (nixl 1.5.1, its bundled UCX, measured on a 2-core machine):
 - UCX reads UCX_* variables when the agent creates its UCX context, so they are set (unless
@@ -17,19 +21,23 @@ NIXL / UCX facts this relies on (nixl 1.5.1, its bundled UCX, measured on a 2-co
   the module sets them only if unset, and only for agents created after.
 - What an endpoint listens on: one TCP socket per agent, on 127.0.0.1 (UCX's tcp interface on
   `lo`, an ephemeral port), for peers' wire-up; closed by close(). Checked with `ss -ltnp`.
-- A write completes only when the PEER's UCX worker makes progress once (the wire-up reply;
-  and every time where RMA over TCP is emulated): a peer that never calls into NIXL leaves the
-  write "PROC" forever although the bytes have landed. NIXL's own progress thread busy-spins a
-  core (pthrDelay 0 from Python), which a 2-core box cannot give to every rank, so an endpoint
-  whose address() was handed out progresses its worker from a small thread every
-  PROGRESS_INTERVAL_S (a few microseconds of work each time).
+- A write or read completes only when the PEER's UCX worker makes progress once (the
+  wire-up reply; and every time where RMA over TCP is emulated): a peer that never calls into
+  NIXL leaves the first transfer "PROC" forever (a write's bytes may have landed). NIXL's own
+  progress thread busy-spins a core (pthrDelay 0 from Python), which a 2-core box cannot give
+  to every rank, so an endpoint whose address() was handed out progresses its worker from a
+  small thread every PROGRESS_INTERVAL_S (a few microseconds of work each time). Once wired
+  up, a read over cma (process_vm_readv) needs nothing of the peer: reads from a stopped
+  (SIGSTOP) peer complete; a closed or dead peer fails them at once (REMOTE_DISCONNECT).
 - Two agents in one process work (distinct names); a peer's address taken again after more
   registrations simply reloads its metadata.
 - Throughput, 64 MiB in 2,048 scattered rows of 32 KiB, writer and decode peer in two
   processes (tcp,cma), medians of 9 alternating runs on the shared 2-core machine:
   write() 4.2-4.7 GB/s, raw_write() 4.3-4.8 GB/s (ratio 0.97-0.99; 0.86-0.99 under heavier
   load). The bytes move inside NIXL's `transfer` (process_vm_writev); kvtier's checks and
-  descriptor arrays cost ~0.1-0.3 ms a write. UCX_TLS=tcp alone: ~2.3 GB/s.
+  descriptor arrays cost ~0.1-0.3 ms a write. UCX_TLS=tcp alone: ~2.3 GB/s. Reads, the same
+  rows the other way (process_vm_readv), best of 3 in each of 3 runs of the transport test:
+  read() 4.1-4.5 GB/s, raw_read() 4.1-4.7 GB/s (writes in the same runs: 4.0-4.75).
 """
 from __future__ import annotations
 
@@ -41,8 +49,8 @@ import weakref
 
 import numpy as np
 
-from kvtier.backends.handoff_base import (HandoffEndpoint, HandoffTimeout, HandoffTransferError,
-                                          HandoffUnavailable, Rows, Target)
+from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint, HandoffTimeout,
+                                          HandoffTransferError, HandoffUnavailable, Rows, Target)
 from kvtier.backends.handoff_regions import Region, RegionTable, parse_device
 from kvtier.backends.nixl_agent import release_or_keep, wait_xfer
 from kvtier.policies import HandoffTransportKind
@@ -69,10 +77,10 @@ def _ucx_env() -> None:
 
 
 def _why(exc: Exception) -> str:
-    """What a NIXL error on a write means for the caller."""
+    """What a NIXL error on a write or read means for the caller."""
     text = str(exc)
     if "REMOTE_DISCONNECT" in text:
-        return "the peer closed its endpoint or its process exited; ask the decode side again"
+        return "the peer closed its endpoint or its process exited; ask it for a fresh address"
     if "NOT_FOUND" in text:
         return ("a remote row is not in memory the peer registered: its address is stale "
                 "(take it again after every register) or the row is wrong")
@@ -81,7 +89,7 @@ def _why(exc: Exception) -> str:
 
 def _progress_loop(agent, lock: threading.Lock, stop: threading.Event) -> None:
     """Progress the UCX worker every PROGRESS_INTERVAL_S until `stop`; skip a turn while a
-    write holds the agent (its own polls progress the worker). Holds no endpoint reference."""
+    transfer holds the agent (its own polls progress the worker). Holds no endpoint reference."""
     warned = False
     while not stop.wait(PROGRESS_INTERVAL_S):
         if not lock.acquire(blocking=False):
@@ -101,7 +109,7 @@ def _descs(rows: np.ndarray, idx: np.ndarray, table: RegionTable) -> tuple[str, 
     kind, index = parse_device(table.device_of(idx))
     out = np.empty((len(rows), 3), np.uint64)
     out[:, :2] = rows
-    out[:, 2] = index  # one device per write: its GPU index (0 for host memory)
+    out[:, 2] = index  # one device per transfer: its GPU index (0 for host memory)
     return _MEM[kind], out
 
 
@@ -117,7 +125,7 @@ class NixlEndpoint(HandoffEndpoint):
             raise HandoffUnavailable(f"nixl cannot be imported ({exc}); "
                                      f"{_UNAVAILABLE_HINT}") from exc
         try:
-            # Two threads call the agent (writes, progress); self._lock serializes them, and
+            # Two threads call the agent (transfers, progress); self._lock serializes them, and
             # STRICT has NIXL lock too (SYNC_NONE promises nothing across threads).
             strict = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
             config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
@@ -157,7 +165,7 @@ class NixlEndpoint(HandoffEndpoint):
     def _blob(self) -> bytes:
         with self._lock:
             blob = self._agent.get_agent_metadata()
-        if self._progress is None:  # peers may write from now on: answer their wire-up
+        if self._progress is None:  # peers may write or read from now on: answer them
             self._progress = threading.Thread(
                 target=_progress_loop, args=(self._agent, self._lock, self._stop),
                 daemon=True, name=f"nixl-progress-{self.unique_name}")
@@ -165,7 +173,7 @@ class NixlEndpoint(HandoffEndpoint):
             weakref.finalize(self, self._stop.set)  # an endpoint dropped unclosed stops it too
         return blob
 
-    # ---- connections and writes ---------------------------------------------------------
+    # ---- connections, writes and reads ---------------------------------------------------
     def _connect(self, target: Target) -> object:
         try:
             with self._lock:
@@ -183,60 +191,64 @@ class NixlEndpoint(HandoffEndpoint):
         except Exception as exc:  # noqa: BLE001 - forgetting a peer must not fail
             log.info("NIXL could not remove peer %s: %s", target.address.name, exc)
 
-    def _write(self, target: Target, rows: Rows, timeout_s: float) -> None:
+    def _transfer(self, direction: HandoffDirection, target: Target, rows: Rows,
+                  timeout_s: float) -> None:
         lmem, larr = _descs(rows.local, rows.local_region, self._regions)
         rmem, rarr = _descs(rows.remote, rows.remote_region, target.table)
+        what = f"{len(larr)} rows {direction.toward} {target.address.name}"
+        self._post(direction, target, (larr, lmem), (rarr, rmem), what, timeout_s, _BUSY_POLL_S)
+
+    def _raw_transfer(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+                      remote: np.ndarray, timeout_s: float) -> None:
+        """The same NIXL calls as _transfer, rows on each side's first region's device."""
+        lkind, lid = parse_device(self._regions.regions[0].device)
+        rkind, rid = parse_device(target.table.regions[0].device)
+        larr = np.column_stack([local, np.full(len(local), lid, np.uint64)])
+        rarr = np.column_stack([remote, np.full(len(remote), rid, np.uint64)])
+        self._post(direction, target, (larr, _MEM[lkind]), (rarr, _MEM[rkind]),
+                   f"{len(larr)} rows (raw)", timeout_s, 0.0)
+
+    def _post(self, direction: HandoffDirection, target: Target, local: tuple, remote: tuple,
+              what: str, timeout_s: float, busy_s: float) -> None:
+        """One NIXL request: (Nx3 array, memory type) of each side, `direction`'s op (local
+        descriptors first either way), posted and polled by _finish. `busy_s` 0: poll without
+        sleeping and without a progress call first (the bare library loop of the raw calls)."""
         deadline = time.monotonic() + timeout_s
-        peer = target.address.name
         with self._lock:
             self._check_open()
             a = self._agent
             try:
-                a.get_new_notifs()  # progress once: learn of a peer that closed meanwhile
-                handle = a.initialize_xfer("WRITE", a.get_xfer_descs(larr, lmem),
-                                           a.get_xfer_descs(rarr, rmem), target.conn,
+                if busy_s:
+                    a.get_new_notifs()  # progress once: learn of a peer that closed meanwhile
+                handle = a.initialize_xfer(direction.value, a.get_xfer_descs(*local),
+                                           a.get_xfer_descs(*remote), target.conn,
                                            backends=[BACKEND])
             except Exception as exc:
-                raise HandoffTransferError(f"NIXL refused a write of {len(larr)} rows to {peer} "
-                                           f"({exc}): {_why(exc)}") from exc
-            self._finish(handle, deadline, f"{len(larr)} rows to {peer}", timeout_s)
+                raise HandoffTransferError(f"NIXL refused a {direction.verb} of {what} ({exc}): "
+                                           f"{_why(exc)}") from exc
+            self._finish(handle, deadline, f"{direction.verb} of {what}", timeout_s, busy_s)
 
     def _finish(self, handle, deadline: float, what: str, timeout_s: float,
                 busy_s: float = _BUSY_POLL_S) -> None:
         """Post the transfer, poll it until done or `deadline`, release its handle whatever
         happened (a raising `transfer` or poll too); HandoffTransferError unless DONE.
-        `busy_s` 0: poll without sleeping (the bare library loop of raw_write)."""
+        `busy_s` 0: poll without sleeping (the bare library loop of the raw calls)."""
         a, error = self._agent, None
         try:
             state = wait_xfer(a, handle, a.transfer(handle), deadline, busy_s, _MAX_SLEEP_S)
-        except Exception as exc:  # noqa: BLE001 - NIXL's own error: this write failed
+        except Exception as exc:  # noqa: BLE001 - NIXL's own error: this transfer failed
             state, error = "ERR", exc
         release_or_keep(a, handle, self._stuck)  # cancels a transfer still running
         if state == "PROC":
-            raise HandoffTimeout(f"a NIXL write of {what} did not finish in {timeout_s:.2f} s: "
+            raise HandoffTimeout(f"a NIXL {what} did not finish in {timeout_s:.2f} s: "
                                  "the peer may be hung or not progressing (is its endpoint open "
                                  "and its process alive?)")
         if state != "DONE":
             why = state if error is None else f"{type(error).__name__}: {error}; {_why(error)}"
-            raise HandoffTransferError(f"NIXL failed a write of {what} ({why}): check that the "
+            raise HandoffTransferError(f"NIXL failed a {what} ({why}): check that the "
                                        "peer's process and endpoint are alive and that UCX can "
                                        "reach it (UCX_NET_DEVICES, UCX_TLS on both sides)"
                                        ) from error
-
-    def _raw_write(self, target: Target, local: np.ndarray, remote: np.ndarray,
-                   timeout_s: float) -> None:
-        """The same NIXL calls as write(), rows on each side's first region's device."""
-        lkind, lid = parse_device(self._regions.regions[0].device)
-        rkind, rid = parse_device(target.table.regions[0].device)
-        larr = np.column_stack([local, np.full(len(local), lid, np.uint64)])
-        rarr = np.column_stack([remote, np.full(len(remote), rid, np.uint64)])
-        with self._lock:
-            a = self._agent
-            handle = a.initialize_xfer("WRITE", a.get_xfer_descs(larr, _MEM[lkind]),
-                                       a.get_xfer_descs(rarr, _MEM[rkind]), target.conn,
-                                       backends=[BACKEND])
-            self._finish(handle, time.monotonic() + timeout_s, f"{len(larr)} rows (raw)",
-                         timeout_s, busy_s=0.0)
 
     # ---- lifetime ----------------------------------------------------------------------
     def _close(self) -> None:
@@ -245,7 +257,7 @@ class NixlEndpoint(HandoffEndpoint):
             self._progress.join(timeout=2.0)
         with self._lock:
             if self._stuck:
-                log.error("%d NIXL handoff writes of %s never finished; keeping its agent and "
+                log.error("%d NIXL handoff transfers of %s never finished; keeping its agent and "
                           "registrations until exit", len(self._stuck), self.unique_name)
                 _KEEP.append((self._agent, self._regs, self._stuck))
             else:

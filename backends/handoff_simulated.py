@@ -1,9 +1,11 @@
 """The simulated handoff transport: memmove between endpoints of one process (unit tests only).
 
-Endpoints live in a process-global registry (unique name -> registered regions). A write
-checks, under the registry lock, that the peer is still open and that every remote row lies in
-what it registered now (its memory may have gone since its address was taken), then copies
-row by row with ctypes.memmove. Host memory only: a GPU pointer would crash memmove.
+Endpoints live in a process-global registry (unique name -> registered regions). A write or
+a read checks, under the registry lock, that the peer is still open and that every remote row
+lies in what it registered now (its memory may have gone since its address was taken), then
+copies row by row with ctypes.memmove: local -> remote for a write, remote -> local for a read
+(a reader pulling pages from a peer's host pool). Host memory only: a GPU pointer would crash
+memmove.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import threading
 
 import numpy as np
 
-from kvtier.backends.handoff_base import HandoffEndpoint, HandoffTransferError, Rows, Target
+from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint,
+                                          HandoffTransferError, Rows, Target)
 from kvtier.backends.handoff_regions import Region, RegionTable
 from kvtier.errors import ConfigError
 from kvtier.policies import HandoffTransportKind
@@ -47,25 +50,27 @@ class SimulatedEndpoint(HandoffEndpoint):
                                        "reach only their own process; use nixl or mooncake")
         return target.address.name
 
-    def _write(self, target: Target, rows: Rows, timeout_s: float) -> None:
-        self._copy(target, rows.local, rows.remote)
+    def _transfer(self, direction: HandoffDirection, target: Target, rows: Rows,
+                  timeout_s: float) -> None:
+        self._copy(direction, target, rows.local, rows.remote)
 
-    def _raw_write(self, target: Target, local: np.ndarray, remote: np.ndarray,
-                   timeout_s: float) -> None:
-        self._copy(target, local, remote)
+    def _raw_transfer(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+                      remote: np.ndarray, timeout_s: float) -> None:
+        self._copy(direction, target, local, remote)
 
-    def _copy(self, target: Target, local: np.ndarray, remote: np.ndarray) -> None:
+    def _copy(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+              remote: np.ndarray) -> None:
         with _LOCK:  # the peer cannot close (and free its memory) during the copy
             live = _ENDPOINTS.get(target.conn)
             if live is None:
                 raise HandoffTransferError(f"the simulated peer {target.conn} is closed: ask the "
-                                           "decode side for a fresh address")
+                                           "peer for a fresh address")
             outside = live.first_outside(remote, live.locate(remote))
             if outside:
                 raise HandoffTransferError(f"remote {outside} of peer {target.conn} now")
-            for dst, src, n in zip(remote[:, 0].tolist(), local[:, 0].tolist(),
-                                   local[:, 1].tolist()):
-                ctypes.memmove(dst, src, n)
+            src, dst = direction.source_and_destination(local, remote)
+            for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), local[:, 1].tolist()):
+                ctypes.memmove(d, s, n)
 
     def _close(self) -> None:
         with _LOCK:

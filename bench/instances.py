@@ -7,6 +7,7 @@ collectives a step runs), and the actor-call overhead per step and per request.
     kvtier bench instances --hosts 3 --l3 mooncake --json   # root: across three hosts
     kvtier bench instances --model /models/my-llama --tp 2 --hicache-mem-layout page_first_direct
     kvtier bench instances --writer-tp 1 --reader-tp 3 --json   # L3 across TP sizes
+    kvtier bench instances --l3 none --peer --json   # B reads A's L2 (peer-to-peer L2)
 
 `--model` and SGLang's `--hicache-*` flags / `--hicache-config` are the demo's
 (kvtier.cli.demo_flags): another model, and every rank's cache config.
@@ -23,6 +24,11 @@ With `--writer-tp W --reader-tp R` it measures L3 across TP sizes instead (bench
 an instance at TP=W stores the document, one at TP=R reads it from L3; the report has
 `identical`, `storage_hit_tokens` and `cross_tp_l3_ratio` (the reader's TTFT over its cold
 TTFT).
+
+With `--l3 none --peer` it measures peer-to-peer L2 instead (bench/peer): L3 off, B reads the
+document from A's L2 over NIXL (`--peer-transport mooncake`: Mooncake's transfer engine);
+the report has `identical`, `peer_hit_tokens`, `ttft_peer_ratio` (B's TTFT over its cold
+TTFT), `peer_read_gbps` and `raw_transport_gbps` (the transport alone on the same bytes).
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ import json
 from kvtier.cli import demo, demo_flags, demo_report
 from kvtier.cli.shared_flags import add_dtype_flag, add_tp_flag
 from kvtier.bench import emit
+from kvtier.frontend.settings import L3_NONE
+from kvtier.policies import HandoffTransportKind
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --reader-tp: an instance of this TP size writes the document to "
                         "L3, and one of the reader's TP size reads it (L3 across TP sizes)")
     p.add_argument("--reader-tp", type=int, default=0, help="see --writer-tp")
-    demo_flags.add_arguments(p)  # --l3, --model and SGLang's --hicache-* flags, as kvtier demo
+    p.add_argument("--peer", action="store_true",
+                   help="with --l3 none: B reads the document from A's L2 (peer-to-peer L2)")
+    p.add_argument("--peer-transport", default=HandoffTransportKind.NIXL.value,
+                   choices=[HandoffTransportKind.NIXL.value, HandoffTransportKind.MOONCAKE.value],
+                   help="with --peer: how B reads A's L2 (default nixl)")
+    demo_flags.add_arguments(p, allow_none=True)  # --l3, --model and SGLang's --hicache-*
+    # flags, as kvtier demo; --l3 none only with --peer
 
 
 def params_from(ns: argparse.Namespace) -> demo.DemoParams:
@@ -59,6 +73,8 @@ def params_from(ns: argparse.Namespace) -> demo.DemoParams:
 
 def main(ns: argparse.Namespace) -> int:
     params = params_from(ns)
+    if ns.peer or params.l3 == L3_NONE:
+        return _peer(ns, params)
     if ns.writer_tp or ns.reader_tp:
         return _cross_tp(ns, params)
     if ns.hosts:
@@ -88,5 +104,21 @@ def _cross_tp(ns: argparse.Namespace, params: demo.DemoParams) -> int:
         params = params._replace(dtype=DType.FP32.value)
     result = {"benchmark": "instances", "mode": "cross_tp",
               **cross_tp.run(params, ns.writer_tp, ns.reader_tp)}
+    emit(result, ns.json)
+    return 0 if result["identical"] else 1
+
+
+def _peer(ns: argparse.Namespace, params: demo.DemoParams) -> int:
+    from kvtier.bench import peer
+    from kvtier.errors import ConfigError
+
+    if not (ns.peer and params.l3 == L3_NONE):
+        raise ConfigError("peer-to-peer L2 is measured with L3 off: give --l3 none and --peer "
+                          "together")
+    if ns.writer_tp or ns.reader_tp or ns.hosts:
+        raise ConfigError("--peer runs two instances of one TP size on local Ray: drop "
+                          "--writer-tp/--reader-tp and --hosts")
+    result = {"benchmark": "instances",
+              **peer.run(params, HandoffTransportKind(ns.peer_transport))}
     emit(result, ns.json)
     return 0 if result["identical"] else 1

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "storage")
+TIERS = ("device", "host", "storage", "peer")
 WORDS = ("river", "lamp", "orange", "window", "garden", "signal", "paper", "copper", "winter",
          "market", "engine", "silver", "harbor", "canvas", "pillow", "forest", "ladder",
          "planet", "violet", "bridge", "cotton", "marble", "rocket", "velvet", "anchor",

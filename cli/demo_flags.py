@@ -15,6 +15,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import ConfigError
 from kvtier.cli.flags import add_hicache_flags, config_from_args, l3_from_flags, refuse_tier_hiding
 from kvtier.cli.shared_flags import SHARED_L3, add_l3_flag, add_model_flag
+from kvtier.frontend.settings import L3_NONE
 from kvtier.storage_options import EXTRA_CONFIG_FLAG
 
 DEFAULT_MODEL = "smollm2"
@@ -48,10 +49,10 @@ class DemoCache(NamedTuple):
     hicache: tuple[tuple[str, Any], ...]  # every other knob given: (name, plain value)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """--l3, --model and SGLang's cache flags."""
-    add_l3_flag(p, None, note=f", in a temp dir; SGLang's --hicache-storage-backend says "
-                              f"the same")
+def add_arguments(p: argparse.ArgumentParser, allow_none: bool = False) -> None:
+    """--l3, --model and SGLang's cache flags (`allow_none`: `--l3 none` too)."""
+    add_l3_flag(p, None, allow_none=allow_none,
+                note=", in a temp dir; SGLang's --hicache-storage-backend says the same")
     add_model_flag(p, DEFAULT_MODEL, note="; every node must be able to read it")
     add_hicache_flags(p, HiCacheConfig(page_size=DEFAULT_PAGE_SIZE, **CACHE_DEFAULTS), HELP)
 
@@ -62,7 +63,7 @@ def cache_from_args(ns: argparse.Namespace, l3_root: str = "") -> DemoCache:
     given = config.explicit or frozenset()
     refuse_tier_hiding(config, "kvtier demo")
     l3 = l3_from_flags(config, ns.l3, l3_root, "kvtier demo")
-    if l3.backend is not None and l3.backend not in L3_BACKENDS:
+    if l3.backend is not None and l3.backend not in (*L3_BACKENDS, L3_NONE):
         raise ConfigError(f"--hicache-storage-backend {l3.backend}: kvtier demo's L3 is one "
                           f"of {', '.join(L3_BACKENDS)}")
     plain = config.to_dict()

@@ -15,6 +15,7 @@ from kvtier.policies import StorageBackendKind
 from kvtier.frontend.admin_key_file import save_admin_key
 from kvtier.frontend.l3_bound import describe_l3_bound
 from kvtier.frontend.placement import PlacementMode, RankGpus
+from kvtier.frontend.pd_settings import PDTransport
 from kvtier.frontend.settings import HICACHE_OWNED, L3_NONE, EngineKind, ServeSettings
 from kvtier.frontend.tenants import load_api_keys
 
@@ -57,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode instances store the conversations they finish in L3, so the "
                         "next turn's prefill hits the answer too (default on; "
                         "--no-pd-decode-l3: prefill instances only use L3)")
+    p.add_argument("--peer-transport", choices=tuple(t.value for t in PDTransport),
+                   default=None,
+                   help="peer-to-peer L2: each instance reads the pages others hold in L2 when "
+                        "L3 has fewer of them, over this transport (default off)")
     add_tp_flag(p, 1)
     # every kind: ServeSettings checks it, as it does a serve config file's `storage_backend`
     add_l3_flag(p, None, kinds=tuple(StorageBackendKind), allow_none=True,
@@ -120,7 +125,7 @@ def settings_from(ns: argparse.Namespace) -> ServeSettings:
     return ServeSettings(engine=ns.engine, model=ns.model, instances=ns.instances,
                          prefill_instances=ns.prefill_instances,
                          decode_instances=ns.decode_instances, pd_transport=ns.pd_transport,
-                         pd_decode_l3=ns.pd_decode_l3,
+                         pd_decode_l3=ns.pd_decode_l3, peer_transport=ns.peer_transport,
                          tp_size=ns.tp, **cache,
                          device_pages=ns.device_pages, chunk_tokens=ns.chunk_tokens,
                          deterministic=ns.deterministic, schedule_policy=ns.schedule_policy,

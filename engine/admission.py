@@ -323,22 +323,25 @@ class Admission:
         self.cache.release_pages(res.fresh[keep:])  # the worst-case surplus
         budget.charge_load(loaded)
         req.start_prefill(lookup, lookup.device_pages[:shared] + res.fresh[:keep], shared, usable)
-        req.lengths, req.cached = _lengths(lookup, usable, req.storage_hit)
+        req.lengths, req.cached = _lengths(lookup, usable, req.storage_hit, req.peer_hit)
         if req.admitted_s is None:
             req.admitted_s = time.perf_counter()
         self.forgive(req)
         log.info("request %d admitted: %s", req.id, req.lengths.describe())
 
 
-def _lengths(lookup: CacheLookup, usable: int,
-             storage_hit: int) -> tuple[RequestLengths, CachedTokens]:
+def _lengths(lookup: CacheLookup, usable: int, storage_hit: int,
+             peer_hit: int = 0) -> tuple[RequestLengths, CachedTokens]:
     """The five lengths of what the request uses. A hit past `usable` (off the chunk grid) is
     recomputed, so prefix + loaded + extend == prompt length; L3 pages are the tail of the
-    load-back span (they hang below what L1/L2 held when the prefetch started)."""
+    load-back span (they hang below what L1/L2 held when the prefetch started). Of the
+    prefetched tokens (`storage_hit`), `peer_hit` came from a peer's L2: counted as `peer`,
+    the rest as `storage`."""
     device = min(lookup.prefix_len, usable)
     loaded = usable - device
     storage_start = max(lookup.prefix_len, lookup.cached_len - storage_hit)
     storage = min(loaded, max(0, usable - storage_start))
     lengths = RequestLengths(device, lookup.host_hit_length, loaded, storage,
                              lookup.num_tokens - usable)
-    return lengths, CachedTokens(device, loaded - storage, storage)
+    peer = min(storage, peer_hit)
+    return lengths, CachedTokens(device, loaded - storage, storage - peer, peer)

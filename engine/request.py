@@ -11,7 +11,7 @@ import torch
 from kvtier.engine.handoff import HandoffTarget, IncomingKV
 from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.tiers.cache_types import CacheLookup, RequestLengths
-from kvtier.tiers.storage_types import PrefetchTicket
+from kvtier.tiers.storage_types import PrefetchSource, PrefetchTicket
 
 
 class RequestState(enum.Enum):
@@ -38,10 +38,11 @@ class CachedTokens(NamedTuple):
     device: int   # L1
     host: int     # L2 (loaded back), not counting what L3 brought
     storage: int  # L3 (prefetched into L2, then loaded back)
+    peer: int = 0  # another instance's L2 (prefetched into L2, then loaded back)
 
     @property
     def total(self) -> int:
-        return self.device + self.host + self.storage
+        return self.device + self.host + self.storage + self.peer
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class Request:
     device: torch.device | str = "cpu"  # where the sampler's generator lives (the model's)
     arrival_s: float = field(default_factory=time.perf_counter)
     ticket: PrefetchTicket | None = None
-    storage_hit: int = 0  # tokens this request's L3 prefetches put into L2
+    storage_hit: int = 0  # tokens this request's L3 (and peer) prefetches put into L2
+    peer_hit: int = 0  # of them, tokens read from a peer's L2
     prefetch_asked_s: float = 0.0  # when this rank last asked L3 for its prompt (monotonic)
     lookup: CacheLookup | None = None
     pages: list[int] = field(default_factory=list)
@@ -139,6 +141,12 @@ class Request:
         assert self._state in legal, \
             f"request {self.id}: {self._state.name} -> {to.name} is not a legal transition"
         self._state = to
+
+    def prefetched(self, source: PrefetchSource, tokens: int) -> None:
+        """A prefetch of this request put `tokens` into L2 from `source`."""
+        self.storage_hit += tokens
+        if source is PrefetchSource.PEER:
+            self.peer_hit += tokens
 
     def start_prefill(self, lookup: CacheLookup, pages: list[int], num_shared: int,
                       pos: int) -> None:

@@ -240,11 +240,12 @@ class Scheduler:
                 continue
             if self.agree is None:
                 if req.id in agreed or self.cache.prefetch_ready(req.ticket):
-                    req.storage_hit += self.cache.finish_prefetch(req.ticket)
+                    req.prefetched(req.ticket.source, self.cache.finish_prefetch(req.ticket))
                     req.ticket = None
             elif req.id in agreed:
                 pages = max(0, agreed[req.id] - req.ticket.start_page)
-                req.storage_hit += self.cache.finish_prefetch(req.ticket, pages)
+                req.prefetched(req.ticket.source,
+                               self.cache.finish_prefetch(req.ticket, pages))
                 req.ticket = None
 
     def _retry_prefetches(self) -> None:

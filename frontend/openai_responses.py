@@ -47,7 +47,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: CachedCounts,
           lengths: PromptLengths | None = None) -> dict:
     """OpenAI usage; cached_tokens counts prompt tokens reused from any tier. `lengths`, when
     given, is only checked against `cached` (both come from the same admission)."""
-    total = cached.device + cached.host + cached.storage
+    total = cached.device + cached.host + cached.storage + cached.peer
     if lengths is not None:
         assert total == lengths.prefix_len + lengths.host_loaded_length, (cached, lengths)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

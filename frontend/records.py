@@ -42,6 +42,7 @@ class ExpectedPages(Record):
     device_pages: int
     host_pages: int
     storage_pages: int
+    peer_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class CachedCounts(Record):
     device: int
     host: int
     storage: int
+    peer: int = 0  # another instance's L2 (peer-to-peer L2)
 
 
 NO_CACHED = CachedCounts(0, 0, 0)

@@ -36,10 +36,11 @@ class TierHits(NamedTuple):
     device_pages: int
     host_pages: int
     storage_pages: int
+    peer_pages: int = 0  # in another instance's L2 only (peer-to-peer L2 reads them)
 
     @property
     def total_pages(self) -> int:
-        return self.device_pages + self.host_pages + self.storage_pages
+        return self.device_pages + self.host_pages + self.storage_pages + self.peer_pages
 
     @property
     def local_pages(self) -> int:
@@ -178,12 +179,16 @@ class PrefixIndex:
     def num_storage_pages(self) -> int:
         return len(self._storage)
 
-    def score(self, instance: str, page_hashes: Sequence[str]) -> TierHits:
-        """The longest prefix of `page_hashes` that `instance` can hit, split by best tier."""
+    def score(self, instance: str, page_hashes: Sequence[str], peers: bool = False
+              ) -> TierHits:
+        """The longest prefix of `page_hashes` that `instance` can hit, split by best tier.
+        `peers`: a page another instance holds in L2 is a hit too (peer-to-peer L2)."""
         inst = self._instances.get(instance)
         pages = inst.pages if inst is not None else {}
+        others = [i.pages for name, i in self._instances.items() if name != instance] \
+            if peers else []
         storage = self._storage
-        counts = [0, 0, 0]
+        counts = [0, 0, 0, 0]
         for h in page_hashes:
             bits = pages.get(h, 0)
             if bits & _DEVICE:
@@ -192,6 +197,8 @@ class PrefixIndex:
                 counts[1] += 1
             elif h in storage:
                 counts[2] += 1
+            elif any(other.get(h, 0) & _HOST for other in others):
+                counts[3] += 1
             else:
                 break  # the prefix ends at the first page no tier holds
         return TierHits(*counts)
@@ -203,7 +210,9 @@ class RouteWeights:
 
     Why these defaults: an L1 hit is read in place (free); an L2 hit is a host-to-device copy,
     far cheaper than recomputing attention and MLP for the page; an L3 hit adds a storage read
-    before that copy; a miss is the full prefill. A request queued ahead on the instance
+    before that copy, a peer hit a read of another instance's L2 (an ask and a transfer:
+    priced between the two, it may be as fast as local storage or slower); a miss is the full
+    prefill. A request queued ahead on the instance
     delays ours about as much as computing `per_queued_request` pages (it shares the step
     budget under chunked prefill). Costs within `tie_margin_pages` of the best are a tie,
     broken by power-of-two-choices on load. Tune per model and hardware.
@@ -212,12 +221,14 @@ class RouteWeights:
     device: float = 0.0
     host: float = 0.2
     storage: float = 0.5
+    peer: float = 0.5
     miss: float = 1.0
     per_queued_request: float = 2.0
     tie_margin_pages: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("device", "host", "storage", "miss", "per_queued_request", "tie_margin_pages"):
+        for name in ("device", "host", "storage", "peer", "miss", "per_queued_request",
+                     "tie_margin_pages"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
                 raise ConfigError(f"RouteWeights.{name} must be a finite number >= 0, got {value!r}")
@@ -225,11 +236,16 @@ class RouteWeights:
             raise ConfigError("RouteWeights must satisfy device <= host <= storage <= miss "
                               f"(a faster tier never costs more), got {self.device}, {self.host}, "
                               f"{self.storage}, {self.miss}")
+        if not self.host <= self.peer <= self.miss:
+            raise ConfigError("RouteWeights must satisfy host <= peer <= miss (another "
+                              f"instance's L2 is read into this one's), got {self.host}, "
+                              f"{self.peer}, {self.miss}")
 
     def cost(self, hits: TierHits, num_pages: int, load: int) -> float:
         misses = max(0, num_pages - hits.total_pages)
         return (self.device * hits.device_pages + self.host * hits.host_pages
-                + self.storage * hits.storage_pages + self.miss * misses
+                + self.storage * hits.storage_pages + self.peer * hits.peer_pages
+                + self.miss * misses
                 + self.per_queued_request * load)
 
 
@@ -254,9 +270,13 @@ class Router:
     herds, two random candidates spread it (and still avoid the loaded ones).
     """
 
-    def __init__(self, index: PrefixIndex | None = None, weights: RouteWeights | None = None) -> None:
+    def __init__(self, index: PrefixIndex | None = None, weights: RouteWeights | None = None,
+                 peers: bool = False) -> None:
+        """`peers`: the instances read each other's L2 (a page one holds there is a hit for
+        every other, at `weights.peer`)."""
         self.index = index if index is not None else PrefixIndex()
         self.weights = weights if weights is not None else RouteWeights()
+        self.peers = peers
 
     def apply(self, batch: CacheEventBatch) -> ApplyOutcome:
         return self.index.apply(batch)
@@ -267,7 +287,7 @@ class Router:
         if not loads:
             raise ConfigError("Router.choose needs at least one instance in `loads`")
         n = len(page_hashes)
-        hits = {name: self.index.score(name, page_hashes) for name in loads}
+        hits = {name: self.index.score(name, page_hashes, self.peers) for name in loads}
         costs = {name: self.weights.cost(hits[name], n, loads[name]) for name in loads}
         if not any(h.local_pages for h in hits.values()):
             name, reason = _two_choices(list(loads), loads, rng), ChoiceReason.NO_LOCAL_HIT

@@ -85,6 +85,9 @@ class ServeSettings:
     pd_transport: PDTransport | None = None  # how the KV moves (a PD graph: default nixl)
     pd_decode_l3: bool = True  # a PD graph's decode instances store the conversations they
     # finish in L3, so the next turn's prefill hits the answer's pages too
+    # peer-to-peer L2: each instance reads the pages other instances hold in L2 when L3 has
+    # fewer of them (docs/architecture.md, "Peer-to-peer L2"), over nixl or mooncake; None: off
+    peer_transport: PDTransport | None = None
     tp_size: int = 1
     page_size: int = 64
     chunk_tokens: int = 512  # most new tokens one forward computes (prefill + decodes)
@@ -202,6 +205,26 @@ class ServeSettings:
                 name = os.path.basename(os.path.normpath(self.model_path))
                 name = name[:-len(GGUF_SUFFIX)] if name.lower().endswith(GGUF_SUFFIX) else name
             set_("served_model_name", name)
+        set_("peer_transport", self._check_peers(self.peer_transport))
+
+    def _check_peers(self, transport: Any) -> PDTransport | None:
+        """Peers read each other's L2 over a hand-off transport; they find each other through
+        the L3 namespace's directory."""
+        if transport is None or (isinstance(transport, str)
+                                 and transport.strip().lower() == L3_NONE):
+            return None
+        transport = PDTransport.parse(transport, "peer_transport")
+        if self.storage_backend is None:
+            raise ConfigError("peer_transport: instances find each other's L2 pages through "
+                              "the L3 namespace's directory; give storage_backend (file, "
+                              "mooncake or nixl) or drop peer_transport")
+        if self.engine is EngineKind.VLLM:
+            raise ConfigError("peer_transport: vLLM instances do not read each other's L2 "
+                              "yet (only kvtier's engine); drop it")
+        if self.pd_transport is not None:
+            raise ConfigError("peer_transport: a prefill/decode graph moves KV by its "
+                              "hand-off; peer-to-peer L2 is for instances that do both")
+        return transport
 
     def _resolve_model(self) -> None:
         """`model` is an alias (smollm2, tiny), a model directory or a .gguf file (then it
@@ -361,6 +384,7 @@ class ServeSettings:
         out["l3_max_gb"] = (self.l3_max_gb.value if isinstance(self.l3_max_gb, L3Bound)
                             else self.l3_max_gb)
         out["pd_transport"] = self.pd_transport and self.pd_transport.value
+        out["peer_transport"] = self.peer_transport and self.peer_transport.value
         out["storage_backend"] = self.storage_backend and self.storage_backend.value
         return out
 

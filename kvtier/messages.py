@@ -589,6 +589,82 @@ class L2Listing(_Record):
 
 
 @dataclass(frozen=True)
+class PeerRank(_Record):
+    """One TP rank of an instance that lends its L2 pages to peers: the KV heads it holds
+    (global indices `[head_start, head_stop)` of the model's), and the Ray actor a peer asks
+    for them (`actor`, a named actor in Ray namespace `ray_namespace`)."""
+
+    rank: int
+    size: int
+    head_start: int
+    head_stop: int
+    actor: str
+    ray_namespace: str
+
+
+@dataclass(frozen=True)
+class PeerContact(_Record):
+    """How to reach holder `holder`'s L2 (every rank of it) for namespace `namespace`."""
+
+    namespace: str
+    holder: str
+    ranks: tuple[PeerRank, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder, "PeerContact.holder")
+
+
+@dataclass(frozen=True)
+class PeerRegistration(_Record):
+    """Rank `rank` of holder `holder` lends the L2 pages of namespace `namespace` to peers."""
+
+    namespace: str
+    holder: str
+    rank: PeerRank
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder, "PeerRegistration.holder")
+
+
+@dataclass(frozen=True)
+class PeerQuery(_Record):
+    """Which peer other than `asker` holds the longest leading run of `hashes` in L2?"""
+
+    namespace: str
+    asker: str
+    hashes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check_hashes(self.hashes, "PeerQuery.hashes")
+
+
+@dataclass(frozen=True)
+class PeerOffer(_Record):
+    """The answer to a PeerQuery: `pages` leading pages held by the peer `contact` reaches
+    (0 and None: no peer holds the first page)."""
+
+    namespace: str
+    pages: int
+    contact: PeerContact | None = None
+
+
+@dataclass(frozen=True)
+class PeerLend(_Record):
+    """A holder rank's answer to a peer asking for pages of a prefix: where the leading run
+    of them it holds in L2 lies (`host_pages` of its `page_head` pool at `base_addr`, of
+    `pool_pages` pages and `pool_heads` heads), one xxh3_64 per (page, head asked) of the
+    head's K then V object, page by page, and its transport endpoint's address. Empty
+    `host_pages`: it holds none of them (evicted, or never had them)."""
+
+    host_pages: tuple[int, ...]
+    sums: tuple[int, ...]
+    base_addr: int
+    pool_pages: int
+    pool_heads: int
+    address: bytes
+
+
+@dataclass(frozen=True)
 class DirectoryStats(_Record):
     """Per-namespace counters of the page directory (monotonic, except the gauges)."""
 
@@ -616,6 +692,7 @@ class DirectoryStats(_Record):
     expired_pins: int = 0
     l2_pages: int = 0  # gauge: pages some instance holds in L2 (as they reported)
     l2_holders: int = 0  # gauge: instances holding pages in L2
+    peer_holders: int = 0  # gauge: instances whose every rank lends its L2 to peers
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ def test_every_command_takes_the_one_list_of_choices():
     transfer's KV page dtype excepted: no model, so no auto, and fp16)."""
     from kvtier.cli.main import build_parser
     from kvtier.dtypes import DType
+    from kvtier.frontend.settings import L3_NONE
     from kvtier.policies import StorageBackendKind
 
     seen = {}
@@ -99,7 +100,7 @@ def test_every_command_takes_the_one_list_of_choices():
     assert seen[("bench transfer", "--dtype")] == ("bf16", "fp16", "fp32")
     del seen[("bench transfer", "--dtype")]
     dtypes = tuple(d.value for d in DType)
-    kinds = {k.value for k in StorageBackendKind}
+    kinds = {k.value for k in StorageBackendKind} | {L3_NONE}  # none: no L3
     for (command, flag), choices in seen.items():
         if flag == "--dtype":
             assert tuple(choices) == dtypes, command

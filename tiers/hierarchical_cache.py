@@ -46,6 +46,7 @@ from kvtier.tiers.host_copies import HostCopies
 from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.page_exchange import PageExchange
+from kvtier.tiers.peer_fetch import PeerPages
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_kv import SlidingKV
 from kvtier.tiers.sliding_l3 import SlidingL3
@@ -123,6 +124,7 @@ class HierarchicalCache:
                               self.flush, sidecar=self.host_pool.sidecar,
                               window_pages=spec.window_pages)
         self.storage: StorageTier | None = None
+        self._peers: tuple[PeerPages, str] | None = None  # attach_peers' reader and holder
         self._built_directory = directory  # the L3 namespace's directory given at build
         self.directory = directory  # that of the L3 attached (attach_storage)
         self.events = CacheEventFeed(self.namespace, spec.page_size)
@@ -347,7 +349,7 @@ class HierarchicalCache:
 
     # ---- L3: attach, detach, prefetch into L2 (the L3 tier owns the tickets) ------------
 
-    def attach_storage(self, backend: StorageBackend,
+    def attach_storage(self, backend: StorageBackend | None,
                        directory: PageDirectoryClient | None = None,
                        confirm_return: bool = False) -> None:
         """Use `backend` as L3 (takes ownership: detach closes it). `directory`: the L3
@@ -355,24 +357,49 @@ class HierarchicalCache:
         (None: the one the cache was built with, if any). `confirm_return`: a directory
         that answers again after failing is trusted only once the owner calls
         `l3_directory_back` (a namespace actor may come back without the namespace:
-        storage_tier)."""
+        storage_tier). `backend` None: the namespace's directory alone, no storage (L3 off,
+        peers on: `attach_peers`)."""
         if not self.hierarchical:
             raise CacheUsageError("the hierarchical cache is off (L1 only): L3 needs L2 to "
                                   "stage its pages; enable it to attach a backend")
         if self.storage is not None:
             raise CacheUsageError("an L3 backend is already attached; detach it first")
+        if backend is None and directory is None:
+            raise CacheUsageError("L3 without storage is its namespace's directory alone: "
+                                  "give the directory")
         self.use_head_major_host()  # L3 moves one run of bytes per KV head
-        backend.register_pool(KV_POOL, self.host_pool)
+        if backend is not None:
+            backend.register_pool(KV_POOL, self.host_pool)
         sliding = (SlidingL3(backend, self.host_pool.sidecar, self.tree, self.spec.window_pages,
                              self.config.storage_batch_pages)
-                   if self.sliding is not None else None)
+                   if self.sliding is not None and backend is not None else None)
         self.directory = directory if directory is not None else self._built_directory
         self.storage = StorageTier(backend, self.tree, self.host_pool.allocator, self.config,
                                    self.namespace, self._alloc_host,
                                    directory=self.directory, sliding=sliding)
         self.storage.confirm_return = confirm_return
-        log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
+        if self._peers is not None:  # peers outlive an L3 re-attach (a moved namespace)
+            self.storage.attach_peers(*self._peers)
+        if backend is None:
+            log.info("L3 namespace attached without its storage (its directory only)")
+        else:
+            log.info("L3 attached: %s (%s)", backend.kind, backend.capabilities)
         self._back_up_host_pages()  # what L2 holds goes to the new backend too
+
+    def attach_peers(self, reader: PeerPages, holder: str) -> None:
+        """Prefetch from peers' L2 too (tiers/peer_fetch.py), through `reader`, as L2 holder
+        `holder`: what a peer holds past the local hit, when L3 has fewer of those pages.
+        Kept across L3 re-attaches; needs L3's page directory, which lists the holders."""
+        if self.storage is None:
+            raise CacheUsageError("peer-to-peer L2 finds holders through the L3 namespace's "
+                                  "directory: attach L3 first")
+        self.storage.attach_peers(reader, holder)
+        self._peers = (reader, holder)
+
+    def detach_peers(self) -> None:
+        self._peers = None
+        if self.storage is not None:
+            self.storage.detach_peers()
 
     def use_head_major_host(self) -> None:
         """Hold L2 in `page_head` from now on (L3 and a hand-off across TP sizes move one run
@@ -416,7 +443,8 @@ class HierarchicalCache:
     @property
     def l3_kind(self) -> StorageBackendKind | None:
         """The attached L3 backend's kind (None: no L3)."""
-        return self.storage.backend.kind if self.storage is not None else None
+        backend = None if self.storage is None else self.storage.backend
+        return None if backend is None else backend.kind
 
     @property
     def l3_directory_away(self) -> bool:
@@ -634,7 +662,7 @@ class HierarchicalCache:
     def snapshot(self) -> CacheSnapshot:
         """The counters and pool use now (copies), L3's included when attached."""
         l3 = None
-        if self.storage is not None:
+        if self.storage is not None and self.storage.backend is not None:
             backend = self.storage.backend
             l3 = L3Snapshot(backend.kind, dataclasses.replace(backend.stats()),
                             dataclasses.replace(self.storage.counters))

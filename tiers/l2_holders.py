@@ -18,13 +18,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from kvtier.messages import L2Holding
+from kvtier.messages import L2Holding, PeerContact, PeerOffer, PeerRank
 
 MAX_PAGES_PER_HOLDER = 1 << 20  # pages one holder may list (32-byte keys: ~100 MiB at most)
 
 
 class L2Holders:
-    """page -> holders and holder -> pages, kept in step."""
+    """page -> holders and holder -> pages, kept in step; and how to reach a holder that
+    lends its L2 to peers (its ranks' contacts, `register_peer`)."""
 
     def __init__(self, max_pages_per_holder: int = MAX_PAGES_PER_HOLDER) -> None:
         if max_pages_per_holder < 1:
@@ -33,6 +34,7 @@ class L2Holders:
         self._by_page: dict[str, set[str]] = {}
         self._by_holder: dict[str, OrderedDict[str, None]] = {}
         self.dropped_entries = 0  # entries pushed out by the per-holder bound
+        self._contacts: dict[str, dict[int, PeerRank]] = {}  # holder -> rank -> contact
 
     def __len__(self) -> int:
         """Pages some holder holds."""
@@ -42,6 +44,11 @@ class L2Holders:
     def holders(self) -> int:
         return len(self._by_holder)
 
+    @property
+    def peers(self) -> int:
+        """Holders reachable as peers (every rank registered)."""
+        return sum(self.contact("", holder) is not None for holder in self._contacts)
+
     def held_by(self, holder: str) -> int:
         """Pages `holder` lists."""
         return len(self._by_holder.get(holder, ()))
@@ -50,7 +57,7 @@ class L2Holders:
               replace: bool = False) -> None:
         """`holder` gained `held` and lost `dropped`; `replace`: `held` is all it holds."""
         if replace:
-            self.forget(holder)
+            self._forget_pages(holder)
         pages = self._by_holder.setdefault(holder, OrderedDict())
         for page in dropped:
             if page in pages:
@@ -70,7 +77,12 @@ class L2Holders:
             del self._by_holder[holder]
 
     def forget(self, holder: str) -> int:
-        """Drop everything `holder` listed (it stopped, or restarted empty); how many pages."""
+        """Drop everything `holder` listed (it stopped, or restarted empty), and its contact;
+        how many pages."""
+        self._contacts.pop(holder, None)
+        return self._forget_pages(holder)
+
+    def _forget_pages(self, holder: str) -> int:
         pages = self._by_holder.pop(holder, None)
         if not pages:
             return 0
@@ -94,6 +106,35 @@ class L2Holders:
             runs[holder] = len(hashes)
         return tuple(L2Holding(h, n) for h, n in sorted(runs.items(),
                                                         key=lambda item: (-item[1], item[0])))
+
+    # ---- peers -------------------------------------------------------------------------------
+    def register_peer(self, holder: str, rank: PeerRank) -> None:
+        """`holder`'s TP rank `rank.rank` lends its L2 pages to peers, reached as `rank`
+        says. A rank of another TP size than the ranks known replaces them all (the holder
+        restarted at a new size); the same rank again replaces its own (a restarted rank)."""
+        ranks = self._contacts.setdefault(holder, {})
+        if any(r.size != rank.size for r in ranks.values()):
+            ranks.clear()
+        ranks[rank.rank] = rank
+
+    def contact(self, namespace: str, holder: str) -> PeerContact | None:
+        """How to reach every rank of `holder`, or None until all of its ranks registered."""
+        ranks = self._contacts.get(holder)
+        if not ranks or len(ranks) != next(iter(ranks.values())).size:
+            return None
+        return PeerContact(namespace, holder, tuple(ranks[r] for r in sorted(ranks)))
+
+    def best_peer(self, namespace: str, hashes: Sequence[str], asker: str) -> PeerOffer:
+        """The holder other than `asker` with the longest leading run of `hashes` among those
+        reachable as peers (every rank registered): its run and contact; 0 pages and no
+        contact when none holds the first page."""
+        for holding in self.leading(hashes):
+            if holding.holder == asker:
+                continue
+            contact = self.contact(namespace, holding.holder)
+            if contact is not None:
+                return PeerOffer(namespace, holding.pages, contact)
+        return PeerOffer(namespace, 0, None)
 
     def _unlist(self, page: str, holder: str) -> None:
         who = self._by_page.get(page)

@@ -37,7 +37,7 @@ from kvtier.backends.base import check_page_hash
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import (DirectoryStats, L2Holding, LeaseGrant, LookupResult,
-                             NamespaceInfo, NamespaceSpec)
+                             NamespaceInfo, NamespaceSpec, PeerOffer, PeerRank)
 from kvtier.tiers.directory_state import Lease as _Lease, NamespaceState
 from kvtier.tiers.page_pins import L3PinListing
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
@@ -265,6 +265,14 @@ class PageDirectory:
         """Who holds a leading run of `hashes` in L2, the longest first."""
         return self._get(ns).l2.leading(hashes)
 
+    def register_peer(self, ns: str, holder: str, rank: PeerRank) -> None:
+        """`holder`'s rank lends its L2 pages of `ns` to peers (L2Holders.register_peer)."""
+        self._get(ns).l2.register_peer(holder, rank)
+
+    def best_peer(self, ns: str, hashes: Sequence[str], asker: str) -> PeerOffer:
+        """The peer other than `asker` holding the longest leading run of `hashes` in L2."""
+        return self._get(ns).l2.best_peer(ns, hashes, asker)
+
     def stats(self, ns: str) -> DirectoryStats:
         state = self._get(ns)
         self._expire()
@@ -274,7 +282,8 @@ class PageDirectory:
                               doomed_pages=self._deletes.count(ns), pins=len(state.pins),
                               pinned_pages=state.pins.pinned_pages(state.published),
                               expired_pins=state.pins.expired_total, l2_pages=len(state.l2),
-                              l2_holders=state.l2.holders, **vars(state.counters))
+                              l2_holders=state.l2.holders, peer_holders=state.l2.peers,
+                              **vars(state.counters))
 
     # ---- pinned prefixes (page_pins) --------------------------------------------------------
     def pin(self, ns: str, pin_id: str, hashes: Sequence[str], ttl_s: float,

@@ -27,21 +27,28 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from kvtier.backends.base import StorageBackend
 from kvtier.config import HiCacheConfig
+from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.policies import HostMode, PrefetchPolicy
 from kvtier.tiers.allocator import PageAllocator
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_l3 import SlidingL3
+from kvtier.tiers.peer_fetch import PeerFetch, PeerPages, PeerWorker
 from kvtier.tiers.storage_worker import OpState, StorageOp, StorageWorker
-from kvtier.tiers.storage_types import (PageDirectoryClient, PrefetchTicket, StorageCounters,
-                                         node_tokens)
+from kvtier.tiers.storage_types import (PageDirectoryClient, PrefetchSource, PrefetchTicket,
+                                        StorageCounters, node_tokens)
 from kvtier.tiers.tree_node import NOT_STORED, TreeNode
 
 log = logging.getLogger(__name__)
+
+
+class _PeerChoice(NamedTuple):
+    pages: int  # the peer's leading run past the local hit
+    fetch: PeerFetch
 
 
 SETTLE_WAIT_S = 0.05  # how long ending a prefetch waits for a backend call in flight
@@ -54,12 +61,15 @@ DIRECTORY_LEASE_S = 60.0  # a lease covering one prefetch; released when the pre
 class StorageTier:
     """L3 for one rank: owns the storage worker, borrows the tree and the L2 allocator."""
 
-    def __init__(self, backend: StorageBackend, tree: HiRadixTree, host_allocator: PageAllocator,
+    def __init__(self, backend: StorageBackend | None, tree: HiRadixTree,
+                 host_allocator: PageAllocator,
                  config: HiCacheConfig, namespace: KeyNamespace, alloc_host,
                  directory: PageDirectoryClient | None = None,
                  lease_ttl_s: float = DIRECTORY_LEASE_S, sliding: SlidingL3 | None = None
                  ) -> None:
-        """`sliding`: a hybrid model's sliding-window pool, backed up and fetched along."""
+        """`sliding`: a hybrid model's sliding-window pool, backed up and fetched along.
+        `backend` None: the namespace's directory without its storage (peers only: nothing
+        is backed up or read from L3)."""
         self.backend = backend
         self.tree = tree
         self.host_allocator = host_allocator
@@ -82,6 +92,8 @@ class StorageTier:
         self._stored_nodes: list[TreeNode] = []
         self.lease_ttl_s = lease_ttl_s
         self.sliding = sliding
+        self.peer_worker: PeerWorker | None = None  # reads peers' L2 (attach_peers)
+        self.holder = ""  # this instance's name as an L2 holder
 
     # ---- prefetch ------------------------------------------------------------------------
     def page_keys(self, tokens: Sequence[int], salt: str = "") -> list[str]:
@@ -106,11 +118,19 @@ class StorageTier:
             return None
         if retry:
             self.counters.retried_lookups += 1
-        if self.directory is None:
+        if self.backend is None:  # no storage: only peers
+            hit, lease_id = 0, ""
+        elif self.directory is None:
             hit, lease_id = self._backend_lookup(keys), ""
         else:
             hit, lease_id = self._directory_lookup(keys)
-        tally.storage_hit_tokens += hit * p
+        fetch = self._peer_fetch(keys, hit, tokens, anchor.salt, local_pages)
+        if fetch is None:
+            tally.storage_hit_tokens += hit * p
+        else:  # a peer holds more than L3 published: read from it, L3's lease goes back
+            self._release(lease_id)
+            hit, lease_id = fetch.pages, ""
+            tally.peer_hit_tokens += hit * p
         if hit == 0:
             self._release(lease_id)
             return None
@@ -134,16 +154,67 @@ class StorageTier:
             return None
         if retry:
             self.counters.retried_hit_tokens += take * p
-            self.counters.storage_hit_tokens += hit * p
+            if fetch is None:
+                self.counters.storage_hit_tokens += hit * p
+            else:
+                self.counters.peer_hit_tokens += hit * p
         self.counters.unfulfilled_host_capacity_tokens += (hit - take) * p
         self._inflight_pages += take
-        op = self.worker.prefetch(keys[:take], host_pages)
+        if fetch is None:
+            op, source = self.worker.prefetch(keys[:take], host_pages), PrefetchSource.STORAGE
+        else:
+            assert self.peer_worker is not None
+            op = self.peer_worker.prefetch(keys[:take], host_pages, fetch.fetch)
+            source = PrefetchSource.PEER
         timeout = self.config.prefetch_timeout_s(take * p)
-        ticket = PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id)
+        ticket = PrefetchTicket(tokens, local_pages, hit, op, anchor, timeout, lease_id=lease_id,
+                                source=source)
         if self.sliding is not None:
             ticket.sliding = self.sliding.fetch(keys[:take], host_pages)
         self._tickets[op.id] = ticket
         return ticket
+
+    def _peer_fetch(self, keys: list[str], hit: int, tokens: tuple, salt: str,
+                    first_page: int) -> _PeerChoice | None:
+        """A peer to read `keys` from when one holds a longer leading run of them than L3's
+        `hit` (None: L3, or nothing). Any failure of the directory is a peer miss."""
+        if self.peer_worker is None or hit >= len(keys) or self.directory is None or self._held:
+            return None
+        try:
+            offer = self.directory.best_peer(self.namespace.name, keys, self.holder)
+        except Exception as exc:  # noqa: BLE001 - a failed peer lookup is a miss
+            self.counters.peer_lookup_errors += 1
+            self.directory_failed("a peer lookup", exc)
+            return None
+        pages = min(int(offer.pages), len(keys))
+        if offer.contact is None or pages <= hit:
+            return None
+        return _PeerChoice(pages, PeerFetch(offer.contact, tokens, salt, first_page))
+
+    def attach_peers(self, reader: PeerPages, holder: str) -> None:
+        """Read what peers hold in L2 (and L3 lacks) through `reader`; `holder` is this
+        instance's name in the directory's L2 listing (never offered to itself)."""
+        if self.sliding is not None:
+            raise ConfigError("peer-to-peer L2 does not carry a hybrid model's sliding-window "
+                              "KV; turn peers off for this model")
+        self.detach_peers()
+        self.peer_worker = PeerWorker(reader, self.page_size, self.config.storage_batch_pages)
+        self.holder = holder
+
+    def detach_peers(self) -> None:
+        """Stop reading from peers: open peer prefetches are aborted (nothing leaks)."""
+        if self.peer_worker is None:
+            return
+        for ticket in [t for t in self._tickets.values() if t.source is PrefetchSource.PEER]:
+            self.abort(ticket)
+        self.peer_worker.close()
+        self.peer_worker = None
+
+    def _worker(self, ticket: PrefetchTicket) -> StorageWorker:
+        """The worker running `ticket`'s op."""
+        if ticket.source is PrefetchSource.PEER and self.peer_worker is not None:
+            return self.peer_worker
+        return self.worker
 
     def _backend_lookup(self, keys: list[str]) -> int:
         """Leading pages the backend holds; 0 (a miss, counted) when asking it fails."""
@@ -239,7 +310,7 @@ class StorageTier:
         if policy is PrefetchPolicy.BEST_EFFORT:
             if not at_admission:
                 return False
-            self.worker.stop_after_batch(op)  # idempotent
+            self._worker(ticket).stop_after_batch(op)  # idempotent
             return op.state.finished or self._overdue(ticket, now)
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             return False
@@ -251,14 +322,14 @@ class StorageTier:
         it (`finish` then leaves its pages to the worker, `_free_when_settled`). Timed from
         the batch's start (or, for a first batch still queued, from the submission), not
         the prefetch's: a request may be reached long after."""
-        op = ticket.op
+        op, worker = ticket.op, self._worker(ticket)
         if op.state is OpState.RUNNING:
             started, pages = op.batch_started_s, op.batch_pages
         elif op.next_page == 0:  # its first batch waits for the worker's turn
-            started, pages = op.submitted_s, min(op.num_pages, self.worker.batch_pages)
+            started, pages = op.submitted_s, min(op.num_pages, worker.batch_pages)
         else:  # between batches: stop_after_batch ends it at once
             return False
-        per_page = self.worker.read_s_per_page or DEFAULT_READ_S_PER_PAGE
+        per_page = worker.read_s_per_page or DEFAULT_READ_S_PER_PAGE
         allowed_s = min(ticket.timeout_s, max(SETTLE_WAIT_S, BATCH_SLACK * pages * per_page))
         return now_s - started >= allowed_s
 
@@ -271,9 +342,9 @@ class StorageTier:
         """Stop the prefetch, insert what landed (at most `max_pages` pages: what every TP
         rank landed) as L2-only nodes; returns tokens inserted."""
         settled = self._end(ticket)
-        op = ticket.op
-        if settled and op.state is OpState.DONE and op.missing_keys:
-            self._report_missing(op.missing_keys)
+        op, from_l3 = ticket.op, ticket.source is PrefetchSource.STORAGE
+        if from_l3 and settled and op.state is OpState.DONE and op.missing_keys:
+            self._report_missing(op.missing_keys)  # a peer's misses say nothing of L3
         done = op.done_pages  # these pages are complete; a hung batch only touches later ones
         if max_pages is not None:
             done = max(0, min(done, max_pages))
@@ -284,11 +355,13 @@ class StorageTier:
         self.host_allocator.free(list(res.unused_pages))
         self._free_when_settled(op, op.host_pages[done:], settled)
         self.tree.release_host(ticket.anchor)
-        if done:
+        if done and from_l3:  # a peer's pages are not in L3: they are backed up as any
             self.tree.l3.mark_stored(res.last_node, ticket.start_page)
         # pages of the prefix the tree now holds (any tier) past the local hit
         usable = max(0, min(res.prefix_pages + res.new_pages, end_page) - ticket.start_page)
         self.counters.prefetched_tokens += usable * self.page_size
+        if not from_l3:
+            self.counters.peer_prefetched_tokens += usable * self.page_size
         self.counters.unfulfilled_storage_transfer_tokens += (op.num_pages - done) * self.page_size
         self.counters.prefetch_wait_s += (op.finished_s or time.monotonic()) - op.submitted_s
         return usable * self.page_size
@@ -331,9 +404,10 @@ class StorageTier:
         if ticket.finished:
             raise RuntimeError("a prefetch ticket was finished twice")
         ticket.finished = True
-        self.worker.cancel(ticket.op)
+        worker = self._worker(ticket)
+        worker.cancel(ticket.op)
         overdue = self._overdue(ticket, time.monotonic())
-        settled = self.worker.settle(ticket.op, 0.0 if overdue else SETTLE_WAIT_S)
+        settled = worker.settle(ticket.op, 0.0 if overdue else SETTLE_WAIT_S)
         self._inflight_pages -= ticket.op.num_pages
         self._tickets.pop(ticket.op.id, None)
         if self.sliding is not None:  # before the pages are inserted or freed
@@ -373,6 +447,8 @@ class StorageTier:
         The path is protected from L2 eviction until the op ends. Nodes remember the op, and
         a split copies that, so a run split while being written is still marked when done.
         """
+        if self.backend is None:
+            return None
         path = list(node.path_to_root())[::-1]  # root side first
         todo = [n for n in path if n.host_value is not None and n.storage_op == NOT_STORED]
         if not todo:
@@ -451,10 +527,12 @@ class StorageTier:
     def close(self, drain: bool = True) -> None:
         """Finish (or cancel) queued work, release every protection, close the backend."""
         self.abort_all()
+        self.detach_peers()
         if drain:
             self.drain()
         self.worker.close()
         if self.sliding is not None:
             self.sliding.close()
         self.poll()
-        self.backend.close()
+        if self.backend is not None:
+            self.backend.close()

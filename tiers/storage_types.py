@@ -2,11 +2,12 @@
 directory it asks (as a Protocol), and the token prefix of a node."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import NamespaceInfo, NamespaceSpec
+from kvtier.messages import NamespaceInfo, NamespaceSpec, PeerOffer
 from kvtier.tiers.storage_worker import StorageOp
 from kvtier.tiers.tree_node import TreeNode
 
@@ -47,10 +48,22 @@ class PageDirectoryClient(Protocol):
         """Hits on pinned pages in a rank's L2 extend those pins in L3 too."""
         ...
 
+    def best_peer(self, ns: str, hashes: Sequence[str], asker: str) -> PeerOffer:
+        """The peer other than `asker` holding the longest leading run of `hashes` in L2."""
+        ...
+
+
+class PrefetchSource(enum.Enum):
+    """Where a prefetch reads its pages from."""
+
+    STORAGE = "storage"  # L3 (the namespace's storage)
+    PEER = "peer"  # another instance's L2 (tiers/peer_fetch.py)
+
 
 @dataclass
 class PrefetchTicket:
-    """One request's L3 prefetch: give it back to `finish` or `abort` exactly once."""
+    """One request's L3 (or peer) prefetch: give it back to `finish` or `abort` exactly
+    once."""
 
     tokens: tuple
     start_page: int  # index of the first L3 page within `tokens`
@@ -61,6 +74,7 @@ class PrefetchTicket:
     finished: bool = False
     lease_id: str = ""  # the directory's lease on the pages being fetched ("" = none)
     sliding: object | None = None  # a hybrid model's window read (SlidingFetch)
+    source: PrefetchSource = PrefetchSource.STORAGE
 
     @property
     def done_pages(self) -> int:
@@ -86,6 +100,9 @@ class StorageCounters:
     quarantined_pages: int = 0  # L2 pages a gave-up transfer may still touch: never reused
     retried_lookups: int = 0  # L3 lookups of waiting requests whose prefetch found too little
     retried_hit_tokens: int = 0  # tokens such retries started fetching
+    peer_hit_tokens: int = 0  # a peer's L2 held them past the local hit, more than L3 did
+    peer_prefetched_tokens: int = 0  # of `prefetched_tokens`: read from a peer's L2
+    peer_lookup_errors: int = 0  # directory peer lookups that failed (counted as misses)
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Sequence
 
-from kvtier.backends.base import KV_POOL, PagesStillInUse, StorageBackend
+from kvtier.backends.base import KV_POOL, PagesStillInUse, StorageBackend, TransferResult
 from kvtier.errors import ClosedError
 
 log = logging.getLogger(__name__)
@@ -200,9 +200,8 @@ class StorageWorker:
         start, stop = op.next_page, min(op.next_page + self.batch_pages, op.num_pages)
         keys, pages = op.keys[start:stop], op.host_pages[start:stop]
         try:
-            move = self.backend.get_into if is_prefetch else self.backend.set_from
             started = time.monotonic()
-            result = move(self.pool, keys, pages)
+            result = self._move(op, start, pages, is_prefetch)
         except PagesStillInUse as exc:  # the storage may still write into these pages
             log.error("storage %s of %d pages gave up while the storage may still use its "
                       "host pages (%s); they are quarantined, %s",
@@ -228,6 +227,12 @@ class StorageWorker:
         op.next_page = stop
         if good < len(keys) or stop == op.num_pages:
             op._finish(OpState.DONE)  # a miss ends a prefix: later pages are unusable
+
+    def _move(self, op: StorageOp, start: int, pages: list[int],
+              is_prefetch: bool) -> TransferResult:
+        """One batch of `op` (its pages from `start`): read into or written from `pages`."""
+        move = self.backend.get_into if is_prefetch else self.backend.set_from
+        return move(self.pool, op.keys[start : start + len(pages)], pages)
 
     def _note_read(self, s_per_page: float) -> None:
         """Fold one read's seconds per page into the running estimate (recent reads weigh

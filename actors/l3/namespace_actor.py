@@ -29,7 +29,8 @@ from kvtier.kv_spec import HeadRange
 from kvtier.errors import PinRoomError
 from kvtier.messages import (DirectoryStats, L2Holding, L2Listing, L2Report, LeaseGrant,
                              LookupRequest, LookupResult, MissingReport, NamespaceInfo,
-                             NamespaceSpec, PinGrant, PinRequest, StoredReport, unpack_records)
+                             NamespaceSpec, PeerOffer, PeerQuery, PeerRank, PeerRegistration,
+                             PinGrant, PinRequest, StoredReport, unpack_records)
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_pins import L3PinListing
 
@@ -104,6 +105,16 @@ class _Client:
         """Who holds a leading run of `hashes` in L2, the longest run first."""
         request = LookupRequest(ns, tuple(hashes))
         return L2Listing.from_msgpack(self._call("l2_holders", request.to_msgpack())).holders
+
+    def register_peer(self, ns: str, holder: str, rank: PeerRank) -> None:
+        """`holder`'s TP rank `rank` lends its L2 pages of `ns` to peers, reached as it says."""
+        self._call("register_peer", PeerRegistration(ns, holder, rank).to_msgpack())
+
+    def best_peer(self, ns: str, hashes: Sequence[str], asker: str) -> PeerOffer:
+        """The peer other than `asker` holding the longest leading run of `hashes` in L2,
+        with its contact (0 pages: none)."""
+        query = PeerQuery(ns, asker, tuple(hashes))
+        return PeerOffer.from_msgpack(self._call("best_peer", query.to_msgpack()))
 
     def rebuild(self, ns: str) -> int:
         return int(self._call("rebuild", ns))

@@ -36,7 +36,8 @@ from kvtier.backends.shared_root import ensure_marker, shared_root_dir
 from kvtier.errors import KvtierError, PinRoomError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import (L2Listing, L2Report, LookupRequest, MissingReport, NamespaceInfo,
-                             NamespaceSpec, PinGrant, PinRequest, StoredReport, pack_records)
+                             NamespaceSpec, PeerQuery, PeerRegistration, PinGrant, PinRequest,
+                             StoredReport, pack_records)
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import MooncakeOptions
 from kvtier.tiers.page_directory import PageDirectory
@@ -172,6 +173,19 @@ class NamespaceService:
         with self._lock:
             return L2Listing(q.namespace, self.directory.l2_holders(q.namespace,
                                                                     q.hashes)).to_msgpack()
+
+    # ---- peers (L2 lent to other instances: the directory's l2_holders) ---------------------
+    def register_peer(self, registration_bytes: bytes) -> None:
+        """A holder's rank lends its L2 pages to peers (a PeerRegistration)."""
+        r = PeerRegistration.from_msgpack(registration_bytes)
+        with self._lock:
+            self.directory.register_peer(r.namespace, r.holder, r.rank)
+
+    def best_peer(self, query_bytes: bytes) -> bytes:
+        """The peer holding the longest leading run of a PeerQuery's pages: PeerOffer bytes."""
+        q = PeerQuery.from_msgpack(query_bytes)
+        with self._lock:
+            return self.directory.best_peer(q.namespace, q.hashes, q.asker).to_msgpack()
 
     # ---- pinned prefixes (the directory's page_pins) -----------------------------------------
     def pin(self, request_bytes: bytes) -> bytes:

@@ -41,6 +41,7 @@ L3_EPOCH_CHECK_S = 2.0
 RANK_CALL_TIMEOUT_S = 0.5
 
 
+NO_STORAGE = "none"  # attach_l3's answer for the namespace's directory alone
 BackendOpener = Callable[[NamespaceInfo, HeadRange], StorageBackend]
 DirectoryOpener = Callable[[str], PageDirectoryClient]
 
@@ -61,6 +62,7 @@ class RankL3Link:
         self._l3: tuple[NamespaceInfo, str | None] | None = None  # the namespace attached
         self.directory: PageDirectoryClient | None = None  # its actor's, when it has one
         self._next_check = 0.0  # monotonic time of the next epoch check
+        self.storage = True  # False: the namespace's directory alone (attach_l3)
 
     def build_cache(self, s: "RankSettings", spec, device) -> HierarchicalCache:
         """A cache keyed like the namespace `s.l3`, with this rank's own client of it as L3."""
@@ -75,6 +77,7 @@ class RankL3Link:
                                   model=info.spec.model, tenant_salt=info.spec.tenant_salt,
                                   tp_rank=self.rank, tp_size=self.size,
                                   deterministic=s.deterministic)
+        self.storage = s.l3_storage
         try:
             self.attach(cache, info, s.l3_actor)
         except StorageUnavailable as exc:
@@ -109,6 +112,12 @@ class RankL3Link:
             raise ConfigError("an L3 backend is attached already; detach it first")
         self._l3 = (info, l3_actor)  # what a re-attach after an epoch change starts from
         self.directory = None if l3_actor is None else self._open_directory(l3_actor)
+        if not self.storage:  # the directory alone (peers; nothing read from or written to L3)
+            if self.directory is None:
+                raise ConfigError("L3 without its storage is the namespace actor's directory "
+                                  "alone: give the actor's name")
+            cache.attach_storage(None, self.directory, confirm_return=True)
+            return NO_STORAGE
         if backend is None:
             backend = self._open_backend(info, cache.heads)
         try:
@@ -179,6 +188,10 @@ class RankL3Link:
             return
         log.warning("rank %d: L3 namespace %s moved to new storage (epoch %d -> %d); "
                     "re-attaching", self.rank, info.namespace, info.epoch, current.epoch)
+        if not self.storage:
+            cache.detach_storage()
+            self.attach(cache, current, l3_actor)
+            return
         backend = self._open_backend(current, cache.heads)  # raises: the old one stays, away
         cache.detach_storage()
         self.attach(cache, current, l3_actor, backend)
@@ -194,12 +207,16 @@ class RankL3Link:
                         info.namespace)
             return directory.register(info.spec)
 
-    def attach_l3(self, cache: HierarchicalCache, info: bytes, l3_actor: str | None) -> str:
+    def attach_l3(self, cache: HierarchicalCache, info: bytes, l3_actor: str | None,
+                  storage: bool = True) -> str:
         """Attach the registered namespace `info` (a msgpack NamespaceInfo) as L3; its
         backend's kind. Storage that cannot be opened now (a Mooncake master restarting: a
         replacement rank must not fail its instance for it) is attached by `follow` once it
-        can be, as the namespace actor knows it then; until then L3 misses."""
+        can be, as the namespace actor knows it then; until then L3 misses. `storage` False:
+        the namespace actor's directory alone, L3 off (`NO_STORAGE`): peers find each other's
+        L2 pages through it (actors/l3/peer_link.py)."""
         got = NamespaceInfo.from_msgpack(info)
+        self.storage = storage
         try:
             return self.attach(cache, got, l3_actor)
         except StorageUnavailable as exc:

@@ -1,14 +1,16 @@
 """The prefill -> decode KV handoff transports, one conformance suite for all three.
 
-The writer (prefill side) lives in this process; the decode side is a peer in a process of its
+The side under test (prefill, say) lives in this process; the peer is in a process of its
 own for the real libraries (tests/backends/handoff_peer.py, NIXL over UCX tcp+cma, Mooncake
 over TCP) and in this process for the simulated transport. Both sides hold a KV pool shaped
 (2, L, pages, page_size, H, D) in bf16, so a page is 2 * L separate regions, followed by a
-64 MiB bulk area for the large transfer.
+64 MiB bulk area for the large transfer. Most tests run once per direction (`op`): a write
+pushes this side's pages into the peer's, a read pulls the peer's pages into this side's.
 
-Measured throughput (write() against raw_write(), 64 MiB in 2,048 scattered rows) is in the
-docstrings of backends/handoff_nixl.py and backends/handoff_mooncake.py; the large-transfer
-test here prints both and asserts only a lenient ratio, the machine being shared.
+Measured throughput (write() against raw_write(), read() against raw_read(), 64 MiB in 2,048
+scattered rows) is in the docstrings of backends/handoff_nixl.py and
+backends/handoff_mooncake.py; the large-transfer test here prints both and asserts only a
+lenient ratio, the machine being shared.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ BULK_BYTES = BULK_ROWS * BULK_ROW  # 64 MiB
 POOL_BYTES = KV_BYTES + BULK_BYTES
 KINDS = ["simulated", "nixl", "mooncake"]
 REAL = ["nixl", "mooncake"]
+OPS = ["write", "read"]
+COUNTED = {"write": ("bytes", "descriptors", "writes", "failures"),
+           "read": ("read_bytes", "read_descriptors", "reads", "read_failures")}
 
 
 def page_rows(base: int, pages: list[int]) -> np.ndarray:
@@ -53,6 +58,11 @@ def page_rows(base: int, pages: list[int]) -> np.ndarray:
     return np.stack([addrs, np.full(len(addrs), REGION, np.uint64)], axis=1)
 
 
+def counted(counters, op: str) -> tuple[int, int, int, int]:
+    """(bytes, descriptors, calls, failures) of `op` in an endpoint's HandoffCounters."""
+    return tuple(getattr(counters, field) for field in COUNTED[op])
+
+
 def make_peer(kind: str):
     """The decode side: in this process for the simulated transport, a child process else."""
     cls = InProcessPeer if kind == "simulated" else ProcessPeer
@@ -62,6 +72,34 @@ def make_peer(kind: str):
 def page_view(pool: np.ndarray, page: int) -> np.ndarray:
     """The bytes of one page of a KV pool given as uint8 bytes (its 2 * L regions)."""
     return pool[:KV_BYTES].reshape(2 * L, PAGES, REGION)[:, page]
+
+
+def pools(side, peer) -> dict[str, np.ndarray]:
+    """Copies of both KV pools as bytes: this side's ("local") and the peer's ("peer")."""
+    return {"local": side.kv_bytes.copy(), "peer": peer.read()}
+
+
+def move(side, peer, op: str, mine: list[int], theirs: list[int], timeout_s: float = 30,
+         raw: bool = False):
+    """`op` ("write" or "read", `raw`: "raw_write"...) between this side's pages `mine` and the
+    peer's pages `theirs`, page i with page i; what the call returned."""
+    call = getattr(side.endpoint, f"raw_{op}" if raw else op)
+    return call(peer.address, page_rows(side.kv.data_ptr(), mine), page_rows(peer.base, theirs),
+                timeout_s=timeout_s)
+
+
+def assert_landed(op: str, before: dict, after: dict, mine: list[int],
+                  theirs: list[int]) -> tuple[str, list[int]]:
+    """Each source page of `op` (this side's for a write, the peer's for a read) now stands in
+    its destination page, which held other bytes before; the source pool is unchanged.
+    Returns the destination pool's name and pages."""
+    pages = {"local": mine, "peer": theirs}
+    src, dst = ("local", "peer") if op == "write" else ("peer", "local")
+    for s, d in zip(pages[src], pages[dst]):
+        assert not np.array_equal(page_view(before[dst], d), page_view(before[src], s)), (s, d)
+        assert np.array_equal(page_view(after[dst], d), page_view(before[src], s)), (op, s, d)
+    assert np.array_equal(after[src], before[src])
+    return dst, pages[dst]
 
 
 class Side:
@@ -89,64 +127,70 @@ def pair(request):
 
 
 # ---- moving pages --------------------------------------------------------------------
-def test_scattered_pages_land_exactly_and_nothing_else_changes(pair):
+@pytest.mark.parametrize("op, mine, theirs", [("write", [3, 0, 7], [5, 6, 1]),
+                                              ("read", [40, 41, 17], [20, 2, 33])], ids=OPS)
+def test_scattered_pages_land_exactly_and_nothing_else_changes(pair, op, mine, theirs):
     side, peer = pair
-    before, counters = peer.read(), side.endpoint.counters
-    src, dst = [3, 0, 7], [5, 6, 1]
-    local, remote = page_rows(side.kv.data_ptr(), src), page_rows(peer.base, dst)
-    done = side.endpoint.write(peer.address, local, remote, timeout_s=30)
-    after = peer.read()
-    for s, d in zip(src, dst):
-        assert np.array_equal(page_view(after, d), page_view(side.kv_bytes, s)), (s, d)
-    untouched = [p for p in range(PAGES) if p not in dst]
-    assert np.array_equal(after.reshape(2 * L, PAGES, REGION)[:, untouched],
-                          before.reshape(2 * L, PAGES, REGION)[:, untouched])
-    moved = len(src) * 2 * L * REGION
-    assert (done.bytes, done.descriptors) == (moved, len(src) * 2 * L) and done.seconds > 0
-    now = side.endpoint.counters
-    assert (now.bytes - counters.bytes, now.descriptors - counters.descriptors,
-            now.writes - counters.writes, now.failures - counters.failures) == \
-        (moved, len(src) * 2 * L, 1, 0)
+    before, counters = pools(side, peer), side.endpoint.counters
+    done = move(side, peer, op, mine, theirs)
+    after = pools(side, peer)
+    dst, dst_pages = assert_landed(op, before, after, mine, theirs)
+    untouched = [p for p in range(PAGES) if p not in dst_pages]
+    assert np.array_equal(after[dst].reshape(2 * L, PAGES, REGION)[:, untouched],
+                          before[dst].reshape(2 * L, PAGES, REGION)[:, untouched])
+    moved = len(mine) * 2 * L * REGION
+    assert (done.bytes, done.descriptors) == (moved, len(mine) * 2 * L) and done.seconds > 0
+    now, other = side.endpoint.counters, OPS[1 - OPS.index(op)]
+    assert tuple(np.subtract(counted(now, op), counted(counters, op))) == \
+        (moved, len(mine) * 2 * L, 1, 0)
+    assert counted(now, other) == counted(counters, other)
 
 
-def test_raw_write_moves_the_same_bytes_and_counts_nothing(pair):
+@pytest.mark.parametrize("op, mine, theirs", [("write", [1, 2], [9, 10]),
+                                              ("read", [42, 43], [21, 22])], ids=OPS)
+def test_raw_calls_move_the_same_bytes_and_count_nothing(pair, op, mine, theirs):
     side, peer = pair
-    counters = side.endpoint.counters
-    seconds = side.endpoint.raw_write(peer.address, page_rows(side.kv.data_ptr(), [1, 2]),
-                                      page_rows(peer.base, [9, 10]), timeout_s=30)
-    after = peer.read()
+    before, counters = pools(side, peer), side.endpoint.counters
+    seconds = move(side, peer, op, mine, theirs, raw=True)
     assert seconds > 0
-    assert np.array_equal(page_view(after, 9), page_view(side.kv_bytes, 1))
-    assert np.array_equal(page_view(after, 10), page_view(side.kv_bytes, 2))
+    assert_landed(op, before, pools(side, peer), mine, theirs)
     assert side.endpoint.counters == counters
 
 
-def test_64_mib_in_2048_scattered_rows(pair):
-    """One write of 2,048 descriptors (no per-descriptor limit), then write() vs raw_write()."""
+@pytest.mark.parametrize("op", OPS)
+def test_64_mib_in_2048_scattered_rows(pair, op):
+    """One write (read) of 2,048 descriptors (no per-descriptor limit): bulk row i here and row
+    perm[i] of the peer's; then write() vs raw_write() (read() vs raw_read())."""
     side, peer = pair
-    perm = np.random.default_rng(0).permutation(BULK_ROWS).astype(np.uint64)
+    ep = side.endpoint
+    perm = np.random.default_rng(OPS.index(op)).permutation(BULK_ROWS).astype(np.uint64)
     local = np.stack([side.bulk.data_ptr() + np.arange(BULK_ROWS, dtype=np.uint64) * BULK_ROW,
                       np.full(BULK_ROWS, BULK_ROW, np.uint64)], axis=1)
     remote = np.stack([peer.base + KV_BYTES + perm * BULK_ROW,
                        np.full(BULK_ROWS, BULK_ROW, np.uint64)], axis=1)
-    done = side.endpoint.write(peer.address, local, remote, timeout_s=60)
+    def peer_rows():
+        return peer.read(KV_BYTES, BULK_BYTES).reshape(BULK_ROWS, BULK_ROW)[perm.astype(np.int64)]
+
+    mine = side.bulk.numpy().reshape(BULK_ROWS, BULK_ROW)
+    assert not np.array_equal(peer_rows(), mine)
+    done = getattr(ep, op)(peer.address, local, remote, timeout_s=60)
     assert (done.bytes, done.descriptors) == (BULK_BYTES, BULK_ROWS)
-    landed = peer.read(KV_BYTES, BULK_BYTES).reshape(BULK_ROWS, BULK_ROW)
-    assert np.array_equal(landed[perm.astype(np.int64)],
-                          side.bulk.numpy().reshape(BULK_ROWS, BULK_ROW))
-    writes, raws = [], []
+    assert np.array_equal(peer_rows(), mine)  # either way: the same bytes on both sides now
+    calls, raws = [], []
     for _ in range(3):  # best of three each, alternating: the machine is shared
-        writes.append(side.endpoint.write(peer.address, local, remote, timeout_s=60).seconds)
-        raws.append(side.endpoint.raw_write(peer.address, local, remote, timeout_s=60))
-    gbps = BULK_BYTES / min(writes) / 1e9, BULK_BYTES / min(raws) / 1e9
-    print(f"\n{side.endpoint.kind}: write {gbps[0]:.2f} GB/s, raw {gbps[1]:.2f} GB/s")
+        calls.append(getattr(ep, op)(peer.address, local, remote, timeout_s=60).seconds)
+        raws.append(getattr(ep, f"raw_{op}")(peer.address, local, remote, timeout_s=60))
+    gbps = BULK_BYTES / min(calls) / 1e9, BULK_BYTES / min(raws) / 1e9
+    print(f"\n{ep.kind}: {op} {gbps[0]:.2f} GB/s, raw {gbps[1]:.2f} GB/s")
     assert gbps[0] >= 0.5 * gbps[1], gbps  # lenient: the target (>= 0.8) is in the docstring
 
 
 # ---- what the caller gets wrong ------------------------------------------------------
-def test_mismatched_or_malformed_rows_are_caller_errors(pair):
+@pytest.mark.parametrize("op", OPS)
+def test_mismatched_or_malformed_rows_are_caller_errors(pair, op):
     side, peer = pair
     ep, counters = side.endpoint, side.endpoint.counters
+    call = getattr(ep, op)
     local, remote = page_rows(side.kv.data_ptr(), [0, 1]), page_rows(peer.base, [2, 3])
     short = remote.copy()
     short[3, 1] -= 2
@@ -156,23 +200,24 @@ def test_mismatched_or_malformed_rows_are_caller_errors(pair):
              (np.array([[side.kv.data_ptr() + KV_BYTES - 8, REGION]]), remote[:1])]  # past end
     for bad_local, bad_remote in cases:
         with pytest.raises(CacheUsageError):
-            ep.write(peer.address, bad_local, bad_remote, timeout_s=5)
+            call(peer.address, bad_local, bad_remote, timeout_s=5)
     with pytest.raises(CacheUsageError, match="timeout_s"):
-        ep.write(peer.address, local, remote, timeout_s=0)
+        call(peer.address, local, remote, timeout_s=0)
     assert ep.counters == counters  # a caller bug is not a transfer failure
 
 
-def test_rows_outside_the_peers_memory_fail_fast_and_the_endpoint_still_works(pair):
+@pytest.mark.parametrize("op, mine", [("write", 4), ("read", 44)], ids=OPS)
+def test_rows_outside_the_peers_memory_fail_fast_and_the_endpoint_still_works(pair, op, mine):
     side, peer = pair
-    ep, before = side.endpoint, peer.read()
-    local = page_rows(side.kv.data_ptr(), [4])
+    ep, before, call = side.endpoint, pools(side, peer), getattr(side.endpoint, op)
+    local = page_rows(side.kv.data_ptr(), [mine])
     past_end = page_rows(peer.base + POOL_BYTES - REGION // 2, [0])[:1]
     nowhere = np.array([[peer.base + 3 * POOL_BYTES, REGION]], np.uint64)
-    failures = ep.counters.failures
+    failures = counted(ep.counters, op)[3]
     for remote in (past_end, nowhere):
         t0 = time.monotonic()
         with pytest.raises(HandoffTransferError, match="outside"):
-            ep.write(peer.address, local[:1], remote, timeout_s=5)
+            call(peer.address, local[:1], remote, timeout_s=5)
         assert time.monotonic() - t0 < 2
     # an address that claims more memory than the peer registered: the library itself refuses
     real = handoff_address.decode(peer.address)
@@ -180,12 +225,12 @@ def test_rows_outside_the_peers_memory_fail_fast_and_the_endpoint_still_works(pa
     beyond = np.array([[peer.base + POOL_BYTES + REGION, REGION]], np.uint64)
     t0 = time.monotonic()
     with pytest.raises(HandoffTransferError):
-        ep.write(handoff_address.encode(inflated), local[:1], beyond, timeout_s=5)
+        call(handoff_address.encode(inflated), local[:1], beyond, timeout_s=5)
     assert time.monotonic() - t0 < 5
-    assert ep.counters.failures == failures + 3
-    assert np.array_equal(peer.read(), before)
-    ep.write(peer.address, local, page_rows(peer.base, [11]), timeout_s=30)
-    assert np.array_equal(page_view(peer.read(), 11), page_view(side.kv_bytes, 4))
+    assert counted(ep.counters, op)[3] == failures + 3
+    assert all(np.array_equal(now, before[k]) for k, now in pools(side, peer).items())
+    move(side, peer, op, [mine], [11])
+    assert_landed(op, before, pools(side, peer), [mine], [11])
 
 
 def test_addresses_that_are_not_a_peer_of_this_kind_are_refused(pair):
@@ -201,46 +246,48 @@ def test_addresses_that_are_not_a_peer_of_this_kind_are_refused(pair):
 
 
 # ---- peers that close, die or hang -----------------------------------------------------
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("kind", REAL)
-def test_a_hung_then_closed_peer_raises_within_the_timeout(kind):
-    """A stopped peer: the first write times out (HandoffTimeout) and the endpoint still works
-    once the peer runs again; after the peer closes its endpoint, writes fail at once."""
+def test_a_hung_then_closed_peer_raises_within_the_timeout(kind, op):
+    """A stopped peer: the first write (read) times out (HandoffTimeout) and the endpoint still
+    works once the peer runs again; after the peer closes its endpoint, calls fail at once."""
     pytest.importorskip("nixl._api" if kind == "nixl" else "mooncake.engine")
     side, peer = Side(kind), ProcessPeer(kind, KV_BYTES, KV_BYTES)
-    local, remote = page_rows(side.kv.data_ptr(), [0]), page_rows(peer.base, [0])
     try:
         os.kill(peer.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(HandoffTimeout):
-            side.endpoint.write(peer.address, local, remote, timeout_s=1.0)
+            move(side, peer, op, [0], [0], timeout_s=1.0)
         assert time.monotonic() - t0 < 2.5
         os.kill(peer.pid, signal.SIGCONT)
-        side.endpoint.write(peer.address, local, page_rows(peer.base, [1]), timeout_s=30)
-        assert np.array_equal(page_view(peer.read(), 1), page_view(side.kv_bytes, 0))
+        # other pages: a timed-out Mooncake call may still land its own once the peer runs
+        before = pools(side, peer)
+        move(side, peer, op, [1], [1])
+        assert_landed(op, before, pools(side, peer), [1], [1])
         peer.close_endpoint()
         t0 = time.monotonic()
         with pytest.raises(HandoffTransferError):
-            side.endpoint.write(peer.address, local, remote, timeout_s=5)
+            move(side, peer, op, [0], [0], timeout_s=5)
         assert time.monotonic() - t0 < 5.5
-        assert side.endpoint.counters.failures == 2
+        assert counted(side.endpoint.counters, op)[3] == 2
     finally:
         peer.shutdown()
         side.endpoint.close()
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("kind", REAL)
-def test_a_peer_that_died_fails_the_write_at_once(kind):
+def test_a_peer_that_died_fails_the_call_at_once(kind, op):
     pytest.importorskip("nixl._api" if kind == "nixl" else "mooncake.engine")
     side, peer = Side(kind), ProcessPeer(kind, KV_BYTES, KV_BYTES)
-    local, remote = page_rows(side.kv.data_ptr(), [2]), page_rows(peer.base, [3])
     try:
-        side.endpoint.write(peer.address, local, remote, timeout_s=30)  # connected first
+        move(side, peer, op, [2], [3])  # connected first
         peer.proc.kill()
         peer.proc.wait(timeout=30)
         for _ in range(2):
             t0 = time.monotonic()
             with pytest.raises(HandoffTransferError):
-                side.endpoint.write(peer.address, local, remote, timeout_s=5)
+                move(side, peer, op, [2], [3], timeout_s=5)
             assert time.monotonic() - t0 < 5.5
     finally:
         peer.shutdown()
@@ -271,36 +318,39 @@ class _FailingAgent:
         return self.real.release_xfer_handle(handle)
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("where", ["transfer", "poll"])
-def test_a_nixl_error_in_a_transfer_fails_the_write_and_releases_its_handle(where):
-    """Whatever NIXL raises once a transfer exists, the write fails as a HandoffTransferError
-    (never NIXL's own exception), its handle is released, and the endpoint goes on."""
+def test_a_nixl_error_in_a_transfer_fails_the_call_and_releases_its_handle(where, op):
+    """Whatever NIXL raises once a transfer exists, the write (read) fails as a
+    HandoffTransferError (never NIXL's own exception), its handle is released, and the
+    endpoint goes on."""
     pytest.importorskip("nixl._api")
     side, peer = Side("nixl"), ProcessPeer("nixl", KV_BYTES, KV_BYTES)
     ep = side.endpoint
-    local, remote = page_rows(side.kv.data_ptr(), [0]), page_rows(peer.base, [0])
     try:
-        ep.write(peer.address, local, remote, timeout_s=30)  # connected
+        move(side, peer, op, [0], [0])  # connected
         real = ep._agent
         ep._agent = failing = _FailingAgent(real, where)
         with pytest.raises(HandoffTransferError, match="injected"):
-            ep.write(peer.address, local, page_rows(peer.base, [1]), timeout_s=5)
+            move(side, peer, op, [1], [1], timeout_s=5)
         ep._agent = real
         assert len(failing.released) == 1 and ep._stuck == []
-        assert ep.counters.failures == 1
-        ep.write(peer.address, local, page_rows(peer.base, [2]), timeout_s=30)
-        assert np.array_equal(page_view(peer.read(), 2), page_view(side.kv_bytes, 0))
+        assert counted(ep.counters, op)[3] == 1
+        before = pools(side, peer)
+        move(side, peer, op, [2], [2])
+        assert_landed(op, before, pools(side, peer), [2], [2])
     finally:
         peer.shutdown()
         side.endpoint.close()
 
 
-def test_a_closed_simulated_peer_is_refused():
+@pytest.mark.parametrize("op", OPS)
+def test_a_closed_simulated_peer_is_refused(op):
     side, peer = Side("simulated"), InProcessPeer("simulated", KV_BYTES, KV_BYTES)
     peer.close_endpoint()
-    with pytest.raises(HandoffTransferError, match="closed"):
-        side.endpoint.write(peer.address, page_rows(side.kv.data_ptr(), [0]),
-                            page_rows(peer.base, [0]), timeout_s=5)
+    for raw in (False, True):
+        with pytest.raises(HandoffTransferError, match="closed"):
+            move(side, peer, op, [0], [0], timeout_s=5, raw=raw)
     side.endpoint.close()
 
 
@@ -329,8 +379,10 @@ def test_two_endpoints_in_one_process_listen_where_documented_and_close_cleanly(
     peer.shutdown()
     ep.close()  # again: nothing happens
     assert set(listening([me])) - before == set()
-    with pytest.raises(ClosedError):
-        ep.write(peer.address, page_rows(side.kv.data_ptr(), [6]), page_rows(peer.base, [7]), 5)
+    for op in OPS:
+        with pytest.raises(ClosedError):
+            getattr(ep, op)(peer.address, page_rows(side.kv.data_ptr(), [6]),
+                            page_rows(peer.base, [7]), 5)
     with pytest.raises(ClosedError):
         ep.register(side.kv.data_ptr(), side.kv.nbytes)
 

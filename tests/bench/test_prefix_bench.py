@@ -66,8 +66,8 @@ def test_default_mode_run_with_the_tiny_model():
     assert out["prompt_tokens"] == prompt and out["document_tokens"] == 200
     assert out["reusable_tokens"] == 192
     assert out["reused_tokens"] == {"l1": whole_pages, "l2": whole_pages, "l3": whole_pages}
-    assert out["cached_tokens"]["l2"] == {"device": 0, "host": whole_pages, "storage": 0}
-    assert out["cached_tokens"]["l3"] == {"device": 0, "host": 0, "storage": whole_pages}
+    assert out["cached_tokens"]["l2"] == {"device": 0, "host": whole_pages, "storage": 0, "peer": 0}
+    assert out["cached_tokens"]["l3"] == {"device": 0, "host": 0, "storage": whole_pages, "peer": 0}
     assert out["target_checks"]["reused_tokens_min"]
     # The same pages' bytes and the same forwards in every tier: bit-identical hits.
     assert out["identical"] and out["logits_identical"]

@@ -25,7 +25,7 @@ def test_hit_rate_after_round1_counts_rounds_two_and_later() -> None:
     assert res.cached_tokens_reported is True
     assert res.hit_rate_after_round1 == pytest.approx((1000 + 1100 + 900) / (1100 + 1200 + 1100))
     assert res.cached_prompt_tokens == 64 + 1000 + 1100 + 900
-    assert res.cached_tokens == {"device": 50, "host": 0, "storage": 0}
+    assert res.cached_tokens == {"device": 50, "host": 0, "storage": 0, "peer": 0}
 
 
 def test_a_server_that_does_not_report_cached_tokens_gives_nulls_not_zeros() -> None:

@@ -242,7 +242,7 @@ def test_usage_and_kvtier_field():
     assert u == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15,
                  "prompt_tokens_details": {"cached_tokens": 6}}
     kv = api.kvtier_field(CACHED, LENGTHS)
-    assert kv == {"cached_tokens": {"device": 3, "host": 2, "storage": 1},
+    assert kv == {"cached_tokens": {"device": 3, "host": 2, "storage": 1, "peer": 0},
                   "lengths": {"prefix_len": 3, "host_hit_length": 4, "host_loaded_length": 3,
                               "storage_hit_length": 1, "extend_len": 5}}
 

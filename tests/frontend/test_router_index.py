@@ -248,9 +248,29 @@ def test_heavily_loaded_holder_loses_to_an_idle_instance_with_an_l3_hit():
     assert choice.instance == "idle" and choice.hits == TierHits(0, 0, 8)
 
 
+def test_with_peers_a_page_in_another_instances_l2_is_a_peer_hit():
+    """Instances that read each other's L2: what one holds there (not only in L1) counts as
+    a peer hit for the others, after L3; a busy holder loses to an idle peer reader."""
+    doc = keys(range(32))
+    for peers, expected in ((False, TierHits(0, 0, 0)), (True, TierHits(0, 0, 0, 8))):
+        router = Router(peers=peers)
+        holder = Feed(router, "holder")
+        holder.send(STORED, HOST, doc)
+        Feed(router, "only-l1").send(STORED, DEVICE, keys(range(100, 132)))
+        assert router.index.score("idle", doc, peers) == expected
+        choice = router.choose(doc, {"holder": 2, "idle": 0}, random.Random(6))
+        assert choice.instance == ("idle" if peers else "holder"), choice
+        # L1 alone is not readable by peers (only L2 is registered)
+        assert router.index.score("idle", keys(range(100, 132)), peers) == TierHits(0, 0, 0)
+    holder.send(STORED, STORAGE, doc[:2])  # in L3: storage first, then peers
+    assert router.index.score("fresh", doc, True) == TierHits(0, 0, 2, 6)
+
+
 def test_weights_are_validated():
     with pytest.raises(ConfigError):
         RouteWeights(host=2.0)
+    with pytest.raises(ConfigError, match="peer"):
+        RouteWeights(peer=0.1)
     with pytest.raises(ConfigError):
         RouteWeights(per_queued_request=-1)
     with pytest.raises(ConfigError):

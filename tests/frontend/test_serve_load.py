@@ -55,7 +55,7 @@ class FakeServer:
                                           "prompt_tokens_details": {"cached_tokens": rounds * 110}}}
         if self.with_ext:
             usage["kvtier"] = {"cached_tokens": {"device": rounds * 100, "host": rounds * 10,
-                                                 "storage": 0}}
+                                                 "storage": 0, "peer": 0}}
         return out + [usage]
 
 
@@ -94,7 +94,7 @@ def test_all_rounds_answered_with_cached_tokens_by_tier():
     assert all(t is not None and t > 0 for t in res.ttft_by_round_s)
     assert res.ttft_mean_s > 0 and res.ttft_p90_s >= res.ttft_mean_s * 0.5
     # per client: rounds 0, 1, 2 reuse 0, 100, 200 device and 0, 10, 20 host tokens
-    assert res.cached_tokens == {"device": 3 * 300, "host": 3 * 30, "storage": 0}
+    assert res.cached_tokens == {"device": 3 * 300, "host": 3 * 30, "storage": 0, "peer": 0}
     assert res.cached_prompt_tokens == 3 * 330
     assert res.prompt_tokens == 9 * 200 and res.completion_tokens == 9 * 3
     assert res.requests_per_s > 0

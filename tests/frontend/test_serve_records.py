@@ -68,7 +68,7 @@ def test_the_http_fields_are_the_dicts_of_before():
     assert final.finish_reason.value == "stop" and final.instance == "instance-1"
     route = roundtrip(Route.of(Choice("a", ChoiceReason.BEST_HIT, TierHits(2, 1, 0), 0.2)))
     assert route.to_field() == {"reason": "best_hit", "expected_pages": {
-        "device_pages": 2, "host_pages": 1, "storage_pages": 0}}
+        "device_pages": 2, "host_pages": 1, "storage_pages": 0, "peer_pages": 0}}
 
 
 def test_an_item_says_what_it_is():
@@ -106,7 +106,7 @@ def test_a_description_gives_the_key_namespace():
     desc = roundtrip(ReplicaDescription("m", "", "f", 16, "instance-0", 1))
     assert desc.key_namespace.model == "m" and desc.page_size == 16
     assert ExpectedPages(1, 2, 3).to_dict() == {"device_pages": 1, "host_pages": 2,
-                                                "storage_pages": 3}
+                                                "storage_pages": 3, "peer_pages": 0}
 
 
 def test_the_router_status_and_the_storage_show_as_before():

@@ -7,7 +7,8 @@ import pytest
 
 from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.actors.l3.namespace_actor import FakeNamespaceClient
-from kvtier.messages import L2Holding, L2Listing, L2Report, MessageError, NamespaceSpec
+from kvtier.messages import (L2Holding, L2Listing, L2Report, MessageError, NamespaceSpec,
+                             PeerContact, PeerOffer, PeerRank)
 from kvtier.policies import StorageBackendKind
 from kvtier.tiers.l2_holders import L2Holders
 
@@ -126,3 +127,31 @@ def test_a_reporter_sends_net_changes_and_makes_a_failed_report_good(client, ns)
     finally:
         reporter.close()
     assert client.stats(ns).l2_holders == 0  # closed: forgotten
+
+
+def _rank(r: int, size: int, actor: str = "") -> PeerRank:
+    per = 6 // size
+    return PeerRank(r, size, r * per, (r + 1) * per, actor or f"rank-{r}", "ray-ns")
+
+
+def test_a_peer_is_offered_once_every_rank_registered_and_never_to_itself(client, ns):
+    client.report_l2(ns, "a", chain(4))
+    client.report_l2(ns, "b", chain(2))
+    assert client.best_peer(ns, chain(4), "c") == PeerOffer(ns, 0, None)  # nobody lends
+    client.register_peer(ns, "a", _rank(0, 2))
+    assert client.best_peer(ns, chain(4), "c").pages == 0  # a's rank 1 is not there yet
+    client.register_peer(ns, "b", _rank(0, 1))
+    offer = client.best_peer(ns, chain(4), "c")  # a holds more but is not reachable yet
+    assert (offer.pages, offer.contact.holder) == (2, "b")
+    client.register_peer(ns, "a", _rank(1, 2))
+    assert client.stats(ns).peer_holders == 2
+    client.report_l2(ns, "a", chain(4), replace=True)  # a report keeps the contact
+    offer = client.best_peer(ns, chain(4), "c")
+    assert offer.pages == 4 and offer.contact == PeerContact(ns, "a", (_rank(0, 2), _rank(1, 2)))
+    assert client.best_peer(ns, chain(4), "a").contact.holder == "b"  # not itself
+    # a restarted at TP 1: its rank of the new size replaces both old ones
+    client.register_peer(ns, "a", _rank(0, 1, "new"))
+    assert client.best_peer(ns, chain(4), "c").contact.ranks == (_rank(0, 1, "new"),)
+    client.forget_l2("a")  # stopped: neither its pages nor its contact are offered
+    assert client.best_peer(ns, chain(4), "c").contact.holder == "b"
+    assert PeerOffer.from_msgpack(offer.to_msgpack()) == offer

@@ -58,6 +58,11 @@ def ask(app: ServeClient, tokens: list[int], key: str = "key-of-a", max_tokens: 
     return app.complete(tokens, max_tokens=max_tokens, key=key, **fields)
 
 
+def cached(**tiers: int) -> dict:
+    """An answer's `kvtier.cached_tokens`: these tiers' tokens, the others' 0."""
+    return {"device": 0, "host": 0, "storage": 0, "peer": 0, **tiers}
+
+
 def settled(app: ServeClient, holder: str, timeout_s: float = 30.0) -> dict:
     """Until the router saw every instance idle and `holder` holding pages (it learns both
     by polling): the router's view then."""
@@ -108,7 +113,7 @@ def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
 
     again = ask(app, doc)  # vLLM's prefix cache holds it: the same instance, an L1 hit
     assert again["kvtier"]["instance"] == holder, again["kvtier"]["route"]
-    assert again["kvtier"]["cached_tokens"] == {"device": REUSABLE, "host": 0, "storage": 0}
+    assert again["kvtier"]["cached_tokens"] == cached(device=REUSABLE)
     assert again["choices"][0]["text"] == cold["choices"][0]["text"]
 
     settled(app, holder)
@@ -116,7 +121,7 @@ def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
     assert all(f["free_device_pages"] > 0 for f in flushed)
     from_l2 = ask(app, doc)  # L1 dropped, the connector's L2 kept it
     assert from_l2["kvtier"]["instance"] == holder, from_l2["kvtier"]["route"]
-    assert from_l2["kvtier"]["cached_tokens"] == {"device": 0, "host": REUSABLE, "storage": 0}
+    assert from_l2["kvtier"]["cached_tokens"] == cached(host=REUSABLE)
     assert from_l2["choices"][0]["text"] == cold["choices"][0]["text"]
 
     # once the router knows the document's pages are in L3 (the holder's connector wrote
@@ -133,12 +138,14 @@ def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
     try:
         eventually(lambda: app.router()[holder]["load"] >= 1, 60, "the holder busy",
                    interval_s=0.05)
+        seen = app.router()  # what the router knew just before (said if the route is wrong)
         other = ask(app, doc)
     finally:
         busy.join()
     assert answered[0]["kvtier"]["instance"] == holder
-    assert other["kvtier"]["instance"] != holder, other["kvtier"]["route"]
-    assert other["kvtier"]["cached_tokens"] == {"device": 0, "host": 0, "storage": REUSABLE}
+    assert other["kvtier"]["instance"] != holder, (other["kvtier"]["route"], seen,
+                                                   answered[0]["kvtier"]["route"])
+    assert other["kvtier"]["cached_tokens"] == cached(storage=REUSABLE)
     assert other["choices"][0]["text"] == cold["choices"][0]["text"]
     metrics_moved()  # the three tiers' hits, in kvtier's own metrics
 

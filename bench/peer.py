@@ -1,0 +1,131 @@
+"""`kvtier bench instances --l3 none --peer`: peer-to-peer L2 (docs/architecture.md,
+"Peer-to-peer L2"), the demo's model and document on local Ray.
+
+Two instances A and B of one namespace with L3 off (the namespace actor's directory alone,
+which lists who holds what in L2): A answers the first question over the document, so its L2
+holds the document; B, its L1 and L2 empty, answers the same question reading the document's
+pages from A's L2 over the transport (`--peer-transport`, NIXL by default). A cold reference
+instance (no L3, no peers) answers it first.
+
+Fields: `identical` (B's answer equals the cold answer and A's), `peer_hit_tokens` (what B's
+prefix took from A's L2), `ttft_peer_ratio` (B's TTFT over the cold TTFT; the target is
+<= 0.2), `peer_read_gbps` (B's peer reads as the request had them: every rank's bytes over
+the longest rank's time in them, asks and checks included; `peer_read_s` splits that time
+into asking the holder ranks, the transport's reads and verifying), `raw_transport_gbps`
+(the same transport reading the same head objects between the same pools with its own calls
+alone, right after, in the same run) and their ratio `peer_vs_raw` (the target is >= 0.8).
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from typing import Any
+
+from kvtier.cli import demo
+from kvtier.errors import ConfigError
+from kvtier.policies import HandoffTransportKind
+
+TARGET_TTFT_RATIO = 0.2
+TARGET_READ_RATIO = 0.8
+NAMESPACE_STORAGE = "file"  # the namespace actor registers one; with --l3 none nothing uses it
+GB = 1e9
+
+
+def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
+    """One A -> B pass (the module docstring); the JSON-able result."""
+    if params.hosts or params.address:
+        raise ConfigError("--peer runs on local Ray only; drop --hosts")
+    model = demo.demo_model(params.model)
+    demo._check_tp(params, model)
+    demo._import_everything()
+    params = params._replace(l3=NAMESPACE_STORAGE)
+    work = demo._workload(params, model)
+    with tempfile.TemporaryDirectory(prefix="kvtier-peer-") as tmp:
+        measured = _run_on_local_ray(params, work, tmp, transport)
+    cold, written, read, reads, raw = measured
+    ranks_s = max(c.seconds for c in reads) or math.inf
+    read_bytes = sum(c.bytes for c in reads)
+    raw_s = max(r.seconds for r in raw) or math.inf
+    raw_bytes = sum(r.bytes for r in raw)
+    peer_gbps, raw_gbps = read_bytes / ranks_s / GB, raw_bytes / raw_s / GB
+    return {
+        "mode": "peer", "transport": transport.value, "model": model.label,
+        "tp": params.tp_size, "prompt_tokens": len(work.prompts[0]),
+        "identical": read.tokens == cold.tokens == written.tokens,
+        "peer_hit_tokens": read.cached.peer, "storage_hit_tokens": read.cached.storage,
+        "ttft_peer_ratio": round(read.ttft_s / cold.ttft_s, 4),
+        "target_ttft_ratio": TARGET_TTFT_RATIO,
+        "ttft_cold_s": round(cold.ttft_s, 4), "ttft_writer_s": round(written.ttft_s, 4),
+        "ttft_peer_s": round(read.ttft_s, 4),
+        "peer_read_gbps": round(peer_gbps, 3), "raw_transport_gbps": round(raw_gbps, 3),
+        "peer_vs_raw": round(peer_gbps / raw_gbps, 3) if raw_gbps else None,
+        "target_read_ratio": TARGET_READ_RATIO,
+        "peer_read_bytes": read_bytes, "raw_read_bytes": raw_bytes,
+        "peer_read_s": {"total": round(ranks_s, 5),
+                        "ask": round(max(c.ask_s for c in reads), 5),
+                        "transfer": round(max(c.transfer_s for c in reads), 5),
+                        "verify": round(max(c.verify_s for c in reads), 5)},
+        "raw_read_s": round(raw_s, 5),
+        "peer_reads": sum(c.reads for c in reads), "dtype": params.dtype,
+    }
+
+
+def _run_on_local_ray(params: demo.DemoParams, work: Any, tmp: str,
+                      transport: HandoffTransportKind) -> tuple:
+    from kvtier.actors.instance import Instance
+    from kvtier.actors.rank_actor import RANK_NUM_CPUS
+    from kvtier.actors.ray_env import start_local_ray
+
+    progress = demo._Progress(params)
+    start_local_ray(num_cpus=max(2, math.ceil(3 * params.tp_size * RANK_NUM_CPUS)))
+    try:
+        with demo._Cluster() as cluster:
+            actor, info = demo._start_namespace(cluster, params, work, tmp, progress)
+            for name, l3 in (("cold", None), ("A", info), ("B", info)):
+                progress.stage(f"instance {name} (TP={params.tp_size})")
+                inst = cluster.instances[name] = Instance(
+                    work.settings._replace(l3=l3, l3_actor=actor, l3_storage=False),
+                    tp_size=params.tp_size)
+                if l3 is not None:
+                    inst.peer_open(name, transport.value)
+                progress.done()
+            demo._warm_up(cluster.instances, work, progress)
+            cold = _answer(cluster.instances["cold"], work, progress, "cold")
+            written = _answer(cluster.instances["A"], work, progress, "A")
+            _wait_listed(cluster.client, info, work.prompts[0], params.page_size, "A")
+            before = cluster.instances["B"].peer_counters()
+            read = _answer(cluster.instances["B"], work, progress, "B")
+            after = cluster.instances["B"].peer_counters()
+            reads = [type(a)(*(x - y for x, y in zip(a, b))) for a, b in zip(after, before)]
+            cluster.instances["B"].drop_cache()
+            raw = cluster.instances["B"].peer_raw_read(work.prompts[0])
+    finally:
+        progress.close()
+    return cold, written, read, reads, raw
+
+
+def _answer(inst: Any, work: Any, progress: Any, name: str) -> Any:
+    """The first question, with the instance's L1/L2 dropped first, its copies landed after."""
+    progress.stage(f"{name} answers")
+    inst.drop_cache()
+    inst.quiesce()
+    out = inst.generate([work.prompts[0]], work.greedy)[0]
+    inst.quiesce()
+    progress.done()
+    return out
+
+
+def _wait_listed(client: Any, info: Any, prompt: list[int], page_size: int, holder: str,
+                 timeout_s: float = 30.0) -> None:
+    """Until the directory lists `holder` holding the prompt's whole pages in L2 (its rank 0
+    reports them a fraction of a second after they landed)."""
+    import time
+
+    keys = info.spec.key_namespace.page_hashes(prompt, page_size)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = {h.holder: h.pages for h in client.l2_holders(info.namespace, keys)}
+        if held.get(holder, 0) >= len(keys):
+            return
+        time.sleep(0.05)
+    raise ConfigError(f"the directory did not list {holder}'s L2 pages within {timeout_s} s")

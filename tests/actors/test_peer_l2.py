@@ -1,0 +1,131 @@
+"""Peer-to-peer L2 on Ray: instances of one namespace with L3 off (its directory alone) read
+the pages of a prompt another instance holds in its L2, over NIXL, into their own L2. At TP 1
+and 3 and across TP sizes the answers equal the cold answers and count as `peer` hits; a
+holder whose pages are gone by the time it is asked, and a holder killed while a reader asks
+it, are misses: the reader computes the prompt and answers the same."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import ray.cloudpickle
+import torch
+from eventually import eventually
+from test_cross_tp_l3_actors import cold  # noqa: F401 - the fixture: an in-process rank
+from test_tp3_shared_l3 import CONFIG, GREEDY, PAGE, PER_RANK_CPUS, SETTINGS, SOURCE, _tokens
+
+from kvtier.actors.instance import Instance
+from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
+from kvtier.actors.rank_actor import Rank
+from kvtier.cli.demo import namespace_spec
+
+pytestmark = pytest.mark.timeout(600)
+DOC_PAGES = 5
+
+
+class SlowLendRank(Rank):
+    """A rank whose lends take `LEND_S` (the test kills it while a reader waits on one)."""
+
+    LEND_S = 3.0
+
+    def peer_lend(self, *args, **kwargs) -> bytes:
+        time.sleep(self.LEND_S)
+        return super().peer_lend(*args, **kwargs)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_ray, tmp_path_factory):
+    """Instances a1, b1 (TP 1), a3, b3 (TP 3) and slow (TP 1, slow lends) on one namespace,
+    its directory only: nothing is written to or read from L3."""
+    tmp = tmp_path_factory.mktemp("peer")
+    name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
+    client = get_or_create_namespace_actor(name, str(tmp / "state"))
+    made: dict[str, Instance] = {}
+    try:
+        spec = namespace_spec(SOURCE, CONFIG, "file", str(tmp / "l3"), "tiny",
+                              f"t-{uuid.uuid4().hex[:6]}", dtype=torch.float32, page_size=PAGE)
+        info = client.register(spec)
+        for holder, tp in (("a1", 1), ("b1", 1), ("a3", 3), ("b3", 3), ("slow", 1)):
+            inst = made[holder] = Instance(
+                SETTINGS._replace(l3=info, l3_actor=name, l3_storage=False), tp_size=tp,
+                num_cpus_per_rank=PER_RANK_CPUS, ready_timeout_s=120.0, step_timeout_s=60.0,
+                rank_class=SlowLendRank if holder == "slow" else Rank)
+            inst.peer_open(holder, "nixl")
+        yield made, client, info
+    finally:
+        for inst in made.values():
+            inst.close()
+        client.shutdown()
+
+
+def _cold(cold, prompts):
+    out = []
+    for prompt in prompts:
+        cold.drop_cache()
+        out.append(cold.engine.generate([prompt], GREEDY)[0].tokens)
+    return out
+
+
+def _held(cluster, holder: str, prompt) -> list[str]:
+    """`holder` answers `prompt`, until the directory lists it holding the prompt's whole
+    pages in L2; the pages' keys."""
+    made, client, info = cluster
+    made[holder].generate([prompt], GREEDY)
+    made[holder].quiesce()
+    hashes = info.spec.key_namespace.page_hashes(prompt, PAGE)
+    eventually(lambda: any(h.holder == holder and h.pages >= DOC_PAGES
+                           for h in client.l2_holders(info.namespace, hashes)),
+               30, f"the directory lists {holder}'s pages", interval_s=0.1)
+    return hashes
+
+
+@pytest.mark.parametrize("writer, reader", [("a1", "b1"), ("a3", "b3"), ("a1", "b3"),
+                                            ("a3", "b1")])
+def test_a_reader_hits_what_a_peer_holds_in_l2(cluster, cold, writer, reader):
+    made, client, info = cluster
+    prompt = _tokens(hash((writer, reader)) % 1000, DOC_PAGES * PAGE + 3)
+    (expected,) = _cold(cold, [prompt])
+    made[reader].drop_cache()
+    _held(cluster, writer, prompt)
+    got = made[reader].generate([prompt], GREEDY)[0]
+    assert got.tokens == expected
+    assert got.cached.peer >= (DOC_PAGES - 1) * PAGE and got.cached.storage == 0, got.cached
+    assert client.stats(info.namespace).published_pages == 0  # L3 was never written
+
+
+def test_pages_gone_from_the_holder_are_a_miss(cluster, cold):
+    """The directory still lists the pages (a report the holder has not sent yet), the
+    holder no longer has them: it lends none, and the reader computes the prompt."""
+    made, client, info = cluster
+    prompt = _tokens(4242, DOC_PAGES * PAGE + 3)
+    (expected,) = _cold(cold, [prompt])
+    hashes = _held(cluster, "a1", prompt)
+    made["a1"].drop_cache()
+    client.report_l2(info.namespace, "a1", hashes)  # listed again: stale on purpose
+    made["b1"].drop_cache()
+    got = made["b1"].generate([prompt], GREEDY)[0]
+    assert got.tokens == expected
+    assert got.cached.peer == 0, got.cached
+
+
+def test_a_holder_killed_while_asked_is_a_miss(cluster, cold):
+    made, client, info = cluster
+    prompt = _tokens(777, DOC_PAGES * PAGE + 3)
+    (expected,) = _cold(cold, [prompt])
+    _held(cluster, "slow", prompt)
+    made["b1"].drop_cache()
+    got: list = []
+    reading = threading.Thread(target=lambda: got.append(
+        made["b1"].generate([prompt], GREEDY)[0]))
+    reading.start()
+    time.sleep(1.0)  # b1 asks slow's rank, which answers after LEND_S
+    made["slow"].kill_rank(0)
+    reading.join(120)
+    assert got and got[0].tokens == expected
+    assert got[0].cached.peer == 0, got[0].cached
