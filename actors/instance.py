@@ -578,8 +578,9 @@ class Instance:
         return kinds[0]
 
     def detach_l3(self) -> None:
+        """Every rank stops using L3, and peers with it (`peer_open` again after an attach)."""
         self.rank_group.detach_l3()
-        self._l3 = None
+        self._l3 = self._peers = None
 
     def peer_open(self, holder: str, transport: str = "nixl", report_l2: bool = True) -> None:
         """Every rank lends its L2 pages to the namespace's other instances and reads theirs

@@ -413,7 +413,7 @@ class Rank:
         return cache.free_device_pages
 
     def close(self) -> None:
-        self.peer_link.close(self.engine.cache)
+        self._close_peers()
         self.engine.close()
         self.handoff_port.close()
         destroy_tp()
@@ -423,10 +423,18 @@ class Rank:
         """Lend this rank's L2 pages to other instances and read theirs, as L2 holder
         `holder`, over a `transport` endpoint (RankPeerLink.open); L3 must be attached."""
         cache = self.engine.cache
+        self._close_peers()
         self.peer_link.open(cache, self.l3_link.directory, holder,
                             HandoffTransportKind.parse(transport, "peer transport"), report_l2)
         if self.peer_link.reporter is not None:
             cache.set_event_listener(self.peer_link.listener(self._events))
+
+    def _close_peers(self) -> None:
+        """Stop lending and reading; the cache's events go to the router's log alone again."""
+        reported = self.peer_link.reporter is not None
+        self.peer_link.close(self.engine.cache)
+        if reported:
+            self.engine.cache.set_event_listener(self._events)
 
     def peer_lend(self, tokens: list[int], salt: str, first_page: int, num_pages: int,
                   heads: list[int]) -> bytes:
@@ -458,7 +466,9 @@ class Rank:
         return self.l3_link.attach_l3(self.engine.cache, info, l3_actor, storage)
 
     def detach_l3(self) -> None:
-        """Stop using L3 (queued backups finish first; nothing leaks)."""
+        """Stop using L3 (queued backups finish first; nothing leaks), and peers, which find
+        each other through its directory (peer_open again after the next attach)."""
+        self._close_peers()
         self.l3_link.detach(self.engine.cache)
 
     # ---- pins (actors/pins) ---------------------------------------------------------------

@@ -42,11 +42,14 @@ def resolve(settings: ServeSettings) -> ServeSettings:
     (frontend/l3_bound.py)."""
     import dataclasses
 
-    if settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL) \
-            and not settings.l3_root:
+    # L3 off with peers: the namespace's directory alone, registered on a file root that
+    # nothing writes (actors/serve_replica.py)
+    directory = settings.storage_backend is None and settings.peer_transport is not None
+    if (settings.storage_backend in (StorageBackendKind.FILE, StorageBackendKind.NIXL)
+            or directory) and not settings.l3_root:
         root = tempfile.mkdtemp(prefix="kvtier-serve-l3-")
         settings = dataclasses.replace(settings, l3_root=root)
-    if settings.storage_backend is not None and not settings.l3_state_dir:
+    if (settings.storage_backend is not None or directory) and not settings.l3_state_dir:
         state = (os.path.join(settings.l3_root, ".kvtier-l3-state") if settings.l3_root
                  else tempfile.mkdtemp(prefix="kvtier-serve-l3-state-"))
         settings = dataclasses.replace(settings, l3_state_dir=state)
@@ -171,8 +174,10 @@ def serve_forever(settings: ServeSettings, host: str, port: int, address: str | 
         shape = (f"{settings.prefill_instances} prefill + {settings.decode_instances} decode "
                  f"instances over {settings.pd_transport}" if settings.pd
                  else f"{settings.instances} instances")
+        peers = (f", L2 shared over {settings.peer_transport.value}"
+                 if settings.peer_transport is not None else "")
         print(f"kvtier: serving {settings.served_model_name} on http://{host}:{port}/v1 "
-              f"({shape}, TP={settings.tp_size}, L3={settings.l3_name})", flush=True)
+              f"({shape}, TP={settings.tp_size}, L3={settings.l3_name}{peers})", flush=True)
         print(f"kvtier: admin key: generated, in {key_file} (readable by you only)" if key_file
               else "kvtier: admin key: the one given with --admin-key", flush=True)
         done.wait()

@@ -35,6 +35,10 @@ from kvtier.storage_options import parse_storage_options
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 120.0
+# With L3 off and peers on, the namespace the instances find each other through is registered
+# as a file namespace (the namespace actor opens a backend for every namespace); nothing
+# writes to its storage, as no rank attaches it (RankL3Link, `storage` False).
+DIRECTORY_BACKEND = StorageBackendKind.FILE
 
 
 def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None) -> dict:
@@ -96,6 +100,7 @@ class ServedReplica:
     settings: ServeSettings
     server: InstanceServer
     l3: L3Attachment | None = None
+    directory_only: bool = False  # L3 off, peers on: the namespace's directory alone
 
     def _open(self, name: str, settings: dict) -> ServeSettings:
         """The replica's process set up for serving (loopback, one torch thread: the ranks
@@ -110,6 +115,8 @@ class ServedReplica:
         self.server, s = server, self.settings
         if s.storage_backend is not None:
             self._attach(s.storage_backend, l3_options(s.storage_backend, s, None))
+        elif s.peer_transport is not None:
+            self._attach_directory()
 
     def _final(self, out: Any) -> AnswerFinal:
         """How a request's run went, for its last item (`final_fields` and more)."""
@@ -184,9 +191,9 @@ class ServedReplica:
             None, lambda: self._attach(kind, opts).to_msgpack())
 
     async def detach_l3(self) -> bytes:
-        await self._call(lambda target: [inst.detach_l3() for inst in self._l3_members(target)])
-        await asyncio.get_running_loop().run_in_executor(None, self.server.report_l2, None)
-        self.l3 = None
+        await asyncio.get_running_loop().run_in_executor(None, self._detach)
+        if self.settings.peer_transport is not None:  # peers keep the namespace's directory
+            await asyncio.get_running_loop().run_in_executor(None, self._attach_directory)
         return ReplicaStorage(self.name, None).to_msgpack()
 
     async def storage(self) -> bytes:
@@ -236,15 +243,33 @@ class ServedReplica:
         """The instances that attach the deployment's L3 namespace."""
         return self._members(target)
 
-    def _attach(self, kind: StorageBackendKind, options: dict) -> ReplicaStorage:
+    def _detach(self) -> None:
+        """Every instance lets go of its L3 namespace (its storage, or its directory alone);
+        the directory forgets this replica's L2 pages and peers."""
+        self.server.call(lambda target: [inst.detach_l3() for inst in self._l3_members(target)]
+                         ).result(CALL_TIMEOUT_S)
+        self.server.report_l2(None)
+        self.l3, self.directory_only = None, False
+
+    def _attach_directory(self) -> None:
+        """L3 off, peers on: the namespace's directory alone (registered on a file root that
+        nothing writes), through which the instances find each other's L2 pages."""
+        self._attach(DIRECTORY_BACKEND, l3_options(DIRECTORY_BACKEND, self.settings, None),
+                     storage=False)
+
+    def _attach(self, kind: StorageBackendKind, options: dict,
+                storage: bool = True) -> ReplicaStorage:
         """Register the namespace of this deployment's instances with the namespace actor
         (created if need be; idempotent: every deployment of the graph registers the same
-        one) and attach it on every rank of every instance."""
+        one) and attach it on every rank of every instance (`storage` False: its directory
+        alone, for peers). With peers on, every instance lends and reads L2 pages."""
         from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
 
         if self.l3 is not None:
             raise ConfigError(f"instance {self.name} has L3 attached already "
                               f"({self.l3.backend.value}); detach it first")
+        if self.directory_only:  # storage attached now: in place of the directory alone
+            self._detach()
         server, s = self.server, self.settings
         desc = server.call(lambda target: self._members(target)[0].describe()
                            ).result(CALL_TIMEOUT_S)
@@ -255,7 +280,7 @@ class ServedReplica:
                                              kv_heads=desc.kv_heads,
                                              page_bytes=desc.page_bytes,
                                              sliding=desc.sliding))
-        server.call(lambda target: [inst.attach_l3(info, s.l3_actor)
+        server.call(lambda target: [inst.attach_l3(info, s.l3_actor, storage)
                                     for inst in self._l3_members(target)]
                     ).result(CALL_TIMEOUT_S)
         if s.peer_transport is not None:  # the server reports its L2 (below), not rank 0
@@ -265,6 +290,11 @@ class ServedReplica:
                         ).result(CALL_TIMEOUT_S)
         # its cache events key pages as the namespace does: the directory learns its L2
         server.report_l2(L2Reporter(client, info.namespace, self.name))
+        if not storage:
+            self.directory_only = True
+            log.info("instance %s: L3 off, peers found through namespace %s's directory",
+                     self.name, info.namespace)
+            return ReplicaStorage(self.name, None)
         self.l3 = L3Attachment(kind, info.namespace, dict(options))
         log.info("instance %s: L3 %s attached (namespace %s)", self.name, kind.value,
                  info.namespace)

@@ -132,6 +132,8 @@ class BackendStats:
     pages_read: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    objects_written: int = 0  # of the pages written: one per owned KV head and part
+    objects_read: int = 0  # of the pages read whole (bytes_read / objects_read: an object's)
     read_s: float = 0.0  # time inside get_into (what a read rate is measured over)
     write_s: float = 0.0  # time inside set_from
     write_skipped_existing: int = 0
@@ -231,6 +233,7 @@ class StorageBackend(abc.ABC):
         self.counters.read_s += time.perf_counter() - t0
         good = sum(result.ok)
         self.counters.pages_read += good
+        self.counters.objects_read += good * len(reg.slots)
         self.counters.read_misses += len(result.ok) - good
         self.counters.bytes_read += result.bytes_moved
         return result
@@ -243,6 +246,7 @@ class StorageBackend(abc.ABC):
         result = self._set(reg, list(keys), list(host_pages))
         self.counters.write_s += time.perf_counter() - t0
         self.counters.pages_written += sum(result.ok)
+        self.counters.objects_written += sum(result.ok) * len(reg.slots)
         self.counters.write_failures += len(result.ok) - sum(result.ok)
         self.counters.bytes_written += result.bytes_moved
         return result

@@ -214,10 +214,9 @@ class ServeSettings:
                                  and transport.strip().lower() == L3_NONE):
             return None
         transport = PDTransport.parse(transport, "peer_transport")
-        if self.storage_backend is None:
-            raise ConfigError("peer_transport: instances find each other's L2 pages through "
-                              "the L3 namespace's directory; give storage_backend (file, "
-                              "mooncake or nixl) or drop peer_transport")
+        if not self.enable_hierarchical_cache:
+            raise ConfigError("peer_transport: peers read each other's L2, and the cache is "
+                              "off (L1 only); drop one of them")
         if self.engine is EngineKind.VLLM:
             raise ConfigError("peer_transport: vLLM instances do not read each other's L2 "
                               "yet (only kvtier's engine); drop it")

@@ -41,6 +41,13 @@ class HostCopies:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
+    def in_flight(self, host_pages: Sequence[int]) -> bool:
+        """Is any of these L2 pages the target of a copy that has not landed yet?"""
+        if not self._pending:
+            return False
+        wanted = set(host_pages)
+        return any(not wanted.isdisjoint(pages) for _, pages, _ in self._pending.values())
+
     def start(self, node: TreeNode, host_pages: Sequence[int],
               hashes: list[str] | None = None) -> None:
         """Copy `node`'s L1 pages to `host_pages`; the node is locked until the copy lands."""

@@ -28,6 +28,7 @@ import enum
 import itertools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
 from kvtier.backends.handoff_base import HandoffEndpoint, HandoffTimeout
@@ -42,7 +43,18 @@ log = logging.getLogger(__name__)
 
 # ask(holder rank, tokens, salt, first page, pages, global heads): that rank's PeerLend
 AskFn = Callable[[PeerRank, "list[int]", str, int, int, "tuple[int, ...]"], PeerLend]
+MAX_PARALLEL_ASKS = 8  # holder ranks asked at once (a holder's TP size, at most)
 MAX_WARNED = 1024  # (holder rank, reason) pairs warned about before the memory starts over
+
+
+def _done(fn: Callable, arg: object) -> Future:
+    """`fn(arg)` run now, as a finished future (its result or its exception)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(arg))
+    except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
+        future.set_exception(exc)
+    return future
 
 
 class PeerReadOutcome(str, enum.Enum):
@@ -187,13 +199,11 @@ class PeerLender:
         return list(itertools.takewhile(lambda p: p is not None, held[first:first + count]))
 
     def _landed(self, node: TreeNode) -> bool:
-        """Whether `node`'s L2 copy has surely landed. An L1->L2 copy in flight keeps its run
-        in L1 and locked until the cache sees it land (HostCopies, drained by the cache's
-        poll), and which runs those are is not public: so a run still in L1 and locked while
-        any copy is pending may be one, and is not lent. A run out of L1 landed before L1
-        let it go (or came from L3, inserted once landed); an unlocked one has no copy in
-        flight."""
-        return node.value is None or node.lock_ref == 0 or not self.cache.copies
+        """Whether `node`'s L2 copy has landed: the tree records an L1->L2 copy as it starts,
+        and the cache's copies in flight (HostCopies) say which have not landed yet. A run
+        out of L1 landed before L1 let it go (or came from L3 or a peer, inserted once
+        landed)."""
+        return node.value is None or not self.cache.copies.in_flight(node.host_value or ())
 
 
 class PeerReader:
@@ -215,10 +225,17 @@ class PeerReader:
         _register_l2(cache, endpoint)
         self._totals = PeerReadCounters(0, 0, 0, 0, 0)
         self._warned: set[tuple[str, PeerReadOutcome]] = set()
+        self._asks: ThreadPoolExecutor | None = None  # asks several holder ranks at once
 
     @property
     def counters(self) -> PeerReadCounters:
         return self._totals
+
+    def close(self) -> None:
+        """Stop the threads that ask holder ranks (reads after this ask one at a time)."""
+        asks, self._asks = self._asks, None
+        if asks is not None:
+            asks.shutdown(wait=False, cancel_futures=True)
 
     def read_into(self, contact: PeerContact, tokens: Sequence[int], salt: str,
                   first_page: int, host_pages: Sequence[int]) -> PeerRead:
@@ -319,12 +336,25 @@ class PeerReader:
 
     def _ask_all(self, owners: list[tuple[PeerRank, tuple[int, ...]]], tokens: list[int],
                  salt: str, first_page: int, count: int) -> list[_Source] | PeerRead:
-        """Every holder rank's lend of its heads, or the failed read an ask ended in."""
+        """Every holder rank's lend of its heads, or the failed read an ask ended in. Several
+        holder ranks (a holder of a larger TP size) are asked at once: each answers between
+        its own steps, so asking one after another would add their waits up."""
+        def one(owner: tuple[PeerRank, tuple[int, ...]]) -> PeerLend:
+            rank, heads = owner
+            lend = self.ask(rank, tokens, salt, first_page, count, heads)
+            _check_lend(lend, rank, len(heads), count)
+            return lend
+
+        if len(owners) == 1:
+            pending = [_done(one, owners[0])]
+        else:
+            if self._asks is None:
+                self._asks = ThreadPoolExecutor(MAX_PARALLEL_ASKS, "kvtier-peer-ask")
+            pending = [self._asks.submit(one, owner) for owner in owners]
         sources = []
-        for rank, heads in owners:
+        for (rank, heads), future in zip(owners, pending):
             try:
-                lend = self.ask(rank, tokens, salt, first_page, count, heads)
-                _check_lend(lend, rank, len(heads), count)
+                lend = future.result()
             except Exception as exc:  # noqa: BLE001 - whatever the holder does, a miss here
                 return self._failed(rank, PeerReadOutcome.ASK_FAILED, exc)
             sources.append(_Source(rank, lend, [h - self.heads.start for h in heads],

@@ -167,6 +167,8 @@ class RankPeerLink:
         if self.reporter is not None:
             self.reporter.close()
             self.reporter = None
+        if self.reader is not None:
+            self.reader.close()
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

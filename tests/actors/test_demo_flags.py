@@ -44,7 +44,7 @@ def parse(*argv: str):
                 "--hicache-storage-backend-extra-config", "only root_dir",
                 "--disable-hierarchical-cache refused", "--hicache-config @FILE"]),
     (["bench", "instances"], ["--model smollm2|gemma3-270m|tiny|DIR", "(default 3;",
-                              "--l3 {file,mooncake,nixl}",
+                              "--l3 {file,mooncake,nixl,none}", "--peer",
                               "--page-size TOKENS", "default wait_complete",
                               "--hicache-mem-layout", "--hicache-config @FILE"]),
     (["bench", "soak"], ["--model smollm2|gemma3-270m|tiny|DIR", "default smollm2"]),

@@ -42,6 +42,11 @@ def test_round_trip_is_byte_exact(harness):
     assert res.ok == [True] * 5 and res.leading_ok == 5
     for s, d in zip([3, 1, 4, 0, 9], [10, 11, 12, 13, 14]):
         assert same_page(src, s, dst, d)
+    # the per-object figures: each page is one object per KV head and part
+    objects = 5 * SPEC.num_kv_heads * 2
+    w, r = b.stats(), reader.stats()
+    assert (w.objects_written, r.objects_read) == (objects, objects)
+    assert r.bytes_read // r.objects_read == SPEC.page_bytes // (SPEC.num_kv_heads * 2)
 
 
 @pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST,

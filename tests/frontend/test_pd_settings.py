@@ -109,3 +109,16 @@ def test_decode_instances_store_finished_conversations_in_l3_unless_told_not_to(
         settings("--no-pd-decode-l3")  # only for a PD graph
     with pytest.raises(ConfigError, match="pd_decode_l3"):
         ServeSettings(prefill_instances=1, decode_instances=1, pd_decode_l3="no")
+
+
+def test_peer_transport_crosses_and_refuses_what_it_cannot_serve():
+    """Peer-to-peer L2 (--peer-transport): with or without L3, for kvtier's engine without
+    a prefill/decode split and with L2 on; each refusal names the setting."""
+    s = settings("--peer-transport", "mooncake", "--l3", "none")
+    assert (s.peer_transport, s.storage_backend) == (PDTransport.MOONCAKE, None)
+    assert ServeSettings.from_mapping(s.to_mapping()) == s
+    assert settings().peer_transport is None
+    for values in ({"prefill_instances": 1, "decode_instances": 1},
+                   {"enable_hierarchical_cache": False}, {"peer_transport": "ucx"}):
+        with pytest.raises(ConfigError, match="peer_transport"):
+            ServeSettings.from_mapping({"model": "tiny", "peer_transport": "nixl", **values})

@@ -1,10 +1,12 @@
-"""`kvtier serve --peer-transport nixl`: every rank of both instances lends its L2 to the
-other instance and reads the other's (docs/architecture.md, "Peer-to-peer L2"); the
-directory lists both as peers, each replica reports its own L2 (its ranks do not report it
-again), and detaching L3 takes them off the list until it is attached again."""
+"""`kvtier serve --l3 none --peer-transport nixl`: L3 off, each instance reads what the other
+holds in L2 (docs/architecture.md, "Peer-to-peer L2"). Both instances are listed as peers in
+the namespace's directory; a question the router sends away from a busy holder is answered
+from the holder's L2, counted as `peer`, with the holder's answer; attaching L3 and detaching
+it again keeps them peers."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import requests
@@ -15,9 +17,12 @@ from shared_serve import BASE, served
 from kvtier.frontend.settings import ServeSettings
 
 KEY = "test-admin-key-peers-0123456789"
-SETTINGS = ServeSettings(model="tiny", instances=2, page_size=16, chunk_tokens=64,
-                         device_pages=96, max_new_tokens=8, dtype="fp32", admin_key=KEY,
-                         peer_transport="nixl")
+PAGE = 16
+SETTINGS = ServeSettings(model="tiny", instances=2, page_size=PAGE, chunk_tokens=64,
+                         device_pages=96, max_new_tokens=256, dtype="fp32", admin_key=KEY,
+                         storage_backend="none", peer_transport="nixl",
+                         hicache={"prefetch_threshold_tokens": PAGE,
+                                  "prefetch_policy": "wait_complete"})
 CLIENT = ServeClient(BASE, SETTINGS.served_model_name, KEY)
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 
@@ -30,40 +35,59 @@ def app():
         yield
 
 
-def _stats():
+def _directory():
+    """The namespace actor's client and the one namespace the instances share."""
     import ray
 
     from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient
 
-    shown = requests.get(f"{BASE}/admin/storage", headers=ADMIN, timeout=30).json()
-    ns = shown["instances"][0]["l3"]["namespace"] if shown["instances"][0]["l3"] else None
     client = NamespaceClient(ray.get_actor(SETTINGS.l3_actor, namespace=RAY_NAMESPACE))
+    (ns,) = client.namespaces()
     return client, ns
 
 
-def test_both_instances_lend_their_l2_and_answer_with_a_peer_tier(app):
-    client, ns = _stats()
+def test_a_question_sent_away_from_a_busy_holder_is_read_from_its_l2(app):
+    client, ns = _directory()
     eventually(lambda: client.stats(ns).peer_holders == 2, 30, "both instances are peers",
                interval_s=0.2)
-    tokens = [random.Random(5).randrange(100, 40000) for _ in range(4 * 16 + 3)]
-    first = CLIENT.complete(tokens)
-    again = CLIENT.complete(tokens)
-    assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    assert set(again["kvtier"]["cached_tokens"]) == {"device", "host", "storage", "peer"}
-    assert set(again["kvtier"]["route"]["expected_pages"]) == {
-        "device_pages", "host_pages", "storage_pages", "peer_pages"}
-    hashes = client.info(ns).spec.key_namespace.page_hashes(tokens, 16)
-    eventually(lambda: [h.holder for h in client.l2_holders(ns, hashes)], 30,
-               "the replica reports its L2", interval_s=0.2)
+    assert [i["l3"] for i in requests.get(f"{BASE}/admin/storage", headers=ADMIN,
+                                          timeout=30).json()["instances"]] == [None, None]
+    doc = [random.Random(5).randrange(100, 40000) for _ in range(3 * PAGE + 3)]
+    first = CLIENT.complete(doc, max_tokens=8)
+    holder = first["kvtier"]["instance"]
+    hashes = client.info(ns).spec.key_namespace.page_hashes(doc, PAGE)
+    eventually(lambda: {h.holder: h.pages for h in client.l2_holders(ns, hashes)}.get(holder)
+               == 3, 30, "the directory lists the holder's pages", interval_s=0.1)
+    answered: list[dict] = []
+    busy = threading.Thread(target=lambda: answered.append(
+        CLIENT.complete(doc + [7], max_tokens=256, ignore_eos=True)))
+    busy.start()
+    try:
+        eventually(lambda: CLIENT.router()[holder]["load"] >= 1, 60, "the holder busy",
+                   interval_s=0.05)
+        other = CLIENT.complete(doc, max_tokens=8)
+    finally:
+        busy.join()
+    assert answered[0]["kvtier"]["instance"] == holder
+    assert other["kvtier"]["instance"] != holder, other["kvtier"]["route"]
+    assert other["kvtier"]["route"]["expected_pages"]["peer_pages"] == 3
+    assert other["kvtier"]["cached_tokens"] == {"device": 0, "host": 0, "storage": 0,
+                                                "peer": 3 * PAGE}
+    assert other["choices"][0]["text"] == first["choices"][0]["text"]
 
 
-def test_detached_l3_takes_the_peers_off_the_list_and_attaching_brings_them_back(app):
-    client, ns = _stats()
-    off = requests.post(f"{BASE}/admin/storage/detach", headers=ADMIN, timeout=60)
-    assert off.status_code == 200, off.text
-    assert client.stats(ns).peer_holders == 0
+def test_attaching_l3_and_detaching_it_again_keeps_the_instances_peers(app):
+    client, ns = _directory()
     on = requests.post(f"{BASE}/admin/storage/attach", headers=ADMIN, timeout=60,
                        json={"backend": "file"})
     assert on.status_code == 200, on.text
-    eventually(lambda: client.stats(ns).peer_holders == 2, 30, "both are peers again",
+    assert {i["l3"]["backend"] for i in on.json()["instances"]} == {"file"}
+    eventually(lambda: client.stats(on.json()["instances"][0]["l3"]["namespace"]
+                                     ).peer_holders == 2, 30, "peers with L3 attached",
                interval_s=0.2)
+    off = requests.post(f"{BASE}/admin/storage/detach", headers=ADMIN, timeout=60)
+    assert off.status_code == 200, off.text
+    assert [i["l3"] for i in off.json()["instances"]] == [None, None]
+    eventually(lambda: client.stats(ns).peer_holders == 2, 30, "peers again, L3 off",
+               interval_s=0.2)
+    CLIENT.chat([{"role": "user", "content": "served without L3, with peers"}], max_tokens=4)
