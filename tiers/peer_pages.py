@@ -28,6 +28,7 @@ import enum
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 # ask(holder rank, tokens, salt, first page, pages, global heads): that rank's PeerLend
 AskFn = Callable[[PeerRank, "list[int]", str, int, int, "tuple[int, ...]"], PeerLend]
+MAX_SUMS = 1 << 18  # lent pages whose sums a lender keeps (~100 B each with the dict)
 MAX_PARALLEL_ASKS = 8  # holder ranks asked at once (a holder's TP size, at most)
 MAX_WARNED = 1024  # (holder rank, reason) pairs warned about before the memory starts over
 
@@ -161,6 +163,8 @@ class PeerLender:
         _open_l2(cache, heads)
         self.cache, self.endpoint, self.heads = cache, endpoint, heads
         _register_l2(cache, endpoint)
+        # ((node id, position), page) -> the page's sums per head of this rank (_sums_of)
+        self._sums: OrderedDict[tuple[tuple[int, int], int], tuple[int, ...]] = OrderedDict()
 
     def lend(self, tokens: Sequence[int], salt: str, first_page: int, num_pages: int,
              heads: Sequence[int]) -> PeerLend:
@@ -173,10 +177,31 @@ class PeerLender:
         if first_page < 0 or num_pages < 0:
             raise CacheUsageError(f"pages {first_page} (first) and {num_pages} (count) must "
                                   "not be negative")
-        pages = self._held(tokens, salt, first_page, num_pages)
+        held = self._held(tokens, salt, first_page, num_pages)
         l2 = _register_l2(self.cache, self.endpoint)
-        return PeerLend(tuple(pages), self.cache.exchange.l2_head_sums(pages, local), l2.addr,
+        sums = self._sums_of(held)
+        return PeerLend(tuple(page for _, page in held),
+                        tuple(sums[key][h] for key in held for h in local), l2.addr,
                         l2.num_pages, self.heads.count, self.endpoint.address())
+
+    def _sums_of(self, held: list[tuple[tuple[int, int], int]]) -> dict:
+        """Each lent page's sums over all of this rank's heads, summed once per page: a
+        popular prefix is lent to many peers, and summing it again each time would take the
+        holder's time between its steps. A page's bytes stay as they are while its node
+        holds it at that position of the prefix, so (node, position, page) names them."""
+        memo = self._sums
+        todo = [key for key in held if key not in memo]
+        if todo:
+            every = range(self.heads.count)
+            flat = self.cache.exchange.l2_head_sums([page for _, page in todo], every)
+            n = self.heads.count
+            for i, key in enumerate(todo):
+                memo[key] = flat[i * n:(i + 1) * n]
+            while len(memo) > MAX_SUMS:
+                memo.popitem(last=False)
+        for key in held:
+            memo.move_to_end(key)
+        return {key: memo[key] for key in held}
 
     def _local(self, head: int) -> int:
         """`head` (global) as this rank's pool numbers it."""
@@ -185,17 +210,21 @@ class PeerLender:
                               f"{self.heads.stop}); ask the holder rank that holds it")
         return head - self.heads.start
 
-    def _held(self, tokens: Sequence[int], salt: str, first: int, count: int) -> list[int]:
-        """L2 page ids of the prefix's pages first.. (at most `count`), up to the first one
-        this rank lacks in L2 or whose copy may not have landed."""
+    def _held(self, tokens: Sequence[int], salt: str, first: int, count: int
+              ) -> list[tuple[tuple[int, int], int]]:
+        """The prefix's pages first.. (at most `count`) up to the first one this rank lacks
+        in L2 or whose copy may not have landed: each as ((its node's id, its position in
+        the prefix), its L2 page id)."""
         m = self.cache.tree.match_prefix(tokens, touch=False, salt=salt)
         end = max(m.last_device_node, m.last_host_node, key=depth)
-        held: list[int | None] = []
+        held: list[tuple[tuple[int, int], int] | None] = []
         for node in reversed(list(end.path_to_root())):
             if len(held) >= first + count:
                 break
             ok = node.host_value is not None and self._landed(node)
-            held += node.host_value if ok else [None] * node.num_pages
+            start = len(held)
+            held += ([((node.id, start + i), page) for i, page in enumerate(node.host_value)]
+                     if ok else [None] * node.num_pages)
         return list(itertools.takewhile(lambda p: p is not None, held[first:first + count]))
 
     def _landed(self, node: TreeNode) -> bool:

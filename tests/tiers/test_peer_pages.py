@@ -312,3 +312,21 @@ def test_a_lender_refuses_heads_it_does_not_hold(instances):
     with pytest.raises(ConfigError, match="not one of this rank's"):
         holder.lenders[1].lend(PROMPT, SALT, 0, 2, [3, 4])
     assert holder.lenders[1].lend(PROMPT, SALT, 0, 2, [3, 2]).sums
+
+
+def test_a_page_is_summed_once_however_often_it_is_lent(instances, monkeypatch):
+    """A popular prefix is lent to many peers: the holder sums each page once."""
+    holder = Holder("simulated", 1)
+    instances.append(holder)
+    holder.fill()
+    cache, lender = holder.caches[0], holder.lenders[0]
+    summed = []
+    real = cache.exchange.l2_head_sums
+    monkeypatch.setattr(type(cache.exchange), "l2_head_sums",
+                        lambda self, pages, heads: summed.append(list(pages)) or real(pages,
+                                                                                       heads))
+    first = lender.lend(PROMPT, SALT, 0, PAGES, range(HEADS))
+    again = lender.lend(PROMPT, SALT, 2, 3, [1, 0])
+    assert len(summed) == 1 and len(summed[0]) == PAGES
+    assert again.host_pages == first.host_pages[2:5]
+    assert again.sums == tuple(first.sums[p * HEADS + h] for p in range(2, 5) for h in (1, 0))
