@@ -38,7 +38,11 @@ def app(tmp_path_factory):
     settings = ServeSettings(engine="vllm", instances=2, page_size=BLOCK, device_pages=48,
                              hicache_ratio=2.0, max_new_tokens=96, admin_key=KEY,
                              api_keys=TENANTS, l3_root=str(tmp_path_factory.mktemp("l3")),
-                             hicache={"prefetch_policy": "wait_complete"})
+                             hicache={"prefetch_policy": "wait_complete"},
+                             # a vLLM step on two loaded cores can take seconds: with the 2 s
+                             # default a request may be moved to the other instance, which
+                             # then hits what the first one wrote (not what these tests ask)
+                             stall_timeout_s=30.0)
     try:
         serve_graph.start(settings, port=PORT)
         yield ServeClient(f"http://127.0.0.1:{PORT}", settings.served_model_name, KEY,
