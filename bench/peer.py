@@ -14,12 +14,17 @@ the longest rank's time in them, asks and checks included; `peer_read_s` splits 
 into asking the holder ranks, the transport's reads and verifying), `raw_transport_gbps`
 (the same transport reading the same head objects between the same pools with its own calls
 alone, right after, in the same run) and their ratio `peer_vs_raw` (the target is >= 0.8).
+`busy_holder`: B reads the document from A again while A computes a long prompt of its own
+(`holder_busy_throughout`: A was still computing when B answered); its `ttft_peer_ratio` over
+the same cold TTFT shows whether a peer hit waits for the holder's work.
 """
 from __future__ import annotations
 
 import math
 import tempfile
-from typing import Any
+import threading
+import time
+from typing import Any, NamedTuple
 
 from kvtier.cli import demo
 from kvtier.errors import ConfigError
@@ -29,6 +34,8 @@ TARGET_TTFT_RATIO = 0.2
 TARGET_READ_RATIO = 0.8
 NAMESPACE_STORAGE = "file"  # the namespace actor registers one; with --l3 none nothing uses it
 GB = 1e9
+BUSY_TOKEN_SHIFT = 7  # the busy holder's prompt: the document's tokens shifted, seen by none
+BUSY_START_S = 0.5  # B asks this long after A starts computing it (A's prefill takes seconds)
 
 
 def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
@@ -42,7 +49,7 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
     work = demo._workload(params, model)
     with tempfile.TemporaryDirectory(prefix="kvtier-peer-") as tmp:
         measured = _run_on_local_ray(params, work, tmp, transport)
-    cold, written, read, reads, raw = measured
+    cold, written, read, reads, raw, busy = measured
     ranks_s = max(c.seconds for c in reads) or math.inf
     read_bytes = sum(c.bytes for c in reads)
     raw_s = max(r.seconds for r in raw) or math.inf
@@ -67,6 +74,12 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
                         "verify": round(max(c.verify_s for c in reads), 5)},
         "raw_read_s": round(raw_s, 5),
         "peer_reads": sum(c.reads for c in reads), "dtype": params.dtype,
+        "busy_holder": {"identical": busy.out.tokens == cold.tokens,
+                        "peer_hit_tokens": busy.out.cached.peer,
+                        "ttft_peer_ratio": round(busy.out.ttft_s / cold.ttft_s, 4),
+                        "ttft_peer_s": round(busy.out.ttft_s, 4),
+                        "ask_s": round(busy.ask_s, 5),
+                        "holder_busy_throughout": busy.holder_busy},
     }
 
 
@@ -103,9 +116,41 @@ def _run_on_local_ray(params: demo.DemoParams, work: Any, tmp: str,
             reads = [type(a)(*(x - y for x, y in zip(a, b))) for a, b in zip(after, before)]
             cluster.instances["B"].drop_cache()
             raw = cluster.instances["B"].peer_raw_read(work.prompts[0])
+            busy = _read_beside_busy_holder(cluster.instances["A"], cluster.instances["B"],
+                                            work, progress)
     finally:
         progress.close()
-    return cold, written, read, reads, raw
+    return cold, written, read, reads, raw, busy
+
+
+class _BusyRead(NamedTuple):
+    out: Any  # B's answer
+    ask_s: float  # B's ranks' longest time asking A's ranks
+    holder_busy: bool  # A was still computing its own prompt when B's answer came
+
+
+def _read_beside_busy_holder(holder: Any, reader: Any, work: Any, progress: Any
+                             ) -> _BusyRead:
+    """B reads the document from A again while A computes a prompt of the same length that
+    nobody has seen (a long prefill on A's ranks): a holder answers lends between its
+    steps' cache calls, not after its step."""
+    progress.stage("B answers while A computes another prompt")
+    reader.drop_cache()
+    reader.quiesce()
+    unseen = [t + BUSY_TOKEN_SHIFT for t in work.prompts[0]]
+    computing = threading.Thread(target=lambda: holder.generate([unseen], work.greedy),
+                                 name="busy-holder")
+    computing.start()
+    try:
+        time.sleep(BUSY_START_S)
+        before = reader.peer_counters()
+        out = reader.generate([work.prompts[0]], work.greedy)[0]
+        after = reader.peer_counters()
+        busy = computing.is_alive()
+    finally:
+        computing.join()
+    progress.done()
+    return _BusyRead(out, max(a.ask_s - b.ask_s for a, b in zip(after, before)), busy)
 
 
 def _answer(inst: Any, work: Any, progress: Any, name: str) -> Any:

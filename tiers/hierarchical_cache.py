@@ -24,8 +24,10 @@ policy); this copy is only the request's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from typing import Callable, Sequence
+import threading
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -56,6 +58,7 @@ from kvtier.tiers.tree_node import STORED, TreeNode
 from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, TreeStats
 
 log = logging.getLogger(__name__)
+_Cls = TypeVar("_Cls", bound=type)
 
 
 def depth(node: TreeNode) -> int:
@@ -63,10 +66,32 @@ def depth(node: TreeNode) -> int:
     return sum(len(n.key) for n in node.path_to_root())
 
 
+def _guarded(cls: _Cls) -> _Cls:
+    """Every public method of `cls` runs holding its instance's `guard` (see
+    HierarchicalCache)."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(self, *args, **kwargs):
+            with self.guard:
+                return fn(self, *args, **kwargs)
+        return run
+
+    for name, member in list(vars(cls).items()):
+        if callable(member) and not name.startswith("_"):
+            setattr(cls, name, wrap(member))
+    return cls
+
+
+@_guarded
 class HierarchicalCache:
     """L1 + L2 for one TP rank, L3 when a backend is attached, and the L2 copies requests
-    hold of their own KV (swap; see the module docstring). Single-threaded use; the
-    controller does the copying."""
+    hold of their own KV (swap; see the module docstring). The controller does the copying.
+
+    One thread owns it (the rank's, the engine's); every public method runs holding `guard`,
+    a re-entrant lock, so one other thread may read the tree and L2 between the owner's
+    calls by holding it too: a peer lending L2 pages (tiers/peer_pages.PeerLender) answers
+    while the owner computes a step, never waiting for the step to end. Whoever changes the
+    tree or L2 outside these methods holds it as well (actors/pins.py)."""
 
     def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
                  device: torch.device | str | None = None, model: str = "kvtier-model",
@@ -78,6 +103,7 @@ class HierarchicalCache:
         has published and this rank reports what its backups wrote (None: ask the backend).
         `deterministic`: the pages are an Engine's in deterministic mode, keyed apart from
         batched ones (kvtier.keys.PageCompute); the Engine checks it agrees."""
+        self.guard = threading.RLock()
         config = config.normalize()
         if spec.page_size != config.page_size:
             raise CacheUsageError(

@@ -155,7 +155,10 @@ def _register_l2(cache: HierarchicalCache, endpoint: HandoffEndpoint) -> PoolMem
 
 class PeerLender:
     """The holder side of one TP rank: answers peers asking where pages of a prefix lie in
-    its L2. Single-threaded use, like its cache."""
+    its L2. `lend` may run on a thread of its own, beside the cache's owner: it holds the
+    cache's guard while it reads the tree and sums pages, so it waits for a cache call in
+    progress (milliseconds), never for a scheduling step (HierarchicalCache says why). One
+    call at a time."""
 
     def __init__(self, cache: HierarchicalCache, endpoint: HandoffEndpoint,
                  heads: HeadRange) -> None:
@@ -177,9 +180,10 @@ class PeerLender:
         if first_page < 0 or num_pages < 0:
             raise CacheUsageError(f"pages {first_page} (first) and {num_pages} (count) must "
                                   "not be negative")
-        held = self._held(tokens, salt, first_page, num_pages)
-        l2 = _register_l2(self.cache, self.endpoint)
-        sums = self._sums_of(held)
+        with self.cache.guard:  # the tree and L2 as they are between the owner's calls
+            held = self._held(tokens, salt, first_page, num_pages)
+            l2 = _register_l2(self.cache, self.endpoint)
+            sums = self._sums_of(held)
         return PeerLend(tuple(page for _, page in held),
                         tuple(sums[key][h] for key in held for h in local), l2.addr,
                         l2.num_pages, self.heads.count, self.endpoint.address())

@@ -34,8 +34,9 @@ from kvtier.tiers.storage_types import PageDirectoryClient
 
 log = logging.getLogger(__name__)
 
-# A holder rank answers between its scheduling steps (one actor thread), in well under a
-# second on a loaded machine; past this the holder is treated as gone: a peer miss.
+# A holder rank answers on a thread of its own (LEND_GROUP), waiting at most for a cache call
+# in progress, in well under a second on a loaded machine; past this the holder is treated as
+# gone: a peer miss.
 PEER_ASK_TIMEOUT_S = 10.0
 PEER_READ_TIMEOUT_S = 10.0  # one transport read of a batch of pages
 MAX_HANDLES = 256  # holder rank actors whose handles are kept
@@ -53,6 +54,9 @@ class RankPeerLink:
         self.holder = ""
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()  # the handle cache (the worker thread asks)
+        # lend runs on the actor's lending thread: open and close swap the lender and close
+        # the endpoint only while no lend uses them (taken before the cache's guard)
+        self._lending = threading.Lock()
 
     @property
     def is_open(self) -> bool:
@@ -64,7 +68,12 @@ class RankPeerLink:
         if directory is None or not cache.l3_attached:
             raise CacheUsageError("peer-to-peer L2 finds holders through the L3 namespace "
                                   "actor's directory: attach L3 with a namespace actor first")
-        self.close(cache)
+        with self._lending:
+            self._close(cache)
+            self._open(cache, directory, holder, transport, report_l2)
+
+    def _open(self, cache: HierarchicalCache, directory: PageDirectoryClient, holder: str,
+              transport: HandoffTransportKind, report_l2: bool) -> None:
         endpoint = open_endpoint(transport, f"peer-{holder}-{self.rank}")
         try:
             heads = cache.heads
@@ -109,15 +118,18 @@ class RankPeerLink:
     def lend(self, tokens: Sequence[int], salt: str, first_page: int, num_pages: int,
              heads: Sequence[int]) -> bytes:
         """A peer asks where pages of a prefix lie in this rank's L2: a PeerLend record."""
-        if self.lender is None:
-            raise CacheUsageError("this rank does not lend its L2 (peer_open was not called "
-                                  "or it closed)")
-        return self.lender.lend(tokens, salt, first_page, num_pages, heads).to_msgpack()
+        with self._lending:
+            if self.lender is None:
+                raise CacheUsageError("this rank does not lend its L2 (peer_open was not "
+                                      "called or it closed)")
+            lent = self.lender.lend(tokens, salt, first_page, num_pages, heads)
+        return lent.to_msgpack()
 
     def counters(self) -> PeerReadCounters:
         """What this rank's reads from peers moved and took so far."""
-        return self.reader.counters if self.reader is not None else PeerReadCounters(0, 0, 0, 0,
-                                                                                     0)
+        if self.reader is None:
+            return PeerReadCounters(0, 0, 0, 0, 0)
+        return self.reader.counters
 
     def raw_read(self, cache: HierarchicalCache, directory: PageDirectoryClient,
                  tokens: Sequence[int], salt: str = "") -> RawPeerRead:
@@ -163,6 +175,10 @@ class RankPeerLink:
 
     def close(self, cache: HierarchicalCache) -> None:
         """Stop lending and reading (open peer prefetches are aborted; nothing leaks)."""
+        with self._lending:
+            self._close(cache)
+
+    def _close(self, cache: HierarchicalCache) -> None:
         cache.detach_peers()
         if self.reporter is not None:
             self.reporter.close()

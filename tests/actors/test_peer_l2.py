@@ -2,7 +2,8 @@
 the pages of a prompt another instance holds in its L2, over NIXL, into their own L2. At TP 1
 and 3 and across TP sizes the answers equal the cold answers and count as `peer` hits; a
 holder whose pages are gone by the time it is asked, and a holder killed while a reader asks
-it, are misses: the reader computes the prompt and answers the same."""
+it, are misses: the reader computes the prompt and answers the same; a holder busy in a
+long step still lends."""
 from __future__ import annotations
 
 import sys
@@ -11,6 +12,7 @@ import time
 import uuid
 
 import pytest
+import ray
 import ray.cloudpickle
 import torch
 from eventually import eventually
@@ -19,7 +21,7 @@ from test_tp3_shared_l3 import CONFIG, GREEDY, PAGE, PER_RANK_CPUS, SETTINGS, SO
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import Rank
+from kvtier.actors.rank_actor import LEND_GROUP, Rank
 from kvtier.cli.demo import namespace_spec
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,9 +33,38 @@ class SlowLendRank(Rank):
 
     LEND_S = 3.0
 
+    @ray.method(concurrency_group=LEND_GROUP)
     def peer_lend(self, *args, **kwargs) -> bytes:
         time.sleep(self.LEND_S)
         return super().peer_lend(*args, **kwargs)
+
+
+class BusyRank(Rank):
+    """A rank whose actor thread can be kept busy (`busy`), as a long step keeps it, until
+    `release` (on the lending thread: the busy one cannot take calls)."""
+
+    BUSY_S = 120.0  # busy at most this long, whatever the test does
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._busy, self._free = threading.Event(), threading.Event()
+
+    def busy(self) -> bool:
+        """Hold the actor thread until released: whether it was (not timed out)."""
+        self._free.clear()
+        self._busy.set()
+        try:
+            return self._free.wait(self.BUSY_S)
+        finally:
+            self._busy.clear()
+
+    @ray.method(concurrency_group=LEND_GROUP)
+    def is_busy(self) -> bool:
+        return self._busy.is_set()
+
+    @ray.method(concurrency_group=LEND_GROUP)
+    def release(self) -> None:
+        self._free.set()
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -41,7 +72,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 @pytest.fixture(scope="module")
 def cluster(shared_ray, tmp_path_factory):
-    """Instances a1, b1 (TP 1), a3, b3 (TP 3) and slow (TP 1, slow lends) on one namespace,
+    """Instances a1 (its rank can be kept busy), b1 (TP 1), a3, b3 (TP 3) and slow (TP 1,
+    slow lends) on one namespace,
     its directory only: nothing is written to or read from L3."""
     tmp = tmp_path_factory.mktemp("peer")
     name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
@@ -55,7 +87,7 @@ def cluster(shared_ray, tmp_path_factory):
             inst = made[holder] = Instance(
                 SETTINGS._replace(l3=info, l3_actor=name, l3_storage=False), tp_size=tp,
                 num_cpus_per_rank=PER_RANK_CPUS, ready_timeout_s=120.0, step_timeout_s=60.0,
-                rank_class=SlowLendRank if holder == "slow" else Rank)
+                rank_class={"slow": SlowLendRank, "a1": BusyRank}.get(holder, Rank))
             inst.peer_open(holder, "nixl")
         yield made, client, info
     finally:
@@ -129,3 +161,25 @@ def test_a_holder_killed_while_asked_is_a_miss(cluster, cold):
     reading.join(120)
     assert got and got[0].tokens == expected
     assert got[0].cached.peer == 0, got[0].cached
+
+
+def test_a_busy_holder_lends_without_waiting_for_its_step(cluster, cold):
+    """The holder's actor thread is busy (as in a long prefill) for longer than a reader waits
+    for a lend (PEER_ASK_TIMEOUT_S): its lending thread answers, and the reader hits."""
+    made, client, info = cluster
+    prompt = _tokens(31337, DOC_PAGES * PAGE + 3)
+    (expected,) = _cold(cold, [prompt])
+    _held(cluster, "a1", prompt)
+    made["b1"].drop_cache()
+    rank = made["a1"].rank_group.actors[0]
+    busy = rank.busy.remote()
+    try:
+        eventually(lambda: ray.get(rank.is_busy.remote()), 30, "a1's rank is busy",
+                   interval_s=0.1)
+        got = made["b1"].generate([prompt], GREEDY)[0]
+        assert ray.get(rank.is_busy.remote())  # busy all along
+    finally:
+        rank.release.remote()
+    assert ray.get(busy, timeout=60)  # released, not timed out
+    assert got.tokens == expected
+    assert got.cached.peer >= (DOC_PAGES - 1) * PAGE, got.cached
