@@ -28,16 +28,17 @@ from ray import serve
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.serve_replica import ServedReplica, final_fields, l3_options
 from kvtier.config import FIELD_FLAGS, HiCacheConfig, HiCacheConfigRecord
+from kvtier.connector.settings import CACHE_FIELDS
 from kvtier.errors import ConfigError
 from kvtier.frontend.records import (AnswerFinal, InstanceSnapshot, L3Attachment, ReplicaConfig,
                                      ReplicaDescription, ReplicaFlush, ReplicaSnapshot,
                                      ReplicaStorage, RunningConfig)
-from kvtier.frontend.settings import ModelChoice, ServeSettings
+from kvtier.frontend.settings import HICACHE_OWNED, ModelChoice, ServeSettings
 from kvtier.keys import KeyNamespace
 
-# the cache knobs the connector takes besides its ratio and L3 (docs/vllm.md); the others
-# are kvtier's engine's
-CONNECTOR_KNOBS = ("hicache_size_gb", "write_policy", "prefetch_policy")
+# the cache knobs a deployment's `hicache` hands the connector: those it takes, less the ones
+# the deployment sets itself (its ratio, its L3); the others are kvtier's engine's
+CONNECTOR_KNOBS = tuple(f for f in CACHE_FIELDS if f not in HICACHE_OWNED)
 MAX_NUM_SEQS = 16
 KV_SLACK = 1.05
 

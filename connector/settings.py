@@ -22,9 +22,9 @@ from kvtier.policies import WritePolicy
 
 CONNECTOR = "KvtierConnector"
 # HiCacheConfig fields the connector takes; the rest are the engine's (vLLM owns L1)
-_FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetch_policy",
+CACHE_FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetch_policy",
            "storage_backend", "storage_options")
-_KEYS = {FIELD_FLAGS[f].lstrip("-").replace("-", "_"): f for f in _FIELDS}
+_KEYS = {FIELD_FLAGS[f].lstrip("-").replace("-", "_"): f for f in CACHE_FIELDS}
 RAY_ADDRESS = "ray_address"
 L3_ACTOR = "l3_actor"
 L3_STATE_DIR = "l3_state_dir"

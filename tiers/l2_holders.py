@@ -47,7 +47,7 @@ class L2Holders:
     @property
     def peers(self) -> int:
         """Holders reachable as peers (every rank registered)."""
-        return sum(self.contact("", holder) is not None for holder in self._contacts)
+        return sum(self._reachable(holder) for holder in self._contacts)
 
     def held_by(self, holder: str) -> int:
         """Pages `holder` lists."""
@@ -119,10 +119,15 @@ class L2Holders:
 
     def contact(self, namespace: str, holder: str) -> PeerContact | None:
         """How to reach every rank of `holder`, or None until all of its ranks registered."""
-        ranks = self._contacts.get(holder)
-        if not ranks or len(ranks) != next(iter(ranks.values())).size:
+        if not self._reachable(holder):
             return None
+        ranks = self._contacts[holder]
         return PeerContact(namespace, holder, tuple(ranks[r] for r in sorted(ranks)))
+
+    def _reachable(self, holder: str) -> bool:
+        """Whether every TP rank of `holder` registered."""
+        ranks = self._contacts.get(holder)
+        return bool(ranks) and len(ranks) == next(iter(ranks.values())).size
 
     def best_peer(self, namespace: str, hashes: Sequence[str], asker: str) -> PeerOffer:
         """The holder other than `asker` with the longest leading run of `hashes` among those

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from kvtier.actors.instance import InstanceStep
 from kvtier.actors.step_wire import Progress
+from kvtier.connector.settings import ConnectorSettings
 from kvtier.engine.request import CachedTokens, FinishReason, Output, Resume
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
@@ -166,6 +167,8 @@ class VllmInstance:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.settings = settings
+        self._l3 = settings.connector is not None and \
+            ConnectorSettings.from_extra_config(settings.connector).l3  # the connector's L3
         self._event_keys = event_keys
         self._feed = None if event_keys is None else EventFeed()
         self._translator: KeyTranslator | None = None
@@ -314,11 +317,9 @@ class VllmInstance:
             **TransferStats(write_bytes=copies.backup_bytes, write_s=copies.backup_seconds,
                             load_bytes=copies.load_back_bytes,
                             load_s=copies.load_back_seconds)._asdict()}
-        l3 = self.settings.connector is not None and bool(
-            self.settings.connector.get("hicache_storage_backend"))
         storage = StorageCounters(storage_hit_tokens=hits.storage,
                                   prefetched_tokens=copies.l3_hit_tokens).snapshot()
-        return VllmCounters(cache, storage if l3 else None)
+        return VllmCounters(cache, storage if self._l3 else None)
 
     def _tally(self, payload: dict[str, Any]) -> None:
         """One step's connector figures, as vLLM's stats carry them (its step thread)."""
