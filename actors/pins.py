@@ -63,39 +63,33 @@ class RankPinDesk:
 
     def held(self, tokens: Sequence[int], salt: str = "") -> int:
         """Whole pages of `tokens` this rank holds in L1 or L2 (the instance pins the MIN)."""
-        with self._cache.guard:  # a pin walks the tree a peer's lend may read
-            return self._pins.held_pages([int(t) for t in tokens], salt)
+        return self._pins.held_pages([int(t) for t in tokens], salt)
 
     def pin(self, pin_id: str, tokens: Sequence[int], pages: int, ttl_s: float,
             max_fraction: float, salt: str = "", tenant: str = "") -> bytes:
         """Pin the first `pages` whole pages: a PinOutcome record, or a PinRefusal record (a
         value: an exception would count as a rank fault); actors.step_wire `decode_pin`."""
-        with self._cache.guard:
-            return pack_record(self._pins.pin(pin_id, [int(t) for t in tokens], pages,
-                                              ttl_s, max_fraction, salt, tenant))
+        return pack_record(self._pins.pin(pin_id, [int(t) for t in tokens], pages, ttl_s,
+                                          max_fraction, salt, tenant))
 
     def unpin(self, pin_id: str) -> bool:
-        with self._cache.guard:
-            return self._pins.unpin(pin_id)
+        return self._pins.unpin(pin_id)
 
     def describe(self) -> bytes:
         """The live pins, PinListing records (`pack_records`; a read: pins past their TTL
         are left out here, dropped by the step's `refresh`)."""
-        with self._cache.guard:
-            return pack_records([p for p in self._pins.describe() if p.expires_in_s > 0])
+        return pack_records(p for p in self._pins.describe() if p.expires_in_s > 0)
 
     def figures(self) -> dict:
         """The pins' figures, for metrics (a read)."""
-        with self._cache.guard:
-            _, device, host = self._pins.pinned_pages()
+        _, device, host = self._pins.pinned_pages()
         return {"pins": len(self._pins), "device_pages": device, "host_pages": host}
 
     def refresh(self) -> None:
         """The step's pin upkeep: drop expired pins; rank 0 extends in L3 the pins that hits
         here extended (a hit in L2 never asks L3)."""
-        with self._cache.guard:
-            self._pins.expire()
-            refreshed = self._pins.take_refreshed()
+        self._pins.expire()
+        refreshed = self._pins.take_refreshed()
         if refreshed and self.rank == 0:
             try:
                 self._cache.extend_l3_pins(refreshed)

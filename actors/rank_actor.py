@@ -55,9 +55,6 @@ from kvtier.tiers.storage_types import PageDirectoryClient
 log = logging.getLogger(__name__)
 
 RANK_NUM_CPUS = 0.5  # fractional: a TP=2 instance fits a 2-CPU Ray next to the driver
-# The actor's second thread: peers' lends run there, so a busy rank answers without waiting
-# for its step (every other method runs on the one default thread, max_concurrency=1)
-LEND_GROUP = "peer-lend"
 
 
 class RankSettings(NamedTuple):
@@ -439,15 +436,6 @@ class Rank:
         if reported:
             self.engine.cache.set_event_listener(self._events)
 
-    @ray.method(concurrency_group=LEND_GROUP)
-    def peer_lend(self, tokens: list[int], salt: str, first_page: int, num_pages: int,
-                  heads: list[int]) -> bytes:
-        """A peer asks where pages of a prefix lie in this rank's L2: a PeerLend record.
-        It runs on the actor's lending thread, beside a step in progress (HierarchicalCache's
-        guard keeps the two apart where they meet); a subclass that overrides it keeps the
-        decorator."""
-        return self.peer_link.lend(tokens, salt, first_page, num_pages, heads)
-
     def peer_counters(self) -> bytes:
         """What this rank's reads from peers moved and took: a PeerReadCounters record."""
         return pack_record(self.peer_link.counters())
@@ -577,7 +565,7 @@ def create_rank_actor(rank: int, size: int, init_method: str, settings: PackedRa
     `placement_group` (with `settings.gpu`, on its bundle's GPU), spawned with the packed
     settings' bytes (`pack_rank_settings`)."""
     gpus = {"num_gpus": 1} if settings.gpu else {}
-    actor_cls = ray.remote(concurrency_groups={LEND_GROUP: 1})(rank_class).options(
+    actor_cls = ray.remote(rank_class).options(
         num_cpus=num_cpus, **gpus, max_concurrency=1, name=f"kvtier-rank-{uuid.uuid4().hex}",
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group, placement_group_bundle_index=rank))

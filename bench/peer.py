@@ -10,10 +10,11 @@ instance (no L3, no peers) answers it first.
 Fields: `identical` (B's answer equals the cold answer and A's), `peer_hit_tokens` (what B's
 prefix took from A's L2), `ttft_peer_ratio` (B's TTFT over the cold TTFT; the target is
 <= 0.2), `peer_read_gbps` (B's peer reads as the request had them: every rank's bytes over
-the longest rank's time in them, asks and checks included; `peer_read_s` splits that time
-into asking the holder ranks, the transport's reads and verifying), `raw_transport_gbps`
-(the same transport reading the same head objects between the same pools with its own calls
-alone, right after, in the same run) and their ratio `peer_vs_raw` (the target is >= 0.8).
+the longest rank's time in them, look-ups and checks included; `peer_read_s` splits that time
+into reading the holder ranks' tables, the transport's reads of the pages and verifying),
+`raw_transport_gbps` (the same transport reading the same head objects between the same
+pools with its own calls alone, right after, in the same run) and their ratio `peer_vs_raw`
+(the target is >= 0.8).
 `busy_holder`: B reads the document from A again while A computes a long prompt of its own
 (`holder_busy_throughout`: A was still computing when B answered); its `ttft_peer_ratio` over
 the same cold TTFT shows whether a peer hit waits for the holder's work.
@@ -35,7 +36,7 @@ TARGET_READ_RATIO = 0.8
 NAMESPACE_STORAGE = "file"  # the namespace actor registers one; with --l3 none nothing uses it
 GB = 1e9
 BUSY_TOKEN_SHIFT = 7  # the busy holder's prompt: the document's tokens shifted, seen by none
-BUSY_START_S = 0.5  # B asks this long after A starts computing it (A's prefill takes seconds)
+BUSY_START_S = 0.5  # B reads this long after A starts computing it (its prefill takes seconds)
 
 
 def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
@@ -69,7 +70,7 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
         "target_read_ratio": TARGET_READ_RATIO,
         "peer_read_bytes": read_bytes, "raw_read_bytes": raw_bytes,
         "peer_read_s": {"total": round(ranks_s, 5),
-                        "ask": round(max(c.ask_s for c in reads), 5),
+                        "lookup": round(max(c.lookup_s for c in reads), 5),
                         "transfer": round(max(c.transfer_s for c in reads), 5),
                         "verify": round(max(c.verify_s for c in reads), 5)},
         "raw_read_s": round(raw_s, 5),
@@ -78,7 +79,7 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
                         "peer_hit_tokens": busy.out.cached.peer,
                         "ttft_peer_ratio": round(busy.out.ttft_s / cold.ttft_s, 4),
                         "ttft_peer_s": round(busy.out.ttft_s, 4),
-                        "ask_s": round(busy.ask_s, 5),
+                        "lookup_s": round(busy.lookup_s, 5),
                         "holder_busy_throughout": busy.holder_busy},
     }
 
@@ -125,15 +126,14 @@ def _run_on_local_ray(params: demo.DemoParams, work: Any, tmp: str,
 
 class _BusyRead(NamedTuple):
     out: Any  # B's answer
-    ask_s: float  # B's ranks' longest time asking A's ranks
+    lookup_s: float  # B's ranks' longest time reading A's ranks' tables
     holder_busy: bool  # A was still computing its own prompt when B's answer came
 
 
 def _read_beside_busy_holder(holder: Any, reader: Any, work: Any, progress: Any
                              ) -> _BusyRead:
     """B reads the document from A again while A computes a prompt of the same length that
-    nobody has seen (a long prefill on A's ranks): a holder answers lends between its
-    steps' cache calls, not after its step."""
+    nobody has seen (a long prefill on A's ranks): nothing of the read needs A's ranks."""
     progress.stage("B answers while A computes another prompt")
     reader.drop_cache()
     reader.quiesce()
@@ -150,7 +150,7 @@ def _read_beside_busy_holder(holder: Any, reader: Any, work: Any, progress: Any
     finally:
         computing.join()
     progress.done()
-    return _BusyRead(out, max(a.ask_s - b.ask_s for a, b in zip(after, before)), busy)
+    return _BusyRead(out, max(a.lookup_s - b.lookup_s for a, b in zip(after, before)), busy)
 
 
 def _answer(inst: Any, work: Any, progress: Any, name: str) -> Any:

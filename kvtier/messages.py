@@ -591,8 +591,10 @@ class L2Listing(_Record):
 @dataclass(frozen=True)
 class PeerRank(_Record):
     """One TP rank of an instance that lends its L2 pages to peers: the KV heads it holds
-    (global indices `[head_start, head_stop)` of the model's), and the Ray actor a peer asks
-    for them (`actor`, a named actor in Ray namespace `ray_namespace`)."""
+    (global indices `[head_start, head_stop)` of the model's), its Ray actor (`actor`, a
+    named actor in Ray namespace `ray_namespace`; for the logs), and what a peer reads it
+    with: its transport endpoint's `address`, its `page_head` L2 at `l2_addr` of
+    `pool_pages` pages, and the table of those pages at `table_addr` (tiers/peer_table.py)."""
 
     rank: int
     size: int
@@ -600,6 +602,10 @@ class PeerRank(_Record):
     head_stop: int
     actor: str
     ray_namespace: str
+    address: bytes = b""
+    l2_addr: int = 0
+    pool_pages: int = 0
+    table_addr: int = 0
 
 
 @dataclass(frozen=True)
@@ -650,11 +656,11 @@ class PeerOffer(_Record):
 
 @dataclass(frozen=True)
 class PeerLend(_Record):
-    """A holder rank's answer to a peer asking for pages of a prefix: where the leading run
-    of them it holds in L2 lies (`host_pages` of its `page_head` pool at `base_addr`, of
-    `pool_pages` pages and `pool_heads` heads), one xxh3_64 per (page, head asked) of the
-    head's K then V object, page by page, and its transport endpoint's address. Empty
-    `host_pages`: it holds none of them (evicted, or never had them)."""
+    """Where a holder rank holds the leading run of a prefix's pages, as its table lists them
+    (tiers/peer_pages.PeerReader.lookup): `host_pages` of its `page_head` pool at
+    `base_addr`, of `pool_pages` pages and `pool_heads` heads, one xxh3_64 per (page, head
+    wanted) of the head's K then V object, page by page, and its transport endpoint's
+    address. Empty `host_pages`: it lists none of them (evicted, or never had them)."""
 
     host_pages: tuple[int, ...]
     sums: tuple[int, ...]

@@ -24,10 +24,8 @@ policy); this copy is only the request's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import threading
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,7 +35,8 @@ from kvtier.config import HiCacheConfig
 from kvtier.errors import CacheUsageError, TransferError
 from kvtier.keys import KeyNamespace, PageCompute, layout_fingerprint
 from kvtier.kv_spec import HeadRange, KVSpec
-from kvtier.policies import HostMode, StorageBackendKind, WritePolicy
+from kvtier.policies import (CacheEventKind, CacheTier, HostMode, StorageBackendKind,
+                             WritePolicy)
 from kvtier.tiers.cache_event_feed import CacheEventFeed, CacheEventListener
 from kvtier.tiers.cache_pins import CachePins
 from kvtier.tiers.cache_types import (CacheAudit, CacheCounters, CacheLookup, CacheSnapshot,
@@ -49,6 +48,7 @@ from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.page_exchange import PageExchange
 from kvtier.tiers.peer_fetch import PeerPages
+from kvtier.tiers.peer_table import PeerTable
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_kv import SlidingKV
 from kvtier.tiers.sliding_l3 import SlidingL3
@@ -58,7 +58,6 @@ from kvtier.tiers.tree_node import STORED, TreeNode
 from kvtier.tiers.tree_types import EvictResult, LoadBackPlan, LoadRefusal, TreeStats
 
 log = logging.getLogger(__name__)
-_Cls = TypeVar("_Cls", bound=type)
 
 
 def depth(node: TreeNode) -> int:
@@ -66,32 +65,10 @@ def depth(node: TreeNode) -> int:
     return sum(len(n.key) for n in node.path_to_root())
 
 
-def _guarded(cls: _Cls) -> _Cls:
-    """Every public method of `cls` runs holding its instance's `guard` (see
-    HierarchicalCache)."""
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def run(self, *args, **kwargs):
-            with self.guard:
-                return fn(self, *args, **kwargs)
-        return run
-
-    for name, member in list(vars(cls).items()):
-        if callable(member) and not name.startswith("_"):
-            setattr(cls, name, wrap(member))
-    return cls
-
-
-@_guarded
 class HierarchicalCache:
     """L1 + L2 for one TP rank, L3 when a backend is attached, and the L2 copies requests
-    hold of their own KV (swap; see the module docstring). The controller does the copying.
-
-    One thread owns it (the rank's, the engine's); every public method runs holding `guard`,
-    a re-entrant lock, so one other thread may read the tree and L2 between the owner's
-    calls by holding it too: a peer lending L2 pages (tiers/peer_pages.PeerLender) answers
-    while the owner computes a step, never waiting for the step to end. Whoever changes the
-    tree or L2 outside these methods holds it as well (actors/pins.py)."""
+    hold of their own KV (swap; see the module docstring). Single-threaded use; the
+    controller does the copying."""
 
     def __init__(self, config: HiCacheConfig, spec: KVSpec, device_pages: int,
                  device: torch.device | str | None = None, model: str = "kvtier-model",
@@ -103,7 +80,6 @@ class HierarchicalCache:
         has published and this rank reports what its backups wrote (None: ask the backend).
         `deterministic`: the pages are an Engine's in deterministic mode, keyed apart from
         batched ones (kvtier.keys.PageCompute); the Engine checks it agrees."""
-        self.guard = threading.RLock()
         config = config.normalize()
         if spec.page_size != config.page_size:
             raise CacheUsageError(
@@ -154,6 +130,9 @@ class HierarchicalCache:
         self._built_directory = directory  # the L3 namespace's directory given at build
         self.directory = directory  # that of the L3 attached (attach_storage)
         self.events = CacheEventFeed(self.namespace, spec.page_size)
+        self._table: PeerTable | None = None  # publish_l2's
+        self._host_on_free = self.host_pool.allocator.on_free
+        self.host_pool.allocator.on_free = self._host_freed
         if storage is None and config.storage_backend is not None:
             target = StorageTarget(self.namespace, self.heads)
             storage = create_backend(config.storage_backend, target, config.storage_options)
@@ -312,7 +291,8 @@ class HierarchicalCache:
             self.counters.dropped_backup_tokens += len(n.key)
             return False
         # told when the copy lands (hashes now: n may split before)
-        self.copies.start(n, host_pages, self.events.node_hashes(n) if self.events.active else None)
+        self.copies.start(n, host_pages,
+                          self.events.node_hashes(n) if self._wants_hashes else None)
         self.counters.backed_up_tokens += len(n.key)
         return True
 
@@ -349,6 +329,8 @@ class HierarchicalCache:
         landed = self.copies.landed()
         for copy in landed:
             self.events.host_landed(copy.hashes)
+            if self._table is not None and copy.hashes:
+                self._publish(copy.host_pages, copy.hashes)
             self._back_up_to_storage(copy.node)
         while self._written_back:
             self._back_up_to_storage(self._written_back.pop())
@@ -613,10 +595,60 @@ class HierarchicalCache:
         published once every KV head is stored). With no listener the tree skips all of this.
         """
         self.events.listener = fn
-        self.tree.listener = self.events.on_tree_event if fn is not None else None
+        self._follow_tree()
         if fn is None:
-            self.copies.clear_hashes()
+            if self._table is None:
+                self.copies.clear_hashes()
             self.events.forget()
+
+    @property
+    def _wants_hashes(self) -> bool:
+        """Whether L2 copies take their pages' hashes (for the events or the peer table)."""
+        return self.events.active or self._table is not None
+
+    def _follow_tree(self) -> None:
+        """Hear the tree's changes while the events or a peer table want them."""
+        self.tree.listener = self._on_tree_event if self._wants_hashes else None
+
+    def _on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
+        self.events.on_tree_event(kind, tier, node)
+        if self._table is not None and kind is CacheEventKind.STORED and \
+                tier is CacheTier.HOST and not self.copies.in_flight(node.host_value):
+            self._publish(node.host_value, self.events.node_hashes(node))
+
+    # ---- peer-to-peer L2: the table of what L2 holds (tiers/peer_table.py) -----------------
+    def publish_l2(self, table: PeerTable | None) -> None:
+        """List in `table`, from now on, every L2 page of the tree whose copy has landed: its
+        key and its sums per KV head, written once it landed and cleared when it leaves L2,
+        before the page is reused (None: stop). Peers read the table instead of asking this
+        rank (tiers/peer_table.py). L2 must be in `page_head` (use_head_major_host)."""
+        if table is not None and (table.num_pages, table.heads) != \
+                (self.host_pool.num_pages, self.spec.num_kv_heads):
+            raise CacheUsageError(f"a peer table of {table.num_pages} pages and {table.heads} "
+                                  f"heads for an L2 of {self.host_pool.num_pages} pages and "
+                                  f"{self.spec.num_kv_heads} heads")
+        self.flush()
+        self._table = table
+        self._follow_tree()
+        if table is None:
+            if not self.events.active:
+                self.copies.clear_hashes()
+            return
+        for node in self.tree.nodes():  # what L2 holds already
+            if node.host_value is not None and node.parent is not None:
+                self._publish(node.host_value, self.events.node_hashes(node))
+
+    def _publish(self, pages: Sequence[int], keys: Sequence[str]) -> None:
+        table = self._table
+        sums = self.exchange.l2_head_sums(pages, range(table.heads))
+        table.publish(pages, keys, sums)
+
+    def _host_freed(self, pages: list[int]) -> None:
+        """The host allocator's `on_free`: freed L2 pages leave the peer table first."""
+        if self._table is not None:
+            self._table.clear(pages)
+        if self._host_on_free is not None:
+            self._host_on_free(pages)
 
     def flush(self) -> None:
         """Wait for every queued copy and settle its bookkeeping (failed copies included)."""

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class LandedCopy(NamedTuple):
     node: TreeNode  # unlocked now; its L2 copy is valid
     hashes: list[str] | None  # the page hashes to announce (when a listener asked for them)
+    host_pages: list[int]  # the L2 pages it filled, one per hash (taken when it started)
 
 
 class HostCopies:
@@ -79,7 +80,7 @@ class HostCopies:
             entry = self._pending.pop(op, None)
             if entry is not None:
                 self.tree.unlock(entry[0])
-                out.append(LandedCopy(entry[0], entry[2]))
+                out.append(LandedCopy(entry[0], entry[2], entry[1]))
         return out
 
     def wait(self) -> None:

@@ -6,11 +6,11 @@ run of the pages past the local hit (`best_peer`), and when that run is longer t
 has published, the prefetch reads from the peer instead of L3: same ticket, same prefetch
 policy and timeout, same agreement (every TP rank takes the MIN that landed on all of them),
 same all-or-nothing per page. Only the mover differs: a `PeerWorker` runs the ticket's
-batches through this rank's `PeerPages` reader (tiers/peer_pages.py), which asks the
-holder's ranks where the pages lie and pulls them with one one-sided transport read per
-holder rank, verified against the sums the holder gave. A page the holder no longer has, or
-whose bytes changed after it answered, ends the run (a miss, never wrong bytes); a holder
-that is gone is a miss of the whole batch.
+batches through this rank's `PeerPages` reader (tiers/peer_pages.py), which reads the
+holder's ranks' tables of where the pages lie and pulls them with one one-sided transport
+read per holder rank, verified against the sums the tables list. A page the holder no longer
+has, or whose bytes changed after the look-up, ends the run (a miss, never wrong bytes); a
+holder that is gone is a miss of the whole batch.
 """
 from __future__ import annotations
 

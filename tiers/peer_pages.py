@@ -1,5 +1,5 @@
 """Peer-to-peer L2, the data plane: one instance's TP rank reads pages of a prompt prefix that
-another instance holds in its L2 straight into its own L2 pages, with a one-sided READ.
+another instance holds in its L2 straight into its own L2 pages, with one-sided READs.
 
 Why a read and not the holder pushing: the reader owns the pages the bytes land in, so a
 holder that dies or hangs never writes into pages the reader has meanwhile given to someone
@@ -8,66 +8,56 @@ V) of a page, over every layer, as one contiguous object, so ranks of different 
 whole head objects (a holder at TP 1 serves a reader at TP 3 one third of its heads each, a
 holder at TP 3 serves a reader at TP 1 one head each); L1 interleaves heads token by token.
 
-The protocol, per reader rank and prompt:
-  ask     the reader asks every holder rank that holds some of its heads (`PeerLender.lend`,
-          through whatever carries the call: an actor method) where the leading pages of
-          the prefix lie in that rank's L2, and gets a `PeerLend`: the L2 page ids, one
-          xxh3_64 per (page, head) of their bytes, and how to address its pool
-  read    one transport read per holder rank: the head objects of the pages every holder
-          rank lent land in the same heads of the reader's pages
-  verify  the reader sums what landed and keeps the leading pages whose every head matched
+The protocol, per reader rank and prompt; nothing on the holder takes part:
+  look up  the reader reads the table of every holder rank that holds some of its heads
+           (tiers/peer_table.py: a row per L2 page, its chain key and one xxh3_64 per head,
+           which the holder keeps in memory its endpoint registered) and finds where the
+           leading pages of the prefix lie: a `PeerLend` per holder rank
+  read     one transport read per holder rank: the head objects of the pages every holder
+           rank lists land in the same heads of the reader's pages
+  verify   the reader sums what landed and keeps the leading pages whose every head matched
 
-Nothing holds the lent pages on the holder between the ask and the read: a holder that
+Nothing holds the listed pages on the holder between the look-up and the read: a holder that
 evicts one and reuses its page meanwhile is caught by the sums (the read then ends before
-that page), and a holder must not wait on a peer to manage its own L2. So a lend changes
-nothing on the holder (no hit counted, no LRU order refreshed, nothing evicted or locked).
+that page), and a holder must not wait on a peer to manage its own L2. A holder busy in a
+long step, or stopped, is read as fast as an idle one.
 """
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
 
 from kvtier.backends.handoff_base import HandoffEndpoint, HandoffTimeout
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import PeerContact, PeerLend, PeerRank
-from kvtier.tiers.hierarchical_cache import HierarchicalCache, depth
+from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.page_exchange import PoolMemory, head_regions
-from kvtier.tiers.tree_node import TreeNode, as_key
+from kvtier.tiers.peer_table import PeerTable, lookup, row_dtype
+from kvtier.tiers.tree_node import as_key
 
 log = logging.getLogger(__name__)
 
-# ask(holder rank, tokens, salt, first page, pages, global heads): that rank's PeerLend
-AskFn = Callable[[PeerRank, "list[int]", str, int, int, "tuple[int, ...]"], PeerLend]
-MAX_SUMS = 1 << 18  # lent pages whose sums a lender keeps (~100 B each with the dict)
-MAX_PARALLEL_ASKS = 8  # holder ranks asked at once (a holder's TP size, at most)
+# lookup(holder rank, chain keys of the pages wanted, global heads): where that rank's L2
+# holds the leading run of them, as a PeerLend (PeerReader.lookup reads the rank's table)
+LookupFn = Callable[[PeerRank, Sequence[str], "tuple[int, ...]"], PeerLend]
 MAX_WARNED = 1024  # (holder rank, reason) pairs warned about before the memory starts over
-
-
-def _done(fn: Callable, arg: object) -> Future:
-    """`fn(arg)` run now, as a finished future (its result or its exception)."""
-    future: Future = Future()
-    try:
-        future.set_result(fn(arg))
-    except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
-        future.set_exception(exc)
-    return future
 
 
 class PeerReadOutcome(str, enum.Enum):
     """Why a peer read brought fewer pages than asked (ALL: it did not)."""
 
     ALL = "all"  # every page asked arrived whole and verified
-    HOLDER_MISSING_PAGES = "holder_missing_pages"  # a holder rank lent fewer pages: it
+    HOLDER_MISSING_PAGES = "holder_missing_pages"  # a holder rank lists fewer pages: it
     # lacks the rest in L2 (evicted, never held, or their L1->L2 copy has not landed)
-    SUM_MISMATCH = "sum_mismatch"  # a page's bytes changed on the holder after it lent them
+    SUM_MISMATCH = "sum_mismatch"  # a page's bytes changed on the holder after the look-up
     NO_HEADS = "no_heads"  # the holder's ranks do not hold every KV head this rank needs
-    ASK_FAILED = "ask_failed"  # a holder rank did not answer (gone), or not with a fitting lend
+    LOOKUP_FAILED = "lookup_failed"  # a holder rank's table could not be read (its endpoint
+    # gone) or does not fit its contact
     TRANSPORT_FAILED = "transport_failed"  # a read failed (the holder's endpoint gone, ...)
     TRANSPORT_TIMEOUT = "transport_timeout"  # a read did not finish in time, and the
     # transport may still write the reader's pages until its own timeout ends it (Mooncake:
@@ -80,9 +70,9 @@ class PeerRead(NamedTuple):
 
     pages: int
     bytes: int  # moved by the transport, the pages that did not verify included
-    seconds: float  # the whole call: asks, reads, checks
+    seconds: float  # the whole call: look-ups, reads, checks
     reason: PeerReadOutcome
-    ask_s: float = 0.0  # of `seconds`: asking the holder ranks where the pages lie
+    lookup_s: float = 0.0  # of `seconds`: reading the holder ranks' tables
     transfer_s: float = 0.0  # the transport reads
     verify_s: float = 0.0  # summing what landed
 
@@ -110,14 +100,14 @@ class PeerReadCounters(NamedTuple):
     failures: int  # calls that brought nothing because a holder or the transport failed
     mismatches: int  # calls cut short by a page whose bytes did not match their sum
     seconds: float = 0.0  # in read_into, all of it
-    ask_s: float = 0.0  # of which asking holder ranks, reading, verifying (PeerRead)
+    lookup_s: float = 0.0  # of which looking up, reading, verifying (PeerRead)
     transfer_s: float = 0.0
     verify_s: float = 0.0
 
 
 class _Source(NamedTuple):
-    """One holder rank a read takes heads from: its lend, and those heads as this rank's
-    pool (`ours`) and the holder's (`theirs`) number them, in the same order."""
+    """One holder rank a read takes heads from: where it lists the pages, and those heads as
+    this rank's pool (`ours`) and the holder's (`theirs`) number them, in the same order."""
 
     rank: PeerRank
     lend: PeerLend
@@ -125,7 +115,7 @@ class _Source(NamedTuple):
     theirs: list[int]
 
 
-FAILURES = frozenset({PeerReadOutcome.NO_HEADS, PeerReadOutcome.ASK_FAILED,
+FAILURES = frozenset({PeerReadOutcome.NO_HEADS, PeerReadOutcome.LOOKUP_FAILED,
                       PeerReadOutcome.TRANSPORT_FAILED, PeerReadOutcome.TRANSPORT_TIMEOUT})
 
 
@@ -154,89 +144,32 @@ def _register_l2(cache: HierarchicalCache, endpoint: HandoffEndpoint) -> PoolMem
 
 
 class PeerLender:
-    """The holder side of one TP rank: answers peers asking where pages of a prefix lie in
-    its L2. `lend` may run on a thread of its own, beside the cache's owner: it holds the
-    cache's guard while it reads the tree and sums pages, so it waits for a cache call in
-    progress (milliseconds), never for a scheduling step (HierarchicalCache says why). One
-    call at a time."""
+    """The holder side of one TP rank: keeps a table of its L2 pages (tiers/peer_table.py)
+    in memory registered on its endpoint, beside L2 itself, for peers to look up and read
+    with one-sided reads; the cache keeps the table current (HierarchicalCache.publish_l2).
+    It answers nothing itself."""
 
     def __init__(self, cache: HierarchicalCache, endpoint: HandoffEndpoint,
                  heads: HeadRange) -> None:
         """`heads`: the KV heads (global indices) this rank's pool holds."""
         _open_l2(cache, heads)
         self.cache, self.endpoint, self.heads = cache, endpoint, heads
-        _register_l2(cache, endpoint)
-        # ((node id, position), page) -> the page's sums per head of this rank (_sums_of)
-        self._sums: OrderedDict[tuple[tuple[int, int], int], tuple[int, ...]] = OrderedDict()
+        self.l2 = _register_l2(cache, endpoint)
+        self.table = PeerTable(self.l2.num_pages, heads.count)
+        endpoint.register(self.table.addr, self.table.nbytes, "cpu")
+        cache.publish_l2(self.table)
 
-    def lend(self, tokens: Sequence[int], salt: str, first_page: int, num_pages: int,
-             heads: Sequence[int]) -> PeerLend:
-        """Where pages `first_page .. first_page + num_pages - 1` of the prefix `tokens`
-        (cache salt `salt`) lie in this rank's L2: the leading run of them it holds there
-        with a landed copy, and each one's sum per head of `heads` (global indices, all of
-        this rank's), page by page then head in the order given. Changes nothing but the
-        tree's shape (a run the prefix ends inside is split, as by any lookup)."""
-        local = [self._local(h) for h in heads]
-        if first_page < 0 or num_pages < 0:
-            raise CacheUsageError(f"pages {first_page} (first) and {num_pages} (count) must "
-                                  "not be negative")
-        with self.cache.guard:  # the tree and L2 as they are between the owner's calls
-            held = self._held(tokens, salt, first_page, num_pages)
-            l2 = _register_l2(self.cache, self.endpoint)
-            sums = self._sums_of(held)
-        return PeerLend(tuple(page for _, page in held),
-                        tuple(sums[key][h] for key in held for h in local), l2.addr,
-                        l2.num_pages, self.heads.count, self.endpoint.address())
+    def contact(self, rank: int, size: int, actor: str = "", ray_namespace: str = ""
+                ) -> PeerRank:
+        """How peers reach this rank: its heads, its endpoint's address (taken after L2
+        and the table were registered), where L2 and the table lie."""
+        return PeerRank(rank, size, self.heads.start, self.heads.stop, actor, ray_namespace,
+                        self.endpoint.address(), self.l2.addr, self.l2.num_pages,
+                        self.table.addr)
 
-    def _sums_of(self, held: list[tuple[tuple[int, int], int]]) -> dict:
-        """Each lent page's sums over all of this rank's heads, summed once per page: a
-        popular prefix is lent to many peers, and summing it again each time would take the
-        holder's time between its steps. A page's bytes stay as they are while its node
-        holds it at that position of the prefix, so (node, position, page) names them."""
-        memo = self._sums
-        todo = [key for key in held if key not in memo]
-        if todo:
-            every = range(self.heads.count)
-            flat = self.cache.exchange.l2_head_sums([page for _, page in todo], every)
-            n = self.heads.count
-            for i, key in enumerate(todo):
-                memo[key] = flat[i * n:(i + 1) * n]
-            while len(memo) > MAX_SUMS:
-                memo.popitem(last=False)
-        for key in held:
-            memo.move_to_end(key)
-        return {key: memo[key] for key in held}
-
-    def _local(self, head: int) -> int:
-        """`head` (global) as this rank's pool numbers it."""
-        if not self.heads.start <= head < self.heads.stop:
-            raise ConfigError(f"KV head {head} is not one of this rank's [{self.heads.start}, "
-                              f"{self.heads.stop}); ask the holder rank that holds it")
-        return head - self.heads.start
-
-    def _held(self, tokens: Sequence[int], salt: str, first: int, count: int
-              ) -> list[tuple[tuple[int, int], int]]:
-        """The prefix's pages first.. (at most `count`) up to the first one this rank lacks
-        in L2 or whose copy may not have landed: each as ((its node's id, its position in
-        the prefix), its L2 page id)."""
-        m = self.cache.tree.match_prefix(tokens, touch=False, salt=salt)
-        end = max(m.last_device_node, m.last_host_node, key=depth)
-        held: list[tuple[tuple[int, int], int] | None] = []
-        for node in reversed(list(end.path_to_root())):
-            if len(held) >= first + count:
-                break
-            ok = node.host_value is not None and self._landed(node)
-            start = len(held)
-            held += ([((node.id, start + i), page) for i, page in enumerate(node.host_value)]
-                     if ok else [None] * node.num_pages)
-        return list(itertools.takewhile(lambda p: p is not None, held[first:first + count]))
-
-    def _landed(self, node: TreeNode) -> bool:
-        """Whether `node`'s L2 copy has landed: the tree records an L1->L2 copy as it starts,
-        and the cache's copies in flight (HostCopies) say which have not landed yet. A run
-        out of L1 landed before L1 let it go (or came from L3 or a peer, inserted once
-        landed)."""
-        return node.value is None or not self.cache.copies.in_flight(node.host_value or ())
+    def close(self) -> None:
+        """Stop keeping the table (the endpoint that registered it closes after this)."""
+        self.cache.publish_l2(None)
 
 
 class PeerReader:
@@ -246,29 +179,51 @@ class PeerReader:
     holds, it may run on a worker thread while the cache serves; one call at a time."""
 
     def __init__(self, cache: HierarchicalCache, endpoint: HandoffEndpoint, heads: HeadRange,
-                 ask: AskFn, timeout_s: float) -> None:
-        """`heads`: the KV heads (global indices) this rank's pool holds. `ask`: asks one
-        holder rank for its `PeerLend` (what raises there is a failed ask, never this
-        reader's). `timeout_s`: each transport read's limit."""
+                 timeout_s: float, lookup_fn: LookupFn | None = None) -> None:
+        """`heads`: the KV heads (global indices) this rank's pool holds. `timeout_s`: each
+        transport read's limit. `lookup_fn`: where a holder rank holds pages (default:
+        `lookup`, which reads its table; what raises there is a failed look-up, never this
+        reader's)."""
         _open_l2(cache, heads)
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds: {timeout_s}")
         self.cache, self.endpoint, self.heads = cache, endpoint, heads
-        self.ask, self.timeout_s = ask, timeout_s
+        self.timeout_s = timeout_s
+        self.lookup_fn: LookupFn = lookup_fn or self.lookup
         _register_l2(cache, endpoint)
         self._totals = PeerReadCounters(0, 0, 0, 0, 0)
         self._warned: set[tuple[str, PeerReadOutcome]] = set()
-        self._asks: ThreadPoolExecutor | None = None  # asks several holder ranks at once
+        self._scratch: dict[int, np.ndarray] = {}  # holder rank index -> its table's copy
 
     @property
     def counters(self) -> PeerReadCounters:
         return self._totals
 
-    def close(self) -> None:
-        """Stop the threads that ask holder ranks (reads after this ask one at a time)."""
-        asks, self._asks = self._asks, None
-        if asks is not None:
-            asks.shutdown(wait=False, cancel_futures=True)
+    def lookup(self, rank: PeerRank, keys: Sequence[str], heads: tuple[int, ...]) -> PeerLend:
+        """Where holder rank `rank` holds the leading run of the pages keyed `keys` (chain
+        keys, prefix order): one read of its table into memory of this rank's, then a
+        look-up there (tiers/peer_table.py); the sums of `heads` (global) only."""
+        if not rank.table_addr or not rank.address:
+            raise ConfigError(f"holder rank {rank.rank} of {rank.size} publishes no table of "
+                              "its L2: it runs a kvtier older than this reader's; upgrade it")
+        pool_heads = rank.head_stop - rank.head_start
+        outside = [h for h in heads if not rank.head_start <= h < rank.head_stop]
+        if outside:
+            raise ConfigError(f"KV head {outside[0]} is not one of holder rank {rank.rank}'s "
+                              f"[{rank.head_start}, {rank.head_stop})")
+        nbytes = rank.pool_pages * row_dtype(pool_heads).itemsize
+        raw = self._scratch.get(rank.rank)
+        if raw is None or raw.nbytes < nbytes:
+            raw = self._scratch[rank.rank] = np.zeros(nbytes, np.uint8)
+            self.endpoint.register(int(raw.ctypes.data), nbytes, "cpu")
+        raw = raw[:nbytes]
+        self.endpoint.read(rank.address, np.array([[raw.ctypes.data, nbytes]], np.uint64),
+                           np.array([[rank.table_addr, nbytes]], np.uint64), self.timeout_s)
+        hit = lookup(raw, pool_heads, keys)
+        local = [h - rank.head_start for h in heads]
+        sums = tuple(hit.sums[i * pool_heads + h] for i in range(len(hit.pages)) for h in local)
+        return PeerLend(hit.pages, sums, rank.l2_addr, rank.pool_pages, pool_heads,
+                        rank.address)
 
     def read_into(self, contact: PeerContact, tokens: Sequence[int], salt: str,
                   first_page: int, host_pages: Sequence[int]) -> PeerRead:
@@ -291,7 +246,7 @@ class PeerReader:
             t.reads + 1, t.pages + got.pages, t.bytes + got.bytes,
             t.failures + (got.reason in FAILURES),
             t.mismatches + (got.reason is PeerReadOutcome.SUM_MISMATCH),
-            t.seconds + got.seconds, t.ask_s + got.ask_s, t.transfer_s + got.transfer_s,
+            t.seconds + got.seconds, t.lookup_s + got.lookup_s, t.transfer_s + got.transfer_s,
             t.verify_s + got.verify_s)
         return got
 
@@ -318,10 +273,10 @@ class PeerReader:
         if not host_pages:
             return PeerRead(0, 0, 0.0, PeerReadOutcome.ALL)
         t0 = time.perf_counter()
-        sources = self._ask_all(owners, tokens, salt, first_page, len(host_pages))
+        sources = self._look_up(owners, self._keys(tokens, salt, first_page, len(host_pages)))
         if isinstance(sources, PeerRead):
             return sources
-        n = min(len(s.lend.host_pages) for s in sources)  # pages every holder rank lent
+        n = min(len(s.lend.host_pages) for s in sources)  # pages every holder rank lists
         reason = PeerReadOutcome.ALL if n == len(host_pages) else \
             PeerReadOutcome.HOLDER_MISSING_PAGES
         if not n:
@@ -344,18 +299,18 @@ class PeerReader:
                                     s.lend.sums, len(s.ours))
             if good < n:
                 self._note(s.rank.actor, PeerReadOutcome.SUM_MISMATCH,
-                           f"page {first_page + good} of the prefix changed after it was lent")
+                           f"page {first_page + good} of the prefix changed after the look-up")
                 n, reason = good, PeerReadOutcome.SUM_MISMATCH
         return PeerRead(n, nbytes, 0.0, reason, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def raw_read(self, contact: PeerContact, tokens: Sequence[int], salt: str,
                  first_page: int, host_pages: Sequence[int]) -> RawPeerRead:
-        """The benchmark's baseline for `read_into`: the holder ranks are asked first
+        """The benchmark's baseline for `read_into`: the holder ranks' tables are read first
         (untimed), then the same head objects are moved into `host_pages` with the
         transport's own calls alone (`HandoffEndpoint.raw_read`), timed; nothing verified."""
         owners = self._owners(contact)
-        sources = None if owners is None else self._ask_all(
-            owners, list(as_key(tokens)), salt, first_page, len(host_pages))
+        sources = None if owners is None else self._look_up(
+            owners, self._keys(list(as_key(tokens)), salt, first_page, len(host_pages)))
         if not isinstance(sources, list):
             raise CacheUsageError(f"peer {contact.holder} cannot be read for the baseline: "
                                   f"{'its ranks lack heads' if sources is None else sources}")
@@ -367,35 +322,29 @@ class PeerReader:
             nbytes += int(local[:, 1].sum())
         return RawPeerRead(n, nbytes, seconds)
 
-    def _ask_all(self, owners: list[tuple[PeerRank, tuple[int, ...]]], tokens: list[int],
-                 salt: str, first_page: int, count: int) -> list[_Source] | PeerRead:
-        """Every holder rank's lend of its heads, or the failed read an ask ended in. Several
-        holder ranks (a holder of a larger TP size) are asked at once: each answers between
-        its own steps, so asking one after another would add their waits up."""
-        def one(owner: tuple[PeerRank, tuple[int, ...]]) -> PeerLend:
-            rank, heads = owner
-            lend = self.ask(rank, tokens, salt, first_page, count, heads)
-            _check_lend(lend, rank, len(heads), count)
-            return lend
+    def _keys(self, tokens: list[int], salt: str, first_page: int, count: int) -> list[str]:
+        """The chain keys of pages first_page .. first_page + count - 1 of `tokens`."""
+        size = self.cache.spec.page_size
+        keys = self.cache.namespace.page_hashes(tokens[:(first_page + count) * size], size,
+                                                salt)
+        return keys[first_page:]
 
-        if len(owners) == 1:
-            pending = [_done(one, owners[0])]
-        else:
-            if self._asks is None:
-                self._asks = ThreadPoolExecutor(MAX_PARALLEL_ASKS, "kvtier-peer-ask")
-            pending = [self._asks.submit(one, owner) for owner in owners]
+    def _look_up(self, owners: list[tuple[PeerRank, tuple[int, ...]]], keys: list[str]
+                 ) -> list[_Source] | PeerRead:
+        """Every holder rank's lend of its heads, or the failed read a look-up ended in."""
         sources = []
-        for (rank, heads), future in zip(owners, pending):
+        for rank, heads in owners:
             try:
-                lend = future.result()
-            except Exception as exc:  # noqa: BLE001 - whatever the holder does, a miss here
-                return self._failed(rank, PeerReadOutcome.ASK_FAILED, exc)
+                lend = self.lookup_fn(rank, keys, heads)
+                _check_lend(lend, rank, len(heads), len(keys))
+            except Exception as exc:  # noqa: BLE001 - whatever the holder's state, a miss here
+                return self._failed(rank, PeerReadOutcome.LOOKUP_FAILED, exc)
             sources.append(_Source(rank, lend, [h - self.heads.start for h in heads],
                                    [h - rank.head_start for h in heads]))
         return sources
 
     def _rows(self, s: _Source, ours: list[int]) -> tuple:
-        """(local, remote) rows of the head objects `s` lends, for our pages `ours`."""
+        """(local, remote) rows of the head objects `s` lists, for our pages `ours`."""
         local = self.cache.exchange.l2_head_regions(self.heads.count, ours, s.ours)
         remote = head_regions(self.cache.spec, s.lend.pool_heads, s.lend.base_addr,
                               s.lend.pool_pages, s.lend.host_pages[:len(ours)], s.theirs)
@@ -409,7 +358,7 @@ class PeerReader:
     def _note(self, holder: str, reason: PeerReadOutcome, why: str,
               exc_info: bool = False) -> None:
         """Log a failed or cut-short read: a warning the first time a holder rank (or holder)
-        fails this way, then at debug (a dead peer is asked again by every request)."""
+        fails this way, then at debug (a dead peer is tried again by every request)."""
         key = (holder, reason)
         first = key not in self._warned
         if first:
@@ -422,12 +371,12 @@ class PeerReader:
 
 
 def _check_lend(lend: PeerLend, rank: PeerRank, heads: int, asked: int) -> None:
-    """Raise unless `lend` answers an ask of `asked` pages for `heads` heads of `rank`."""
+    """Raise unless `lend` answers a look-up of `asked` pages for `heads` heads of `rank`."""
     if not isinstance(lend, PeerLend):
         raise ConfigError(f"the holder answered a {type(lend).__name__}, not a PeerLend")
     if len(lend.host_pages) > asked or len(lend.sums) != len(lend.host_pages) * heads:
-        raise ConfigError(f"the holder lent {len(lend.host_pages)} pages with "
-                          f"{len(lend.sums)} sums for {asked} pages asked of {heads} heads")
+        raise ConfigError(f"the holder lists {len(lend.host_pages)} pages with "
+                          f"{len(lend.sums)} sums for {asked} pages wanted of {heads} heads")
     if lend.pool_heads != rank.head_stop - rank.head_start:
         raise ConfigError(f"the holder's pool holds {lend.pool_heads} heads, but its contact "
                           f"says [{rank.head_start}, {rank.head_stop})")

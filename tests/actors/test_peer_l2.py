@@ -1,15 +1,16 @@
 """Peer-to-peer L2 on Ray: instances of one namespace with L3 off (its directory alone) read
 the pages of a prompt another instance holds in its L2, over NIXL, into their own L2. At TP 1
 and 3 and across TP sizes the answers equal the cold answers and count as `peer` hits; a
-holder whose pages are gone by the time it is asked, and a holder killed while a reader asks
-it, are misses: the reader computes the prompt and answers the same; a holder busy in a
-long step still lends."""
+holder whose pages are gone by the time it is read, and a holder killed between the look-up
+and the read, are misses: the reader computes the prompt and answers the same; a holder busy
+in a long step is read all the same."""
 from __future__ import annotations
 
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import ray
@@ -21,50 +22,47 @@ from test_tp3_shared_l3 import CONFIG, GREEDY, PAGE, PER_RANK_CPUS, SETTINGS, SO
 
 from kvtier.actors.instance import Instance
 from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
-from kvtier.actors.rank_actor import LEND_GROUP, Rank
+from kvtier.actors.rank_actor import Rank
 from kvtier.cli.demo import namespace_spec
 
 pytestmark = pytest.mark.timeout(600)
 DOC_PAGES = 5
 
 
-class SlowLendRank(Rank):
-    """A rank whose lends take `LEND_S` (the test kills it while a reader waits on one)."""
+class SlowReadRank(Rank):
+    """A rank that waits `PAUSE_S` between looking a holder's pages up and reading them (the
+    test kills the holder meanwhile)."""
 
-    LEND_S = 3.0
+    PAUSE_S = 3.0
 
-    @ray.method(concurrency_group=LEND_GROUP)
-    def peer_lend(self, *args, **kwargs) -> bytes:
-        time.sleep(self.LEND_S)
-        return super().peer_lend(*args, **kwargs)
+    def peer_open(self, *args, **kwargs) -> None:
+        super().peer_open(*args, **kwargs)
+        reader = self.peer_link.reader
+        looked_up = reader.lookup_fn
+
+        def slowly(rank, keys, heads):
+            lend = looked_up(rank, keys, heads)
+            time.sleep(self.PAUSE_S)
+            return lend
+        reader.lookup_fn = slowly
 
 
 class BusyRank(Rank):
-    """A rank whose actor thread can be kept busy (`busy`), as a long step keeps it, until
-    `release` (on the lending thread: the busy one cannot take calls)."""
+    """A rank whose actor thread can be kept busy (`busy`), as a long step keeps it, until a
+    file appears."""
 
     BUSY_S = 120.0  # busy at most this long, whatever the test does
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._busy, self._free = threading.Event(), threading.Event()
-
-    def busy(self) -> bool:
-        """Hold the actor thread until released: whether it was (not timed out)."""
-        self._free.clear()
-        self._busy.set()
-        try:
-            return self._free.wait(self.BUSY_S)
-        finally:
-            self._busy.clear()
-
-    @ray.method(concurrency_group=LEND_GROUP)
-    def is_busy(self) -> bool:
-        return self._busy.is_set()
-
-    @ray.method(concurrency_group=LEND_GROUP)
-    def release(self) -> None:
-        self._free.set()
+    def busy(self, started: str, release: str) -> bool:
+        """Write `started`, then hold the actor thread until `release` exists: whether it
+        did (not timed out)."""
+        Path(started).touch()
+        deadline = time.monotonic() + self.BUSY_S
+        while time.monotonic() < deadline:
+            if Path(release).exists():
+                return True
+            time.sleep(0.05)
+        return False
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -72,8 +70,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 @pytest.fixture(scope="module")
 def cluster(shared_ray, tmp_path_factory):
-    """Instances a1 (its rank can be kept busy), b1 (TP 1), a3, b3 (TP 3) and slow (TP 1,
-    slow lends) on one namespace,
+    """Instances a1 (its rank can be kept busy), b1, doomed (TP 1), a3, b3 (TP 3) and slow
+    (TP 1, pausing between a look-up and the read) on one namespace,
     its directory only: nothing is written to or read from L3."""
     tmp = tmp_path_factory.mktemp("peer")
     name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
@@ -83,11 +81,12 @@ def cluster(shared_ray, tmp_path_factory):
         spec = namespace_spec(SOURCE, CONFIG, "file", str(tmp / "l3"), "tiny",
                               f"t-{uuid.uuid4().hex[:6]}", dtype=torch.float32, page_size=PAGE)
         info = client.register(spec)
-        for holder, tp in (("a1", 1), ("b1", 1), ("a3", 3), ("b3", 3), ("slow", 1)):
+        for holder, tp in (("a1", 1), ("b1", 1), ("a3", 3), ("b3", 3), ("doomed", 1),
+                           ("slow", 1)):
             inst = made[holder] = Instance(
                 SETTINGS._replace(l3=info, l3_actor=name, l3_storage=False), tp_size=tp,
                 num_cpus_per_rank=PER_RANK_CPUS, ready_timeout_s=120.0, step_timeout_s=60.0,
-                rank_class={"slow": SlowLendRank, "a1": BusyRank}.get(holder, Rank))
+                rank_class={"slow": SlowReadRank, "a1": BusyRank}.get(holder, Rank))
             inst.peer_open(holder, "nixl")
         yield made, client, info
     finally:
@@ -133,7 +132,7 @@ def test_a_reader_hits_what_a_peer_holds_in_l2(cluster, cold, writer, reader):
 
 def test_pages_gone_from_the_holder_are_a_miss(cluster, cold):
     """The directory still lists the pages (a report the holder has not sent yet), the
-    holder no longer has them: it lends none, and the reader computes the prompt."""
+    holder no longer has them: its table lists none, and the reader computes the prompt."""
     made, client, info = cluster
     prompt = _tokens(4242, DOC_PAGES * PAGE + 3)
     (expected,) = _cold(cold, [prompt])
@@ -146,40 +145,44 @@ def test_pages_gone_from_the_holder_are_a_miss(cluster, cold):
     assert got.cached.peer == 0, got.cached
 
 
-def test_a_holder_killed_while_asked_is_a_miss(cluster, cold):
+def test_a_holder_killed_mid_read_is_a_miss(cluster, cold):
+    """The reader has looked the pages up in the holder's table; the holder's rank is killed
+    before the pages are read: a miss, and the reader computes the prompt."""
     made, client, info = cluster
-    prompt = _tokens(777, DOC_PAGES * PAGE + 3)
-    (expected,) = _cold(cold, [prompt])
-    _held(cluster, "slow", prompt)
-    made["b1"].drop_cache()
+    alive, prompt = _tokens(776, DOC_PAGES * PAGE + 3), _tokens(777, DOC_PAGES * PAGE + 3)
+    expected_alive, expected = _cold(cold, [alive, prompt])
+    _held(cluster, "doomed", alive)
+    made["slow"].drop_cache()
+    first = made["slow"].generate([alive], GREEDY)[0]  # the pause alone is no miss
+    assert first.tokens == expected_alive and first.cached.peer > 0, first.cached
+    _held(cluster, "doomed", prompt)
+    made["slow"].drop_cache()
     got: list = []
     reading = threading.Thread(target=lambda: got.append(
-        made["b1"].generate([prompt], GREEDY)[0]))
+        made["slow"].generate([prompt], GREEDY)[0]))
     reading.start()
-    time.sleep(1.0)  # b1 asks slow's rank, which answers after LEND_S
-    made["slow"].kill_rank(0)
+    time.sleep(1.5)  # slow has looked the pages up and waits PAUSE_S before reading them
+    made["doomed"].kill_rank(0)
     reading.join(120)
     assert got and got[0].tokens == expected
     assert got[0].cached.peer == 0, got[0].cached
 
 
-def test_a_busy_holder_lends_without_waiting_for_its_step(cluster, cold):
-    """The holder's actor thread is busy (as in a long prefill) for longer than a reader waits
-    for a lend (PEER_ASK_TIMEOUT_S): its lending thread answers, and the reader hits."""
+def test_a_busy_holder_is_read_without_waiting_for_its_step(cluster, cold, tmp_path):
+    """The holder's actor thread is busy (as in a long prefill): nothing of the read needs
+    it, and the reader hits."""
     made, client, info = cluster
     prompt = _tokens(31337, DOC_PAGES * PAGE + 3)
     (expected,) = _cold(cold, [prompt])
     _held(cluster, "a1", prompt)
     made["b1"].drop_cache()
-    rank = made["a1"].rank_group.actors[0]
-    busy = rank.busy.remote()
+    started, release = tmp_path / "started", tmp_path / "release"
+    busy = made["a1"].rank_group.actors[0].busy.remote(str(started), str(release))
     try:
-        eventually(lambda: ray.get(rank.is_busy.remote()), 30, "a1's rank is busy",
-                   interval_s=0.1)
+        eventually(started.exists, 30, "a1's rank is busy", interval_s=0.1)
         got = made["b1"].generate([prompt], GREEDY)[0]
-        assert ray.get(rank.is_busy.remote())  # busy all along
     finally:
-        rank.release.remote()
-    assert ray.get(busy, timeout=60)  # released, not timed out
+        release.touch()
+    assert ray.get(busy, timeout=60)  # busy until released: all through the read
     assert got.tokens == expected
     assert got.cached.peer >= (DOC_PAGES - 1) * PAGE, got.cached
