@@ -27,8 +27,8 @@ from ray import serve
 
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.serve_replica import ServedReplica, final_fields, l3_options
-from kvtier.config import FIELD_FLAGS, HiCacheConfig, HiCacheConfigRecord
-from kvtier.connector.settings import CACHE_FIELDS
+from kvtier.config import (CONNECTOR_FIELDS, HiCacheConfig, HiCacheConfigRecord,
+                           connector_key)
 from kvtier.errors import ConfigError
 from kvtier.frontend.records import (AnswerFinal, InstanceSnapshot, L3Attachment, ReplicaConfig,
                                      ReplicaDescription, ReplicaFlush, ReplicaSnapshot,
@@ -38,7 +38,7 @@ from kvtier.keys import KeyNamespace
 
 # the cache knobs a deployment's `hicache` hands the connector: those it takes, less the ones
 # the deployment sets itself (its ratio, its L3); the others are kvtier's engine's
-CONNECTOR_KNOBS = tuple(f for f in CACHE_FIELDS if f not in HICACHE_OWNED)
+CONNECTOR_KNOBS = tuple(f for f in CONNECTOR_FIELDS if f not in HICACHE_OWNED)
 MAX_NUM_SEQS = 16
 KV_SLACK = 1.05
 
@@ -74,16 +74,17 @@ def connector_config(s: ServeSettings, ray_address: str | None) -> dict[str, Any
         raise ConfigError(f"engine vllm: hicache knob(s) {', '.join(other)} are kvtier "
                           f"engine's; under vLLM the connector takes "
                           f"{', '.join(CONNECTOR_KNOBS)} (docs/vllm.md)")
-    flag = lambda knob: FIELD_FLAGS[knob].lstrip("-").replace("-", "_")  # noqa: E731
-    extra: dict[str, Any] = {flag("hicache_ratio"): s.hicache_ratio, "l3_actor": s.l3_actor,
-                             **{flag(k): v for k, v in s.hicache.items()}}
+    extra: dict[str, Any] = {connector_key("hicache_ratio"): s.hicache_ratio,
+                             "l3_actor": s.l3_actor,
+                             **{connector_key(k): v for k, v in s.hicache.items()}}
     if s.l3_state_dir:
         extra["l3_state_dir"] = s.l3_state_dir
     if ray_address:
         extra["ray_address"] = ray_address
     if s.storage_backend is not None:
-        extra[flag("storage_backend")] = s.storage_backend.value
-        extra[flag("storage_options")] = json.dumps(l3_options(s.storage_backend, s, None))
+        extra[connector_key("storage_backend")] = s.storage_backend.value
+        extra[connector_key("storage_options")] = json.dumps(
+            l3_options(s.storage_backend, s, None))
     return extra
 
 

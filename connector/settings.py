@@ -16,15 +16,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvtier.config import FIELD_FLAGS, GB, HiCacheConfig
+from kvtier.config import CONNECTOR_FIELDS, GB, HiCacheConfig, connector_key
 from kvtier.errors import ConfigError
 from kvtier.policies import WritePolicy
 
 CONNECTOR = "KvtierConnector"
-# HiCacheConfig fields the connector takes; the rest are the engine's (vLLM owns L1)
-CACHE_FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetch_policy",
-           "storage_backend", "storage_options")
-_KEYS = {FIELD_FLAGS[f].lstrip("-").replace("-", "_"): f for f in CACHE_FIELDS}
+_KEYS = {connector_key(f): f for f in CONNECTOR_FIELDS}
 RAY_ADDRESS = "ray_address"
 L3_ACTOR = "l3_actor"
 L3_STATE_DIR = "l3_state_dir"

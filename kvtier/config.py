@@ -43,6 +43,18 @@ FIELD_FLAGS: Mapping[str, str] = {
     "storage_backend": "--hicache-storage-backend",
     "storage_options": EXTRA_CONFIG_FLAG,
 }
+# Fields vLLM's KvtierConnector takes (connector/settings.py); the others are kvtier's engine's
+# (vLLM owns L1). Its kv_connector_extra_config names each as `connector_key` says.
+CONNECTOR_FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetch_policy",
+                    "storage_backend", "storage_options")
+
+
+def connector_key(field: str) -> str:
+    """The kv_connector_extra_config key of field `field`: its flag, as a key
+    (`--hicache-storage-backend` -> `hicache_storage_backend`)."""
+    return FIELD_FLAGS[field].lstrip("-").replace("-", "_")
+
+
 # Keys SGLang reads from its extra config, lifted into top-level fields (see kvtier.cli.flags).
 SGLANG_EXTRA_KEYS: Mapping[str, str] = {
     "prefetch_threshold": "prefetch_threshold_tokens",

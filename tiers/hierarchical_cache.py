@@ -644,7 +644,8 @@ class HierarchicalCache:
         table.publish(pages, keys, sums)
 
     def _host_freed(self, pages: list[int]) -> None:
-        """The host allocator's `on_free`: freed L2 pages leave the peer table first."""
+        """The host allocator's `on_free`: freed L2 pages leave the peer table before anything
+        can take them again (this thread both frees and allocates them)."""
         if self._table is not None:
             self._table.clear(pages)
         if self._host_on_free is not None:

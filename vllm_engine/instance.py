@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from kvtier.actors.instance import InstanceStep
 from kvtier.actors.step_wire import Progress
-from kvtier.connector.settings import ConnectorSettings
+from kvtier.config import connector_key
 from kvtier.engine.request import CachedTokens, FinishReason, Output, Resume
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
@@ -168,7 +168,7 @@ class VllmInstance:
 
         self.settings = settings
         self._l3 = settings.connector is not None and \
-            ConnectorSettings.from_extra_config(settings.connector).l3  # the connector's L3
+            bool(settings.connector.get(connector_key("storage_backend")))  # connector's L3
         self._event_keys = event_keys
         self._feed = None if event_keys is None else EventFeed()
         self._translator: KeyTranslator | None = None
