@@ -1,7 +1,7 @@
 """Peer-to-peer L2, the lookup: each lending TP rank publishes, in memory its transport
 endpoint has registered, a table of what its L2 pages hold, and a reader reads that table
 with a one-sided READ before it reads the pages. Nothing on the holder answers a peer: a
-holder busy in a long step, or stopped, is read as fast as an idle one.
+holder busy in a long step is read as fast as an idle one.
 
 The table has one row per L2 page of the holder rank (row i describes L2 page i):
 
@@ -14,7 +14,7 @@ The table has one row per L2 page of the holder rank (row i describes L2 page i)
 
 The owner (the cache's thread: tiers/hierarchical_cache.py) publishes a page's row once its
 L2 copy has landed, the sums taken from the landed bytes, and clears the row when the page
-leaves the tree, before the page can be reused. A reader that read a row before it was
+is freed, before it can be reused. A reader that read a row before it was
 cleared reads the page's new bytes under the old sums: they do not match, and the read ends
 before that page (tiers/peer_pages.py verifies every page it keeps). So a row may be stale
 but never names bytes it was not summed from.
@@ -64,7 +64,6 @@ class PeerTable:
     def __init__(self, num_pages: int, heads: int) -> None:
         self.heads = heads
         self.rows = np.zeros(num_pages, row_dtype(heads))  # all zero: no row valid yet
-        self.published = 0  # rows written so far (monotonic)
 
     @property
     def addr(self) -> int:
@@ -91,7 +90,6 @@ class PeerTable:
         fresh["sums"] = np.asarray(sums, dtype=np.uint64).reshape(len(idx), self.heads)
         fresh["check"] = row_checks(fresh)
         self.rows[idx] = fresh
-        self.published += len(idx)
 
     def clear(self, pages: Sequence[int]) -> None:
         """Pages `pages` hold nothing published any more."""
@@ -107,7 +105,9 @@ def lookup(raw: np.ndarray, heads: int, keys: Sequence[str]) -> TableHit:
     if not len(keys):
         return TableHit((), ())
     words = rows.view(np.uint64).reshape(len(rows), rows.dtype.itemsize // 8)
-    wanted = np.frombuffer(b"".join(key_bytes(k) for k in keys), np.uint64).reshape(-1, 2)
+    # each key as its two words: the first finds candidate rows, both must match
+    wanted = np.frombuffer(b"".join(key_bytes(k) for k in keys), np.uint64).reshape(
+        -1, KEY_BYTES // 8)
     firsts = np.sort(wanted[:, 0])
     at = np.minimum(np.searchsorted(firsts, words[:, 0]), len(firsts) - 1)
     candidates = np.flatnonzero(firsts[at] == words[:, 0])  # rows a key may be in: few

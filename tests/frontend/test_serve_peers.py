@@ -58,6 +58,12 @@ def test_a_question_sent_away_from_a_busy_holder_is_read_from_its_l2(app):
     hashes = client.info(ns).spec.key_namespace.page_hashes(doc, PAGE)
     eventually(lambda: {h.holder: h.pages for h in client.l2_holders(ns, hashes)}.get(holder)
                == 3, 30, "the directory lists the holder's pages", interval_s=0.1)
+    # the busy question below goes to the holder only once the router has its pages indexed
+    # and has seen the first answer end (loads and cache events reach it a poll later; a
+    # holder still counted busy would tie with a peer read elsewhere)
+    eventually(lambda: (CLIENT.router()[holder]["indexed_pages"] >= 3
+                        and CLIENT.router()[holder]["load"] == 0), 30,
+               "the router indexed the holder's pages and saw it idle", interval_s=0.1)
     answered: list[dict] = []
     busy = threading.Thread(target=lambda: answered.append(
         CLIENT.complete(doc + [7], max_tokens=256, ignore_eos=True)))
@@ -68,7 +74,7 @@ def test_a_question_sent_away_from_a_busy_holder_is_read_from_its_l2(app):
         other = CLIENT.complete(doc, max_tokens=8)
     finally:
         busy.join()
-    assert answered[0]["kvtier"]["instance"] == holder
+    assert answered[0]["kvtier"]["instance"] == holder, answered[0]["kvtier"]["route"]
     assert other["kvtier"]["instance"] != holder, other["kvtier"]["route"]
     assert other["kvtier"]["route"]["expected_pages"]["peer_pages"] == 3
     assert other["kvtier"]["cached_tokens"] == {"device": 0, "host": 0, "storage": 0,
