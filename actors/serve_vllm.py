@@ -27,8 +27,8 @@ from ray import serve
 
 from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.serve_replica import ServedReplica, final_fields, l3_options
-from kvtier.config import (CONNECTOR_FIELDS, HiCacheConfig, HiCacheConfigRecord,
-                           connector_key)
+from kvtier.config import (CONNECTOR_FIELDS, CONNECTOR_PEER_KEY, HiCacheConfig,
+                           HiCacheConfigRecord, connector_key)
 from kvtier.errors import ConfigError
 from kvtier.frontend.records import (AnswerFinal, InstanceSnapshot, L3Attachment, ReplicaConfig,
                                      ReplicaDescription, ReplicaFlush, ReplicaSnapshot,
@@ -85,6 +85,8 @@ def connector_config(s: ServeSettings, ray_address: str | None) -> dict[str, Any
         extra[connector_key("storage_backend")] = s.storage_backend.value
         extra[connector_key("storage_options")] = json.dumps(
             l3_options(s.storage_backend, s, None))
+    if s.peer_transport is not None:  # the engines read each other's host pools
+        extra[CONNECTOR_PEER_KEY] = s.peer_transport.value
     return extra
 
 

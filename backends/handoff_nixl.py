@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 BACKEND = "UCX"
 UCX_DEFAULTS = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma"}
+UCX_NO_IB = "^ib"  # UCX_MODULES with the default transports (see _ucx_env)
 PROGRESS_INTERVAL_S = 0.005  # a peer's first write waits up to this; ~1% of a core when idle
 _BUSY_POLL_S = 0.0002  # a poll that took this long moved data itself: poll again at once
 _MAX_SLEEP_S = 0.0002
@@ -69,8 +70,14 @@ _UNAVAILABLE_HINT = ("`pip install nixl` (the UCX plugin ships in the wheel), or
 
 
 def _ucx_env() -> None:
-    """Set UCX's defaults for a one-host deployment unless the operator set them."""
+    """Set UCX's defaults for a one-host deployment unless the operator set them. With the
+    default transports (tcp, cma) UCX's InfiniBand module is not loaded either (UCX_MODULES
+    `^ib`): it would load the system's libibverbs and libnl beside the copies the NIXL wheel
+    bundles, and the two libnl-route copies' exit-time destructors crashed every process
+    that had used NIXL (SIGSEGV in rtnl_tc_unregister at exit, measured with nixl 1.5.1)."""
     added = {k: v for k, v in UCX_DEFAULTS.items() if k not in os.environ}
+    if "UCX_TLS" in added and "UCX_MODULES" not in os.environ:
+        added["UCX_MODULES"] = UCX_NO_IB
     if added:
         os.environ.update(added)
         log.info("NIXL handoff: UCX settings not given, using %s", added)

@@ -7,10 +7,10 @@ every request, and is the only owner of slot assignments; every rank's host pool
 same slots (a rank holds its own KV heads of each).
 
 A slot is SAVING from the step that asked the ranks to copy a block into it until every rank
-reported it saved, or FETCHING from the step that asked them to read it from L3 until every
-rank read it; then HELD. Only HELD pages are hits. A HELD page is evicted least recently used
-first, and not while the ranks still write it to L3 (its `backing_up` votes are short of the
-ranks): its slot's bytes are being read.
+reported it saved, or FETCHING from the step that asked them to read it from L3 or a peer's L2
+until every rank read it; then HELD. Only HELD pages are hits. A HELD page is evicted least
+recently used first, and not while the ranks still write it to L3 (its `backing_up` votes are
+short of the ranks): its slot's bytes are being read.
 
 The index also keeps what the router must learn (`take_changes`): a page becomes HELD, is
 EVICTED from L2, or was STORED in L3 by every rank. Each change carries the page's
@@ -32,6 +32,20 @@ class SlotState(enum.Enum):
     SAVING = "saving"  # the ranks were asked to copy a block in; not a hit yet
     FETCHING = "fetching"  # the ranks were asked to read it from L3; not a hit yet
     HELD = "held"  # every rank holds its part: a hit
+
+
+class FetchSource(enum.Enum):
+    """Where a FETCHING slot's page is read from."""
+
+    L3 = "l3"
+    PEER = "peer"  # another instance's L2
+
+
+class FetchedPages(NamedTuple):
+    """Of some slots loaded for a request: how many were read for it from L3, from a peer."""
+
+    l3: int = 0
+    peer: int = 0
 
 
 class PageOrigin(NamedTuple):
@@ -64,7 +78,8 @@ class _Entry:
     backing_up: bool = False  # the ranks write it to L3: not evictable until they all did
     store_failed: bool = False  # some rank failed to write it to L3: not published
     dropped: bool = False  # forgotten while backing up: freed once the writes ended
-    from_l3: bool = False  # read from L3 and not loaded since: its first hit is L3's
+    source: FetchSource | None = None  # FETCHING: read from there; HELD: read from there
+    fresh: bool = False  # HELD after a fetch and not loaded since: its first hit is source's
 
 
 class L2Index:
@@ -105,14 +120,16 @@ class L2Index:
             slots.append(slot)
         return slots
 
-    def take_from_l3(self, slots: Sequence[int]) -> int:
-        """How many of `slots` were read from L3 and not loaded since (now they are)."""
-        count = 0
+    def take_fetched(self, slots: Sequence[int]) -> FetchedPages:
+        """How many of `slots` were read from L3 and from a peer and not loaded since (now
+        they are)."""
+        count = {FetchSource.L3: 0, FetchSource.PEER: 0}
         for slot in slots:
             entry = self._entries[slot]
-            count += entry.from_l3
-            entry.from_l3 = False
-        return count
+            if entry.fresh and entry.source is not None:
+                count[entry.source] += 1
+            entry.fresh = False
+        return FetchedPages(count[FetchSource.L3], count[FetchSource.PEER])
 
     def touch(self, slots: Sequence[int]) -> None:
         """Mark a prefix's slots used now; its deepest page becomes the first to go, so
@@ -122,11 +139,14 @@ class L2Index:
                 self._lru.move_to_end(slot)
 
     def reserve(self, keys: Sequence[str], state: SlotState = SlotState.SAVING,
-                origins: Sequence[PageOrigin] | None = None) -> list[int]:
-        """A slot in `state` (SAVING or FETCHING) for each key not already indexed, in order,
-        evicting as needed; stops early when nothing more can be evicted. Returns the slots
-        taken, one per key from the first, so the caller moves that many leading keys.
-        `origins`: each key's page, for the changes the router learns."""
+                origins: Sequence[PageOrigin] | None = None,
+                source: FetchSource | None = None) -> list[int]:
+        """A slot in `state` (SAVING, or FETCHING from `source`) for each key not already
+        indexed, in order, evicting as needed; stops early when nothing more can be evicted.
+        Returns the slots taken, one per key from the first, so the caller moves that many
+        leading keys. `origins`: each key's page, for the changes the router learns."""
+        if (state is SlotState.FETCHING) != (source is not None):
+            raise ValueError("a FETCHING slot needs the source it is read from, and only it")
         taken: list[int] = []
         for i, key in enumerate(keys):
             if key in self._by_key:
@@ -135,7 +155,8 @@ class L2Index:
             if slot is None:
                 break
             self._by_key[key] = slot
-            self._entries[slot] = _Entry(key, state, origins[i] if origins else None)
+            self._entries[slot] = _Entry(key, state, origins[i] if origins else None,
+                                         source=source)
             taken.append(slot)
         return taken
 
@@ -179,13 +200,13 @@ class L2Index:
                 self._lru[slot] = None
 
     def fetched(self, slots: Iterable[int], failed: Iterable[int]) -> list[int]:
-        """One vote per rank that read a FETCHING slot from L3: once every rank did, it is
-        HELD (returned). Failed fetches are freed."""
+        """One vote per rank that read a FETCHING slot in: once every rank did, it is HELD
+        (returned). Failed fetches are freed."""
         done = []
         for slot in slots:
             entry = self._entries.get(slot)
             if entry is not None and entry.state is SlotState.FETCHING and self._vote(entry):
-                entry.state, entry.from_l3 = SlotState.HELD, True
+                entry.state, entry.fresh = SlotState.HELD, True
                 self._lru[slot] = None
                 done.append(slot)
                 self._announce(L2ChangeKind.HELD, entry, last=True)

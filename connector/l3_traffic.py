@@ -10,7 +10,6 @@ the page key and the head's global index, so a page written at one TP size is re
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -18,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvtier.backends.base import KV_POOL, StorageBackend
+from kvtier.connector.job_thread import JobThread
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,9 @@ class L3Traffic:
         backend.register_pool(KV_POOL, HostPoolView(host), num_parts=2)
         self._report_stored = report_stored
         self._batch = max(1, backend.capabilities.max_batch_pages)
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._results = TrafficResults()
-        self._thread = threading.Thread(target=self._run, name="kvtier-l3", daemon=True)
-        self._thread.start()
+        self._jobs = JobThread("kvtier-l3", self._run)
 
     def store(self, keys: Sequence[str], slots: Sequence[int]) -> None:
         self._jobs.put(_Job(True, tuple(keys), tuple(slots)))
@@ -86,15 +84,13 @@ class L3Traffic:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the queued work, then stop."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
+        self._jobs.close(timeout_s)
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            for start in range(0, len(job.keys), self._batch):
-                part = _Job(job.write, job.keys[start:start + self._batch],
-                            job.slots[start:start + self._batch])
-                self._write(part) if part.write else self._read(part)
+    def _run(self, job: _Job) -> None:
+        for start in range(0, len(job.keys), self._batch):
+            part = _Job(job.write, job.keys[start:start + self._batch],
+                        job.slots[start:start + self._batch])
+            self._write(part) if part.write else self._read(part)
 
     def _write(self, job: _Job) -> None:
         try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.messages import PeerContact
+
 
 @dataclass(frozen=True)
 class PageLoad:
@@ -19,22 +21,28 @@ class PageLoad:
     slots: tuple[int, ...]
     blocks: tuple[int, ...]
     from_l3: int = 0  # how many of the slots were read from L3 for it (counted by tier)
+    from_peer: int = 0  # how many were read from a peer's L2 for it
 
 
 @dataclass(frozen=True)
 class PageSave:
-    """Copy full vLLM blocks into L2 slots after this step's forward (block i into slot i)."""
+    """Copy full vLLM blocks into L2 slots after this step's forward (block i into slot i,
+    which then holds the page keyed key i)."""
 
     blocks: tuple[int, ...]
     slots: tuple[int, ...]
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class PageFetch:
-    """Read pages from L3 into L2 slots (key i into slot i), in the background."""
+    """Read pages into L2 slots (key i into slot i), in the background: from L3, or with
+    `peer` from that peer's L2 (`first_page`: the prompt page key 0 is, for the logs)."""
 
     keys: tuple[str, ...]
     slots: tuple[int, ...]
+    peer: PeerContact | None = None
+    first_page: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,11 +82,11 @@ class WorkerReport:
     saved: frozenset[int] = field(default_factory=frozenset)
     failed_saves: frozenset[int] = field(default_factory=frozenset)
     failed_loads: frozenset[int] = field(default_factory=frozenset)  # L2 slots
-    # L3, finished in the background since the last report, so ranks report one slot in
-    # different steps: one entry per rank that finished it (the scheduler counts them)
+    # L3 and peers, finished in the background since the last report, so ranks report one
+    # slot in different steps: one entry per rank that finished it (the scheduler counts them)
     stored: tuple[int, ...] = ()  # slots whose objects the rank wrote, or gave up on
     failed_stores: frozenset[int] = field(default_factory=frozenset)  # of those: gave up on
-    fetched: tuple[int, ...] = ()  # slots the rank read from L3
+    fetched: tuple[int, ...] = ()  # slots the rank read from L3 or a peer
     failed_fetches: frozenset[int] = field(default_factory=frozenset)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":

@@ -13,8 +13,11 @@ L3, once every rank reported a page saved, the next plan has the ranks write it 
 
 L3: when L2's run of a prompt's pages ends early, `match` asks the namespace's directory how
 many of the following pages L3 holds (published by every rank of whoever wrote them), leases
-them and has the ranks read them into L2 slots in the background. A page read by every rank
-is an L2 page like any other. Until then `match` answers None (vLLM asks again next step) as
+them and has the ranks read them into L2 slots in the background. With peers on, it also asks
+which other instance lists the longest run of them in its L2, and when that run is longer
+than L3's the ranks read the pages from that peer's host pools instead (one-sided reads,
+verified: kvtier.connector.peer_traffic). A page read by every rank is an L2 page like any
+other. Until then `match` answers None (vLLM asks again next step) as
 long as the prefetch policy waits: `best_effort` never, `wait_complete` until the reads end,
 `timeout` until the config's length-dependent timeout; then it answers what L2 holds.
 
@@ -30,13 +33,21 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from kvtier.config import HiCacheConfig
-from kvtier.connector.l2_index import L2Change, L2Index, PageOrigin, SlotState
+from kvtier.connector.l2_index import FetchSource, L2Change, L2Index, PageOrigin, SlotState
 from kvtier.connector.plan import (PageFetch, PageLoad, PageSave, PageStore, StepPlan,
                                    WorkerReport)
 from kvtier.keys import KeyNamespace, page_hashes
+from kvtier.messages import PeerContact
 from kvtier.policies import PrefetchPolicy
+from kvtier.vllm_engine.cached import CachedBySource
 
 USES_PER_SLOT = 4  # write_through_selective: use counts kept, per L2 slot
+# A page a peer read failed on is not read from a peer again for this long: the holder's
+# listing in the directory catches up meanwhile (an evicted page leaves it within a report
+# interval, kvtier.actors.l3.l2_reporter), and a request waiting for it does not retry the
+# same failing read until its prefetch timeout.
+PEER_RETRY_AFTER_S = 2.0
+MAX_PEER_MISSES = 4096  # pages remembered so
 
 
 class L3Directory(Protocol):
@@ -50,6 +61,16 @@ class L3Directory(Protocol):
     def release(self, lease_id: str) -> None: ...
 
     def report_missing(self, keys: Sequence[str]) -> None: ...
+
+
+class PeerDirectory(Protocol):
+    """Who else holds a prompt's pages in L2, as the scheduler side sees the namespace's
+    directory. Never raises: a directory that cannot answer is a miss
+    (kvtier.actors.l3.connector_link)."""
+
+    def best_peer(self, keys: Sequence[str]) -> tuple[int, PeerContact | None]:
+        """(leading pages of `keys` the best other holder lists, how to reach it)"""
+        ...
 
 
 @dataclass(frozen=True)
@@ -69,14 +90,17 @@ class ConnectorCounts:
     requests: int = 0
     l2_hit_tokens: int = 0
     l3_hit_tokens: int = 0  # loaded from L2 slots read from L3 for the request
+    peer_hit_tokens: int = 0  # loaded from L2 slots read from a peer's L2 for the request
     saved_pages: int = 0
     loaded_pages: int = 0
     failed_saves: int = 0
     failed_loads: int = 0
     l3_lookups: int = 0
     l3_hit_pages: int = 0  # pages L3 said it holds past L2's run
-    fetched_pages: int = 0  # of those, read into L2 by every rank
+    fetched_pages: int = 0  # of those and of peers', read into L2 by every rank
     failed_fetches: int = 0
+    peer_lookups: int = 0
+    peer_hit_pages: int = 0  # pages a peer listed past L2's run and L3's, read from it
 
 
 @dataclass
@@ -87,8 +111,8 @@ class _Request:
     counted_pages: int = 0  # its pages counted as used (write_through_selective)
     match: tuple[int, list[int]] | None = None  # (first page, L2 slots) of the last match
     load: PageLoad | None = None  # waiting for the next plan
-    wait_until: float | None = None  # monotonic deadline of its L3 prefetch, if waiting
-    supplied: tuple[int, int] = (0, 0)  # tokens of its last load: from L2, read from L3
+    wait_until: float | None = None  # monotonic deadline of its prefetch, if waiting
+    supplied: CachedBySource = CachedBySource(0, 0)  # tokens of its last load, by source
 
 
 class SchedulerSide:
@@ -97,20 +121,25 @@ class SchedulerSide:
     def __init__(self, namespace: KeyNamespace, block_size: int, num_slots: int,
                  tp_size: int = 1, l3: L3Directory | None = None,
                  config: HiCacheConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`l3`: the namespace's directory when L3 is attached; `config`: its prefetch
-        policy and timeouts."""
+                 clock: Callable[[], float] = time.monotonic,
+                 peers: PeerDirectory | None = None) -> None:
+        """`l3`: the namespace's directory when L3 is attached; `peers`: the directory's
+        listing of other instances' L2 when the ranks read peers; `config`: the prefetch
+        policy and timeouts (peers' reads wait as L3's do)."""
         self.namespace = namespace
         self.block_size = block_size
         self.tp_size = tp_size
         self.index = L2Index(num_slots, tp_size)
         self.l3 = l3
+        self.peers = peers
         self.config = config or HiCacheConfig()
         self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._fetches: list[PageFetch] = []  # for the next plan
         self._stores: list[PageStore] = []  # for the next plan
-        self._fetching: dict[int, tuple[str, str]] = {}  # slot -> (page key, lookup lease)
+        # slot -> (page key, lookup lease, source) of the fetches running
+        self._fetching: dict[int, tuple[str, str, FetchSource]] = {}
+        self._peer_misses: OrderedDict[str, float] = OrderedDict()  # page -> when it failed
         # write_through_selective: a page is saved once this many requests used it (computed
         # or hit it); write_through: 1, every page once computed
         self._hot_after = self.config.write_through_hit_threshold or 1
@@ -140,7 +169,7 @@ class SchedulerSide:
         keys = self._keys(req, tokens, last_page)[first:last_page]
         slots = self.index.held_run(keys)
         rest = keys[len(slots):]
-        if rest and self.l3 is not None and self._waits(
+        if rest and (self.l3 is not None or self.peers is not None) and self._waits(
                 req, rest, tokens, first + len(slots)):
             return None
         req.wait_until = None
@@ -160,13 +189,13 @@ class SchedulerSide:
         return len(self.index.held_run(keys)) * self.block_size
 
     def _waits(self, req: _Request, rest: list[str], tokens: Sequence[int], page: int) -> bool:
-        """Whether to wait for L3 pages past L2's run (`rest`, from page `page` of `tokens`):
-        a fetch of the next page is running (started now when the directory has it) and the
-        policy waits for it."""
+        """Whether to wait for L3's or a peer's pages past L2's run (`rest`, from page `page`
+        of `tokens`): a fetch of the next page is running (started now when the directory
+        lists it) and the policy waits for it."""
         num_tokens = len(tokens)
         state = self.index.state(rest[0])
         if state is None:
-            if not self._fetch(rest, self._origins(req, tokens, page, len(rest))):
+            if not self._fetch(rest, self._origins(req, tokens, page, len(rest)), page):
                 return False
         elif state is not SlotState.FETCHING:
             return False  # being saved by another request: computed here, no wait
@@ -182,34 +211,57 @@ class SchedulerSide:
             return self.config.prefetch_timeout_max_s  # bounded all the same: a lost rank
         return self.config.prefetch_timeout_s(num_tokens)
 
-    def _fetch(self, keys: list[str], origins: list[PageOrigin]) -> bool:
-        """Start reading the leading pages of `keys` that L3 holds into L2; whether any."""
-        assert self.l3 is not None
-        self._counts.l3_lookups += 1
-        hit, lease = self.l3.lookup(keys)
+    def _fetch(self, keys: list[str], origins: list[PageOrigin], page: int) -> bool:
+        """Start reading the leading pages of `keys` (prompt page `page` on) that L3 holds,
+        or a peer's L2 when it lists more of them, into L2; whether any."""
+        hit, lease = 0, ""
+        if self.l3 is not None:
+            self._counts.l3_lookups += 1
+            hit, lease = self.l3.lookup(keys)
+        peer = None
+        if self.peers is not None and hit < len(keys) and not self._peer_missed(keys[hit]):
+            self._counts.peer_lookups += 1
+            listed, contact = self.peers.best_peer(keys)
+            if contact is not None and min(listed, len(keys)) > hit:
+                hit, peer = min(listed, len(keys)), contact
+                lease = self._release(lease)
         if hit == 0:
-            if lease:
-                self.l3.release(lease)
+            self._release(lease)
             return False
         wanted = []
         for key in keys[:hit]:  # up to a page another request is moving already
             if key in self.index:
                 break
             wanted.append(key)
-        slots = self.index.reserve(wanted, SlotState.FETCHING, origins[:len(wanted)])
+        source = FetchSource.L3 if peer is None else FetchSource.PEER
+        slots = self.index.reserve(wanted, SlotState.FETCHING, origins[:len(wanted)], source)
         if not slots:
-            self.l3.release(lease)
+            self._release(lease)
             return False
-        self._counts.l3_hit_pages += len(slots)
-        self._fetches.append(PageFetch(tuple(wanted[:len(slots)]), tuple(slots)))
-        self._fetching.update({slot: (key, lease) for slot, key in zip(slots, wanted)})
+        if peer is None:
+            self._counts.l3_hit_pages += len(slots)
+        else:
+            self._counts.peer_hit_pages += len(slots)
+        self._fetches.append(PageFetch(tuple(wanted[:len(slots)]), tuple(slots), peer, page))
+        self._fetching.update({slot: (key, lease, source) for slot, key in zip(slots, wanted)})
         return True
+
+    def _peer_missed(self, key: str) -> bool:
+        """Whether a peer read of page `key` failed in the last PEER_RETRY_AFTER_S."""
+        at = self._peer_misses.get(key)
+        return at is not None and self._clock() - at < PEER_RETRY_AFTER_S
+
+    def _release(self, lease: str) -> str:
+        """Give an L3 look-up's lease back (nothing to do for none); ''."""
+        if lease and self.l3 is not None:
+            self.l3.release(lease)
+        return ""
 
     def allocated(self, req_id: str, blocks: Sequence[int], external_tokens: int) -> None:
         """vLLM gave the request `blocks` and will take `external_tokens` from the connector:
         the next plan loads them."""
         req = self._requests[req_id]
-        req.supplied = (0, 0)
+        req.supplied = CachedBySource(0, 0)
         pages = external_tokens // self.block_size
         if pages == 0 or req.match is None:
             return
@@ -218,19 +270,22 @@ class SchedulerSide:
             raise ValueError(f"vLLM asked request {req_id} for {pages} pages from the "
                              f"connector, which matched {len(slots)}")
         self.index.touch(slots[:pages])
-        from_l3 = self.index.take_from_l3(slots[:pages])
+        fetched = self.index.take_fetched(slots[:pages])
         req.load = PageLoad(req_id, tuple(slots[:pages]), tuple(blocks[first:first + pages]),
-                            from_l3)
-        req.supplied = ((pages - from_l3) * self.block_size, from_l3 * self.block_size)
-        self._counts.l2_hit_tokens += (pages - from_l3) * self.block_size
-        self._counts.l3_hit_tokens += from_l3 * self.block_size
+                            fetched.l3, fetched.peer)
+        bs = self.block_size
+        req.supplied = CachedBySource((pages - fetched.l3 - fetched.peer) * bs,
+                                      fetched.l3 * bs, fetched.peer * bs)
+        self._counts.l2_hit_tokens += req.supplied.host
+        self._counts.l3_hit_tokens += req.supplied.storage
+        self._counts.peer_hit_tokens += req.supplied.peer
         self._counts.loaded_pages += pages
 
-    def supplied(self, req_id: str) -> tuple[int, int]:
-        """(tokens from L2, tokens read from L3 for it) the request's last allocation took
-        from the connector (vLLM asks right after it, and again when the request ends)."""
+    def supplied(self, req_id: str) -> CachedBySource:
+        """The tokens the request's last allocation took from the connector, by where they
+        were (vLLM asks right after it, and again when the request ends)."""
         req = self._requests.get(req_id)
-        return (0, 0) if req is None else req.supplied
+        return CachedBySource(0, 0) if req is None else req.supplied
 
     def plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's copies: the loads `allocated` asked for, then a save of every block
@@ -257,9 +312,16 @@ class SchedulerSide:
         done = self.index.fetched(report.fetched, report.failed_fetches)
         self._counts.fetched_pages += len(done)
         self._counts.failed_fetches += len(report.failed_fetches)
-        missing = [self._fetching[s][0] for s in report.failed_fetches if s in self._fetching]
+        unread = [self._fetching[s] for s in report.failed_fetches if s in self._fetching]
+        missing = [key for key, _, source in unread if source is FetchSource.L3]
         if missing and self.l3 is not None:  # the directory unpublishes them: no retry loop
             self.l3.report_missing(missing)
+        for key, _, source in unread:
+            if source is FetchSource.PEER:
+                self._peer_misses[key] = self._clock()
+                self._peer_misses.move_to_end(key)
+        while len(self._peer_misses) > MAX_PEER_MISSES:
+            self._peer_misses.popitem(last=False)
         self._end_leases([*done, *report.failed_fetches])
         dropped = self.index.drop_slots(report.failed_loads)
         self._counts.failed_saves += len(failed)
@@ -268,9 +330,8 @@ class SchedulerSide:
     def _end_leases(self, slots: Sequence[int]) -> None:
         """Release a lookup's lease once none of its slots is still being read."""
         ended = {self._fetching.pop(s)[1] for s in slots if s in self._fetching}
-        for lease in ended - {lease for _, lease in self._fetching.values()}:
-            if lease and self.l3 is not None:
-                self.l3.release(lease)
+        for lease in ended - {lease for _, lease, _ in self._fetching.values()}:
+            self._release(lease)
 
     def finish(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -297,7 +358,8 @@ class SchedulerSide:
         if not slots:
             return None
         self._counts.saved_pages += len(slots)
-        return PageSave(tuple(step.blocks[p] for p in new[:len(slots)]), tuple(slots))
+        return PageSave(tuple(step.blocks[p] for p in new[:len(slots)]), tuple(slots),
+                        tuple(keys[p] for p in new[:len(slots)]))
 
     def _count_uses(self, req: _Request, keys: Sequence[str], pages: int) -> None:
         """The request used its pages before `pages` (once each): their use counts grow

@@ -6,19 +6,22 @@ SGLang's flags without their dashes (`hicache_ratio`, `hicache_size`, `hicache_w
 `kvtier serve`; `ray_address` names the Ray cluster of the L3 namespace actor, `l3_actor`
 that actor (kvtier's default name) and `l3_state_dir` where it keeps its registry when this
 engine starts it (default: beside a file or nixl L3's pages, as `kvtier serve` keeps it, so
-another L3 directory starts another registry). See docs/vllm.md for what each does under vLLM.
+another L3 directory starts another registry). `peer_transport` (`nixl` or `mooncake`) turns
+peer-to-peer L2 on: the engine reads the pages other engines of its namespace hold in their
+host pools, and lends its own. See docs/vllm.md for what each does under vLLM.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvtier.config import CONNECTOR_FIELDS, GB, HiCacheConfig, connector_key
+from kvtier.config import CONNECTOR_FIELDS, CONNECTOR_PEER_KEY, GB, HiCacheConfig, connector_key
 from kvtier.errors import ConfigError
-from kvtier.policies import WritePolicy
+from kvtier.policies import HandoffTransportKind, StorageBackendKind, WritePolicy
 
 CONNECTOR = "KvtierConnector"
 _KEYS = {connector_key(f): f for f in CONNECTOR_FIELDS}
@@ -26,7 +29,13 @@ RAY_ADDRESS = "ray_address"
 L3_ACTOR = "l3_actor"
 L3_STATE_DIR = "l3_state_dir"
 STATE_DIR_NAME = ".kvtier-l3-state"  # beside a file or nixl L3's pages, as kvtier serve's
-_OWN_KEYS = (RAY_ADDRESS, L3_ACTOR, L3_STATE_DIR)
+# With L3 off and peers on, engines find each other through the namespace actor's directory
+# of a namespace registered as a file one (the actor opens a backend for every namespace)
+# under `ConnectorSettings.directory_root`, which nothing writes: no worker attaches it.
+DIRECTORY_BACKEND = StorageBackendKind.FILE
+DIRECTORY_ROOT_NAME = "kvtier-peer-directory"
+_OWN_KEYS = (RAY_ADDRESS, L3_ACTOR, L3_STATE_DIR, CONNECTOR_PEER_KEY)
+_STRING_KEYS = (RAY_ADDRESS, L3_ACTOR, L3_STATE_DIR)
 
 
 @dataclass(frozen=True)
@@ -35,10 +44,21 @@ class ConnectorSettings:
     ray_address: str | None = None
     l3_actor: str | None = None  # None: the namespace actor's default name
     l3_state_dir: str | None = None  # where a namespace actor it starts keeps its registry
+    peer: HandoffTransportKind | None = None  # peer-to-peer L2 over it (None: off)
 
     @property
     def l3(self) -> bool:
         return self.cache.storage_backend is not None
+
+    @property
+    def directory(self) -> bool:
+        """Whether the engine uses the L3 namespace actor's directory (L3 or peers on)."""
+        return self.l3 or self.peer is not None
+
+    def directory_root(self) -> str:
+        """L3 off, peers on: the root the namespace is registered on (the same for every
+        engine of a host that gives no `l3_state_dir`; nothing is written there)."""
+        return os.path.join(self.l3_state_dir or tempfile.gettempdir(), DIRECTORY_ROOT_NAME)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -57,7 +77,7 @@ class ConnectorSettings:
                               f"is not available under vLLM (vLLM does not tell a connector "
                               f"when it evicts a block); use write_through or "
                               f"write_through_selective")
-        for key in _OWN_KEYS:
+        for key in _STRING_KEYS:
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise ConfigError(f"{CONNECTOR}: {key} must be a string (e.g. ray_address "
                                   f"'127.0.0.1:6379'), got {extra[key]!r}")
@@ -66,7 +86,13 @@ class ConnectorSettings:
                 if cache.storage_options is not None else None)
         if state_dir is None and isinstance(root, str):
             state_dir = os.path.join(root, STATE_DIR_NAME)
-        return cls(cache, extra.get(RAY_ADDRESS), extra.get(L3_ACTOR), state_dir)
+        peer = extra.get(CONNECTOR_PEER_KEY)
+        peer = None if peer is None else HandoffTransportKind.parse(peer, CONNECTOR_PEER_KEY)
+        if peer is HandoffTransportKind.SIMULATED:
+            raise ConfigError(f"{CONNECTOR}: {CONNECTOR_PEER_KEY} simulated moves bytes within "
+                              "one process, and vLLM engines are separate processes; use nixl "
+                              "or mooncake")
+        return cls(cache, extra.get(RAY_ADDRESS), extra.get(L3_ACTOR), state_dir, peer)
 
     def host_slots(self, device_blocks: int, slot_bytes: int) -> int:
         """Host-pool slots per rank: `hicache_size` GB of `slot_bytes` pages, else

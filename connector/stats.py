@@ -19,6 +19,8 @@ FAMILIES = (
      "Prompt tokens the connector loaded into vLLM's blocks, by tier"),
     ("vllm:kvtier_hit_tokens", {"tier": "storage"}, "l3_hit_tokens",
      "Prompt tokens the connector loaded into vLLM's blocks, by tier"),
+    ("vllm:kvtier_hit_tokens", {"tier": "peer"}, "peer_hit_tokens",
+     "Prompt tokens the connector loaded into vLLM's blocks, by tier"),
     ("vllm:kvtier_backup_tokens", {}, "backup_tokens", "Tokens of full blocks saved into L2"),
     ("vllm:kvtier_load_failed_tokens", {}, "failed_load_tokens",
      "Tokens whose load failed; vLLM recomputed them"),

@@ -23,22 +23,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
                                                                   KVConnectorStats)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.connector.identity import BlockIdentity, block_namespace
 from kvtier.connector.l2_index import L2Change, L2ChangeKind
 from kvtier.connector.l3_traffic import L3Traffic
+from kvtier.connector.peer_traffic import PeerTraffic
 from kvtier.connector.plan import StepPlan, WorkerReport
-from kvtier.connector.scheduler_side import L3Directory, ScheduledRequest, SchedulerSide
-from kvtier.connector.settings import CONNECTOR, ConnectorSettings
+from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
+from kvtier.connector.settings import CONNECTOR, DIRECTORY_BACKEND, ConnectorSettings
 from kvtier.connector.stats import FAMILIES
 from kvtier.vllm_engine.copy_stats import CopyStats
 from kvtier.connector.worker_side import WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import NamespaceSpec
-from kvtier.vllm_engine.cached import CachedBySource
+from kvtier.messages import NamespaceInfo, NamespaceSpec
+from kvtier.tiers.peer_pages import PeerLender, PeerReader
 
 if TYPE_CHECKING:
+    from kvtier.actors.l3.connector_link import DirectoryLink
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
@@ -195,16 +198,22 @@ class KvtierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._report = WorkerReport()
-        self._l2_reporter: Any = None  # an L2Reporter with L3: the directory learns our L2
+        self._l2_reporter: Any = None  # an L2Reporter with L3 or peers: the directory
+        # learns our L2
+        self._lending: tuple[Any, Any] | None = None  # a worker's (PeerLender, endpoint)
         if role is KVConnectorRole.SCHEDULER:
             self._recompute_failed_loads()
             self._requests: dict[str, "Request"] = {}
             self._blocks: dict[str, list[int]] = {}
+            link = self._directory(spec)
             self._scheduler = SchedulerSide(self._namespace, self._block_size, self._slots,
-                                            self._tp_size, self._directory(spec),
-                                            self._settings.cache)
-            log.info("%s: L2 of %d pages of %d tokens per rank%s", CONNECTOR, self._slots,
-                     self._block_size, ", L3 attached" if self._settings.l3 else "")
+                                            self._tp_size, link if self._settings.l3 else None,
+                                            self._settings.cache,
+                                            peers=link if self._settings.peer else None)
+            log.info("%s: L2 of %d pages of %d tokens per rank%s%s", CONNECTOR, self._slots,
+                     self._block_size, ", L3 attached" if self._settings.l3 else "",
+                     f", peers over {self._settings.peer.value}" if self._settings.peer
+                     else "")
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -224,45 +233,88 @@ class KvtierConnector(KVConnectorBase_V1):
                      config.kv_load_failure_policy)
             object.__setattr__(config, "kv_load_failure_policy", "recompute")
 
-    def _l3_spec(self, spec: Any) -> NamespaceSpec:
-        """The L3 namespace of this engine's blocks (every process computes the same)."""
-        cache = self._settings.cache
-        assert cache.storage_backend is not None and cache.storage_options is not None
+    def _namespace_spec(self, spec: Any) -> NamespaceSpec:
+        """The L3 namespace of this engine's blocks (every process computes the same). With
+        L3 off and peers on, the namespace whose directory alone the engines find each other
+        through: registered on a file root (`directory_root`) that nothing writes."""
+        s = self._settings
+        cache = s.cache
+        if cache.storage_backend is None:
+            backend, options = DIRECTORY_BACKEND, {"root_dir": s.directory_root()}
+        else:
+            assert cache.storage_options is not None
+            backend, options = cache.storage_backend, cache.storage_options.to_dict()
         ns = self._namespace
         page_bytes = spec.page_size_bytes * self._vllm_config.model_config.get_num_layers(
             self._vllm_config.parallel_config) * self._tp_size
-        return NamespaceSpec(ns.model, ns.tenant_salt, ns.layout_fingerprint,
-                             cache.storage_backend, cache.storage_options.to_dict(),
+        return NamespaceSpec(ns.model, ns.tenant_salt, ns.layout_fingerprint, backend, options,
                              kv_heads=self._total_heads, page_bytes=page_bytes)
 
-    def _directory(self, spec: Any) -> L3Directory | None:
-        """The scheduler side's link to the namespace's directory (None: no L3)."""
-        if not self._settings.l3:
-            return None
-        from kvtier.actors.l3.connector_link import DirectoryLink, register_namespace
+    def _register_namespace(self, spec: Any) -> NamespaceInfo:
+        from kvtier.actors.l3.connector_link import register_namespace
 
         s = self._settings
-        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor,
+        return register_namespace(s.ray_address, self._namespace_spec(spec), s.l3_actor,
                                   s.l3_state_dir)
-        link = DirectoryLink(s.ray_address, info.namespace, s.l3_actor)
-        # listed under vLLM's engine id (kv_transfer_config.engine_id; kvtier serve: the
-        # instance's name)
-        self._l2_reporter = link.l2_reporter(str(self._kv_transfer_config.engine_id))
+
+    @property
+    def _holder(self) -> str:
+        """This engine's name in the directory's L2 listing: vLLM's engine id
+        (kv_transfer_config.engine_id; kvtier serve: the instance's name)."""
+        return str(self._kv_transfer_config.engine_id)
+
+    def _directory(self, spec: Any) -> "DirectoryLink | None":
+        """The scheduler side's link to the namespace's directory (None: neither L3 nor
+        peers)."""
+        if not self._settings.directory:
+            return None
+        from kvtier.actors.l3.connector_link import DirectoryLink
+
+        s = self._settings
+        info = self._register_namespace(spec)
+        link = DirectoryLink(s.ray_address, info.namespace, s.l3_actor, self._holder)
+        self._l2_reporter = link.l2_reporter()
         return link
 
     def _attach_l3(self, worker: WorkerSide) -> None:
         """This worker's storage client (its own KV heads) and background traffic."""
-        from kvtier.actors.l3.connector_link import WorkerStorage, register_namespace
+        from kvtier.actors.l3.connector_link import WorkerStorage
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         s = self._settings
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        info = register_namespace(s.ray_address, self._l3_spec(spec), s.l3_actor,
-                                  s.l3_state_dir)
+        info = self._register_namespace(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec)
         heads = HeadRange.of_rank(self._total_heads, get_tensor_model_parallel_rank(),
                                   self._tp_size)
         storage = WorkerStorage(s.ray_address, info, heads, s.l3_actor)
         worker.attach_l3(L3Traffic(storage.backend, worker.host, storage.report_stored))
+
+    def _attach_peers(self, worker: WorkerSide) -> None:
+        """This worker lends its host pool to the namespace's other engines and reads
+        theirs, over an endpoint of its own (kvtier.connector.peer_traffic)."""
+        from kvtier.actors.l3.connector_link import register_peer
+        from kvtier.actors.l3.peer_link import PEER_READ_TIMEOUT_S
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        s = self._settings
+        assert s.peer is not None
+        info = self._register_namespace(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+        rank = get_tensor_model_parallel_rank()
+        heads = HeadRange.of_rank(self._total_heads, rank, self._tp_size)
+        endpoint = open_endpoint(s.peer, f"vllm-{self._holder}-{rank}")
+        lender = None
+        try:
+            lender = PeerLender(worker.peer_pool, endpoint, heads, worker.lend)
+            reader = PeerReader(worker.peer_pool, endpoint, heads, PEER_READ_TIMEOUT_S)
+            worker.attach_peers(PeerTraffic(reader))
+            register_peer(s.ray_address, info.namespace, self._holder,
+                          lender.contact(rank, self._tp_size, f"vllm worker {rank}"),
+                          s.l3_actor)
+        except BaseException:
+            if lender is not None:
+                lender.close()
+            endpoint.close()
+            raise
+        self._lending = (lender, endpoint)
 
     @staticmethod
     def _key_namespace(vllm_config: "VllmConfig", spec: Any) -> KeyNamespace:
@@ -301,9 +353,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: "Request",
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Tokens from pages L2 held as host hits, from pages read from L3 for the request as
-        disk hits (vLLM's nearest word for shared storage)."""
-        from_l2, from_l3 = self._sched.supplied(request.request_id)
-        sources = {CacheHitSource.HOST: from_l2, CacheHitSource.DISK: from_l3}
+        disk hits (vLLM's nearest word for shared storage), from pages read from a peer's
+        L2 for it as P2P hits."""
+        supplied = self._sched.supplied(request.request_id)
+        sources = {CacheHitSource.HOST: supplied.host, CacheHitSource.DISK: supplied.storage,
+                   CacheHitSource.P2P: supplied.peer}
         return {source: n for source, n in sources.items() if n}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierStepMeta:
@@ -350,7 +404,7 @@ class KvtierConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
-        supplied = CachedBySource(*self._sched.supplied(request.request_id))
+        supplied = self._sched.supplied(request.request_id)
         self._sched.finish(request.request_id)
         return False, supplied.to_params() if any(supplied) else None
 
@@ -372,6 +426,8 @@ class KvtierConnector(KVConnectorBase_V1):
                                   expected=expected)  # the layout, told from the shapes
         if self._settings.l3:
             self._attach_l3(self._worker)
+        if self._settings.peer is not None:
+            self._attach_peers(self._worker)
         log.info("%s: host pool of %d pages, %.1f MB; vLLM's KV in the %s layout", CONNECTOR,
                  self._slots, self._slots * self._worker.shape.slot_bytes / 1e6,
                  self._worker.layout.value)
@@ -394,6 +450,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._lending is not None:  # after the reads: they use the endpoint
+            lender, endpoint = self._lending
+            lender.close()
+            endpoint.close()
+            self._lending = None
         if self._l2_reporter is not None:  # the directory forgets our L2
             self._l2_reporter.close()
             self._l2_reporter = None

@@ -17,6 +17,12 @@ pool is pinned and they go layer by layer on a stream of their own, each layer's
 by an event; vLLM calls `wait_for_layer_load` before each layer's attention, and the compute
 stream waits for that layer's event only (`wait_layer`), so layer 0 computes while later
 layers still copy.
+
+With peers on, the rank keeps a table of what its slots hold (tiers/peer_table.py) for
+other engines to look up and read with one-sided reads: a slot's row is cleared before a
+save or a fetch writes the slot and listed, with the sums of its bytes, once the write
+landed; a reader that looked a row up before it was cleared finds the new bytes do not
+match its sums (a miss, never wrong bytes).
 """
 from __future__ import annotations
 
@@ -29,9 +35,11 @@ from typing import Mapping, Sequence
 import torch
 
 from kvtier.connector.l3_traffic import L3Traffic
+from kvtier.connector.peer_traffic import HostPeerPool, PeerTraffic
 from kvtier.connector.plan import PageLoad, PageSave, StepPlan, WorkerReport
 from kvtier.vllm_engine.copy_stats import CopyStats
 from kvtier.errors import ConfigError
+from kvtier.tiers.peer_table import PeerTable
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -160,6 +168,10 @@ class WorkerSide:
         self._page_tokens = block_size if counts_tokens else 0
         self._stats = CopyStats()
         self.l3: L3Traffic | None = None  # attach_l3
+        self.peers: PeerTraffic | None = None  # attach_peers
+        self.table: PeerTable | None = None  # lend: the table of what the slots hold
+        self.peer_pool = HostPeerPool(self.host)  # the host pool as peers read it
+        self._fetch_keys: dict[int, str] = {}  # slot -> the page a fetch reads into it
 
     def load(self, loads: Sequence[PageLoad]) -> frozenset[int]:
         """Copy L2 slots into vLLM blocks; returns the slots that could not be loaded (their
@@ -174,9 +186,10 @@ class WorkerSide:
                 self.failed_blocks.update(load.blocks)
                 self._count(CopyStats(failed_load_tokens=len(load.slots) * self._page_tokens))
                 continue
-            l2_pages = len(load.slots) - load.from_l3
+            l2_pages = len(load.slots) - load.from_l3 - load.from_peer
             self._count(CopyStats(hit_tokens=l2_pages * self._page_tokens,
                                   l3_hit_tokens=load.from_l3 * self._page_tokens,
+                                  peer_hit_tokens=load.from_peer * self._page_tokens,
                                   load_back_bytes=len(load.slots) * self.shape.slot_bytes,
                                   load_back_seconds=time.perf_counter() - start))
         return frozenset(failed)
@@ -187,12 +200,14 @@ class WorkerSide:
         failed: set[int] = set()
         for save in saves:
             start = time.perf_counter()
+            self._unlist(save.slots)
             try:
                 self._copy_out(save.blocks, save.slots)
             except (RuntimeError, IndexError):
                 failed.update(save.slots)
                 continue
             saved.update(save.slots)
+            self._list(save.slots, save.keys)
             self._count(CopyStats(backup_tokens=len(save.slots) * self._page_tokens,
                                   backup_bytes=len(save.slots) * self.shape.slot_bytes,
                                   backup_seconds=time.perf_counter() - start))
@@ -203,14 +218,29 @@ class WorkerSide:
         this pool registered)."""
         self.l3 = traffic
 
+    def attach_peers(self, traffic: PeerTraffic) -> None:
+        """Read the pages a plan fetches from peers through `traffic`."""
+        self.peers = traffic
+
+    def lend(self, table: PeerTable | None) -> None:
+        """Keep `table` listing what the slots hold from now on (None: stop); a
+        `PeerLender`'s publish hook, called before the first step."""
+        self.table = table
+
     def begin_step(self, plan: StepPlan) -> None:
-        """Before the forward: the plan's loads; its L3 writes and reads start in the
-        background (after the loads: a slot a load reads may be refilled next)."""
+        """Before the forward: the plan's loads; its L3 writes and its reads from L3 and
+        peers start in the background (after the loads: a slot a load reads may be refilled
+        next)."""
         self._failed_loads |= self.load(plan.loads)
         for store in plan.stores:
             self._traffic.store(store.keys, store.slots)
         for fetch in plan.fetches:
-            self._traffic.fetch(fetch.keys, fetch.slots)
+            self._unlist(fetch.slots)
+            self._fetch_keys.update(zip(fetch.slots, fetch.keys))
+            if fetch.peer is None:
+                self._traffic.fetch(fetch.keys, fetch.slots)
+            else:
+                self._peer_traffic.fetch(fetch.peer, fetch.keys, fetch.first_page, fetch.slots)
 
     def end_step(self, plan: StepPlan) -> WorkerReport:
         """After the forward: the plan's saves, and the step's report with the L3 work
@@ -221,13 +251,36 @@ class WorkerSide:
             self._pinned.clear()
         saved, failed = self.save(plan.saves)
         l3 = self.l3.take() if self.l3 is not None else None
+        peers = self.peers.take() if self.peers is not None else None
+        fetched = [*(l3.fetched if l3 else ()), *(peers.fetched if peers else ())]
+        failed_fetches = (l3.failed_fetches if l3 else set()) | (peers.failed if peers else set())
+        self._list(fetched, [self._fetch_keys.pop(slot, "") for slot in fetched])
+        for slot in failed_fetches:
+            self._fetch_keys.pop(slot, None)
         report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads,
                               stored=tuple(l3.stored) if l3 else (),
                               failed_stores=frozenset(l3.failed_stores) if l3 else frozenset(),
-                              fetched=tuple(l3.fetched) if l3 else (),
-                              failed_fetches=frozenset(l3.failed_fetches) if l3 else frozenset())
+                              fetched=tuple(fetched), failed_fetches=frozenset(failed_fetches))
         self._failed_loads = frozenset()
         return report
+
+    def _unlist(self, slots: Sequence[int]) -> None:
+        """Before slots are written: peers no longer find what they held."""
+        if self.table is not None:
+            self.table.clear(slots)
+
+    def _list(self, slots: Sequence[int], keys: Sequence[str]) -> None:
+        """Slots now hold the pages keyed `keys` (whole, on this rank): peers find them, with
+        the sums of their bytes ('' keys: a page whose key was not given, left unlisted)."""
+        if self.table is None:
+            return
+        pairs = [(slot, key) for slot, key in zip(slots, keys) if key]
+        if not pairs:
+            return
+        listed = [slot for slot, _ in pairs]
+        heads = range(self.shape.kv_heads)
+        self.table.publish(listed, [key for _, key in pairs],
+                           self.peer_pool.head_sums(listed, heads))
 
     @property
     def _traffic(self) -> L3Traffic:
@@ -236,7 +289,16 @@ class WorkerSide:
                                "attached: the scheduler and the workers disagree on L3")
         return self.l3
 
+    @property
+    def _peer_traffic(self) -> PeerTraffic:
+        if self.peers is None:
+            raise RuntimeError("the plan reads pages from a peer, but this worker reads none: "
+                               "the scheduler and the workers disagree on peers")
+        return self.peers
+
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         if self.l3 is not None:
             self.l3.close()
 

@@ -217,9 +217,6 @@ class ServeSettings:
         if not self.enable_hierarchical_cache:
             raise ConfigError("peer_transport: peers read each other's L2, and the cache is "
                               "off (L1 only); drop one of them")
-        if self.engine is EngineKind.VLLM:
-            raise ConfigError("peer_transport: vLLM instances do not read each other's L2 "
-                              "yet (only kvtier's engine); drop it")
         if self.pd_transport is not None:
             raise ConfigError("peer_transport: a prefill/decode graph moves KV by its "
                               "hand-off; peer-to-peer L2 is for instances that do both")

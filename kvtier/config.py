@@ -49,6 +49,10 @@ CONNECTOR_FIELDS = ("hicache_ratio", "hicache_size_gb", "write_policy", "prefetc
                     "storage_backend", "storage_options")
 
 
+# the kv_connector_extra_config key that turns peer-to-peer L2 on: "nixl" or "mooncake"
+CONNECTOR_PEER_KEY = "peer_transport"
+
+
 def connector_key(field: str) -> str:
     """The kv_connector_extra_config key of field `field`: its flag, as a key
     (`--hicache-storage-backend` -> `hicache_storage_backend`)."""

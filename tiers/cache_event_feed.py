@@ -8,7 +8,7 @@ computed (hashing walks a node's whole prefix).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvtier.keys import KeyNamespace
 from kvtier.policies import CacheEventKind, CacheTier
@@ -38,9 +38,11 @@ class CacheEventFeed:
         keys = self.namespace.page_hashes(node_tokens(node), self.page_size, node.salt)
         return keys[len(keys) - pages:]
 
-    def on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
+    def on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode,
+                      hashes: Sequence[str] | None = None) -> None:
+        """Tell the listener; `hashes`: the node's, when the caller took them already."""
         if self.listener is not None:
-            self.listener(kind, tier, self.node_hashes(node))
+            self.listener(kind, tier, self.node_hashes(node) if hashes is None else hashes)
 
     def host_landed(self, hashes: list[str] | None) -> None:
         """An L1->L2 copy landed (its hashes were taken when it started: the node may have

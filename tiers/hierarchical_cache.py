@@ -611,10 +611,13 @@ class HierarchicalCache:
         self.tree.listener = self._on_tree_event if self._wants_hashes else None
 
     def _on_tree_event(self, kind: CacheEventKind, tier: CacheTier, node: TreeNode) -> None:
-        self.events.on_tree_event(kind, tier, node)
-        if self._table is not None and kind is CacheEventKind.STORED and \
-                tier is CacheTier.HOST and not self.copies.in_flight(node.host_value):
-            self._publish(node.host_value, self.events.node_hashes(node))
+        if self._table is None or kind is not CacheEventKind.STORED or \
+                tier is not CacheTier.HOST or self.copies.in_flight(node.host_value):
+            self.events.on_tree_event(kind, tier, node)
+            return
+        hashes = self.events.node_hashes(node)  # once, for the listener and the table
+        self.events.on_tree_event(kind, tier, node, hashes)
+        self._publish(node.host_value, hashes)
 
     # ---- peer-to-peer L2: the table of what L2 holds (tiers/peer_table.py) -----------------
     def publish_l2(self, table: PeerTable | None) -> None:

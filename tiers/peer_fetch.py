@@ -38,8 +38,8 @@ class PeerReadResult(Protocol):
 class PeerPages(Protocol):
     """This rank's reader of peers' L2 pages (tiers/peer_pages.PeerReader)."""
 
-    def read_into(self, contact: PeerContact, tokens: Sequence[int], salt: str,
-                  first_page: int, host_pages: Sequence[int]) -> PeerReadResult: ...
+    def read(self, contact: PeerContact, keys: Sequence[str], first_page: int,
+             pages: Sequence[int]) -> PeerReadResult: ...
 
 
 # How long a transport may go on writing after a read it was asked to give up timed out
@@ -58,32 +58,27 @@ def _after(seconds: float) -> Future:
 
 
 class PeerFetch(NamedTuple):
-    """A prefetch from a peer: whose L2 (`contact`), the prompt's `tokens` and cache `salt`,
-    and the prompt page the op's first page is (`first_page`)."""
+    """A prefetch from a peer: whose L2 (`contact`), and the prompt page the op's first page
+    is (`first_page`); the op's keys are the pages' chain keys."""
 
     contact: PeerContact
-    tokens: tuple
-    salt: str
     first_page: int
 
 
 class PeerWorker(StorageWorker):
     """A storage worker whose prefetch batches read from a peer's L2 (never backs up)."""
 
-    def __init__(self, reader: PeerPages, page_size: int, batch_pages: int = 128) -> None:
+    def __init__(self, reader: PeerPages, batch_pages: int = 128) -> None:
         super().__init__(None, batch_pages)  # type: ignore[arg-type] - no backend: peers
         self.reader = reader
-        self.page_size = page_size
 
     def _move(self, op: StorageOp, start: int, pages: list[int],
               is_prefetch: bool) -> TransferResult:
         fetch = op.payload
         if not is_prefetch or not isinstance(fetch, PeerFetch):
             raise TypeError("a peer worker only prefetches PeerFetch ops")
-        first = fetch.first_page + start
-        end_tokens = (first + len(pages)) * self.page_size
-        read = self.reader.read_into(fetch.contact, fetch.tokens[:end_tokens], fetch.salt,
-                                     first, pages)
+        keys = op.keys[start:start + len(pages)]
+        read = self.reader.read(fetch.contact, keys, fetch.first_page + start, pages)
         if read.transport_may_write:
             raise PagesStillInUse(f"a read from peer {fetch.contact.holder} timed out and its "
                                   "transport may still write the pages",

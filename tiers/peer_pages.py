@@ -20,14 +20,14 @@ The protocol, per reader rank and prompt; nothing on the holder takes part:
 Nothing holds the listed pages on the holder between the look-up and the read: a holder that
 evicts one and reuses its page meanwhile is caught by the sums (the read then ends before
 that page), and a holder must not wait on a peer to manage its own L2. A holder busy in a
-long step, or stopped, is read as fast as an idle one.
+long step is read as fast as an idle one (over NIXL's shared-memory path even a stopped one).
 """
 from __future__ import annotations
 
 import enum
 import logging
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -38,7 +38,6 @@ from kvtier.messages import PeerContact, PeerLend, PeerRank
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.page_exchange import PoolMemory, head_regions
 from kvtier.tiers.peer_table import PeerTable, lookup, row_dtype
-from kvtier.tiers.tree_node import as_key
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class PeerReadOutcome(str, enum.Enum):
 
 
 class PeerRead(NamedTuple):
-    """What one `PeerReader.read_into` brought: its first `pages` host pages hold the prompt's
+    """What one `PeerReader.read` brought: its first `pages` pool pages hold the prompt's
     pages, whole and verified; what the others hold is undefined."""
 
     pages: int
@@ -92,14 +91,14 @@ class RawPeerRead(NamedTuple):
 
 
 class PeerReadCounters(NamedTuple):
-    """Monotonic totals of one reader's read_into calls."""
+    """Monotonic totals of one reader's `read` calls."""
 
     reads: int
     pages: int  # verified pages delivered
     bytes: int
     failures: int  # calls that brought nothing because a holder or the transport failed
     mismatches: int  # calls cut short by a page whose bytes did not match their sum
-    seconds: float = 0.0  # in read_into, all of it
+    seconds: float = 0.0  # in `read`, all of it
     lookup_s: float = 0.0  # of which looking up, reading, verifying (PeerRead)
     transfer_s: float = 0.0
     verify_s: float = 0.0
@@ -119,45 +118,81 @@ FAILURES = frozenset({PeerReadOutcome.NO_HEADS, PeerReadOutcome.LOOKUP_FAILED,
                       PeerReadOutcome.TRANSPORT_FAILED, PeerReadOutcome.TRANSPORT_TIMEOUT})
 
 
-def _open_l2(cache: HierarchicalCache, heads: HeadRange) -> None:
-    """Check that `cache` can lend or receive head objects of `heads`, and hold its L2 in
-    `page_head` from now on."""
-    if not cache.hierarchical:
-        raise ConfigError("peer L2 moves pages between L2 pools, and this cache has none: "
-                          "enable the hierarchical cache")
-    if cache.spec.sliding is not None:
-        raise ConfigError("peer L2 moves full-attention KV only; a hybrid model's "
-                          "sliding-window KV lives in a sidecar no peer read moves")
-    if heads.count != cache.spec.num_kv_heads:
-        raise ConfigError(f"KV heads [{heads.start}, {heads.stop}) are {heads.count} heads, "
-                          f"but this rank's pool holds {cache.spec.num_kv_heads}: pass the "
-                          "rank's own HeadRange.of_rank(total, rank, size)")
-    cache.use_head_major_host()
+class PeerPool(Protocol):
+    """A rank's L2 as peer reads address it: whole KV-head objects of its pages. The layout
+    is the pool's own, and a holder's and its reader's pools have the same one (they are of
+    one key namespace, whose fingerprint names the layout)."""
+
+    def memory(self) -> PoolMemory:
+        """The pool's buffer now (registered before every use: it may move)."""
+        ...
+
+    def head_regions(self, base_addr: int, pool_pages: int, pool_heads: int,
+                     pages: Sequence[int], heads: Sequence[int]) -> np.ndarray:
+        """(addr, nbytes) rows of the head objects (`heads`: the pool's own indices) of
+        `pages` in a pool of this layout at `base_addr`: page by page, then head, then part
+        (K, V), in whatever runs the layout keeps them."""
+        ...
+
+    def head_sums(self, pages: Sequence[int], heads: Sequence[int]) -> tuple[int, ...]:
+        """xxh3_64 over each (page, head)'s K then V object, page by page then head."""
+        ...
 
 
-def _register_l2(cache: HierarchicalCache, endpoint: HandoffEndpoint) -> PoolMemory:
-    """L2 as it is now, registered on `endpoint` (idempotent; a relayout moves the buffer,
-    so every use registers what it is about to address)."""
-    l2 = cache.exchange.l2
-    endpoint.register(l2.addr, l2.nbytes, l2.device)
-    return l2
+class CachePool:
+    """A `HierarchicalCache`'s L2, held in `page_head` from now on, as a `PeerPool`."""
+
+    def __init__(self, cache: HierarchicalCache, heads: HeadRange) -> None:
+        """Raises unless `cache` can lend or receive head objects of `heads` (global KV
+        heads, this rank's)."""
+        if not cache.hierarchical:
+            raise ConfigError("peer L2 moves pages between L2 pools, and this cache has none: "
+                              "enable the hierarchical cache")
+        if cache.spec.sliding is not None:
+            raise ConfigError("peer L2 moves full-attention KV only; a hybrid model's "
+                              "sliding-window KV lives in a sidecar no peer read moves")
+        if heads.count != cache.spec.num_kv_heads:
+            raise ConfigError(f"KV heads [{heads.start}, {heads.stop}) are {heads.count} "
+                              f"heads, but this rank's pool holds {cache.spec.num_kv_heads}: "
+                              "pass the rank's own HeadRange.of_rank(total, rank, size)")
+        cache.use_head_major_host()
+        self.cache = cache
+
+    def memory(self) -> PoolMemory:
+        return self.cache.exchange.l2  # a relayout moves it
+
+    def head_regions(self, base_addr: int, pool_pages: int, pool_heads: int,
+                     pages: Sequence[int], heads: Sequence[int]) -> np.ndarray:
+        return head_regions(self.cache.spec, pool_heads, base_addr, pool_pages, pages, heads)
+
+    def head_sums(self, pages: Sequence[int], heads: Sequence[int]) -> tuple[int, ...]:
+        return self.cache.exchange.l2_head_sums(pages, heads)
+
+
+def _register(pool: PeerPool, endpoint: HandoffEndpoint) -> PoolMemory:
+    """The pool as it is now, registered on `endpoint` (idempotent)."""
+    memory = pool.memory()
+    endpoint.register(memory.addr, memory.nbytes, memory.device)
+    return memory
 
 
 class PeerLender:
     """The holder side of one TP rank: keeps a table of its L2 pages (tiers/peer_table.py)
     in memory registered on its endpoint, beside L2 itself, for peers to look up and read
-    with one-sided reads; the cache keeps the table current (HierarchicalCache.publish_l2).
-    It answers nothing itself."""
+    with one-sided reads; the pool's owner keeps the table current (`publish` is handed it:
+    `HierarchicalCache.publish_l2`, the vLLM connector's worker). It answers nothing
+    itself."""
 
-    def __init__(self, cache: HierarchicalCache, endpoint: HandoffEndpoint,
-                 heads: HeadRange) -> None:
-        """`heads`: the KV heads (global indices) this rank's pool holds."""
-        _open_l2(cache, heads)
-        self.cache, self.endpoint, self.heads = cache, endpoint, heads
-        self.l2 = _register_l2(cache, endpoint)
+    def __init__(self, pool: PeerPool, endpoint: HandoffEndpoint, heads: HeadRange,
+                 publish: Callable[[PeerTable | None], None]) -> None:
+        """`heads`: the KV heads (global indices) this rank's pool holds; `publish`: the
+        owner's, given the table now and None at `close`."""
+        self.pool, self.endpoint, self.heads = pool, endpoint, heads
+        self.l2 = _register(pool, endpoint)
         self.table = PeerTable(self.l2.num_pages, heads.count)
         endpoint.register(self.table.addr, self.table.nbytes, "cpu")
-        cache.publish_l2(self.table)
+        self._publish = publish
+        publish(self.table)
 
     def contact(self, rank: int, size: int, actor: str = "", ray_namespace: str = ""
                 ) -> PeerRank:
@@ -169,28 +204,28 @@ class PeerLender:
 
     def close(self) -> None:
         """Stop keeping the table (the endpoint that registered it closes after this)."""
-        self.cache.publish_l2(None)
+        self._publish(None)
 
 
 class PeerReader:
     """The reader side of one TP rank: reads a prefix's pages from a peer instance's L2 into
-    host pages of its own, verified. `read_into` touches only the host pages it is given
-    (and reads where L2 lies), never the tree: like an L3 read into the pages a prefetch
-    holds, it may run on a worker thread while the cache serves; one call at a time."""
+    pages of its own pool, verified. `read` touches only the pool pages it is given (and
+    reads where the pool lies), never the pool owner's index: like an L3 read into the pages
+    a prefetch holds, it may run on a worker thread while the owner serves; one call at a
+    time."""
 
-    def __init__(self, cache: HierarchicalCache, endpoint: HandoffEndpoint, heads: HeadRange,
+    def __init__(self, pool: PeerPool, endpoint: HandoffEndpoint, heads: HeadRange,
                  timeout_s: float, lookup_fn: LookupFn | None = None) -> None:
         """`heads`: the KV heads (global indices) this rank's pool holds. `timeout_s`: each
         transport read's limit. `lookup_fn`: where a holder rank holds pages (default:
         `lookup`, which reads its table; what raises there is a failed look-up, never this
         reader's)."""
-        _open_l2(cache, heads)
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds: {timeout_s}")
-        self.cache, self.endpoint, self.heads = cache, endpoint, heads
+        self.pool, self.endpoint, self.heads = pool, endpoint, heads
         self.timeout_s = timeout_s
         self.lookup_fn: LookupFn = lookup_fn or self.lookup
-        _register_l2(cache, endpoint)
+        _register(pool, endpoint)
         self._totals = PeerReadCounters(0, 0, 0, 0, 0)
         self._warned: set[tuple[str, PeerReadOutcome]] = set()
         self._scratch: dict[int, np.ndarray] = {}  # holder rank index -> its table's copy
@@ -225,21 +260,24 @@ class PeerReader:
         return PeerLend(hit.pages, sums, rank.l2_addr, rank.pool_pages, pool_heads,
                         rank.address)
 
-    def read_into(self, contact: PeerContact, tokens: Sequence[int], salt: str,
-                  first_page: int, host_pages: Sequence[int]) -> PeerRead:
-        """Read pages `first_page ..` of the prefix `tokens` (cache salt `salt`) from the
-        holder `contact` names into `host_pages` (this rank's L2 pages, held by the caller,
-        one per page). A holder or transport failure is a result, never an exception; only a
-        caller bug raises (host pages outside L2, a negative first page)."""
+    def read(self, contact: PeerContact, keys: Sequence[str], first_page: int,
+             pages: Sequence[int]) -> PeerRead:
+        """Read the pages keyed `keys` (chain keys of a prefix's pages from its page
+        `first_page` on, in order) from the holder `contact` names into `pages` (this rank's
+        pool pages, held by the caller, one per key). A holder or transport failure is a
+        result, never an exception; only a caller bug raises (pages outside the pool, a
+        negative first page, keys and pages that do not pair up)."""
         t0 = time.perf_counter()
-        pages = [int(p) for p in host_pages]
-        bad = [p for p in pages if not 0 <= p < self.cache.host_pages]
+        ours = [int(p) for p in pages]
+        size = self.pool.memory().num_pages
+        bad = [p for p in ours if not 0 <= p < size]
         if bad:
-            raise CacheUsageError(f"host page {bad[0]} is outside L2 "
-                                  f"(0..{self.cache.host_pages - 1})")
+            raise CacheUsageError(f"page {bad[0]} is outside this rank's pool (0..{size - 1})")
         if first_page < 0:
             raise CacheUsageError(f"the first page must not be negative, got {first_page}")
-        got = self._read(contact, list(as_key(tokens)), salt, first_page, pages)
+        if len(keys) != len(ours):
+            raise CacheUsageError(f"{len(keys)} keys for {len(ours)} pages: one page per key")
+        got = self._read(contact, list(keys), first_page, ours)
         got = got._replace(seconds=time.perf_counter() - t0)
         t = self._totals
         self._totals = PeerReadCounters(
@@ -262,7 +300,7 @@ class PeerReader:
                 out.append((rank, heads))
         return None if missing else out
 
-    def _read(self, contact: PeerContact, tokens: list[int], salt: str, first_page: int,
+    def _read(self, contact: PeerContact, keys: list[str], first_page: int,
               host_pages: list[int]) -> PeerRead:
         owners = self._owners(contact)
         if owners is None:
@@ -273,7 +311,7 @@ class PeerReader:
         if not host_pages:
             return PeerRead(0, 0, 0.0, PeerReadOutcome.ALL)
         t0 = time.perf_counter()
-        sources = self._look_up(owners, self._keys(tokens, salt, first_page, len(host_pages)))
+        sources = self._look_up(owners, keys)
         if isinstance(sources, PeerRead):
             return sources
         n = min(len(s.lend.host_pages) for s in sources)  # pages every holder rank lists
@@ -282,10 +320,10 @@ class PeerReader:
         if not n:
             return PeerRead(0, 0, 0.0, reason)
         ours, nbytes = host_pages[:n], 0
-        _register_l2(self.cache, self.endpoint)
+        memory = _register(self.pool, self.endpoint)
         t1 = time.perf_counter()
         for s in sources:
-            local, remote = self._rows(s, ours)
+            local, remote = self._rows(memory, s, ours)
             try:
                 nbytes += self.endpoint.read(s.lend.address, local, remote,
                                              self.timeout_s).bytes
@@ -295,7 +333,7 @@ class PeerReader:
                 return self._failed(s.rank, why, exc)._replace(bytes=nbytes)
         t2 = time.perf_counter()
         for s in sources:  # each holder rank's heads, over the pages still good
-            good = _leading_matches(self.cache.exchange.l2_head_sums(ours[:n], s.ours),
+            good = _leading_matches(self.pool.head_sums(ours[:n], s.ours),
                                     s.lend.sums, len(s.ours))
             if good < n:
                 self._note(s.rank.actor, PeerReadOutcome.SUM_MISMATCH,
@@ -303,31 +341,24 @@ class PeerReader:
                 n, reason = good, PeerReadOutcome.SUM_MISMATCH
         return PeerRead(n, nbytes, 0.0, reason, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
-    def raw_read(self, contact: PeerContact, tokens: Sequence[int], salt: str,
-                 first_page: int, host_pages: Sequence[int]) -> RawPeerRead:
-        """The benchmark's baseline for `read_into`: the holder ranks' tables are read first
-        (untimed), then the same head objects are moved into `host_pages` with the
-        transport's own calls alone (`HandoffEndpoint.raw_read`), timed; nothing verified."""
+    def raw_read(self, contact: PeerContact, keys: Sequence[str],
+                 pages: Sequence[int]) -> RawPeerRead:
+        """The benchmark's baseline for `read`: the holder ranks' tables are read first
+        (untimed), then the same head objects are moved into `pages` with the transport's
+        own calls alone (`HandoffEndpoint.raw_read`), timed; nothing verified."""
         owners = self._owners(contact)
-        sources = None if owners is None else self._look_up(
-            owners, self._keys(list(as_key(tokens)), salt, first_page, len(host_pages)))
+        sources = None if owners is None else self._look_up(owners, list(keys))
         if not isinstance(sources, list):
             raise CacheUsageError(f"peer {contact.holder} cannot be read for the baseline: "
                                   f"{'its ranks lack heads' if sources is None else sources}")
         n = min(len(s.lend.host_pages) for s in sources)
         nbytes, seconds = 0, 0.0
+        memory = _register(self.pool, self.endpoint)
         for s in sources:
-            local, remote = self._rows(s, [int(p) for p in host_pages[:n]])
+            local, remote = self._rows(memory, s, [int(p) for p in pages[:n]])
             seconds += self.endpoint.raw_read(s.lend.address, local, remote, self.timeout_s)
             nbytes += int(local[:, 1].sum())
         return RawPeerRead(n, nbytes, seconds)
-
-    def _keys(self, tokens: list[int], salt: str, first_page: int, count: int) -> list[str]:
-        """The chain keys of pages first_page .. first_page + count - 1 of `tokens`."""
-        size = self.cache.spec.page_size
-        keys = self.cache.namespace.page_hashes(tokens[:(first_page + count) * size], size,
-                                                salt)
-        return keys[first_page:]
 
     def _look_up(self, owners: list[tuple[PeerRank, tuple[int, ...]]], keys: list[str]
                  ) -> list[_Source] | PeerRead:
@@ -343,11 +374,13 @@ class PeerReader:
                                    [h - rank.head_start for h in heads]))
         return sources
 
-    def _rows(self, s: _Source, ours: list[int]) -> tuple:
-        """(local, remote) rows of the head objects `s` lists, for our pages `ours`."""
-        local = self.cache.exchange.l2_head_regions(self.heads.count, ours, s.ours)
-        remote = head_regions(self.cache.spec, s.lend.pool_heads, s.lend.base_addr,
-                              s.lend.pool_pages, s.lend.host_pages[:len(ours)], s.theirs)
+    def _rows(self, memory: PoolMemory, s: _Source, ours: list[int]) -> tuple:
+        """(local, remote) rows of the head objects `s` lists, for our pages `ours` of our
+        pool at `memory`."""
+        local = self.pool.head_regions(memory.addr, memory.num_pages, self.heads.count, ours,
+                                       s.ours)
+        remote = self.pool.head_regions(s.lend.base_addr, s.lend.pool_pages, s.lend.pool_heads,
+                                        s.lend.host_pages[:len(ours)], s.theirs)
         return local, remote
 
     def _failed(self, rank: PeerRank, reason: PeerReadOutcome, exc: Exception) -> PeerRead:

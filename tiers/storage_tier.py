@@ -124,7 +124,7 @@ class StorageTier:
             hit, lease_id = self._backend_lookup(keys), ""
         else:
             hit, lease_id = self._directory_lookup(keys)
-        fetch = self._peer_fetch(keys, hit, tokens, anchor.salt, local_pages)
+        fetch = self._peer_fetch(keys, hit, local_pages)
         if fetch is None:
             tally.storage_hit_tokens += hit * p
         else:  # a peer holds more than L3 published: read from it, L3's lease goes back
@@ -174,8 +174,7 @@ class StorageTier:
         self._tickets[op.id] = ticket
         return ticket
 
-    def _peer_fetch(self, keys: list[str], hit: int, tokens: tuple, salt: str,
-                    first_page: int) -> _PeerChoice | None:
+    def _peer_fetch(self, keys: list[str], hit: int, first_page: int) -> _PeerChoice | None:
         """A peer to read `keys` from when one holds a longer leading run of them than L3's
         `hit` (None: L3, or nothing). Any failure of the directory is a peer miss."""
         if self.peer_worker is None or hit >= len(keys) or self.directory is None or self._held:
@@ -189,7 +188,7 @@ class StorageTier:
         pages = min(int(offer.pages), len(keys))
         if offer.contact is None or pages <= hit:
             return None
-        return _PeerChoice(pages, PeerFetch(offer.contact, tokens, salt, first_page))
+        return _PeerChoice(pages, PeerFetch(offer.contact, first_page))
 
     def attach_peers(self, reader: PeerPages, holder: str) -> None:
         """Read what peers hold in L2 (and L3 lacks) through `reader`; `holder` is this
@@ -198,7 +197,7 @@ class StorageTier:
             raise ConfigError("peer-to-peer L2 does not carry a hybrid model's sliding-window "
                               "KV; turn peers off for this model")
         self.detach_peers()
-        self.peer_worker = PeerWorker(reader, self.page_size, self.config.storage_batch_pages)
+        self.peer_worker = PeerWorker(reader, self.config.storage_batch_pages)
         self.holder = holder
 
     def detach_peers(self) -> None:

@@ -12,16 +12,16 @@ class CachedBySource(NamedTuple):
 
     host: int  # loaded from L2
     storage: int  # read from L3 into L2 for the request, then loaded
+    peer: int = 0  # read from another instance's L2 into L2 for the request, then loaded
 
     PARAM = "kvtier_cached"  # the one key kvtier puts in a request's kv_transfer_params
 
     def to_params(self) -> dict[str, Any]:
-        return {self.PARAM: [self.host, self.storage]}
+        return {self.PARAM: [self.host, self.storage, self.peer]}
 
     @classmethod
     def of(cls, params: dict[str, Any] | None) -> "CachedBySource":
         """From an output's kv_transfer_params (none: the connector supplied nothing)."""
         if not params or cls.PARAM not in params:
             return cls(0, 0)
-        host, storage = params[cls.PARAM]
-        return cls(int(host), int(storage))
+        return cls(*(int(n) for n in params[cls.PARAM]))

@@ -17,6 +17,7 @@ from kvtier.errors import ConfigError
 class CopyStats:
     hit_tokens: int = 0  # loaded into vLLM's blocks from pages L2 held (rank 0)
     l3_hit_tokens: int = 0  # loaded from pages read from L3 for the request (rank 0)
+    peer_hit_tokens: int = 0  # loaded from pages read from a peer's L2 for it (rank 0)
     backup_tokens: int = 0  # saved from vLLM's blocks into L2 (rank 0)
     failed_load_tokens: int = 0  # loads that failed and were recomputed (rank 0)
     load_back_bytes: int = 0

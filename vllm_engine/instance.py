@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from kvtier.actors.instance import InstanceStep
 from kvtier.actors.step_wire import Progress
-from kvtier.config import connector_key
+from kvtier.config import CONNECTOR_PEER_KEY, connector_key
 from kvtier.engine.request import CachedTokens, FinishReason, Output, Resume
 from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import ConfigError
@@ -169,6 +169,8 @@ class VllmInstance:
         self.settings = settings
         self._l3 = settings.connector is not None and \
             bool(settings.connector.get(connector_key("storage_backend")))  # connector's L3
+        self._peers = settings.connector is not None and \
+            bool(settings.connector.get(CONNECTOR_PEER_KEY))  # its peer-to-peer L2
         self._event_keys = event_keys
         self._feed = None if event_keys is None else EventFeed()
         self._translator: KeyTranslator | None = None
@@ -311,15 +313,17 @@ class VllmInstance:
         copies, hits = self._copies, self._hits
         cache = {**CacheCounters(
             lookups=self._lookups, device_hit_tokens=hits.device, host_hit_tokens=hits.host,
-            loaded_back_tokens=copies.hit_tokens + copies.l3_hit_tokens,
+            loaded_back_tokens=copies.hit_tokens + copies.l3_hit_tokens + copies.peer_hit_tokens,
             backed_up_tokens=copies.backup_tokens,
             failed_load_tokens=copies.failed_load_tokens).snapshot(),
             **TransferStats(write_bytes=copies.backup_bytes, write_s=copies.backup_seconds,
                             load_bytes=copies.load_back_bytes,
                             load_s=copies.load_back_seconds)._asdict()}
         storage = StorageCounters(storage_hit_tokens=hits.storage,
-                                  prefetched_tokens=copies.l3_hit_tokens).snapshot()
-        return VllmCounters(cache, storage if self._l3 else None)
+                                  prefetched_tokens=copies.l3_hit_tokens
+                                  + copies.peer_hit_tokens,
+                                  peer_prefetched_tokens=copies.peer_hit_tokens).snapshot()
+        return VllmCounters(cache, storage if self._l3 or self._peers else None)
 
     def _tally(self, payload: dict[str, Any]) -> None:
         """One step's connector figures, as vLLM's stats carry them (its step thread)."""
@@ -330,12 +334,13 @@ class VllmInstance:
         prompt_len = len(req.prompt) + len(req.resumed)
         by_source = CachedBySource.of(out.kv_transfer_params)
         total = int(out.num_cached_tokens or 0)
-        cached = CachedTokens(total - by_source.host - by_source.storage, by_source.host,
-                              by_source.storage)
-        from_host = by_source.host + by_source.storage
+        fetched = by_source.storage + by_source.peer  # read into L2 for it, then loaded
+        cached = CachedTokens(total - by_source.host - fetched, by_source.host,
+                              by_source.storage, by_source.peer)
+        from_host = by_source.host + fetched
         self._lookups += 1
         self._hits = CachedTokens(*(a + b for a, b in zip(self._hits, cached)))
-        lengths = RequestLengths(cached.device, from_host, from_host, by_source.storage,
+        lengths = RequestLengths(cached.device, from_host, from_host, fetched,
                                  prompt_len - total)
         reason = FINISH.get(str(completion.finish_reason), FinishReason.ERROR)
         logprobs = None

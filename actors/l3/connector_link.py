@@ -20,7 +20,7 @@ from kvtier.actors.ray_join import join_cluster
 from kvtier.backends.base import StorageBackend
 from kvtier.errors import ConfigError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import NamespaceInfo, NamespaceSpec
+from kvtier.messages import NamespaceInfo, NamespaceSpec, PeerContact, PeerRank
 from kvtier.tiers.storage_tier import DIRECTORY_LEASE_S
 from kvtier.tiers.storage_types import PageDirectoryClient
 
@@ -32,9 +32,10 @@ def join(address: str | None) -> None:
     if ray.is_initialized():
         return
     if not address:
-        raise ConfigError("KvtierConnector: an L3 storage backend needs the Ray cluster of the "
-                          "L3 namespace actor: set ray_address in kv_connector_extra_config "
-                          "(e.g. '127.0.0.1:6379' after `ray start --head`)")
+        raise ConfigError("KvtierConnector: an L3 storage backend and peers need the Ray "
+                          "cluster of the L3 namespace actor: set ray_address in "
+                          "kv_connector_extra_config (e.g. '127.0.0.1:6379' after `ray start "
+                          "--head`)")
     join_cluster(address)
 
 
@@ -48,12 +49,22 @@ def register_namespace(address: str | None, spec: NamespaceSpec, actor: str | No
 
 
 class DirectoryLink:
-    """The scheduler side's view of one namespace's page directory (connector's L3Directory)."""
+    """The scheduler side's view of one namespace's page directory (the connector's
+    L3Directory and PeerDirectory), as L2 holder `holder`."""
 
-    def __init__(self, address: str | None, namespace: str, actor: str | None = None) -> None:
+    def __init__(self, address: str | None, namespace: str, actor: str | None = None,
+                 holder: str = "") -> None:
         join(address)
-        self.namespace = namespace
+        self.namespace, self.holder = namespace, holder
         self._client: PageDirectoryClient = directory_client(actor or ACTOR_NAME)
+
+    def best_peer(self, keys: Sequence[str]) -> tuple[int, PeerContact | None]:
+        try:
+            offer = self._client.best_peer(self.namespace, list(keys), self.holder)
+        except Exception as exc:  # noqa: BLE001 - any directory failure is a peer miss
+            log.warning("peer lookup failed (%s: %s); a miss", type(exc).__name__, exc)
+            return 0, None
+        return max(0, min(int(offer.pages), len(keys))), offer.contact
 
     def lookup(self, keys: Sequence[str]) -> tuple[int, str]:
         try:
@@ -76,9 +87,18 @@ class DirectoryLink:
         except Exception as exc:  # noqa: BLE001 - the next reader reports them again
             log.warning("reporting %d unreadable L3 pages failed (%s)", len(keys), exc)
 
-    def l2_reporter(self, holder: str) -> L2Reporter:
-        """What tells the directory the engine's L2 pages, under `holder`."""
-        return L2Reporter(self._client, self.namespace, holder)
+    def l2_reporter(self) -> L2Reporter:
+        """What tells the directory the engine's L2 pages, under its holder name."""
+        return L2Reporter(self._client, self.namespace, self.holder)
+
+
+def register_peer(address: str | None, namespace: str, holder: str, rank: PeerRank,
+                  actor: str | None = None) -> None:
+    """Tell the namespace's directory how peers reach TP rank `rank.rank` of L2 holder
+    `holder` (a worker, once its pool and table are registered on its endpoint). Raises
+    when the directory does not answer: an engine that cannot lend is misconfigured."""
+    join(address)
+    directory_client(actor or ACTOR_NAME).register_peer(namespace, holder, rank)
 
 
 class WorkerStorage:

@@ -24,11 +24,11 @@ from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.backends.handoff_base import HandoffEndpoint
 from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.errors import CacheUsageError
-from kvtier.messages import PeerRank
 from kvtier.policies import CacheEventKind, CacheTier, HandoffTransportKind
 from kvtier.tiers.cache_event_feed import CacheEventListener
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
-from kvtier.tiers.peer_pages import PeerLender, PeerReadCounters, PeerReader, RawPeerRead
+from kvtier.tiers.peer_pages import (CachePool, PeerLender, PeerReadCounters, PeerReader,
+                                     RawPeerRead)
 from kvtier.tiers.storage_types import PageDirectoryClient
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,9 @@ class RankPeerLink:
         endpoint = open_endpoint(transport, f"peer-{holder}-{self.rank}")
         try:
             heads = cache.heads
-            self.lender = PeerLender(cache, endpoint, heads)
-            self.reader = PeerReader(cache, endpoint, heads, PEER_READ_TIMEOUT_S)
+            pool = CachePool(cache, heads)
+            self.lender = PeerLender(pool, endpoint, heads, cache.publish_l2)
+            self.reader = PeerReader(pool, endpoint, heads, PEER_READ_TIMEOUT_S)
             cache.attach_peers(self.reader, holder)
             context = ray.get_runtime_context()
             me = self.lender.contact(self.rank, self.size, context.get_actor_name() or "",
@@ -118,7 +119,7 @@ class RankPeerLink:
         if pages is None:
             raise CacheUsageError(f"no {offer.pages} free L2 pages to read the baseline into")
         try:
-            return self.reader.raw_read(offer.contact, tokens, salt, 0, pages)
+            return self.reader.raw_read(offer.contact, keys[:offer.pages], pages)
         finally:
             cache.host_pool.allocator.free(pages)
 

@@ -32,3 +32,18 @@ def test_unknown_keys_and_a_write_back_policy_are_refused():
     selective = ConnectorSettings.from_extra_config(
         {"hicache_write_policy": "write_through_selective"})
     assert selective.cache.write_through_hit_threshold == 2
+
+
+def test_peer_transport_turns_peers_on_and_with_l3_off_uses_the_directory_alone(tmp_path):
+    from kvtier.policies import HandoffTransportKind
+
+    s = ConnectorSettings.from_extra_config({"peer_transport": "NIXL",
+                                             "l3_state_dir": str(tmp_path)})
+    assert s.peer is HandoffTransportKind.NIXL and not s.l3 and s.directory
+    assert s.directory_root() == str(tmp_path / "kvtier-peer-directory")
+    assert ConnectorSettings.from_extra_config({}).peer is None
+    assert not ConnectorSettings.from_extra_config({}).directory
+    with pytest.raises(ConfigError, match="nixl or mooncake"):
+        ConnectorSettings.from_extra_config({"peer_transport": "simulated"})
+    with pytest.raises(ConfigError, match="peer_transport"):
+        ConnectorSettings.from_extra_config({"peer_transport": "rdma"})

@@ -252,3 +252,80 @@ def test_write_through_selective_saves_a_page_once_a_second_request_used_it():
     longer = tokens + list(range(300, 304))  # page 3 (tokens 12..15) used for the first time
     plan, _ = run_prefill(s, "d", longer, [5, 6, 7, 10, 11], local=12)
     assert plan.saves == ()
+
+
+class FakePeers:
+    """Another engine listing `held` keys in its L2 (the directory's best_peer)."""
+
+    def __init__(self, held: list[str]):
+        from kvtier.messages import PeerContact
+
+        self.held = held
+        self.contact = PeerContact("ns", "engine-a")
+        self.asked: list[list[str]] = []
+
+    def best_peer(self, keys):
+        self.asked.append(list(keys))
+        run = 0
+        while run < len(keys) and keys[run] in self.held:
+            run += 1
+        return run, self.contact if run else None
+
+
+def peer_side(held_tokens: list[int], published_tokens: list[int] | None = None,
+              tp: int = 1):
+    from kvtier.config import HiCacheConfig
+
+    peers = FakePeers(NS.page_hashes(held_tokens, BS))
+    directory = None if published_tokens is None else FakeDirectory(
+        NS.page_hashes(published_tokens, BS))
+    config = HiCacheConfig(prefetch_policy="wait_complete", prefetch_timeout_max_s=5.0)
+    return SchedulerSide(NS, BS, 16, tp, directory, config, Clock(), peers), peers, directory
+
+
+def test_pages_a_peer_holds_are_read_from_it_and_hit_as_peer_tokens():
+    tokens = list(range(17))
+    s, peers, _ = peer_side(tokens, tp=2)  # L3 off
+    s.add("a")
+    assert s.match("a", tokens, 0) is None  # reading from the peer: ask again
+    (fetch,) = s.plan([]).fetches
+    assert fetch.peer is peers.contact and fetch.first_page == 0
+    assert fetch.keys == tuple(NS.page_hashes(tokens, BS))
+    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))
+    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))  # every rank read them
+    assert s.match("a", tokens, 0) == 16
+    s.allocated("a", [1, 2, 3, 4, 5], 16)
+    (load,) = s.plan([]).loads
+    assert (load.from_l3, load.from_peer) == (0, 4)
+    assert s.supplied("a") == (0, 0, 16)
+    assert s.counts.peer_hit_tokens == 16 and s.counts.peer_hit_pages == 4
+    # loaded once: the pages are L2's own from now on
+    s.add("b")
+    s.allocated("b", [6, 7, 8, 9, 10], s.match("b", tokens, 0))
+    assert s.supplied("b") == (16, 0, 0)
+
+
+def test_a_peer_is_read_only_past_what_l3_has_and_a_failed_read_is_not_reported_missing():
+    tokens = list(range(17))
+    s, peers, directory = peer_side(tokens[:9], published_tokens=tokens)  # L3 has more
+    s.add("a")
+    assert s.match("a", tokens, 0) is None
+    (fetch,) = s.plan([]).fetches
+    assert fetch.peer is None and len(fetch.keys) == 4  # from L3
+    s2, peers2, directory2 = peer_side(tokens, published_tokens=tokens[:5])  # the peer more
+    s2.add("a")
+    assert s2.match("a", tokens, 0) is None
+    (fetch,) = s2.plan([]).fetches
+    assert fetch.peer is peers2.contact and len(fetch.keys) == 4
+    assert directory2.leases == []  # L3's lease given back at once
+    s2.settle(WorkerReport(fetched=fetch.slots[:2], failed_fetches=frozenset(fetch.slots[2:])))
+    assert directory2.missing == []  # the peer's pages are no L3 objects
+    assert s2.match("a", tokens, 0) == 8
+
+
+def test_page_saves_carry_their_keys():
+    s = side()
+    tokens = list(range(9))
+    plan, _ = run_prefill(s, "a", tokens, [1, 2, 3])
+    (save,) = plan.saves
+    assert save.keys == tuple(NS.page_hashes(tokens, BS)[:2])

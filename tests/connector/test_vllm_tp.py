@@ -9,8 +9,6 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
-
 from vllm_required import require_vllm
 
 require_vllm()
@@ -35,15 +33,18 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-def engine(model: Path, tp: int, address: str, root: Path):
+def engine(model: Path, tp: int, address: str, root: Path, peers: bool = False):
+    """An engine with a file L3 under `root`, or with `peers` L3 off and peer-to-peer L2 on
+    (its namespace registered under `root`)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "1"  # a core per rank
-    extra = {"hicache_storage_backend": "file",
-             "hicache_storage_backend_extra_config": {"root_dir": str(root)},
-             "hicache_storage_prefetch_policy": "wait_complete", "ray_address": address}
+    extra = ({"peer_transport": "nixl", "l3_state_dir": str(root)} if peers else
+             {"hicache_storage_backend": "file",
+              "hicache_storage_backend_extra_config": {"root_dir": str(root)}})
+    extra.update({"hicache_storage_prefetch_policy": "wait_complete", "ray_address": address})
     return LLM(model=str(model), enforce_eager=True, enable_prefix_caching=False,
                max_model_len=1024, max_num_seqs=2, kv_cache_memory_bytes=32 << 20,
                tensor_parallel_size=tp, block_size=BLOCK,
@@ -83,5 +84,36 @@ def test_a_page_written_at_tp1_is_read_at_tp2(tmp_path):
         cold = answer(reader, prompt, salt="cold")  # its own keys: computed at TP 2
         hit = answer(reader, prompt)
         reader.llm_engine.engine_core.shutdown()
+        actor.shutdown()
+    assert cold[0] == 0 and hit == (9 * BLOCK, cold[1])
+
+
+def test_a_tp2_engine_reads_the_pages_a_tp1_engine_holds_in_its_host_pool(tmp_path):
+    """Peer-to-peer L2 across TP sizes, L3 off: each TP 2 worker reads its own KV head of
+    every page from the TP 1 engine's one host pool."""
+    from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
+    from kvtier.actors.ray_env import cluster_address, local_ray
+
+    model = tiny_llama(tmp_path / "tiny")
+    prompt = list(range(2000, 2300))  # 9 full blocks, the 10th computed
+    with local_ray(2):
+        actor = get_or_create_namespace_actor(state_dir=str(tmp_path / "state"))
+        address = cluster_address()
+        holder = engine(model, 1, address, tmp_path / "peers", peers=True)
+        try:
+            assert answer(holder, prompt)[0] == 0
+            (ns,) = actor.namespaces()
+            keys = actor.info(ns).spec.key_namespace.page_hashes(prompt, BLOCK)[:9]
+            name = str(holder.llm_engine.vllm_config.kv_transfer_config.engine_id)
+            deadline = time.monotonic() + 60
+            while {h.holder: h.pages for h in actor.l2_holders(ns, keys)}.get(name) != 9:
+                assert time.monotonic() < deadline, "the TP 1 engine's L2 pages not listed"
+                time.sleep(0.05)
+            reader = engine(model, 2, address, tmp_path / "peers", peers=True)
+            cold = answer(reader, prompt, salt="cold")  # its own keys: computed at TP 2
+            hit = answer(reader, prompt)
+            reader.llm_engine.engine_core.shutdown()
+        finally:
+            holder.llm_engine.engine_core.shutdown()
         actor.shutdown()
     assert cold[0] == 0 and hit == (9 * BLOCK, cold[1])

@@ -131,6 +131,10 @@ def test_engine_vllm_takes_smollm2_or_a_directory_and_refuses_what_it_lacks(tmp_
     assert extra["hicache_storage_prefetch_policy"] == "timeout"
     assert extra["hicache_storage_backend"] == "file" and extra["ray_address"] == "127.0.0.1:6379"
     assert json.loads(extra["hicache_storage_backend_extra_config"])["root_dir"] == str(tmp_path)
+    assert "peer_transport" not in extra
+    peers = connector_config(settings("--engine", "vllm", "--l3", "none", "--peer-transport",
+                                      "nixl"), "127.0.0.1:6379")  # the engines read each other
+    assert peers["peer_transport"] == "nixl" and "hicache_storage_backend" not in peers
     for argv, needle in [(["--model", "tiny"], "not one vLLM loads"),
                          (["--tenant-salt", "x"], "tenant_salt is not supported"),
                          (["--deterministic"], "deterministic is not supported"),

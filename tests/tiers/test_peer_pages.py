@@ -22,7 +22,7 @@ from kvtier.errors import ConfigError
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import PeerContact
 from kvtier.tiers.page_exchange import head_object_bytes
-from kvtier.tiers.peer_pages import (PeerLender, PeerReader,
+from kvtier.tiers.peer_pages import (CachePool, PeerLender, PeerReader,
                                      PeerReadOutcome)
 
 PAGE, HEADS, LAYERS, DIM = 4, 6, 2, 8  # 6 KV heads: TP 1, 2 and 3 split them
@@ -65,7 +65,7 @@ class Holder(Instance):
 
     def __init__(self, kind: str, tp: int):
         super().__init__(kind, tp, "holder")
-        self.lenders = [PeerLender(c, e, self.heads(r))
+        self.lenders = [PeerLender(CachePool(c, self.heads(r)), e, self.heads(r), c.publish_l2)
                         for r, (c, e) in enumerate(zip(self.caches, self.endpoints))]
 
     def fill(self, pages: int | list[int] = PAGES) -> None:
@@ -102,7 +102,7 @@ class Reader(Instance):
 
     def __init__(self, kind: str, tp: int, after_lookup=None):
         super().__init__(kind, tp, "reader")
-        self.readers = [PeerReader(c, e, self.heads(r), TIMEOUT_S)
+        self.readers = [PeerReader(CachePool(c, self.heads(r)), e, self.heads(r), TIMEOUT_S)
                         for r, (c, e) in enumerate(zip(self.caches, self.endpoints))]
         self.asked: list[tuple] = []  # (holder rank, pages wanted, heads) of each look-up
         for reader in self.readers:
@@ -121,7 +121,8 @@ class Reader(Instance):
         out = []
         for cache, reader in zip(self.caches, self.readers):
             host = cache.allocate_host(pages)
-            out.append((reader.read_into(contact, PROMPT, SALT, first_page, host), host))
+            keys = cache.namespace.page_hashes(PROMPT[:(first_page + pages) * PAGE], PAGE, SALT)
+            out.append((reader.read(contact, keys[first_page:], first_page, host), host))
         return out
 
     def check(self, rank: int, host: list[int], first_page: int, count: int) -> None:
@@ -432,7 +433,9 @@ def test_a_lender_lists_what_l2_held_before_it_opened(instances):
     holder, reader = pair("simulated", 1, 1, instances)
     holder.fill()
     holder.lenders[0].close()  # the cache forgets that table; a new lender starts over
-    holder.lenders[0] = PeerLender(holder.caches[0], holder.endpoints[0], holder.heads(0))
+    cache = holder.caches[0]
+    holder.lenders[0] = PeerLender(CachePool(cache, holder.heads(0)), holder.endpoints[0],
+                                   holder.heads(0), cache.publish_l2)
     ((got, host),) = reader.read(holder.contact())
     assert (got.pages, got.reason) == (PAGES, PeerReadOutcome.ALL)
     reader.check(0, host, 0, PAGES)
