@@ -19,6 +19,9 @@ asked `--questions` questions:
   (`ttft_l3_s` / the same question's cold TTFT);
 - `save_gbps`, `load_gbps`: A's copies between vLLM's blocks and its host pool (its
   `vllm:kvtier_*` counters).
+With `--peer nixl` (or `mooncake`) L3 is off and A and C read each other's host pools
+(peer-to-peer L2): C's blocks come from A's L2 instead (`ttft_peer_s`, `ttft_peer_ratio`, in
+place of the L3 fields), once the directory lists them in A's L2.
 TTFT is a one-token generate's wall time.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ from kvtier.bench.prefix import document_tokens
 from kvtier.errors import ConfigError
 
 TARGETS = {"ttft_l2_ratio": 0.15, "ttft_l3_ratio": 0.2, "no_reuse_overhead": 1.05}  # at most
+PEER_TARGETS = {"ttft_l2_ratio": 0.15, "ttft_peer_ratio": 0.2, "no_reuse_overhead": 1.05}
 QUESTION = "\n\nQuestion: what did the sensor in room {room} read in record {record}? Answer:"
 KV_CACHE_BYTES = 256 << 20
 
@@ -47,6 +51,7 @@ class VllmBenchParams(NamedTuple):
     pairs: int = 5
     block_size: int = 128
     hicache_ratio: float = 2.0
+    peer: str | None = None  # peer-to-peer L2 over this transport, L3 off
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,26 +65,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="vLLM's block size, a multiple of 32 (a kvtier page)")
     p.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio)
+    p.add_argument("--peer", choices=("nixl", "mooncake"), default=None,
+                   help="L3 off; the second engine reads the first's host pool over it")
     p.add_argument("--json", action="store_true")
 
 
 class L3Setup(NamedTuple):
     address: str  # the local Ray cluster's
-    root: str  # the file L3's directory
+    root: str  # the file L3's directory (with peers: where their namespace is registered)
+    peer: str | None = None  # peers over this transport, L3 off
 
 
 def engine(model: str, params: VllmBenchParams, l3: L3Setup | None,
            metrics: bool = False) -> Any:
-    """One engine; with `l3`, with the connector on that L3 (`metrics`: vLLM's registry)."""
+    """One engine; with `l3`, with the connector on that L3, or with peers and L3 off
+    (`metrics`: vLLM's registry)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = None if l3 is None else KVTransferConfig(
-        kv_connector="KvtierConnector", kv_role="kv_both",
-        kv_connector_extra_config={
-            "hicache_ratio": params.hicache_ratio, "hicache_storage_backend": "file",
-            "hicache_storage_backend_extra_config": {"root_dir": l3.root},
-            "hicache_storage_prefetch_policy": "wait_complete", "ray_address": l3.address})
+    transfer = None
+    if l3 is not None:
+        tiers: dict[str, Any] = (
+            {"peer_transport": l3.peer, "l3_state_dir": l3.root} if l3.peer else
+            {"hicache_storage_backend": "file",
+             "hicache_storage_backend_extra_config": {"root_dir": l3.root}})
+        transfer = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_role="kv_both",
+            kv_connector_extra_config={
+                "hicache_ratio": params.hicache_ratio, **tiers,
+                "hicache_storage_prefetch_policy": "wait_complete", "ray_address": l3.address})
     return LLM(model=model, enforce_eager=True, enable_prefix_caching=True,
                max_model_len=params.tokens + 256, max_num_seqs=4,
                block_size=params.block_size, kv_cache_memory_bytes=KV_CACHE_BYTES,
@@ -98,6 +112,20 @@ def wait_published(actor: Any, prompt: list[int], block_size: int,
         if time.monotonic() > deadline:
             raise TimeoutError("A's pages were not published in L3 within "
                                f"{timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def wait_listed(actor: Any, prompt: list[int], block_size: int, holder: str,
+                timeout_s: float = 120.0) -> None:
+    """Until the directory lists every page `prompt` can reuse in `holder`'s L2 (its
+    scheduler side reports them in the background)."""
+    (ns,) = actor.namespaces()
+    keys = actor.info(ns).spec.key_namespace.page_hashes(prompt, block_size)
+    keys = keys[:(len(prompt) - 1) // block_size]
+    deadline = time.monotonic() + timeout_s
+    while {h.holder: h.pages for h in actor.l2_holders(ns, keys)}.get(holder) != len(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"A's pages were not listed in its L2 within {timeout_s:.0f} s")
         time.sleep(0.05)
 
 
@@ -159,7 +187,7 @@ def run(params: VllmBenchParams = VllmBenchParams()) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # every engine: the same core
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp, local_ray(1):
         actor = get_or_create_namespace_actor(state_dir=os.path.join(tmp, "state"))
-        l3 = L3Setup(cluster_address(), os.path.join(tmp, "l3"))
+        l3 = L3Setup(cluster_address(), os.path.join(tmp, "l3"), params.peer)
         os.makedirs(l3.root)
         try:
             return _measure(params, l3, actor)
@@ -196,18 +224,23 @@ def _measure(params: VllmBenchParams, l3: L3Setup, actor: Any) -> dict:
         fresh = tokenizer.encode(f"Unrelated text {pair}: ") + docs[0][0][:params.tokens]
         ratios.append(ttft(with_kv, fresh)[0] / ttft(alone, fresh)[0])  # new to both
     counters = copy_counters()
-    l3_reads = _from_l3(params, l3, actor, model, docs)
+    holder = str(with_kv.llm_engine.vllm_config.kv_transfer_config.engine_id)
+    l3_reads = _from_other(params, l3, actor, model, docs, holder)
     return report(params, identical, Timings(cold, l2, l2_other, l3_reads), ratios, counters)
 
 
-def _from_l3(params: VllmBenchParams, l3: L3Setup, actor: Any, model: str,
-             docs: list[list[list[int]]]) -> list[float]:
-    """C's TTFT on each document's first question, its blocks read from L3."""
+def _from_other(params: VllmBenchParams, l3: L3Setup, actor: Any, model: str,
+                docs: list[list[list[int]]], holder: str) -> list[float]:
+    """C's TTFT on each document's first question, its blocks read from L3 (with peers:
+    from A's host pool)."""
     reader = engine(model, params, l3)
-    ttft(reader, docs[-1][0])  # warm-up: first-call setup (the warm-up document is in L3)
+    ttft(reader, docs[-1][0])  # warm-up: first-call setup (the warm-up document is A's)
     seconds = []
     for questions in docs[:-1]:
-        wait_published(actor, questions[0], params.block_size)
+        if l3.peer:
+            wait_listed(actor, questions[0], params.block_size, holder)
+        else:
+            wait_published(actor, questions[0], params.block_size)
         seconds.append(ttft(reader, questions[0])[0])
     return seconds
 
@@ -216,7 +249,7 @@ class Timings(NamedTuple):
     cold: list[float]  # each document's first question, cold on A
     l2: list[float]  # the same question on A from L2
     l2_other: list[float]  # its other questions on A, the document from L2
-    l3: list[float]  # the first question on C, from L3
+    l3: list[float]  # the first question on C, from L3 (with peers: from A's L2)
 
 
 def report(params: VllmBenchParams, identical: bool, t: Timings, ratios: list[float],
@@ -224,29 +257,31 @@ def report(params: VllmBenchParams, identical: bool, t: Timings, ratios: list[fl
     import vllm
 
     ttft_cold = statistics.median(t.cold)
+    tier = "peer" if params.peer else "l3"
     result: dict[str, Any] = {
         "identical": identical, "ttft_cold_s": round(ttft_cold, 4),
         "ttft_l2_s": round(statistics.median(t.l2), 4),
         "ttft_l2_ratio": round(statistics.median(t.l2) / ttft_cold, 4),
         "ttft_l2_other_question_s": (round(statistics.median(t.l2_other), 4)
                                      if t.l2_other else None),
-        "ttft_l3_s": round(statistics.median(t.l3), 4),
-        "ttft_l3_ratio": round(statistics.median(t.l3) / ttft_cold, 4),
+        f"ttft_{tier}_s": round(statistics.median(t.l3), 4),
+        f"ttft_{tier}_ratio": round(statistics.median(t.l3) / ttft_cold, 4),
         "no_reuse_overhead": round(statistics.median(ratios), 4),
         "save_gbps": gbps(counters, "backup"), "load_gbps": gbps(counters, "load_back"),
         "tokens": params.tokens, "documents": params.documents,
         "questions": params.questions * params.documents, "pairs": params.pairs,
         "block_size": params.block_size, "kv_cache_bytes": KV_CACHE_BYTES,
-        "hicache_ratio": params.hicache_ratio, "vllm": vllm.__version__,
+        "hicache_ratio": params.hicache_ratio, "peer": params.peer, "vllm": vllm.__version__,
         "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "load_avg_1m": round(os.getloadavg()[0], 2)}
-    result["targets_met"] = identical and all(result[k] <= v for k, v in TARGETS.items())
+    targets = PEER_TARGETS if params.peer else TARGETS
+    result["targets_met"] = identical and all(result[k] <= v for k, v in targets.items())
     return result
 
 
 def main(ns: argparse.Namespace) -> int:
     params = VllmBenchParams(ns.tokens, ns.documents, ns.questions, ns.new_tokens, ns.pairs,
-                             ns.block_size, ns.hicache_ratio)
+                             ns.block_size, ns.hicache_ratio, ns.peer)
     with stdout_to_stderr(ns.json):  # vLLM's processes log on stdout
         result = run(params)
     emit(result, ns.json)

@@ -29,6 +29,10 @@ REUSABLE = (PROMPT - 1) // BLOCK * BLOCK
 KEY = "serve-vllm-admin-key-0123456789"
 TENANTS = {"key-of-a": "tenant-a", "key-of-b": "tenant-b"}
 DTYPES = ("bfloat16", "float16", "float32")  # what vLLM resolves on CPUs and GPUs
+# the holder's long answer while another question comes: seconds of decoding, so that it is
+# still running when the router has seen it busy and routes the question (96 tokens ended
+# first once, on a quiet machine: the question then went to the idle-again holder)
+BUSY_TOKENS = 384
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def app(tmp_path_factory):
     from kvtier.actors import serve_graph
 
     settings = ServeSettings(engine="vllm", instances=2, page_size=BLOCK, device_pages=48,
-                             hicache_ratio=2.0, max_new_tokens=96, admin_key=KEY,
+                             hicache_ratio=2.0, max_new_tokens=BUSY_TOKENS, admin_key=KEY,
                              api_keys=TENANTS, l3_root=str(tmp_path_factory.mktemp("l3")),
                              hicache={"prefetch_policy": "wait_complete"},
                              # a vLLM step on two loaded cores can take seconds: with the 2 s
@@ -137,7 +141,7 @@ def test_routing_follows_l1_then_l2_and_l3_carries_a_document_across(app):
                interval_s=0.05)
     answered: list[dict] = []
     busy = threading.Thread(target=lambda: answered.append(
-        ask(app, doc + [7], max_tokens=96, ignore_eos=True)))
+        ask(app, doc + [7], max_tokens=BUSY_TOKENS, ignore_eos=True)))
     busy.start()
     try:
         eventually(lambda: app.router()[holder]["load"] >= 1, 60, "the holder busy",
