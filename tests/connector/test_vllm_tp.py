@@ -47,7 +47,7 @@ def engine(model: Path, tp: int, address: str, root: Path, peers: bool = False):
     extra.update({"hicache_storage_prefetch_policy": "wait_complete", "ray_address": address})
     return LLM(model=str(model), enforce_eager=True, enable_prefix_caching=False,
                max_model_len=1024, max_num_seqs=2, kv_cache_memory_bytes=32 << 20,
-               tensor_parallel_size=tp, block_size=BLOCK,
+               tensor_parallel_size=tp, block_size=BLOCK, disable_log_stats=not peers,
                kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
                                                    kv_role="kv_both",
                                                    kv_connector_extra_config=extra))
@@ -111,9 +111,30 @@ def test_a_tp2_engine_reads_the_pages_a_tp1_engine_holds_in_its_host_pool(tmp_pa
                 time.sleep(0.05)
             reader = engine(model, 2, address, tmp_path / "peers", peers=True)
             cold = answer(reader, prompt, salt="cold")  # its own keys: computed at TP 2
+            before = by_tier(reader)
             hit = answer(reader, prompt)
+            after = by_tier(reader)
+            again = answer(reader, prompt)  # what it read is in its own L2 now
             reader.llm_engine.engine_core.shutdown()
         finally:
             holder.llm_engine.engine_core.shutdown()
         actor.shutdown()
-    assert cold[0] == 0 and hit == (9 * BLOCK, cold[1])
+    assert cold[0] == 0 and hit == (9 * BLOCK, cold[1]) and again == hit
+    # counted as vLLM's P2P source and kvtier's peer tier
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in after} == {
+        "vllm:kvtier_hit_tokens{tier=host}": 0, "vllm:kvtier_hit_tokens{tier=storage}": 0,
+        "vllm:kvtier_hit_tokens{tier=peer}": 9 * BLOCK,
+        "vllm:prompt_tokens_cached_by_source{source=p2p}": 9 * BLOCK}
+
+
+def by_tier(llm) -> dict[str, float]:
+    """The connector's hit tokens by tier, and vLLM's cached tokens from P2P."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        for label, wanted in (("tier", "vllm:kvtier_hit_tokens"),
+                              ("source", "vllm:prompt_tokens_cached_by_source")):
+            if metric.name == wanted and label in metric.labels and (
+                    label == "tier" or metric.labels[label] == "p2p"):
+                name = f"{metric.name}{{{label}={metric.labels[label]}}}"
+                out[name] = out.get(name, 0) + metric.value
+    return out
