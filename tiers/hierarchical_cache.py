@@ -654,6 +654,11 @@ class HierarchicalCache:
         if self._host_on_free is not None:
             self._host_on_free(pages)
 
+    def await_prefetch(self, timeout_s: float) -> bool:
+        """Block (the GIL released) until an open prefetch ends or `timeout_s` passed; whether
+        one did (False at once when none is open). Nothing is settled: `poll` does that."""
+        return self.storage is not None and self.storage.await_prefetch(timeout_s)
+
     def flush(self) -> None:
         """Wait for every queued copy and settle its bookkeeping (failed copies included)."""
         self.copies.wait()

@@ -377,6 +377,14 @@ class StorageTier:
         except Exception as exc:  # noqa: BLE001 - the next reader that misses reports again
             self.directory_failed(f"reporting {len(keys)} missing pages", exc)
 
+    def await_prefetch(self, timeout_s: float) -> bool:
+        """Block (the GIL released) until some open prefetch ends or `timeout_s` passed;
+        whether one did. For a caller whose step could do nothing but wait for one."""
+        for ticket in list(self._tickets.values()):
+            if not ticket.op.state.finished:
+                return ticket.op.wait(timeout_s)
+        return bool(self._tickets)  # every open one ended already
+
     @property
     def open_tickets(self) -> int:
         """Prefetches started and not yet finished or aborted."""

@@ -67,6 +67,10 @@ class StorageOp:
     def settled(self) -> bool:
         return self._settled.is_set()
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the op ended (settled) or `timeout_s` passed; whether it ended."""
+        return self._settled.wait(timeout_s)
+
     @property
     def quarantined(self) -> bool:
         """Ended, but the storage may still touch its host pages: they are never freed."""
