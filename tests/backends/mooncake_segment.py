@@ -54,7 +54,10 @@ class SegmentOwner:
         self.lines.put("EOF")
 
     def stop(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
+        """SIGSTOP the segment's owner; returns once every thread of it is stopped."""
+        from tests.backends.stopped import sigstop
+
+        sigstop(self.pid)
         self.stopped = True
 
     def resume(self) -> None:
