@@ -39,8 +39,8 @@ SMOLLM2_NAMESPACE = "SmolLM2-135M-Instruct"  # the L3 key namespace's model part
 IDLE_WAIT_S = 0.0005  # a step that could do nothing waits on an L3 prefetch: don't spin hot
 # A step that could do nothing while prefetches run blocks this long at most for one to end
 # (GIL released): the storage thread then reads, verifies and sums without a step loop taking
-# the GIL from it between its calls (a peer read in `bench instances --peer` went from 24.8 to
-# 19.9 ms, its verification from 7.7 to 3.9 ms, one run each). Ends as soon as one ends.
+# the GIL from it between its calls (a peer read in `bench instances --peer --tp 1` went from
+# 24.8 to 15.5 ms, its verification from 7.7 to 4.7 ms, one run each). Ends when one ends.
 PREFETCH_WAIT_S = 0.005
 DEFAULT_CHUNK_TOKENS = 512  # prefill speed on CPU levels off around here (bench prefix)
 
