@@ -33,9 +33,6 @@ BIN = Path(sys.executable).parent
 HEAD_CPUS = 2
 OBJECT_STORE_BYTES = 128 << 20
 UP_S = 150.0  # `serve run` until /health answers with every instance (~20 s when idle)
-# the head until a driver joins it: seconds when idle, but a driver's ray.init beside a
-# directory of vLLM engines once timed out twice (60 s each) and the 150 s ran out
-HEAD_UP_S = 300.0
 STOP_S = 60.0  # each of `serve run` and the head, after its signal
 HEAD_STARTS = 3  # a head that exits at start (a port taken meanwhile) is started again
 
@@ -118,7 +115,7 @@ def head() -> Iterator[Head]:
             address = f"{LOOPBACK}:{port}"
             # a driver joins only once the head's node registered: `serve run` started sooner
             # exits ("No node info found"), as it once did on a loaded machine
-            if eventually(lambda: joinable(address) or process.poll() is not None, HEAD_UP_S,
+            if eventually(lambda: joinable(address) or process.poll() is not None, UP_S,
                           "the Ray head took a driver", retry_on=(subprocess.TimeoutExpired,),
                           interval_s=0.5) and process.poll() is None:
                 break

@@ -253,4 +253,8 @@ def test_an_instance_killed_mid_answer_is_routed_around_and_its_answer_goes_on(a
             killed = True
     assert killed and "".join(texts) == whole["choices"][0]["text"]
     after = ask(app, doc)
-    assert after["kvtier"]["instance"] != holder
+    # the dead replica took nothing; Serve may have replaced it by now (a new replica under
+    # the instance's name: once, in a loaded run, before this question came)
+    replacements = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if f"#{holder}#" in a["name"] and a["name"] != victim["name"]]
+    assert after["kvtier"]["instance"] != holder or replacements, after["kvtier"]["route"]
