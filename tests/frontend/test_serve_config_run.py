@@ -35,6 +35,8 @@ OBJECT_STORE_BYTES = 128 << 20
 UP_S = 150.0  # `serve run` until /health answers with every instance (~20 s when idle)
 STOP_S = 60.0  # each of `serve run` and the head, after its signal
 HEAD_STARTS = 3  # a head that exits at start (a port taken meanwhile) is started again
+HEAD_LOGS = ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err")  # in the session
+LOG_TAIL = 3000  # characters of each log a failure quotes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -110,14 +112,20 @@ def head() -> Iterator[Head]:
                     "--include-dashboard=false", "--disable-usage-stats",
                     f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}",
                     f"--dashboard-agent-listen-port={free_port()}"]
-            process = subprocess.Popen(argv, env=env, start_new_session=True,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(os.path.join(temp_dir, "head.out"), "ab") as out:
+                process = subprocess.Popen(argv, env=env, start_new_session=True,
+                                           stdout=out, stderr=subprocess.STDOUT)
             address = f"{LOOPBACK}:{port}"
             # a driver joins only once the head's node registered: `serve run` started sooner
             # exits ("No node info found"), as it once did on a loaded machine
-            if eventually(lambda: joinable(address) or process.poll() is not None, UP_S,
-                          "the Ray head took a driver", retry_on=(subprocess.TimeoutExpired,),
-                          interval_s=0.5) and process.poll() is None:
+            try:
+                eventually(lambda: process.poll() is not None or joinable(address), UP_S,
+                           "the Ray head took a driver",
+                           retry_on=(AssertionError,),
+                           interval_s=0.5)
+            except AssertionError as exc:
+                pytest.fail(f"{exc}\n{head_logs(temp_dir)}")
+            if process.poll() is None:
                 break
             kill_session(process.pid)
             process.wait(10)
@@ -139,11 +147,34 @@ def head() -> Iterator[Head]:
 
 
 def joinable(address: str) -> bool:
-    """Whether a driver (another process, as `serve run` is) joins the cluster at `address`."""
+    """True once a driver (another process, as `serve run` is) joins the cluster at
+    `address`; AssertionError with the driver's output when it did not."""
     probe = ("import ray; ray.init(address=%r, log_to_driver=False, "
              "include_dashboard=False); ray.shutdown()" % address)
-    return subprocess.run([sys.executable, "-c", probe], env=ray_env(), timeout=60,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    try:
+        run = subprocess.run([sys.executable, "-c", probe], env=ray_env(), timeout=60,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except subprocess.TimeoutExpired as exc:
+        said = (exc.output or b"").decode(errors="replace")[-LOG_TAIL:]
+        raise AssertionError(f"a driver did not join within {exc.timeout:g} s: {said}") from exc
+    assert run.returncode == 0, (f"a driver exited {run.returncode}: "
+                                 f"{run.stdout.decode(errors='replace')[-LOG_TAIL:]}")
+    return True
+
+
+def head_logs(temp_dir: str) -> str:
+    """The tails of the head's own output and of its session's GCS and raylet logs: what a
+    head that took no driver said (the temporary directory goes with the fixture)."""
+    logs = os.path.join(temp_dir, "session_latest", "logs")
+    parts = []
+    for path in [os.path.join(temp_dir, "head.out")] + [os.path.join(logs, n) for n in HEAD_LOGS]:
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()[-LOG_TAIL:]
+        except OSError as exc:
+            text = f"({exc})"
+        parts.append(f"--- {path}:\n{text}")
+    return "\n".join(parts)
 
 
 def config_copy(tmp_path: Path) -> tuple[Path, dict]:
