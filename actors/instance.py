@@ -67,6 +67,7 @@ READY_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 60.0
 MAX_RESTARTS = 3  # rank-set replacements in a row without a completed step
 IDLE_WAIT_S = 0.0005
+RAW_READ_START_S = 1.0  # peer_raw_read: time for every rank to look its holders up first
 
 T = TypeVar("T")
 
@@ -597,8 +598,11 @@ class Instance:
 
     def peer_raw_read(self, tokens: Sequence[int], salt: str = "") -> list[RawPeerRead]:
         """Each rank's transport alone reading what the best peer holds of `tokens` (the
-        benchmark's baseline: RankPeerLink.raw_read)."""
-        return self.rank_group.peer_raw_read(list(tokens), salt)
+        benchmark's baseline: RankPeerLink.raw_read), every rank's timed reads starting at
+        one instant RAW_READ_START_S from now, as a request's reads run on all ranks at
+        once."""
+        return self.rank_group.peer_raw_read(list(tokens), salt,
+                                             time.time() + RAW_READ_START_S)
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank's process (fault injection): the next call notices and recovers."""

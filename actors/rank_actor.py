@@ -440,10 +440,11 @@ class Rank:
         """What this rank's reads from peers moved and took: a PeerReadCounters record."""
         return pack_record(self.peer_link.counters())
 
-    def peer_raw_read(self, tokens: list[int], salt: str = "") -> bytes:
+    def peer_raw_read(self, tokens: list[int], salt: str = "",
+                      start_at: float | None = None) -> bytes:
         """The benchmark's baseline (RankPeerLink.raw_read): a RawPeerRead record."""
         return pack_record(self.peer_link.raw_read(self.engine.cache, self.l3_link.directory,
-                                                   tokens, salt))
+                                                   tokens, salt, start_at))
 
     # ---- L3 (actors/l3/rank_link) ---------------------------------------------------------------
     def _open_backend(self, info: NamespaceInfo, heads: HeadRange) -> StorageBackend:

@@ -183,8 +183,9 @@ class RankGroup:
         raw = self._wait([a.peer_counters.remote() for a in self.actors], "calling peer_counters")
         return [unpack_record(PeerReadCounters, data) for data in raw]
 
-    def peer_raw_read(self, tokens: list[int], salt: str) -> list[RawPeerRead]:
-        raw = self._wait([a.peer_raw_read.remote(tokens, salt) for a in self.actors],
+    def peer_raw_read(self, tokens: list[int], salt: str, start_at: float
+                      ) -> list[RawPeerRead]:
+        raw = self._wait([a.peer_raw_read.remote(tokens, salt, start_at) for a in self.actors],
                          "calling peer_raw_read")
         return [unpack_record(RawPeerRead, data) for data in raw]
 

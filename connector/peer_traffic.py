@@ -64,8 +64,14 @@ class HostPeerPool:
         return rows
 
     def head_sums(self, pages: Sequence[int], heads: Sequence[int]) -> tuple[int, ...]:
-        return tuple(xxhash.xxh3_64_intdigest(self.host[page, head].reshape(-1)
-                                              .view(torch.uint8).numpy())
+        slots, pool_heads = self.host.shape[:2]
+        objects = self.host.view(torch.uint8).numpy().reshape(slots, pool_heads, -1)
+        pages, heads = [int(p) for p in pages], [int(h) for h in heads]
+        for what, ids, limit in (("slot", pages, slots), ("head", heads, pool_heads)):
+            bad = [i for i in ids if not 0 <= i < limit]
+            if bad:
+                raise ConfigError(f"{what} {bad[0]} is outside the host pool (0..{limit - 1})")
+        return tuple(xxhash.xxh3_64_intdigest(objects[page, head])
                      for page in pages for head in heads)
 
 

@@ -9,6 +9,7 @@ import logging
 import math
 import mmap
 
+import numpy as np
 import torch
 
 from kvtier.errors import AllocatorError, ClosedError, ConfigError, HostMemoryError, TransferError
@@ -222,6 +223,18 @@ class HostPool:
         run = self.kv[part, page, head]
         assert run.is_contiguous()
         return run.view(-1).view(torch.uint8)
+
+    def head_objects(self) -> np.ndarray:
+        """(2, num_pages, H, object bytes) uint8 over the pool's memory: [part, page, head] is
+        `page_head_view(page, head, part)`'s run, without its per-call checks (page_head
+        only): what sums many head objects at once indexes."""
+        if not self.layout.is_head_major:
+            raise ConfigError(
+                f"the {self.layout} layout interleaves a page's KV heads, so one head has no "
+                "single run of bytes; use --hicache-mem-layout page_head")
+        kv = self.kv
+        return kv.view(-1).view(torch.uint8).numpy().reshape(
+            2, self.num_pages, self.spec.num_kv_heads, -1)
 
     def close(self) -> None:
         self._kv = None

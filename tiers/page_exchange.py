@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TransferError
 from kvtier.kv_spec import KVSpec
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_pool import HostPool
@@ -133,12 +133,18 @@ class PageExchange:
     def l2_head_sums(self, pages: Sequence[int], heads: Sequence[int]) -> tuple[int, ...]:
         """xxh3_64 over each (page, head)'s K then V object in L2 (`page_head`), page by
         page then head."""
+        objects = self._host.head_objects()
+        pages, heads = [int(p) for p in pages], [int(h) for h in heads]
+        for what, ids, limit in (("page", pages, objects.shape[1]),
+                                 ("head", heads, objects.shape[2])):
+            bad = [i for i in ids if not 0 <= i < limit]
+            if bad:
+                raise TransferError(f"{what} {bad[0]} is outside the host pool (0..{limit - 1})")
         out = []
         for page in pages:
             for head in heads:
-                h = xxhash.xxh3_64()
-                h.update(self._host.page_head_view(page, head, 0).numpy())
-                h.update(self._host.page_head_view(page, head, 1).numpy())
+                h = xxhash.xxh3_64(objects[0, page, head])
+                h.update(objects[1, page, head])
                 out.append(h.intdigest())
         return tuple(out)
 

@@ -106,9 +106,11 @@ class RankPeerLink:
         return self.reader.counters
 
     def raw_read(self, cache: HierarchicalCache, directory: PageDirectoryClient,
-                 tokens: Sequence[int], salt: str = "") -> RawPeerRead:
+                 tokens: Sequence[int], salt: str = "", start_at: float | None = None
+                 ) -> RawPeerRead:
         """The benchmark's baseline: the transport alone reading what the best peer holds of
-        `tokens` into scratch L2 pages (PeerReader.raw_read); nothing enters the cache."""
+        `tokens` into scratch L2 pages (PeerReader.raw_read, its timed reads from `start_at`
+        on); nothing enters the cache."""
         if self.reader is None:
             raise CacheUsageError("this rank reads no peers (peer_open was not called)")
         keys = cache.namespace.page_hashes(tokens, cache.spec.page_size, salt)
@@ -119,7 +121,7 @@ class RankPeerLink:
         if pages is None:
             raise CacheUsageError(f"no {offer.pages} free L2 pages to read the baseline into")
         try:
-            return self.reader.raw_read(offer.contact, keys[:offer.pages], pages)
+            return self.reader.raw_read(offer.contact, keys[:offer.pages], pages, start_at)
         finally:
             cache.host_pool.allocator.free(pages)
 

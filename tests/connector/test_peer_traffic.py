@@ -7,12 +7,14 @@ import time
 
 import pytest
 import torch
+import xxhash
 
 from kvtier.backends.handoff_base import HandoffUnavailable
 from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.connector.peer_traffic import HostPeerPool, PeerTraffic
 from kvtier.connector.plan import PageFetch, PageLoad, PageSave, StepPlan, WorkerReport
 from kvtier.connector.worker_side import WorkerSide
+from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import PeerContact
@@ -192,3 +194,14 @@ def test_a_slot_being_rewritten_is_unlisted_until_its_save_lands():
     w.lend(None)  # lending stopped: saves list nothing
     w.end_step(StepPlan(saves=(PageSave((3,), (4,), (KEYS[6],)),)))
     assert lookup(table.rows.view("u1"), HEADS, KEYS[6:7]).pages == ()
+
+
+def test_a_host_pools_head_sums_are_each_slot_heads_bytes_and_refuse_other_slots():
+    host = torch.randn(SLOTS, HEADS, 2, LAYERS, BS * HD).to(torch.bfloat16)
+    pool = HostPeerPool(host)
+    want = tuple(xxhash.xxh3_64_intdigest(host[s, h].contiguous().view(torch.uint8).numpy())
+                 for s in (4, 1) for h in (1, 0))
+    assert pool.head_sums([4, 1], [1, 0]) == want
+    for slots, heads in (([SLOTS], [0]), ([-1], [0]), ([0], [HEADS])):
+        with pytest.raises(ConfigError, match="outside the host pool"):
+            pool.head_sums(slots, heads)

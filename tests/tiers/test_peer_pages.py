@@ -14,11 +14,12 @@ import time
 import numpy as np
 import pytest
 import torch
+import xxhash
 from cache_builder import build_cache
 
 from kvtier.backends.handoff_base import HandoffTimeout, HandoffUnavailable
 from kvtier.backends.handoff_registry import open_endpoint
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TransferError
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import PeerContact
 from kvtier.tiers.page_exchange import head_object_bytes
@@ -439,3 +440,39 @@ def test_a_lender_lists_what_l2_held_before_it_opened(instances):
     ((got, host),) = reader.read(holder.contact())
     assert (got.pages, got.reason) == (PAGES, PeerReadOutcome.ALL)
     reader.check(0, host, 0, PAGES)
+
+
+def test_head_sums_are_each_head_objects_k_then_v_and_refuse_pages_outside_the_pool(
+        instances):
+    holder = Holder("simulated", 2)
+    instances.append(holder)
+    cache = holder.caches[1]
+    pages = cache.allocate_host(3)
+    for i, page in enumerate(pages):
+        holder.write(1, page, i)
+    want = []
+    for page in pages:
+        for head in (1, 0):
+            h = xxhash.xxh3_64()
+            for part in (0, 1):
+                h.update(cache.host_pool.page_head_view(page, head, part).numpy())
+            want.append(h.intdigest())
+    assert cache.exchange.l2_head_sums(pages, [1, 0]) == tuple(want)
+    for pages, heads in (([cache.host_pool.num_pages], [0]), ([-1], [0]), ([0], [3])):
+        with pytest.raises(TransferError, match="outside the host pool"):
+            cache.exchange.l2_head_sums(pages, heads)
+
+
+def test_the_raw_baseline_moves_the_same_head_objects_once_its_start_time_came(instances):
+    holder, reader = pair("simulated", 1, 3, instances)
+    holder.fill()
+    start = time.time() + 0.2
+    for rank, (cache, peer) in enumerate(zip(reader.caches, reader.readers)):
+        host = cache.allocate_host(PAGES)
+        keys = cache.namespace.page_hashes(PROMPT[:PAGES * PAGE], PAGE, SALT)
+        raw = peer.raw_read(holder.contact(), keys, host, start_at=start)
+        assert time.time() >= start
+        per_head = head_object_bytes(KVSpec(LAYERS, 1, DIM, PAGE, torch.float32))
+        assert (raw.pages, raw.bytes) == (PAGES, PAGES * 2 * per_head * (HEADS // 3))
+        assert raw.seconds > 0
+        reader.check(rank, host, 0, PAGES)
