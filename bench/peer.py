@@ -7,14 +7,16 @@ holds the document; B, its L1 and L2 empty, answers the same question reading th
 pages from A's L2 over the transport (`--peer-transport`, NIXL by default). A cold reference
 instance (no L3, no peers) answers it first.
 
-Fields: `identical` (B's answer equals the cold answer and A's), `peer_hit_tokens` (what B's
-prefix took from A's L2), `ttft_peer_ratio` (B's TTFT over the cold TTFT; the target is
-<= 0.2), `peer_read_gbps` (B's peer reads as the request had them: every rank's bytes over
-the longest rank's time in them, look-ups and checks included; `peer_read_s` splits that time
-into reading the holder ranks' tables, the transport's reads of the pages and verifying),
+B answers READ_TRIES times, its L1 and L2 dropped before each. Fields: `identical` (every
+answer of B's equals the cold answer and A's), `peer_hit_tokens` (what B's prefix took from
+A's L2 the first time), `ttft_peer_ratio` (B's first TTFT over the cold TTFT; the target is
+<= 0.2), `peer_read_gbps` (B's fastest try's peer reads as the request had them: every
+rank's bytes over the longest rank's time in them, look-ups and checks included;
+`peer_read_s` splits that time into reading the holder ranks' tables, the transport's reads
+of the pages and verifying; `peer_read_tries_s` has every try's),
 `raw_transport_gbps` (the same transport reading the same head objects between the same
-pools with its own calls alone, right after, in the same run) and their ratio `peer_vs_raw`
-(the target is >= 0.8).
+pools with its own calls alone, right after, in the same run: every rank's reads at once,
+the fastest of 3) and their ratio `peer_vs_raw` (the target is >= 0.8).
 `busy_holder`: B reads the document from A again while A computes a long prompt of its own
 (`holder_busy_throughout`: A was still computing when B answered); its `ttft_peer_ratio` over
 the same cold TTFT shows whether a peer hit waits for the holder's work.
@@ -37,6 +39,8 @@ NAMESPACE_STORAGE = "file"  # the namespace actor registers one; with --l3 none 
 GB = 1e9
 BUSY_TOKEN_SHIFT = 7  # the busy holder's prompt: the document's tokens shifted, seen by none
 BUSY_START_S = 0.5  # B reads this long after A starts computing it (its prefill takes seconds)
+READ_TRIES = 3  # B reads the document from A this many times; the fastest read is reported, as
+# the raw baseline reports its fastest of 3 (PeerReader.raw_read): the machine's noise out of both
 
 
 def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
@@ -50,7 +54,10 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
     work = demo._workload(params, model)
     with tempfile.TemporaryDirectory(prefix="kvtier-peer-") as tmp:
         measured = _run_on_local_ray(params, work, tmp, transport)
-    cold, written, read, reads, raw, busy = measured
+    cold, written, tries, raw, busy = measured
+    read = tries[0].out  # B's first answer: its TTFT is the one compared with cold
+    tries_s = [max(c.seconds for c in t.reads) for t in tries]
+    reads = tries[tries_s.index(min(tries_s))].reads  # the fastest, as the raw baseline's
     ranks_s = max(c.seconds for c in reads) or math.inf
     read_bytes = sum(c.bytes for c in reads)
     raw_s = max(r.seconds for r in raw) or math.inf
@@ -59,7 +66,7 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
     return {
         "mode": "peer", "transport": transport.value, "model": model.label,
         "tp": params.tp_size, "prompt_tokens": len(work.prompts[0]),
-        "identical": read.tokens == cold.tokens == written.tokens,
+        "identical": all(t.out.tokens == cold.tokens == written.tokens for t in tries),
         "peer_hit_tokens": read.cached.peer, "storage_hit_tokens": read.cached.storage,
         "ttft_peer_ratio": round(read.ttft_s / cold.ttft_s, 4),
         "target_ttft_ratio": TARGET_TTFT_RATIO,
@@ -73,7 +80,7 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
                         "lookup": round(max(c.lookup_s for c in reads), 5),
                         "transfer": round(max(c.transfer_s for c in reads), 5),
                         "verify": round(max(c.verify_s for c in reads), 5)},
-        "raw_read_s": round(raw_s, 5),
+        "raw_read_s": round(raw_s, 5), "peer_read_tries_s": [round(t, 5) for t in tries_s],
         "peer_reads": sum(c.reads for c in reads), "dtype": params.dtype,
         "busy_holder": {"identical": busy.out.tokens == cold.tokens,
                         "peer_hit_tokens": busy.out.cached.peer,
@@ -111,17 +118,28 @@ def _run_on_local_ray(params: demo.DemoParams, work: Any, tmp: str,
             cold = _answer(cluster.instances["cold"], work, progress, "cold")
             written = _answer(cluster.instances["A"], work, progress, "A")
             _wait_listed(cluster.client, info, work.prompts[0], params.page_size, "A")
-            before = cluster.instances["B"].peer_counters()
-            read = _answer(cluster.instances["B"], work, progress, "B")
-            after = cluster.instances["B"].peer_counters()
-            reads = [type(a)(*(x - y for x, y in zip(a, b))) for a, b in zip(after, before)]
+            tries = [_read_from_a(cluster.instances["B"], work, progress, k)
+                     for k in range(READ_TRIES)]
             cluster.instances["B"].drop_cache()
             raw = cluster.instances["B"].peer_raw_read(work.prompts[0])
             busy = _read_beside_busy_holder(cluster.instances["A"], cluster.instances["B"],
                                             work, progress)
     finally:
         progress.close()
-    return cold, written, read, reads, raw, busy
+    return cold, written, tries, raw, busy
+
+
+class _Try(NamedTuple):
+    out: Any  # B's answer
+    reads: list  # each rank's PeerReadCounters of it
+
+
+def _read_from_a(reader: Any, work: Any, progress: Any, k: int) -> _Try:
+    """B answers the first question reading it from A (its own L1 and L2 dropped first)."""
+    before = reader.peer_counters()
+    out = _answer(reader, work, progress, f"B ({k + 1} of {READ_TRIES})")
+    after = reader.peer_counters()
+    return _Try(out, [type(a)(*(x - y for x, y in zip(a, b))) for a, b in zip(after, before)])
 
 
 class _BusyRead(NamedTuple):
