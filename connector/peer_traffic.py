@@ -22,12 +22,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import xxhash
 
 from kvtier.connector.job_thread import JobThread
 from kvtier.errors import ConfigError
 from kvtier.messages import PeerContact
-from kvtier.tiers.page_exchange import PoolMemory
+from kvtier.tiers.page_exchange import PoolMemory, object_sums
 from kvtier.tiers.peer_fetch import TRANSPORT_LINGER_S
 from kvtier.tiers.peer_pages import PeerReader
 
@@ -66,13 +65,7 @@ class HostPeerPool:
     def head_sums(self, pages: Sequence[int], heads: Sequence[int]) -> tuple[int, ...]:
         slots, pool_heads = self.host.shape[:2]
         objects = self.host.view(torch.uint8).numpy().reshape(slots, pool_heads, -1)
-        pages, heads = [int(p) for p in pages], [int(h) for h in heads]
-        for what, ids, limit in (("slot", pages, slots), ("head", heads, pool_heads)):
-            bad = [i for i in ids if not 0 <= i < limit]
-            if bad:
-                raise ConfigError(f"{what} {bad[0]} is outside the host pool (0..{limit - 1})")
-        return tuple(xxhash.xxh3_64_intdigest(objects[page, head])
-                     for page in pages for head in heads)
+        return object_sums((objects,), pages, heads)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.errors import ConfigError, TransferError
+from kvtier.errors import CacheUsageError, ConfigError
 from kvtier.kv_spec import KVSpec
 from kvtier.tiers.device_pool import DevicePool
 from kvtier.tiers.host_pool import HostPool
@@ -74,6 +74,28 @@ def head_regions(spec: KVSpec, pool_heads: int, base_addr: int, pool_pages: int,
     rows[:, 0] = index.reshape(-1) * np.uint64(n) + np.uint64(base_addr)
     rows[:, 1] = n
     return rows
+
+
+def object_sums(parts: Sequence[np.ndarray], pages: Sequence[int],
+                heads: Sequence[int]) -> tuple[int, ...]:
+    """xxh3_64 of each (page, head)'s runs in `parts`, one after the other, page by page then
+    head: each part a (pages, heads, bytes) uint8 array over one pool (`page_head`: K, then V;
+    the vLLM host pool: K and V together). A page or head outside the arrays is the caller's
+    bug (CacheUsageError), never a negative index read from the other end."""
+    pages, heads = [int(p) for p in pages], [int(h) for h in heads]
+    for what, ids, limit in (("page", pages, parts[0].shape[0]),
+                             ("head", heads, parts[0].shape[1])):
+        bad = [i for i in ids if not 0 <= i < limit]
+        if bad:
+            raise CacheUsageError(f"{what} {bad[0]} is outside the host pool (0..{limit - 1})")
+    out = []
+    for page in pages:
+        for head in heads:
+            h = xxhash.xxh3_64()
+            for part in parts:
+                h.update(part[page, head])
+            out.append(h.intdigest())
+    return tuple(out)
 
 
 def page_sums(kv: torch.Tensor, pages: Sequence[int]) -> tuple[int, ...]:
@@ -134,19 +156,7 @@ class PageExchange:
         """xxh3_64 over each (page, head)'s K then V object in L2 (`page_head`), page by
         page then head."""
         objects = self._host.head_objects()
-        pages, heads = [int(p) for p in pages], [int(h) for h in heads]
-        for what, ids, limit in (("page", pages, objects.shape[1]),
-                                 ("head", heads, objects.shape[2])):
-            bad = [i for i in ids if not 0 <= i < limit]
-            if bad:
-                raise TransferError(f"{what} {bad[0]} is outside the host pool (0..{limit - 1})")
-        out = []
-        for page in pages:
-            for head in heads:
-                h = xxhash.xxh3_64(objects[0, page, head])
-                h.update(objects[1, page, head])
-                out.append(h.intdigest())
-        return tuple(out)
+        return object_sums((objects[0], objects[1]), pages, heads)
 
     def copy_to_l2(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """L1 pages into L2 pages the caller holds, synchronously (any L2 layout)."""

@@ -14,7 +14,7 @@ from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.connector.peer_traffic import HostPeerPool, PeerTraffic
 from kvtier.connector.plan import PageFetch, PageLoad, PageSave, StepPlan, WorkerReport
 from kvtier.connector.worker_side import WorkerSide
-from kvtier.errors import ConfigError
+from kvtier.errors import CacheUsageError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import PeerContact
@@ -203,5 +203,5 @@ def test_a_host_pools_head_sums_are_each_slot_heads_bytes_and_refuse_other_slots
                  for s in (4, 1) for h in (1, 0))
     assert pool.head_sums([4, 1], [1, 0]) == want
     for slots, heads in (([SLOTS], [0]), ([-1], [0]), ([0], [HEADS])):
-        with pytest.raises(ConfigError, match="outside the host pool"):
+        with pytest.raises(CacheUsageError, match="outside the host pool"):
             pool.head_sums(slots, heads)

@@ -19,7 +19,7 @@ from cache_builder import build_cache
 
 from kvtier.backends.handoff_base import HandoffTimeout, HandoffUnavailable
 from kvtier.backends.handoff_registry import open_endpoint
-from kvtier.errors import ConfigError, TransferError
+from kvtier.errors import CacheUsageError, ConfigError
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import PeerContact
 from kvtier.tiers.page_exchange import head_object_bytes
@@ -459,7 +459,7 @@ def test_head_sums_are_each_head_objects_k_then_v_and_refuse_pages_outside_the_p
             want.append(h.intdigest())
     assert cache.exchange.l2_head_sums(pages, [1, 0]) == tuple(want)
     for pages, heads in (([cache.host_pool.num_pages], [0]), ([-1], [0]), ([0], [3])):
-        with pytest.raises(TransferError, match="outside the host pool"):
+        with pytest.raises(CacheUsageError, match="outside the host pool"):
             cache.exchange.l2_head_sums(pages, heads)
 
 
