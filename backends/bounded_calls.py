@@ -10,12 +10,13 @@ an hour. So the caller waits `timeout_s`, and a call still running then is left 
 its thread: it is "stuck", and its Future (`CallOutcome.pending`) says when it returns, which
 is when the memory it was given may be reused (`PagesStillInUse.pending`, tiers/storage_worker.py).
 
-Bounded: at most `max_stuck` calls are stuck at once; while that many are, further calls are
-refused at once (no thread, no wait; the backend answers a miss), so a dead peer costs at
-most `max_stuck` threads and the pages they hold, never an unbounded number. Threads are
-reused (with one caller at a time, as backends are used, at most `max_stuck` exist) and are
-daemons: a stuck call never holds up the interpreter's exit. Calls go to the client concurrently only when one is stuck (the client
-must be thread-safe: Mooncake's is, and it releases the GIL while it waits).
+Bounded: a call starts only while fewer than `max_stuck` calls are stuck; once that many
+are, further calls are refused at once (no thread, no wait; the backend answers a miss).
+With C callers at once (a Mooncake batch's lanes, an existence check beside them), at most
+`max_stuck - 1 + C` calls can be stuck together, so a dead peer costs that many threads and
+the pages they hold, never an unbounded number. Threads are reused (at most `max_stuck + 1`
+wait idle) and are daemons: a stuck call never holds up the interpreter's exit. The client
+must be thread-safe (Mooncake's is, and it releases the GIL while it waits).
 """
 from __future__ import annotations
 

@@ -24,10 +24,12 @@
   alone, so a reader whose `verify_checksums` differs from the writer's finds objects 8
   bytes off its size: a miss, counted in `extra["foreign_objects"]`, left in place (all
   backends of a namespace must agree; `exists` still counts such pages).
-- Verified batches are moved in chunks of whole pages, each its own call (and deadline),
-  so that the hashing overlaps the transfer (xxhash releases the GIL on large buffers; it runs on a
-  thread of its own): a write hashes chunk k+1 while chunk k is put, a read checks chunk k
-  while chunk k+1 is fetched (PIPELINE_FIRST_BYTES says how large).
+- A batch goes in up to LANES concurrent calls, each lane a run of whole pages (one call
+  copies its objects one after another; concurrent calls copy on both cores: measured in
+  docs/benchmarks.md, "Mooncake in lanes"). A verified lane goes in calls of about
+  READ_CALL_BYTES or WRITE_CALL_BYTES, and the lane's own thread hashes each call's parts
+  just after its get or just before its put, while those bytes are still in cache (xxhash
+  releases the GIL); an unverified lane is one call.
 - A dead master makes calls misses/failures, never exceptions or hangs, and is counted
   (backends/mooncake_master_guard.py says why and how). A master restarted elsewhere
   (a new address) needs a new backend: detach and attach. Closing a backend whose master is
@@ -57,6 +59,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 from concurrent import futures
 from typing import Any, Callable, NamedTuple
 
@@ -82,20 +85,20 @@ BUFFER_TOO_SMALL = -600
 OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800  # also what a multi-buffer get into more bytes than the object gets
 NO_ANSWER = -10_000  # kvtier's: the call passed its deadline, or was refused meanwhile
+SKIPPED = -10_001  # kvtier's: not sent, the master stopped answering earlier in the batch
 # Mooncake's own waits (whole seconds), set to the call deadline unless the environment has
 # them: the TCP transport's progress and status-frame deadlines (read at each transfer) and
 # the handshake connect timeout (read once per process, when the first client starts).
 MOONCAKE_TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC",
                         "MC_HANDSHAKE_CONNECT_TIMEOUT")
 SUM_BYTES = 8  # a verified object's trailer: its part's xxh3_64, little-endian
-# Verified batches go in chunks (the hashing overlaps the transfer of the chunk before or
-# after; measured in docs/benchmarks.md, "Mooncake, with and without verification"): a
-# write's first chunk is about PIPELINE_FIRST_BYTES (hashed before any put starts), each
-# next one PIPELINE_GROWTH times larger (hashed while the one before is put); a read's are
-# the same in reverse (its last chunk is checked after every get). Batches under twice
-# PIPELINE_FIRST_BYTES are one call, hashed before the put or after the get.
-PIPELINE_FIRST_BYTES = 16 << 20
-PIPELINE_GROWTH = 2.0
+# Concurrent calls per batch, and the bytes of a verified lane's calls (module docstring;
+# measured in docs/benchmarks.md, "Mooncake in lanes"): a get's parts are checked right after
+# it, while most of them are still in the CPU's last-level cache; each put costs two RPCs
+# to the master, so a verified lane hashes and puts larger calls.
+LANES = 3
+READ_CALL_BYTES = 24 << 20
+WRITE_CALL_BYTES = 64 << 20
 
 
 # Mooncake ErrorCode values this backend meets (mooncake-store/include/types.h).
@@ -103,7 +106,8 @@ _ERRORS = {-1: "internal error", -200: "no space left (puts past ~90% of the seg
            -600: "invalid parameters, or a buffer too small for the object",
            -704: "object not found", -706: "object has a lease", -800: "transfer failed",
            -900: "RPC to the master failed", -901: "RPC to the master timed out",
-           NO_ANSWER: "no answer within call_timeout_s"}
+           NO_ANSWER: "no answer within call_timeout_s",
+           SKIPPED: "not sent: the master stopped answering earlier in the batch"}
 DEFAULT_METADATA = "P2PHANDSHAKE"  # no metadata server needed (see mooncake_master.py)
 
 
@@ -270,16 +274,17 @@ class _PoolMap:
         if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
             raise CacheUsageError(f"host pages must be in 0..{self.num_pages - 1}, got "
                                   f"{min(pages)}..{max(pages)}")
-        b = _Batch([], [], [], [], [])
-        for slot, (key, page) in enumerate(zip(keys, pages)):
-            for i in range(self.num_slots):
-                b.slots.append(slot)
-                b.names.append(self.heads[i] + key + self.tails[i])
-                b.ptrs.append(self._affine_ptr(page, i) if self.affine
-                              else self._view_ptr(page, i))
-                b.sizes.append(self.part_bytes)
-                b.sums.append(page * self.num_slots + i)
-        return b
+        n, count = self.num_slots, len(keys)
+        slots = list(range(n))
+        if self.affine:  # addresses in one numpy pass
+            at = np.asarray(pages, dtype=np.int64)[:, None]
+            ptrs = (at * self.page_stride + np.asarray(self.bases, dtype=np.int64)).ravel()
+        else:
+            ptrs = np.asarray([self._view_ptr(p, i) for p in pages for i in slots], np.int64)
+        sums = (np.asarray(pages, dtype=np.int64)[:, None] * n + np.arange(n)).ravel()
+        return _Batch([s for s in range(count) for _ in slots],
+                      [h + key + t for key in keys for h, t in zip(self.heads, self.tails)],
+                      ptrs.tolist(), [self.part_bytes] * (count * n), sums.tolist())
 
     # ---- verified objects: part bytes + trailer --------------------------------------------
     def gather(self, b: "_Batch", lo: int, hi: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -318,25 +323,32 @@ class _Batch(NamedTuple):
     def pick(self, indices: list[int]) -> "_Batch":
         return _Batch(*([column[i] for i in indices] for column in self))
 
-    def chunks(self, first: int, shrinking: bool = False) -> list[tuple[int, int]]:
-        """Object ranges [lo, hi) of whole pages, in order, whose sizes grow from about
-        `first` bytes by PIPELINE_GROWTH each, or with `shrinking` the other way round, the
-        smallest last. One range for a batch under twice `first`."""
+    def lanes(self, count: int, call_bytes: float) -> list[list[tuple[int, int]]]:
+        """Object ranges [lo, hi) of whole pages: up to `count` lanes of about equal bytes
+        (one per page for fewer pages), each cut into calls of about `call_bytes` (at least
+        one page). Every object is in exactly one range, in order."""
         ends = [i + 1 for i in range(len(self.slots))
                 if i + 1 == len(self.slots) or self.slots[i + 1] != self.slots[i]]
-        if not ends or sum(self.sizes) < 2 * first:
-            return [(0, len(self.slots))] if ends else []
         pages = list(zip([0] + ends[:-1], ends))
-        spans, target, size, span = [], float(first), 0, None
-        for lo, hi in pages[::-1] if shrinking else pages:
-            span = (min(lo, span[0]), max(hi, span[1])) if span else (lo, hi)
-            size += sum(self.sizes[lo:hi])
-            if size >= target:
-                spans.append(span)
-                span, size, target = None, 0, target * PIPELINE_GROWTH
-        if span:
-            spans.append(span)
-        return sorted(spans)
+        sizes = [sum(self.sizes[lo:hi]) for lo, hi in pages]
+        count, total = min(count, len(pages)), sum(sizes)
+        groups: list[list[int]] = [[] for _ in range(count)]
+        done = 0
+        for k, size in enumerate(sizes):  # page k goes to the lane its first byte falls in
+            groups[min(count - 1, done * count // max(total, 1))].append(k)
+            done += size
+        lanes = []
+        for group in groups:
+            if not group:
+                continue
+            calls, lo, size = [], pages[group[0]][0], 0
+            for k in group:
+                size += sizes[k]
+                if size >= call_bytes or k == group[-1]:
+                    calls.append((lo, pages[k][1]))
+                    lo, size = pages[k][1], 0
+            lanes.append(calls)
+        return lanes
 
 
 class MooncakeBackend(StorageBackend):
@@ -366,10 +378,10 @@ class MooncakeBackend(StorageBackend):
         self.copies = options.copies
         self.replicate = replicate_config(self.copies)
         self.calls = BoundedCalls(options.call_timeout_s, name="kvtier-mooncake")
-        self.chunk_bytes = PIPELINE_FIRST_BYTES  # the first (write) or last (read) chunk
-        # Hashes verified chunks beside the transfer of the next (or previous) one.
-        self._hasher = (futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-sums")
-                        if self.verify else None)
+        self.lane_count = LANES
+        self.read_call_bytes, self.write_call_bytes = READ_CALL_BYTES, WRITE_CALL_BYTES
+        # A batch's first lane runs on the caller's thread, the others here.
+        self._lanes = futures.ThreadPoolExecutor(LANES - 1, thread_name_prefix="kvtier-mooncake")
         self.counters.extra.update(calls_timed_out=0, calls_refused=0, calls_stuck=0,
                                    foreign_objects=0)
         self._warned_foreign = False  # foreign objects are logged once as a warning
@@ -434,61 +446,84 @@ class MooncakeBackend(StorageBackend):
                 f"({self.options.call_timeout_s} s) and may still use its host pages (a "
                 "segment whose host is unreachable?)", pending=outcome.pending)
 
-    def _chunked(self, b: _Batch, call: Callable[[int, int], list[int]],
-                 seal: Callable[[int, int], None] | None = None,
-                 check: Callable[[int, int, list[int]], list[int]] | None = None,
-                 ) -> tuple[list[int], list[int]]:
-        """`call(lo, hi)` for each chunk of `b` in turn; on the hasher thread, `seal(lo, hi)`
-        of every chunk in order (each awaited before its call) or `check(lo, hi, codes)` of
-        each chunk after its call, beside the next. Returns the codes and what the checks
-        returned; every hash has ended when this returns or raises."""
-        chunks = b.chunks(self.chunk_bytes, shrinking=check is not None)
-        hasher = self._hasher
-        sealed = [hasher.submit(seal, lo, hi) for lo, hi in chunks] if seal else []
-        checks: list[futures.Future] = []
-        rcs: list[int] = []
+    def _in_lanes(self, b: _Batch, call: Callable[[int, int], list[int]], call_bytes: float,
+                  seal: Callable[[int, int], None] | None = None,
+                  check: Callable[[int, int, list[int]], list[int]] | None = None,
+                  ) -> tuple[list[int], list[int]]:
+        """The objects of `b` in lanes (`_Batch.lanes`), each on a thread of its own, its calls
+        in order: `seal(lo, hi)` just before `call(lo, hi)` (it hashes what the call puts) or
+        `check(lo, hi, codes)` just after (it hashes what the call got). Returns the codes in
+        object order and what the checks returned. Once a lane raises the others start no
+        further call, and every lane has ended when this returns or raises: PagesStillInUse
+        if any call may still touch its pages, else the first error."""
+        stop = threading.Event()
+
+        def lane(spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+            rcs: list[int] = []
+            bad: list[int] = []
+            try:
+                for lo, hi in spans:
+                    if stop.is_set() or self.guard.down:  # so would every further call be
+                        rcs += [SKIPPED] * (hi - lo)
+                        continue
+                    if seal:
+                        seal(lo, hi)
+                    got = call(lo, hi)
+                    rcs += got
+                    if check:
+                        bad += check(lo, hi, got)
+            except BaseException:
+                stop.set()
+                raise
+            return rcs, bad
+
+        lanes = b.lanes(self.lane_count, call_bytes)
+        if len(lanes) <= 1:
+            return lane(lanes[0]) if lanes else ([], [])
+        others = [self._lanes.submit(lane, spans) for spans in lanes[1:]]
+        first: futures.Future = futures.Future()
         try:
-            for k, (lo, hi) in enumerate(chunks):
-                if sealed:
-                    sealed[k].result()
-                if rcs and self.guard.down:  # the master stopped answering: so would the rest
-                    rcs += [rcs[-1]] * (hi - lo)
-                    continue
-                got = call(lo, hi)
-                rcs += got
-                if check:
-                    checks.append(hasher.submit(check, lo, hi, got))
-            return rcs, [i for f in checks for i in f.result()]
-        finally:  # an error, or a call past its deadline: no hash outlives the batch
-            futures.wait([f for f in sealed + checks if not f.cancel()])
+            first.set_result(lane(lanes[0]))
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every lane has ended
+            first.set_exception(exc)
+        futures.wait(others)
+        done = [first, *others]
+        _raise_lane_errors([f.exception() for f in done])
+        results = [f.result() for f in done]
+        return [rc for rcs, _ in results for rc in rcs], [i for _, bad in results for i in bad]
 
     def _put(self, m: _PoolMap, b: _Batch) -> list[int]:
-        """Put the objects of `b`: one call, or verified, chunks sealed just before."""
+        """Put the objects of `b` in lanes; verified, each call's parts hashed just before."""
         if not self.verify:
-            return self._call(self.store.batch_put_from, len(b.names), b.names, b.ptrs,
-                              b.sizes, self.replicate, holds=m)
+            def put(lo: int, hi: int) -> list[int]:
+                return self._call(self.store.batch_put_from, hi - lo, b.names[lo:hi],
+                                  b.ptrs[lo:hi], b.sizes[lo:hi], self.replicate, holds=m)
+            return self._in_lanes(b, put, math.inf)[0]
 
-        def put(lo: int, hi: int) -> list[int]:
+        def put_verified(lo: int, hi: int) -> list[int]:
             ptrs, sizes = m.gather(b, lo, hi)
             return self._call(self.store.batch_put_from_multi_buffers, hi - lo, b.names[lo:hi],
                               ptrs, sizes, self.replicate, holds=m)
-        return self._chunked(b, put, seal=lambda lo, hi: m.seal(b, lo, hi))[0]
+        return self._in_lanes(b, put_verified, self.write_call_bytes,
+                              seal=lambda lo, hi: m.seal(b, lo, hi))[0]
 
     def _fetch(self, m: _PoolMap, b: _Batch) -> tuple[list[int], list[int]]:
-        """Get the objects of `b`: their codes, and (verified) those whose checksum failed,
-        each chunk checked beside the get of the next."""
+        """Get the objects of `b` in lanes: their codes, and (verified) those whose checksum
+        failed, each call's parts checked just after it."""
         if not self.verify:
-            return self._call(self.store.batch_get_into, len(b.names), b.names, b.ptrs,
-                              b.sizes, holds=m), []
+            def get(lo: int, hi: int) -> list[int]:
+                return self._call(self.store.batch_get_into, hi - lo, b.names[lo:hi],
+                                  b.ptrs[lo:hi], b.sizes[lo:hi], holds=m)
+            return self._in_lanes(b, get, math.inf)
 
-        def get(lo: int, hi: int) -> list[int]:
+        def get_verified(lo: int, hi: int) -> list[int]:
             ptrs, sizes = m.gather(b, lo, hi)
             return self._call(self.store.batch_get_into_multi_buffers, hi - lo,
                               b.names[lo:hi], ptrs, sizes, holds=m)
 
         def check(lo: int, hi: int, got: list[int]) -> list[int]:
             return m.mismatched(b, [lo + i for i, rc in enumerate(got) if rc == m.object_bytes])
-        return self._chunked(b, get, check=check)
+        return self._in_lanes(b, get_verified, self.read_call_bytes, check=check)
 
     # ---- the interface -------------------------------------------------------------------
     def _per_page(self, reg: PoolRegistration) -> int:
@@ -610,14 +645,47 @@ class MooncakeBackend(StorageBackend):
         # A call past its deadline may still use the client: it is closed when they return.
         store, guard = self.store, self.guard
         self.calls.close(lambda: close_client(store, master_gone=guard.gone()))
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True, cancel_futures=True)
+        self._lanes.shutdown(wait=True, cancel_futures=True)
         if self.master is not None:
             self.master.stop()
 
     def __repr__(self) -> str:
         own = self.master is not None
         return f"MooncakeBackend(master={self.master_address}, own={own}, verify={self.verify})"
+
+
+def _raise_lane_errors(errors: list[BaseException | None]) -> None:
+    """What a batch's lanes raised, as one error: PagesStillInUse if any lane's call may
+    still touch its pages (its `pending` done once every such call has returned; none if
+    any cannot tell), else the first error; nothing if no lane raised."""
+    raised = [e for e in errors if e is not None]
+    stuck = [e for e in raised if isinstance(e, PagesStillInUse)]
+    if len(stuck) > 1:
+        pending = [e.pending for e in stuck]
+        raise PagesStillInUse(f"{len(stuck)} mooncake calls of one batch may still use their "
+                              f"host pages; the first: {stuck[0]}",
+                              pending=None if None in pending else _when_all(pending)
+                              ) from stuck[0]
+    if stuck or raised:
+        raise (stuck or raised)[0]
+
+
+def _when_all(pending: list[futures.Future]) -> futures.Future:
+    """A Future done (with None) once every one of `pending` is."""
+    out: futures.Future = futures.Future()
+    out.set_running_or_notify_cancel()
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_: futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            out.set_result(None)
+    for f in pending:
+        f.add_done_callback(one_done)
+    return out
 
 
 def _holding(keep: object, fn: Callable[..., Any], *args: Any) -> Any:

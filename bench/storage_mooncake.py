@@ -16,7 +16,7 @@ GB/s; the target is >= 0.8 verified, 0.9 not.
 Per-object figures (`objects`): the objects a page is stored as (one per KV head and part;
 with verification each also carries its part's 8-byte checksum), their bytes, the Mooncake
 calls one `set_from` / `get_into` of the whole batch makes (counted on the client: verified
-batches go in chunks) and objects moved per second, for kvtier with and without
+batches go in lanes of several calls) and objects moved per second, for kvtier with and without
 verification and for the raw calls.
 """
 from __future__ import annotations

@@ -333,8 +333,9 @@ def test_bench_measure_reports_every_field():
     assert raw["bytes_per_object"] == plain["bytes_per_object"] == 737_280 // 3
     assert verified["bytes_per_object"] == 737_280 // 3 + 8
     assert (raw["write_calls_per_batch"], raw["read_calls_per_batch"]) == (1, 1)
-    assert plain["write_calls_per_batch"] == 2  # an existence check, then the puts
-    assert plain["read_calls_per_batch"] == 1
+    # An existence check, then one put per lane (a lane per page for 2 pages); one get each.
+    assert plain["write_calls_per_batch"] == 3
+    assert plain["read_calls_per_batch"] == 2
     assert all(d["write_objects_per_s"] > 0 and d["read_objects_per_s"] > 0
                for d in (raw, plain, verified))
 
@@ -408,10 +409,10 @@ def test_what_a_client_listens_on(master):
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_one_batch_call_carries_every_heads_objects_of_many_pages(master, verify):
-    """Per-head objects must not multiply the calls: with 3 KV heads, 5 pages are one
-    put and one get of 5 x 3 x 2 objects (batch_put_from / batch_get_into, or verifying,
-    their multi-buffer forms: part and checksum), read back byte for byte by a reader owning
-    one head."""
+    """Per-head objects must not multiply the calls: with 3 KV heads and one lane, 5 pages
+    are one put and one get of 5 x 3 x 2 objects (batch_put_from / batch_get_into, or
+    verifying, their multi-buffer forms: part and checksum), read back byte for byte by a
+    reader owning one head."""
     from kvtier.kv_spec import HeadRange
 
     spec3 = KVSpec(num_layers=2, num_kv_heads=3, head_dim=8, page_size=4, dtype=torch.bfloat16)
@@ -426,6 +427,7 @@ def test_one_batch_call_carries_every_heads_objects_of_many_pages(master, verify
         r.register_pool(KV_POOL, one)
         calls: list = []
         w.store = _CountingStore(w.store, calls)
+        w.lane_count = 1
         ks = keys(5, salt=700 + verify)
         assert w.set_from(KV_POOL, ks, [0, 1, 2, 3, 4]).ok == [True] * 5
         assert w.get_into(KV_POOL, ks, [5, 6, 7, 0, 1]).ok == [True] * 5
@@ -457,33 +459,96 @@ class _CountingStore:
 
 
 
-def test_verified_batches_go_in_chunks_each_checked_on_its_own(master):
-    """A verified batch of twice `chunk_bytes` or more is put in chunks of whole pages that
-    double from `chunk_bytes`, and got in the same sizes in reverse (the hashing of one
-    overlaps the transfer of the next); a corrupt object in a middle chunk costs its page
-    only."""
+def _batch(objects_per_page: list[int]):
+    from kvtier.backends.mooncake_backend import _Batch
+    b = _Batch([], [], [], [], [])
+    for page, n in enumerate(objects_per_page):
+        for _ in range(n):
+            for column, value in zip(b, (page, "", 0, 100, 0)):
+                column.append(value)
+    return b
+
+
+@pytest.mark.parametrize("pages", [[], [2], [2, 2], [2] * 10, [1, 2, 2, 1, 2, 2, 2],
+                                   [2] * 2 + [1] * 9])
+@pytest.mark.parametrize("lanes, call_bytes", [(3, float("inf")), (3, 200), (2, 350), (1, 100)])
+def test_a_batch_splits_into_lanes_of_whole_pages_covering_every_object_once(pages, lanes,
+                                                                            call_bytes):
+    """`pages` lists each page's objects (of 100 bytes; a batch may miss some of a page's)."""
+    b = _batch(pages)
+    out = b.lanes(lanes, call_bytes)
+    spans = [span for lane in out for span in lane]
+    assert [o for lo, hi in spans for o in range(lo, hi)] == list(range(len(b.slots)))
+    assert all(lo == 0 or b.slots[lo - 1] != b.slots[lo] for lo, _ in spans)  # whole pages
+    assert 0 < len(out) <= min(lanes, len(pages)) or not pages
+    assert all(lane for lane in out)
+    for lo, hi in spans:  # a call ends with the first page that brings it to call_bytes
+        last = min(i for i in range(lo, hi) if b.slots[i] == b.slots[hi - 1])
+        assert sum(b.sizes[lo:last]) < call_bytes
+    even = _batch([2] * 9).lanes(3, float("inf"))
+    assert [sum(hi - lo for lo, hi in lane) for lane in even] == [6, 6, 6]
+
+
+def test_verified_batches_go_in_lanes_each_call_checked_on_its_own(master):
+    """A verified batch goes in lanes of whole pages at once, each lane in calls of about
+    `write_call_bytes` / `read_call_bytes`, each call hashed on its lane's thread; a corrupt
+    object in one lane's middle call costs its page only."""
+    import threading
     with make(master, verify=True) as b:
         pool = filled_pool(pages=24, seed=6)
         b.register_pool(KV_POOL, pool)
-        b.chunk_bytes = 3 * SPEC.page_bytes  # 10 pages: puts of 3, 6, 1; gets of 1, 6, 3
+        b.lane_count = 3  # 10 pages: lanes of pages 0-3, 4-6, 7-9
+        b.write_call_bytes, b.read_call_bytes = 2 * SPEC.page_bytes, SPEC.page_bytes
         calls: list = []
         b.store = _CountingStore(b.store, calls)
+        m = b._maps[KV_POOL]
+        hashed_on, seal, mismatched = set(), m.seal, m.mismatched
+
+        def seal_seen(*args):
+            hashed_on.add(threading.get_ident())
+            return seal(*args)
+
+        def mismatched_seen(*args):
+            hashed_on.add(threading.get_ident())
+            return mismatched(*args)
+        m.seal, m.mismatched = seal_seen, mismatched_seen
         ks = keys(10, salt=360)
         assert b.set_from(KV_POOL, ks, list(range(10))).ok == [True] * 10
-        assert calls == [("batch_put_from_multi_buffers", n) for n in (6, 12, 2)]
-        _rewrite(b.store._inner, b.target.object_name(KV_POOL, ks[4], 0, PagePart.K), _flip(5))
+        assert sorted(calls) == sorted([("batch_put_from_multi_buffers", 2 * n)
+                                        for n in (2, 2, 2, 1, 2, 1)])
+        assert len(hashed_on) == 3  # each lane hashed its own calls
+        _rewrite(b.store._inner, b.target.object_name(KV_POOL, ks[5], 0, PagePart.K), _flip(5))
+        hashed_on.clear()
         res = b.get_into(KV_POOL, ks, list(range(10, 20)))
-        assert calls[3:] == [("batch_get_into_multi_buffers", n) for n in (2, 12, 6)]
-        assert res.ok == [i != 4 for i in range(10)]
+        assert sorted(calls[6:]) == [("batch_get_into_multi_buffers", 2)] * 10
+        assert len(hashed_on) == 3
+        assert res.ok == [i != 5 for i in range(10)]
         assert res.bytes_moved == 9 * SPEC.page_bytes
         assert b.stats().corrupt_objects == 1
-        assert all(same(pool, i, 10 + i) for i in range(10) if i != 4)
-        assert b.present(ks) == [i != 4 for i in range(10)]
+        assert all(same(pool, i, 10 + i) for i in range(10) if i != 5)
+        assert b.present(ks) == [i != 5 for i in range(10)]
 
 
-def test_a_chunk_past_its_deadline_leaves_no_hash_running(master):
-    """The second chunk's put passes its deadline: the write raises PagesStillInUse, and by
-    then no hashing of the batch still reads its pages (the rest are cancelled or done)."""
+@pytest.mark.parametrize("verify", [True, False])
+def test_unverified_and_verified_lanes_round_trip_many_pages(master, verify):
+    with make(master, verify=verify) as b:
+        pool = filled_pool(pages=40, seed=7)
+        b.register_pool(KV_POOL, pool)
+        b.read_call_bytes = b.write_call_bytes = 3 * SPEC.page_bytes
+        calls: list = []
+        b.store = _CountingStore(b.store, calls)
+        ks = keys(20, salt=900 + verify)
+        assert b.set_from(KV_POOL, ks, list(range(20))).ok == [True] * 20
+        assert b.get_into(KV_POOL, ks, list(range(20, 40))).ok == [True] * 20
+        assert all(same(pool, i, 20 + i) for i in range(20))
+        # Lanes of 7, 7 and 6 pages: one call each, or verified, calls of up to 3 pages.
+        assert len(calls) == 2 * (8 if verify else 3)
+        assert sum(n for _, n in calls) == 2 * 2 * 20
+
+
+def test_a_call_past_its_deadline_leaves_no_hash_running_and_stops_its_batch(master):
+    """A lane's second put passes its deadline: the write raises PagesStillInUse, and by
+    then no hashing of the batch still reads its pages and no lane starts another call."""
     import threading
     from concurrent.futures import Future
 
@@ -492,33 +557,65 @@ def test_a_chunk_past_its_deadline_leaves_no_hash_running(master):
 
     with make(master, verify=True) as b:
         b.register_pool(KV_POOL, filled_pool(pages=16))
-        b.chunk_bytes = 2 * SPEC.page_bytes
+        b.lane_count, b.write_call_bytes = 2, SPEC.page_bytes  # lanes of 4 calls of 1 page
         m = b._maps[KV_POOL]
         seal, running, lock = m.seal, [0], threading.Lock()
 
         def slow_seal(*args):
             with lock:
                 running[0] += 1
-            time.sleep(0.05)
+            time.sleep(0.2)
             seal(*args)
             with lock:
                 running[0] -= 1
         m.seal = slow_seal
         run, puts = b.calls.run, []
         stuck = Future()
+        ks = keys(8, salt=380)
+        late = b.target.object_name(KV_POOL, ks[1], 0, PagePart.K)
 
         def run_or_time_out(fn, keep, call, *args):
             if _name(call) == "batch_put_from_multi_buffers":
-                puts.append(len(args[0]))
-                if len(puts) == 2:
+                with lock:
+                    puts.append(args[0][0])
+                if args[0][0] == late:
                     return CallOutcome(CallState.TIMED_OUT, pending=stuck)
             return run(fn, keep, call, *args)
         b.calls.run = run_or_time_out
         with pytest.raises(PagesStillInUse) as caught:
-            b.set_from(KV_POOL, keys(8, salt=380), list(range(8)))
-        assert running[0] == 0 and puts == [4, 8]  # chunks of 2 and 4 pages
+            b.set_from(KV_POOL, ks, list(range(8)))
+        assert running[0] == 0
         assert caught.value.pending is stuck
+        assert late in puts and len(puts) < 8  # the other lane stopped early too
         assert b.stats().write_failures == 8
+
+
+def test_calls_stuck_in_two_lanes_hold_the_pages_until_both_return(master):
+    import threading
+    from concurrent.futures import Future
+
+    from kvtier.backends.base import PagesStillInUse
+    from kvtier.backends.bounded_calls import CallOutcome, CallState
+
+    with make(master, verify=False) as b:
+        b.register_pool(KV_POOL, filled_pool(pages=8))
+        b.lane_count = 2
+        stuck, both_called = [Future(), Future()], threading.Barrier(2, timeout=10)
+
+        def run(fn, keep, call, *args):
+            both_called.wait()  # neither lane gives up before the other has called
+            return CallOutcome(CallState.TIMED_OUT, pending=stuck[int(args[0][0] != first)])
+        b.calls.run = run
+        ks = keys(4, salt=420)
+        first = b.target.object_name(KV_POOL, ks[0], 0, PagePart.K)
+        with pytest.raises(PagesStillInUse) as caught:
+            b.get_into(KV_POOL, ks, list(range(4)))
+        pending = caught.value.pending
+        assert pending is not None and not pending.done()
+        stuck[1].set_result([])
+        assert not pending.done()
+        stuck[0].set_result([])
+        assert pending.done()
 
 
 def _name(fn) -> str:
@@ -562,6 +659,7 @@ def test_calls_to_a_stopped_segment_give_up_at_the_deadline(stopped_segment):
     with _segment_client(m) as b:
         pool = filled_pool(pages=16)
         b.register_pool(KV_POOL, pool)
+        b.lane_count = 1  # a call per op (lanes: the next test)
         ks = keys(4, salt=900)
         assert b.set_from(KV_POOL, ks, [0, 1, 2, 3]).ok == [True] * 4
         assert b.get_into(KV_POOL, ks, [4, 5, 6, 7]).ok == [True] * 4  # a connection is open
@@ -592,6 +690,40 @@ def test_calls_to_a_stopped_segment_give_up_at_the_deadline(stopped_segment):
         assert all(same(pool, s, d) for s, d in zip([0, 1, 2, 3], [12, 13, 14, 15]))
 
 
+def test_lanes_to_a_stopped_segment_stay_within_the_stuck_bound(stopped_segment):
+    """A read in three lanes from a segment that stops answering: its calls give up at the
+    deadline together, the read raises PagesStillInUse whose `pending` is done once all
+    have returned, the next read is refused at once (two calls are stuck: MAX_STUCK_CALLS),
+    and reads work again after."""
+    from kvtier.backends.base import PagesStillInUse
+
+    m, owner = stopped_segment
+    with _segment_client(m) as b:
+        pool = filled_pool(pages=16)
+        b.register_pool(KV_POOL, pool)
+        ks = keys(6, salt=960)
+        assert b.set_from(KV_POOL, ks, list(range(6))).ok == [True] * 6
+        assert b.get_into(KV_POOL, ks, list(range(6, 12))).ok == [True] * 6
+        owner.stop()
+        start = time.monotonic()
+        try:
+            with pytest.raises(PagesStillInUse) as read:
+                b.get_into(KV_POOL, ks, list(range(6, 12)))
+            assert time.monotonic() - start < 15
+            stats = b.stats().extra
+            assert stats["calls_stuck"] == stats["calls_timed_out"] == 3  # one call per lane
+            with pytest.raises(StorageUnavailable, match="still running") as refused:
+                b.get_into(KV_POOL, ks, list(range(6, 12)))
+            assert not isinstance(refused.value, PagesStillInUse)  # never started
+        finally:
+            owner.resume()
+        read.value.pending.exception(timeout=60)
+        assert b.calls.stuck == 0
+        eventually(lambda: b.get_into(KV_POOL, ks, list(range(6, 12))).ok == [True] * 6, 60,
+                   "reads work again")
+        assert all(same(pool, i, 6 + i) for i in range(6))
+
+
 def test_a_quarantined_prefetch_settles_when_its_call_returns(stopped_segment, monkeypatch):
     """Through the storage worker: a prefetch and a backup whose calls passed the deadline
     fail without settling (their host pages stay quarantined; the backup is not handed back,
@@ -608,6 +740,7 @@ def test_a_quarantined_prefetch_settles_when_its_call_returns(stopped_segment, m
     m, owner = stopped_segment
     with _segment_client(m) as b:
         b.register_pool(KV_POOL, filled_pool(pages=16))
+        b.lane_count = 1  # a call per op: the read's call and the write's are both stuck
         ks = keys(2, salt=980)
         assert b.set_from(KV_POOL, ks, [0, 1]).ok == [True, True]
         worker = StorageWorker(b, batch_pages=8)
