@@ -381,7 +381,8 @@ class MooncakeBackend(StorageBackend):
         self.lane_count = LANES
         self.read_call_bytes, self.write_call_bytes = READ_CALL_BYTES, WRITE_CALL_BYTES
         # A batch's first lane runs on the caller's thread, the others here.
-        self._lanes = futures.ThreadPoolExecutor(LANES - 1, thread_name_prefix="kvtier-mooncake")
+        self._lanes = futures.ThreadPoolExecutor(max(1, LANES - 1),
+                                                 thread_name_prefix="kvtier-mooncake")
         self.counters.extra.update(calls_timed_out=0, calls_refused=0, calls_stuck=0,
                                    foreign_objects=0)
         self._warned_foreign = False  # foreign objects are logged once as a warning
