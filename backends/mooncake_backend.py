@@ -97,6 +97,7 @@ SUM_BYTES = 8  # a verified object's trailer: its part's xxh3_64, little-endian
 # it, while most of them are still in the CPU's last-level cache; each put costs two RPCs
 # to the master, so a verified lane hashes and puts larger calls.
 LANES = 3
+LANE_BYTES = 6 << 20  # at least this much a lane: a smaller batch is quicker in one call
 READ_CALL_BYTES = 24 << 20
 WRITE_CALL_BYTES = 64 << 20
 
@@ -323,15 +324,18 @@ class _Batch(NamedTuple):
     def pick(self, indices: list[int]) -> "_Batch":
         return _Batch(*([column[i] for i in indices] for column in self))
 
-    def lanes(self, count: int, call_bytes: float) -> list[list[tuple[int, int]]]:
-        """Object ranges [lo, hi) of whole pages: up to `count` lanes of about equal bytes
-        (one per page for fewer pages), each cut into calls of about `call_bytes` (at least
-        one page). Every object is in exactly one range, in order."""
+    def lanes(self, count: int, call_bytes: float, lane_bytes: int = 0
+              ) -> list[list[tuple[int, int]]]:
+        """Object ranges [lo, hi) of whole pages: up to `count` lanes of about equal bytes,
+        at least `lane_bytes` each (one lane for a smaller batch) and at least a page each,
+        each cut into calls of about `call_bytes` (at least one page). Every object is in
+        exactly one range, in order."""
         ends = [i + 1 for i in range(len(self.slots))
                 if i + 1 == len(self.slots) or self.slots[i + 1] != self.slots[i]]
         pages = list(zip([0] + ends[:-1], ends))
         sizes = [sum(self.sizes[lo:hi]) for lo, hi in pages]
-        count, total = min(count, len(pages)), sum(sizes)
+        total = sum(sizes)
+        count = min(count, len(pages), max(1, total // lane_bytes) if lane_bytes else count)
         groups: list[list[int]] = [[] for _ in range(count)]
         done = 0
         for k, size in enumerate(sizes):  # page k goes to the lane its first byte falls in
@@ -378,7 +382,7 @@ class MooncakeBackend(StorageBackend):
         self.copies = options.copies
         self.replicate = replicate_config(self.copies)
         self.calls = BoundedCalls(options.call_timeout_s, name="kvtier-mooncake")
-        self.lane_count = LANES
+        self.lane_count, self.lane_bytes = LANES, LANE_BYTES
         self.read_call_bytes, self.write_call_bytes = READ_CALL_BYTES, WRITE_CALL_BYTES
         # A batch's first lane runs on the caller's thread, the others here.
         self._lanes = futures.ThreadPoolExecutor(max(1, LANES - 1),
@@ -478,7 +482,7 @@ class MooncakeBackend(StorageBackend):
                 raise
             return rcs, bad
 
-        lanes = b.lanes(self.lane_count, call_bytes)
+        lanes = b.lanes(self.lane_count, call_bytes, self.lane_bytes)
         if len(lanes) <= 1:
             return lane(lanes[0]) if lanes else ([], [])
         others = [self._lanes.submit(lane, spans) for spans in lanes[1:]]

@@ -333,9 +333,9 @@ def test_bench_measure_reports_every_field():
     assert raw["bytes_per_object"] == plain["bytes_per_object"] == 737_280 // 3
     assert verified["bytes_per_object"] == 737_280 // 3 + 8
     assert (raw["write_calls_per_batch"], raw["read_calls_per_batch"]) == (1, 1)
-    # An existence check, then one put per lane (a lane per page for 2 pages); one get each.
-    assert plain["write_calls_per_batch"] == 3
-    assert plain["read_calls_per_batch"] == 2
+    # An existence check, then the puts: 2 pages are under LANE_BYTES, so one lane, one call.
+    assert plain["write_calls_per_batch"] == 2
+    assert plain["read_calls_per_batch"] == 1
     assert all(d["write_objects_per_s"] > 0 and d["read_objects_per_s"] > 0
                for d in (raw, plain, verified))
 
@@ -489,6 +489,12 @@ def test_a_batch_splits_into_lanes_of_whole_pages_covering_every_object_once(pag
     assert [sum(hi - lo for lo, hi in lane) for lane in even] == [6, 6, 6]
 
 
+@pytest.mark.parametrize("pages, lanes", [(1, 1), (4, 1), (5, 2), (7, 2), (8, 3), (40, 3)])
+def test_lanes_carry_at_least_lane_bytes_each(pages, lanes):
+    """Pages of 200 bytes, lanes of at least 500: a batch under 1,000 bytes is one lane."""
+    assert len(_batch([2] * pages).lanes(3, float("inf"), lane_bytes=500)) == lanes
+
+
 def test_verified_batches_go_in_lanes_each_call_checked_on_its_own(master):
     """A verified batch goes in lanes of whole pages at once, each lane in calls of about
     `write_call_bytes` / `read_call_bytes`, each call hashed on its lane's thread; a corrupt
@@ -497,7 +503,7 @@ def test_verified_batches_go_in_lanes_each_call_checked_on_its_own(master):
     with make(master, verify=True) as b:
         pool = filled_pool(pages=24, seed=6)
         b.register_pool(KV_POOL, pool)
-        b.lane_count = 3  # 10 pages: lanes of pages 0-3, 4-6, 7-9
+        b.lane_count, b.lane_bytes = 3, 0  # 10 pages: lanes of pages 0-3, 4-6, 7-9
         b.write_call_bytes, b.read_call_bytes = 2 * SPEC.page_bytes, SPEC.page_bytes
         calls: list = []
         b.store = _CountingStore(b.store, calls)
@@ -534,6 +540,7 @@ def test_unverified_and_verified_lanes_round_trip_many_pages(master, verify):
     with make(master, verify=verify) as b:
         pool = filled_pool(pages=40, seed=7)
         b.register_pool(KV_POOL, pool)
+        b.lane_bytes = 0  # these pages are small: lanes all the same
         b.read_call_bytes = b.write_call_bytes = 3 * SPEC.page_bytes
         calls: list = []
         b.store = _CountingStore(b.store, calls)
@@ -557,7 +564,8 @@ def test_a_call_past_its_deadline_leaves_no_hash_running_and_stops_its_batch(mas
 
     with make(master, verify=True) as b:
         b.register_pool(KV_POOL, filled_pool(pages=16))
-        b.lane_count, b.write_call_bytes = 2, SPEC.page_bytes  # lanes of 4 calls of 1 page
+        b.lane_count, b.lane_bytes = 2, 0
+        b.write_call_bytes = SPEC.page_bytes  # lanes of 4 calls of 1 page
         m = b._maps[KV_POOL]
         seal, running, lock = m.seal, [0], threading.Lock()
 
@@ -599,7 +607,7 @@ def test_calls_stuck_in_two_lanes_hold_the_pages_until_both_return(master):
 
     with make(master, verify=False) as b:
         b.register_pool(KV_POOL, filled_pool(pages=8))
-        b.lane_count = 2
+        b.lane_count, b.lane_bytes = 2, 0
         stuck, both_called = [Future(), Future()], threading.Barrier(2, timeout=10)
 
         def run(fn, keep, call, *args):
@@ -701,6 +709,7 @@ def test_lanes_to_a_stopped_segment_stay_within_the_stuck_bound(stopped_segment)
     with _segment_client(m) as b:
         pool = filled_pool(pages=16)
         b.register_pool(KV_POOL, pool)
+        b.lane_bytes = 0  # these pages are small: three lanes all the same
         ks = keys(6, salt=960)
         assert b.set_from(KV_POOL, ks, list(range(6))).ok == [True] * 6
         assert b.get_into(KV_POOL, ks, list(range(6, 12))).ok == [True] * 6
