@@ -15,8 +15,10 @@ collectives a step runs), and the actor-call overhead per step and per request.
 With `--hosts 3` the same workload runs on three hosts of this machine (kvtier demo --hosts)
 and the report adds `ttft_l3_cross_host_ratio` (B's L3 hit on host 3 of what A computed on
 host 2, over B's cold TTFT on host 3), `l3_read_gbps` (kvtier's L3 reads, all ranks' bytes
-over the longest rank's read time), `raw_mooncake_read_gbps` (Mooncake's own batch_get_into
-of as many objects of the same size between the same hosts, as many readers as ranks),
+over the longest rank's read time, B's fastest of L3_READ_TRIES answers, its L1 and L2
+dropped before each: cli/demo.py), `raw_mooncake_read_gbps` (Mooncake's own batch_get_into
+of as many objects of the same size between the same hosts, as many readers as ranks, the
+fastest of its rounds),
 `raw_tcp_gbps` (one TCP stream host 2 -> host 3: the ceiling), `bytes_across_hosts`, and
 per-object figures of kvtier's and the raw read (`l3_read`, `raw_mooncake_read`).
 

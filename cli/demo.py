@@ -44,6 +44,9 @@ QUESTIONS = ("what did the sensor in room 3 read in record 12?",
              "what did the sensor in room 5 read in record 22?")
 # (instance, question index, the tier its document prefix should come from)
 PLAN = (("A", 0, "compute"), ("A", 1, "L1"), ("B", 2, "L3"), ("A", 2, "L2"))
+# B answers its L3 question this many times, its L1 and L2 dropped before each again; the
+# fastest read is its row's (`l3_read_gbps`), as the raw Mooncake baseline keeps its fastest
+L3_READ_TRIES = 3
 
 
 class DemoParams(NamedTuple):
@@ -370,18 +373,35 @@ def _tier_scenarios(instances: dict, work: _Workload, cold: list,
         if expected == "L2":
             inst.evict_device()
         inst.quiesce()
-        before = _l3_reads(inst)
-        out = inst.generate([work.prompts[q]], work.greedy)[0]
-        after = _l3_reads(inst)
-        read = None
-        if before is not None and after is not None:
-            read = (sum(b for b, _ in after) - sum(b for b, _ in before),
-                    max(a[1] - b[1] for a, b in zip(after, before)))
+        out, read = _answer_reading_l3(inst, work.prompts[q], work)
+        again, tries = [], [read]
+        if expected == "L3" and read is not None:
+            for _ in range(L3_READ_TRIES - 1):
+                inst.drop_cache()
+                inst.quiesce()
+                out_again, read_again = _answer_reading_l3(inst, work.prompts[q], work)
+                again.append(out_again)
+                tries.append(read_again)
+        fastest = min((t for t in tries if t), key=lambda t: t[1], default=None)
         text = work.model.tokenizer.decode(out.tokens)
-        rows.append(Row(name, q + 1, expected, out, cold[q], text,
-                        read if read and read[0] else None))
+        rows.append(Row(name, q + 1, expected, out, cold[q], text, fastest, tuple(again),
+                        tuple(t[1] for t in tries if t) if again else ()))
         progress.done()
     return rows
+
+
+def _answer_reading_l3(inst: Any, prompt: list, work: _Workload
+                       ) -> tuple[Any, tuple[int, float] | None]:
+    """`inst`'s answer to `prompt`, and the L3 bytes its ranks read for it with the longest
+    time a rank spent reading them (None: no L3, or nothing read)."""
+    before = _l3_reads(inst)
+    out = inst.generate([prompt], work.greedy)[0]
+    after = _l3_reads(inst)
+    if before is None or after is None:
+        return out, None
+    read = (sum(b for b, _ in after) - sum(b for b, _ in before),
+            max(a[1] - b[1] for a, b in zip(after, before)))
+    return out, read if read[0] else None
 
 
 def _l3_reads(inst: Any) -> list[tuple[int, float]] | None:

@@ -19,8 +19,11 @@ class Row(NamedTuple):
     out: Any  # kvtier.engine.Output of the cached run
     cold: Any  # Output of the cold run of the same prompt
     text: str = ""  # the answer, decoded
-    # L3 bytes this request's ranks read and the longest time a rank spent reading them
+    # L3 bytes this request's ranks read and the longest time a rank spent reading them (of
+    # the fastest try, when the request was asked again: `again`, `l3_read_tries_s`)
     l3_read: tuple[int, float] | None = None
+    again: tuple = ()  # Outputs of the same request asked again, L1 and L2 dropped first
+    l3_read_tries_s: tuple[float, ...] = ()  # each try's longest rank time reading L3
 
     @property
     def tier(self) -> str:
@@ -31,7 +34,7 @@ class Row(NamedTuple):
 
     @property
     def identical(self) -> bool:
-        return self.out.tokens == self.cold.tokens
+        return all(o.tokens == self.cold.tokens for o in (self.out, *self.again))
 
     @property
     def ratio(self) -> float:
@@ -44,7 +47,9 @@ class Row(NamedTuple):
                 "ttft_cold_s": round(self.cold.ttft_s, 4), "ratio": round(self.ratio, 4),
                 "identical": self.identical, "answer": self.text,
                 **({"l3_read_bytes": self.l3_read[0], "l3_read_s": round(self.l3_read[1], 5)}
-                   if self.l3_read else {})}
+                   if self.l3_read else {}),
+                **({"l3_read_tries_s": [round(t, 5) for t in self.l3_read_tries_s]}
+                   if self.l3_read_tries_s else {})}
 
 
 def summary(params: Any, rows: list[Row], stats: dict, calls: dict, doc_len: int,
@@ -78,7 +83,8 @@ def summary(params: Any, rows: list[Row], stats: dict, calls: dict, doc_len: int
 
 def l3_read_gbps(rows: list[Row]) -> float | None:
     """GB/s of the L3 reads of the requests that hit L3: every rank's bytes over the longest
-    time one rank spent reading (the ranks read at the same time)."""
+    time one rank spent reading (the ranks read at the same time); of a request asked
+    several times, its fastest try."""
     reads = [r.l3_read for r in rows if r.l3_read and r.l3_read[1] > 0]
     if not reads:
         return None
