@@ -13,6 +13,7 @@ Outages are counted in the backend's `stats().extra`: `master_outages`,
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -40,6 +41,7 @@ class MasterGuard:
         extra.update(master_outages=0, calls_while_master_down=0, rpc_failures=0)
         self.down = False  # an RPC failed (or our master exited) and none succeeded since
         self._backoff_until = 0.0
+        self._lock = threading.RLock()  # a batch's lanes observe their calls at once
 
     def usable(self) -> bool:
         """May a batch go to the master? False (counted) while it is known to be gone."""
@@ -52,16 +54,18 @@ class MasterGuard:
 
     def observe(self, rcs: list[int]) -> None:
         """Learn from the return codes of a call that reached the client."""
-        if rcs and all(rc in RPC_ERRORS for rc in rcs):
-            # The next call to a dead master would wait ~4.5 s for its RPC to time out:
-            # calls are misses until the back-off ends and the master's port opens again.
-            self._extra["rpc_failures"] += 1
-            self._backoff_until = time.monotonic() + RPC_BACKOFF_S
-            self._mark_down(f"an RPC to the master at {self.address} failed: "
-                            f"{self._describe(rcs[0])}; L3 misses for now")
-        elif self.down:
-            log.warning("mooncake backend: the master at %s answers again", self.address)
-            self.down = False
+        failed = bool(rcs) and all(rc in RPC_ERRORS for rc in rcs)
+        with self._lock:
+            if failed:
+                # The next call to a dead master would wait ~4.5 s for its RPC to time out:
+                # calls are misses until the back-off ends and the master's port opens again.
+                self._extra["rpc_failures"] += 1
+                self._backoff_until = time.monotonic() + RPC_BACKOFF_S
+                self._mark_down(f"an RPC to the master at {self.address} failed: "
+                                f"{self._describe(rcs[0])}; L3 misses for now")
+            elif self.down:
+                log.warning("mooncake backend: the master at %s answers again", self.address)
+                self.down = False
 
     def gone(self) -> bool:
         """Is the master gone (the one this backend started exited, or its port refuses a
@@ -90,7 +94,8 @@ class MasterGuard:
         return port_open(host, int(port), timeout_s=PROBE_TIMEOUT_S)
 
     def _mark_down(self, why: str) -> None:
-        if not self.down:
-            self._extra["master_outages"] += 1
-            log.error("mooncake backend: %s", why)
-        self.down = True
+        with self._lock:
+            if not self.down:
+                self._extra["master_outages"] += 1
+                log.error("mooncake backend: %s", why)
+            self.down = True

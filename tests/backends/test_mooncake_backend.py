@@ -299,6 +299,32 @@ def test_master_death_turns_calls_into_misses():
     assert PARKED_CLIENTS[-1] is b.store  # not closed: that would retry the dead master, GIL held
 
 
+def test_lanes_that_see_the_master_fail_at_once_count_one_outage(caplog):
+    """A batch's lanes report their calls' codes at once: a dead master is one outage and
+    one error line, every failed RPC counted, and a good answer after it ends the outage."""
+    import threading
+
+    from kvtier.backends.mooncake_master_guard import MasterGuard
+    extra: dict = {}
+    guard = MasterGuard("127.0.0.1:1", None, lambda: 0, str, extra)
+    start = threading.Barrier(3, timeout=10)
+
+    def lane():
+        start.wait()
+        for _ in range(100):
+            guard.observe([-900, -900])
+    threads = [threading.Thread(target=lane) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert guard.down
+    assert (extra["master_outages"], extra["rpc_failures"]) == (1, 300)
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+    guard.observe([0, 0])
+    assert not guard.down
+
+
 def test_remote_master_death_is_bounded(master):
     with MooncakeMaster() as doomed:
         b = make(doomed)
