@@ -11,8 +11,8 @@
   `local_hostname` only decides the address the client registers for peers to dial. Keep
   those ports firewalled to the cluster's network (tests/backends pin this down).
 - Objects are one per owned KV head and part of a page. Each host pool is registered with
-  the client ONCE; a batch is then ONE `batch_put_from` / `batch_get_into` over per-object
-  pointers into the pool (verified: a few calls, chunks of it, below).
+  the client ONCE; a batch is then a few `batch_put_from` / `batch_get_into` calls at once
+  (lanes, below), each over per-object pointers into the pool.
 - Writes ask `batch_is_exist` first and put only the missing objects (a page's bytes never
   change under its key). A page is ok only when every one of its objects is.
 - Reads always check sizes (Mooncake returns the bytes it copied). With `verify_checksums`
