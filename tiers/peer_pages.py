@@ -14,8 +14,10 @@ The protocol, per reader rank and prompt; nothing on the holder takes part:
            which the holder keeps in memory its endpoint registered) and finds where the
            leading pages of the prefix lie: a `PeerLend` per holder rank
   read     one transport read per holder rank: the head objects of the pages every holder
-           rank lists land in the same heads of the reader's pages
-  verify   the reader sums what landed and keeps the leading pages whose every head matched
+           rank lists land in the same heads of the reader's pages; a large read is split
+           among the reader's endpoints (`lanes`), each share on a thread of its own
+  verify   each share's thread sums what it landed, and the reader keeps the leading pages
+           whose every head matched
 
 Nothing holds the listed pages on the holder between the look-up and the read: a holder that
 evicts one and reuses its page meanwhile is caught by the sums (the read then ends before
@@ -27,6 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from concurrent import futures
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
@@ -46,6 +49,10 @@ log = logging.getLogger(__name__)
 LookupFn = Callable[[PeerRank, Sequence[str], "tuple[int, ...]"], PeerLend]
 MAX_WARNED = 1024  # (holder rank, reason) pairs warned about before the memory starts over
 RAW_READS = 3  # raw_read's tries, the fastest counted
+# A read of at least twice this many bytes is split among the reader's endpoints (`lanes`):
+# each moves its share and sums it on a thread of its own (docs/benchmarks.md, "Peer reads
+# in lanes"); one UCX worker copies on one core.
+LANE_BYTES = 4 << 20
 
 
 class PeerReadOutcome(str, enum.Enum):
@@ -216,11 +223,13 @@ class PeerReader:
     time."""
 
     def __init__(self, pool: PeerPool, endpoint: HandoffEndpoint, heads: HeadRange,
-                 timeout_s: float, lookup_fn: LookupFn | None = None) -> None:
+                 timeout_s: float, lookup_fn: LookupFn | None = None,
+                 lanes: Sequence[HandoffEndpoint] = ()) -> None:
         """`heads`: the KV heads (global indices) this rank's pool holds. `timeout_s`: each
         transport read's limit. `lookup_fn`: where a holder rank holds pages (default:
         `lookup`, which reads its table; what raises there is a failed look-up, never this
-        reader's)."""
+        reader's). `lanes`: more endpoints of the same transport (the caller's to close),
+        each reading a share of a large read beside `endpoint` (LANE_BYTES)."""
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds: {timeout_s}")
         self.pool, self.endpoint, self.heads = pool, endpoint, heads
@@ -230,6 +239,12 @@ class PeerReader:
         self._totals = PeerReadCounters(0, 0, 0, 0, 0)
         self._warned: set[tuple[str, PeerReadOutcome]] = set()
         self._scratch: dict[int, np.ndarray] = {}  # holder rank index -> its table's copy
+        self.lanes = tuple(lanes)
+        for lane in self.lanes:
+            _register(pool, lane)
+        # The lanes' reads beside the caller's; the threads end when the reader is dropped.
+        self._lane_threads = futures.ThreadPoolExecutor(
+            max(1, len(self.lanes)), thread_name_prefix="kvtier-peer-lane")
 
     @property
     def counters(self) -> PeerReadCounters:
@@ -320,27 +335,56 @@ class PeerReader:
             PeerReadOutcome.HOLDER_MISSING_PAGES
         if not n:
             return PeerRead(0, 0, 0.0, reason)
-        ours, nbytes = host_pages[:n], 0
+        ours = host_pages[:n]
         memory = _register(self.pool, self.endpoint)
+        endpoints = [self.endpoint, *self.lanes]
+        for lane in self.lanes:
+            _register(self.pool, lane)
+        spans = _lane_spans(n, len(endpoints), self._page_bytes(memory, sources, ours))
         t1 = time.perf_counter()
-        for s in sources:
-            local, remote = self._rows(memory, s, ours)
-            try:
-                nbytes += self.endpoint.read(s.lend.address, local, remote,
-                                             self.timeout_s).bytes
-            except Exception as exc:  # noqa: BLE001 - a library's own error too: a miss
-                why = (PeerReadOutcome.TRANSPORT_TIMEOUT if isinstance(exc, HandoffTimeout)
-                       else PeerReadOutcome.TRANSPORT_FAILED)
-                return self._failed(s.rank, why, exc)._replace(bytes=nbytes)
-        t2 = time.perf_counter()
-        for s in sources:  # each holder rank's heads, over the pages still good
-            good = _leading_matches(self.pool.head_sums(ours[:n], s.ours),
-                                    s.lend.sums, len(s.ours))
+        others = [self._lane_threads.submit(self._read_span, endpoints[k], memory, sources,
+                                            ours, lo, hi) for k, (lo, hi) in
+                  enumerate(spans) if k]
+        try:
+            done = [self._read_span(endpoints[0], memory, sources, ours, *spans[0])]
+        finally:  # no lane outlives the read (the caller may reuse the pages after)
+            futures.wait(others)
+        done += [f.result() for f in others]
+        nbytes = sum(d.bytes for d in done)
+        failed = [d for d in done if d.error is not None]
+        if failed:  # a timed-out lane first: its transport may still write the pages
+            d = min(failed, key=lambda d: not isinstance(d.error, HandoffTimeout))
+            why = (PeerReadOutcome.TRANSPORT_TIMEOUT if isinstance(d.error, HandoffTimeout)
+                   else PeerReadOutcome.TRANSPORT_FAILED)
+            return self._failed(d.rank, why, d.error)._replace(bytes=nbytes)
+        t2 = t1 + max(d.transfer_s for d in done)
+        for k, s in enumerate(sources):  # each holder rank's heads, over the pages still good
+            sums = [x for d in done for x in d.sums[k]]
+            good = _leading_matches(sums, s.lend.sums, len(s.ours))
             if good < n:
                 self._note(s.rank.actor, PeerReadOutcome.SUM_MISMATCH,
                            f"page {first_page + good} of the prefix changed after the look-up")
                 n, reason = good, PeerReadOutcome.SUM_MISMATCH
         return PeerRead(n, nbytes, 0.0, reason, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def _read_span(self, endpoint: HandoffEndpoint, memory: PoolMemory, sources: list[_Source],
+                   ours: list[int], lo: int, hi: int) -> "_SpanRead":
+        """Pages lo..hi-1 of a read through `endpoint`: every holder rank's heads, then their
+        sums (while the bytes may still be in cache). A transport error is returned."""
+        t0, nbytes = time.perf_counter(), 0
+        for s in sources:
+            local, remote = self._rows(memory, s, ours, lo, hi)
+            try:
+                nbytes += endpoint.read(s.lend.address, local, remote, self.timeout_s).bytes
+            except Exception as exc:  # noqa: BLE001 - a library's own error too: a miss
+                return _SpanRead(nbytes, (), 0.0, s.rank, exc)
+        transfer_s = time.perf_counter() - t0
+        sums = tuple(self.pool.head_sums(ours[lo:hi], s.ours) for s in sources)
+        return _SpanRead(nbytes, sums, transfer_s)
+
+    def _page_bytes(self, memory: PoolMemory, sources: list[_Source], ours: list[int]) -> int:
+        """The bytes one page of a read moves, from every holder rank."""
+        return sum(int(self._rows(memory, s, ours, 0, 1)[0][:, 1].sum()) for s in sources)
 
     def raw_read(self, contact: PeerContact, keys: Sequence[str], pages: Sequence[int],
                  start_at: float | None = None) -> RawPeerRead:
@@ -380,13 +424,15 @@ class PeerReader:
                                    [h - rank.head_start for h in heads]))
         return sources
 
-    def _rows(self, memory: PoolMemory, s: _Source, ours: list[int]) -> tuple:
-        """(local, remote) rows of the head objects `s` lists, for our pages `ours` of our
-        pool at `memory`."""
-        local = self.pool.head_regions(memory.addr, memory.num_pages, self.heads.count, ours,
-                                       s.ours)
+    def _rows(self, memory: PoolMemory, s: _Source, ours: list[int], lo: int = 0,
+              hi: int | None = None) -> tuple:
+        """(local, remote) rows of the head objects `s` lists, for our pages `ours[lo:hi]`
+        of our pool at `memory` (the read's pages lo..hi-1)."""
+        hi = len(ours) if hi is None else min(hi, len(ours))
+        local = self.pool.head_regions(memory.addr, memory.num_pages, self.heads.count,
+                                       ours[lo:hi], s.ours)
         remote = self.pool.head_regions(s.lend.base_addr, s.lend.pool_pages, s.lend.pool_heads,
-                                        s.lend.host_pages[:len(ours)], s.theirs)
+                                        s.lend.host_pages[lo:hi], s.theirs)
         return local, remote
 
     def _failed(self, rank: PeerRank, reason: PeerReadOutcome, exc: Exception) -> PeerRead:
@@ -419,6 +465,25 @@ def _check_lend(lend: PeerLend, rank: PeerRank, heads: int, asked: int) -> None:
     if lend.pool_heads != rank.head_stop - rank.head_start:
         raise ConfigError(f"the holder's pool holds {lend.pool_heads} heads, but its contact "
                           f"says [{rank.head_start}, {rank.head_stop})")
+
+
+class _SpanRead(NamedTuple):
+    """What one lane of a read moved: its bytes, each holder rank's sums of its pages (page by
+    page, then head), its transport reads' time, and the holder rank whose read failed."""
+
+    bytes: int
+    sums: tuple[tuple[int, ...], ...]
+    transfer_s: float
+    rank: PeerRank | None = None
+    error: Exception | None = None
+
+
+def _lane_spans(pages: int, lanes: int, page_bytes: int) -> list[tuple[int, int]]:
+    """Pages 0..pages-1 as up to `lanes` contiguous spans of about equal size, each of at
+    least LANE_BYTES (one span for a smaller read)."""
+    count = max(1, min(lanes, pages, pages * page_bytes // LANE_BYTES))
+    cuts = [pages * k // count for k in range(count + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _leading_matches(got: Sequence[int], want: Sequence[int], heads: int) -> int:

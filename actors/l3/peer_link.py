@@ -16,6 +16,7 @@ benchmarks); a serve replica reports for its instance itself (actors/serve_repli
 from __future__ import annotations
 
 import logging
+import os
 from typing import Sequence
 
 import ray
@@ -34,6 +35,20 @@ from kvtier.tiers.storage_types import PageDirectoryClient
 log = logging.getLogger(__name__)
 
 PEER_READ_TIMEOUT_S = 10.0  # one transport read (a table, or a batch of pages)
+# Endpoints a rank reads peers with, at most: a large read is split among them, each share
+# moved and summed on a thread of its own (tiers/peer_pages.py, LANE_BYTES), since one UCX
+# worker copies on one core; no more than the host's cores per rank of the instance
+# (`read_lanes`: measured in docs/benchmarks.md, "Peer reads in lanes")
+READ_LANES = 2
+
+
+def read_lanes(tp_size: int, cores: int | None = None) -> int:
+    """Endpoints each of an instance's `tp_size` ranks reads with: READ_LANES while the
+    host's cores go round (a rank of a TP 3 instance on 2 cores reads with one: its ranks
+    already take every core, and more threads only contend)."""
+    if cores is None:
+        cores = os.cpu_count() or 1
+    return max(1, min(READ_LANES, cores // max(1, tp_size)))
 
 
 class RankPeerLink:
@@ -42,6 +57,7 @@ class RankPeerLink:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.endpoint: HandoffEndpoint | None = None
+        self.lanes: list[HandoffEndpoint] = []  # the reader's other endpoints
         self.lender: PeerLender | None = None
         self.reader: PeerReader | None = None
         self.reporter: L2Reporter | None = None
@@ -59,11 +75,14 @@ class RankPeerLink:
                                   "actor's directory: attach L3 with a namespace actor first")
         self.close(cache)
         endpoint = open_endpoint(transport, f"peer-{holder}-{self.rank}")
+        lanes: list[HandoffEndpoint] = []
         try:
+            lanes += [open_endpoint(transport, f"peer-{holder}-{self.rank}-lane-{k}")
+                      for k in range(1, read_lanes(self.size))]
             heads = cache.heads
             pool = CachePool(cache, heads)
             self.lender = PeerLender(pool, endpoint, heads, cache.publish_l2)
-            self.reader = PeerReader(pool, endpoint, heads, PEER_READ_TIMEOUT_S)
+            self.reader = PeerReader(pool, endpoint, heads, PEER_READ_TIMEOUT_S, lanes=lanes)
             cache.attach_peers(self.reader, holder)
             context = ray.get_runtime_context()
             me = self.lender.contact(self.rank, self.size, context.get_actor_name() or "",
@@ -76,10 +95,11 @@ class RankPeerLink:
             cache.detach_peers()
             if self.lender is not None:
                 self.lender.close()
-            endpoint.close()
+            for opened in (*lanes, endpoint):
+                opened.close()
             self.lender = self.reader = None
             raise
-        self.endpoint, self.holder = endpoint, holder
+        self.endpoint, self.lanes, self.holder = endpoint, lanes, holder
         log.info("rank %d/%d lends and reads L2 pages as %s over %s", self.rank, self.size,
                  holder, transport.value)
 
@@ -134,6 +154,7 @@ class RankPeerLink:
             self.reporter.close()
             self.reporter = None
         if self.endpoint is not None:
-            self.endpoint.close()
-            self.endpoint = None
+            for opened in (*self.lanes, self.endpoint):
+                opened.close()
+            self.endpoint, self.lanes = None, []
         self.lender = self.reader = None

@@ -116,6 +116,13 @@ def _held(cluster, holder: str, prompt) -> list[str]:
     return hashes
 
 
+def test_a_rank_reads_with_as_many_endpoints_as_the_hosts_cores_go_round():
+    from kvtier.actors.l3.peer_link import READ_LANES, read_lanes
+    assert READ_LANES == 2
+    assert [read_lanes(tp, cores=2) for tp in (1, 2, 3)] == [2, 1, 1]
+    assert (read_lanes(8, cores=64), read_lanes(1, cores=1)) == (2, 1)
+
+
 @pytest.mark.parametrize("writer, reader", [("a1", "b1"), ("a3", "b3"), ("a1", "b3"),
                                             ("a3", "b1")])
 def test_a_reader_hits_what_a_peer_holds_in_l2(cluster, cold, writer, reader):

@@ -101,9 +101,12 @@ class Reader(Instance):
     """A reader instance; `after_lookup(rank, lend)`, when given, runs on each look-up's
     result before the read goes on (what the holder does meanwhile) and returns it."""
 
-    def __init__(self, kind: str, tp: int, after_lookup=None):
+    def __init__(self, kind: str, tp: int, after_lookup=None, lanes: int = 0):
         super().__init__(kind, tp, "reader")
-        self.readers = [PeerReader(CachePool(c, self.heads(r)), e, self.heads(r), TIMEOUT_S)
+        self.lanes = [[open_endpoint(kind, f"reader-{r}-lane-{k}") for k in range(lanes)]
+                      for r in range(tp)]
+        self.readers = [PeerReader(CachePool(c, self.heads(r)), e, self.heads(r), TIMEOUT_S,
+                                   lanes=self.lanes[r])
                         for r, (c, e) in enumerate(zip(self.caches, self.endpoints))]
         self.asked: list[tuple] = []  # (holder rank, pages wanted, heads) of each look-up
         for reader in self.readers:
@@ -125,6 +128,11 @@ class Reader(Instance):
             keys = cache.namespace.page_hashes(PROMPT[:(first_page + pages) * PAGE], PAGE, SALT)
             out.append((reader.read(contact, keys[first_page:], first_page, host), host))
         return out
+
+    def close(self):
+        for endpoint in (e for lanes in self.lanes for e in lanes):
+            endpoint.close()
+        super().close()
 
     def check(self, rank: int, host: list[int], first_page: int, count: int) -> None:
         """L2 pages `host[:count]` of `rank` hold PROMPT's pages first_page.., every head."""
@@ -255,6 +263,70 @@ def test_a_holder_endpoint_gone_after_the_lookup_is_a_failed_read(kind, instance
     ((got, _),) = reader.read(contact)
     assert (got.pages, got.reason) == (0, PeerReadOutcome.LOOKUP_FAILED)
     assert reader.readers[0].counters[:5] == (2, 0, 0, 2, 0)
+
+
+@pytest.mark.parametrize("kind, holder_tp, reader_tp, lanes",
+                         cases([(1, 1, 1), (3, 1, 2), (1, 3, 1), (2, 3, 2)],
+                               [(1, 1, 1), (3, 2, 1)]), indirect=["kind"])
+def test_a_read_in_lanes_lands_every_page_and_checks_each_lanes_share(kind, instances,
+                                                                      holder_tp, reader_tp,
+                                                                      lanes, monkeypatch):
+    """Each rank's read split among its endpoints (pages 0-2 and 3-5 with one lane more):
+    every page lands whole; a page overwritten after the look-up in the last lane's share
+    ends the read before it; the lanes' endpoints moved their shares."""
+    import kvtier.tiers.peer_pages as peer_pages
+    monkeypatch.setattr(peer_pages, "LANE_BYTES", 1)  # these pages are small: split anyway
+    holder = Holder(kind, holder_tp)
+    instances.append(holder)
+    change = {"on": False}
+
+    def maybe_reuse(rank, lend):
+        if change["on"]:
+            holder.write(rank.rank, lend.host_pages[4], 4, version=1)
+        return lend
+
+    reader = Reader(kind, reader_tp, maybe_reuse, lanes=lanes)
+    instances.append(reader)
+    holder.fill()
+    for rank, (got, host) in enumerate(reader.read(holder.contact())):
+        assert (got.pages, got.reason) == (PAGES, PeerReadOutcome.ALL)
+        reader.check(rank, host, 0, PAGES)
+        assert all(e.counters.read_bytes > 0 for e in reader.lanes[rank])
+    change["on"] = True
+    for rank, (got, host) in enumerate(reader.read(holder.contact())):
+        assert (got.pages, got.reason) == (4, PeerReadOutcome.SUM_MISMATCH)
+        reader.check(rank, host, 0, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
+def test_a_lane_whose_holder_is_gone_fails_the_whole_read(kind, instances, monkeypatch):
+    """The holder's endpoint closes after the look-up: every lane's read fails, the read
+    brings nothing (no lane's share is kept), and the lanes have all ended."""
+    import kvtier.tiers.peer_pages as peer_pages
+    monkeypatch.setattr(peer_pages, "LANE_BYTES", 1)
+    holder = Holder(kind, 1)
+    instances.append(holder)
+
+    def then_close(rank, lend):
+        holder.endpoints[rank.rank].close()
+        return lend
+
+    reader = Reader(kind, 1, then_close, lanes=2)
+    instances.append(reader)
+    holder.fill()
+    ((got, _),) = reader.read(holder.contact())
+    assert (got.pages, got.reason) == (0, PeerReadOutcome.TRANSPORT_FAILED)
+    assert reader.readers[0].counters[:5] == (1, 0, 0, 1, 0)
+
+
+def test_lane_spans_split_pages_evenly_and_keep_small_reads_whole():
+    from kvtier.tiers.peer_pages import LANE_BYTES, _lane_spans
+    assert _lane_spans(32, 2, LANE_BYTES) == [(0, 16), (16, 32)]
+    assert _lane_spans(7, 3, LANE_BYTES) == [(0, 2), (2, 4), (4, 7)]
+    assert _lane_spans(3, 2, LANE_BYTES // 2) == [(0, 3)]  # 1.5 x LANE_BYTES: one lane
+    assert _lane_spans(4, 2, LANE_BYTES // 2) == [(0, 2), (2, 4)]
+    assert _lane_spans(1, 2, LANE_BYTES * 8) == [(0, 1)]
+    assert _lane_spans(5, 1, LANE_BYTES) == [(0, 5)]
 
 
 def test_a_failed_lookup_or_a_lend_that_does_not_fit_is_a_miss(instances):
