@@ -29,6 +29,7 @@ from kvtier.messages import PeerContact
 from kvtier.tiers.page_exchange import PoolMemory, object_sums
 from kvtier.tiers.peer_fetch import TRANSPORT_LINGER_S
 from kvtier.tiers.peer_pages import PeerReader
+from kvtier.tiers.peer_table import VerifiedSums
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class HostPeerPool:
                               f"and contiguous; got {list(host.shape)}")
         self.host = host
         self.object_bytes = host.shape[3] * host.shape[4] * host.element_size()
+        # sums of slots a peer read verified, for the worker to list them with (WorkerSide)
+        self.sums = VerifiedSums()
 
     def memory(self) -> PoolMemory:
         return PoolMemory(self.host.data_ptr(), self.host.numel() * self.host.element_size(),
@@ -66,6 +69,9 @@ class HostPeerPool:
         slots, pool_heads = self.host.shape[:2]
         objects = self.host.view(torch.uint8).numpy().reshape(slots, pool_heads, -1)
         return object_sums((objects,), pages, heads)
+
+    def verified(self, pages: Sequence[int], sums: Sequence[int]) -> None:
+        self.sums.put(pages, sums, self.host.shape[1])
 
 
 @dataclass

@@ -265,9 +265,11 @@ class WorkerSide:
         return report
 
     def _unlist(self, slots: Sequence[int]) -> None:
-        """Before slots are written: peers no longer find what they held."""
+        """Before slots are written: peers no longer find what they held, and no sums a
+        peer read left for them are kept."""
         if self.table is not None:
             self.table.clear(slots)
+        self.peer_pool.sums.drop(slots)
 
     def _list(self, slots: Sequence[int], keys: Sequence[str]) -> None:
         """Slots now hold the pages keyed `keys` (whole, on this rank): peers find them, with
@@ -279,8 +281,9 @@ class WorkerSide:
             return
         listed = [slot for slot, _ in pairs]
         heads = range(self.shape.kv_heads)
-        self.table.publish(listed, [key for _, key in pairs],
-                           self.peer_pool.head_sums(listed, heads))
+        sums = self.peer_pool.sums.sums(listed, self.shape.kv_heads,
+                                        lambda missing: self.peer_pool.head_sums(missing, heads))
+        self.table.publish(listed, [key for _, key in pairs], sums)
 
     @property
     def _traffic(self) -> L3Traffic:

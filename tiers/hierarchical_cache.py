@@ -48,7 +48,7 @@ from kvtier.tiers.host_pool import HostPool
 from kvtier.tiers.load_back import plan_load_back
 from kvtier.tiers.page_exchange import PageExchange
 from kvtier.tiers.peer_fetch import PeerPages
-from kvtier.tiers.peer_table import PeerTable
+from kvtier.tiers.peer_table import PeerTable, VerifiedSums
 from kvtier.tiers.radix_tree import HiRadixTree
 from kvtier.tiers.sliding_kv import SlidingKV
 from kvtier.tiers.sliding_l3 import SlidingL3
@@ -131,6 +131,8 @@ class HierarchicalCache:
         self.directory = directory  # that of the L3 attached (attach_storage)
         self.events = CacheEventFeed(self.namespace, spec.page_size)
         self._table: PeerTable | None = None  # publish_l2's
+        # sums of L2 pages a peer read verified (tiers/peer_pages.py), for _publish
+        self.peer_sums = VerifiedSums()
         self._host_on_free = self.host_pool.allocator.on_free
         self.host_pool.allocator.on_free = self._host_freed
         if storage is None and config.storage_backend is not None:
@@ -643,14 +645,18 @@ class HierarchicalCache:
 
     def _publish(self, pages: Sequence[int], keys: Sequence[str]) -> None:
         table = self._table
-        sums = self.exchange.l2_head_sums(pages, range(table.heads))
+        heads = range(table.heads)
+        sums = self.peer_sums.sums(pages, table.heads,
+                                   lambda missing: self.exchange.l2_head_sums(missing, heads))
         table.publish(pages, keys, sums)
 
     def _host_freed(self, pages: list[int]) -> None:
         """The host allocator's `on_free`: freed L2 pages leave the peer table before anything
-        can take them again (this thread both frees and allocates them)."""
+        can take them again (this thread both frees and allocates them), and so do the sums a
+        peer read left for them."""
         if self._table is not None:
             self._table.clear(pages)
+        self.peer_sums.drop(pages)
         if self._host_on_free is not None:
             self._host_on_free(pages)
 

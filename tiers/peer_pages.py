@@ -17,7 +17,8 @@ The protocol, per reader rank and prompt; nothing on the holder takes part:
            rank lists land in the same heads of the reader's pages; a large read is split
            among the reader's endpoints (`lanes`), each share on a thread of its own
   verify   each share's thread sums what it landed, and the reader keeps the leading pages
-           whose every head matched
+           whose every head matched, and leaves their sums to the pool's owner, which lists
+           the pages for its own peers with them (PeerPool.verified)
 
 Nothing holds the listed pages on the holder between the look-up and the read: a holder that
 evicts one and reuses its page meanwhile is caught by the sums (the read then ends before
@@ -146,6 +147,12 @@ class PeerPool(Protocol):
         """xxh3_64 over each (page, head)'s K then V object, page by page then head."""
         ...
 
+    def verified(self, pages: Sequence[int], sums: Sequence[int]) -> None:
+        """A read's check found `pages` holding bytes whose sums are `sums` (page by page,
+        then every head of the pool in order): the owner may list them with these
+        (tiers/peer_table.VerifiedSums) instead of summing them again."""
+        ...
+
 
 class CachePool:
     """A `HierarchicalCache`'s L2, held in `page_head` from now on, as a `PeerPool`."""
@@ -175,6 +182,9 @@ class CachePool:
 
     def head_sums(self, pages: Sequence[int], heads: Sequence[int]) -> tuple[int, ...]:
         return self.cache.exchange.l2_head_sums(pages, heads)
+
+    def verified(self, pages: Sequence[int], sums: Sequence[int]) -> None:
+        self.cache.peer_sums.put(pages, sums, self.cache.spec.num_kv_heads)
 
 
 def _register(pool: PeerPool, endpoint: HandoffEndpoint) -> PoolMemory:
@@ -365,6 +375,8 @@ class PeerReader:
                 self._note(s.rank.actor, PeerReadOutcome.SUM_MISMATCH,
                            f"page {first_page + good} of the prefix changed after the look-up")
                 n, reason = good, PeerReadOutcome.SUM_MISMATCH
+        if n:
+            self.pool.verified(ours[:n], _pool_sums(sources, n, self.heads.count))
         return PeerRead(n, nbytes, 0.0, reason, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _read_span(self, endpoint: HandoffEndpoint, memory: PoolMemory, sources: list[_Source],
@@ -484,6 +496,18 @@ def _lane_spans(pages: int, lanes: int, page_bytes: int) -> list[tuple[int, int]
     count = max(1, min(lanes, pages, pages * page_bytes // LANE_BYTES))
     cuts = [pages * k // count for k in range(count + 1)]
     return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _pool_sums(sources: list[_Source], pages: int, heads: int) -> list[int]:
+    """The sums of a read's first `pages` pages, page by page then each of the pool's `heads`
+    heads, gathered from what each holder rank lists for its heads."""
+    out = [0] * (pages * heads)
+    for s in sources:
+        width = len(s.ours)
+        for page in range(pages):
+            for j, head in enumerate(s.ours):
+                out[page * heads + head] = s.lend.sums[page * width + j]
+    return out
 
 
 def _leading_matches(got: Sequence[int], want: Sequence[int], heads: int) -> int:

@@ -18,10 +18,16 @@ is freed, before it can be reused. A reader that read a row before it was
 cleared reads the page's new bytes under the old sums: they do not match, and the read ends
 before that page (tiers/peer_pages.py verifies every page it keeps). So a row may be stale
 but never names bytes it was not summed from.
+
+The sums cost a pass over the bytes (on this machine about as long as a third of copying
+them: docs/benchmarks.md). A page a peer read filled was already summed by the read's check,
+so the reader leaves its sums in the pool owner's `VerifiedSums` and the owner lists the
+page with them instead of summing it again.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import threading
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -96,6 +102,52 @@ class PeerTable:
         if len(pages):
             words = self.rows.view(np.uint64).reshape(len(self.rows), -1)
             words[np.asarray(pages, dtype=np.int64)] = 0
+
+
+class VerifiedSums:
+    """Head sums of pool pages that a verified peer read filled, for the pool's owner to
+    list the pages with (`sums`) instead of summing their bytes again. The reader `put`s
+    them from its thread once the read's check passed; the owner takes them when it lists
+    the pages and `drop`s them whenever a page is freed or about to be rewritten, so an entry
+    never outlives the bytes it was taken from."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums: dict[int, tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+    def put(self, pages: Sequence[int], sums: Sequence[int], heads: int) -> None:
+        """Pages `pages` hold bytes whose sums are `sums` (page by page, then each of the
+        pool's `heads` heads in order)."""
+        if len(sums) != len(pages) * heads:
+            raise ValueError(f"{len(sums)} sums for {len(pages)} pages of {heads} heads")
+        rows = {int(p): tuple(int(x) for x in sums[i * heads:(i + 1) * heads])
+                for i, p in enumerate(pages)}
+        with self._lock:
+            self._sums.update(rows)
+
+    def drop(self, pages: Sequence[int]) -> None:
+        """Pages `pages` are freed or about to be rewritten: forget their sums."""
+        if not self._sums:  # nothing kept (the common case): no lock taken; a put names
+            return  # only pages its reader holds, never pages being freed
+        with self._lock:
+            for p in pages:
+                self._sums.pop(int(p), None)
+
+    def sums(self, pages: Sequence[int], heads: int,
+             compute: Callable[[list[int]], Sequence[int]]) -> tuple[int, ...]:
+        """The sums of `pages` (page by page, then head) to list them with: those a verified
+        read left (taken: each is used once), `compute(pages)` of the others."""
+        with self._lock:
+            known = [self._sums.pop(int(p), None) for p in pages]
+        missing = [int(p) for p, k in zip(pages, known) if k is None]
+        computed = iter(compute(missing) if missing else ())
+        out: list[int] = []
+        for k in known:
+            out.extend(k if k is not None else (next(computed) for _ in range(heads)))
+        return tuple(out)
 
 
 def lookup(raw: np.ndarray, heads: int, keys: Sequence[str]) -> TableHit:

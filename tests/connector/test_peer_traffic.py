@@ -118,7 +118,9 @@ def test_a_peers_pages_land_with_its_bytes_across_tp_sizes(kind, tp_a, tp_b):
         for theirs, ours in ((4, 1), (0, 2), (2, 3)):
             for head in range(HEADS):
                 assert torch.equal(b.head(head, ours), a.head(head, theirs))
-        # what B read is listed for its own peers: A reads it back into other slots
+        # what B read is listed for its own peers, with the sums its read checked (none
+        # left over), and A reads it back into other slots: those sums are the bytes'
+        assert all(len(w.peer_pool.sums) == 0 for w in b.workers)
         a.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:3]), (1, 3, 5), b.contact()),)))
         assert sorted(a.settled(3).fetched) == sorted([1, 3, 5] * tp_a)
         assert all(torch.equal(a.head(h, 5), a.head(h, 2)) for h in range(HEADS))

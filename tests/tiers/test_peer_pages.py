@@ -25,6 +25,7 @@ from kvtier.messages import PeerContact
 from kvtier.tiers.page_exchange import head_object_bytes
 from kvtier.tiers.peer_pages import (CachePool, PeerLender, PeerReader,
                                      PeerReadOutcome)
+from kvtier.tiers.peer_table import PeerTable, lookup
 
 PAGE, HEADS, LAYERS, DIM = 4, 6, 2, 8  # 6 KV heads: TP 1, 2 and 3 split them
 PAGES = 6
@@ -431,6 +432,55 @@ def test_a_page_is_summed_once_when_it_lands_and_never_for_a_read(instances, mon
         ((got, _),) = reader.read(holder.contact())
         assert got.pages == PAGES
     assert len(summed) == 1
+
+
+@pytest.mark.parametrize("reader_tp", [1, 3])
+def test_a_page_a_read_verified_is_listed_with_its_sums_and_never_summed_again(
+        instances, monkeypatch, reader_tp):
+    """The reader's own table lists the pages a read brought with the sums the read checked
+    (gathered across the holder ranks it read each head from), summing none of them; pages
+    freed before they were listed leave nothing behind: written again with other bytes,
+    they are listed with the sums of those."""
+    holder, reader = pair("simulated", 2, reader_tp, instances)
+    holder.fill()
+    summed: list[list[int]] = []
+    tables = []
+    for cache in reader.caches:
+        real = cache.exchange.l2_head_sums
+        monkeypatch.setattr(cache.exchange, "l2_head_sums",
+                            lambda pages, heads, real=real: summed.append(list(pages))
+                            or real(pages, heads))
+        tables.append(PeerTable(cache.host_pool.num_pages, cache.spec.num_kv_heads))
+        cache.publish_l2(tables[-1])
+    keys = reader.caches[0].namespace.page_hashes(PROMPT, PAGE, SALT)
+    reads = reader.read(holder.contact())
+    assert summed  # the reads' own checks
+    summed.clear()
+    for rank, (got, host) in enumerate(reads):
+        cache, heads = reader.caches[rank], reader.heads(rank).count
+        assert (got.pages, len(cache.peer_sums)) == (PAGES, PAGES)
+        assert cache.tree.insert_host(PROMPT[:PAGES * PAGE], host, salt=SALT).new_pages == PAGES
+        assert (summed, len(cache.peer_sums)) == ([], 0)
+        listed = lookup(tables[rank].rows.view(np.uint8).copy(), heads, keys)
+        assert listed.pages == tuple(host)
+        assert listed.sums == cache.exchange.l2_head_sums(host, range(heads))  # the bytes'
+        summed.clear()
+    cache = reader.caches[0]
+    ((got, host),) = [reader.read(holder.contact())[0]]  # rank 0 again, then freed unlisted
+    assert got.pages == PAGES and len(cache.peer_sums) == PAGES
+    cache.release_host_pages(host)
+    assert len(cache.peer_sums) == 0
+    summed.clear()
+    other = PROMPT[1:PAGES * PAGE + 1]  # another prompt's pages, in pages the read had used
+    again = cache.allocate_host(PAGES)
+    assert sorted(again) == sorted(host)
+    for page in again:
+        cache.host_pool.page_head_view(page, 0, 0).fill_(page)
+    cache.tree.insert_host(other, again, salt=SALT)
+    assert summed == [again]
+    want = cache.namespace.page_hashes(other, PAGE, SALT)
+    assert lookup(tables[0].rows.view(np.uint8).copy(), reader.heads(0).count, want).sums \
+        == cache.exchange.l2_head_sums(again, range(reader.heads(0).count))
 
 
 def test_reads_beside_an_owner_that_keeps_reusing_l2_never_deliver_wrong_bytes(instances):

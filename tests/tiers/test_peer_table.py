@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvtier.tiers.peer_table import KEY_BYTES, PeerTable, lookup, row_dtype
+from kvtier.tiers.peer_table import KEY_BYTES, PeerTable, VerifiedSums, lookup, row_dtype
 
 HEADS = 3
 KEYS = [hashlib.sha256(bytes([i])).hexdigest() for i in range(6)]
@@ -61,3 +61,23 @@ def test_a_row_whose_sums_changed_without_its_check_is_not_valid():
 def test_publishing_mismatched_lists_is_refused():
     with pytest.raises(ValueError, match="do not match"):
         PeerTable(4, HEADS).publish([1, 2], KEYS[:2], [1, 2, 3])
+
+
+def test_verified_sums_stand_in_for_summing_once_and_never_outlive_a_drop():
+    kept = VerifiedSums()
+    kept.put([4, 1], [41, 42, 43, 11, 12, 13], HEADS)
+    summed: list[list[int]] = []
+
+    def compute(pages):
+        summed.append(pages)
+        return [100 * p + h for p in pages for h in range(HEADS)]
+
+    assert kept.sums([1, 2, 4], HEADS, compute) == (11, 12, 13, 200, 201, 202, 41, 42, 43)
+    assert summed == [[2]] and len(kept) == 0
+    assert kept.sums([1], HEADS, compute) == (100, 101, 102)  # each is taken once
+    kept.put([3, 5], [1, 2, 3, 4, 5, 6], HEADS)
+    kept.drop([3])
+    assert kept.sums([3, 5], HEADS, compute) == (300, 301, 302, 4, 5, 6)
+    kept.drop([7])  # nothing kept: nothing to do
+    with pytest.raises(ValueError, match="2 sums for 1 pages of 3 heads"):
+        kept.put([1], [1, 2], HEADS)
