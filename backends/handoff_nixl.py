@@ -52,7 +52,7 @@ import numpy as np
 from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint, HandoffTimeout,
                                           HandoffTransferError, HandoffUnavailable, Rows, Target)
 from kvtier.backends.handoff_regions import Region, RegionTable, parse_device
-from kvtier.backends.nixl_agent import release_or_keep, wait_xfer
+from kvtier.backends.nixl_agent import nixl_api, release_or_keep, wait_xfer
 from kvtier.policies import HandoffTransportKind
 
 log = logging.getLogger(__name__)
@@ -127,17 +127,17 @@ class NixlEndpoint(HandoffEndpoint):
         super().__init__(name)
         _ucx_env()
         try:
-            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+            api = nixl_api()
         except ImportError as exc:
             raise HandoffUnavailable(f"nixl cannot be imported ({exc}); "
                                      f"{_UNAVAILABLE_HINT}") from exc
         try:
             # Two threads call the agent (transfers, progress); self._lock serializes them, and
             # STRICT has NIXL lock too (SYNC_NONE promises nothing across threads).
-            strict = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-            config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                       backends=[], sync_mode=strict)
-            self._agent = nixl_agent(self.unique_name, config)
+            strict = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                           backends=[], sync_mode=strict)
+            self._agent = api.nixl_agent(self.unique_name, config)
             plugins = self._agent.get_plugin_list()
             if BACKEND not in plugins:
                 raise HandoffUnavailable(f"NIXL has no {BACKEND} plugin (found {plugins}); "

@@ -22,7 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import time
+from types import ModuleType
 from typing import Sequence
 
 import numpy as np
@@ -40,6 +42,19 @@ POSIX_PARAMS: dict[str, str] = {}
 _IDS = itertools.count()
 _FAST_POLL_S = 0.0005  # a poll that took longer than this did I/O itself: poll again at once
 _MAX_SLEEP_S = 0.001
+
+
+def nixl_api() -> ModuleType:
+    """NIXL's Python API (`nixl._api`), with its log lines on stderr: NIXL logs through a
+    handler of its own on stdout, which would mix its lines into the output of whatever runs
+    kvtier (`kvtier bench ... --json`, a CLI's answer). Their level stays NIXL's
+    (NIXL_LOG_LEVEL). Raises ImportError when nixl is not installed."""
+    import nixl._api as api
+
+    for handler in logging.getLogger("nixl").handlers:
+        if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr:
+            handler.setStream(sys.stderr)
+    return api
 
 
 def wait_xfer(agent, handle, state: str, deadline: float, busy_s: float = _FAST_POLL_S,
@@ -87,7 +102,7 @@ class PosixAgent:
 
     def __init__(self, params: dict[str, str] | None = None) -> None:
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            api = nixl_api()
         except ImportError as exc:
             raise StorageUnavailable(
                 f"the nixl package cannot be imported ({exc}); `pip install nixl` "
@@ -95,9 +110,9 @@ class PosixAgent:
         self.name = f"kvtier-nixl-{os.getpid()}-{next(_IDS)}"
         try:
             # No progress or listener thread: POSIX I/O needs neither, and no socket opens.
-            config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                       backends=[])
-            self._agent = nixl_agent(self.name, config)
+            config = api.nixl_agent_config(enable_prog_thread=False,
+                                           enable_listen_thread=False, backends=[])
+            self._agent = api.nixl_agent(self.name, config)
         except Exception as exc:
             raise StorageUnavailable(
                 f"cannot create a NIXL agent ({exc}); check the nixl installation "

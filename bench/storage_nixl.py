@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from kvtier.backends.base import KV_POOL, StorageTarget
-from kvtier.backends.nixl_agent import PLUGIN, POSIX_PARAMS
+from kvtier.backends.nixl_agent import PLUGIN, POSIX_PARAMS, nixl_api
 from kvtier.backends.nixl_backend import NixlBackend
 from kvtier.backends.nixl_object import HEADER_BYTES, object_bytes
 from kvtier.backends.registry import create_backend
@@ -186,9 +186,10 @@ class _RawNixl:
     """The baseline: NIXL's Python API used directly, nothing around it."""
 
     def __init__(self) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        api = nixl_api()  # NIXL's own API; only its log lines go to stderr
         self.name = f"kvtier-bench-raw-{os.getpid()}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.agent = api.nixl_agent(self.name,
+                                    api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend(PLUGIN, dict(POSIX_PARAMS))
         self.dram = None
         self.requests = 0  # NIXL requests made (one per run)
