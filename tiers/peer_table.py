@@ -140,6 +140,8 @@ class VerifiedSums:
              compute: Callable[[list[int]], Sequence[int]]) -> tuple[int, ...]:
         """The sums of `pages` (page by page, then head) to list them with: those a verified
         read left (taken: each is used once), `compute(pages)` of the others."""
+        if not self._sums:  # nothing kept: every page summed (see drop)
+            return tuple(compute([int(p) for p in pages]))
         with self._lock:
             known = [self._sums.pop(int(p), None) for p in pages]
         missing = [int(p) for p, k in zip(pages, known) if k is None]
