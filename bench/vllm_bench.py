@@ -22,6 +22,10 @@ asked `--questions` questions:
 With `--peer nixl` (or `mooncake`) L3 is off and A and C read each other's host pools
 (peer-to-peer L2): C's blocks come from A's L2 instead (`ttft_peer_s`, `ttft_peer_ratio`, in
 place of the L3 fields), once the directory lists them in A's L2.
+- `ttft_l2_beside_reader_s`: A's L2 TTFT on the same questions again, while C is up: C's
+  hits run with three engines up and `ttft_l2_s` with two, and a third engine's processes
+  slow every hit on a small host; `ttft_l3_over_l2` (or `ttft_peer_over_l2`) compares C's
+  hits with A's own under the same load.
 TTFT is a one-token generate's wall time.
 """
 from __future__ import annotations
@@ -225,14 +229,17 @@ def _measure(params: VllmBenchParams, l3: L3Setup, actor: Any) -> dict:
         ratios.append(ttft(with_kv, fresh)[0] / ttft(alone, fresh)[0])  # new to both
     counters = copy_counters()
     holder = str(with_kv.llm_engine.vllm_config.kv_transfer_config.engine_id)
-    l3_reads = _from_other(params, l3, actor, model, docs, holder)
-    return report(params, identical, Timings(cold, l2, l2_other, l3_reads), ratios, counters)
+    l3_reads, l2_beside = _from_other(params, l3, actor, model, docs, holder, with_kv)
+    return report(params, identical, Timings(cold, l2, l2_other, l3_reads, l2_beside), ratios,
+                  counters)
 
 
 def _from_other(params: VllmBenchParams, l3: L3Setup, actor: Any, model: str,
-                docs: list[list[list[int]]], holder: str) -> list[float]:
+                docs: list[list[list[int]]], holder: str, writer: Any
+                ) -> tuple[list[float], list[float]]:
     """C's TTFT on each document's first question, its blocks read from L3 (with peers:
-    from A's host pool)."""
+    from A's host pool); then A's on the same questions from its own L2 while C is up (the
+    same engines running as for C's)."""
     reader = engine(model, params, l3)
     ttft(reader, docs[-1][0])  # warm-up: first-call setup (the warm-up document is A's)
     seconds = []
@@ -242,7 +249,11 @@ def _from_other(params: VllmBenchParams, l3: L3Setup, actor: Any, model: str,
         else:
             wait_published(actor, questions[0], params.block_size)
         seconds.append(ttft(reader, questions[0])[0])
-    return seconds
+    l2_beside = []
+    for questions in docs[:-1]:
+        writer.reset_prefix_cache()
+        l2_beside.append(ttft(writer, questions[0])[0])
+    return seconds, l2_beside
 
 
 class Timings(NamedTuple):
@@ -250,6 +261,7 @@ class Timings(NamedTuple):
     l2: list[float]  # the same question on A from L2
     l2_other: list[float]  # its other questions on A, the document from L2
     l3: list[float]  # the first question on C, from L3 (with peers: from A's L2)
+    l2_beside: list[float]  # the same question on A from its L2 again, C up
 
 
 def report(params: VllmBenchParams, identical: bool, t: Timings, ratios: list[float],
@@ -266,6 +278,9 @@ def report(params: VllmBenchParams, identical: bool, t: Timings, ratios: list[fl
                                      if t.l2_other else None),
         f"ttft_{tier}_s": round(statistics.median(t.l3), 4),
         f"ttft_{tier}_ratio": round(statistics.median(t.l3) / ttft_cold, 4),
+        "ttft_l2_beside_reader_s": round(statistics.median(t.l2_beside), 4),
+        f"ttft_{tier}_over_l2": round(statistics.median(t.l3) / statistics.median(t.l2_beside),
+                                      4),
         "no_reuse_overhead": round(statistics.median(ratios), 4),
         "save_gbps": gbps(counters, "backup"), "load_gbps": gbps(counters, "load_back"),
         "tokens": params.tokens, "documents": params.documents,
