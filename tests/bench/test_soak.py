@@ -87,14 +87,16 @@ def test_a_short_soak_on_the_actor_system_at_tp3_with_two_instances(capsys):
     lookups failing, a rank killed, the namespace actor killed); every answer is the cold one,
     nothing hangs, nothing leaks on any rank."""
     rc = cli.main(["bench", "soak", "--tp", "3", "--instances", "2", "--model", "tiny",
-                   "--minutes", "0.25", "--fault-every", "1.0", "--seed", "5", "--json"])
+                   "--minutes", "0.4", "--fault-every", "1.0", "--seed", "5", "--json"])
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
     assert lines, f"the soak printed no result (rc {rc}); its stderr:\n{captured.err[-4000:]}"
     result = json.loads(lines[-1])
     assert rc == 0, result
     assert result["sent"] > 0 and result["faults_injected"] >= 5
-    assert result["faults_hit"] >= 1  # armed L3 and lookup faults met calls, not only armed
+    # armed L3 and lookup faults met calls, not only armed (a fault meets a call only when
+    # the traffic reaches L3: under a loaded CI machine 15 s once saw none, hence 24 s)
+    assert result["faults_hit"] >= 1
     assert result["answered"] + result["aborted"] == result["sent"]
     assert result["wrong"] == 0 and result["hangs"] == 0 and "near_ties" in result
     assert result["leaked_pages"] == 0 and result["leaked_locks"] == 0
