@@ -17,9 +17,15 @@ The rules, each bounded:
   only running requests still in their prompt, with more prompt left to compute than the
   hit has, whose computed pages L2 holds, and never one preempted before (no request is
   pushed back twice: no starvation);
-- without a hit nothing changes: vLLM's own order; nor once a request has waited
-  `max_wait_steps` steps (kvtier's engine's aging, engine/queue_order): vLLM's order then
-  serves the oldest first, so a stream of hits cannot hold a cold prompt back for ever.
+- without a hit nothing changes: vLLM's own order; once a request has waited
+  `max_wait_steps` steps (kvtier's engine's aging, engine/queue_order) the oldest waiting
+  request goes first, ahead of a hit put there in an earlier step, so a stream of hits
+  cannot hold a cold prompt back for ever;
+- a block counts once: a block a victim alone holds that the hit's cached prefix also uses
+  (vLLM's prefix cache shares it) is not freed for the hit by preempting the victim, since
+  the hit takes it back;
+- a victim's pages in L2 are pinned there until it is admitted again or leaves
+  (kvtier.connector.vllm_scheduler), so readmitted it loads them rather than computing them.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ class WaitingRequest:
     tokens: int  # its tokens (prompt, and answer tokens of a resumed request)
     cached: int  # leading tokens vLLM's prefix cache and L2 hold now
     blocks_needed: int  # KV blocks admitting it takes from the free pool
+    shared: frozenset[int] = frozenset()  # its cached blocks running requests hold (ids)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class RunningRequest:
     prompt: int  # prompt tokens
     computed: int  # tokens computed so far
     saved: int  # leading tokens whose pages L2 holds
-    freeable_blocks: int  # KV blocks preempting it returns to the free pool
+    freeable: frozenset[int]  # ids of the KV blocks preempting it returns to the free pool
     preempted_before: bool
     can_free: bool = True  # vLLM may free its blocks now
 
@@ -61,6 +68,10 @@ class RunningRequest:
     def next_tokens(self, budget: int) -> int:
         """Tokens vLLM schedules for it next step: a prompt chunk, or one decode token."""
         return min(self.prompt - self.computed, budget) if self.prefilling else 1
+
+    def frees_for(self, hit: WaitingRequest) -> int:
+        """Blocks preempting it frees for `hit`: none the hit's cached prefix takes back."""
+        return len(self.freeable - hit.shared)
 
 
 class Admission(NamedTuple):
@@ -80,11 +91,13 @@ def is_hit(request: WaitingRequest, block_size: int) -> bool:
 
 def admit(waiting: Sequence[WaitingRequest], running: Sequence[RunningRequest],
           free_blocks: int, token_budget: int, block_size: int, oldest_wait_steps: int = 0,
-          max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS) -> Admission:
+          max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS, oldest: str | None = None) -> Admission:
     """The admission for this step (module docstring); `oldest_wait_steps`: the steps the
-    longest-waiting request (of any kind) has waited."""
+    longest-waiting request (`oldest`, of any kind) has waited."""
+    if oldest_wait_steps >= max_wait_steps:
+        return Admission(oldest, ())  # aging: the oldest first, whatever was put first before
     hits = [w for w in waiting if is_hit(w, block_size)]
-    if not hits or oldest_wait_steps >= max_wait_steps:
+    if not hits:
         return KEEP
     first = max(hits, key=lambda w: w.cached)  # the earliest of equals: max keeps the first
     own_tokens = max(1, first.tokens - first.cached)
@@ -96,7 +109,7 @@ def admit(waiting: Sequence[WaitingRequest], running: Sequence[RunningRequest],
         if free_blocks >= first.blocks_needed and left >= own_tokens:
             break
         chosen.append(victim.req_id)
-        free_blocks += victim.freeable_blocks
+        free_blocks += victim.frees_for(first)
         left += victim.next_tokens(token_budget)
     if free_blocks < first.blocks_needed:
         chosen = []  # it would not fit anyway: preempt nothing, keep it first in line

@@ -10,7 +10,15 @@ A slot is SAVING from the step that asked the ranks to copy a block into it unti
 reported it saved, or FETCHING from the step that asked them to read it from L3 or a peer's L2
 until every rank read it; then HELD. Only HELD pages are hits. A HELD page is evicted least
 recently used first, and not while the ranks still write it to L3 (its `backing_up` votes are
-short of the ranks): its slot's bytes are being read.
+short of the ranks): its slot's bytes are being read; nor while it is pinned (`pin`: a
+request the scheduler pushed back will load it).
+
+A fetch is a generation: every rank reports on each of its slots once, under the fetch's
+ticket (kvtier.connector.plan.Ticket). A fetch any rank failed is a miss from that report on:
+the key leaves the index (another fetch may bring the page into another slot), but the slot
+stays reserved until every rank reported and no rank's storage or peer call may still write
+it (`held_fetches` until `released`): a slot is never handed out while a rank writes into it.
+A report on another generation than the slot's (a fetch that ended long ago) changes nothing.
 
 The index also keeps what the router must learn (`take_changes`): a page becomes HELD, is
 EVICTED from L2, or was STORED in L3 by every rank. Each change carries the page's
@@ -21,10 +29,12 @@ page's last change that needs it.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+import itertools
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
+from kvtier.connector.plan import Ticket
 from kvtier.tiers.allocator import PageAllocator
 
 
@@ -50,11 +60,14 @@ class FetchedPages(NamedTuple):
 
 class PageOrigin(NamedTuple):
     """What a page holds: its tokens, the key of the page before it (None: the prompt's
-    first), the cache salt of the request that brought it."""
+    first), the cache salt of the request that brought it; `by_tokens`: whether the tokens
+    and the salt are all its key holds (False: a LoRA adapter, a multimodal item or prompt
+    embeddings count too, which a subscriber that keys pages by their tokens cannot)."""
 
     tokens: tuple[int, ...]
     parent: str | None
     salt: str = ""
+    by_tokens: bool = True
 
 
 class L2ChangeKind(enum.Enum):
@@ -69,17 +82,31 @@ class L2Change(NamedTuple):
     origin: PageOrigin | None  # None for EVICTED, or a page reserved without one
 
 
+class FetchOutcome(NamedTuple):
+    """What the ranks' reports on fetches settled (`L2Index.fetched`)."""
+
+    done: list[int]  # slots every rank read: HELD now
+    failed: list[tuple[int, str]]  # (slot, key) of fetches that became misses now
+    freed: list[int]  # failed slots every rank is done with: free again
+    stale: int  # reports on another generation than the slot's: ignored
+
+
 @dataclass
 class _Entry:
     key: str
     state: SlotState
     origin: PageOrigin | None = None  # until its last HELD or STORED change
-    votes: int = 0  # ranks that finished the slot's background work (a fetch, an L3 write)
+    votes: int = 0  # ranks that finished writing the slot to L3
     backing_up: bool = False  # the ranks write it to L3: not evictable until they all did
     store_failed: bool = False  # some rank failed to write it to L3: not published
     dropped: bool = False  # forgotten while backing up: freed once the writes ended
     source: FetchSource | None = None  # FETCHING: read from there; HELD: read from there
     fresh: bool = False  # HELD after a fetch and not loaded since: its first hit is source's
+    gen: int = 0  # FETCHING: the fetch's generation
+    read: int = 0  # FETCHING: ranks that read it
+    unread: int = 0  # FETCHING: ranks that did not
+    holds: int = 0  # FETCHING: ranks whose call may still write it
+    missed: bool = False  # FETCHING: a rank did not read it; its key has left the index
 
 
 class L2Index:
@@ -92,6 +119,9 @@ class L2Index:
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable slots, least recent first
         self._changes: list[L2Change] = []
+        self._gens = itertools.count(1)
+        self._pins: Counter[int] = Counter()  # HELD slots not to evict (pin), by pin count
+        self.quarantined = 0  # failed fetch slots some rank's call may still write
 
     def take_changes(self) -> list[L2Change]:
         """The pages that became HELD, were EVICTED or STORED since the last call, in order."""
@@ -138,15 +168,29 @@ class L2Index:
             if slot in self._lru:
                 self._lru.move_to_end(slot)
 
+    def pin(self, slots: Sequence[int]) -> None:
+        """Keep HELD `slots` from eviction until as many `unpin`s (a request that will load
+        them waits)."""
+        self._pins.update(slot for slot in slots if slot in self._entries)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if self._pins[slot] <= 1:
+                self._pins.pop(slot, None)
+            else:
+                self._pins[slot] -= 1
+
     def reserve(self, keys: Sequence[str], state: SlotState = SlotState.SAVING,
                 origins: Sequence[PageOrigin] | None = None,
                 source: FetchSource | None = None) -> list[int]:
         """A slot in `state` (SAVING, or FETCHING from `source`) for each key not already
         indexed, in order, evicting as needed; stops early when nothing more can be evicted.
         Returns the slots taken, one per key from the first, so the caller moves that many
-        leading keys. `origins`: each key's page, for the changes the router learns."""
+        leading keys. `origins`: each key's page, for the changes the router learns. The
+        slots of one FETCHING reservation share a generation (`generation`)."""
         if (state is SlotState.FETCHING) != (source is not None):
             raise ValueError("a FETCHING slot needs the source it is read from, and only it")
+        gen = next(self._gens) if state is SlotState.FETCHING else 0
         taken: list[int] = []
         for i, key in enumerate(keys):
             if key in self._by_key:
@@ -156,9 +200,13 @@ class L2Index:
                 break
             self._by_key[key] = slot
             self._entries[slot] = _Entry(key, state, origins[i] if origins else None,
-                                         source=source)
+                                         source=source, gen=gen)
             taken.append(slot)
         return taken
+
+    def generation(self, slot: int) -> int:
+        """The generation of the fetch that reserved FETCHING `slot`."""
+        return self._entries[slot].gen
 
     def settle(self, saved: Iterable[int], failed: Iterable[int],
                backing_up: bool = False) -> list[tuple[str, int]]:
@@ -199,19 +247,45 @@ class L2Index:
             else:
                 self._lru[slot] = None
 
-    def fetched(self, slots: Iterable[int], failed: Iterable[int]) -> list[int]:
-        """One vote per rank that read a FETCHING slot in: once every rank did, it is HELD
-        (returned). Failed fetches are freed."""
-        done = []
-        for slot in slots:
-            entry = self._entries.get(slot)
-            if entry is not None and entry.state is SlotState.FETCHING and self._vote(entry):
+    def fetched(self, read: Iterable[Ticket], unread: Iterable[Ticket] = (),
+                held: Iterable[Ticket] = (), released: Iterable[Ticket] = ()) -> FetchOutcome:
+        """The ranks' reports on fetches, one per rank and ticket (module docstring): `read`,
+        `unread`, `held` (unread, and the rank's call may still write the slot) and
+        `released` (a held slot's call returned)."""
+        out = FetchOutcome([], [], [], 0)
+        touched: dict[int, _Entry] = {}
+        for tickets, read_it, holds in ((read, True, 0), (unread, False, 0),
+                                        (held, False, 1), (released, None, -1)):
+            for slot, gen in tickets:
+                entry = self._entries.get(slot)
+                if entry is None or entry.state is not SlotState.FETCHING or entry.gen != gen:
+                    out = out._replace(stale=out.stale + 1)
+                    continue
+                if read_it is True:
+                    entry.read += 1
+                elif read_it is False:
+                    entry.unread += 1
+                entry.holds += holds
+                self.quarantined += holds
+                touched[slot] = entry
+        for slot, entry in touched.items():
+            if entry.unread and not entry.missed:  # a miss from now on
+                entry.missed = True
+                if self._by_key.get(entry.key) == slot:
+                    del self._by_key[entry.key]
+                out.failed.append((slot, entry.key))
+            if entry.read + entry.unread < self.ranks or entry.holds > 0:
+                continue  # a rank is still reading, or a call may still write the slot
+            if entry.unread:
+                self._entries.pop(slot)
+                self._slots.free([slot])
+                out.freed.append(slot)
+            else:
                 entry.state, entry.fresh = SlotState.HELD, True
                 self._lru[slot] = None
-                done.append(slot)
+                out.done.append(slot)
                 self._announce(L2ChangeKind.HELD, entry, last=True)
-        self._free_failed(failed, SlotState.FETCHING)
-        return done
+        return out
 
     def drop_slots(self, slots: Iterable[int]) -> int:
         """Forget HELD pages (a load from them failed on some rank); returns how many. One
@@ -245,9 +319,11 @@ class L2Index:
 
     def _take_slot(self) -> int | None:
         got = self._slots.alloc(1)
-        if got is None and self._lru:
-            self._drop(next(iter(self._lru)))
-            got = self._slots.alloc(1)
+        if got is None:
+            victim = next((slot for slot in self._lru if slot not in self._pins), None)
+            if victim is not None:
+                self._drop(victim)
+                got = self._slots.alloc(1)
         return None if got is None else got[0]
 
     def _drop(self, slot: int) -> None:
@@ -256,4 +332,5 @@ class L2Index:
         if entry.state is SlotState.HELD:  # the router knew it
             self._changes.append(L2Change(L2ChangeKind.EVICTED, entry.key, None))
         self._lru.pop(slot, None)
+        self._pins.pop(slot, None)
         self._slots.free([slot])

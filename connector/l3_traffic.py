@@ -1,11 +1,17 @@
 """One worker's L3 traffic: its KV heads of pages written to and read from the namespace's
-storage, on a thread of its own so that no step waits for storage (docs/vllm.md).
+storage by the cache's own storage worker (kvtier.tiers.storage_worker), on a thread of its
+own so that no step waits for storage (docs/vllm.md).
 
 The scheduler side never reuses a slot while a rank still reads it for a write, nor loads a
-slot before every rank read it in (kvtier.connector.l2_index), so the thread works on the host
-pool without locks. Each finished slot is handed back once, through `take`, for the step's
-report. The objects are kvtier's (one per page, KV head and part), named by the backend from
-the page key and the head's global index, so a page written at one TP size is read at another.
+slot before every rank read it in, nor hands out a slot a rank's read may still write
+(kvtier.connector.l2_index), so the thread works on the host pool without locks. A storage
+call that gave up while the storage may still touch its pages (`PagesStillInUse`: a
+transfer that timed out and could not be cancelled) quarantines them, as it does under
+kvtier's own engine: a write's slot stays unevictable until the call returns (its vote comes
+then), a read's slots are reported held until then. Each finished slot is handed back once,
+through `take`, for the step's report. The objects are kvtier's (one per page, KV head and
+part), named by the backend from the page key and the head's global index, so a page written
+at one TP size is read at another.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ from typing import Callable, Sequence
 import torch
 
 from kvtier.backends.base import KV_POOL, StorageBackend
-from kvtier.connector.job_thread import JobThread
+from kvtier.connector.plan import Ticket
+from kvtier.tiers.storage_worker import StorageOp, StorageWorker
 
 log = logging.getLogger(__name__)
 
@@ -46,74 +53,77 @@ class HostPoolView:
 class TrafficResults:
     stored: list[int] = field(default_factory=list)  # slots written (or given up on)
     failed_stores: set[int] = field(default_factory=set)  # of those: given up on
-    fetched: list[int] = field(default_factory=list)  # slots read in
-    failed_fetches: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class _Job:
-    write: bool  # True: slots -> storage; False: storage -> slots
-    keys: tuple[str, ...]
-    slots: tuple[int, ...]
+    fetched: list[Ticket] = field(default_factory=list)  # read in
+    failed_fetches: list[Ticket] = field(default_factory=list)  # not read; nothing writes them
+    held_fetches: list[Ticket] = field(default_factory=list)  # not read; a call may still
+    released: list[Ticket] = field(default_factory=list)  # of held ones: the call returned
 
 
 class L3Traffic:
-    """Writes and reads of one rank's objects, in order, on one thread."""
+    """Writes and reads of one rank's objects through a storage worker: reads before writes,
+    each in order."""
 
     def __init__(self, backend: StorageBackend, host: torch.Tensor,
                  report_stored: Callable[[Sequence[str]], None]) -> None:
         self.backend = backend
         backend.register_pool(KV_POOL, HostPoolView(host), num_parts=2)
         self._report_stored = report_stored
-        self._batch = max(1, backend.capabilities.max_batch_pages)
         self._lock = threading.Lock()
         self._results = TrafficResults()
-        self._jobs = JobThread("kvtier-l3", self._run)
+        self._held: set[int] = set()  # ids of reads reported held, to release when they settle
+        self._worker = StorageWorker(backend, max(1, backend.capabilities.max_batch_pages),
+                                     on_change=self._ended)
 
     def store(self, keys: Sequence[str], slots: Sequence[int]) -> None:
-        self._jobs.put(_Job(True, tuple(keys), tuple(slots)))
+        self._worker.backup(keys, slots, payload=None)
 
-    def fetch(self, keys: Sequence[str], slots: Sequence[int]) -> None:
-        self._jobs.put(_Job(False, tuple(keys), tuple(slots)))
+    def fetch(self, keys: Sequence[str], slots: Sequence[int], gen: int) -> None:
+        self._worker.prefetch(keys, slots, payload=gen)
 
     def take(self) -> TrafficResults:
         """What finished since the last call."""
+        self._worker.finished_backups()  # told through `_ended` already: not kept twice
         with self._lock:
             out, self._results = self._results, TrafficResults()
         return out
 
+    @property
+    def quarantined(self) -> int:
+        """Reads whose storage call may still write their slots."""
+        with self._lock:
+            return len(self._held)
+
     def close(self, timeout_s: float = 30.0) -> None:
-        """Finish the queued work, then stop."""
-        self._jobs.close(timeout_s)
+        """Cancel what has not started, let the running call end, stop."""
+        self._worker.close(timeout_s)
 
-    def _run(self, job: _Job) -> None:
-        for start in range(0, len(job.keys), self._batch):
-            part = _Job(job.write, job.keys[start:start + self._batch],
-                        job.slots[start:start + self._batch])
-            self._write(part) if part.write else self._read(part)
-
-    def _write(self, job: _Job) -> None:
-        try:
-            ok = self.backend.set_from(KV_POOL, list(job.keys), list(job.slots)).ok
-        except Exception as exc:  # noqa: BLE001 - a failed write is a later miss, nothing more
-            log.warning("writing %d pages to L3 failed (%s: %s)", len(job.keys),
-                        type(exc).__name__, exc)
-            ok = [False] * len(job.keys)
-        written = [key for key, good in zip(job.keys, ok) if good]
-        if written:
-            self._report_stored(written)
+    def _ended(self, op: StorageOp) -> None:
+        """The worker's word on `op` (its thread): it ended, or a quarantined one settled."""
+        if op.payload is None:
+            if op.settled:  # a write quarantined until now votes only once its call returned
+                self._stored(op)
+            return
+        tickets = [Ticket(slot, int(op.payload)) for slot in op.host_pages]  # type: ignore
+        done = op.done_pages
         with self._lock:
-            self._results.stored.extend(job.slots)
-            self._results.failed_stores.update(s for s, good in zip(job.slots, ok) if not good)
+            if op.id in self._held:  # the call that held them returned
+                self._held.discard(op.id)
+                self._results.released.extend(tickets[done:])
+                return
+            self._results.fetched.extend(tickets[:done])
+            if op.settled:
+                self._results.failed_fetches.extend(tickets[done:])
+            else:
+                self._held.add(op.id)
+                self._results.held_fetches.extend(tickets[done:])
 
-    def _read(self, job: _Job) -> None:
-        try:
-            ok = self.backend.get_into(KV_POOL, list(job.keys), list(job.slots)).ok
-        except Exception as exc:  # noqa: BLE001 - a failed read is a miss: recomputed
-            log.warning("reading %d pages from L3 failed (%s: %s)", len(job.keys),
-                        type(exc).__name__, exc)
-            ok = [False] * len(job.keys)
+    def _stored(self, op: StorageOp) -> None:
+        done = op.done_pages
+        if done:
+            self._report_stored(op.keys[:done])
+        if done < op.num_pages:
+            log.warning("writing %d pages to L3 failed (%s)", op.num_pages - done,
+                        op.error or "not written")
         with self._lock:
-            for slot, good in zip(job.slots, ok):
-                (self._results.fetched.append(slot) if good
-                 else self._results.failed_fetches.add(slot))
+            self._results.stored.extend(op.host_pages)
+            self._results.failed_stores.update(op.host_pages[done:])

@@ -8,9 +8,10 @@ another, each rank the heads it holds. Engines that share pages share a key name
 with it the model, the attention backend and the block size: their pools have one layout.
 
 A read lands in slots the scheduler side reserved for it (FETCHING), which nothing else
-touches until the rank reports them; a read whose transport timed out may still write them,
-so its slots are reported failed only once the transport's own timeout has surely ended
-(`TRANSPORT_LINGER_S`).
+touches until every rank reported them; a read whose transport timed out may still write
+them, so its slots are reported held at once (a miss) and released only once the transport's
+own timeout has surely ended (`TRANSPORT_LINGER_S`): until then the slots are handed to
+nothing else (kvtier.connector.l2_index).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from kvtier.connector.job_thread import JobThread
+from kvtier.connector.plan import Ticket
 from kvtier.errors import ConfigError
 from kvtier.messages import PeerContact
 from kvtier.tiers.page_exchange import PoolMemory, object_sums
@@ -76,8 +78,10 @@ class HostPeerPool:
 
 @dataclass
 class PeerResults:
-    fetched: list[int] = field(default_factory=list)  # slots read in, whole and verified
-    failed: set[int] = field(default_factory=set)  # slots not read: recomputed
+    fetched: list[Ticket] = field(default_factory=list)  # read in, whole and verified
+    failed: list[Ticket] = field(default_factory=list)  # not read: recomputed
+    held: list[Ticket] = field(default_factory=list)  # not read; the transport may still write
+    released: list[Ticket] = field(default_factory=list)  # of held ones: it no longer can
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,10 @@ class _Read:
     keys: tuple[str, ...]
     first_page: int
     slots: tuple[int, ...]
+    gen: int
+
+    def tickets(self) -> list[Ticket]:
+        return [Ticket(slot, self.gen) for slot in self.slots]
 
 
 class PeerTraffic:
@@ -95,23 +103,23 @@ class PeerTraffic:
         self.reader = reader
         self._lock = threading.Lock()
         self._results = PeerResults()
-        self._lingering: list[tuple[float, tuple[int, ...]]] = []  # (free at, slots)
+        self._lingering: list[tuple[float, list[Ticket]]] = []  # (released at, tickets)
         self._jobs = JobThread("kvtier-peers", self._read)
 
     def fetch(self, contact: PeerContact, keys: Sequence[str], first_page: int,
-              slots: Sequence[int]) -> None:
+              slots: Sequence[int], gen: int) -> None:
         """Read the pages keyed `keys` (prompt pages `first_page` on) from `contact`'s host
-        pools into `slots`."""
-        self._jobs.put(_Read(contact, tuple(keys), first_page, tuple(slots)))
+        pools into `slots`, for the fetch of generation `gen`."""
+        self._jobs.put(_Read(contact, tuple(keys), first_page, tuple(slots), gen))
 
     def take(self) -> PeerResults:
-        """What finished since the last call (slots a timed-out read may still write only
+        """What finished since the last call (the slots of a timed-out read released only
         once the transport's timeout has surely ended)."""
         now = time.monotonic()
         with self._lock:
             out, self._results = self._results, PeerResults()
-            for _, slots in [x for x in self._lingering if x[0] <= now]:
-                out.failed.update(slots)
+            for _, tickets in [x for x in self._lingering if x[0] <= now]:
+                out.released.extend(tickets)
             self._lingering = [x for x in self._lingering if x[0] > now]
         return out
 
@@ -126,12 +134,14 @@ class PeerTraffic:
             log.warning("reading %d pages from peer %s failed (%s: %s)", len(job.slots),
                         job.contact.holder, type(exc).__name__, exc)
             with self._lock:
-                self._results.failed.update(job.slots)
+                self._results.failed.extend(job.tickets())
             return
+        tickets = job.tickets()
         with self._lock:
             if read.transport_may_write:
-                self._lingering.append((time.monotonic() + TRANSPORT_LINGER_S, job.slots))
+                self._results.held.extend(tickets)
+                self._lingering.append((time.monotonic() + TRANSPORT_LINGER_S, tickets))
                 return
-            got = max(0, min(int(read.pages), len(job.slots)))
-            self._results.fetched.extend(job.slots[:got])
-            self._results.failed.update(job.slots[got:])
+            got = max(0, min(int(read.pages), len(tickets)))
+            self._results.fetched.extend(tickets[:got])
+            self._results.failed.extend(tickets[got:])

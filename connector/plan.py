@@ -9,8 +9,18 @@ brings each worker's `WorkerReport` back, merged over the ranks with `WorkerRepo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.messages import PeerContact
+
+
+class Ticket(NamedTuple):
+    """One fetch of one slot: the slot and the generation of the fetch that reserved it. A
+    rank's report on a fetch names its ticket, so a report on an earlier fetch of the same
+    slot is told apart and changes nothing (kvtier.connector.l2_index)."""
+
+    slot: int
+    gen: int
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,12 @@ class PageFetch:
 
     keys: tuple[str, ...]
     slots: tuple[int, ...]
+    gen: int  # the generation of the fetch (one for all its slots)
     peer: PeerContact | None = None
     first_page: int = 0
+
+    def tickets(self) -> tuple[Ticket, ...]:
+        return tuple(Ticket(slot, self.gen) for slot in self.slots)
 
 
 @dataclass(frozen=True)
@@ -76,7 +90,13 @@ class WorkerReport:
     """What the ranks did with one step's plan. Merged over the ranks: a slot counts as saved
     only when every rank saved its part (the MIN rule), a block failed when any rank failed
     it; `ranks` says how many reports were merged. Slots throughout: the worker keeps the
-    blocks a failed load left for vLLM to recompute."""
+    blocks a failed load left for vLLM to recompute.
+
+    Fetches end in the background, each rank's in a step of its own, so each rank reports
+    each of its tickets once: read (`fetched`), not read (`failed_fetches`), or not read while
+    its storage or peer call may still write the slot (`held_fetches`, then `released` once
+    that call returned). The scheduler side counts one report per rank and frees a failed
+    slot only when every rank reported and no call holds it."""
 
     ranks: int = 1
     saved: frozenset[int] = field(default_factory=frozenset)
@@ -86,8 +106,10 @@ class WorkerReport:
     # slot in different steps: one entry per rank that finished it (the scheduler counts them)
     stored: tuple[int, ...] = ()  # slots whose objects the rank wrote, or gave up on
     failed_stores: frozenset[int] = field(default_factory=frozenset)  # of those: gave up on
-    fetched: tuple[int, ...] = ()  # slots the rank read from L3 or a peer
-    failed_fetches: frozenset[int] = field(default_factory=frozenset)
+    fetched: tuple[Ticket, ...] = ()  # read from L3 or a peer: one entry per rank
+    failed_fetches: tuple[Ticket, ...] = ()  # not read; nothing writes the slot any more
+    held_fetches: tuple[Ticket, ...] = ()  # not read; a call may still write the slot
+    released: tuple[Ticket, ...] = ()  # of held ones: the call returned
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         return WorkerReport(ranks=self.ranks + other.ranks,
@@ -98,4 +120,6 @@ class WorkerReport:
                             stored=self.stored + other.stored,
                             failed_stores=self.failed_stores | other.failed_stores,
                             fetched=self.fetched + other.fetched,
-                            failed_fetches=self.failed_fetches | other.failed_fetches)
+                            failed_fetches=self.failed_fetches + other.failed_fetches,
+                            held_fetches=self.held_fetches + other.held_fetches,
+                            released=self.released + other.released)

@@ -27,8 +27,9 @@ HELD in L2, were evicted from it, or were STORED in L3 (kvtier.connector.l2_inde
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -36,7 +37,7 @@ from kvtier.config import HiCacheConfig
 from kvtier.connector.l2_index import FetchSource, L2Change, L2Index, PageOrigin, SlotState
 from kvtier.connector.plan import (PageFetch, PageLoad, PageSave, PageStore, StepPlan,
                                    WorkerReport)
-from kvtier.keys import KeyNamespace, page_hashes
+from kvtier.keys import KeyNamespace, PageInputs
 from kvtier.messages import PeerContact
 from kvtier.policies import PrefetchPolicy
 from kvtier.vllm_engine.cached import CachedBySource
@@ -98,20 +99,31 @@ class ConnectorCounts:
     l3_lookups: int = 0
     l3_hit_pages: int = 0  # pages L3 said it holds past L2's run
     fetched_pages: int = 0  # of those and of peers', read into L2 by every rank
-    failed_fetches: int = 0
+    failed_fetches: int = 0  # pages some rank could not read
+    stale_reports: int = 0  # a rank's report on an earlier fetch of a slot: ignored
     peer_lookups: int = 0
     peer_hit_pages: int = 0  # pages a peer listed past L2's run and L3's, read from it
 
 
+class Unkeyed(enum.Enum):
+    """Why a request's pages cannot be keyed (kvtier.connector.request_inputs): it neither
+    loads nor saves, and so never shares a page."""
+
+    ADAPTER = "adapter"  # a LoRA adapter whose weights the connector cannot read
+    MULTIMODAL = "multimodal"  # a multimodal item without an identifier
+
+
 @dataclass
 class _Request:
-    salt: str
+    inputs: PageInputs  # what besides its tokens decides its pages' KV
+    unkeyed: Unkeyed | None = None  # set: its pages have no key, it neither loads nor saves
     keys: list[str] = field(default_factory=list)  # chain digests of its full pages so far
     planned_pages: int = 0  # pages before this one were saved, or found in L2
     counted_pages: int = 0  # its pages counted as used (write_through_selective)
     match: tuple[int, list[int]] | None = None  # (first page, L2 slots) of the last match
     load: PageLoad | None = None  # waiting for the next plan
     wait_until: float | None = None  # monotonic deadline of its prefetch, if waiting
+    kept: list[int] = field(default_factory=list)  # L2 slots pinned for it (`keep`)
     supplied: CachedBySource = CachedBySource(0, 0)  # tokens of its last load, by source
 
 
@@ -146,14 +158,24 @@ class SchedulerSide:
         self._uses: OrderedDict[str, int] = OrderedDict()  # page -> requests, newest last
         self._max_uses = USES_PER_SLOT * num_slots
         self._counts = ConnectorCounts()
+        self._unkeyed: Counter[Unkeyed] = Counter()
 
     @property
     def counts(self) -> ConnectorCounts:
         return dataclasses.replace(self._counts)
 
-    def add(self, req_id: str, salt: str = "") -> None:
-        self._requests[req_id] = _Request(salt)
+    def add(self, req_id: str, inputs: PageInputs | Unkeyed = PageInputs()) -> None:
+        """A new request: what keys its pages (`PageInputs`), or why nothing can."""
+        unkeyed = inputs if isinstance(inputs, Unkeyed) else None
+        self._requests[req_id] = _Request(PageInputs() if unkeyed else inputs, unkeyed)
         self._counts.requests += 1
+        if unkeyed is not None:
+            self._unkeyed[unkeyed] += 1
+
+    def take_unkeyed(self) -> Counter[Unkeyed]:
+        """Requests added since the last call whose pages could not be keyed, by reason."""
+        out, self._unkeyed = self._unkeyed, Counter()
+        return out
 
     def match(self, req_id: str, tokens: Sequence[int], local_tokens: int) -> int | None:
         """Tokens past `local_tokens` (vLLM's own hit, block-aligned) that L2 holds for every
@@ -163,7 +185,7 @@ class SchedulerSide:
         last_page = (len(tokens) - 1) // self.block_size
         first = local_tokens // self.block_size
         req.match = None
-        if last_page <= first:
+        if last_page <= first or req.unkeyed is not None:
             return 0
         self._count_uses(req, self._keys(req, tokens, last_page), last_page)
         keys = self._keys(req, tokens, last_page)[first:last_page]
@@ -183,7 +205,7 @@ class SchedulerSide:
         req = self._requests.get(req_id)
         last_page = (len(tokens) - 1) // self.block_size
         first = local_tokens // self.block_size
-        if req is None or last_page <= first:
+        if req is None or last_page <= first or req.unkeyed is not None:
             return 0
         keys = self._keys(req, tokens, last_page)[first:last_page]
         return len(self.index.held_run(keys)) * self.block_size
@@ -242,7 +264,8 @@ class SchedulerSide:
             self._counts.l3_hit_pages += len(slots)
         else:
             self._counts.peer_hit_pages += len(slots)
-        self._fetches.append(PageFetch(tuple(wanted[:len(slots)]), tuple(slots), peer, page))
+        self._fetches.append(PageFetch(tuple(wanted[:len(slots)]), tuple(slots),
+                                       self.index.generation(slots[0]), peer, page))
         self._fetching.update({slot: (key, lease, source) for slot, key in zip(slots, wanted)})
         return True
 
@@ -257,10 +280,26 @@ class SchedulerSide:
             self.l3.release(lease)
         return ""
 
+    def keep(self, req_id: str, tokens: Sequence[int]) -> None:
+        """The request was pushed back (preempted for another): the pages of `tokens` L2
+        holds stay there until it is admitted again or leaves, so that it loads them then."""
+        req = self._requests.get(req_id)
+        if req is None or req.unkeyed is not None:
+            return
+        pages = (len(tokens) - 1) // self.block_size
+        self._unkeep(req)
+        req.kept = self.index.held_run(self._keys(req, tokens, pages)[:pages])
+        self.index.pin(req.kept)
+
+    def _unkeep(self, req: _Request) -> None:
+        self.index.unpin(req.kept)
+        req.kept = []
+
     def allocated(self, req_id: str, blocks: Sequence[int], external_tokens: int) -> None:
         """vLLM gave the request `blocks` and will take `external_tokens` from the connector:
         the next plan loads them."""
         req = self._requests[req_id]
+        self._unkeep(req)  # admitted: its loads are planned now, read before any reuse
         req.supplied = CachedBySource(0, 0)
         pages = external_tokens // self.block_size
         if pages == 0 or req.match is None:
@@ -309,20 +348,23 @@ class SchedulerSide:
             keys, slots = zip(*held)
             self._stores.append(PageStore(keys, slots))
         self.index.stored(report.stored, report.failed_stores)
-        done = self.index.fetched(report.fetched, report.failed_fetches)
-        self._counts.fetched_pages += len(done)
-        self._counts.failed_fetches += len(report.failed_fetches)
-        unread = [self._fetching[s] for s in report.failed_fetches if s in self._fetching]
-        missing = [key for key, _, source in unread if source is FetchSource.L3]
+        fetches = self.index.fetched(report.fetched, report.failed_fetches,
+                                     report.held_fetches, report.released)
+        self._counts.fetched_pages += len(fetches.done)
+        self._counts.failed_fetches += len(fetches.failed)
+        self._counts.stale_reports += fetches.stale
+        unread = [(key, self._fetching[slot][2]) for slot, key in fetches.failed
+                  if slot in self._fetching]
+        missing = [key for key, source in unread if source is FetchSource.L3]
         if missing and self.l3 is not None:  # the directory unpublishes them: no retry loop
             self.l3.report_missing(missing)
-        for key, _, source in unread:
+        for key, source in unread:
             if source is FetchSource.PEER:
                 self._peer_misses[key] = self._clock()
                 self._peer_misses.move_to_end(key)
         while len(self._peer_misses) > MAX_PEER_MISSES:
             self._peer_misses.popitem(last=False)
-        self._end_leases([*done, *report.failed_fetches])
+        self._end_leases([*fetches.done, *fetches.freed])  # no rank reads them any more
         dropped = self.index.drop_slots(report.failed_loads)
         self._counts.failed_saves += len(failed)
         self._counts.failed_loads += dropped
@@ -334,7 +376,9 @@ class SchedulerSide:
             self._release(lease)
 
     def finish(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+        req = self._requests.pop(req_id, None)
+        if req is not None:
+            self._unkeep(req)
 
     def take_changes(self) -> list[L2Change]:
         """What L2 and L3 gained and lost since the last call (`L2Index.take_changes`)."""
@@ -342,7 +386,7 @@ class SchedulerSide:
 
     def _saves(self, step: ScheduledRequest) -> PageSave | None:
         req = self._requests.get(step.req_id)
-        if req is None:
+        if req is None or req.unkeyed is not None:
             return None
         full = min(step.computed_after, len(step.tokens)) // self.block_size
         full = min(full, len(step.blocks))
@@ -381,8 +425,11 @@ class SchedulerSide:
         """Pages `first`.. `first + count - 1` of the request (keyed already): their tokens
         and parents."""
         bs = self.block_size
+        inputs = req.inputs
         return [PageOrigin(tuple(tokens[p * bs:(p + 1) * bs]),
-                           req.keys[p - 1] if p > 0 else None, req.salt)
+                           req.keys[p - 1] if p > 0 else None, inputs.salt,
+                           by_tokens=not inputs.adapter and not (
+                               inputs.extras(p, 1, bs) or [b""])[0])
                 for p in range(first, first + count)]
 
     def _keys(self, req: _Request, tokens: Sequence[int], pages: int) -> list[str]:
@@ -390,7 +437,8 @@ class SchedulerSide:
         have = len(req.keys)
         if pages > have:
             bs = self.block_size
-            prior = req.keys[-1] if req.keys else None
-            seed = None if prior else self.namespace.chain_seed(req.salt)
-            req.keys += page_hashes(tokens[have * bs:pages * bs], bs, seed=seed, prior=prior)
+            req.keys += self.namespace.request_keys(tokens[have * bs:pages * bs], bs,
+                                                    req.inputs,
+                                                    prior=req.keys[-1] if req.keys else None,
+                                                    first_page=have)
         return req.keys

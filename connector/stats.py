@@ -28,6 +28,10 @@ FAMILIES = (
     ("vllm:kvtier_load_back_seconds", {}, "load_back_seconds", "Seconds spent on those copies"),
     ("vllm:kvtier_backup_bytes", {}, "backup_bytes", "Bytes copied from vLLM's blocks into L2"),
     ("vllm:kvtier_backup_seconds", {}, "backup_seconds", "Seconds spent on those copies"),
+    ("vllm:kvtier_unkeyed_requests", {"reason": "adapter"}, "unkeyed_adapter_requests",
+     "Requests whose pages the connector could not key: neither loaded nor saved, by reason"),
+    ("vllm:kvtier_unkeyed_requests", {"reason": "multimodal"}, "unkeyed_multimodal_requests",
+     "Requests whose pages the connector could not key: neither loaded nor saved, by reason"),
 )
 _FIELDS = {f.name for f in dataclasses.fields(CopyStats)}
 _MISSING = [field for _, _, field, _ in FAMILIES if field not in _FIELDS]

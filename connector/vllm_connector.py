@@ -29,12 +29,13 @@ from kvtier.connector.l2_index import L2Change, L2ChangeKind
 from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.peer_traffic import PeerTraffic
 from kvtier.connector.plan import StepPlan, WorkerReport
-from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
+from kvtier.connector.request_inputs import AdapterDigests, page_inputs
+from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide, Unkeyed
 from kvtier.connector.settings import CONNECTOR, DIRECTORY_BACKEND, ConnectorSettings
 from kvtier.connector.stats import FAMILIES
+from kvtier.connector.supported import refuse_unsupported, refuse_unsupported_spec
 from kvtier.vllm_engine.copy_stats import CopyStats
 from kvtier.connector.worker_side import WorkerSide
-from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo, NamespaceSpec
@@ -154,8 +155,10 @@ def connector_events(changes: Sequence[L2Change], block_size: int) -> list["KVCa
         run.clear()
 
     for change in changes:
-        if change.kind is not L2ChangeKind.EVICTED and change.origin is None:
-            continue  # reserved without its page: nothing to key it by
+        if change.kind is not L2ChangeKind.EVICTED and (
+                change.origin is None or not change.origin.by_tokens):
+            continue  # reserved without its page, or keyed by more than its tokens and salt:
+            # a subscriber keying pages by their tokens would mistake it for another page
         if run and (change.kind is not run[-1].kind or (
                 change.kind is not L2ChangeKind.EVICTED
                 and change.origin.parent != run[-1].key)):  # type: ignore[union-attr]
@@ -163,6 +166,12 @@ def connector_events(changes: Sequence[L2Change], block_size: int) -> list["KVCa
         run.append(change)
     flush()
     return events
+
+
+def skips_reading(request: "Request") -> bool:
+    """Whether `request` may not read cached KV (vLLM sets it for `prompt_logprobs`, which
+    need every prompt token computed; users may set it too)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 def device_kind() -> str:
@@ -180,15 +189,12 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig") -> None:
+        refuse_unsupported(vllm_config)  # before anything is built for it
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._settings = ConnectorSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ConfigError(f"{CONNECTOR} needs a model with one KV cache group (full "
-                              f"attention in every layer); this one has {len(groups)}. "
-                              f"Hybrid models are not supported yet: run vLLM without it")
-        spec = groups[0].kv_cache_spec
+        spec = refuse_unsupported_spec(groups)
         self._block_size = spec.block_size
         self._slots = self._settings.host_slots(
             kv_cache_config.num_blocks, spec.page_size_bytes * len(groups[0].layer_names))
@@ -205,6 +211,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._recompute_failed_loads()
             self._requests: dict[str, "Request"] = {}
             self._blocks: dict[str, list[int]] = {}
+            self._adapters = AdapterDigests()
             link = self._directory(spec)
             self._scheduler = SchedulerSide(self._namespace, self._block_size, self._slots,
                                             self._tp_size, link if self._settings.l3 else None,
@@ -219,6 +226,13 @@ class KvtierConnector(KVConnectorBase_V1):
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """No (vLLM 0.33 asks): the workers hold views of the KV tensors that sleep remaps."""
         return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes: under full CUDA graphs vLLM replays a graph that skips `wait_for_layer_load`,
+        so a layer would read its blocks before the copy into them landed. vLLM then runs
+        piecewise graphs (attention outside the graphs; docs/vllm.md says what it costs)."""
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -333,10 +347,13 @@ class KvtierConnector(KVConnectorBase_V1):
     # ---- scheduler side ------------------------------------------------------------------
     def on_new_request(self, request: "Request") -> None:
         self._requests[request.request_id] = request
-        self._sched.add(request.request_id, request.cache_salt or "")
+        self._sched.add(request.request_id,
+                        page_inputs(request, self._block_size, self._adapters))
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        if skips_reading(request):  # prompt_logprobs, or asked: its pages are still saved
+            return 0, False
         return self._sched.match(request.request_id, request.all_token_ids,
                                  num_computed_tokens), False
 
@@ -344,6 +361,11 @@ class KvtierConnector(KVConnectorBase_V1):
         """Tokens past `num_computed_tokens` (block-aligned) L2 holds for the request now,
         with no effect on it (kvtier.connector.vllm_scheduler asks)."""
         return self._sched.held(request.request_id, request.all_token_ids, num_computed_tokens)
+
+    def keep_for(self, request: "Request") -> None:
+        """`request` was preempted for another (kvtier.connector.vllm_scheduler): the pages L2
+        holds of it stay until it is admitted again or finishes."""
+        self._sched.keep(request.request_id, request.all_token_ids)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -463,9 +485,16 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._work.take_failed_blocks() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
-        if self._worker is None:
+        """A worker's copies since the last call; the scheduler side's requests it could not
+        key (vLLM adds both up)."""
+        if self._scheduler is not None:
+            unkeyed = self._scheduler.take_unkeyed()
+            copies = CopyStats(unkeyed_adapter_requests=unkeyed[Unkeyed.ADAPTER],
+                               unkeyed_multimodal_requests=unkeyed[Unkeyed.MULTIMODAL])
+        elif self._worker is not None:
+            copies = self._worker.take_stats()
+        else:
             return None
-        copies = self._worker.take_stats()
         return None if copies.empty else KvtierStats(copies.to_payload())
 
     @classmethod

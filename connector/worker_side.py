@@ -171,7 +171,8 @@ class WorkerSide:
         self.peers: PeerTraffic | None = None  # attach_peers
         self.table: PeerTable | None = None  # lend: the table of what the slots hold
         self.peer_pool = HostPeerPool(self.host)  # the host pool as peers read it
-        self._fetch_keys: dict[int, str] = {}  # slot -> the page a fetch reads into it
+        self._fetching: dict[int, tuple[int, str]] = {}  # slot -> (generation, page key) of
+        # the fetch reading into it
 
     def load(self, loads: Sequence[PageLoad]) -> frozenset[int]:
         """Copy L2 slots into vLLM blocks; returns the slots that could not be loaded (their
@@ -236,11 +237,13 @@ class WorkerSide:
             self._traffic.store(store.keys, store.slots)
         for fetch in plan.fetches:
             self._unlist(fetch.slots)
-            self._fetch_keys.update(zip(fetch.slots, fetch.keys))
+            self._fetching.update((slot, (fetch.gen, key))
+                                  for slot, key in zip(fetch.slots, fetch.keys))
             if fetch.peer is None:
-                self._traffic.fetch(fetch.keys, fetch.slots)
+                self._traffic.fetch(fetch.keys, fetch.slots, fetch.gen)
             else:
-                self._peer_traffic.fetch(fetch.peer, fetch.keys, fetch.first_page, fetch.slots)
+                self._peer_traffic.fetch(fetch.peer, fetch.keys, fetch.first_page, fetch.slots,
+                                         fetch.gen)
 
     def end_step(self, plan: StepPlan) -> WorkerReport:
         """After the forward: the plan's saves, and the step's report with the L3 work
@@ -253,14 +256,21 @@ class WorkerSide:
         l3 = self.l3.take() if self.l3 is not None else None
         peers = self.peers.take() if self.peers is not None else None
         fetched = [*(l3.fetched if l3 else ()), *(peers.fetched if peers else ())]
-        failed_fetches = (l3.failed_fetches if l3 else set()) | (peers.failed if peers else set())
-        self._list(fetched, [self._fetch_keys.pop(slot, "") for slot in fetched])
-        for slot in failed_fetches:
-            self._fetch_keys.pop(slot, None)
+        unread = [*(l3.failed_fetches if l3 else ()), *(peers.failed if peers else ())]
+        held = [*(l3.held_fetches if l3 else ()), *(peers.held if peers else ())]
+        released = [*(l3.released if l3 else ()), *(peers.released if peers else ())]
+        listed = [(slot, self._fetching.pop(slot)[1]) for slot, gen in fetched
+                  if self._fetching.get(slot, (None,))[0] == gen]  # this fetch's, not an
+        # earlier one's: a slot is listed with the sums of the bytes it holds now
+        self._list([slot for slot, _ in listed], [key for _, key in listed])
+        for slot, gen in [*unread, *held]:
+            if self._fetching.get(slot, (None,))[0] == gen:
+                del self._fetching[slot]
         report = WorkerReport(saved=saved, failed_saves=failed, failed_loads=self._failed_loads,
                               stored=tuple(l3.stored) if l3 else (),
                               failed_stores=frozenset(l3.failed_stores) if l3 else frozenset(),
-                              fetched=tuple(fetched), failed_fetches=frozenset(failed_fetches))
+                              fetched=tuple(fetched), failed_fetches=tuple(unread),
+                              held_fetches=tuple(held), released=tuple(released))
         self._failed_loads = frozenset()
         return report
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -43,11 +43,15 @@ def tokens_to_array(tokens: Sequence[int]) -> np.ndarray:
 
 
 def page_hashes(
-    tokens: Sequence[int], page_size: int, seed: bytes | None = None, prior: str | None = None
+    tokens: Sequence[int], page_size: int, seed: bytes | None = None, prior: str | None = None,
+    extras: Sequence[bytes] | None = None,
 ) -> list[str]:
     """Hex digests of every full page of `tokens` (a trailing partial page has no key).
 
-    `seed` starts the chain of a namespace; `prior` continues a chain from an earlier digest.
+    `seed` starts the chain of a namespace; `prior` continues a chain from an earlier digest;
+    `extras[i]`, when given and not empty, is hashed after page i's tokens: what besides its
+    tokens decides that page's KV (`PageInputs.extras`). A page without extras hashes as it
+    always did.
     """
     if page_size < 1:
         raise ConfigError(f"page_size must be >= 1, got {page_size}")
@@ -56,14 +60,64 @@ def page_hashes(
     step = page_size * 4
     prev = bytes.fromhex(prior) if prior is not None else seed
     out: list[str] = []
-    for start in range(0, (len(arr) // page_size) * step, step):
+    for i, start in enumerate(range(0, (len(arr) // page_size) * step, step)):
         h = hashlib.sha256()
         if prev is not None:
             h.update(prev)
         h.update(raw[start : start + step])
+        if extras is not None and i < len(extras) and extras[i]:
+            h.update(extras[i])
         prev = h.digest()
         out.append(h.hexdigest())
     return out
+
+
+class PlacedItem(NamedTuple):
+    """A multimodal item of a prompt: its identifier (a digest of its content, as the engine
+    computed it) and the placeholder tokens it fills."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def _framed(tag: bytes, data: bytes) -> bytes:
+    return tag + len(data).to_bytes(4, "little") + data
+
+
+@dataclass(frozen=True)
+class PageInputs:
+    """What, besides its token ids, decides the KV of a request's pages, and so their keys
+    (docs/architecture.md, "Page keys"): the tenant's cache salt and the LoRA adapter seed the
+    request's chain; a multimodal item is keyed on every page its placeholder tokens touch
+    (with its offset in the page: the same item elsewhere is other KV); prompt embeddings by
+    a digest of each page's rows. Plain text under no adapter keys as the tokens alone did."""
+
+    salt: str = ""
+    adapter: str = ""  # the adapter's identity: its name and a digest of its weights
+    items: tuple[PlacedItem, ...] = ()  # in placeholder order
+    embeds: tuple[bytes, ...] = ()  # digest of page i's prompt embedding rows, from page 0
+
+    @property
+    def plain(self) -> bool:
+        """Whether no page has extras (a page's key is its tokens under the chain seed)."""
+        return not self.items and not self.embeds
+
+    def extras(self, first: int, count: int, page_size: int) -> list[bytes] | None:
+        """The extras of pages `first` .. `first + count - 1` (None: none has any)."""
+        if self.plain:
+            return None
+        out = []
+        for page in range(first, first + count):
+            start, end = page * page_size, (page + 1) * page_size
+            parts = [_framed(b"mm", item.identifier.encode() + (item.offset - start).to_bytes(
+                         8, "little", signed=True))
+                     for item in self.items
+                     if item.offset < end and item.offset + item.length > start]
+            if page < len(self.embeds):
+                parts.append(_framed(b"pe", self.embeds[page]))
+            out.append(b"".join(parts))
+        return out
 
 
 MAX_CACHE_SALT_CHARS = 256
@@ -116,13 +170,28 @@ class KeyNamespace:
             h.update(data)
         return h.digest()
 
-    def chain_seed(self, salt: str = "") -> bytes:
-        """The digest that starts the chains of requests carrying `salt` ("" : the seed)."""
-        if not salt:
-            return self.seed
-        data = salt.encode()
-        return hashlib.sha256(b"kvtier-salt-v1" + self.seed + len(data).to_bytes(4, "little")
-                              + data).digest()
+    def chain_seed(self, salt: str = "", adapter: str = "") -> bytes:
+        """The digest that starts the chains of requests carrying `salt` and computed under
+        LoRA adapter `adapter` ("" and "": the seed)."""
+        seed = self.seed
+        if salt:
+            data = salt.encode()
+            seed = hashlib.sha256(b"kvtier-salt-v1" + seed + len(data).to_bytes(4, "little")
+                                  + data).digest()
+        if adapter:
+            seed = hashlib.sha256(_framed(b"kvtier-adapter-v1", seed)
+                                  + _framed(b"", adapter.encode())).digest()
+        return seed
+
+    def request_keys(self, tokens: Sequence[int], page_size: int, inputs: PageInputs,
+                     prior: str | None = None, first_page: int = 0) -> list[str]:
+        """The keys of the full pages of `tokens`, pages `first_page` on of a request whose
+        other inputs are `inputs`; `prior`: the key of page `first_page - 1` (None: the
+        chain starts here, at page 0)."""
+        seed = None if prior is not None else self.chain_seed(inputs.salt, inputs.adapter)
+        pages = len(tokens) // page_size
+        return page_hashes(tokens, page_size, seed=seed, prior=prior,
+                           extras=inputs.extras(first_page, pages, page_size))
 
     @property
     def name(self) -> str:

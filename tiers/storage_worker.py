@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvtier.backends.base import KV_POOL, PagesStillInUse, StorageBackend, TransferResult
 from kvtier.errors import ClosedError
@@ -41,7 +41,8 @@ class StorageOp:
     corrupt). Unlike a cancelled, failed (raised) or hung op, that is the storage's own word
     that the page is gone, which the L3 directory wants to hear (StorageTier.finish)."""
 
-    def __init__(self, op_id: int, keys: Sequence[str], host_pages: Sequence[int], payload: object):
+    def __init__(self, op_id: int, keys: Sequence[str], host_pages: Sequence[int], payload: object,
+                 on_change: Callable[["StorageOp"], None] | None = None):
         self.id = op_id
         self.keys = list(keys)
         self.host_pages = list(host_pages)
@@ -58,6 +59,7 @@ class StorageOp:
         self.batch_started_s = 0.0  # when the worker took its current (or last) batch
         self.batch_pages = 0  # pages of that batch
         self._settled = threading.Event()
+        self._on_change = on_change  # told when the op ends, and when a quarantined one settles
 
     @property
     def num_pages(self) -> int:
@@ -81,13 +83,31 @@ class StorageOp:
         self.finished_s = time.monotonic()
         if settle:
             self._settled.set()
+        self._notify()
+
+    def _settle(self) -> None:
+        """A quarantined op's call returned: its host pages are free to reuse."""
+        self._settled.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(self)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the worker
+                log.exception("a storage op listener failed")
 
 
 class StorageWorker:
     """Runs storage ops on a thread; the backend is only ever called from that thread."""
 
-    def __init__(self, backend: StorageBackend, batch_pages: int = 128, pool: str = KV_POOL):
+    def __init__(self, backend: StorageBackend, batch_pages: int = 128, pool: str = KV_POOL,
+                 on_change: Callable[[StorageOp], None] | None = None):
+        """`on_change(op)`, when given, is called (on the worker's thread, or the thread that
+        returns a quarantined call) when an op ends and again when a quarantined op settles:
+        a caller that polls no op learns both."""
         self.backend = backend
+        self._on_change = on_change
         self.batch_pages = batch_pages
         self.pool = pool
         self._ids = itertools.count(1)
@@ -112,7 +132,7 @@ class StorageWorker:
         with self._cv:
             if self._closed:
                 raise ClosedError("the storage worker is closed; attach the backend again")
-            op = StorageOp(next(self._ids), keys, host_pages, payload)
+            op = StorageOp(next(self._ids), keys, host_pages, payload, self._on_change)
             queue.append(op)
             self._cv.notify()
         return op
@@ -214,7 +234,7 @@ class StorageWorker:
             op.error = exc
             op._finish(OpState.FAILED, settle=False)
             if exc.pending is not None:  # the backend says when the storage lets go of them
-                exc.pending.add_done_callback(lambda _call: op._settled.set())
+                exc.pending.add_done_callback(lambda _call: op._settle())
             return
         except Exception as exc:  # a backend failure is a miss for this op, never a crash
             log.warning("storage %s of %d pages failed: %s", "prefetch" if is_prefetch else "backup",

@@ -3,7 +3,8 @@ carries a worker's figures to its front end every step as a `KVConnectorStats` p
 dict, built and read only through `CopyStats`). Two readers: vLLM's Prometheus registry
 (kvtier.connector.stats) and the engine's driver in the serve graph, which counts them into
 kvtier's own metrics (vllm_engine/instance.py). Tokens are rank 0's only (every rank copies the
-same pages: its own heads), bytes and seconds every rank's."""
+same pages: its own heads), bytes and seconds every rank's; the scheduler side adds its count
+of requests it could not key."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,9 @@ class CopyStats:
     load_back_seconds: float = 0.0
     backup_bytes: int = 0
     backup_seconds: float = 0.0
+    # the scheduler side's: requests whose pages could not be keyed (neither loaded nor saved)
+    unkeyed_adapter_requests: int = 0  # a LoRA adapter whose files it cannot read
+    unkeyed_multimodal_requests: int = 0  # a multimodal item without an identifier
 
     def __add__(self, other: "CopyStats") -> "CopyStats":
         return CopyStats(*(getattr(self, f.name) + getattr(other, f.name)

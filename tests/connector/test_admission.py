@@ -3,6 +3,8 @@ tokens goes first, and preempts only cold prefills that lose nothing to L2, only
 it needs, never one pushed back before."""
 from __future__ import annotations
 
+import itertools
+
 from kvtier.connector.admission import (KEEP, Admission, RunningRequest, WaitingRequest, admit,
                                         blocks_for)
 
@@ -14,14 +16,24 @@ def waiting(req_id: str, tokens: int, cached: int) -> WaitingRequest:
     return WaitingRequest(req_id, tokens, cached, blocks_for(tokens, BS))
 
 
+_ids = itertools.count()
+
+
+def block_ids(count: int) -> frozenset[int]:
+    """`count` block ids no other request of the test has."""
+    return frozenset(next(_ids) for _ in range(count))
+
+
 def cold(req_id: str, prompt: int = 1100, computed: int = 512, saved: int | None = None,
-         blocks: int = 18, preempted: bool = False, can_free: bool = True) -> RunningRequest:
+         blocks: int = 18, preempted: bool = False, can_free: bool = True,
+         freeable: frozenset[int] | None = None) -> RunningRequest:
     return RunningRequest(req_id, prompt, computed, computed if saved is None else saved,
-                          blocks, preempted, can_free)
+                          block_ids(blocks) if freeable is None else freeable, preempted,
+                          can_free)
 
 
 def decoding(req_id: str, blocks: int = 18) -> RunningRequest:
-    return RunningRequest(req_id, 1100, 1110, 0, blocks, False)
+    return RunningRequest(req_id, 1100, 1110, 0, block_ids(blocks), False)
 
 
 def test_no_hit_keeps_vllms_order():
@@ -80,9 +92,23 @@ def test_partial_pages_do_not_count_as_lost():
     assert got == Admission("hit", ("c",))
 
 
-def test_a_request_waiting_too_long_gets_vllms_order_back():
-    queue, running = [waiting("cold", 1100, 0), waiting("hit", 1200, 1152)], [cold("c")]
+def test_a_request_waiting_too_long_goes_first_even_after_a_hit_was_put_first():
+    queue, running = [waiting("hit", 1200, 1152), waiting("cold", 1100, 0)], [cold("c")]
     assert admit(queue, running, 2, BUDGET, BS, oldest_wait_steps=127,
-                 max_wait_steps=128) == Admission("hit", ("c",))
+                 max_wait_steps=128, oldest="cold") == Admission("hit", ("c",))
+    # the hit stands first in the queue since the last step: aging puts the oldest before it
     assert admit(queue, running, 0, BUDGET, BS, oldest_wait_steps=128,
-                 max_wait_steps=128) == KEEP
+                 max_wait_steps=128, oldest="cold") == Admission("cold", ())
+
+
+def test_a_block_the_victim_and_the_hit_share_is_not_counted_as_freed():
+    """The hit's cached prefix sits in 12 blocks only the victim holds (vLLM's prefix cache
+    shares them): preempting the victim frees them, and the hit takes them back, so they
+    are not room for the hit's other blocks. Counted once, the victim frees 6 usable blocks,
+    too few for the hit's 7 others: nothing is preempted for nothing."""
+    shared = block_ids(12)
+    victim = cold("c", freeable=shared | block_ids(6))
+    hit = WaitingRequest("hit", 1200, 768, blocks_for(1200, BS) - 12, shared)
+    assert admit([hit], [victim], 0, BUDGET, BS) == Admission("hit", ())
+    roomy = cold("c", freeable=shared | block_ids(8))  # 8 usable: enough with 2 free
+    assert admit([hit], [roomy], 2, BUDGET, BS) == Admission("hit", ("c",))

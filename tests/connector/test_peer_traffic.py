@@ -4,6 +4,7 @@ across TP sizes, and a page A rewrites or an A gone is a miss, never wrong bytes
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -32,6 +33,11 @@ def kv_caches(seed: int, heads: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     buf = torch.randn(LAYERS, BLOCKS, heads, BS, 2 * HD, generator=gen).to(torch.bfloat16)
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(LAYERS)}
+
+
+class Settled(NamedTuple):
+    fetched: list[int]
+    failed_fetches: set[int]
 
 
 class Engine:
@@ -68,9 +74,9 @@ class Engine:
             out = report if out is None else out.merge(report)
         return out
 
-    def settled(self, count: int) -> WorkerReport:
-        """Steps until every rank finished `count` fetches (bounded); the merged reports'
-        fetched and failed slots, per rank."""
+    def settled(self, count: int) -> "Settled":
+        """Steps until every rank finished `count` fetches (bounded): the slots read, one
+        entry per rank, and the slots some rank failed."""
         fetched: list[int] = []
         failed: set[int] = set()
         deadline = time.monotonic() + 30
@@ -78,11 +84,10 @@ class Engine:
             assert time.monotonic() < deadline, "the peer reads did not finish"
             for w in self.workers:
                 report = w.end_step(StepPlan())
-                fetched += report.fetched
-                failed |= report.failed_fetches
+                fetched += [t.slot for t in report.fetched]
+                failed |= {t.slot for t in report.failed_fetches}
             time.sleep(0.01)
-        return WorkerReport(ranks=self.tp, fetched=tuple(fetched),
-                            failed_fetches=frozenset(failed))
+        return Settled(fetched, failed)
 
     def head(self, global_head: int, slot: int) -> torch.Tensor:
         """Head `global_head`'s K and V of `slot`, over the layers, from the rank holding it."""
@@ -111,7 +116,7 @@ def test_a_peers_pages_land_with_its_bytes_across_tp_sizes(kind, tp_a, tp_b):
     b = Engine(kind, tp_b, "b", 10)
     try:
         a.step(StepPlan(saves=(PageSave((1, 2, 3), (4, 0, 2), tuple(KEYS[:3])),)))
-        report = b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:3]), (1, 2, 3), a.contact()),)))
+        report = b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:3]), (1, 2, 3), 1, a.contact()),)))
         got = b.settled(3)
         assert sorted(got.fetched) == sorted([1, 2, 3] * tp_b) and not got.failed_fetches
         assert not report.failed_fetches
@@ -121,7 +126,7 @@ def test_a_peers_pages_land_with_its_bytes_across_tp_sizes(kind, tp_a, tp_b):
         # what B read is listed for its own peers, with the sums its read checked (none
         # left over), and A reads it back into other slots: those sums are the bytes'
         assert all(len(w.peer_pool.sums) == 0 for w in b.workers)
-        a.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:3]), (1, 3, 5), b.contact()),)))
+        a.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:3]), (1, 3, 5), 1, b.contact()),)))
         assert sorted(a.settled(3).fetched) == sorted([1, 3, 5] * tp_a)
         assert all(torch.equal(a.head(h, 5), a.head(h, 2)) for h in range(HEADS))
     finally:
@@ -146,13 +151,13 @@ def test_a_slot_the_holder_rewrote_after_the_lookup_is_a_miss(kind):
             return lend
 
         reader.lookup_fn = rewrite_then_read
-        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:4]), (5, 4, 3, 2), a.contact()),)))
+        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:4]), (5, 4, 3, 2), 1, a.contact()),)))
         got = b.settled(4)
         assert sorted(got.fetched) == [4, 5] and got.failed_fetches == {2, 3}
         assert torch.equal(b.head(0, 5), a.head(0, 0)) and torch.equal(b.head(1, 4), a.head(1, 1))
         # A's table lists the new pages where the old were: a fresh read of them finds 2
         reader.lookup_fn = looked
-        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:4]), (0, 1, 2, 3), a.contact()),)))
+        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:4]), (0, 1, 2, 3), 1, a.contact()),)))
         got = b.settled(4)
         assert sorted(got.fetched) == [0, 1] and got.failed_fetches == {2, 3}
     finally:
@@ -166,12 +171,12 @@ def test_a_holder_gone_is_a_failed_read_and_loads_count_peer_tokens(kind):
     try:
         a.step(StepPlan(saves=(PageSave((1, 2), (0, 1), tuple(KEYS[:2])),)))
         contact = a.contact()
-        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:2]), (0, 1), contact),)))
+        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:2]), (0, 1), 1, contact),)))
         assert sorted(b.settled(2).fetched) == [0, 1]
         b.step(StepPlan(loads=(PageLoad("r", (0, 1), (5, 6), from_peer=2),)))
         assert b.workers[0].take_stats().peer_hit_tokens == 2 * BS
         a.close()
-        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:2]), (2, 3), contact),)))
+        b.step(StepPlan(fetches=(PageFetch(tuple(KEYS[:2]), (2, 3), 1, contact),)))
         got = b.settled(2)
         assert not got.fetched and got.failed_fetches == {2, 3}
     finally:

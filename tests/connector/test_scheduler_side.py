@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier.connector.l2_index import L2Index
-from kvtier.connector.plan import PageStore, WorkerReport
+from kvtier.connector.plan import PageStore, Ticket, WorkerReport
 from kvtier.connector.scheduler_side import ScheduledRequest, SchedulerSide
-from kvtier.keys import KeyNamespace
+from kvtier.keys import KeyNamespace, PageInputs
 
 BS = 4
 NS = KeyNamespace("m", layout_fingerprint="f")
@@ -51,7 +51,7 @@ def test_vllm_local_hit_is_skipped_and_salt_separates():
     assert s.match("b", tokens, local_tokens=8) == 8  # pages 2, 3 from L2
     s.allocated("b", [6, 7, 8, 9, 10], 8)
     assert s.plan([]).loads[0].blocks == (8, 9)
-    s.add("salted", salt="tenant-x")
+    s.add("salted", PageInputs("tenant-x"))
     assert s.match("salted", tokens, 0) == 0
 
 
@@ -150,9 +150,9 @@ def test_pages_in_l3_are_fetched_into_l2_then_hit():
     assert s.match("a", tokens, 0) is None  # fetching: ask again
     (fetch,) = s.plan([]).fetches
     assert fetch.keys == tuple(NS.page_hashes(tokens, BS)) and len(directory.leases) == 1
-    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))  # rank 0 read all four
+    s.settle(WorkerReport(ranks=2, fetched=fetch.tickets()))  # rank 0 read all four
     assert s.match("a", tokens, 0) is None  # rank 1 has not: not a hit yet
-    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))
+    s.settle(WorkerReport(ranks=2, fetched=fetch.tickets()))
     assert s.match("a", tokens, 0) == 16 and directory.leases == []
     assert s.counts.fetched_pages == 4
 
@@ -163,7 +163,7 @@ def test_a_failed_fetch_is_reported_missing_and_computed():
     s.add("a")
     assert s.match("a", tokens, 0) is None
     (fetch,) = s.plan([]).fetches
-    s.settle(WorkerReport(fetched=fetch.slots[:1], failed_fetches=frozenset(fetch.slots[1:])))
+    s.settle(WorkerReport(fetched=fetch.tickets()[:1], failed_fetches=fetch.tickets()[1:]))
     assert directory.missing == list(fetch.keys[1:]) and directory.leases == []
     assert s.match("a", tokens, 0) == 4  # the page read; the rest is not asked for again
     assert s.plan([]).fetches == ()
@@ -210,7 +210,7 @@ def test_the_router_learns_pages_held_evicted_and_stored_with_their_tokens():
     s, _, _ = l3_side([], tp=2)
     s.index = L2Index(3, ranks=2)
     tokens = list(range(9))
-    s.add("a", salt="t")
+    s.add("a", PageInputs("t"))
     s.allocated("a", [1, 2, 3], s.match("a", tokens, 0))
     (save,) = s.plan([ScheduledRequest("a", tokens, [1, 2, 3], 9)]).saves
     assert s.take_changes() == []  # saving: not a hit yet
@@ -291,8 +291,8 @@ def test_pages_a_peer_holds_are_read_from_it_and_hit_as_peer_tokens():
     (fetch,) = s.plan([]).fetches
     assert fetch.peer is peers.contact and fetch.first_page == 0
     assert fetch.keys == tuple(NS.page_hashes(tokens, BS))
-    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))
-    s.settle(WorkerReport(ranks=2, fetched=fetch.slots))  # every rank read them
+    s.settle(WorkerReport(ranks=2, fetched=fetch.tickets()))
+    s.settle(WorkerReport(ranks=2, fetched=fetch.tickets()))  # every rank read them
     assert s.match("a", tokens, 0) == 16
     s.allocated("a", [1, 2, 3, 4, 5], 16)
     (load,) = s.plan([]).loads
@@ -318,7 +318,7 @@ def test_a_peer_is_read_only_past_what_l3_has_and_a_failed_read_is_not_reported_
     (fetch,) = s2.plan([]).fetches
     assert fetch.peer is peers2.contact and len(fetch.keys) == 4
     assert directory2.leases == []  # L3's lease given back at once
-    s2.settle(WorkerReport(fetched=fetch.slots[:2], failed_fetches=frozenset(fetch.slots[2:])))
+    s2.settle(WorkerReport(fetched=fetch.tickets()[:2], failed_fetches=fetch.tickets()[2:]))
     assert directory2.missing == []  # the peer's pages are no L3 objects
     assert s2.match("a", tokens, 0) == 8
 
@@ -329,3 +329,83 @@ def test_page_saves_carry_their_keys():
     plan, _ = run_prefill(s, "a", tokens, [1, 2, 3])
     (save,) = plan.saves
     assert save.keys == tuple(NS.page_hashes(tokens, BS)[:2])
+
+
+def fill(s: SchedulerSide, first_token: int, blocks: int) -> set[int]:
+    """A cold request of `blocks` full pages saved into L2: the slots it was given."""
+    tokens = list(range(first_token, first_token + blocks * BS + 1))
+    plan, _ = run_prefill(s, f"fill-{first_token}", tokens, list(range(blocks + 1)))
+    return {slot for save in plan.saves for slot in save.slots}
+
+
+def test_a_slot_one_rank_failed_is_not_reused_while_the_other_still_reads_it():
+    """TP 2: rank 0 fails a fetch while rank 1 still reads it. The page is a miss from then
+    on, but its slot is handed to nothing until rank 1 reported too; rank 1's late 'read' then
+    frees it (no hit of bytes only one rank has), and a report of that old fetch on the
+    slot's next fetch changes nothing."""
+    tokens = list(range(100, 109))  # 2 pages in L3
+    s, directory, _ = l3_side(tokens, tp=2)
+    s.index = L2Index(4, 2)  # a small pool: reuse shows at once
+    s.add("a")
+    assert s.match("a", tokens, 0) is None
+    (fetch,) = s.plan([]).fetches
+    s.settle(WorkerReport(ranks=2, failed_fetches=fetch.tickets()))  # rank 0 gave up
+    assert s.match("a", tokens, 0) == 0 and directory.missing == list(fetch.keys)
+    assert directory.leases  # rank 1 still reads the objects: the lease stays
+    # the pool fills up with other pages: the two slots rank 1 writes are never among them
+    others = fill(s, 1000, 3)
+    assert others.isdisjoint(fetch.slots) and len(others) == 2
+    s.settle(WorkerReport(ranks=2, fetched=fetch.tickets()))  # rank 1 read them, late
+    assert s.match("a", tokens, 0) == 0 and directory.leases == []  # no hit: rank 0 lacks them
+    reused = fill(s, 2000, 4)
+    assert set(fetch.slots) <= reused  # free again once every rank was done with them
+    # an engine reading them again: a new fetch, a new generation; the old one's report on
+    # the same slots counts for nothing
+    directory.published = list(fetch.keys)
+    s.add("b")
+    assert s.match("b", tokens, 0) is None
+    (again,) = s.plan([]).fetches
+    stale = tuple(Ticket(slot, fetch.gen) for slot in again.slots)
+    assert again.gen != fetch.gen
+    s.settle(WorkerReport(ranks=2, fetched=stale + stale))
+    assert s.match("b", tokens, 0) is None and s.counts.stale_reports == 4
+    s.settle(WorkerReport(ranks=2, fetched=again.tickets() + again.tickets()))
+    assert s.match("b", tokens, 0) == 8
+
+
+def test_a_slot_a_rank_may_still_write_stays_reserved_until_its_call_returns():
+    tokens = list(range(100, 105))  # 1 page in L3
+    s, directory, _ = l3_side(tokens, tp=2)
+    s.index = L2Index(2, 2)
+    s.add("a")
+    assert s.match("a", tokens, 0) is None
+    (fetch,) = s.plan([]).fetches
+    s.settle(WorkerReport(ranks=2, fetched=fetch.tickets(), held_fetches=fetch.tickets()))
+    assert s.match("a", tokens, 0) == 0  # a miss at once: the request computes it
+    assert s.index.quarantined == 1
+    assert fill(s, 1000, 3).isdisjoint(fetch.slots)  # every rank reported, one still writes
+    s.settle(WorkerReport(ranks=2, released=fetch.tickets()))
+    assert set(fetch.slots) <= fill(s, 2000, 3) and s.index.quarantined == 0
+
+
+def test_pinned_pages_are_not_evicted_until_unpinned():
+    idx = L2Index(2)
+    slots = idx.reserve(["a", "b"])
+    idx.settle(slots, [])
+    idx.pin(slots[:1])
+    assert idx.reserve(["c"]) == [slots[1]]  # "a" is older but pinned
+    assert idx.reserve(["d"]) == []
+    idx.unpin(slots[:1])
+    assert idx.reserve(["d"]) == [slots[0]]
+
+
+def test_a_preempted_requests_pages_stay_in_l2_until_it_is_admitted_again():
+    s = side(slots=3)
+    tokens = list(range(500, 513))  # 3 full pages
+    run_prefill(s, "victim", tokens, [1, 2, 3, 4])
+    s.keep("victim", tokens)  # pushed back for a hit
+    assert fill(s, 2000, 2) == set()  # a cold request finds nothing to evict
+    s.add("victim-again")  # (vLLM keeps the id; a second request of the same text here)
+    assert s.match("victim-again", tokens, 0) == 12
+    s.allocated("victim", [5, 6, 7, 8], 0)  # admitted: its pages may go again
+    assert len(fill(s, 3000, 2)) == 2

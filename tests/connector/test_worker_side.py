@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connector.plan import PageLoad, PageSave, StepPlan
+from kvtier.connector.l3_traffic import TrafficResults
+from kvtier.connector.plan import PageFetch, PageLoad, PageSave, StepPlan, Ticket
 from kvtier.connector.worker_side import BlockLayout, WorkerSide, ordered_layers, ordered_names
 
 LAYERS, BLOCKS, HEADS, BS, HD = 3, 6, 2, 4, 8
@@ -158,3 +159,44 @@ def test_on_cuda_each_layer_loads_on_its_own_stream_and_lands_before_its_attenti
         assert torch.equal(view[0].cpu(), logical[i][4]) and torch.equal(view[5].cpu(),
                                                                           logical[i][1])
     assert b.end_step(StepPlan()).failed_loads == frozenset()
+
+
+class ScriptedL3:
+    """An L3 traffic whose results the test hands out."""
+
+    def __init__(self) -> None:
+        self.results = TrafficResults()
+
+    def fetch(self, keys, slots, gen) -> None:
+        pass
+
+    def take(self) -> TrafficResults:
+        out, self.results = self.results, TrafficResults()
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_late_report_of_an_earlier_fetch_never_lists_the_slot_under_the_new_page():
+    """Slot 2 is fetched for page A (generation 1), then for page B (generation 2): when the
+    first fetch's read lands last, the slot is not listed for peers, neither as A (its bytes
+    are not A's now) nor as B with the sums of A's bytes."""
+    from kvtier.tiers.peer_table import PeerTable, lookup
+
+    w = WorkerSide(kv_caches(4), num_slots=4, block_size=BS)
+    table = PeerTable(4, HEADS)
+    w.lend(table)
+    l3 = ScriptedL3()
+    w.attach_l3(l3)  # type: ignore[arg-type]
+    keys = ("a" * 64, "b" * 64)
+    w.begin_step(StepPlan(fetches=(PageFetch(keys[:1], (2,), 1),)))
+    w.begin_step(StepPlan(fetches=(PageFetch(keys[1:], (2,), 2),)))
+    l3.results.fetched.append(Ticket(2, 1))
+    report = w.end_step(StepPlan())
+    assert report.fetched == (Ticket(2, 1),)  # reported as it came: the scheduler judges it
+    rows = table.rows.view("u1")
+    assert lookup(rows, HEADS, keys[:1]).pages == () and lookup(rows, HEADS, keys[1:]).pages == ()
+    l3.results.fetched.append(Ticket(2, 2))
+    w.end_step(StepPlan())
+    assert lookup(table.rows.view("u1"), HEADS, keys[1:]).pages == (2,)
