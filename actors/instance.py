@@ -57,6 +57,7 @@ from kvtier.keys import check_cache_salt
 from kvtier.frontend.records import RunningConfig
 from kvtier.messages import NamespaceInfo
 from kvtier.frontend.placement import rank_bundle
+from kvtier.tiers.l2_holders import new_incarnation
 from kvtier.tiers.peer_pages import PeerReadCounters, RawPeerRead
 
 __all__ = ["Instance", "InstanceError", "InstanceStep", "RankDivergence", "RankFailure"]
@@ -180,7 +181,7 @@ class Instance:
         self._l3: tuple[bytes, str | None, bool] | None = None  # what attach_l3 was given
         self._watch: str | None = None  # the name watch_cache was given
         self._transport: tuple[str, bool] | None = None  # what handoff_open was given
-        self._peers: tuple[str, str, bool] | None = None  # what peer_open was given
+        self._peers: tuple[str, str, str, bool] | None = None  # what peer_open was given
         self.rank_group = RankGroup([], step_timeout_s)
         bundle = rank_bundle(num_cpus_per_rank, int(settings.gpu), resources)
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
@@ -583,14 +584,19 @@ class Instance:
         self.rank_group.detach_l3()
         self._l3 = self._peers = None
 
-    def peer_open(self, holder: str, transport: str = "nixl", report_l2: bool = True) -> None:
+    def peer_open(self, holder: str, transport: str = "nixl", report_l2: bool = True,
+                  incarnation: str = "") -> str:
         """Every rank lends its L2 pages to the namespace's other instances and reads theirs
         (docs/architecture.md, "Peer-to-peer L2"), as L2 holder `holder`, over a NIXL or
         Mooncake endpoint; after `attach_l3` with a namespace actor, kept across restarts.
         `report_l2`: rank 0 tells the directory what its L2 holds (off when a serve replica
-        does it for the instance)."""
-        self.rank_group.peer_open(holder, transport, report_l2)
-        self._peers = (holder, transport, report_l2)
+        does it for the instance). `incarnation`: this start of the holder in the directory
+        (tiers/l2_holders.py; the serve replica's reporter uses it too), a new one when
+        empty; restarted ranks keep it. Returns it."""
+        incarnation = incarnation or new_incarnation()
+        self.rank_group.peer_open(holder, incarnation, transport, report_l2)
+        self._peers = (holder, incarnation, transport, report_l2)
+        return incarnation
 
     def peer_counters(self) -> list[PeerReadCounters]:
         """Each rank's reads from peers so far (PeerReader.counters)."""

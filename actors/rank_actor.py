@@ -419,12 +419,14 @@ class Rank:
         destroy_tp()
 
     # ---- peer-to-peer L2 (actors/l3/peer_link) ----------------------------------------------
-    def peer_open(self, holder: str, transport: str, report_l2: bool = False) -> None:
+    def peer_open(self, holder: str, incarnation: str, transport: str,
+                  report_l2: bool = False) -> None:
         """Lend this rank's L2 pages to other instances and read theirs, as L2 holder
-        `holder`, over a `transport` endpoint (RankPeerLink.open); L3 must be attached."""
+        `holder` in its start `incarnation`, over a `transport` endpoint
+        (RankPeerLink.open); L3 must be attached."""
         cache = self.engine.cache
         self._close_peers()
-        self.peer_link.open(cache, self.l3_link.directory, holder,
+        self.peer_link.open(cache, self.l3_link.directory, holder, incarnation,
                             HandoffTransportKind.parse(transport, "peer transport"), report_l2)
         if self.peer_link.reporter is not None:
             cache.set_event_listener(self.peer_link.listener(self._events))

@@ -175,9 +175,10 @@ class RankGroup:
     def detach_l3(self) -> None:
         self._wait([a.detach_l3.remote() for a in self.actors], "calling detach_l3")
 
-    def peer_open(self, holder: str, transport: str, report_l2: bool) -> None:
-        self._wait([a.peer_open.remote(holder, transport, report_l2) for a in self.actors],
-                   "calling peer_open")
+    def peer_open(self, holder: str, incarnation: str, transport: str, report_l2: bool
+                  ) -> None:
+        self._wait([a.peer_open.remote(holder, incarnation, transport, report_l2)
+                    for a in self.actors], "calling peer_open")
 
     def peer_counters(self) -> list[PeerReadCounters]:
         raw = self._wait([a.peer_counters.remote() for a in self.actors], "calling peer_counters")

@@ -31,6 +31,7 @@ from kvtier.frontend.records import (AnswerFinal, AnswerItem, AnswerItemKind, In
                                      ReplicaSnapshot, ReplicaStorage)
 from kvtier.frontend.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
+from kvtier.tiers.l2_holders import new_incarnation
 
 log = logging.getLogger(__name__)
 
@@ -283,13 +284,17 @@ class ServedReplica:
         server.call(lambda target: [inst.attach_l3(info, s.l3_actor, storage)
                                     for inst in self._l3_members(target)]
                     ).result(CALL_TIMEOUT_S)
+        # this attachment's start in the directory's L2 listing: its ranks' contacts and the
+        # server's reports carry it, so a later replica of the same name is told apart
+        incarnation = new_incarnation()
         if s.peer_transport is not None:  # the server reports its L2 (below), not rank 0
             server.call(lambda target: [inst.peer_open(self.name, s.peer_transport.value,
-                                                       report_l2=False)
+                                                       report_l2=False,
+                                                       incarnation=incarnation)
                                         for inst in self._l3_members(target)]
                         ).result(CALL_TIMEOUT_S)
         # its cache events key pages as the namespace does: the directory learns its L2
-        server.report_l2(L2Reporter(client, info.namespace, self.name))
+        server.report_l2(L2Reporter(client, info.namespace, self.name, incarnation))
         if not storage:
             self.directory_only = True
             log.info("instance %s: L3 off, peers found through namespace %s's directory",

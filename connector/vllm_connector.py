@@ -206,7 +206,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._report = WorkerReport()
         self._l2_reporter: Any = None  # an L2Reporter with L3 or peers: the directory
         # learns our L2
-        self._lending: tuple[Any, Any] | None = None  # a worker's (PeerLender, endpoint)
+        self._lending: tuple[Any, Any, Any] | None = None  # a worker's (PeerLender,
+        # endpoint, ContactKeeper)
         if role is KVConnectorRole.SCHEDULER:
             self._recompute_failed_loads()
             self._requests: dict[str, "Request"] = {}
@@ -277,6 +278,15 @@ class KvtierConnector(KVConnectorBase_V1):
         (kv_transfer_config.engine_id; kvtier serve: the instance's name)."""
         return str(self._kv_transfer_config.engine_id)
 
+    @property
+    def _incarnation(self) -> str:
+        """This start of the engine in the directory's L2 listing (tiers/l2_holders.py):
+        vLLM's instance id, the time in ns at which the engine's VllmConfig was built
+        (VllmConfig.__post_init__). The scheduler's process and every worker's receive
+        that config pickled, and unpickling runs no __post_init__, so all of an engine's
+        processes carry the same id, and a restart (a new config) a new one."""
+        return str(self._vllm_config.instance_id)
+
     def _directory(self, spec: Any) -> "DirectoryLink | None":
         """The scheduler side's link to the namespace's directory (None: neither L3 nor
         peers)."""
@@ -286,8 +296,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
         s = self._settings
         info = self._register_namespace(spec)
-        link = DirectoryLink(s.ray_address, info.namespace, s.l3_actor, self._holder)
-        self._l2_reporter = link.l2_reporter()
+        link = DirectoryLink(s.ray_address, info.namespace, s.l3_actor, self._holder,
+                             self._incarnation)
+        self._l2_reporter = link.l2_reporter()  # reports and renews the engine's lease
         return link
 
     def _attach_l3(self, worker: WorkerSide) -> None:
@@ -320,15 +331,17 @@ class KvtierConnector(KVConnectorBase_V1):
             lender = PeerLender(worker.peer_pool, endpoint, heads, worker.lend)
             reader = PeerReader(worker.peer_pool, endpoint, heads, PEER_READ_TIMEOUT_S)
             worker.attach_peers(PeerTraffic(reader))
-            register_peer(s.ray_address, info.namespace, self._holder,
-                          lender.contact(rank, self._tp_size, f"vllm worker {rank}"),
-                          s.l3_actor)
+            # registered again on an interval: the contact lives under the engine's lease
+            keeper = register_peer(s.ray_address, info.namespace, self._holder,
+                                   self._incarnation,
+                                   lender.contact(rank, self._tp_size, f"vllm worker {rank}"),
+                                   s.l3_actor)
         except BaseException:
             if lender is not None:
                 lender.close()
             endpoint.close()
             raise
-        self._lending = (lender, endpoint)
+        self._lending = (lender, endpoint, keeper)
 
     @staticmethod
     def _key_namespace(vllm_config: "VllmConfig", spec: Any) -> KeyNamespace:
@@ -473,7 +486,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
         if self._lending is not None:  # after the reads: they use the endpoint
-            lender, endpoint = self._lending
+            lender, endpoint, keeper = self._lending
+            keeper.close()  # the scheduler's reporter has the directory forget the contact
             lender.close()
             endpoint.close()
             self._lending = None

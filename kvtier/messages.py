@@ -547,6 +547,7 @@ class LookupResult(_Record):
 
 
 MAX_HOLDER_CHARS = 256
+MAX_INCARNATION_CHARS = 128
 
 
 def _check_holder(holder: str, where: str) -> None:
@@ -555,21 +556,62 @@ def _check_holder(holder: str, where: str) -> None:
                            f"got {holder!r:.40}")
 
 
+def _check_incarnation(incarnation: str, where: str) -> None:
+    if not isinstance(incarnation, str) or not 0 < len(incarnation) <= MAX_INCARNATION_CHARS:
+        raise MessageError(f"{where}: an incarnation is an id of 1-{MAX_INCARNATION_CHARS} "
+                           f"characters, one per start of the holder (tiers/l2_holders."
+                           f"new_incarnation), got {incarnation!r:.40}")
+
+
+class L2Standing(enum.Enum):
+    """How the directory took a holder incarnation's L2Report (tiers/l2_holders.py)."""
+
+    LISTED = "listed"  # it kept this incarnation's listing: the report applied on top
+    UNLISTED = "unlisted"  # it kept none (first report, lease expired, directory restarted):
+    # the report applied to an empty listing; the holder's next report lists everything
+    RETIRED = "retired"  # a replaced or forgotten incarnation: the report was ignored
+
+
 @dataclass(frozen=True)
 class L2Report(_Record):
     """What one holder (an instance's L2, host memory) gained and lost of a namespace's
-    pages since its last report; `replace`: `held` is everything it holds now."""
+    pages since its last report; `replace`: `held` is everything it holds now. An empty
+    report renews the holder's lease. `incarnation`: this start of the holder."""
 
     namespace: str
     holder: str
+    incarnation: str
     held: tuple[str, ...]
     dropped: tuple[str, ...] = ()
     replace: bool = False
 
     def __post_init__(self) -> None:
         _check_holder(self.holder, "L2Report.holder")
+        _check_incarnation(self.incarnation, "L2Report.incarnation")
         _check_hashes(self.held, "L2Report.held")
         _check_hashes(self.dropped, "L2Report.dropped")
+
+
+@dataclass(frozen=True)
+class L2Receipt(_Record):
+    """The directory's answer to an L2Report: the pages the holder lists now, and how it
+    took the report."""
+
+    pages: int
+    standing: L2Standing
+
+
+@dataclass(frozen=True)
+class L2Forget(_Record):
+    """Incarnation `incarnation` of holder `holder` stopped: it holds nothing any more (a
+    newer incarnation of the same name is left alone)."""
+
+    holder: str
+    incarnation: str
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder, "L2Forget.holder")
+        _check_incarnation(self.incarnation, "L2Forget.incarnation")
 
 
 @dataclass(frozen=True)
@@ -622,14 +664,17 @@ class PeerContact(_Record):
 
 @dataclass(frozen=True)
 class PeerRegistration(_Record):
-    """Rank `rank` of holder `holder` lends the L2 pages of namespace `namespace` to peers."""
+    """Rank `rank` of holder `holder` (its start `incarnation`) lends the L2 pages of
+    namespace `namespace` to peers."""
 
     namespace: str
     holder: str
+    incarnation: str
     rank: PeerRank
 
     def __post_init__(self) -> None:
         _check_holder(self.holder, "PeerRegistration.holder")
+        _check_incarnation(self.incarnation, "PeerRegistration.incarnation")
 
 
 @dataclass(frozen=True)

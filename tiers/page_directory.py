@@ -36,9 +36,10 @@ from typing import Callable, Sequence
 from kvtier.backends.base import check_page_hash
 from kvtier.errors import CacheUsageError, ConfigError, KvtierError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import (DirectoryStats, L2Holding, LeaseGrant, LookupResult,
-                             NamespaceInfo, NamespaceSpec, PeerOffer, PeerRank)
+from kvtier.messages import (DirectoryStats, L2Holding, L2Receipt, L2Standing, LeaseGrant,
+                             LookupResult, NamespaceInfo, NamespaceSpec, PeerOffer, PeerRank)
 from kvtier.tiers.directory_state import Lease as _Lease, NamespaceState
+from kvtier.tiers.l2_holders import L2Holders
 from kvtier.tiers.page_pins import L3PinListing
 from kvtier.tiers.page_eviction import DELETE_BATCH_PAGES, DeleteBatch, DeleteOutcome, DeleteQueue
 from kvtier.tiers.page_store import BackendPageStore, PageStore
@@ -86,7 +87,8 @@ class PageDirectory:
             return current.info
         info = NamespaceInfo(ns, spec, dict(spec.options if options is None else options), epoch,
                              root_marker)
-        self._ns[ns] = NamespaceState(info, self._store_factory(info))
+        self._ns[ns] = NamespaceState(info, self._store_factory(info),
+                                      l2=L2Holders(clock=self._clock))
         log.info("L3 namespace %s registered: %s backend, %d KV heads, quota %s pages%s", ns,
                  spec.backend, spec.kv_heads, spec.capacity_pages or "no",
                  " (the backend's own bound, folded in: its clients do not evict)"
@@ -248,26 +250,29 @@ class PageDirectory:
         return len(doomed)
 
     # ---- L2 holdings (l2_holders) ------------------------------------------------------------
-    def report_l2(self, ns: str, holder: str, held: Sequence[str], dropped: Sequence[str] = (),
-                  replace: bool = False) -> int:
-        """`holder` (an instance) gained `held` and lost `dropped` in its L2 (`replace`: held
-        is all it holds); returns the pages it lists now."""
+    def report_l2(self, ns: str, holder: str, incarnation: str, held: Sequence[str],
+                  dropped: Sequence[str] = (), replace: bool = False) -> L2Receipt:
+        """`holder`'s `incarnation` gained `held` and lost `dropped` in its L2 (`replace`:
+        held is all it holds), which renews its lease (L2Holders.apply); the pages it lists
+        now and how the report was taken."""
         holders = self._get(ns).l2
-        holders.apply(holder, held, dropped, replace)
-        return holders.held_by(holder)
+        standing = holders.apply(holder, incarnation, held, dropped, replace)
+        retired = standing is L2Standing.RETIRED  # the name's pages are another's
+        return L2Receipt(0 if retired else holders.held_by(holder), standing)
 
-    def forget_l2(self, holder: str) -> int:
-        """`holder` holds nothing any more, in any namespace (it stopped); the pages it
-        listed."""
-        return sum(state.l2.forget(holder) for state in self._ns.values())
+    def forget_l2(self, holder: str, incarnation: str) -> int:
+        """`holder`'s `incarnation` holds nothing any more, in any namespace (it stopped; a
+        newer incarnation is left alone); the pages it listed."""
+        return sum(state.l2.forget(holder, incarnation) for state in self._ns.values())
 
     def l2_holders(self, ns: str, hashes: Sequence[str]) -> tuple[L2Holding, ...]:
         """Who holds a leading run of `hashes` in L2, the longest first."""
         return self._get(ns).l2.leading(hashes)
 
-    def register_peer(self, ns: str, holder: str, rank: PeerRank) -> None:
-        """`holder`'s rank lends its L2 pages of `ns` to peers (L2Holders.register_peer)."""
-        self._get(ns).l2.register_peer(holder, rank)
+    def register_peer(self, ns: str, holder: str, incarnation: str, rank: PeerRank) -> bool:
+        """`holder`'s rank lends its L2 pages of `ns` to peers (L2Holders.register_peer);
+        False: a retired incarnation, ignored."""
+        return self._get(ns).l2.register_peer(holder, incarnation, rank)
 
     def best_peer(self, ns: str, hashes: Sequence[str], asker: str) -> PeerOffer:
         """The peer other than `asker` holding the longest leading run of `hashes` in L2."""

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import ray
 
+from kvtier.actors.l3.contact_keeper import ContactKeeper
 from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.actors.l3.namespace_actor import ACTOR_NAME, get_or_create_namespace_actor
 from kvtier.actors.l3.rank_link import directory_client, open_namespace_backend
@@ -50,12 +51,13 @@ def register_namespace(address: str | None, spec: NamespaceSpec, actor: str | No
 
 class DirectoryLink:
     """The scheduler side's view of one namespace's page directory (the connector's
-    L3Directory and PeerDirectory), as L2 holder `holder`."""
+    L3Directory and PeerDirectory), as L2 holder `holder` in its start `incarnation`
+    (tiers/l2_holders.py: the engine's workers register their contacts under the same)."""
 
     def __init__(self, address: str | None, namespace: str, actor: str | None = None,
-                 holder: str = "") -> None:
+                 holder: str = "", incarnation: str = "") -> None:
         join(address)
-        self.namespace, self.holder = namespace, holder
+        self.namespace, self.holder, self.incarnation = namespace, holder, incarnation
         self._client: PageDirectoryClient = directory_client(actor or ACTOR_NAME)
 
     def best_peer(self, keys: Sequence[str]) -> tuple[int, PeerContact | None]:
@@ -88,17 +90,21 @@ class DirectoryLink:
             log.warning("reporting %d unreadable L3 pages failed (%s)", len(keys), exc)
 
     def l2_reporter(self) -> L2Reporter:
-        """What tells the directory the engine's L2 pages, under its holder name."""
-        return L2Reporter(self._client, self.namespace, self.holder)
+        """What tells the directory the engine's L2 pages, under its holder name and
+        incarnation, and renews its lease."""
+        return L2Reporter(self._client, self.namespace, self.holder, self.incarnation)
 
 
-def register_peer(address: str | None, namespace: str, holder: str, rank: PeerRank,
-                  actor: str | None = None) -> None:
+def register_peer(address: str | None, namespace: str, holder: str, incarnation: str,
+                  rank: PeerRank, actor: str | None = None) -> ContactKeeper:
     """Tell the namespace's directory how peers reach TP rank `rank.rank` of L2 holder
-    `holder` (a worker, once its pool and table are registered on its endpoint). Raises
-    when the directory does not answer: an engine that cannot lend is misconfigured."""
+    `holder`'s start `incarnation` (a worker, once its pool and table are registered on its
+    endpoint), and again on an interval until the keeper returned is closed. Raises when
+    the directory does not answer the first time: an engine that cannot lend is
+    misconfigured."""
     join(address)
-    directory_client(actor or ACTOR_NAME).register_peer(namespace, holder, rank)
+    return ContactKeeper(directory_client(actor or ACTOR_NAME), namespace, holder,
+                         incarnation, rank)
 
 
 class WorkerStorage:

@@ -27,10 +27,11 @@ from kvtier.actors.l3.namespace_service import NamespaceService
 from kvtier.backends.base import StorageUnavailable
 from kvtier.kv_spec import HeadRange
 from kvtier.errors import PinRoomError
-from kvtier.messages import (DirectoryStats, L2Holding, L2Listing, L2Report, LeaseGrant,
-                             LookupRequest, LookupResult, MissingReport, NamespaceInfo,
-                             NamespaceSpec, PeerOffer, PeerQuery, PeerRank, PeerRegistration,
-                             PinGrant, PinRequest, StoredReport, unpack_records)
+from kvtier.messages import (DirectoryStats, L2Forget, L2Holding, L2Listing, L2Receipt,
+                             L2Report, LeaseGrant, LookupRequest, LookupResult, MissingReport,
+                             NamespaceInfo, NamespaceSpec, PeerOffer, PeerQuery, PeerRank,
+                             PeerRegistration, PinGrant, PinRequest, StoredReport,
+                             unpack_records)
 from kvtier.tiers.page_directory import PageDirectory
 from kvtier.tiers.page_pins import L3PinListing
 
@@ -90,25 +91,29 @@ class _Client:
     def release(self, lease_id: str) -> bool:
         return bool(self._call("release", lease_id))
 
-    def report_l2(self, ns: str, holder: str, held: Sequence[str], dropped: Sequence[str] = (),
-                  replace: bool = False) -> int:
-        """`holder` (an instance) gained `held` and lost `dropped` in its L2 (`replace`: held
-        is all it holds now); the pages it lists now."""
-        report = L2Report(ns, holder, tuple(held), tuple(dropped), replace)
-        return int(self._call("report_l2", report.to_msgpack()))
+    def report_l2(self, ns: str, holder: str, incarnation: str, held: Sequence[str],
+                  dropped: Sequence[str] = (), replace: bool = False) -> L2Receipt:
+        """`holder` (an instance; `incarnation`: this start of it) gained `held` and lost
+        `dropped` in its L2 (`replace`: held is all it holds now; nothing: a renewal of its
+        lease); the pages it lists now and how the report was taken."""
+        report = L2Report(ns, holder, incarnation, tuple(held), tuple(dropped), replace)
+        return L2Receipt.from_msgpack(self._call("report_l2", report.to_msgpack()))
 
-    def forget_l2(self, holder: str) -> int:
-        """`holder` stopped: the pages it listed in L2 are forgotten (how many)."""
-        return int(self._call("forget_l2", holder))
+    def forget_l2(self, holder: str, incarnation: str) -> int:
+        """`holder`'s `incarnation` stopped: the pages it listed in L2 are forgotten (how
+        many; none when a newer incarnation holds the name)."""
+        return int(self._call("forget_l2", L2Forget(holder, incarnation).to_msgpack()))
 
     def l2_holders(self, ns: str, hashes: Sequence[str]) -> tuple[L2Holding, ...]:
         """Who holds a leading run of `hashes` in L2, the longest run first."""
         request = LookupRequest(ns, tuple(hashes))
         return L2Listing.from_msgpack(self._call("l2_holders", request.to_msgpack())).holders
 
-    def register_peer(self, ns: str, holder: str, rank: PeerRank) -> None:
-        """`holder`'s TP rank `rank` lends its L2 pages of `ns` to peers, reached as it says."""
-        self._call("register_peer", PeerRegistration(ns, holder, rank).to_msgpack())
+    def register_peer(self, ns: str, holder: str, incarnation: str, rank: PeerRank) -> None:
+        """`holder`'s TP rank `rank` lends its L2 pages of `ns` to peers, reached as it says
+        (again: a renewal of the holder's lease)."""
+        self._call("register_peer",
+                   PeerRegistration(ns, holder, incarnation, rank).to_msgpack())
 
     def best_peer(self, ns: str, hashes: Sequence[str], asker: str) -> PeerOffer:
         """The peer other than `asker` holding the longest leading run of `hashes` in L2,

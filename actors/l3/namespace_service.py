@@ -35,7 +35,7 @@ from kvtier.backends.mooncake_master import MooncakeMaster, default_master_host
 from kvtier.backends.shared_root import ensure_marker, shared_root_dir
 from kvtier.errors import KvtierError, PinRoomError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import (L2Listing, L2Report, LookupRequest, MissingReport, NamespaceInfo,
+from kvtier.messages import (L2Forget, L2Listing, L2Report, LookupRequest, MissingReport, NamespaceInfo,
                              NamespaceSpec, PeerQuery, PeerRegistration, PinGrant, PinRequest,
                              StoredReport, pack_records)
 from kvtier.policies import StorageBackendKind
@@ -156,16 +156,19 @@ class NamespaceService:
             return self._poke(self.directory.release(str(lease_id)))
 
     # ---- L2 holdings (the directory's l2_holders) --------------------------------------------
-    def report_l2(self, report_bytes: bytes) -> int:
-        """An instance's L2 changes (an L2Report); the pages it lists now."""
+    def report_l2(self, report_bytes: bytes) -> bytes:
+        """An instance's L2 changes (an L2Report; empty: a renewal of its lease): L2Receipt
+        bytes."""
         r = L2Report.from_msgpack(report_bytes)
         with self._lock:
-            return self.directory.report_l2(r.namespace, r.holder, r.held, r.dropped, r.replace)
+            return self.directory.report_l2(r.namespace, r.holder, r.incarnation, r.held,
+                                            r.dropped, r.replace).to_msgpack()
 
-    def forget_l2(self, holder: str) -> int:
-        """An instance stopped: it holds nothing in L2 any more."""
+    def forget_l2(self, forget_bytes: bytes) -> int:
+        """An instance's incarnation stopped (an L2Forget): it holds nothing in L2 any more."""
+        f = L2Forget.from_msgpack(forget_bytes)
         with self._lock:
-            return self.directory.forget_l2(str(holder))
+            return self.directory.forget_l2(f.holder, f.incarnation)
 
     def l2_holders(self, request_bytes: bytes) -> bytes:
         """Who holds a leading run of the pages of a LookupRequest in L2: L2Listing bytes."""
@@ -179,7 +182,7 @@ class NamespaceService:
         """A holder's rank lends its L2 pages to peers (a PeerRegistration)."""
         r = PeerRegistration.from_msgpack(registration_bytes)
         with self._lock:
-            self.directory.register_peer(r.namespace, r.holder, r.rank)
+            self.directory.register_peer(r.namespace, r.holder, r.incarnation, r.rank)
 
     def best_peer(self, query_bytes: bytes) -> bytes:
         """The peer holding the longest leading run of a PeerQuery's pages: PeerOffer bytes."""

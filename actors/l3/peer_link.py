@@ -12,6 +12,9 @@ them with one-sided reads, from its storage worker's thread: no call reaches the
 `report_l2`: rank 0 also tells the directory what its L2 holds, from its cache events, for
 an instance no serve replica reports for (a driver's own `Instance`: `kvtier demo`, the
 benchmarks); a serve replica reports for its instance itself (actors/serve_replica.py).
+Every rank keeps its contact registered (actors/l3/contact_keeper.py) under the instance's
+`incarnation`, the one its reporter reports under, so the directory drops both together when
+the instance stops calling (tiers/l2_holders.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Sequence
 
 import ray
 
+from kvtier.actors.l3.contact_keeper import ContactKeeper
 from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.backends.handoff_base import HandoffEndpoint
 from kvtier.backends.handoff_registry import open_endpoint
@@ -61,6 +65,7 @@ class RankPeerLink:
         self.lender: PeerLender | None = None
         self.reader: PeerReader | None = None
         self.reporter: L2Reporter | None = None
+        self.contact: ContactKeeper | None = None
         self.holder = ""
 
     @property
@@ -68,8 +73,10 @@ class RankPeerLink:
         return self.endpoint is not None
 
     def open(self, cache: HierarchicalCache, directory: PageDirectoryClient | None,
-             holder: str, transport: HandoffTransportKind, report_l2: bool) -> None:
-        """Lend and read L2 pages as holder `holder` over a `transport` endpoint."""
+             holder: str, incarnation: str, transport: HandoffTransportKind,
+             report_l2: bool) -> None:
+        """Lend and read L2 pages as holder `holder` (its start `incarnation`, the same on
+        every rank) over a `transport` endpoint."""
         if directory is None or not cache.l3_attached:
             raise CacheUsageError("peer-to-peer L2 finds holders through the L3 namespace "
                                   "actor's directory: attach L3 with a namespace actor first")
@@ -88,9 +95,9 @@ class RankPeerLink:
             me = self.lender.contact(self.rank, self.size, context.get_actor_name() or "",
                                      context.namespace)
             ns = cache.namespace.name
+            self.contact = ContactKeeper(directory, ns, holder, incarnation, me)
             if report_l2 and self.rank == 0:
-                self.reporter = L2Reporter(directory, ns, holder)
-            directory.register_peer(ns, holder, me)
+                self.reporter = L2Reporter(directory, ns, holder, incarnation)
         except BaseException:
             cache.detach_peers()
             if self.lender is not None:
@@ -148,8 +155,13 @@ class RankPeerLink:
     def close(self, cache: HierarchicalCache) -> None:
         """Stop lending and reading (open peer prefetches are aborted; nothing leaks)."""
         cache.detach_peers()
+        if self.reader is not None:  # its table copies leave the endpoint
+            self.reader.close()
         if self.lender is not None:
             self.lender.close()
+        if self.contact is not None:
+            self.contact.close()
+            self.contact = None
         if self.reporter is not None:
             self.reporter.close()
             self.reporter = None

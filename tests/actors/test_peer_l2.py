@@ -27,6 +27,7 @@ from kvtier.cli.demo import namespace_spec
 
 pytestmark = pytest.mark.timeout(600)
 DOC_PAGES = 5
+INCARNATIONS: dict[str, str] = {}  # holder -> the incarnation its peer_open started
 
 
 class SlowReadRank(Rank):
@@ -87,7 +88,7 @@ def cluster(shared_ray, tmp_path_factory):
                 SETTINGS._replace(l3=info, l3_actor=name, l3_storage=False), tp_size=tp,
                 num_cpus_per_rank=PER_RANK_CPUS, ready_timeout_s=120.0, step_timeout_s=60.0,
                 rank_class={"slow": SlowReadRank, "a1": BusyRank}.get(holder, Rank))
-            inst.peer_open(holder, "nixl")
+            INCARNATIONS[holder] = inst.peer_open(holder, "nixl")
         yield made, client, info
     finally:
         for inst in made.values():
@@ -145,7 +146,7 @@ def test_pages_gone_from_the_holder_are_a_miss(cluster, cold):
     (expected,) = _cold(cold, [prompt])
     hashes = _held(cluster, "a1", prompt)
     made["a1"].drop_cache()
-    client.report_l2(info.namespace, "a1", hashes)  # listed again: stale on purpose
+    client.report_l2(info.namespace, "a1", INCARNATIONS["a1"], hashes)  # stale on purpose
     made["b1"].drop_cache()
     got = made["b1"].generate([prompt], GREEDY)[0]
     assert got.tokens == expected
