@@ -125,6 +125,7 @@ class _Request:
     wait_until: float | None = None  # monotonic deadline of its prefetch, if waiting
     kept: list[int] = field(default_factory=list)  # L2 slots pinned for it (`keep`)
     supplied: CachedBySource = CachedBySource(0, 0)  # tokens of its last load, by source
+    loading: tuple[int, ...] = ()  # the L2 slots of its last load
 
 
 class SchedulerSide:
@@ -333,7 +334,7 @@ class SchedulerSide:
         for req in self._requests.values():
             if req.load is not None:
                 loads.append(req.load)
-                req.load = None
+                req.loading, req.load = req.load.slots, None
         saves = [save for s in scheduled if (save := self._saves(s)) is not None]
         fetches, self._fetches = tuple(self._fetches), []
         stores, self._stores = tuple(self._stores), []
@@ -365,6 +366,13 @@ class SchedulerSide:
         while len(self._peer_misses) > MAX_PEER_MISSES:
             self._peer_misses.popitem(last=False)
         self._end_leases([*fetches.done, *fetches.freed])  # no rank reads them any more
+        if report.failed_loads:  # vLLM recomputes them: not what the request got from us
+            for req in self._requests.values():
+                lost = sum(1 for slot in req.loading if slot in report.failed_loads)
+                if lost:
+                    req.supplied = req.supplied._replace(
+                        failed=req.supplied.failed + lost * self.block_size)
+                    req.loading = ()
         dropped = self.index.drop_slots(report.failed_loads)
         self._counts.failed_saves += len(failed)
         self._counts.failed_loads += dropped

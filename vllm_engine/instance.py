@@ -49,6 +49,7 @@ class VllmSettings(NamedTuple):
     # connector's L2 under it
     batched_tokens: int | None = None  # most tokens a step computes (None: vLLM's default)
     hit_first: bool = False  # vLLM's scheduler with kvtier's hit-first admission
+    dtype: str = "auto"  # vLLM's model dtype ("auto": the checkpoint's; "float32", "bfloat16")
 
     def engine_args(self, events_endpoint: str | None = None) -> Any:
         """vLLM's arguments; `events_endpoint`: where it publishes its KV events (none: it
@@ -66,7 +67,7 @@ class VllmSettings(NamedTuple):
                           max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                           tensor_parallel_size=self.tp_size, kv_transfer_config=transfer,
                           kv_events_config=events, max_num_batched_tokens=self.batched_tokens,
-                          scheduler_cls=HIT_FIRST if self.hit_first else None)
+                          scheduler_cls=HIT_FIRST if self.hit_first else None, dtype=self.dtype)
 
 
 def vllm_sampling(sampling: SamplingParams, already: int) -> Any:
@@ -332,11 +333,14 @@ class VllmInstance:
     # ---- answers ----------------------------------------------------------------------------
     def _output(self, request_id: int, req: _Running, out: Any, completion: Any) -> Output:
         prompt_len = len(req.prompt) + len(req.resumed)
-        by_source = CachedBySource.of(out.kv_transfer_params)
-        total = int(out.num_cached_tokens or 0)
+        planned = CachedBySource.of(out.kv_transfer_params)
+        # vLLM counts its own prefix hit and every token it planned to take from the
+        # connector; what the connector really loaded is reported, never the plan
+        local = max(0, int(out.num_cached_tokens or 0) - planned.planned)
+        by_source = planned.loaded()
         fetched = by_source.storage + by_source.peer  # read into L2 for it, then loaded
-        cached = CachedTokens(total - by_source.host - fetched, by_source.host,
-                              by_source.storage, by_source.peer)
+        cached = CachedTokens(local, by_source.host, by_source.storage, by_source.peer)
+        total = local + by_source.planned
         from_host = by_source.host + fetched
         self._lookups += 1
         self._hits = CachedTokens(*(a + b for a, b in zip(self._hits, cached)))

@@ -297,12 +297,12 @@ def test_pages_a_peer_holds_are_read_from_it_and_hit_as_peer_tokens():
     s.allocated("a", [1, 2, 3, 4, 5], 16)
     (load,) = s.plan([]).loads
     assert (load.from_l3, load.from_peer) == (0, 4)
-    assert s.supplied("a") == (0, 0, 16)
+    assert s.supplied("a") == (0, 0, 16, 0)
     assert s.counts.peer_hit_tokens == 16 and s.counts.peer_hit_pages == 4
     # loaded once: the pages are L2's own from now on
     s.add("b")
     s.allocated("b", [6, 7, 8, 9, 10], s.match("b", tokens, 0))
-    assert s.supplied("b") == (16, 0, 0)
+    assert s.supplied("b") == (16, 0, 0, 0)
 
 
 def test_a_peer_is_read_only_past_what_l3_has_and_a_failed_read_is_not_reported_missing():
@@ -409,3 +409,21 @@ def test_a_preempted_requests_pages_stay_in_l2_until_it_is_admitted_again():
     assert s.match("victim-again", tokens, 0) == 12
     s.allocated("victim", [5, 6, 7, 8], 0)  # admitted: its pages may go again
     assert len(fill(s, 3000, 2)) == 2
+
+
+def test_a_load_that_failed_is_not_reported_as_supplied():
+    """vLLM counts every token it planned to take from the connector as cached; the request's
+    report says which of them failed to load (vLLM computed them again)."""
+    from kvtier.vllm_engine.cached import CachedBySource
+
+    s = side()
+    tokens = list(range(17))
+    run_prefill(s, "a", tokens, [1, 2, 3, 4, 5])
+    s.add("b")
+    s.allocated("b", [6, 7, 8, 9, 10], s.match("b", tokens, 0))
+    (load,) = s.plan([]).loads
+    s.settle(WorkerReport(failed_loads=frozenset(load.slots[2:])))
+    got = s.supplied("b")
+    assert got == CachedBySource(16, 0, 0, 8) and got.loaded() == CachedBySource(8, 0, 0)
+    assert CachedBySource.of(got.to_params()) == got
+    assert CachedBySource(4, 8, 4, 6).loaded() == CachedBySource(0, 6, 4)
