@@ -75,6 +75,7 @@ def test_a_stalled_instance_is_routed_around_and_taken_back(app):
     assert [f for f in finishes if f] == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 24
     served_by = chunks[-1]["kvtier"]["instance"]
+    assert chunks[-1]["kvtier"]["moves"] == 1  # it left the stalled instance once
     stalled = wait_for(lambda: [n for n, i in CLIENT.router().items() if i["stalls"]],
                        "the router counted a stall")
     assert stalled != [served_by] and len(stalled) == 1, CLIENT.router()
