@@ -15,6 +15,15 @@ environment. A loopback address keeps the pin: it names a cluster on this machin
 pinned to loopback (tests, cluster.yaml's one-machine trial) listens on 127.0.0.1 only, where
 stock Ray's rewrite to the machine's address would miss it.
 
+An address where no Ray answers fails within GCS_PROBE_TIMEOUT_S (5 s): before `ray.init`,
+which keeps retrying an absent GCS for many minutes (Ray 2.60: about 40 s per attempt, 20
+attempts; its own timeouts are read once, when Ray is imported, so they cannot be shortened
+here), a plain TCP connect to the address must open and an HTTP/2 greeting (Ray's GCS is a
+gRPC server) be answered with the server's own, all within that bound. A refused or silent
+port, or one of another kind of server (the dashboard's :8265), is a ClusterJoinError naming
+the address. Addresses that are not host:port (`auto`, `ray://...`) and TLS clusters
+(RAY_USE_TLS) are left to Ray.
+
 Auth is left as it is: nothing here sets RAY_AUTH_MODE or a token. Ray 2.60 finds the token
 in RAY_AUTH_TOKEN, a file named by RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, but sends it to
 an explicit address only when RAY_AUTH_MODE=token (it turns token mode on by itself only for a
@@ -26,6 +35,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
+import time
 from typing import Any
 
 import ray
@@ -37,6 +48,11 @@ from kvtier.errors import ClusterJoinError
 log = logging.getLogger(__name__)
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+GCS_PROBE_TIMEOUT_S = 5.0  # how long an address may take to show a gRPC server (the GCS)
+# An HTTP/2 client's greeting: the connection preface, then an empty SETTINGS frame (RFC 9113
+# section 3.4). A gRPC server answers with a SETTINGS frame of its own, first thing.
+_H2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4  # the frame type, the 4th byte of a frame's 9-byte header
 TOKEN_HELP = ("put the cluster's token (`ray get-auth-token` on the head prints it) in "
               "RAY_AUTH_TOKEN, in a file named by RAY_AUTH_TOKEN_PATH, or in ~/.ray/auth_token "
               "on this node")
@@ -79,13 +95,48 @@ def _auth_hint() -> str:
     return f"RAY_AUTH_MODE={mode} here sends no token: set RAY_AUTH_MODE=token and {TOKEN_HELP}"
 
 
+def gcs_silence(address: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> str | None:
+    """Why no Ray GCS can answer at `address` (host:port), found within `timeout_s`; None
+    when a gRPC server answers there, or the address is one this check leaves to Ray."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")  # as Ray reads it
+    if not host or "/" in host or not port.isdigit() or tls:
+        return None
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            conn.sendall(_H2_GREETING)
+            head = b""
+            while len(head) < 9:
+                conn.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = conn.recv(9 - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except socket.timeout:
+        return f"no answer within {timeout_s:g} s"
+    except OSError as exc:
+        return f"cannot connect ({exc.strerror or exc})"
+    if len(head) == 9 and head[3] == _H2_SETTINGS:
+        return None
+    return "a server answers there, but not Ray's GCS (a gRPC server): another port?"
+
+
 def join_cluster(address: str, **init_kwargs: Any) -> Any:
     """`ray.init(address=address)` on a cluster started elsewhere; Ray's context. Errors
-    say what to do: ClusterJoinError for a missing token, an unreachable head, or a driver
-    that is not on one of the cluster's nodes."""
+    say what to do: ClusterJoinError for an address where no Ray answers (within
+    GCS_PROBE_TIMEOUT_S), a missing token, an unreachable head, or a driver that is not on
+    one of the cluster's nodes."""
     if ray.is_initialized():
         raise ClusterJoinError("Ray is already initialized in this process; join a cluster "
                                "from a fresh process")
+    why = gcs_silence(address)
+    if why is not None:
+        raise ClusterJoinError(
+            f"no Ray cluster answers at {address}: {why}. Check the address (the head's GCS, "
+            "host:6379 unless `ray start --head --port` said otherwise; not the dashboard's "
+            f"host:8265) and that this node reaches it (`ray status --address {address}`)")
     if not is_loopback(address):
         unpin_from_loopback()
     if AUTH_MODE_ENV not in os.environ and token_available():

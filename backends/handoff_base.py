@@ -154,8 +154,19 @@ class HandoffEndpoint(abc.ABC):
             try:
                 self._register(region)
             except BaseException:
-                self._regions = RegionTable(r for r in self._regions.regions if r != region)
+                self._forget(region)
                 raise
+
+    def deregister(self, addr: int, nbytes: int) -> None:
+        """Undo `register(addr, nbytes)` before that memory is freed or reused. Nothing when
+        it is not registered or the endpoint is closed (close released everything). A peer
+        holding an older address() still names the region: its moves there fail."""
+        region = next((r for r in self._regions.regions
+                       if (r.addr, r.nbytes) == (int(addr), int(nbytes))), None)
+        if self.closed or region is None:
+            return
+        self._forget(region)
+        self._deregister(region)
 
     def address(self) -> bytes:
         """Opaque bytes a peer passes to write() and read(): how to reach this endpoint's memory."""
@@ -247,6 +258,9 @@ class HandoffEndpoint(abc.ABC):
                 f"{'closed' if self.closed else 'open'})")
 
     # ---- helpers -----------------------------------------------------------------------
+    def _forget(self, region: Region) -> None:
+        self._regions = RegionTable(r for r in self._regions.regions if r != region)
+
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError(f"the {self.kind} handoff endpoint {self.unique_name} is closed; "
@@ -319,6 +333,9 @@ class HandoffEndpoint(abc.ABC):
     # ---- what each transport implements --------------------------------------------------
     @abc.abstractmethod
     def _register(self, region: Region) -> None: ...
+
+    @abc.abstractmethod
+    def _deregister(self, region: Region) -> None: ...
 
     @abc.abstractmethod
     def _blob(self) -> bytes: ...

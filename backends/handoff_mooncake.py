@@ -113,6 +113,17 @@ class MooncakeEndpoint(HandoffEndpoint):
                                      f"{region.device} memory (code {rc}); GPU memory needs the "
                                      "CUDA build (mooncake-transfer-engine)")
 
+    def _deregister(self, region: Region) -> None:
+        with self._pool_lock:
+            running = any(not f.done() for f in self._stuck)
+        if not running:  # else a transfer may still move its rows: kept until close
+            self._unregister(region)
+
+    def _unregister(self, region: Region) -> None:
+        rc = self._engine.unregister_memory(region.addr)
+        if rc != 0:
+            log.warning("Mooncake could not unregister %#x (code %d)", region.addr, rc)
+
     def _blob(self) -> bytes:
         return self.session_id.encode()
 
@@ -183,8 +194,6 @@ class MooncakeEndpoint(HandoffEndpoint):
             _KEEP.append(self._engine)
         else:
             for region in self._regions.regions:
-                rc = self._engine.unregister_memory(region.addr)
-                if rc != 0:
-                    log.warning("Mooncake could not unregister %#x (code %d)", region.addr, rc)
+                self._unregister(region)
         self._peers.clear()
         self._engine = None  # the engine goes now (~1 s): its listeners close

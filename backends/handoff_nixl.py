@@ -152,7 +152,7 @@ class NixlEndpoint(HandoffEndpoint):
                 f"UCX_TLS={os.environ.get('UCX_TLS')} name usable devices, or "
                 f"{_UNAVAILABLE_HINT}") from exc
         self._lock = threading.Lock()  # every agent call: the worker is not thread-safe
-        self._regs: list = []
+        self._regs: dict[Region, object] = {}  # what register_memory returned, per region
         self._stuck: list = []  # handles that could be neither finished nor cancelled
         self._stop = threading.Event()
         self._progress: threading.Thread | None = None
@@ -167,7 +167,17 @@ class NixlEndpoint(HandoffEndpoint):
         except Exception as exc:
             raise HandoffUnavailable(f"NIXL cannot register {region.nbytes} bytes of "
                                      f"{region.device} memory ({exc})") from exc
-        self._regs.append(reg)
+        self._regs[region] = reg
+
+    def _deregister(self, region: Region) -> None:
+        with self._lock:
+            if self._stuck:  # a transfer that could not be cancelled may use it: kept
+                return
+            reg = self._regs.pop(region)
+            try:
+                self._agent.deregister_memory(reg, backends=[BACKEND])
+            except Exception as exc:  # noqa: BLE001 - the region is forgotten either way
+                log.warning("NIXL deregistration failed: %s", exc)
 
     def _blob(self) -> bytes:
         with self._lock:
@@ -270,13 +280,13 @@ class NixlEndpoint(HandoffEndpoint):
             else:
                 for target in self._peers.values():
                     self._disconnect_locked(target)
-                for reg in self._regs:
+                for reg in self._regs.values():
                     try:
                         self._agent.deregister_memory(reg, backends=[BACKEND])
                     except Exception as exc:  # noqa: BLE001 - closing must not fail
                         log.warning("NIXL deregistration failed: %s", exc)
             self._peers.clear()
-            self._regs = []
+            self._regs = {}
             self._agent = None  # the agent goes now: its UCX worker and listener close
 
     def _disconnect_locked(self, target: Target) -> None:

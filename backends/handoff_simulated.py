@@ -37,6 +37,12 @@ class SimulatedEndpoint(HandoffEndpoint):
         if region.device != "cpu":
             raise ConfigError(f"the simulated handoff moves host memory only, not {region.device}; "
                               "use the nixl transport for GPU memory")
+        self._publish()
+
+    def _deregister(self, region: Region) -> None:
+        self._publish()
+
+    def _publish(self) -> None:
         with _LOCK:  # publish a copy: writers read it under the lock, never half-updated
             _ENDPOINTS[self.unique_name] = RegionTable(self._regions.regions)
 

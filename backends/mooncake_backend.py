@@ -33,7 +33,10 @@
 - A dead master makes calls misses/failures, never exceptions or hangs, and is counted
   (backends/mooncake_master_guard.py says why and how). A master restarted elsewhere
   (a new address) needs a new backend: detach and attach. Closing a backend whose master is
-  gone parks its client instead of closing it (close_client says why).
+  gone parks its client instead of closing it, its buffers unregistered; a connection to a
+  master back at that address reuses it, and at most MAX_PARKED_CLIENTS (4) are kept per
+  process, so parked clients hold at most 4 x (global_segment_size_bytes +
+  local_buffer_size_bytes) however often masters restart (backends/mooncake_parked.py).
 - Every call to the client has a deadline, `call_timeout_s` (backends/bounded_calls.py: a
   peer whose link is cut holds a Mooncake call far longer). Past it `exists` is a miss, a
   delete removes nothing, and a read or write that may still touch its host pages raises
@@ -73,6 +76,8 @@ from kvtier.backends.bounded_calls import BoundedCalls, CallOutcome, CallState
 from kvtier.backends.mooncake_master import (LOOPBACK, MooncakeMaster, default_master_host,
                                              free_port, port_open)
 from kvtier.backends.mooncake_master_guard import OK, MasterGuard
+from kvtier.backends.mooncake_parked import (MAX_PARKED_CLIENTS, ClientSetup, ParkedClient,
+                                             ParkedClients, close_client)
 from kvtier.errors import CacheUsageError
 from kvtier.policies import StorageBackendKind
 from kvtier.storage_options import MooncakeOptions
@@ -128,8 +133,17 @@ def _client_name(local_hostname: str) -> str:
                                  "machine's IP") from exc
 
 
+def client_setup(options: MooncakeOptions) -> ClientSetup:
+    """What `connect` sets a client up with, besides its master."""
+    return ClientSetup(options.local_hostname or LOOPBACK,
+                       options.metadata_server or DEFAULT_METADATA,
+                       options.global_segment_size_bytes, options.local_buffer_size_bytes,
+                       options.protocol.value, options.device_name)
+
+
 def connect(options: MooncakeOptions, master_address: str) -> Any:
-    """A set-up MooncakeDistributedStore client, or StorageUnavailable saying what to check."""
+    """A set-up MooncakeDistributedStore client, or StorageUnavailable saying what to check:
+    one parked when this master went, if it is back (backends/mooncake_parked.py), else new."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -146,19 +160,22 @@ def connect(options: MooncakeOptions, master_address: str) -> Any:
             "runs there with that --rpc_address/--rpc_port, or leave master_address unset so "
             f"kvtier starts its own (a master on {LOOPBACK} serves one host only: with ranks on "
             "several hosts, set master_host to an address of the namespace actor's node)")
-    metadata = options.metadata_server or DEFAULT_METADATA
+    setup = client_setup(options)
+    parked = PARKED_CLIENTS.take(master_address, setup)
+    if parked is not None:
+        return parked
     bound_mooncake_waits(options.call_timeout_s)
     store = MooncakeDistributedStore()
-    rc = store.setup(_client_name(options.local_hostname or LOOPBACK), metadata,
-                     options.global_segment_size_bytes, options.local_buffer_size_bytes,
-                     options.protocol.value, options.device_name, master_address)
+    rc = store.setup(_client_name(setup.local_hostname), setup.metadata_server,
+                     setup.segment_bytes, setup.buffer_bytes, setup.protocol,
+                     setup.device_name, master_address)
     if rc != OK:
         close_client(store)
         raise StorageUnavailable(
             f"Mooncake client setup against master {master_address} failed: {describe(rc)}. "
-            f"Check that metadata_server {metadata!r} is what that master's clients use "
-            "(P2PHANDSHAKE, or http://host:port/metadata for a master with an HTTP metadata "
-            "server), that local_hostname is an address of this machine, and that "
+            f"Check that metadata_server {setup.metadata_server!r} is what that master's "
+            "clients use (P2PHANDSHAKE, or http://host:port/metadata for a master with an HTTP "
+            "metadata server), that local_hostname is an address of this machine, and that "
             "global_segment_size_bytes fits in free memory")
     return store
 
@@ -179,28 +196,8 @@ def replicate_config(copies: int) -> Any:
     return config
 
 
-# Clients whose master was gone when they were closed: kept, unused, until the process exits.
-PARKED_CLIENTS: list[Any] = []
-
-
-def close_client(store: Any, master_gone: bool = False) -> None:
-    """Close a client: ~1 s while its master answers. One whose master is gone is parked
-    instead (kept open, never used again, its segment memory held until the process
-    exits): Mooncake's close then retries the gone master for seconds to minutes while
-    holding the GIL, which stops every thread of the process (a rank re-attaching to a
-    restarted master stalled its instance; a background thread would not help). Mooncake
-    still tears parked clients down as the process exits, retrying their masters there: a
-    process that parked one exits some 10 to 30 s later than it would."""
-    if master_gone:
-        log.warning("mooncake backend: not closing a client whose master is gone (its close "
-                    "would block this process); its %d parked client(s) are freed when the "
-                    "process exits", len(PARKED_CLIENTS) + 1)
-        PARKED_CLIENTS.append(store)
-        return
-    try:
-        store.close()
-    except Exception as exc:  # noqa: BLE001 - nothing left to do with a client that won't close
-        log.warning("mooncake client close failed: %s", exc)
+# Clients whose master was gone when their backend closed (backends/mooncake_parked.py).
+PARKED_CLIENTS = ParkedClients(MAX_PARKED_CLIENTS)
 
 
 class _PoolMap:
@@ -367,6 +364,7 @@ class MooncakeBackend(StorageBackend):
         self.capabilities = dataclasses.replace(type(self).capabilities, verified=self.verify)
         self.master: MooncakeMaster | None = None
         self._maps: dict[str, _PoolMap] = {}
+        self._buffers: list[int] = []  # what this backend registered with the client
         try:
             address = options.master_address
             if address is None:
@@ -405,7 +403,9 @@ class MooncakeBackend(StorageBackend):
 
     def _register_buffer(self, ptr: int, nbytes: int, what: str) -> None:
         rc = self.store.register_buffer(ptr, nbytes)
-        if rc != OK:
+        if rc == OK:
+            self._buffers.append(ptr)  # unregistered if the client is parked
+        else:
             raise StorageUnavailable(
                 f"Mooncake could not register the {what} ({nbytes} bytes): {describe(rc)}; "
                 "with rdma, check the device name and the locked-memory limit (ulimit -l)")
@@ -648,8 +648,15 @@ class MooncakeBackend(StorageBackend):
     # ---- lifetime ------------------------------------------------------------------------
     def _close(self) -> None:
         # A call past its deadline may still use the client: it is closed when they return.
-        store, guard = self.store, self.guard
-        self.calls.close(lambda: close_client(store, master_gone=guard.gone()))
+        parked = ParkedClient(self.store, self.master_address, client_setup(self.options))
+        guard, buffers = self.guard, self._buffers
+
+        def close_or_park() -> None:
+            if guard.gone():  # its close would block the process (backends/mooncake_parked.py)
+                PARKED_CLIENTS.park(parked, buffers)
+            else:
+                close_client(parked.store)
+        self.calls.close(close_or_park)
         self._lanes.shutdown(wait=True, cancel_futures=True)
         if self.master is not None:
             self.master.stop()

@@ -69,7 +69,7 @@ class MasterGuard:
 
     def gone(self) -> bool:
         """Is the master gone (the one this backend started exited, or its port refuses a
-        TCP connect)? Asked before closing the client (mooncake_backend.close_client)."""
+        TCP connect)? Asked before closing the client (backends/mooncake_parked.py)."""
         master = self._own_master
         if master is not None:
             return not master.alive()

@@ -9,7 +9,6 @@ checkpoints of one architecture never share cache pages.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +18,10 @@ import torch
 
 from kvtier.engine.model_config import ModelConfig
 from kvtier.engine.tokenizer import SpecialTokens, Tokenizer
+from kvtier.engine.weight_digest import weights_digest
 from kvtier.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -128,18 +127,14 @@ class HFModelDir:
         return f"{self.config().name}-{self.digest()[:16]}"
 
     def digest(self) -> str:
-        """SHA-256 over the weight files (names and bytes): the checkpoint's identity. Read
-        once per object: a rank checks it against the driver's, then names its cache by it
-        (`identity`), and a checkpoint is hundreds of MB."""
+        """SHA-256 over the weight files (names and bytes): the checkpoint's identity. A
+        rank checks it against the driver's, then names its cache by it (`identity`), and a
+        checkpoint is hundreds of MB: hashed once per host (engine/weight_digest.py), and
+        asked of the host's cache once per object."""
         known = self.__dict__.get("_digest")
         if known is None:
-            h = hashlib.sha256()
-            for path in self.weight_files():
-                h.update(path.name.encode() + b"\0")
-                with path.open("rb") as fh:
-                    while chunk := fh.read(_CHUNK):
-                        h.update(chunk)
-            known = self.__dict__["_digest"] = h.hexdigest()  # frozen: not a field
+            known = weights_digest(self.weight_files())
+            self.__dict__["_digest"] = known  # frozen: not a field
         return known
 
     # ---- tokenizer -----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from kvtier.backends.handoff_base import HandoffEndpoint, HandoffTimeout
-from kvtier.errors import CacheUsageError, ConfigError, KvtierError
+from kvtier.errors import CacheUsageError, ClosedError, ConfigError, KvtierError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import PeerContact, PeerLend, PeerRank
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
@@ -54,6 +54,10 @@ RAW_READS = 3  # raw_read's tries, the fastest counted
 # each moves its share and sums it on a thread of its own (docs/benchmarks.md, "Peer reads
 # in lanes"); one UCX worker copies on one core.
 LANE_BYTES = 4 << 20
+# Table copies a look-up's read timed out into, replaced or closed since: the transport may
+# still write them (HandoffEndpoint.read), so they stay allocated until exit (registered
+# until their endpoint closes).
+_LATE: list[np.ndarray] = []
 
 
 class PeerReadOutcome(str, enum.Enum):
@@ -248,7 +252,11 @@ class PeerReader:
         _register(pool, endpoint)
         self._totals = PeerReadCounters(0, 0, 0, 0, 0)
         self._warned: set[tuple[str, PeerReadOutcome]] = set()
-        self._scratch: dict[int, np.ndarray] = {}  # holder rank index -> its table's copy
+        # holder rank index -> its table's copy, registered on `endpoint` (deregistered
+        # when replaced by a larger one and at close); those a read timed out into: `_late`
+        self._scratch: dict[int, np.ndarray] = {}
+        self._late: set[int] = set()
+        self.closed = False
         self.lanes = tuple(lanes)
         for lane in self.lanes:
             _register(pool, lane)
@@ -275,16 +283,52 @@ class PeerReader:
         nbytes = rank.pool_pages * row_dtype(pool_heads).itemsize
         raw = self._scratch.get(rank.rank)
         if raw is None or raw.nbytes < nbytes:
+            self._drop_scratch(rank.rank)
             raw = self._scratch[rank.rank] = np.zeros(nbytes, np.uint8)
             self.endpoint.register(int(raw.ctypes.data), nbytes, "cpu")
         raw = raw[:nbytes]
-        self.endpoint.read(rank.address, np.array([[raw.ctypes.data, nbytes]], np.uint64),
-                           np.array([[rank.table_addr, nbytes]], np.uint64), self.timeout_s)
+        try:
+            self.endpoint.read(rank.address, np.array([[raw.ctypes.data, nbytes]], np.uint64),
+                               np.array([[rank.table_addr, nbytes]], np.uint64),
+                               self.timeout_s)
+        except HandoffTimeout:
+            self._late.add(rank.rank)
+            raise
         hit = lookup(raw, pool_heads, keys)
         local = [h - rank.head_start for h in heads]
         sums = tuple(hit.sums[i * pool_heads + h] for i in range(len(hit.pages)) for h in local)
         return PeerLend(hit.pages, sums, rank.l2_addr, rank.pool_pages, pool_heads,
                         rank.address)
+
+    def _drop_scratch(self, index: int) -> None:
+        """Deregister holder rank `index`'s table copy and let it go; one a read timed out
+        into goes to _LATE instead."""
+        raw = self._scratch.pop(index, None)
+        if raw is None:
+            return
+        if index in self._late:
+            self._late.discard(index)
+            _LATE.append(raw)
+        else:
+            self.endpoint.deregister(int(raw.ctypes.data), raw.nbytes)
+
+    def close(self) -> None:
+        """Deregister the table copies from the endpoint (the caller's, closed after this or
+        not) and end the lane threads. Idempotent; reads after it raise ClosedError."""
+        self.closed = True
+        for index in list(self._scratch):
+            self._drop_scratch(index)
+        self._lane_threads.shutdown(wait=True)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("this peer reader is closed; open a new one")
+
+    def __enter__(self) -> "PeerReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def read(self, contact: PeerContact, keys: Sequence[str], first_page: int,
              pages: Sequence[int]) -> PeerRead:
@@ -293,6 +337,7 @@ class PeerReader:
         pool pages, held by the caller, one per key). A holder or transport failure is a
         result, never an exception; only a caller bug raises (pages outside the pool, a
         negative first page, keys and pages that do not pair up)."""
+        self._check_open()
         t0 = time.perf_counter()
         ours = [int(p) for p in pages]
         size = self.pool.memory().num_pages
@@ -406,6 +451,7 @@ class PeerReader:
         transport's own speed, less the machine's noise); nothing verified. `start_at`: a
         `time.time()` to wait for before the timed reads (an instance's ranks read at once,
         as a request's prefetch has them do)."""
+        self._check_open()
         owners = self._owners(contact)
         sources = None if owners is None else self._look_up(owners, list(keys))
         if not isinstance(sources, list):

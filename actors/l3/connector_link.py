@@ -9,6 +9,7 @@ not answer is an L3 miss, a report that does not reach it a page left unpublishe
 from __future__ import annotations
 
 import logging
+import os
 from typing import Sequence
 
 import ray
@@ -26,17 +27,23 @@ from kvtier.tiers.storage_tier import DIRECTORY_LEASE_S
 from kvtier.tiers.storage_types import PageDirectoryClient
 
 log = logging.getLogger(__name__)
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # read by join when ray_address is not given
 
 
 def join(address: str | None) -> None:
-    """This process on the Ray cluster at `address` (already on one: kept)."""
+    """This process on the Ray cluster of the L3 namespace actor: the one it is on already,
+    else `address` (ray_address in kv_connector_extra_config), else $RAY_ADDRESS (Ray Serve
+    and Ray jobs hand it to the processes they start, vLLM's included). Where no Ray answers,
+    a ClusterJoinError within GCS_PROBE_TIMEOUT_S (actors/ray_join.py)."""
     if ray.is_initialized():
         return
+    address = address or os.environ.get(RAY_ADDRESS_ENV)
     if not address:
         raise ConfigError("KvtierConnector: an L3 storage backend and peers need the Ray "
                           "cluster of the L3 namespace actor: set ray_address in "
                           "kv_connector_extra_config (e.g. '127.0.0.1:6379' after `ray start "
-                          "--head`)")
+                          f"--head`), or {RAY_ADDRESS_ENV} in the environment of vLLM's "
+                          "processes")
     join_cluster(address)
 
 

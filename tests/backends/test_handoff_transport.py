@@ -404,6 +404,38 @@ def test_registration_is_idempotent_and_overlaps_are_refused(kind):
             ep.register(pool.data_ptr(), pool.nbytes, device="gpu0")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_deregistered_memory_is_moved_no_more_and_may_be_registered_anew(kind):
+    """deregister releases the transport's registration: a peer holding the old address
+    fails to read there, this side's rows there are refused, and memory that overlapped
+    it registers now. Deregistering what is not registered, or after close, does nothing."""
+    if kind != "simulated":
+        pytest.importorskip("nixl._api" if kind == "nixl" else "mooncake.engine")
+    pool, mine = torch.arange(1 << 16, dtype=torch.int32), torch.zeros(1 << 16, dtype=torch.int32)
+    rows = np.array([[pool.data_ptr(), 4096]], np.uint64)
+    local = np.array([[mine.data_ptr(), 4096]], np.uint64)
+    with open_endpoint(kind, "dereg-test") as ep, open_endpoint(kind, "dereg-peer") as peer:
+        ep.register(pool.data_ptr(), pool.nbytes)
+        peer.register(mine.data_ptr(), mine.nbytes)
+        old = ep.address()
+        peer.read(old, local, rows, 5)
+        assert torch.equal(mine[:1024], pool[:1024])
+        mine.zero_()
+        ep.deregister(pool.data_ptr(), pool.nbytes)
+        ep.deregister(pool.data_ptr(), pool.nbytes)  # not registered (any more): nothing
+        assert handoff_address.decode(ep.address()).regions == ()
+        if kind == "nixl":  # in one process UCX reads over shared memory, unchecked
+            assert ep._regs == {}  # NIXL's registration handle went
+        else:
+            with pytest.raises(HandoffTransferError):
+                peer.read(old, local, rows, 5)
+            assert not mine.any()
+        with pytest.raises(CacheUsageError):
+            ep.write(peer.address(), rows, local, 5)
+        ep.register(pool.data_ptr() + 4096, 4096)  # overlapped the pool before
+    ep.deregister(pool.data_ptr() + 4096, 4096)  # closed: nothing to do
+
+
 def test_open_endpoint_checks_the_kind_and_the_simulated_one_refuses_gpu_memory():
     with pytest.raises(ConfigError, match="nixl, mooncake, simulated"):
         open_endpoint("rdma", "x")

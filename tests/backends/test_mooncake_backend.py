@@ -296,7 +296,7 @@ def test_master_death_turns_calls_into_misses():
     assert b.delete(ks) == 0
     b.close()
     assert time.monotonic() - start < 30  # bounded: no hang
-    assert PARKED_CLIENTS[-1] is b.store  # not closed: that would retry the dead master, GIL held
+    assert PARKED_CLIENTS.stores()[-1] is b.store  # its close would retry the dead master
 
 
 def test_lanes_that_see_the_master_fail_at_once_count_one_outage(caplog):
@@ -341,7 +341,7 @@ def test_remote_master_death_is_bounded(master):
         assert time.monotonic() - start < 30  # bounded: no hang
         b.close()
         assert time.monotonic() - start < 45  # bounded: no hang
-        assert PARKED_CLIENTS[-1] is b.store  # parked, not closed (close_client says why)
+        assert PARKED_CLIENTS.stores()[-1] is b.store  # parked, not closed (mooncake_parked)
 
 
 def test_bench_measure_reports_every_field():
@@ -852,3 +852,34 @@ def test_a_second_copy_serves_pages_whose_segment_owner_stopped(copies, monkeypa
         finally:
             for owner in owners:
                 owner.close()
+
+
+def test_a_master_back_at_its_address_reuses_the_parked_client():
+    """Restarted twice at one address, a master costs one client, not one per restart:
+    each new backend takes the client parked when the master went (mooncake_parked.py)."""
+    import subprocess
+    with MooncakeMaster() as m:
+        procs = [m.proc]
+        try:
+            b = make(m)
+            first, before = b.store, len(PARKED_CLIENTS)
+            for round_ in range(2):
+                b.register_pool(KV_POOL, filled_pool())
+                assert b.set_from(KV_POOL, keys(1, salt=900 + round_), [0]).ok == [True]
+                procs[-1].kill()
+                procs[-1].wait(5)
+                b.close()  # its master is gone: parked
+                assert len(PARKED_CLIENTS) == before + 1
+                procs.append(subprocess.Popen(m.command(), stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL))
+                eventually(lambda: port_open("127.0.0.1", m.rpc_port), 10, "the master listens")
+                b = make(m)
+                assert b.store is first and len(PARKED_CLIENTS) == before
+            pool = filled_pool(seed=5)
+            b.register_pool(KV_POOL, pool)
+            assert b.set_from(KV_POOL, keys(1, salt=999), [0]).ok == [True]  # it works
+            b.close()
+        finally:
+            for proc in procs[1:]:
+                proc.kill()
+                proc.wait(5)

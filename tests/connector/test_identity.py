@@ -3,7 +3,9 @@ backend, ISA, dtype, block size or checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
+from opened_files import opened
 from tiny_llama import make_checkpoint
 
 from kvtier.connector.identity import BlockIdentity, block_namespace, model_identity
@@ -35,3 +37,20 @@ def test_every_part_of_the_block_identity_changes_the_key():
                         ("head_dim", 32)):
         keys.add(dataclasses.replace(BLOCK, **{name: other}).fingerprint())
     assert len(keys) == 9
+
+
+def test_the_weights_are_hashed_once_per_host_and_again_when_touched(tmp_path, monkeypatch):
+    """Every vLLM process (front end, EngineCore, each worker) names its blocks by the
+    checkpoint's digest: the first hashes the weights, the others find it in the host's
+    cache (engine/weight_digest.py), until a weight file changes."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(make_checkpoint(tmp_path / "tiny"))
+    reads = opened(monkeypatch, ".safetensors")
+    first = model_identity(model)
+    assert reads == ["model.safetensors"]
+    assert model_identity(model) == first == HFModelDir(model).identity()  # fresh objects
+    assert reads == ["model.safetensors"]
+    weights = tmp_path / "tiny" / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert model_identity(model) == first and reads == ["model.safetensors"] * 2

@@ -17,12 +17,14 @@ import torch
 import xxhash
 from cache_builder import build_cache
 
+from kvtier.backends import handoff_address
 from kvtier.backends.handoff_base import HandoffTimeout, HandoffUnavailable
 from kvtier.backends.handoff_registry import open_endpoint
-from kvtier.errors import CacheUsageError, ConfigError
+from kvtier.errors import CacheUsageError, ClosedError, ConfigError
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import PeerContact
 from kvtier.tiers.page_exchange import head_object_bytes
+from kvtier.tiers import peer_pages
 from kvtier.tiers.peer_pages import (CachePool, PeerLender, PeerReader,
                                      PeerReadOutcome)
 from kvtier.tiers.peer_table import PeerTable, lookup
@@ -45,10 +47,10 @@ def head_object(head: int, page: int, part: int, version: int = 0) -> torch.Tens
 class Instance:
     """One instance: a cache and an endpoint per TP rank."""
 
-    def __init__(self, kind: str, tp: int, role: str):
+    def __init__(self, kind: str, tp: int, role: str, pages: int = 16):
         spec = KVSpec(LAYERS, HEADS // tp, DIM, PAGE, torch.float32)
         self.tp = tp
-        self.caches = [build_cache(spec, 16, model="tiny", tp_rank=r, tp_size=tp)
+        self.caches = [build_cache(spec, pages, model="tiny", tp_rank=r, tp_size=tp)
                        for r in range(tp)]
         self.endpoints = [open_endpoint(kind, f"{role}-{r}") for r in range(tp)]
 
@@ -65,8 +67,8 @@ class Instance:
 class Holder(Instance):
     """A holder instance whose rank r holds `pages[r]` leading pages of PROMPT in L2."""
 
-    def __init__(self, kind: str, tp: int):
-        super().__init__(kind, tp, "holder")
+    def __init__(self, kind: str, tp: int, pages: int = 16):
+        super().__init__(kind, tp, "holder", pages)
         self.lenders = [PeerLender(CachePool(c, self.heads(r)), e, self.heads(r), c.publish_l2)
                         for r, (c, e) in enumerate(zip(self.caches, self.endpoints))]
 
@@ -131,6 +133,8 @@ class Reader(Instance):
         return out
 
     def close(self):
+        for reader in self.readers:
+            reader.close()
         for endpoint in (e for lanes in self.lanes for e in lanes):
             endpoint.close()
         super().close()
@@ -369,6 +373,57 @@ def test_a_timed_out_read_says_so(instances):
     endpoint.read = hung
     ((got, _),) = reader.read(holder.contact())
     assert (got.pages, got.reason) == (0, PeerReadOutcome.TRANSPORT_TIMEOUT)
+
+
+def registered(endpoint) -> int:
+    """How many regions `endpoint` registered, as a peer taking its address sees them."""
+    return len(handoff_address.decode(endpoint.address()).regions)
+
+
+@pytest.mark.parametrize("kind", KINDS[:2], indirect=True)
+def test_table_copies_are_deregistered_when_replaced_and_at_close(kind, instances):
+    """A holder rank with a larger pool than the last one at its index makes the reader copy
+    its table into a larger buffer: the smaller one is deregistered, not left behind; close
+    deregisters the rest. The endpoint (the caller's) stays open and usable."""
+    small, big = Holder(kind, 1), Holder(kind, 1, pages=32)
+    instances += [small, big]
+    reader = Reader(kind, 1)
+    instances.append(reader)
+    small.fill()
+    big.fill()
+    endpoint, pool_only = reader.endpoints[0], registered(reader.endpoints[0])
+    for holder in (small, big, small, big):
+        ((got, host),) = reader.read(holder.contact())
+        assert got.reason is PeerReadOutcome.ALL
+        reader.check(0, host, 0, PAGES)
+        assert registered(endpoint) == pool_only + 1  # one table copy, however often grown
+    reader.readers[0].close()
+    assert registered(endpoint) == pool_only
+    with pytest.raises(ClosedError):
+        reader.read(small.contact())
+
+
+def test_a_table_copy_a_read_timed_out_into_stays_registered_and_allocated(instances):
+    """The transport may still write a copy its read timed out into: replaced, it is kept
+    (registered, allocated), never freed under the late write."""
+    small, big = Holder("simulated", 1), Holder("simulated", 1, pages=32)
+    instances += [small, big]
+    reader = Reader("simulated", 1)
+    instances.append(reader)
+    endpoint, pool_only = reader.endpoints[0], registered(reader.endpoints[0])
+    real = endpoint.read
+
+    def hung(*args):
+        raise HandoffTimeout("the peer did not answer in 10 s")
+    endpoint.read = hung
+    ((got, _),) = reader.read(small.contact())
+    assert got.reason is PeerReadOutcome.LOOKUP_FAILED
+    late = len(peer_pages._LATE)
+    endpoint.read = real
+    big.fill()
+    ((got, _),) = reader.read(big.contact())
+    assert got.reason is PeerReadOutcome.ALL
+    assert registered(endpoint) == pool_only + 2 and len(peer_pages._LATE) == late + 1
 
 
 def test_holder_ranks_that_miss_some_heads_are_not_looked_up(instances):
