@@ -124,8 +124,9 @@ class PeerTraffic:
         return out
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Finish the queued reads, then stop."""
+        """Finish the queued reads, then stop; the reader deregisters its table copies."""
         self._jobs.close(timeout_s)
+        self.reader.close()
 
     def _read(self, job: _Read) -> None:
         try:

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.backends.handoff_registry import open_endpoint
-from kvtier.connector.identity import BlockIdentity, block_namespace
+from kvtier.connector.identity import BlockIdentity, block_namespace, config_digest
 from kvtier.connector.l2_index import L2Change, L2ChangeKind
 from kvtier.connector.l3_traffic import L3Traffic
 from kvtier.connector.peer_traffic import PeerTraffic
@@ -354,7 +354,8 @@ class KvtierConnector(KVConnectorBase_V1):
             attention_backend=backend.name if backend is not None else "auto",
             device=device_kind(), kv_dtype=str(spec.dtype), block_size=spec.block_size,
             num_layers=mc.get_num_layers(vllm_config.parallel_config),
-            total_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
+            total_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size(),
+            config=config_digest(mc, vllm_config.cache_config))
         return block_namespace(mc.model, identity)
 
     # ---- scheduler side ------------------------------------------------------------------

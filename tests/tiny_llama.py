@@ -25,3 +25,27 @@ def make_checkpoint(path: Path, seed: int = 0, head_dim: int = 16) -> Path:
     shutil.copy(ensure_converted() / "tokenizer.json", path / "tokenizer.json")
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     return path
+
+
+def make_lora_adapter(path: Path, base: Path, seed: int, rank: int = 8) -> Path:
+    """A random LoRA adapter (PEFT's files) on `q_proj` and `v_proj` of every layer of a
+    checkpoint `make_checkpoint(base, head_dim=32)` made, large enough to change answers."""
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    outs = {"q_proj": config["num_attention_heads"] * head_dim,
+            "v_proj": config["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in outs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) / 2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) / 2
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(outs), "bias": "none", "base_model_name_or_path": str(base)}))
+    return path

@@ -54,3 +54,32 @@ def test_the_weights_are_hashed_once_per_host_and_again_when_touched(tmp_path, m
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert model_identity(model) == first and reads == ["model.safetensors"] * 2
+
+
+def test_the_engines_config_keys_its_blocks(tmp_path):
+    """Revision, config overrides, dtype, quantization and the KV cache dtype each give
+    another fingerprint; the same settings the same one."""
+    from types import SimpleNamespace
+
+    from kvtier.connector.identity import config_digest
+
+    model = str(make_checkpoint(tmp_path / "tiny"))
+
+    def digest(**changes) -> str:
+        mc = SimpleNamespace(**{"model": model, "revision": None, "hf_config_path": None,
+                                "hf_overrides": {}, "dtype": "torch.bfloat16",
+                                "quantization": None, "model_impl": "auto", **changes})
+        cache = SimpleNamespace(cache_dtype=changes.pop("cache_dtype", "auto"),
+                                kv_cache_dtype_skip_layers=[])
+        return config_digest(mc, cache)
+
+    base = digest()
+    assert digest() == base
+    others = [digest(revision="v2"), digest(hf_overrides={"rope_theta": 5e5}),
+              digest(dtype="torch.float32"), digest(quantization="fp8"),
+              digest(cache_dtype="fp8_e4m3")]
+    assert len({base, *others}) == 6
+    (tmp_path / "tiny" / "config.json").write_text(
+        (tmp_path / "tiny" / "config.json").read_text().replace("10000", "20000"))
+    assert digest() != base  # the checkpoint's config edited, its weights the same
+    assert dataclasses.replace(BLOCK, config=base).fingerprint() != BLOCK.fingerprint()
