@@ -7,7 +7,9 @@ Its block hashes are not kvtier's page keys, so `KeyTranslator` computes each st
 key once, by kvtier's chain over its tokens from its parent's key (`kvtier.keys.page_hashes`
 with `prior`), remembers vLLM's hash -> key, and records the changes in a `CacheEventLog`.
 A block whose parent it never saw (published before it listened, or forgotten) cannot be
-keyed and is skipped: the router's index is approximate, a missing page costs a worse choice.
+keyed and is skipped, as is a block keyed by more than its tokens and cache salt (a LoRA
+adapter, a multimodal item, prompt embeddings), and every block after it: the router's index
+is approximate, a missing page costs a worse choice, a wrong one never wrong KV.
 
 `EventFeed` is the subscriber: it binds a SUB socket on 127.0.0.1 (a free port) and vLLM's
 publisher connects to it (vLLM connects to any endpoint without a wildcard), so every engine
@@ -55,6 +57,7 @@ class KeyTranslator:
     def _stored(self, event: Any) -> None:
         tier = MEDIUM_TIERS.get(event.medium)
         if tier is None or event.block_size != self.page_size or event.lora_name \
+                or not _keyed_by_tokens(event.extra_keys) \
                 or len(event.token_ids) != len(event.block_hashes) * self.page_size:
             self.skipped_blocks += len(event.block_hashes)
             return
@@ -83,6 +86,13 @@ class KeyTranslator:
         if tier is CacheTier.DEVICE:
             self._device.difference_update(keys)
         self.log.record(CacheEventKind.EVICTED, tier, keys)
+
+
+def _keyed_by_tokens(extra_keys: Sequence[Any] | None) -> bool:
+    """Whether blocks with these extra keys are keyed by their tokens and cache salt alone
+    (vLLM publishes a salt as a string; a multimodal item as a tuple, prompt embeddings as
+    bytes: pages keyed by those are not the pages of their tokens, and are skipped)."""
+    return all(isinstance(key, str) for keys in extra_keys or () if keys for key in keys)
 
 
 def _salt(extra_keys: Sequence[Any] | None) -> str:

@@ -90,3 +90,17 @@ def test_the_connectors_l2_and_l3_changes_reach_the_router_in_its_key_space():
     assert got == [(CacheEventKind.STORED, CacheTier.HOST, tuple(want[:2])),
                    (CacheEventKind.STORED, CacheTier.STORAGE, tuple(want[:1])),
                    (CacheEventKind.EVICTED, CacheTier.HOST, tuple(want[2:]))]
+
+
+def test_blocks_keyed_by_more_than_their_tokens_and_salt_are_skipped():
+    """A multimodal item's block (an (identifier, offset) pair among its extra keys) or one of
+    prompt embeddings (a digest) is not the block of its tokens: neither it nor what chains
+    from it is indexed; a salted block is, under its salt's chain."""
+    tokens = list(range(8))
+    translator, got = translated(stored([21, 22], None, tokens, extra_keys=[None, ("img", 0)]),
+                                 stored([23], 22, tokens[:4]),
+                                 stored([24], None, tokens[:4], extra_keys=[(b"digest",)]))
+    assert got == [] and translator.skipped_blocks == 4
+    _, salted = translated(stored([31], None, tokens[:4], extra_keys=[("tenant",)]))
+    assert salted == [(CacheEventKind.STORED, CacheTier.DEVICE,
+                       tuple(KEYS.page_hashes(tokens[:4], PAGE, "tenant")))]
