@@ -1,5 +1,6 @@
 """An L3 page written by a TP 1 vLLM engine is read by a TP 2 one: each TP 2 worker reads its
-own KV head's objects of the page. A tiny random Llama (2 KV heads of 32 dims, SmolLM2's
+own KV head's objects of the page, and a page one rank cannot read (its head's objects
+corrupt) is a miss for both, while the other rank reads it. A tiny random Llama (2 KV heads of 32 dims, SmolLM2's
 tokenizer): SmolLM2's 3 KV heads do not split over 2 ranks."""
 from __future__ import annotations
 
@@ -68,24 +69,36 @@ def test_a_page_written_at_tp1_is_read_at_tp2(tmp_path):
 
     model = tiny_llama(tmp_path / "tiny")
     prompt = list(range(1000, 1300))  # 9 full blocks, the 10th computed
+    torn = list(range(3000, 3300))  # the same length, one head of its 4th page corrupt
     with local_ray(2):
         actor = get_or_create_namespace_actor(state_dir=str(tmp_path / "state"))
         address = cluster_address()
         writer = engine(model, 1, address, tmp_path / "l3")
-        assert answer(writer, prompt)[0] == 0
+        assert answer(writer, prompt)[0] == 0 and answer(writer, torn)[0] == 0
         writer.llm_engine.engine_core.shutdown()  # its L3 writes end with it
         (ns,) = actor.namespaces()
-        keys = actor.info(ns).spec.key_namespace.page_hashes(prompt, BLOCK)[:9]
+        spec = actor.info(ns).spec.key_namespace
+        keys, torn_keys = (spec.page_hashes(p, BLOCK)[:9] for p in (prompt, torn))
         deadline = time.monotonic() + 60
-        while actor.lookup(ns, keys).hit_pages < len(keys):
+        while actor.lookup(ns, keys + torn_keys).hit_pages < 2 * len(keys):
             assert time.monotonic() < deadline, "the TP 1 writer's pages were not published"
             time.sleep(0.05)
+        # rank 1 of the reader reads KV head 1: its objects of the 4th page are garbage, so
+        # rank 1 fails that page while rank 0 reads it (and the pages after it) whole
+        victims = list((tmp_path / "l3").rglob(f"*{torn_keys[3]}_h1_*"))
+        assert len(victims) == 2  # K and V
+        for path in victims:
+            path.write_bytes(b"\0" * path.stat().st_size)
         reader = engine(model, 2, address, tmp_path / "l3")
         cold = answer(reader, prompt, salt="cold")  # its own keys: computed at TP 2
         hit = answer(reader, prompt)
+        torn_cold = answer(reader, torn, salt="cold")
+        torn_hit = answer(reader, torn)
         reader.llm_engine.engine_core.shutdown()
         actor.shutdown()
     assert cold[0] == 0 and hit == (9 * BLOCK, cold[1])
+    # the three pages both ranks read, then computed from the page rank 1 could not read
+    assert torn_cold[0] == 0 and torn_hit == (3 * BLOCK, torn_cold[1])
 
 
 def test_a_tp2_engine_reads_the_pages_a_tp1_engine_holds_in_its_host_pool(tmp_path):
