@@ -78,6 +78,11 @@ class RoutedAnswer:
         self._next: asyncio.Future | None = None
         self._finished = False
 
+    @property
+    def moves(self) -> int:
+        """The instances the answer left (stalled, or their stream failed)."""
+        return self.sent.moves
+
     async def items(self) -> AsyncIterator[AnswerItem]:
         while True:
             if self._next is None:

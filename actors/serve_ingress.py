@@ -431,7 +431,7 @@ class Ingress:
         kvtier = out.kvtier_field(cached, lengths, None if final is None else final.pd)
         kvtier["instance"] = None if final is None else final.instance  # which served it
         kvtier["route"] = gen.route.to_field()
-        kvtier["moves"] = gen.answer.sent.moves  # instances it left (stalled or failed)
+        kvtier["moves"] = gen.answer.moves  # instances it left (stalled or failed)
         answered = sum(g.tokens for g in gens)
         return out.usage(prompt_tokens, answered, cached, lengths), kvtier
 

@@ -71,6 +71,7 @@ class Answer:
     def __init__(self, *script, hang: bool = False) -> None:
         self.script, self.hang = script, hang
         self.instance = "instance-0"
+        self.moves = 0
         self.cancelled = False
         self.read_after_error = False
 
