@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -59,6 +59,12 @@ class TrafficResults:
     released: list[Ticket] = field(default_factory=list)  # of held ones: the call returned
 
 
+class _Fetch(NamedTuple):
+    """A read's payload on the storage worker: the generation of the fetch it serves."""
+
+    gen: int
+
+
 class L3Traffic:
     """Writes and reads of one rank's objects through a storage worker: reads before writes,
     each in order."""
@@ -78,7 +84,7 @@ class L3Traffic:
         self._worker.backup(keys, slots, payload=None)
 
     def fetch(self, keys: Sequence[str], slots: Sequence[int], gen: int) -> None:
-        self._worker.prefetch(keys, slots, payload=gen)
+        self._worker.prefetch(keys, slots, payload=_Fetch(gen))
 
     def take(self) -> TrafficResults:
         """What finished since the last call."""
@@ -99,11 +105,11 @@ class L3Traffic:
 
     def _ended(self, op: StorageOp) -> None:
         """The worker's word on `op` (its thread): it ended, or a quarantined one settled."""
-        if op.payload is None:
+        if not isinstance(op.payload, _Fetch):
             if op.settled:  # a write quarantined until now votes only once its call returned
                 self._stored(op)
             return
-        tickets = [Ticket(slot, int(op.payload)) for slot in op.host_pages]  # type: ignore
+        tickets = [Ticket(slot, op.payload.gen) for slot in op.host_pages]
         done = op.done_pages
         with self._lock:
             if op.id in self._held:  # the call that held them returned
