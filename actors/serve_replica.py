@@ -49,8 +49,9 @@ def l3_options(kind: StorageBackendKind, s: ServeSettings, options: dict | None)
     unbounded). An `auto` bound still unmeasured is measured at the root now: callers that
     attach several instances at once measure it first, once (serve_graph.resolve at start,
     `bound_attach_options` for the admin API), since every instance registers the same spec.
-    Mooncake's master bounds its own store: l3_max_gb does not apply to it."""
-    opts = dict(options or {})
+    Mooncake's master bounds its own store: l3_max_gb does not apply to it. The deployment's
+    `l3_options` come first for its own backend (the caller's options win)."""
+    opts = {**(s.l3_options if kind is s.storage_backend else {}), **(options or {})}
     on_disk = kind in (StorageBackendKind.FILE, StorageBackendKind.NIXL)
     if on_disk and "root_dir" not in opts:
         if not s.l3_root:

@@ -11,7 +11,8 @@ keyed by tokens in the graph's key space (`event_namespace`), whatever vLLM hash
 The replica holds the instance's CPUs (`num_cpus_per_rank` x `tp_size`): vLLM's engine and
 workers are its child processes, which Ray does not schedule. What kvtier's instance offers
 and a vLLM engine does not (pins, rank faults and audits, L3 attached at run time) is refused
-with an error that says so (pins by the ingress).
+with an error that says so (pins by the ingress); fault drills get the engine's processes
+and its own audit instead (`engine_processes`, `engine_audit`).
 """
 from __future__ import annotations
 
@@ -29,18 +30,22 @@ from kvtier.actors.instance_server import InstanceServer
 from kvtier.actors.serve_replica import ServedReplica, final_fields, l3_options
 from kvtier.config import (CONNECTOR_FIELDS, CONNECTOR_PEER_KEY, HiCacheConfig,
                            HiCacheConfigRecord, connector_key)
+from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.frontend.records import (AnswerFinal, InstanceSnapshot, L3Attachment, ReplicaConfig,
                                      ReplicaDescription, ReplicaFlush, ReplicaSnapshot,
                                      ReplicaStorage, RunningConfig)
 from kvtier.frontend.settings import HICACHE_OWNED, ModelChoice, ServeSettings
 from kvtier.keys import KeyNamespace
+from kvtier.messages import pack_record
 
 # the cache knobs a deployment's `hicache` hands the connector: those it takes, less the ones
 # the deployment sets itself (its ratio, its L3); the others are kvtier's engine's
 CONNECTOR_KNOBS = tuple(f for f in CONNECTOR_FIELDS if f not in HICACHE_OWNED)
 MAX_NUM_SEQS = 16
 KV_SLACK = 1.05
+# the deployment's dtype as vLLM names it (auto: the checkpoint's, vLLM's own default)
+VLLM_DTYPES = {DType.AUTO: "auto", DType.BF16: "bfloat16", DType.FP32: "float32"}
 
 
 def event_namespace(s: ServeSettings) -> KeyNamespace:
@@ -97,14 +102,16 @@ def vllm_settings(s: ServeSettings, ray_address: str | None) -> Any:
     from kvtier.vllm_engine.instance import VllmSettings
 
     directory = model_dir(s)
-    per_block, context = block_bytes(directory, s.page_size)
+    per_block, context = block_bytes(directory, s.page_size,
+                                     4 if s.dtype is DType.FP32 else 2)
     connector = connector_config(s, ray_address) if s.enable_hierarchical_cache else None
     # vLLM makes a few percent fewer blocks than these bytes hold of KV: ask for more
     return VllmSettings(directory, block_size=s.page_size,
                         kv_cache_bytes=math.ceil(s.device_pages * per_block * KV_SLACK),
                         max_model_len=min(context, s.device_pages * s.page_size),
                         max_num_seqs=MAX_NUM_SEQS, tp_size=s.tp_size, connector=connector,
-                        batched_tokens=s.chunk_tokens, hit_first=True)
+                        batched_tokens=s.chunk_tokens, hit_first=True,
+                        dtype=VLLM_DTYPES[s.dtype])
 
 
 def _not_here(what: str) -> ConfigError:
@@ -190,4 +197,17 @@ class VllmDeployment(ServedReplica):
         raise _not_here("kill_rank")
 
     async def audit(self) -> list[list[bytes]]:
-        raise _not_here("the leak audit")
+        raise _not_here("the ranks' leak audit (engine_audit is the engine's)")
+
+    # ---- fault drills (kvtier bench chaos --engine vllm: actors/chaos_engines.py) ---------------
+    async def engine_processes(self) -> bytes:
+        """The pids of this replica's vLLM EngineCore and workers: an `EngineProcesses`
+        record (msgpack), for a drill that signals them."""
+        from kvtier.vllm_engine.processes import engine_processes
+
+        return pack_record(engine_processes())
+
+    async def engine_audit(self) -> bytes:
+        """What the engine holds with no request running, between two steps: an
+        `EngineAudit` record (msgpack; `idle` False while requests run)."""
+        return pack_record(await self._call(lambda inst: inst.audit()))

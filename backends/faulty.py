@@ -9,15 +9,23 @@ test sees exactly what it would in production once the storage misbehaves.
     faulty.inject(StorageOp.GET, FaultKind.HANG, times=1)     # the next read hangs
     ... the cache's prefetch times out, the request is recomputed ...
     faulty.release()                                          # let the hung call go
+
+A fault drill in other processes (`kvtier bench chaos`, whose ranks run inside vLLM's
+workers) writes the rules to a file instead (`write_fault_file`); each rank's client follows
+it when its storage options name it (`fault_file`: tiers/page_store.open_rank_backend), and
+appends one line to `<file>.hits` per call it faulted (`fault_hits`).
 """
 from __future__ import annotations
 
 import enum
+import json
 import logging
+import os
 import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 from kvtier.backends.base import (PoolRegistration, StorageBackend, StorageUnavailable,
                                   TransferResult)
@@ -51,6 +59,48 @@ class _Rule:
     delay_s: float = 0.0
 
 
+class FileRule(NamedTuple):
+    """A rule of a fault file: every `op` call of the clients whose KV heads start at
+    `first_head` (None: every client; a TP rank's first head names the rank) is faulted with
+    `kind` (not HANG: nobody could release it), each with `probability`."""
+
+    op: StorageOp
+    kind: FaultKind
+    delay_s: float = 0.0
+    first_head: int | None = None
+    probability: float = 1.0
+
+    def to_dict(self) -> dict:
+        return {**self._asdict(), "op": self.op.value, "kind": self.kind.value}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FileRule":
+        rule = cls(StorageOp(d["op"]), FaultKind(d["kind"]), float(d.get("delay_s", 0.0)),
+                   d.get("first_head"), float(d.get("probability", 1.0)))
+        if rule.kind is FaultKind.HANG or not 0.0 <= rule.delay_s <= MAX_HANG_S:
+            raise ValueError(f"a fault file cannot ask for {rule.kind.value} with delay_s "
+                             f"{rule.delay_s} (hangs are for tests in one process; delays up "
+                             f"to {MAX_HANG_S:.0f} s)")
+        return rule
+
+
+def write_fault_file(path: str, rules: Sequence[FileRule]) -> None:
+    """Replace the rules of the fault file at `path` at once (no client reads half a file)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump([r.to_dict() for r in rules], f)
+    os.replace(tmp, path)
+
+
+def fault_hits(path: str) -> int:
+    """Calls faulted by the rules of the fault file at `path` so far, in every process."""
+    try:
+        with open(f"{path}.hits", "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
 @dataclass
 class FaultCounters:
     injected: dict[str, int] = field(default_factory=dict)  # "op:kind" -> calls hit
@@ -62,9 +112,10 @@ class FaultCounters:
 
 class FaultyBackend(StorageBackend):
     """`inner` with faults: `inject(op, kind, ...)` adds a rule; the first matching rule of a
-    call decides its fault. Thread-safe (the storage worker calls from its own thread)."""
+    call decides its fault, then those of `rules_file` (a fault file, read again whenever it
+    changes). Thread-safe (the storage worker calls from its own thread)."""
 
-    def __init__(self, inner: StorageBackend, seed: int = 0) -> None:
+    def __init__(self, inner: StorageBackend, seed: int = 0, rules_file: str = "") -> None:
         super().__init__(inner.target)
         self.inner = inner
         self.kind = inner.kind
@@ -74,6 +125,9 @@ class FaultyBackend(StorageBackend):
         self._lock = threading.Lock()
         self._release = threading.Event()
         self._rng = random.Random(seed)
+        self._rules_file = rules_file
+        self._file_version: tuple | None = None  # (inode, mtime, size) of the rules read
+        self._file_rules: list[_Rule] = []
 
     # ---- the schedule -------------------------------------------------------------------------
     def inject(self, op: StorageOp, kind: FaultKind, times: int = 1, probability: float = 1.0,
@@ -98,7 +152,8 @@ class FaultyBackend(StorageBackend):
 
     def _fault(self, op: StorageOp) -> _Rule | None:
         with self._lock:
-            for rule in self._rules:
+            self._follow_file()
+            for rule in (*self._rules, *self._file_rules):
                 if rule.op is not op or rule.times == 0:
                     continue
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
@@ -107,8 +162,43 @@ class FaultyBackend(StorageBackend):
                     rule.times -= 1
                 key = f"{op.value}:{rule.kind.value}"
                 self.faults.injected[key] = self.faults.injected.get(key, 0) + 1
+                if any(rule is r for r in self._file_rules):
+                    self._note_hit(key)
                 return rule
         return None
+
+    def _follow_file(self) -> None:
+        """The fault file's rules for this client, read again when the file changed (one
+        stat per call); none while it is missing or unreadable."""
+        if not self._rules_file:
+            return
+        try:
+            st = os.stat(self._rules_file)
+        except OSError:
+            self._file_version, self._file_rules = None, []
+            return
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if version == self._file_version:
+            return
+        self._file_version, self._file_rules = version, []
+        heads = self.target.heads
+        try:
+            with open(self._rules_file) as f:
+                rules = [FileRule.from_dict(d) for d in json.load(f)]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("fault file %s: unreadable (%s); no faults from it", self._rules_file,
+                        exc)
+            return
+        self._file_rules = [_Rule(r.op, r.kind, -1, r.probability, r.delay_s) for r in rules
+                            if r.first_head is None
+                            or heads.start == r.first_head]
+
+    def _note_hit(self, key: str) -> None:
+        try:
+            with open(f"{self._rules_file}.hits", "a") as f:
+                f.write(f"{key}\n")
+        except OSError as exc:
+            log.warning("fault file %s: cannot count a hit (%s)", self._rules_file, exc)
 
     def _before(self, op: StorageOp) -> _Rule | None:
         """Apply the call-level faults (error, delay, hang); the batch-level ones come back."""

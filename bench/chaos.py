@@ -56,11 +56,14 @@ from kvtier.bench.answer_check import Verdict
 from kvtier.bench.chaos_bodies import Limits
 from kvtier.bench.chaos_clients import Answer, ClientParams, ErrorRecord, Tally, Traffic
 from kvtier.bench.chaos_monitor import Monitor, get_json, idle
+from kvtier.bench.chaos_vllm import (RECOVER_WITHIN_S, VllmFaults, engine_audit, open_engines,
+                                     record_probes, vllm_chaos_settings, warm_up)
 from kvtier.cli.shared_flags import add_dtype_flag, add_l3_flag, add_model_flag, add_tp_flag
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import StorageBackendKind
-from kvtier.frontend.settings import ModelChoice, ServeSettings
+from kvtier.frontend.pd_settings import PDTransport
+from kvtier.frontend.settings import L3_NONE, EngineKind, ModelChoice, ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +86,36 @@ class Fault(enum.Enum):
     KILL_NAMESPACE = "kill_namespace"  # Ray restarts it; it restores its state
     NAMESPACE_STATE_LOST = "namespace_state_lost"  # killed after its state dir was deleted
     RESTART_MOONCAKE_MASTER = "restart_mooncake_master"  # killed; its supervisor restarts it
+    # the vLLM path's (bench/chaos_vllm.py)
+    KILL_ENGINE = "kill_engine"  # an EngineCore or worker process killed; Serve replaces it
+    STOP_HOLDER = "stop_holder"  # a peer's workers stopped while another reads its L2
+    CORRUPT_L3 = "corrupt_l3"  # page objects overwritten with garbage
+    L3_FULL = "l3_full"  # the L3 volume full: writes fail with ENOSPC
+    LATE_RANK_FETCH = "late_rank_fetch"  # one TP rank's L3 reads delayed
 
 
-def fault_kinds(l3: StorageBackendKind, pd: bool) -> list[Fault]:
+VLLM_FAULTS = (Fault.KILL_ENGINE, Fault.STOP_HOLDER, Fault.CORRUPT_L3, Fault.L3_FULL,
+               Fault.LATE_RANK_FETCH)
+# Where a fault comes in its round (kinds of one place in a seeded order): the vLLM path's
+# storage faults send a document from one engine to the other, so they go while both engines
+# run and the directory knows the namespace; the engine kill comes last (its instance serves
+# again only a minute or more later).
+ROUND_PLACE = {Fault.STOP_HOLDER: 0, Fault.CORRUPT_L3: 0, Fault.L3_FULL: 0,
+               Fault.LATE_RANK_FETCH: 0, Fault.KILL_ENGINE: 2}
+
+
+def fault_kinds(l3: StorageBackendKind | None, pd: bool, engine: EngineKind = EngineKind.KVTIER,
+                peers: PDTransport | None = None) -> list[Fault]:
     """The faults a run of this graph injects, each in turn."""
+    if engine is EngineKind.VLLM:
+        kinds = [Fault.KILL_ENGINE]
+        if peers is not None:
+            kinds.append(Fault.STOP_HOLDER)
+        if l3 is not None or peers is not None:  # the namespace actor runs
+            kinds += [Fault.KILL_NAMESPACE, Fault.NAMESPACE_STATE_LOST]
+        if l3 is StorageBackendKind.FILE:
+            kinds += [Fault.CORRUPT_L3, Fault.L3_FULL, Fault.LATE_RANK_FETCH]
+        return kinds
     kinds = [Fault.KILL_PREFILL_RANK, Fault.KILL_DECODE_RANK] if pd else [Fault.KILL_RANK]
     kinds += [Fault.KILL_NAMESPACE, Fault.NAMESPACE_STATE_LOST]
     if l3 is StorageBackendKind.MOONCAKE:
@@ -96,15 +125,22 @@ def fault_kinds(l3: StorageBackendKind, pd: bool) -> list[Fault]:
 
 class ChaosParams(NamedTuple):
     minutes: float = 2.0
-    l3: StorageBackendKind = StorageBackendKind.FILE
+    l3: StorageBackendKind | None = StorageBackendKind.FILE  # None: no L3 (vLLM only)
     pd: bool = False
     model: str = "tiny"  # an alias, a model directory or a GGUF file, as kvtier serve takes
     dtype: DType = DType.FP32
-    tp: int | None = None  # None: 2, or the smallest size that splits the model
+    tp: int | None = None  # None: 2, or the smallest size that splits the model (vLLM: 1)
     fault_every_s: float | None = None  # None: spread so each kind comes once, 5-30 s apart
     clients: ClientParams = ClientParams()
     port: int = 8150
     settle_s: float = 60.0
+    engine: EngineKind = EngineKind.KVTIER
+    peers: PDTransport | None = None  # vLLM: the instances read each other's L2 over it
+    recover_within_s: float = RECOVER_WITHIN_S  # vLLM: an instance back later is lost
+
+    @property
+    def vllm(self) -> bool:
+        return self.engine is EngineKind.VLLM
 
     @property
     def seconds(self) -> float:
@@ -146,7 +182,10 @@ def tp_size(model: str, asked: int | None) -> int:
 
 def chaos_settings(p: ChaosParams, tmp: str) -> ServeSettings:
     """The graph: two mixed instances (or one prefill and one decode), small L1 so that L2
-    and L3 serve, everything on loopback, the L3 and the namespace state under `tmp`."""
+    and L3 serve, everything on loopback, the L3 and the namespace state under `tmp`; over
+    vLLM, bench/chaos_vllm.py's."""
+    if p.vllm:
+        return vllm_chaos_settings(p, tmp, secrets.token_urlsafe(24))
     tiny = ServeSettings(model=p.model).model is ModelChoice.TINY
     page = 16 if tiny else 64
     shape = ({"prefill_instances": 1, "decode_instances": 1} if p.pd else {"instances": 2})
@@ -177,10 +216,13 @@ def wait_until(what, timeout_s: float, every_s: float = 0.5) -> bool:
 # ---- faults ----------------------------------------------------------------------------------
 class Injector:
     """One fault every `every_s` seconds after the traffic starts, the kinds in turn (each
-    round in a seeded order); each applied in a thread, so the clients keep going."""
+    round in a seeded order, placed by ROUND_PLACE); each applied in a thread, so the clients
+    keep going; none after the deadline. `vllm`: the vLLM path's faults
+    (bench/chaos_vllm.VllmFaults), whose probe requests go into `tally`."""
 
     def __init__(self, chaos: Any, settings: ServeSettings, kinds: list[Fault], every_s: float,
-                 seed: int) -> None:
+                 seed: int, vllm: Any = None, tally: Tally | None = None,
+                 token_bytes: Any = None) -> None:
         from kvtier.actors.chaos_faults import rank_targets
 
         self.chaos, self.kinds, self.every_s = chaos, kinds, every_s
@@ -188,13 +230,15 @@ class Injector:
         self.tp = settings.tp_size
         self.rng = random.Random(f"{seed}:faults")
         self.records: list[FaultRecord] = []
+        self.vllm, self.tally, self.token_bytes = vllm, tally, token_bytes
+        self.probes = 0
 
     def plan(self, count: int) -> list[Fault]:
         out: list[Fault] = []
         while len(out) < count:
             round_ = list(self.kinds)
             self.rng.shuffle(round_)
-            out += round_
+            out += sorted(round_, key=lambda kind: ROUND_PLACE.get(kind, 1))  # stable
         return out[:count]
 
     async def run(self, start: float, deadline: float) -> None:
@@ -205,11 +249,21 @@ class Injector:
             wait_s = start + i * self.every_s - time.monotonic()
             if wait_s > 0:
                 await asyncio.sleep(wait_s)
+            if time.monotonic() >= deadline:  # faults that took long left no time for it
+                break
             at_s = time.monotonic() - start
             armed, where = await asyncio.to_thread(self._apply, kind)
             self.records.append(FaultRecord(kind, at_s, armed, where))
             log.warning("chaos: %s %s at %.1f s (%s)", kind.value, where, at_s,
                         "armed" if armed else "not armed")
+            self._count_probes()
+
+    def _count_probes(self) -> None:
+        """The vLLM faults' probe requests, counted with the clients' (in their thread)."""
+        if self.vllm is not None and self.tally is not None:
+            probes = self.vllm.take_probes()
+            self.probes += len(probes)
+            record_probes(self.tally, probes, self.token_bytes)
 
     def _apply(self, kind: Fault) -> tuple[bool, str]:
         from kvtier.actors.chaos_faults import Role
@@ -217,6 +271,11 @@ class Injector:
         roles = {Fault.KILL_RANK: Role.MIXED, Fault.KILL_PREFILL_RANK: Role.PREFILL,
                  Fault.KILL_DECODE_RANK: Role.DECODE}
         try:
+            if kind in VLLM_FAULTS:
+                v = self.vllm
+                return {Fault.KILL_ENGINE: v.kill_engine, Fault.STOP_HOLDER: v.stop_holder,
+                        Fault.CORRUPT_L3: v.corrupt_l3, Fault.L3_FULL: v.l3_full,
+                        Fault.LATE_RANK_FETCH: v.late_rank_fetch}[kind]()
             if kind in roles:
                 target = self.rng.choice([t for t in self.targets if t.role is roles[kind]])
                 rank = self.rng.randrange(self.tp)
@@ -250,35 +309,54 @@ class Served(NamedTuple):
     stalls: dict[str, int]
     idle: bool  # the instances went idle after the traffic
     duration_s: float
+    recoveries: dict[str, list] = {}  # vLLM: instance -> its outages that ended
+    probes: int = 0  # vLLM: the faults' own requests
+    l3_volume: str | None = None  # vLLM's file L3: "tmpfs" (can be filled) or "directory"
 
 
-def serve_and_load(p: ChaosParams, settings: ServeSettings, limits: Limits) -> Served:
-    """Start the graph, run the traffic and the faults, audit the ranks, stop it all."""
+def serve_and_load(p: ChaosParams, settings: ServeSettings, limits: Limits,
+                   volume: Any = None) -> Served:
+    """Start the graph, run the traffic and the faults, audit the ranks (vLLM: the engines),
+    stop it all. `volume`: a vLLM graph's file L3 (bench/chaos_l3.L3Volume)."""
     from kvtier.actors import serve_graph
     from kvtier.actors.chaos_faults import ChaosFaults
 
     base = f"http://{LOOPBACK}:{p.port}"
-    kinds = fault_kinds(p.l3, p.pd)
+    kinds = fault_kinds(p.l3, p.pd, p.engine, p.peers)
     chaos = monitor = None
     try:
         serve_graph.start(settings, host=LOOPBACK, port=p.port)
         chaos = ChaosFaults(settings)
+        engines = open_engines(settings) if p.vllm else None
         if not wait_until(lambda: get_json(f"{base}/health")[0] == 200, READY_TIMEOUT_S):
             raise ConfigError(f"the graph did not become healthy at {base} within "
                               f"{READY_TIMEOUT_S:.0f} s; see the Ray logs")
-        monitor = Monitor(base, settings.admin_key, chaos.deployment_states)
+        if engines is not None:
+            warm_up(engines, READY_TIMEOUT_S)
+        monitor = Monitor(base, settings.admin_key, chaos.deployment_states,
+                          p.recover_within_s if p.vllm else None)
         monitor.start()
         start = monitor.start_s
         deadline = start + p.seconds
-        injector = Injector(chaos, settings, kinds, fault_gap_s(p, len(kinds)), p.clients.seed)
         traffic = Traffic(base, p.clients, limits, start, deadline)
+        vllm = None
+        if engines is not None:
+            vllm = VllmFaults(settings, engines, volume, start, p.clients.seed)
+        injector = Injector(chaos, settings, kinds, fault_gap_s(p, len(kinds)), p.clients.seed,
+                            vllm, traffic.tally, _token_bytes(settings))
         tally = asyncio.run(traffic.run([injector.run(start, deadline)]))
         duration_s = time.monotonic() - start
+        if p.vllm:  # a killed engine's new replica may still be starting
+            wait_until(lambda: monitor.all_up, p.recover_within_s, every_s=1.0)
         went_idle = wait_until(lambda: idle(base, settings.admin_key), p.settle_s)
-        audit, audit_error = _audit(chaos, p.settle_s)
+        audit, audit_error = _audit(
+            (lambda: engine_audit(engines)) if engines is not None else chaos.audit,
+            p.settle_s)
         monitor.stop()  # its last look sees the instances after the audit
         return Served(tally, injector.records, audit, audit_error, monitor.lost,
-                      monitor.epochs, monitor.stalls, went_idle, duration_s)
+                      monitor.epochs, monitor.stalls, went_idle, duration_s,
+                      monitor.recoveries, injector.probes,
+                      None if volume is None else "tmpfs" if volume.mounted else "directory")
     finally:
         try:
             if monitor is not None and monitor.is_alive():
@@ -289,14 +367,21 @@ def serve_and_load(p: ChaosParams, settings: ServeSettings, limits: Limits) -> S
             serve_graph.stop()
 
 
-def _audit(chaos: Any, settle_s: float) -> tuple[Any, str]:
-    """Every rank's audit, again every second while something is held, up to `settle_s`
-    (a hand-off's reserved pages are held until their deadline; copies settle inside)."""
+def _token_bytes(settings: ServeSettings) -> Any:
+    from kvtier.frontend.served_model import tokenizer
+
+    return tokenizer(settings).token_bytes
+
+
+def _audit(audit_now: Any, settle_s: float) -> tuple[Any, str]:
+    """The audit (every rank's, or every vLLM engine's), again every second while something
+    is held, up to `settle_s` (a hand-off's reserved pages are held until their deadline;
+    copies settle inside)."""
     deadline = time.monotonic() + settle_s
     audit, error = None, ""
     while True:
         try:
-            audit, error = chaos.audit(), ""
+            audit, error = audit_now(), ""
         except Exception as exc:  # noqa: BLE001 - an audit that fails is reported as such
             error = f"{type(exc).__name__}: {exc}"[:500]
         if (audit is not None and audit.clean and not error) or time.monotonic() >= deadline:
@@ -324,7 +409,7 @@ def judge_answers(answers: list[Answer], settings: ServeSettings) -> Judgement:
         return Judgement(0, 0, 0, 0, [])
     with ColdJudge(settings, resolve_here(settings.dtype)) as judge:
         for ans in answers:
-            prompt = judge.chat_prompt(ans.messages)
+            prompt = ans.prompt or judge.chat_prompt(ans.messages)
             stops = () if ans.ignore_eos else judge.stop_token_ids
             for index, raw in enumerate(ans.choices):
                 got = judge.token_ids(raw)
@@ -351,12 +436,21 @@ def vocab_size(settings: ServeSettings) -> int:
 def run(p: ChaosParams) -> dict:
     """One chaos run; its result (the JSON object, `missed` naming the targets missed)."""
     tmp = tempfile.mkdtemp(prefix="kvtier-chaos-")
+    volume = None
     try:
+        if p.vllm and p.l3 is StorageBackendKind.FILE:  # a volume of its own, to fill
+            from kvtier.bench.chaos_l3 import L3Volume
+
+            volume = L3Volume(f"{tmp}/l3")
         settings = chaos_settings(p, tmp)
-        served = serve_and_load(p, settings, limits_of(settings, vocab_size(settings)))
+        served = serve_and_load(p, settings, limits_of(settings, vocab_size(settings)), volume)
+        judged = judge_answers(served.tally.answers, settings)  # a vLLM tiny model is in tmp
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    judged = judge_answers(served.tally.answers, settings)
+        try:
+            if volume is not None:
+                volume.close()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return result_json(p, settings, served, judged)
 
 
@@ -405,15 +499,20 @@ def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
         "errors_before_faults": len(windows[0]),
         "error_samples_before_faults": _samples(windows[0]),
         "lost": served.lost, "rank_epochs": served.epochs, "stalls": served.stalls,
+        "recoveries": served.recoveries, "probes": served.probes,
+        "l3_volume": served.l3_volume,
         "went_idle": served.idle,
         "open_tickets": audit.open_tickets if audit is not None else None,
+        "engine_audit": getattr(audit, "by_instance", None) if p.vllm else None,
         "audit_error": served.audit_error or None,
         "error_kinds": dict(Counter(e.kind for e in t.errors)),
         "adversarial_statuses": {str(k): v for k, v in sorted(t.statuses.items())},
         "wrong_samples": judged.samples,
         "duration_s": round(served.duration_s, 1),
-        "settings": {"model": settings.model.value, "tp": settings.tp_size,
+        "settings": {"engine": settings.engine.value, "model": settings.model.value,
+                     "tp": settings.tp_size,
                      "instances": settings.instances, "pd": settings.pd, "l3": settings.l3_name,
+                     "peer_transport": settings.peer_transport and settings.peer_transport.value,
                      "dtype": settings.dtype.value, "page_size": settings.page_size,
                      "device_pages": settings.device_pages, "minutes": p.minutes,
                      "conversations": p.clients.conversations, "seed": p.clients.seed},
@@ -426,17 +525,33 @@ def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=2.0,
                    help=f"how long the traffic runs (default 2, at most {MAX_MINUTES:.0f})")
-    add_l3_flag(p, StorageBackendKind.FILE.value, kinds=L3_KINDS,
-                note="; mooncake: its master is restarted as a fault too")
+    p.add_argument("--engine", choices=[e.value for e in EngineKind],
+                   default=EngineKind.KVTIER.value,
+                   help="what each instance runs: kvtier (default: kvtier's engine, its ranks "
+                        "killed) or vllm (a vLLM engine with KvtierConnector: its processes "
+                        "killed and stopped, its L3 corrupted, filled and read late)")
+    add_l3_flag(p, None, kinds=L3_KINDS, allow_none=True,
+                note="; mooncake (kvtier engine): its master is restarted as a fault too; "
+                     "none (vllm): peers only. With --engine vllm and --peer-transport the "
+                     "default is none, so that every page one instance takes from another "
+                     "is a peer read")
+    p.add_argument("--peer-transport", choices=[t.value for t in PDTransport], default=None,
+                   help="--engine vllm: the instances read each other's L2 over this (default "
+                        "off); their holders are stopped mid-read as a fault too")
     p.add_argument("--pd", action="store_true",
-                   help="one prefill and one decode instance in place of two mixed ones")
+                   help="one prefill and one decode instance in place of two mixed ones "
+                        "(kvtier engine)")
     add_model_flag(p, ModelChoice.TINY.value,
                    note=": fast enough that the serving, not the model, is what runs; smollm2 "
-                        "runs at TP 3")
+                        "runs at TP 3 (vllm: TP 1)")
     add_dtype_flag(p, DType.FP32.value, note=": in bf16 a batch's composition moves greedy "
                                              "answers")
     add_tp_flag(p, None, "default 2, or the smallest size that splits the model: 3 for "
-                         "SmolLM2")
+                         "SmolLM2; --engine vllm: 1")
+    p.add_argument("--recover-within", type=float, default=RECOVER_WITHIN_S, metavar="SECONDS",
+                   help="--engine vllm: an instance whose engine was killed must serve again "
+                        f"within this (Serve starts a new replica; default "
+                        f"{RECOVER_WITHIN_S:.0f}), else it is lost")
     p.add_argument("--fault-every", type=float, default=None, metavar="SECONDS",
                    help="seconds between faults (default: each kind once over the run, "
                         f"{MIN_FAULT_GAP_S:.0f}-{MAX_FAULT_GAP_S:.0f} s apart)")
@@ -462,12 +577,44 @@ def params_of(ns: argparse.Namespace) -> ChaosParams:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if not 1 <= ns.request_timeout <= 3600 or not 0 <= ns.settle <= 3600:
         raise ConfigError("--request-timeout must be in [1, 3600] and --settle in [0, 3600]")
+    if not 10 <= ns.recover_within <= 3600:
+        raise ConfigError("--recover-within must be in [10, 3600] seconds")
+    engine = EngineKind.parse(ns.engine, "--engine")
+    peers = None if ns.peer_transport is None else PDTransport.parse(ns.peer_transport,
+                                                                     "--peer-transport")
+    l3 = _l3_of(ns.l3, engine, peers)
+    if engine is EngineKind.VLLM and ns.pd:
+        raise ConfigError("--pd: prefill/decode disaggregation runs on kvtier's engine only; "
+                          "drop --pd or --engine vllm")
+    if engine is EngineKind.KVTIER and peers is not None:
+        raise ConfigError("--peer-transport: the chaos run of kvtier's engine injects no peer "
+                          "faults; use it with --engine vllm")
     clients = ClientParams(conversations=ns.clients, max_requests=ns.max_requests,
                            request_timeout_s=ns.request_timeout, seed=ns.seed)
-    return ChaosParams(minutes=ns.minutes, l3=StorageBackendKind.parse(ns.l3, "--l3"), pd=ns.pd,
+    return ChaosParams(minutes=ns.minutes, l3=l3, pd=ns.pd,
                        model=ns.model, dtype=DType.parse(ns.dtype, "--dtype"),
                        tp=ns.tp, fault_every_s=ns.fault_every, clients=clients, port=ns.port,
-                       settle_s=ns.settle)
+                       settle_s=ns.settle, engine=engine, peers=peers,
+                       recover_within_s=ns.recover_within)
+
+
+def _l3_of(given: str | None, engine: EngineKind,
+           peers: PDTransport | None) -> StorageBackendKind | None:
+    """`--l3`: file unless given; with --engine vllm file or none (none by default with
+    --peer-transport)."""
+    if given is None:
+        return None if engine is EngineKind.VLLM and peers is not None \
+            else StorageBackendKind.FILE
+    if given == L3_NONE:
+        if engine is EngineKind.KVTIER:
+            raise ConfigError("--l3 none: the chaos run of kvtier's engine needs an L3 (file "
+                              "or mooncake)")
+        return None
+    kind = StorageBackendKind.parse(given, "--l3")
+    if engine is EngineKind.VLLM and kind is not StorageBackendKind.FILE:
+        raise ConfigError(f"--l3 {kind.value}: the chaos run over vLLM runs a file L3 (its "
+                          f"faults fill and corrupt it) or none")
+    return kind
 
 
 def main(ns: argparse.Namespace) -> int:

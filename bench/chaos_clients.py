@@ -35,6 +35,7 @@ class AnswerKind(enum.Enum):
     CHAT = "chat"  # a conversation's turn, answered whole
     STREAM = "chat_stream"  # a conversation's turn, streamed
     N16 = "n16"  # n 16, top_logprobs 20, max_tokens at the server's limit, eos ignored
+    PROBE = "probe"  # a fault's own request to one instance (bench/chaos_vllm.py), eos ignored
 
 
 class Answer(NamedTuple):
@@ -46,6 +47,7 @@ class Answer(NamedTuple):
     ignore_eos: bool
     choices: tuple[tuple[bytes, ...], ...]  # each answer's tokens, as their bytes
     at_s: float  # when it was sent, from the start of the traffic
+    prompt: tuple[int, ...] | None = None  # a prompt of token ids (a probe's) for `messages`
 
 
 class ClientParams(NamedTuple):

@@ -26,7 +26,8 @@ from kvtier.frontend.pd_settings import PDTransport, pd_graph
 from kvtier.frontend.placement import (HEAD_RESOURCE, INSTANCE_RESOURCE, PlacementMode,
                                        RankGpus, check_resource_name)
 from kvtier.frontend.tenants import check_api_keys, load_api_keys
-from kvtier.storage_options import check_abs_path, check_float, check_int
+from kvtier.storage_options import (check_abs_path, check_float, check_int,
+                                    parse_storage_options)
 
 MAX_INSTANCES = 64
 DEFAULT_INSTANCES = 2
@@ -37,6 +38,8 @@ HICACHE_OWNED = {"page_size": "page_size",
                  "enable_hierarchical_cache": "enable_hierarchical_cache",
                  "hicache_ratio": "hicache_ratio", "storage_backend": "storage_backend",
                  "storage_options": "l3_root", "disable_radix_cache": "enable_hierarchical_cache"}
+# the L3 backend options a deployment sets with its own settings (option -> setting)
+L3_OWNED = {"root_dir": "l3_root", "max_size_bytes": "l3_max_gb"}
 # Serve config keys of earlier releases -> the setting each one names (read by from_mapping)
 OLD_KEYS = {"l3": "storage_backend", "hierarchical": "enable_hierarchical_cache"}
 
@@ -107,6 +110,9 @@ class ServeSettings:
     l3_actor: str = "kvtier-l3"  # the namespace actor's name
     l3_state_dir: str = ""  # where that actor keeps its registry ("" = next to the L3 pages,
     # or a temp dir): a fresh L3 directory gets a fresh registry
+    # more options of the L3 backend, by its own names (kvtier/storage_options.py: fsync,
+    # verify_checksums, ...); its directory and bound stay l3_root and l3_max_gb
+    l3_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     tenant_salt: str = ""
     # "" = a random key, which `kvtier serve` writes to a file of the user's only
     # (frontend/admin_key_file.py); kept out of the repr, which logs and tracebacks may show
@@ -187,6 +193,7 @@ class ServeSettings:
         for name in ("l3_root", "l3_state_dir"):  # each actor has its own cwd: no relative dirs
             if getattr(self, name):
                 check_abs_path(getattr(self, name), name)
+        set_("l3_options", self._check_l3_options(self.l3_options))
         set_("hicache", self._check_hicache(self.hicache))
         set_("api_keys", check_api_keys(self.api_keys))
         KeyNamespace("kvtier", self.tenant_salt)  # the salt's rules, checked before any instance
@@ -221,6 +228,23 @@ class ServeSettings:
             raise ConfigError("peer_transport: a prefill/decode graph moves KV by its "
                               "hand-off; peer-to-peer L2 is for instances that do both")
         return transport
+
+    def _check_l3_options(self, options: Any) -> dict[str, Any]:
+        """The L3 backend's further options, checked by its own rules."""
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"l3_options: expected a mapping of the L3 backend's options, "
+                              f"got {type(options).__name__}")
+        if not options:
+            return {}
+        if self.storage_backend is None:
+            raise ConfigError("l3_options: there is no L3 (storage_backend none, or the cache "
+                              "off); drop them or choose a backend")
+        for key, setting in L3_OWNED.items():
+            if key in options:
+                raise ConfigError(f"l3_options: {key!r} is the {setting!r} setting of the "
+                                  f"deployment; set it there")
+        parse_storage_options(self.storage_backend, options)  # its keys and values
+        return dict(options)
 
     def _resolve_model(self) -> None:
         """`model` is an alias (smollm2, tiny), a model directory or a .gguf file (then it

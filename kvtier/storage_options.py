@@ -175,12 +175,17 @@ class FileOptions(_Options):
     # which the I/O threads partly hide (docs/benchmarks.md has the figures). Turn it off
     # only on trusted storage.
     verify_checksums: bool = True
+    # For fault drills (`kvtier bench chaos`), never in production: a JSON file of fault rules
+    # (backends/faulty.py) that every rank's client follows while it exists ("" = none).
+    fault_file: str = ""
 
     def __post_init__(self) -> None:
         check_abs_path(self.root_dir, self._where("root_dir"))
         check_int(self.max_size_bytes, self._where("max_size_bytes"), 0, MAX_BYTES)
         check_bool(self.fsync, self._where("fsync"))
         check_bool(self.verify_checksums, self._where("verify_checksums"))
+        if self.fault_file:
+            check_abs_path(self.fault_file, self._where("fault_file"))
 
 
 @dataclass(frozen=True, slots=True)

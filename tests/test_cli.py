@@ -107,7 +107,7 @@ def test_every_command_takes_the_one_list_of_choices():
         else:  # None: every kind, checked by the command's settings
             assert choices is None or set(choices) <= kinds, command
     assert seen[("serve", "--l3")] is None
-    assert set(seen[("bench chaos", "--l3")]) == {"file", "mooncake"}
+    assert set(seen[("bench chaos", "--l3")]) == {"file", "mooncake", "none"}  # none: vllm
     assert {c for c, f in seen if f == "--dtype"} >= {
         "serve", "demo", "bench prefix", "bench instances", "bench pd", "bench matrix",
         "bench serve", "bench chaos"}

@@ -27,6 +27,7 @@ from typing import Protocol, Sequence
 import torch
 
 from kvtier.backends.base import KV_POOL, SWA_POOL, PagePart, StorageBackend, StorageTarget
+from kvtier.backends.faulty import FaultyBackend
 from kvtier.backends.registry import backend_class, create_backend
 from kvtier.backends.shared_root import check_marker, shared_root_dir
 from kvtier.errors import ConfigError
@@ -79,12 +80,20 @@ def open_rank_backend(info: NamespaceInfo, heads: HeadRange | None = None,
     with the backend's own eviction off: the namespace's directory evicts (module docstring).
 
     A file or nixl root is first checked to be the one the namespace actor sees (its marker
-    read back; RootNotShared naming `node`, default this host's name, when it is not)."""
+    read back; RootNotShared naming `node`, default this host's name, when it is not). A
+    `fault_file` in the options (fault drills only) wraps the client in a FaultyBackend that
+    follows it."""
     root_dir = shared_root_dir(info.storage_options())
     if root_dir is not None and info.root_marker:
         check_marker(root_dir, info.namespace, info.root_marker, node)
-    return create_backend(info.spec.backend, rank_target(info, heads),
-                          _with_overrides(info, _NO_OWN_EVICTION))
+    options = _with_overrides(info, _NO_OWN_EVICTION)
+    backend = create_backend(info.spec.backend, rank_target(info, heads), options)
+    fault_file = getattr(options, "fault_file", "")
+    if fault_file:
+        log.warning("L3 client of namespace %s follows the fault file %s (a fault drill)",
+                    info.namespace, fault_file)
+        return FaultyBackend(backend, rules_file=fault_file)
+    return backend
 
 
 class _PlaceholderPool:

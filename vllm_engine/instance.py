@@ -28,6 +28,8 @@ from kvtier.tiers.controller import TransferStats
 from kvtier.tiers.storage_types import StorageCounters
 from kvtier.vllm_engine.cached import CachedBySource
 from kvtier.vllm_engine.copy_stats import CopyStats
+from kvtier.vllm_engine.engine_watch import EngineWatch
+from kvtier.vllm_engine.seed_gate import Pending, SeedGate, seeds_need_a_gate
 from kvtier.vllm_engine.kv_events import EventFeed, KeyTranslator
 
 CONNECTOR = "KvtierConnector"
@@ -70,8 +72,10 @@ class VllmSettings(NamedTuple):
                           scheduler_cls=HIT_FIRST if self.hit_first else None, dtype=self.dtype)
 
 
-def vllm_sampling(sampling: SamplingParams, already: int) -> Any:
-    """vLLM's parameters for kvtier's, `already` answer tokens in (a resumed request)."""
+def vllm_sampling(sampling: SamplingParams, already: int, vocab_size: int | None = None) -> Any:
+    """vLLM's parameters for kvtier's, `already` answer tokens in (a resumed request). Stop
+    ids past the model's `vocab_size` are left out: no answer token can be one (kvtier's
+    engine ignores them alike), and vLLM would refuse the request."""
     from vllm import SamplingParams as VllmSampling
     from vllm.sampling_params import RequestOutputKind
 
@@ -80,13 +84,16 @@ def vllm_sampling(sampling: SamplingParams, already: int) -> Any:
         raise ConfigError(f"a request resumed after {already} tokens has none left of its "
                           f"max_new_tokens={sampling.max_new_tokens}")
     stops = sampling.stop_token_ids
+    if stops is not None and vocab_size is not None:
+        stops = tuple(t for t in stops if t < vocab_size)
     return VllmSampling(
         max_tokens=left, temperature=sampling.temperature, top_p=sampling.top_p,
         top_k=sampling.top_k, min_p=sampling.min_p, seed=sampling.seed,
         repetition_penalty=sampling.repetition_penalty,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, logprobs=sampling.logprobs,
-        stop_token_ids=None if stops is None else list(stops), ignore_eos=stops == (),
+        # kvtier's stop ids are the whole set (with EOS when EOS ends the answer)
+        stop_token_ids=None if stops is None else list(stops), ignore_eos=stops is not None,
         output_kind=RequestOutputKind.DELTA, detokenize=False)
 
 
@@ -118,8 +125,10 @@ class VllmCounters(NamedTuple):
     storage: dict[str, Any] | None
 
 
-def _copy_tally(tally: Callable[[dict[str, Any]], None]) -> Any:
-    """A vLLM stat logger class that hands each step's connector figures to `tally`."""
+def _copy_tally(tally: Callable[[dict[str, Any]], None],
+                usage: Callable[[float], None]) -> Any:
+    """A vLLM stat logger class that hands each step's connector figures to `tally` and the
+    share of KV blocks in use to `usage`."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class ConnectorTally(StatLoggerBase):
@@ -128,7 +137,10 @@ def _copy_tally(tally: Callable[[dict[str, Any]], None]) -> Any:
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
-            payload = None if scheduler_stats is None else scheduler_stats.kv_connector_stats
+            if scheduler_stats is None:
+                return
+            usage(float(scheduler_stats.kv_cache_usage))
+            payload = scheduler_stats.kv_connector_stats
             if payload:
                 tally(payload)
 
@@ -136,6 +148,13 @@ def _copy_tally(tally: Callable[[dict[str, Any]], None]) -> Any:
             pass
 
     return ConnectorTally
+
+
+class EngineAudit(NamedTuple):
+    """What a vLLM engine holds once its instance runs no request (`VllmInstance.audit`)."""
+
+    idle: bool  # no request was running (False: nothing else was checked)
+    blocks_in_use: int  # KV blocks vLLM still holds for some request: leaked, once idle
 
 
 class EngineFacts(NamedTuple):
@@ -179,13 +198,19 @@ class VllmInstance:
         self._copies = CopyStats()  # what the connector's workers copied (vLLM's stats)
         self._hits = CachedTokens(0, 0, 0)  # finished requests' cached prompt tokens by tier
         self._lookups = 0  # finished requests
+        self._usage = 0.0  # share of KV blocks in use after the last step vLLM reported
+        loggers = [_copy_tally(self._tally, self._used)]
         try:
             self._engine = LLMEngine.from_engine_args(settings.engine_args(endpoint),
-                                                      stat_loggers=[_copy_tally(self._tally)])
+                                                      stat_loggers=loggers)
         except BaseException:
             if self._feed is not None:
                 self._feed.close()
             raise
+        self._vocab_size = self._engine.vllm_config.model_config.get_vocab_size()
+        # seeded requests prefilled in one step on vLLM's CPU build (vllm_engine/seed_gate.py)
+        self._gate = SeedGate(self.facts().batched_tokens, seeds_need_a_gate())
+        self._watch = EngineWatch(self._engine.engine_core)  # a dead engine fails its step
         self._running: dict[int, _Running] = {}
         self._refused: dict[int, Output] = {}  # requests vLLM would not take, answered next step
 
@@ -203,7 +228,7 @@ class VllmInstance:
 
     @property
     def num_pending(self) -> int:
-        return len(self._running) + len(self._refused)
+        return len(self._running) + len(self._refused) + len(self._gate)
 
     def watch_cache(self, name: str) -> None:
         """Report cache events under `name` (none without `event_keys`: the engine
@@ -227,36 +252,49 @@ class VllmInstance:
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
                     cache_salt: str = "", resume: Resume | None = None,
                     request_id: int | None = None) -> int:
+        if request_id is None:
+            raise ValueError("a vLLM instance takes its requests under the server's ids")
+        pending = self._gate.admit(Pending(request_id, tuple(tokens), sampling, cache_salt,
+                                           resume, time.monotonic()))
+        if pending is not None:
+            self._add(pending)
+        return request_id
+
+    def _add(self, pending: Pending) -> None:
+        """`pending` to vLLM now; one vLLM refuses (too long, bad parameters) fails alone."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        if request_id is None:
-            raise ValueError("a vLLM instance takes its requests under the server's ids")
+        request_id, tokens, sampling, cache_salt, resume, arrived = pending
         resumed = () if resume is None else tuple(resume.tokens)
         prompt = TokensPrompt(prompt_token_ids=[*tokens, *resumed])
         if cache_salt:
             prompt["cache_salt"] = cache_salt
-        try:  # a request vLLM refuses (too long, bad parameters) fails alone
+        try:
             self._engine.add_request(str(request_id), prompt,
-                                     vllm_sampling(sampling, len(resumed)))
+                                     vllm_sampling(sampling, len(resumed), self._vocab_size))
         except (VLLMClientError, ValueError, TypeError, ConfigError) as exc:
             self._refused[request_id] = Output(
                 request_id, tuple(tokens), resumed, None, FinishReason.ERROR,
                 RequestLengths(0, 0, 0, 0, 0), CachedTokens(0, 0, 0), None, None,
                 error=f"vLLM refused the request: {exc}")
-            return request_id
+            return
         self._running[request_id] = _Running(
             tuple(tokens), sampling, resumed, None if resume is None else resume.logprobs,
-            time.monotonic())
-        return request_id
+            arrived)
 
     def abort(self, request_id: int) -> object:
         self._refused.pop(request_id, None)
+        if self._gate.drop(request_id):
+            return None
         if self._running.pop(request_id, None) is not None:
             self._engine.abort_request([str(request_id)])
         return None
 
     def step_report(self) -> InstanceStep:
+        prefilling = [i for i, r in self._running.items() if r.first_token is None]
+        for pending in self._gate.release(prefilling, len(self._running)):
+            self._add(pending)
         finished: list[Output] = list(self._refused.values())
         self._refused.clear()
         outputs = self._engine.step() if self._running else []
@@ -283,6 +321,7 @@ class VllmInstance:
         return InstanceStep(finished, progress, self.drain_events())
 
     def close(self) -> None:
+        self._watch.close()
         try:
             self._engine.engine_core.shutdown()
         finally:
@@ -309,6 +348,16 @@ class VllmInstance:
             return None
         return self.num_blocks
 
+    def audit(self) -> EngineAudit:
+        """Whether vLLM still holds KV blocks with no request running: it drops its prefix
+        cache (L1), which it refuses while any block is in use; how many then are from its
+        last step's figures (at least 1)."""
+        if self.num_pending:
+            return EngineAudit(False, 0)
+        if self._engine.reset_prefix_cache():
+            return EngineAudit(True, 0)
+        return EngineAudit(True, max(1, round(self._usage * max(self.num_blocks - 1, 1))))
+
     def counters(self) -> "VllmCounters":
         """kvtier's cache and L3 counters of this engine so far (monotonic)."""
         copies, hits = self._copies, self._hits
@@ -325,6 +374,9 @@ class VllmInstance:
                                   + copies.peer_hit_tokens,
                                   peer_prefetched_tokens=copies.peer_hit_tokens).snapshot()
         return VllmCounters(cache, storage if self._l3 or self._peers else None)
+
+    def _used(self, share: float) -> None:
+        self._usage = share
 
     def _tally(self, payload: dict[str, Any]) -> None:
         """One step's connector figures, as vLLM's stats carry them (its step thread)."""

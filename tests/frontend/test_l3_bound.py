@@ -100,3 +100,24 @@ def test_kvtier_serve_prints_the_bound_at_start(free_disk, tmp_path, monkeypatch
 def test_the_free_space_is_measured_where_the_root_will_be(tmp_path):
     assert free_bytes_at(str(tmp_path / "not" / "made" / "yet")) > 0
     assert l3_bound.auto_l3_gb(str(tmp_path), free_bytes=0) * GiB == l3_bound.MIN_AUTO_BYTES
+
+
+def test_more_backend_options_reach_every_instance_but_not_the_bound(free_disk, tmp_path):
+    from kvtier.errors import ConfigError
+
+    faults = str(tmp_path / "faults.json")
+    s = serve_graph.resolve(ServeSettings(l3_root=str(tmp_path),
+                                          l3_options={"fsync": True, "fault_file": faults}))
+    again = ServeSettings.from_mapping(s.to_mapping())
+    assert l3_options(FILE, again, None) == {"fsync": True, "fault_file": faults,
+                                             "root_dir": str(tmp_path),
+                                             "max_size_bytes": 20 * GiB}
+    assert l3_options(FILE, s, {"fsync": False})["fsync"] is False  # an attach's own win
+    mooncake = l3_options(StorageBackendKind.MOONCAKE, s, {"master_address": "127.0.0.1:1"})
+    assert "fsync" not in mooncake  # another backend attached: not its options
+    for options, needle in (({"root_dir": "/x"}, "l3_root"), ({"max_size_bytes": 1}, "l3_max_gb"),
+                            ({"fsync": "yes"}, "fsync"), ({"nope": 1}, "nope"), ([1], "mapping")):
+        with pytest.raises(ConfigError, match=needle):
+            ServeSettings(l3_options=options)
+    with pytest.raises(ConfigError, match="no L3"):
+        ServeSettings(storage_backend="none", l3_options={"fsync": True})
