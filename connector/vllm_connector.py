@@ -296,7 +296,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
         s = self._settings
         info = self._register_namespace(spec)
-        link = DirectoryLink(s.ray_address, info.namespace, s.l3_actor, self._holder,
+        link = DirectoryLink(s.ray_address, info, s.l3_actor, self._holder,
                              self._incarnation)
         self._l2_reporter = link.l2_reporter()  # reports and renews the engine's lease
         return link
@@ -332,7 +332,7 @@ class KvtierConnector(KVConnectorBase_V1):
             reader = PeerReader(worker.peer_pool, endpoint, heads, PEER_READ_TIMEOUT_S)
             worker.attach_peers(PeerTraffic(reader))
             # registered again on an interval: the contact lives under the engine's lease
-            keeper = register_peer(s.ray_address, info.namespace, self._holder,
+            keeper = register_peer(s.ray_address, info, self._holder,
                                    self._incarnation,
                                    lender.contact(rank, self._tp_size, f"vllm worker {rank}"),
                                    s.l3_actor)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import ray
 
@@ -20,13 +20,15 @@ from kvtier.actors.l3.namespace_actor import ACTOR_NAME, get_or_create_namespace
 from kvtier.actors.l3.rank_link import directory_client, open_namespace_backend
 from kvtier.actors.ray_join import join_cluster
 from kvtier.backends.base import StorageBackend
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, UnknownNamespaceError
 from kvtier.kv_spec import HeadRange
-from kvtier.messages import NamespaceInfo, NamespaceSpec, PeerContact, PeerRank
+from kvtier.messages import (L2Receipt, LookupResult, NamespaceInfo, NamespaceSpec, PeerContact,
+                             PeerOffer, PeerRank)
 from kvtier.tiers.storage_tier import DIRECTORY_LEASE_S
 from kvtier.tiers.storage_types import PageDirectoryClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # read by join when ray_address is not given
 
 
@@ -56,16 +58,62 @@ def register_namespace(address: str | None, spec: NamespaceSpec, actor: str | No
     return get_or_create_namespace_actor(actor or ACTOR_NAME, state_dir).register(spec)
 
 
+class RegisteredDirectory:
+    """The namespace actor's directory of one namespace as the connector calls it: when the
+    actor does not know the namespace (it restarted without its state), the namespace's
+    `spec` is registered again (idempotent: every process of every engine may) and the call
+    made once more, as kvtier's own ranks do (rank_link.RankL3Link). Without it an engine
+    would miss L3 and its peers until another engine registered the namespace."""
+
+    def __init__(self, client: PageDirectoryClient, spec: NamespaceSpec) -> None:
+        self._client, self.spec = client, spec
+
+    def _again(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except UnknownNamespaceError:
+            log.warning("the L3 namespace actor does not know namespace %s (it restarted "
+                        "without its state); registering it again", self.spec.namespace)
+            self._client.register(self.spec)
+            return call()
+
+    def lookup(self, ns: str, hashes: Sequence[str], lease_ttl_s: float = 0.0) -> LookupResult:
+        return self._again(lambda: self._client.lookup(ns, hashes, lease_ttl_s))
+
+    def release(self, lease_id: str) -> bool:
+        return self._client.release(lease_id)  # a lease dies with the state that granted it
+
+    def report_missing(self, ns: str, hashes: Sequence[str]) -> int:
+        return self._again(lambda: self._client.report_missing(ns, hashes))
+
+    def report_stored(self, ns: str, hashes: Sequence[str], heads: HeadRange) -> list[str]:
+        return self._again(lambda: self._client.report_stored(ns, hashes, heads))
+
+    def best_peer(self, ns: str, hashes: Sequence[str], asker: str) -> PeerOffer:
+        return self._again(lambda: self._client.best_peer(ns, hashes, asker))
+
+    def report_l2(self, ns: str, holder: str, incarnation: str, held: Sequence[str],
+                  dropped: Sequence[str] = (), replace: bool = False) -> L2Receipt:
+        return self._again(lambda: self._client.report_l2(ns, holder, incarnation, held,
+                                                          dropped, replace))
+
+    def forget_l2(self, holder: str, incarnation: str) -> int:
+        return self._client.forget_l2(holder, incarnation)
+
+    def register_peer(self, ns: str, holder: str, incarnation: str, rank: PeerRank) -> None:
+        self._again(lambda: self._client.register_peer(ns, holder, incarnation, rank))
+
+
 class DirectoryLink:
     """The scheduler side's view of one namespace's page directory (the connector's
     L3Directory and PeerDirectory), as L2 holder `holder` in its start `incarnation`
     (tiers/l2_holders.py: the engine's workers register their contacts under the same)."""
 
-    def __init__(self, address: str | None, namespace: str, actor: str | None = None,
+    def __init__(self, address: str | None, info: NamespaceInfo, actor: str | None = None,
                  holder: str = "", incarnation: str = "") -> None:
         join(address)
-        self.namespace, self.holder, self.incarnation = namespace, holder, incarnation
-        self._client: PageDirectoryClient = directory_client(actor or ACTOR_NAME)
+        self.namespace, self.holder, self.incarnation = info.namespace, holder, incarnation
+        self._client = RegisteredDirectory(directory_client(actor or ACTOR_NAME), info.spec)
 
     def best_peer(self, keys: Sequence[str]) -> tuple[int, PeerContact | None]:
         try:
@@ -102,7 +150,7 @@ class DirectoryLink:
         return L2Reporter(self._client, self.namespace, self.holder, self.incarnation)
 
 
-def register_peer(address: str | None, namespace: str, holder: str, incarnation: str,
+def register_peer(address: str | None, info: NamespaceInfo, holder: str, incarnation: str,
                   rank: PeerRank, actor: str | None = None) -> ContactKeeper:
     """Tell the namespace's directory how peers reach TP rank `rank.rank` of L2 holder
     `holder`'s start `incarnation` (a worker, once its pool and table are registered on its
@@ -110,8 +158,8 @@ def register_peer(address: str | None, namespace: str, holder: str, incarnation:
     the directory does not answer the first time: an engine that cannot lend is
     misconfigured."""
     join(address)
-    return ContactKeeper(directory_client(actor or ACTOR_NAME), namespace, holder,
-                         incarnation, rank)
+    return ContactKeeper(RegisteredDirectory(directory_client(actor or ACTOR_NAME), info.spec),
+                         info.namespace, holder, incarnation, rank)
 
 
 class WorkerStorage:
@@ -123,7 +171,7 @@ class WorkerStorage:
         join(address)
         self.info, self.heads = info, heads
         self.backend: StorageBackend = open_namespace_backend(info, heads)
-        self._client = directory_client(actor or ACTOR_NAME)
+        self._client = RegisteredDirectory(directory_client(actor or ACTOR_NAME), info.spec)
 
     def report_stored(self, keys: Sequence[str]) -> None:
         """A page is published once every head's objects were reported, by any ranks."""

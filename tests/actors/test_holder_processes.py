@@ -25,13 +25,18 @@ import sys, time
 from kvtier.actors.l3.connector_link import DirectoryLink, register_peer
 from kvtier.messages import PeerRank
 
+from kvtier.actors.l3.rank_link import directory_client
+
 address, namespace, actor, holder, incarnation = sys.argv[1:6]
 keys = sys.argv[6].split(",")
-link = DirectoryLink(address, namespace, actor, holder, incarnation)
+from kvtier.actors.l3.connector_link import join
+join(address)
+info = directory_client(actor).info(namespace)
+link = DirectoryLink(address, info, actor, holder, incarnation)
 reporter = link.l2_reporter()
 reporter.held(keys)
 assert reporter.flush()
-keeper = register_peer(address, namespace, holder, incarnation,
+keeper = register_peer(address, info, holder, incarnation,
                        PeerRank(0, 1, 0, 2, holder, "ns", b"addr"), actor)
 print("ready", flush=True)
 if sys.stdin.readline().strip() == "close":  # a clean shutdown, as vLLM's
@@ -107,3 +112,40 @@ def test_the_old_replicas_shutdown_leaves_the_new_one_listed(directory):
         assert offered(client, namespace) == "rolling"
     finally:
         new.close()
+
+
+def test_the_connectors_calls_register_the_namespace_again_after_the_actor_lost_it(
+        shared_ray, tmp_path):
+    """The namespace actor killed with its state lost: the next directory call of a
+    connector's link registers the namespace again and goes on (a lookup, a report)."""
+    import shutil
+
+    from kvtier.actors.l3.connector_link import DirectoryLink, WorkerStorage
+    from kvtier.actors.l3.namespace_actor import get_or_create_namespace_actor
+    from kvtier.kv_spec import HeadRange
+
+    state = tmp_path / "state"
+    client = get_or_create_namespace_actor("kvtier-relost", str(state))
+    try:
+        spec = NamespaceSpec("org/model", "", "fp", StorageBackendKind.FILE,
+                             {"root_dir": str(tmp_path / "l3")}, 2, 64)
+        info = client.register(spec)
+        link = DirectoryLink(cluster_address(), info, "kvtier-relost", "h", "i")
+        storage = WorkerStorage(cluster_address(), info, HeadRange(0, 2, 2), "kvtier-relost")
+        shutil.rmtree(state)
+        client.kill()  # Ray restarts it, knowing no namespace
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.namespaces()
+                break
+            except Exception:  # noqa: BLE001 - restarting
+                assert time.monotonic() < deadline, "the namespace actor did not come back"
+                time.sleep(0.5)
+        assert client.namespaces() == []
+        assert link.lookup(KEYS) == (0, "")  # answered (a miss), not an error
+        assert client.namespaces() == [info.namespace]  # registered again by the call
+        storage.report_stored(KEYS[:1])  # (two heads: one rank's report publishes nothing)
+        storage.close()
+    finally:
+        client.shutdown()
