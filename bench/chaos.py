@@ -31,9 +31,11 @@ requests that got an error), `wrong`, `near_ties`, `instances_lost`, `leaked_pag
 answered with a 5xx or not at all), `checked`, `cancelled`, `error_kinds`,
 `wrong_samples`, `lost` (instance: when and why), `rank_epochs`, `faults` (each one: when,
 where, armed, the errors until the next one and the causes of the first few), `missed` (the
-targets missed). Targets: `wrong`, `server_errors`,
-`adversarial_server_errors`, `instances_lost`, `leaked_pages` and `leaked_locks` all 0; the
-exit code is 1 when one is missed.
+targets missed), `tenant_probes` and `tenant_shared_tokens` (two tenants, by `cache_salt`,
+ask the same new document; the cached tokens the second is told, answers that moved
+instances apart: `tenant_moved`). Targets: `wrong`, `server_errors`,
+`adversarial_server_errors`, `instances_lost`, `leaked_pages`, `leaked_locks` and
+`tenant_shared_tokens` all 0; the exit code is 1 when one is missed.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ WRONG_SAMPLES = 8
 ERROR_SAMPLES = 3  # errors kept word for word, per fault
 L3_KINDS = (StorageBackendKind.FILE, StorageBackendKind.MOONCAKE)
 TARGETS = ("wrong", "server_errors", "adversarial_server_errors", "instances_lost",
-           "leaked_pages", "leaked_locks")
+           "leaked_pages", "leaked_locks", "tenant_shared_tokens")
 
 
 class Fault(enum.Enum):
@@ -485,6 +487,8 @@ def result_json(p: ChaosParams, settings: ServeSettings, served: Served,
         "leaked_pages": audit.leaked_pages if audit is not None else None,
         "leaked_locks": audit.leaked_locks if audit is not None else None,
         "faults_injected": injected,
+        "tenant_shared_tokens": t.tenant_shared_tokens, "tenant_probes": t.tenant_probes,
+        "tenant_moved": t.tenant_moved,
         "adversarial_server_errors": t.adversarial_server_errors,
         "adversarial_answered": t.adversarial_answered, "cancelled": t.cancelled,
         "unaccounted": t.sent - t.answered - t.refused_4xx - t.server_errors

@@ -1,7 +1,8 @@
 """The clients of `kvtier bench chaos`, over HTTP against the serve graph: conversations (real
-multi-turn chat about a few shared documents, greedy, half of the requests streamed) and the
+multi-turn chat about a few shared documents, greedy, half of the requests streamed), the
 adversary (random bodies with extreme values, streams cancelled midway, `n` 16 with
-`top_logprobs` 20 at the token limit).
+`top_logprobs` 20 at the token limit), and two tenants (`cache_salt`) asking the same new
+document, the second of which must be told 0 cached tokens (`tenant_shared_tokens`).
 
 Every greedy request of a conversation or of the `n` 16 kind asks for its log-probabilities:
 they carry each answer token's bytes, which is how the answers (streamed ones token by token,
@@ -58,6 +59,7 @@ class ClientParams(NamedTuple):
     turn_words: int = 20
     answer_tokens: int = 16
     n16_every_s: float = 15.0
+    tenant_every_s: float = 10.0  # a new document for the two tenants
     fuzz_pause_s: float = 0.2
     error_pause_s: float = 1.0  # a client whose request failed waits this long, as people do
     request_timeout_s: float = 120.0
@@ -86,6 +88,9 @@ class Tally:
     answers: list = field(default_factory=list)
     adversarial_answered: int = 0
     statuses: Counter = field(default_factory=Counter)  # adversarial bodies: HTTP status
+    tenant_probes: int = 0  # documents tenant B asked after tenant A cached them
+    tenant_moved: int = 0  # of those: B's answer moved instances (may hit its own first run)
+    tenant_shared_tokens: int = 0  # cached tokens B was told, not moved: another's pages
 
     def error(self, well_formed: bool, kind: str, detail: str, sent_s: float,
               failed_s: float) -> None:
@@ -145,7 +150,8 @@ class Traffic:
         async with aiohttp.ClientSession(timeout=timeout,
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
             clients = [self._conversations(session, k) for k in range(self.p.conversations)]
-            clients += [self._adversary(session), self._n16(session)]
+            clients += [self._adversary(session), self._n16(session),
+                        self._tenants(session)]
             try:
                 await asyncio.gather(*clients, *(also or []))
             finally:
@@ -184,14 +190,41 @@ class Traffic:
             await self._greedy(session, messages, self.limits.max_new_tokens, rng.random() < 0.5,
                                AnswerKind.N16, n=16, top_logprobs=20, ignore_eos=True)
 
+    async def _tenants(self, session: aiohttp.ClientSession) -> None:
+        """Every `tenant_every_s`: tenant A (one `cache_salt`) asks about a document no one
+        asked before, twice (its second a hit of its own), then tenant B (another salt) asks
+        the same: B must be told 0 cached tokens, unless its answer moved instances."""
+        rng = random.Random(f"{self.p.seed}:tenants")
+        while self._open():
+            await self._pause(self.p.tenant_every_s)
+            if not self._open():
+                return
+            messages = [{"role": "system", "content": "Memo. " + _words(rng, self.p.doc_words)},
+                        {"role": "user", "content": "What is the memo about?"}]
+            usage: dict = {}
+            for salt in ("chaos-tenant-a", "chaos-tenant-a", "chaos-tenant-b"):
+                if await self._greedy(session, messages, 4, False, AnswerKind.CHAT,
+                                      cache_salt=salt, usage=usage) is None:
+                    break
+            else:
+                self.tally.tenant_probes += 1
+                if usage.get("moves"):
+                    self.tally.tenant_moved += 1
+                else:
+                    self.tally.tenant_shared_tokens += usage.get("cached_tokens", 0)
+
     async def _greedy(self, session: aiohttp.ClientSession, messages: list[dict],
                       max_tokens: int, stream: bool, kind: AnswerKind, n: int = 1,
-                      top_logprobs: int = 0, ignore_eos: bool = False) -> str | None:
+                      top_logprobs: int = 0, ignore_eos: bool = False, cache_salt: str = "",
+                      usage: dict | None = None) -> str | None:
         """One greedy chat request, recorded for judging; its first answer's text, or None
-        when it failed (counted)."""
+        when it failed (counted). `usage`, when given and the answer came whole, gets its
+        cached prompt tokens and how many instances it left (`cached_tokens`, `moves`)."""
         body: dict[str, Any] = {"model": self.limits.model, "messages": messages,
                                 "max_tokens": max_tokens, "temperature": 0, "logprobs": True,
                                 "stream": stream}
+        if cache_salt:
+            body["cache_salt"] = cache_salt
         if n > 1:
             body["n"] = n
         if top_logprobs:
@@ -204,7 +237,7 @@ class Traffic:
         self.tally.sent += 1
         try:
             texts, tokens = await (self._read_stream(session, body, n) if stream
-                                   else self._read_whole(session, body, n))
+                                   else self._read_whole(session, body, n, usage))
         except ServerError as exc:
             self.tally.error(True, exc.kind, exc.detail, at, self._now())
             return None
@@ -220,11 +253,17 @@ class Traffic:
                                          ignore_eos, tokens, at))
         return texts[0]
 
-    async def _read_whole(self, session, body: dict, n: int) -> tuple[list[str], tuple]:
+    async def _read_whole(self, session, body: dict, n: int,
+                          usage: dict | None = None) -> tuple[list[str], tuple]:
         async with session.post(self.url + CHAT, json=body) as resp:
             await check_status(resp, ERROR_BYTES)
             raw = await resp.read()
         data = json.loads(raw)
+        if usage is not None:
+            usage["cached_tokens"] = int(
+                ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get(
+                    "cached_tokens") or 0)
+            usage["moves"] = int((data.get("kvtier") or {}).get("moves") or 0)
         choices = sorted(data["choices"], key=lambda c: c["index"])
         if len(choices) != n:
             raise ServerError("wrong_choices", f"{len(choices)} answers for n={n}")

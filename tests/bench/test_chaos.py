@@ -26,6 +26,7 @@ def test_a_short_chaos_run_meets_every_target(capsys):
     kinds = {kind.value for kind in fault_kinds(StorageBackendKind.FILE, pd=False)}
     assert set(result["faults_injected"]) == kinds, result["faults"]  # each kind, armed
     assert result["sent"] > 0 and result["checked"] > 0 and result["refused_4xx"] > 0
+    assert result["tenant_probes"] > 0  # two tenants asked one document: none shared
     assert result["unaccounted"] == 0
     why = {k: result[k] for k in ("missed", "lost", "faults", "error_kinds",
                                   "error_samples_before_faults", "wrong_samples", "audit_error")}

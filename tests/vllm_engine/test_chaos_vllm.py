@@ -41,6 +41,7 @@ def test_a_short_vllm_chaos_run_meets_every_target(capsys):
         kinds.discard(Fault.L3_FULL.value)
     assert set(result["faults_injected"]) >= kinds, result["faults"]  # each kind, armed
     assert result["sent"] > 0 and result["checked"] > 0 and result["refused_4xx"] > 0
+    assert result["tenant_probes"] > 0  # two tenants asked one document: none shared
     assert result["probes"] > 0 and result["answers_by_kind"].get("probe", 0) > 0
     assert result["unaccounted"] == 0 and result["went_idle"]
     assert result["recoveries"], "the killed engine's instance never came back"
