@@ -19,7 +19,8 @@ bench/chaos_bodies.py; streams it hangs up on midway; `n` 16 with `top_logprobs`
 token limit). The faults (actors/chaos_faults.py), one every `--fault-every` seconds, each
 kind in turn: a rank killed (`--pd`: a prefill or a decode rank), the namespace actor killed,
 the namespace actor killed with its state lost, and with `--l3 mooncake` the Mooncake master
-killed (its supervisor restarts it). When the time is up no request starts; those in flight
+killed (its supervisor restarts it); a kind the time left no room for comes right after the
+traffic (within FAULT_GRACE_S). When the time is up no request starts; those in flight
 end (each bounded by `--request-timeout`); once the instances are idle every rank is audited
 (retried for `--settle` seconds while anything is still held); the cluster stops; then each
 greedy answer, streamed tokens included, is judged against cold runs in this process
@@ -74,6 +75,7 @@ MAX_MINUTES = 120.0
 READY_TIMEOUT_S = 600.0
 MAX_FAULT_GAP_S = 30.0
 MIN_FAULT_GAP_S = 5.0
+FAULT_GRACE_S = 120.0  # after the traffic, for the fault kinds it left no room for
 WRONG_SAMPLES = 8
 ERROR_SAMPLES = 3  # errors kept word for word, per fault
 L3_KINDS = (StorageBackendKind.FILE, StorageBackendKind.MOONCAKE)
@@ -219,7 +221,7 @@ def wait_until(what, timeout_s: float, every_s: float = 0.5) -> bool:
 class Injector:
     """One fault every `every_s` seconds after the traffic starts, the kinds in turn (each
     round in a seeded order, placed by ROUND_PLACE); each applied in a thread, so the clients
-    keep going; none after the deadline. `vllm`: the vLLM path's faults
+    keep going; none after the deadline but the kinds not injected yet (each comes once). `vllm`: the vLLM path's faults
     (bench/chaos_vllm.VllmFaults), whose probe requests go into `tally`."""
 
     def __init__(self, chaos: Any, settings: ServeSettings, kinds: list[Fault], every_s: float,
@@ -253,12 +255,21 @@ class Injector:
                 await asyncio.sleep(wait_s)
             if time.monotonic() >= deadline:  # faults that took long left no time for it
                 break
-            at_s = time.monotonic() - start
-            armed, where = await asyncio.to_thread(self._apply, kind)
-            self.records.append(FaultRecord(kind, at_s, armed, where))
-            log.warning("chaos: %s %s at %.1f s (%s)", kind.value, where, at_s,
-                        "armed" if armed else "not armed")
-            self._count_probes()
+            await self._inject(kind, start)
+        # every kind comes once: those the time left no room for (faults whose probes took
+        # long on a loaded machine) right after the traffic, within FAULT_GRACE_S
+        for kind in [k for k in self.kinds if k not in {r.kind for r in self.records}]:
+            if time.monotonic() >= deadline + FAULT_GRACE_S:
+                break
+            await self._inject(kind, start)
+
+    async def _inject(self, kind: Fault, start: float) -> None:
+        at_s = time.monotonic() - start
+        armed, where = await asyncio.to_thread(self._apply, kind)
+        self.records.append(FaultRecord(kind, at_s, armed, where))
+        log.warning("chaos: %s %s at %.1f s (%s)", kind.value, where, at_s,
+                    "armed" if armed else "not armed")
+        self._count_probes()
 
     def _count_probes(self) -> None:
         """The vLLM faults' probe requests, counted with the clients' (in their thread)."""

@@ -3,8 +3,10 @@ plan, the TP size, the judging of answers (near-ties followed, splices caught), 
 targets and the command line."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -56,6 +58,25 @@ def test_the_plan_brings_every_kind_once_before_any_twice():
     plan = injector.plan(2 * len(kinds) + 1)
     assert sorted(plan[:len(kinds)], key=str) == sorted(kinds, key=str)
     assert sorted(plan[len(kinds):2 * len(kinds)], key=str) == sorted(kinds, key=str)
+
+
+def test_kinds_the_time_left_no_room_for_come_right_after_the_traffic():
+    """A fault that takes long (a probe on a loaded machine) pushes the next past the
+    deadline: the kinds not injected yet come after it, once each, nothing twice."""
+    kinds = chaos.fault_kinds(MOONCAKE, False)
+    injector = chaos.Injector.__new__(chaos.Injector)
+    injector.kinds, injector.rng, injector.records = kinds, random.Random(3), []
+    injector.vllm = injector.tally = None
+
+    def slow(kind):
+        time.sleep(0.3)  # every fault takes longer than the gap
+        return True, "here"
+
+    injector._apply = slow
+    injector.every_s = 0.1
+    start = time.monotonic()
+    asyncio.run(injector.run(start, start + 0.35))
+    assert sorted((r.kind for r in injector.records), key=str) == sorted(kinds, key=str)
 
 
 def test_the_default_gap_spreads_one_fault_of_each_kind_over_the_run():
