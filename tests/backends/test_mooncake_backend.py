@@ -534,26 +534,42 @@ def test_verified_batches_go_in_lanes_each_call_checked_on_its_own(master):
         calls: list = []
         b.store = _CountingStore(b.store, calls)
         m = b._maps[KV_POOL]
-        hashed_on, seal, mismatched = set(), m.seal, m.mismatched
+        hashed_on: dict = {}  # the batch's page -> the threads that hashed its objects
+        seal, mismatched = m.seal, m.mismatched
 
-        def seal_seen(*args):
-            hashed_on.add(threading.get_ident())
-            return seal(*args)
+        def seen(batch, objects):
+            for i in objects:
+                hashed_on.setdefault(batch.slots[i] - min(batch.slots), set()).add(
+                    threading.get_ident())
 
-        def mismatched_seen(*args):
-            hashed_on.add(threading.get_ident())
-            return mismatched(*args)
+        def seal_seen(batch, lo, hi):
+            seen(batch, range(lo, hi))
+            return seal(batch, lo, hi)
+
+        def mismatched_seen(batch, objects):
+            seen(batch, objects)
+            return mismatched(batch, objects)
+
+        def hashed_in_lanes() -> None:
+            assert sorted(hashed_on) == list(range(10))
+            lanes = [set().union(*(hashed_on[p] for p in pages))
+                     for pages in (range(0, 4), range(4, 7), range(7, 10))]
+            assert [len(threads) for threads in lanes] == [1, 1, 1]  # one thread a lane
+            # the first lane on the caller's thread, the others on the pool's (whose one
+            # thread may run both when the first lane it took ended quickly)
+            assert lanes[0] == {threading.get_ident()}
+            assert threading.get_ident() not in lanes[1] | lanes[2]
         m.seal, m.mismatched = seal_seen, mismatched_seen
         ks = keys(10, salt=360)
         assert b.set_from(KV_POOL, ks, list(range(10))).ok == [True] * 10
         assert sorted(calls) == sorted([("batch_put_from_multi_buffers", 2 * n)
                                         for n in (2, 2, 2, 1, 2, 1)])
-        assert len(hashed_on) == 3  # each lane hashed its own calls
+        hashed_in_lanes()
         _rewrite(b.store._inner, b.target.object_name(KV_POOL, ks[5], 0, PagePart.K), _flip(5))
         hashed_on.clear()
         res = b.get_into(KV_POOL, ks, list(range(10, 20)))
         assert sorted(calls[6:]) == [("batch_get_into_multi_buffers", 2)] * 10
-        assert len(hashed_on) == 3
+        hashed_in_lanes()
         assert res.ok == [i != 5 for i in range(10)]
         assert res.bytes_moved == 9 * SPEC.page_bytes
         assert b.stats().corrupt_objects == 1
