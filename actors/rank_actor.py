@@ -48,7 +48,7 @@ from kvtier.errors import ConfigError
 from kvtier.frontend.records import RunningConfig
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo, pack_record, unpack_record
-from kvtier.policies import HandoffTransportKind, SchedulePolicy
+from kvtier.policies import SchedulePolicy, Transport
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.storage_types import PageDirectoryClient
 
@@ -427,7 +427,7 @@ class Rank:
         cache = self.engine.cache
         self._close_peers()
         self.peer_link.open(cache, self.l3_link.directory, holder, incarnation,
-                            HandoffTransportKind.parse(transport, "peer transport"), report_l2)
+                            Transport.parse(transport, "peer transport"), report_l2)
         if self.peer_link.reporter is not None:
             cache.set_event_listener(self.peer_link.listener(self._events))
 

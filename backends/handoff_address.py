@@ -17,13 +17,13 @@ from typing import NamedTuple
 import msgpack
 
 from kvtier.backends.handoff_regions import Region, RegionTable
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 VERSION = 1
 
 
 class PeerAddress(NamedTuple):
-    kind: HandoffTransportKind
+    kind: Transport
     name: str
     pid: int
     regions: tuple[Region, ...]
@@ -54,7 +54,7 @@ def decode(data: bytes) -> PeerAddress:
         raise ValueError(f"a handoff address of version {version!r}; this kvtier reads {VERSION}")
     try:
         regions = tuple(Region(int(a), int(n), str(d)) for a, n, d in doc["regions"])
-        return PeerAddress(HandoffTransportKind(doc["kind"]), str(doc["name"]), int(doc["pid"]),
+        return PeerAddress(Transport(doc["kind"]), str(doc["name"]), int(doc["pid"]),
                            regions, bytes(doc["blob"]))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"{len(data)} bytes that are not a handoff endpoint address "

@@ -43,7 +43,7 @@ from kvtier.backends import handoff_address
 from kvtier.backends.handoff_address import PeerAddress
 from kvtier.backends.handoff_regions import Region, RegionTable, as_rows, parse_device
 from kvtier.errors import CacheUsageError, ClosedError, TransferError
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 1024  # cached peer addresses (and their connections) per endpoint, least recent go
@@ -128,7 +128,7 @@ class Rows(NamedTuple):
 
 
 class HandoffEndpoint(abc.ABC):
-    kind: HandoffTransportKind
+    kind: Transport
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -51,7 +51,7 @@ import numpy as np
 from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint, HandoffTimeout,
                                           HandoffTransferError, HandoffUnavailable, Rows, Target)
 from kvtier.backends.handoff_regions import Region
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -76,7 +76,7 @@ def native_timeout_s(nbytes: int) -> float:
 
 
 class MooncakeEndpoint(HandoffEndpoint):
-    kind = HandoffTransportKind.MOONCAKE
+    kind = Transport.MOONCAKE
 
     def __init__(self, name: str, local_hostname: str = LOOPBACK, protocol: str = "tcp",
                  device_name: str = "") -> None:

@@ -53,7 +53,7 @@ from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint, Han
                                           HandoffTransferError, HandoffUnavailable, Rows, Target)
 from kvtier.backends.handoff_regions import Region, RegionTable, parse_device
 from kvtier.backends.nixl_agent import nixl_api, release_or_keep, wait_xfer
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _descs(rows: np.ndarray, idx: np.ndarray, table: RegionTable) -> tuple[str, 
 
 
 class NixlEndpoint(HandoffEndpoint):
-    kind = HandoffTransportKind.NIXL
+    kind = Transport.NIXL
 
     def __init__(self, name: str) -> None:
         super().__init__(name)

@@ -19,14 +19,14 @@ from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint,
                                           HandoffTransferError, Rows, Target)
 from kvtier.backends.handoff_regions import Region, RegionTable
 from kvtier.errors import ConfigError
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 _ENDPOINTS: dict[str, RegionTable] = {}
 _LOCK = threading.Lock()
 
 
 class SimulatedEndpoint(HandoffEndpoint):
-    kind = HandoffTransportKind.SIMULATED
+    kind = Transport.SIMULATED
 
     def __init__(self, name: str) -> None:
         super().__init__(name)

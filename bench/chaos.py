@@ -65,7 +65,7 @@ from kvtier.cli.shared_flags import add_dtype_flag, add_l3_flag, add_model_flag,
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
 from kvtier.policies import StorageBackendKind
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.frontend.settings import L3_NONE, EngineKind, ModelChoice, ServeSettings
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ ROUND_PLACE = {Fault.STOP_HOLDER: 0, Fault.CORRUPT_L3: 0, Fault.L3_FULL: 0,
 
 
 def fault_kinds(l3: StorageBackendKind | None, pd: bool, engine: EngineKind = EngineKind.KVTIER,
-                peers: PDTransport | None = None) -> list[Fault]:
+                peers: Transport | None = None) -> list[Fault]:
     """The faults a run of this graph injects, each in turn."""
     if engine is EngineKind.VLLM:
         kinds = [Fault.KILL_ENGINE]
@@ -139,7 +139,7 @@ class ChaosParams(NamedTuple):
     port: int = 8150
     settle_s: float = 60.0
     engine: EngineKind = EngineKind.KVTIER
-    peers: PDTransport | None = None  # vLLM: the instances read each other's L2 over it
+    peers: Transport | None = None  # vLLM: the instances read each other's L2 over it
     recover_within_s: float = RECOVER_WITHIN_S  # vLLM: an instance back later is lost
 
     @property
@@ -550,7 +550,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "none (vllm): peers only. With --engine vllm and --peer-transport the "
                      "default is none, so that every page one instance takes from another "
                      "is a peer read")
-    p.add_argument("--peer-transport", choices=[t.value for t in PDTransport], default=None,
+    p.add_argument("--peer-transport", default=None,
+                   choices=[t.value for t in Transport.across_processes()],
                    help="--engine vllm: the instances read each other's L2 over this (default "
                         "off); their holders are stopped mid-read as a fault too")
     p.add_argument("--pd", action="store_true",
@@ -595,8 +596,8 @@ def params_of(ns: argparse.Namespace) -> ChaosParams:
     if not 10 <= ns.recover_within <= 3600:
         raise ConfigError("--recover-within must be in [10, 3600] seconds")
     engine = EngineKind.parse(ns.engine, "--engine")
-    peers = None if ns.peer_transport is None else PDTransport.parse(ns.peer_transport,
-                                                                     "--peer-transport")
+    peers = (None if ns.peer_transport is None
+             else Transport.parse_across(ns.peer_transport, "--peer-transport"))
     l3 = _l3_of(ns.l3, engine, peers)
     if engine is EngineKind.VLLM and ns.pd:
         raise ConfigError("--pd: prefill/decode disaggregation runs on kvtier's engine only; "
@@ -614,7 +615,7 @@ def params_of(ns: argparse.Namespace) -> ChaosParams:
 
 
 def _l3_of(given: str | None, engine: EngineKind,
-           peers: PDTransport | None) -> StorageBackendKind | None:
+           peers: Transport | None) -> StorageBackendKind | None:
     """`--l3`: file unless given; with --engine vllm file or none (none by default with
     --peer-transport)."""
     if given is None:

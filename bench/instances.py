@@ -41,7 +41,7 @@ from kvtier.cli import demo, demo_flags, demo_report
 from kvtier.cli.shared_flags import add_dtype_flag, add_tp_flag
 from kvtier.bench import emit
 from kvtier.frontend.settings import L3_NONE
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reader-tp", type=int, default=0, help="see --writer-tp")
     p.add_argument("--peer", action="store_true",
                    help="with --l3 none: B reads the document from A's L2 (peer-to-peer L2)")
-    p.add_argument("--peer-transport", default=HandoffTransportKind.NIXL.value,
-                   choices=[HandoffTransportKind.NIXL.value, HandoffTransportKind.MOONCAKE.value],
+    p.add_argument("--peer-transport", default=Transport.NIXL.value,
+                   choices=[t.value for t in Transport.across_processes()],
                    help="with --peer: how B reads A's L2 (default nixl)")
     demo_flags.add_arguments(p, allow_none=True)  # --l3, --model and SGLang's --hicache-*
     # flags, as kvtier demo; --l3 none only with --peer
@@ -121,6 +121,6 @@ def _peer(ns: argparse.Namespace, params: demo.DemoParams) -> int:
         raise ConfigError("--peer runs two instances of one TP size on local Ray: drop "
                           "--writer-tp/--reader-tp and --hosts")
     result = {"benchmark": "instances",
-              **peer.run(params, HandoffTransportKind(ns.peer_transport))}
+              **peer.run(params, Transport(ns.peer_transport))}
     emit(result, ns.json)
     return 0 if result["identical"] else 1

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from kvtier.cli import demo, demo_flags
 from kvtier.cli.shared_flags import add_dtype_flag, add_pd_transport_flag, add_tp_flag
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:  # a name only: the actors are imported when a run starts
@@ -44,7 +44,7 @@ TARGET_TRANSFER_RATIO = 0.8
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (no table)")
-    add_pd_transport_flag(p, PDTransport.NIXL.value)
+    add_pd_transport_flag(p, Transport.NIXL.value)
     add_tp_flag(p, 1)
     p.add_argument("--decode-tp", type=int, default=0,
                    help="the decode instance's TP size when it differs from --tp (the "

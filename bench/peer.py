@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from kvtier.cli import demo
 from kvtier.errors import ConfigError
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 TARGET_TTFT_RATIO = 0.2
 TARGET_READ_RATIO = 0.8
@@ -43,7 +43,7 @@ READ_TRIES = 3  # B reads the document from A this many times; the fastest read 
 # the raw baseline reports its fastest of 3 (PeerReader.raw_read): the machine's noise out of both
 
 
-def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
+def run(params: demo.DemoParams, transport: Transport) -> dict:
     """One A -> B pass (the module docstring); the JSON-able result."""
     if params.hosts or params.address:
         raise ConfigError("--peer runs on local Ray only; drop --hosts")
@@ -92,7 +92,7 @@ def run(params: demo.DemoParams, transport: HandoffTransportKind) -> dict:
 
 
 def _run_on_local_ray(params: demo.DemoParams, work: Any, tmp: str,
-                      transport: HandoffTransportKind) -> tuple:
+                      transport: Transport) -> tuple:
     from kvtier.actors.instance import Instance
     from kvtier.actors.rank_actor import RANK_NUM_CPUS
     from kvtier.actors.ray_env import start_local_ray

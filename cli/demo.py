@@ -34,7 +34,7 @@ from kvtier.cli.demo_flags import DEFAULT_L3, DEFAULT_MODEL, DEFAULT_PAGE_SIZE, 
 from kvtier.cli.demo_report import Row, format_table, summary
 from kvtier.cli.shared_flags import (DTYPES, add_dtype_flag, add_l3_root_flag,
                                      add_pd_transport_flag, add_tp_flag)
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -435,7 +435,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd", action="store_true",
                    help="answer through a prefill and a decode instance (KV handed over), "
                         "each answer checked against a mixed instance's")
-    add_pd_transport_flag(g, PDTransport.NIXL.value, "; with --pd")
+    add_pd_transport_flag(g, Transport.NIXL.value, "; with --pd")
     p.add_argument("--engine", choices=("kvtier", "vllm"), default="kvtier",
                    help="vllm: the same story with two vLLM engines whose L2 and L3 are "
                         "kvtier's (KvtierConnector; SmolLM2, TP 1, file L3; docs/vllm.md)")

@@ -15,7 +15,7 @@ from kvtier.policies import StorageBackendKind
 from kvtier.frontend.admin_key_file import save_admin_key
 from kvtier.frontend.l3_bound import describe_l3_bound
 from kvtier.frontend.placement import PlacementMode, RankGpus
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.frontend.settings import HICACHE_OWNED, L3_NONE, EngineKind, ServeSettings
 from kvtier.frontend.tenants import load_api_keys
 
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode instances store the conversations they finish in L3, so the "
                         "next turn's prefill hits the answer too (default on; "
                         "--no-pd-decode-l3: prefill instances only use L3)")
-    p.add_argument("--peer-transport", choices=tuple(t.value for t in PDTransport),
+    p.add_argument("--peer-transport", choices=tuple(t.value for t in Transport.across_processes()),
                    default=None,
                    help="peer-to-peer L2: each instance reads the pages others hold in L2 when "
                         "L3 has fewer of them, over this transport (default off)")

@@ -1,7 +1,7 @@
 """The flags several commands take, each declared once: `--model`, `--dtype`, `--tp`, `--l3`,
 `--l3-root`, `--pd-transport` and `--schedule-policy` (SGLang's `--hicache-*` flags are
 cli.flags'). Each builder adds one flag to a parser or an argument group, with its one list of
-choices taken from the vocabulary (DType, StorageBackendKind, SchedulePolicy, PDTransport, the
+choices taken from the vocabulary (DType, StorageBackendKind, SchedulePolicy, Transport, the
 serve settings' ModelChoice); a command that handles fewer of them names its own subset, and
 says why there.
 """
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from kvtier.dtypes import DType
 from kvtier.policies import SchedulePolicy, StorageBackendKind
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.frontend.settings import L3_NONE, ModelChoice
 
 
@@ -97,12 +97,12 @@ def add_l3_root_flag(p: Adds, note: str = "") -> None:
 
 def add_pd_transport_flag(p: Adds, default: str | None, note: str = "") -> None:
     """`--pd-transport {nixl,mooncake}`: how prefill ranks write KV into decode ranks' pages
-    (PDTransport). `default` None: the command picks (nixl) when it runs a prefill/decode
+    (Transport). `default` None: the command picks (nixl) when it runs a prefill/decode
     graph; `note` ends the help."""
-    p.add_argument("--pd-transport", choices=tuple(t.value for t in PDTransport),
-                   default=default,
+    p.add_argument("--pd-transport", default=default,
+                   choices=tuple(t.value for t in Transport.across_processes()),
                    help=f"how prefill ranks write KV into decode ranks' pages (default "
-                        f"{default or PDTransport.NIXL.value}{note})")
+                        f"{default or Transport.NIXL.value}{note})")
 
 
 def add_schedule_policy_flag(p: Adds, default: str = SchedulePolicy.LPM.value, note: str = "",

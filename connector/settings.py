@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from kvtier.config import CONNECTOR_FIELDS, CONNECTOR_PEER_KEY, GB, HiCacheConfig, connector_key
 from kvtier.errors import ConfigError
-from kvtier.policies import HandoffTransportKind, StorageBackendKind, WritePolicy
+from kvtier.policies import StorageBackendKind, Transport, WritePolicy
 
 CONNECTOR = "KvtierConnector"
 _KEYS = {connector_key(f): f for f in CONNECTOR_FIELDS}
@@ -44,7 +44,7 @@ class ConnectorSettings:
     ray_address: str | None = None
     l3_actor: str | None = None  # None: the namespace actor's default name
     l3_state_dir: str | None = None  # where a namespace actor it starts keeps its registry
-    peer: HandoffTransportKind | None = None  # peer-to-peer L2 over it (None: off)
+    peer: Transport | None = None  # peer-to-peer L2 over it (None: off)
 
     @property
     def l3(self) -> bool:
@@ -87,11 +87,8 @@ class ConnectorSettings:
         if state_dir is None and isinstance(root, str):
             state_dir = os.path.join(root, STATE_DIR_NAME)
         peer = extra.get(CONNECTOR_PEER_KEY)
-        peer = None if peer is None else HandoffTransportKind.parse(peer, CONNECTOR_PEER_KEY)
-        if peer is HandoffTransportKind.SIMULATED:
-            raise ConfigError(f"{CONNECTOR}: {CONNECTOR_PEER_KEY} simulated moves bytes within "
-                              "one process, and vLLM engines are separate processes; use nixl "
-                              "or mooncake")
+        peer = None if peer is None else Transport.parse_across(
+            peer, f"{CONNECTOR}: {CONNECTOR_PEER_KEY}")
         return cls(cache, extra.get(RAY_ADDRESS), extra.get(L3_ACTOR), state_dir, peer)
 
     def host_slots(self, device_blocks: int, slot_bytes: int) -> int:

@@ -9,20 +9,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvtier.errors import ConfigError
-from kvtier.policies import _Choice
-
-
-class PDTransport(_Choice):
-    """How a prefill/decode graph's prefill ranks write a request's KV into its decode ranks'
-    pages: the hand-off transports that cross processes."""
-
-    NIXL = "nixl"  # NIXL agent (UCX)
-    MOONCAKE = "mooncake"  # Mooncake transfer engine
+from kvtier.policies import Transport
 
 
 class PDGraph(NamedTuple):
     instances: int  # every model replica: P + D in a prefill/decode graph
-    transport: PDTransport | None  # None: not a prefill/decode graph
+    transport: Transport | None  # None: not a prefill/decode graph
 
 
 def _where(name: str) -> str:
@@ -67,5 +59,5 @@ def pd_graph(instances: Any, prefill: Any, decode: Any, transport: Any, default_
     if p + d > most:
         raise ConfigError(f"prefill_instances {p} + decode_instances {d} is more than {most} "
                           f"instances; give fewer")
-    return PDGraph(p + d, PDTransport.parse(PDTransport.NIXL if transport is None else transport,
-                                            _where("pd_transport")))
+    return PDGraph(p + d, Transport.parse_across(Transport.NIXL if transport is None
+                                                 else transport, _where("pd_transport")))

@@ -19,10 +19,10 @@ from typing import Any, Mapping
 from kvtier.config import HiCacheConfig
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
-from kvtier.policies import SchedulePolicy, StorageBackendKind, _Choice
+from kvtier.policies import SchedulePolicy, StorageBackendKind, Transport, _Choice
 from kvtier.keys import KeyNamespace
 from kvtier.frontend.l3_bound import L3Bound, auto_l3_gb, parse_l3_max_gb
-from kvtier.frontend.pd_settings import PDTransport, pd_graph
+from kvtier.frontend.pd_settings import pd_graph
 from kvtier.frontend.placement import (HEAD_RESOURCE, INSTANCE_RESOURCE, PlacementMode,
                                        RankGpus, check_resource_name)
 from kvtier.frontend.tenants import check_api_keys, load_api_keys
@@ -85,12 +85,12 @@ class ServeSettings:
     # of D instances, which decode it (both 0: every instance does both, `instances` of them)
     prefill_instances: int = 0
     decode_instances: int = 0
-    pd_transport: PDTransport | None = None  # how the KV moves (a PD graph: default nixl)
+    pd_transport: Transport | None = None  # how the KV moves (a PD graph: default nixl)
     pd_decode_l3: bool = True  # a PD graph's decode instances store the conversations they
     # finish in L3, so the next turn's prefill hits the answer's pages too
     # peer-to-peer L2: each instance reads the pages other instances hold in L2 when L3 has
     # fewer of them (docs/architecture.md, "Peer-to-peer L2"), over nixl or mooncake; None: off
-    peer_transport: PDTransport | None = None
+    peer_transport: Transport | None = None
     tp_size: int = 1
     page_size: int = 64
     chunk_tokens: int = 512  # most new tokens one forward computes (prefill + decodes)
@@ -214,13 +214,13 @@ class ServeSettings:
             set_("served_model_name", name)
         set_("peer_transport", self._check_peers(self.peer_transport))
 
-    def _check_peers(self, transport: Any) -> PDTransport | None:
+    def _check_peers(self, transport: Any) -> Transport | None:
         """Peers read each other's L2 over a hand-off transport; they find each other through
         the L3 namespace's directory."""
         if transport is None or (isinstance(transport, str)
                                  and transport.strip().lower() == L3_NONE):
             return None
-        transport = PDTransport.parse(transport, "peer_transport")
+        transport = Transport.parse_across(transport, "peer_transport")
         if not self.enable_hierarchical_cache:
             raise ConfigError("peer_transport: peers read each other's L2, and the cache is "
                               "off (L1 only); drop one of them")

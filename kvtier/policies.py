@@ -89,12 +89,30 @@ class StorageBackendKind(_Choice):
     SIMULATED = "simulated"  # deterministic bandwidth/latency model for GPU-free tests
 
 
-class HandoffTransportKind(_Choice):
-    """How a prefill rank writes a request's KV into a decode rank's pages."""
+class Transport(_Choice):
+    """How pages move between two processes' host pools: a prefill rank writing a request's KV
+    into a decode rank's pages, and an instance reading a peer's L2 pages."""
 
     NIXL = "nixl"  # NIXL agent, UCX backend, between registered pools
     MOONCAKE = "mooncake"  # Mooncake transfer engine (TCP here, RDMA where present)
     SIMULATED = "simulated"  # in-process memmove between registered regions (unit tests only)
+
+    @classmethod
+    def across_processes(cls) -> tuple["Transport", ...]:
+        """The transports that cross processes: those a deployment may name."""
+        return tuple(t for t in cls if t is not cls.SIMULATED)
+
+    @classmethod
+    def parse_across(cls, value: "str | Transport", flag: str) -> "Transport":
+        """`parse`, refusing the simulated transport (it moves bytes within one process)."""
+        from kvtier.errors import ConfigError
+
+        kind = cls.parse(value, flag)
+        if kind is cls.SIMULATED:
+            names = " or ".join(t.value for t in cls.across_processes())
+            raise ConfigError(f"{flag}: simulated moves bytes within one process, and these "
+                              f"are separate processes; use {names}")
+        return kind
 
 
 class HostMode(_Choice):

@@ -29,7 +29,7 @@ from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.backends.handoff_base import HandoffEndpoint
 from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.errors import CacheUsageError
-from kvtier.policies import CacheEventKind, CacheTier, HandoffTransportKind
+from kvtier.policies import CacheEventKind, CacheTier, Transport
 from kvtier.tiers.cache_event_feed import CacheEventListener
 from kvtier.tiers.hierarchical_cache import HierarchicalCache
 from kvtier.tiers.peer_pages import (CachePool, PeerLender, PeerReadCounters, PeerReader,
@@ -73,7 +73,7 @@ class RankPeerLink:
         return self.endpoint is not None
 
     def open(self, cache: HierarchicalCache, directory: PageDirectoryClient | None,
-             holder: str, incarnation: str, transport: HandoffTransportKind,
+             holder: str, incarnation: str, transport: Transport,
              report_l2: bool) -> None:
         """Lend and read L2 pages as holder `holder` (its start `incarnation`, the same on
         every rank) over a `transport` endpoint."""

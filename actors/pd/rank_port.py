@@ -23,7 +23,7 @@ from kvtier.engine.handoff_sender import HandoffSender
 from kvtier.engine.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.messages import pack_record, unpack_record
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class RankHandoffCounters(NamedTuple):
     handed_requests: int          # prefill requests handed off, not released yet
     sent_unreleased: int          # of those, sent
     max_report_bytes: int         # the largest step report through Ray
-    transport: HandoffTransportKind | None  # None: no endpoint open
+    transport: Transport | None  # None: no endpoint open
     transfers: HandoffCounters | None       # the endpoint's writes
 
 
@@ -57,7 +57,7 @@ class RankHandoffPort:
         registered too."""
         from kvtier.backends.handoff_registry import open_endpoint
 
-        kind = HandoffTransportKind.parse(transport, "--pd-transport")
+        kind = Transport.parse(transport, "--pd-transport")
         if self._endpoint is not None and self._endpoint.kind is not kind:
             raise ConfigError(f"rank {self.rank} has a {self._endpoint.kind.value} "
                               f"endpoint already; one transport per instance")

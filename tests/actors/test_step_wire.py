@@ -89,13 +89,13 @@ def test_listings_and_counters_cross_as_records():
     from kvtier.engine.handoff_desk import DeskCounters
     from kvtier.engine.handoff_intake import IntakeCounters
     from kvtier.messages import pack_record, pack_records, unpack_record, unpack_records
-    from kvtier.policies import HandoffTransportKind
+    from kvtier.policies import Transport
     from kvtier.tiers.cache_pins import PinListing
     from kvtier.tiers.page_pins import L3PinListing
 
     idle = RankHandoffCounters(DeskCounters(0, 0, 0, 0, 0), IntakeCounters(0, 0, 0, 0), 0, 0, 0,
                                0, None, None)
-    busy = idle._replace(reserved_pages=3, transport=HandoffTransportKind.NIXL,
+    busy = idle._replace(reserved_pages=3, transport=Transport.NIXL,
                          transfers=HandoffCounters(4096, 8, 1, 0))
     for record in (idle, busy):
         assert unpack_record(RankHandoffCounters, pack_record(record)) == record

@@ -29,7 +29,7 @@ from kvtier.backends.handoff_base import (HandoffTimeout, HandoffTransferError,
 from kvtier.backends.handoff_registry import open_endpoint
 from kvtier.errors import CacheUsageError, ClosedError, ConfigError
 from kvtier.netcheck import listening
-from kvtier.policies import HandoffTransportKind
+from kvtier.policies import Transport
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
@@ -235,7 +235,7 @@ def test_rows_outside_the_peers_memory_fail_fast_and_the_endpoint_still_works(pa
 
 def test_addresses_that_are_not_a_peer_of_this_kind_are_refused(pair):
     side, peer = pair
-    other = next(k for k in HandoffTransportKind if k != side.endpoint.kind)
+    other = next(k for k in Transport if k != side.endpoint.kind)
     foreign = handoff_address.decode(peer.address)._replace(kind=other)
     local, remote = page_rows(side.kv.data_ptr(), [5]), page_rows(peer.base, [12])
     for bad, why in [(b"", "not a handoff"), (b"\x93garbage", "not a handoff"),
@@ -440,7 +440,7 @@ def test_open_endpoint_checks_the_kind_and_the_simulated_one_refuses_gpu_memory(
     with pytest.raises(ConfigError, match="nixl, mooncake, simulated"):
         open_endpoint("rdma", "x")
     pool = torch.zeros(4096, dtype=torch.uint8)
-    with open_endpoint(HandoffTransportKind.SIMULATED, "x") as ep:
+    with open_endpoint(Transport.SIMULATED, "x") as ep:
         with pytest.raises(ConfigError, match="host memory only"):
             ep.register(pool.data_ptr(), pool.nbytes, device="cuda:0")
         assert handoff_address.decode(ep.address()).regions == ()

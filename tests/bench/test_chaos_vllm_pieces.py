@@ -17,13 +17,13 @@ from kvtier.bench import chaos, chaos_l3, chaos_monitor
 from kvtier.bench.chaos_clients import AnswerKind, Tally
 from kvtier.bench.chaos_vllm import EngineAudits, ProbeRecord, record_probes
 from kvtier.errors import ConfigError
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.frontend.records import CachedCounts
 from kvtier.frontend.settings import EngineKind
 from kvtier.policies import StorageBackendKind
 
 F = chaos.Fault
-FILE, VLLM, NIXL = StorageBackendKind.FILE, EngineKind.VLLM, PDTransport.NIXL
+FILE, VLLM, NIXL = StorageBackendKind.FILE, EngineKind.VLLM, Transport.NIXL
 STORAGE = {F.STOP_HOLDER, F.CORRUPT_L3, F.L3_FULL, F.LATE_RANK_FETCH}
 
 

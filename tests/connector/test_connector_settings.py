@@ -35,11 +35,11 @@ def test_unknown_keys_and_a_write_back_policy_are_refused():
 
 
 def test_peer_transport_turns_peers_on_and_with_l3_off_uses_the_directory_alone(tmp_path):
-    from kvtier.policies import HandoffTransportKind
+    from kvtier.policies import Transport
 
     s = ConnectorSettings.from_extra_config({"peer_transport": "NIXL",
                                              "l3_state_dir": str(tmp_path)})
-    assert s.peer is HandoffTransportKind.NIXL and not s.l3 and s.directory
+    assert s.peer is Transport.NIXL and not s.l3 and s.directory
     assert s.directory_root() == str(tmp_path / "kvtier-peer-directory")
     assert ConnectorSettings.from_extra_config({}).peer is None
     assert not ConnectorSettings.from_extra_config({}).directory

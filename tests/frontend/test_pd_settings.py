@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.frontend.settings import ServeSettings
 from kvtier.cli.serve_command import add_arguments, settings_from
 
@@ -25,11 +25,11 @@ def settings(*argv: str) -> ServeSettings:
 def test_the_flags_make_a_pd_graph_of_p_plus_d_instances():
     s = settings("--prefill-instances", "2", "--decode-instances", "3", "--tp", "2")
     assert (s.pd, s.prefill_instances, s.decode_instances, s.instances) == (True, 2, 3, 5)
-    assert s.pd_transport is PDTransport.NIXL  # the default
+    assert s.pd_transport is Transport.NIXL  # the default
     assert s.rank_cpus == 5  # 5 instances x TP 2 x 0.5 CPU
     mooncake = settings("--prefill-instances", "1", "--decode-instances", "1",
                         "--pd-transport", "mooncake")
-    assert mooncake.pd_transport is PDTransport.MOONCAKE
+    assert mooncake.pd_transport is Transport.MOONCAKE
     # --instances equal to P + D is no conflict
     assert settings("--instances", "2", "--prefill-instances", "1", "--decode-instances",
                     "1").instances == 2
@@ -115,7 +115,7 @@ def test_peer_transport_crosses_and_refuses_what_it_cannot_serve():
     """Peer-to-peer L2 (--peer-transport): with or without L3, for kvtier's engine without
     a prefill/decode split and with L2 on; each refusal names the setting."""
     s = settings("--peer-transport", "mooncake", "--l3", "none")
-    assert (s.peer_transport, s.storage_backend) == (PDTransport.MOONCAKE, None)
+    assert (s.peer_transport, s.storage_backend) == (Transport.MOONCAKE, None)
     assert ServeSettings.from_mapping(s.to_mapping()) == s
     assert settings().peer_transport is None
     for values in ({"prefill_instances": 1, "decode_instances": 1},

@@ -16,7 +16,7 @@ from vllm_required import require_vllm
 
 import kvtier.cli.main as cli
 from kvtier.bench.chaos import TARGETS, Fault, fault_kinds
-from kvtier.frontend.pd_settings import PDTransport
+from kvtier.policies import Transport
 from kvtier.frontend.settings import EngineKind
 from kvtier.policies import StorageBackendKind
 
@@ -36,7 +36,7 @@ def test_a_short_vllm_chaos_run_meets_every_target(capsys):
     assert lines, f"the chaos run printed no result (rc {rc}); its stderr:\n{captured.err[-4000:]}"
     result = json.loads(lines[-1])
     kinds = {k.value for k in fault_kinds(StorageBackendKind.FILE, False, EngineKind.VLLM,
-                                          PDTransport.NIXL)}
+                                          Transport.NIXL)}
     if result["l3_volume"] != "tmpfs":  # no mount here (not root): the volume cannot fill
         kinds.discard(Fault.L3_FULL.value)
     assert set(result["faults_injected"]) >= kinds, result["faults"]  # each kind, armed
