@@ -39,7 +39,7 @@ from ray.util.placement_group import (placement_group, placement_group_table,
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtier.actors.cluster_placement import unplaced_message
-from kvtier.actors.pd.rank_port import RankHandoffCounters
+from kvtier.actors.pd.rank_port import RankTransportCounters
 from kvtier.actors.rank_actor import (RANK_NUM_CPUS, CacheDescription, Rank, RankSettings,
                                       RankSnapshot, RankStats, create_rank_actor,
                                       pack_rank_settings)
@@ -523,7 +523,7 @@ class Instance:
         writes a hand-off to the decode ranks' `targets` makes; each rank's (bytes, seconds)."""
         return self.rank_group.handoff_raw_write(targets, through_kvtier)
 
-    def handoff_counters(self) -> list[RankHandoffCounters]:
+    def handoff_counters(self) -> list[RankTransportCounters]:
         """Every rank's hand-off counters (transport bytes and pages, reservations, checks)."""
         return self.rank_group.handoff_counters()
 

@@ -526,7 +526,7 @@ class Rank:
         return self.handoff_port.raw_write(targets, through_kvtier)
 
     def handoff_counters(self) -> bytes:
-        """This rank's hand-off counters: a RankHandoffCounters record."""
+        """This rank's hand-off counters: a RankTransportCounters record."""
         return self.handoff_port.counters(self.max_report_bytes)
 
 

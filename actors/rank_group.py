@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from kvtier.actors.pd.rank_port import RankHandoffCounters
+from kvtier.actors.pd.rank_port import RankTransportCounters
 from kvtier.actors.rank_actor import CacheDescription, RankSnapshot, RankStats
 from kvtier.actors.step_wire import (StepReport, decode_output, decode_pin, decode_report,
                                      encode_resume, encode_sampling)
@@ -269,7 +269,7 @@ class RankGroup:
         return self._wait([a.handoff_raw_write.remote(wire, through_kvtier)
                            for a in self.actors], "calling handoff_raw_write")
 
-    def handoff_counters(self) -> list[RankHandoffCounters]:
-        return [unpack_record(RankHandoffCounters, b) for b in
+    def handoff_counters(self) -> list[RankTransportCounters]:
+        return [unpack_record(RankTransportCounters, b) for b in
                 self._wait([a.handoff_counters.remote() for a in self.actors],
                            "calling handoff_counters")]

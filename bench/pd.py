@@ -36,7 +36,7 @@ from kvtier.policies import Transport
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:  # a name only: the actors are imported when a run starts
-    from kvtier.actors.pd.rank_port import RankHandoffCounters
+    from kvtier.actors.pd.rank_port import RankTransportCounters
 
 TARGET_TTFT_RATIO = 1.3
 TARGET_TRANSFER_RATIO = 0.8
@@ -85,7 +85,7 @@ class PDSession(NamedTuple):
     mixed: list[tuple[Any, float]]  # each prompt's mixed Output and its TTFT
     pd: list[Any]  # each prompt's PDOutput
     raw_gbps: list[float]  # the bare transport's runs
-    counters: RankHandoffCounters  # the prefill rank 0's
+    counters: RankTransportCounters  # the prefill rank 0's
 
 
 def session(params: demo.DemoParams, transport: str, prompts_of: Callable[[Any, Any], list],

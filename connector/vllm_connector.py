@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
                                                                   KVConnectorStats)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.backends.handoff_registry import open_endpoint
+from kvtier.backends.transport_registry import open_endpoint
 from kvtier.connector.identity import BlockIdentity, block_namespace, config_digest
 from kvtier.connector.l2_index import L2Change, L2ChangeKind
 from kvtier.connector.l3_traffic import L3Traffic

@@ -8,7 +8,7 @@ The protocol, one request at a time (each step visible in `HandoffStages`):
              first token
   transfer   the prefill rank writes each prompt page, region by region (a page is 2 x
              layers runs of (page_size, heads, head_dim) in the pool), into the reserved
-             pages over a `HandoffEndpoint` (NIXL or Mooncake), then reports a
+             pages over a `TransportEndpoint` (NIXL or Mooncake), then reports a
              `HandoffSent` with an xxh3 sum per page as it sent it
   KV-ready   the decode rank sums the pages it received (`PageExchange.l1_sums`); the decode ranks
              agree in their step's one MIN collective that every page landed and matched
@@ -34,7 +34,7 @@ class HandoffTarget(NamedTuple):
     """One decode rank's reservation for a request, as its prefill rank needs it."""
 
     handoff_id: str
-    peer: bytes             # the decode rank's endpoint address (HandoffEndpoint.address)
+    peer: bytes             # the decode rank's endpoint address (TransportEndpoint.address)
     base_addr: int          # its L1 pool's first byte
     pool_pages: int         # its L1 pool's page count (the pool's shape: where a page lies)
     pages: tuple[int, ...]  # the reserved L1 page ids, one per prompt page, in order

@@ -1,7 +1,7 @@
 """The prefill side's transfer: each handed-off request's prompt pages, written from this
 rank's L1 pool into the pages its decode rank reserved, once, right after its prefill.
 
-The endpoint (kvtier.backends.handoff_base.HandoffEndpoint: NIXL or Mooncake) has this
+The endpoint (kvtier.backends.transport_base.TransportEndpoint: NIXL or Mooncake) has this
 rank's L1 pool registered; the decode rank's pool is named by its `HandoffTarget`. One
 write per request moves every region of every page (page-aligned, in one batch); the sums
 of what was sent let the decode ranks verify each page.
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvtier.backends.handoff_base import HandoffTransferError
+from kvtier.backends.transport_base import TransportError
 from kvtier.engine.handoff import HandoffSent, HandoffTarget
 from kvtier.engine.request import FinishReason, Request, pages_for
 from kvtier.errors import KvtierError
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 TRANSFER_TIMEOUT_S = 40.0  # past Mooncake's own 30 s, so its call needs no helper thread
 
 
-class WriteDeadlinePassed(HandoffTransferError):
+class WriteDeadlinePassed(TransportError):
     """A hand-off write would start after its target's `write_by`: it is not started."""
 
 
@@ -176,8 +176,8 @@ class HandoffSender:
         self.register_host()
         staging = cache.allocate_host(len(pages))
         if staging is None:
-            raise HandoffTransferError(f"no L2 room to stage {len(pages)} pages; raise "
-                                       f"--hicache-ratio on the prefill instances")
+            raise TransportError(f"no L2 room to stage {len(pages)} pages; raise "
+                                 f"--hicache-ratio on the prefill instances")
         try:
             self.pages.copy_to_l2(pages, staging)
             nbytes = descriptors = 0

@@ -43,7 +43,7 @@ class PeerPages(Protocol):
 
 
 # How long a transport may go on writing after a read it was asked to give up timed out
-# (Mooncake's own transfer timeout is 30 s by default: HandoffEndpoint.read); until then the
+# (Mooncake's own transfer timeout is 30 s by default: TransportEndpoint.read); until then the
 # read's pages stay quarantined, then they are freed.
 TRANSPORT_LINGER_S = 60.0
 

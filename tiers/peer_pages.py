@@ -3,7 +3,7 @@ another instance holds in its L2 straight into its own L2 pages, with one-sided 
 
 Why a read and not the holder pushing: the reader owns the pages the bytes land in, so a
 holder that dies or hangs never writes into pages the reader has meanwhile given to someone
-else (HandoffEndpoint.read). Why L2 and not L1: L2 in `page_head` keeps each KV head's K (or
+else (TransportEndpoint.read). Why L2 and not L1: L2 in `page_head` keeps each KV head's K (or
 V) of a page, over every layer, as one contiguous object, so ranks of different TP sizes move
 whole head objects (a holder at TP 1 serves a reader at TP 3 one third of its heads each, a
 holder at TP 3 serves a reader at TP 1 one head each); L1 interleaves heads token by token.
@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from kvtier.backends.handoff_base import HandoffEndpoint, HandoffTimeout
+from kvtier.backends.transport_base import TransportEndpoint, TransportTimeout
 from kvtier.errors import CacheUsageError, ClosedError, ConfigError, KvtierError
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import PeerContact, PeerLend, PeerRank
@@ -55,7 +55,7 @@ RAW_READS = 3  # raw_read's tries, the fastest counted
 # in lanes"); one UCX worker copies on one core.
 LANE_BYTES = 4 << 20
 # Table copies a look-up's read timed out into, replaced or closed since: the transport may
-# still write them (HandoffEndpoint.read), so they stay allocated until exit (registered
+# still write them (TransportEndpoint.read), so they stay allocated until exit (registered
 # until their endpoint closes).
 _LATE: list[np.ndarray] = []
 
@@ -73,7 +73,7 @@ class PeerReadOutcome(str, enum.Enum):
     TRANSPORT_FAILED = "transport_failed"  # a read failed (the holder's endpoint gone, ...)
     TRANSPORT_TIMEOUT = "transport_timeout"  # a read did not finish in time, and the
     # transport may still write the reader's pages until its own timeout ends it (Mooncake:
-    # backends/handoff_mooncake.py): give them to nothing else before then
+    # backends/transport_mooncake.py): give them to nothing else before then
 
 
 class PeerRead(NamedTuple):
@@ -191,7 +191,7 @@ class CachePool:
         self.cache.peer_sums.put(pages, sums, self.cache.spec.num_kv_heads)
 
 
-def _register(pool: PeerPool, endpoint: HandoffEndpoint) -> PoolMemory:
+def _register(pool: PeerPool, endpoint: TransportEndpoint) -> PoolMemory:
     """The pool as it is now, registered on `endpoint` (idempotent)."""
     memory = pool.memory()
     endpoint.register(memory.addr, memory.nbytes, memory.device)
@@ -205,7 +205,7 @@ class PeerLender:
     `HierarchicalCache.publish_l2`, the vLLM connector's worker). It answers nothing
     itself."""
 
-    def __init__(self, pool: PeerPool, endpoint: HandoffEndpoint, heads: HeadRange,
+    def __init__(self, pool: PeerPool, endpoint: TransportEndpoint, heads: HeadRange,
                  publish: Callable[[PeerTable | None], None]) -> None:
         """`heads`: the KV heads (global indices) this rank's pool holds; `publish`: the
         owner's, given the table now and None at `close`."""
@@ -236,9 +236,9 @@ class PeerReader:
     a prefetch holds, it may run on a worker thread while the owner serves; one call at a
     time."""
 
-    def __init__(self, pool: PeerPool, endpoint: HandoffEndpoint, heads: HeadRange,
+    def __init__(self, pool: PeerPool, endpoint: TransportEndpoint, heads: HeadRange,
                  timeout_s: float, lookup_fn: LookupFn | None = None,
-                 lanes: Sequence[HandoffEndpoint] = ()) -> None:
+                 lanes: Sequence[TransportEndpoint] = ()) -> None:
         """`heads`: the KV heads (global indices) this rank's pool holds. `timeout_s`: each
         transport read's limit. `lookup_fn`: where a holder rank holds pages (default:
         `lookup`, which reads its table; what raises there is a failed look-up, never this
@@ -291,7 +291,7 @@ class PeerReader:
             self.endpoint.read(rank.address, np.array([[raw.ctypes.data, nbytes]], np.uint64),
                                np.array([[rank.table_addr, nbytes]], np.uint64),
                                self.timeout_s)
-        except HandoffTimeout:
+        except TransportTimeout:
             self._late.add(rank.rank)
             raise
         hit = lookup(raw, pool_heads, keys)
@@ -408,8 +408,8 @@ class PeerReader:
         nbytes = sum(d.bytes for d in done)
         failed = [d for d in done if d.error is not None]
         if failed:  # a timed-out lane first: its transport may still write the pages
-            d = min(failed, key=lambda d: not isinstance(d.error, HandoffTimeout))
-            why = (PeerReadOutcome.TRANSPORT_TIMEOUT if isinstance(d.error, HandoffTimeout)
+            d = min(failed, key=lambda d: not isinstance(d.error, TransportTimeout))
+            why = (PeerReadOutcome.TRANSPORT_TIMEOUT if isinstance(d.error, TransportTimeout)
                    else PeerReadOutcome.TRANSPORT_FAILED)
             return self._failed(d.rank, why, d.error)._replace(bytes=nbytes)
         t2 = t1 + max(d.transfer_s for d in done)
@@ -424,7 +424,7 @@ class PeerReader:
             self.pool.verified(ours[:n], _pool_sums(sources, n, self.heads.count))
         return PeerRead(n, nbytes, 0.0, reason, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
-    def _read_span(self, endpoint: HandoffEndpoint, memory: PoolMemory, sources: list[_Source],
+    def _read_span(self, endpoint: TransportEndpoint, memory: PoolMemory, sources: list[_Source],
                    ours: list[int], lo: int, hi: int) -> "_SpanRead":
         """Pages lo..hi-1 of a read through `endpoint`: every holder rank's heads, then their
         sums (while the bytes may still be in cache). A transport error is returned."""
@@ -447,7 +447,7 @@ class PeerReader:
                  start_at: float | None = None) -> RawPeerRead:
         """The benchmark's baseline for `read`: the holder ranks' tables are read first
         (untimed), then the same head objects are moved into `pages` with the transport's
-        own calls alone (`HandoffEndpoint.raw_read`), timed, the best of RAW_READS (the
+        own calls alone (`TransportEndpoint.raw_read`), timed, the best of RAW_READS (the
         transport's own speed, less the machine's noise); nothing verified. `start_at`: a
         `time.time()` to wait for before the timed reads (an instance's ranks read at once,
         as a request's prefetch has them do)."""

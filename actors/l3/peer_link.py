@@ -26,8 +26,8 @@ import ray
 
 from kvtier.actors.l3.contact_keeper import ContactKeeper
 from kvtier.actors.l3.l2_reporter import L2Reporter
-from kvtier.backends.handoff_base import HandoffEndpoint
-from kvtier.backends.handoff_registry import open_endpoint
+from kvtier.backends.transport_base import TransportEndpoint
+from kvtier.backends.transport_registry import open_endpoint
 from kvtier.errors import CacheUsageError
 from kvtier.policies import CacheEventKind, CacheTier, Transport
 from kvtier.tiers.cache_event_feed import CacheEventListener
@@ -60,8 +60,8 @@ class RankPeerLink:
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
-        self.endpoint: HandoffEndpoint | None = None
-        self.lanes: list[HandoffEndpoint] = []  # the reader's other endpoints
+        self.endpoint: TransportEndpoint | None = None
+        self.lanes: list[TransportEndpoint] = []  # the reader's other endpoints
         self.lender: PeerLender | None = None
         self.reader: PeerReader | None = None
         self.reporter: L2Reporter | None = None
@@ -82,7 +82,7 @@ class RankPeerLink:
                                   "actor's directory: attach L3 with a namespace actor first")
         self.close(cache)
         endpoint = open_endpoint(transport, f"peer-{holder}-{self.rank}")
-        lanes: list[HandoffEndpoint] = []
+        lanes: list[TransportEndpoint] = []
         try:
             lanes += [open_endpoint(transport, f"peer-{holder}-{self.rank}-lane-{k}")
                       for k in range(1, read_lanes(self.size))]

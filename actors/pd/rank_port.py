@@ -15,7 +15,7 @@ import time
 from typing import Any, NamedTuple, Sequence
 
 from kvtier.actors.step_wire import decode_sampling
-from kvtier.backends.handoff_base import HandoffCounters
+from kvtier.backends.transport_base import TransportCounters
 from kvtier.engine.handoff import HandoffSent, HandoffTarget, IncomingKV, Staging
 from kvtier.engine.handoff_desk import DEFAULT_HOLD_S, DeskCounters
 from kvtier.engine.handoff_intake import IntakeCounters
@@ -28,7 +28,7 @@ from kvtier.policies import Transport
 log = logging.getLogger(__name__)
 
 
-class RankHandoffCounters(NamedTuple):
+class RankTransportCounters(NamedTuple):
     """One rank's hand-off counters (`Instance.handoff_counters`): totals since it started,
     and what it holds now (all 0 once every hand-off is over)."""
 
@@ -39,7 +39,7 @@ class RankHandoffCounters(NamedTuple):
     sent_unreleased: int          # of those, sent
     max_report_bytes: int         # the largest step report through Ray
     transport: Transport | None  # None: no endpoint open
-    transfers: HandoffCounters | None       # the endpoint's writes
+    transfers: TransportCounters | None       # the endpoint's writes
 
 
 class RankHandoffPort:
@@ -55,7 +55,7 @@ class RankHandoffPort:
         pool registered; its address, which peers write to. `staged`: peers have another TP
         size, so hand-offs go through L2 in `page_head` (relaid out here if needed) and L2 is
         registered too."""
-        from kvtier.backends.handoff_registry import open_endpoint
+        from kvtier.backends.transport_registry import open_endpoint
 
         kind = Transport.parse(transport, "--pd-transport")
         if self._endpoint is not None and self._endpoint.kind is not kind:
@@ -139,10 +139,10 @@ class RankHandoffPort:
                                        through_kvtier)
 
     def counters(self, max_report_bytes: int) -> bytes:
-        """This rank's hand-off counters, a RankHandoffCounters record; `max_report_bytes`:
+        """This rank's hand-off counters, a RankTransportCounters record; `max_report_bytes`:
         the rank's largest step report (through Ray)."""
         endpoint = self._endpoint
-        return pack_record(RankHandoffCounters(
+        return pack_record(RankTransportCounters(
             self.engine.handoffs.counters, self.engine.scheduler.admission.handoffs.counters,
             self.engine.handoffs.held_pages, len(self.engine.scheduler.handed),
             self.sender.unreleased if self.sender is not None else 0, max_report_bytes,

@@ -177,7 +177,7 @@ class FaultyRank(SoakRank):
 
     def time_out_next_handoff(self) -> None:
         """This rank's next hand-off write times out (a slow or hung link)."""
-        from kvtier.backends.handoff_base import HandoffTimeout
+        from kvtier.backends.transport_base import TransportTimeout
 
         sender = self.handoff_port.sender
         real = sender.endpoint
@@ -190,6 +190,6 @@ class FaultyRank(SoakRank):
             def write(self, *args, **kwargs):
                 sender.endpoint = real  # once
                 count("handoff_timeout")
-                raise HandoffTimeout("the write did not finish in time (injected)")
+                raise TransportTimeout("the write did not finish in time (injected)")
 
         sender.endpoint = _Stalling()

@@ -84,8 +84,8 @@ def test_the_rank_boundary_records_round_trip():
 def test_listings_and_counters_cross_as_records():
     """A rank's pins and hand-off counters, and an L3 namespace's pins, are checked records
     (they were dicts read by key)."""
-    from kvtier.actors.pd.rank_port import RankHandoffCounters
-    from kvtier.backends.handoff_base import HandoffCounters
+    from kvtier.actors.pd.rank_port import RankTransportCounters
+    from kvtier.backends.transport_base import TransportCounters
     from kvtier.engine.handoff_desk import DeskCounters
     from kvtier.engine.handoff_intake import IntakeCounters
     from kvtier.messages import pack_record, pack_records, unpack_record, unpack_records
@@ -93,12 +93,12 @@ def test_listings_and_counters_cross_as_records():
     from kvtier.tiers.cache_pins import PinListing
     from kvtier.tiers.page_pins import L3PinListing
 
-    idle = RankHandoffCounters(DeskCounters(0, 0, 0, 0, 0), IntakeCounters(0, 0, 0, 0), 0, 0, 0,
-                               0, None, None)
+    idle = RankTransportCounters(DeskCounters(0, 0, 0, 0, 0), IntakeCounters(0, 0, 0, 0), 0, 0, 0,
+                                 0, None, None)
     busy = idle._replace(reserved_pages=3, transport=Transport.NIXL,
-                         transfers=HandoffCounters(4096, 8, 1, 0))
+                         transfers=TransportCounters(4096, 8, 1, 0))
     for record in (idle, busy):
-        assert unpack_record(RankHandoffCounters, pack_record(record)) == record
+        assert unpack_record(RankTransportCounters, pack_record(record)) == record
     pins = [PinListing("p", "acme", 3, 2.5, 1, 3), PinListing("q", "", 1, 0.0, 0, 1)]
     assert unpack_records(PinListing, pack_records(pins)) == pins
     assert unpack_records(L3PinListing, pack_records([])) == []

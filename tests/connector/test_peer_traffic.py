@@ -10,8 +10,8 @@ import pytest
 import torch
 import xxhash
 
-from kvtier.backends.handoff_base import HandoffUnavailable
-from kvtier.backends.handoff_registry import open_endpoint
+from kvtier.backends.transport_base import TransportUnavailable
+from kvtier.backends.transport_registry import open_endpoint
 from kvtier.connector.peer_traffic import HostPeerPool, PeerTraffic
 from kvtier.connector.plan import PageFetch, PageLoad, PageSave, StepPlan, WorkerReport
 from kvtier.connector.worker_side import WorkerSide
@@ -57,7 +57,7 @@ class Engine:
                 self.lenders.append(PeerLender(w.peer_pool, endpoint, self.heads[r], w.lend))
                 w.attach_peers(PeerTraffic(PeerReader(w.peer_pool, endpoint, self.heads[r],
                                                       TIMEOUT_S)))
-        except HandoffUnavailable as exc:
+        except TransportUnavailable as exc:
             self.close()
             pytest.skip(str(exc))
 

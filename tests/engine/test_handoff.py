@@ -10,7 +10,7 @@ import pytest
 import torch
 from cache_builder import build_cache
 
-from kvtier.backends.handoff_registry import open_endpoint
+from kvtier.backends.transport_registry import open_endpoint
 from kvtier.engine.engine import Engine
 from kvtier.engine.handoff import HandoffTarget, IncomingKV, Staging, rank_sums
 from kvtier.engine.handoff_sender import HandoffSender

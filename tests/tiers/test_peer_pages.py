@@ -17,9 +17,9 @@ import torch
 import xxhash
 from cache_builder import build_cache
 
-from kvtier.backends import handoff_address
-from kvtier.backends.handoff_base import HandoffTimeout, HandoffUnavailable
-from kvtier.backends.handoff_registry import open_endpoint
+from kvtier.backends import transport_address
+from kvtier.backends.transport_base import TransportTimeout, TransportUnavailable
+from kvtier.backends.transport_registry import open_endpoint
 from kvtier.errors import CacheUsageError, ClosedError, ConfigError
 from kvtier.kv_spec import HeadRange, KVSpec
 from kvtier.messages import PeerContact
@@ -164,7 +164,7 @@ def kind(request):
             try:
                 open_endpoint(request.param, "probe").close()
                 _OPENS[request.param] = ""
-            except HandoffUnavailable as exc:
+            except TransportUnavailable as exc:
                 _OPENS[request.param] = str(exc)
         if _OPENS[request.param]:
             pytest.skip(f"{request.param} cannot open here: {_OPENS[request.param]}")
@@ -368,7 +368,7 @@ def test_a_timed_out_read_says_so(instances):
         calls.append(args)
         if len(calls) == 1:  # the table
             return real(*args)
-        raise HandoffTimeout("the peer did not answer in 10 s")
+        raise TransportTimeout("the peer did not answer in 10 s")
 
     endpoint.read = hung
     ((got, _),) = reader.read(holder.contact())
@@ -377,7 +377,7 @@ def test_a_timed_out_read_says_so(instances):
 
 def registered(endpoint) -> int:
     """How many regions `endpoint` registered, as a peer taking its address sees them."""
-    return len(handoff_address.decode(endpoint.address()).regions)
+    return len(transport_address.decode(endpoint.address()).regions)
 
 
 @pytest.mark.parametrize("kind", KINDS[:2], indirect=True)
@@ -414,7 +414,7 @@ def test_a_table_copy_a_read_timed_out_into_stays_registered_and_allocated(insta
     real = endpoint.read
 
     def hung(*args):
-        raise HandoffTimeout("the peer did not answer in 10 s")
+        raise TransportTimeout("the peer did not answer in 10 s")
     endpoint.read = hung
     ((got, _),) = reader.read(small.contact())
     assert got.reason is PeerReadOutcome.LOOKUP_FAILED

@@ -1,5 +1,5 @@
-"""The contract of the prefill -> decode KV handoff: one endpoint per rank, one-sided writes
-and reads.
+"""The contract of a transport between two processes' registered memory: one endpoint per rank,
+one-sided writes (the prefill -> decode KV hand-off) and reads (peer-to-peer L2).
 
 A decode rank registers its KV pool tensors and hands `address()` to the prefill rank (through
 the engine's bootstrap message; the bytes are opaque). The prefill rank `write()`s rows
@@ -10,20 +10,20 @@ in row i of `remote`, whole. Pages never travel through Ray's object store.
 lands in row i of this endpoint's (`local`). A reader pulls pages from a peer's host pool
 instead of having them pushed: the reader controls its own memory, so a peer that dies or
 hangs never writes into pages the reader has meanwhile reused. One caveat, the reader's own
-library: after a read's HandoffTimeout, NIXL has cancelled the transfer (or keeps it, and
+library: after a read's TransportTimeout, NIXL has cancelled the transfer (or keeps it, and
 its agent, when it cannot), while Mooncake's abandoned call may still land its rows until
-Mooncake's own timeout (backends/handoff_mooncake.py).
+Mooncake's own timeout (backends/transport_mooncake.py).
 
 What every transport shares lives here (the template around `_transfer`, one code path for
-both directions, `HandoffDirection`): row validation (shapes, equal sizes, local rows inside
+both directions, `TransportDirection`): row validation (shapes, equal sizes, local rows inside
 local registrations, remote rows inside the peer's advertised registrations), the per-address
 peer cache, counters, close. Each transport module adds only its library calls. `raw_write`
 and `raw_read` are the benchmark's baselines: the transport's same library calls with none of
 this around them.
 
 Errors: a caller bug (mismatched rows, a local row outside registered memory) raises
-CacheUsageError; anything the peer or the wire causes raises HandoffTransferError (the
-engine then recomputes or retries the request), HandoffTimeout when `timeout_s` ran out.
+CacheUsageError; anything the peer or the wire causes raises TransportError (the
+engine then recomputes or retries the request), TransportTimeout when `timeout_s` ran out.
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.backends import handoff_address
-from kvtier.backends.handoff_address import PeerAddress
-from kvtier.backends.handoff_regions import Region, RegionTable, as_rows, parse_device
+from kvtier.backends import transport_address
+from kvtier.backends.transport_address import PeerAddress
+from kvtier.backends.transport_regions import Region, RegionTable, as_rows, parse_device
 from kvtier.errors import CacheUsageError, ClosedError, TransferError
 from kvtier.policies import Transport
 
@@ -50,7 +50,7 @@ MAX_PEERS = 1024  # cached peer addresses (and their connections) per endpoint, 
 _IDS = itertools.count()
 
 
-class HandoffDirection(str, enum.Enum):
+class TransportDirection(str, enum.Enum):
     """Which way a one-sided transfer moves rows; the value is NIXL's operation name."""
 
     WRITE = "WRITE"  # row i of this endpoint's memory -> row i of the peer's
@@ -63,14 +63,14 @@ class HandoffDirection(str, enum.Enum):
     @property
     def toward(self) -> str:
         """How the peer is named after the verb: "a write of 3 rows to P", "... from P"."""
-        return "to" if self is HandoffDirection.WRITE else "from"
+        return "to" if self is TransportDirection.WRITE else "from"
 
     def source_and_destination(self, local, remote):
         """(source, destination) of a transfer between `local` and `remote` rows."""
-        return (local, remote) if self is HandoffDirection.WRITE else (remote, local)
+        return (local, remote) if self is TransportDirection.WRITE else (remote, local)
 
 
-class HandoffMove(NamedTuple):
+class TransportMove(NamedTuple):
     """What one write() or read() moved."""
 
     bytes: int
@@ -78,13 +78,11 @@ class HandoffMove(NamedTuple):
     seconds: float
 
 
-HandoffWrite = HandoffMove  # the name write()'s callers know
-HandoffRead = HandoffMove
 
 
-class HandoffCounters(NamedTuple):
+class TransportCounters(NamedTuple):
     """Monotonic totals of one endpoint's write() calls, then of its read() calls (raw_write
-    and raw_read are not counted). A failure is a call that raised HandoffTransferError."""
+    and raw_read are not counted). A failure is a call that raised TransportError."""
 
     bytes: int  # written
     descriptors: int
@@ -96,17 +94,17 @@ class HandoffCounters(NamedTuple):
     read_failures: int = 0
 
 
-class HandoffTransferError(TransferError):
-    """A handoff write or read failed: the peer is gone or unreachable, its address is stale,
+class TransportError(TransferError):
+    """A transport's write or read failed: the peer is gone or unreachable, its address is stale,
     or a remote row lies outside what the peer registered. The message says what to check."""
 
 
-class HandoffTimeout(HandoffTransferError):
-    """A handoff write or read did not finish within its timeout (the peer may be hung or
+class TransportTimeout(TransportError):
+    """A transport's write or read did not finish within its timeout (the peer may be hung or
     overloaded)."""
 
 
-class HandoffUnavailable(TransferError):
+class TransportUnavailable(TransferError):
     """The transport cannot be set up in this process (library missing or refusing)."""
 
 
@@ -127,7 +125,7 @@ class Rows(NamedTuple):
     remote_region: np.ndarray
 
 
-class HandoffEndpoint(abc.ABC):
+class TransportEndpoint(abc.ABC):
     kind: Transport
 
     def __init__(self, name: str) -> None:
@@ -138,8 +136,8 @@ class HandoffEndpoint(abc.ABC):
         self._peers: OrderedDict[bytes, Target] = OrderedDict()
         self._peer_lock = threading.RLock()  # the cache's order and its connections
         self._count_lock = threading.Lock()
-        # per direction: bytes, descriptors, calls, failures (HandoffCounters' order)
-        self._totals = {d: [0, 0, 0, 0] for d in HandoffDirection}
+        # per direction: bytes, descriptors, calls, failures (TransportCounters' order)
+        self._totals = {d: [0, 0, 0, 0] for d in TransportDirection}
         self.closed = False
 
     # ---- memory ------------------------------------------------------------------------
@@ -171,36 +169,36 @@ class HandoffEndpoint(abc.ABC):
     def address(self) -> bytes:
         """Opaque bytes a peer passes to write() and read(): how to reach this endpoint's memory."""
         self._check_open()
-        return handoff_address.encode(PeerAddress(self.kind, self.unique_name, os.getpid(),
-                                                  tuple(self._regions.regions), self._blob()))
+        return transport_address.encode(PeerAddress(self.kind, self.unique_name, os.getpid(),
+                                                    tuple(self._regions.regions), self._blob()))
 
     # ---- writes and reads --------------------------------------------------------------
     def write(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
-              timeout_s: float) -> HandoffMove:
+              timeout_s: float) -> TransportMove:
         """Write row i of `local` (this side's registered memory) into row i of `remote` (the
         peer's), all rows as one transfer; blocks until done or `timeout_s` has passed."""
-        return self._move(HandoffDirection.WRITE, peer, local, remote, timeout_s)
+        return self._move(TransportDirection.WRITE, peer, local, remote, timeout_s)
 
     def read(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
-             timeout_s: float) -> HandoffMove:
+             timeout_s: float) -> TransportMove:
         """Read row i of `remote` (the peer's registered memory) into row i of `local` (this
         side's), all rows as one transfer; blocks until done or `timeout_s` has passed."""
-        return self._move(HandoffDirection.READ, peer, local, remote, timeout_s)
+        return self._move(TransportDirection.READ, peer, local, remote, timeout_s)
 
     def raw_write(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
                   timeout_s: float) -> float:
         """The benchmark baseline of write(): the transport's library calls for the same rows,
         without kvtier's checks or counters (the peer must be reachable; rows uint64 (n, 2)).
-        Returns seconds; raises HandoffTransferError on failure."""
-        return self._raw_move(HandoffDirection.WRITE, peer, local, remote, timeout_s)
+        Returns seconds; raises TransportError on failure."""
+        return self._raw_move(TransportDirection.WRITE, peer, local, remote, timeout_s)
 
     def raw_read(self, peer: bytes, local: np.ndarray, remote: np.ndarray,
                  timeout_s: float) -> float:
         """The benchmark baseline of read(), as raw_write is of write()."""
-        return self._raw_move(HandoffDirection.READ, peer, local, remote, timeout_s)
+        return self._raw_move(TransportDirection.READ, peer, local, remote, timeout_s)
 
-    def _move(self, direction: HandoffDirection, peer: bytes, local: np.ndarray,
-              remote: np.ndarray, timeout_s: float) -> HandoffMove:
+    def _move(self, direction: TransportDirection, peer: bytes, local: np.ndarray,
+              remote: np.ndarray, timeout_s: float) -> TransportMove:
         self._check_open()
         t0 = time.perf_counter()
         if not timeout_s > 0:
@@ -212,13 +210,13 @@ class HandoffEndpoint(abc.ABC):
             rows = rows._replace(remote_region=self._remote_regions(target, rows.remote))
             if len(rows.local):
                 self._transfer(direction, target, rows, float(timeout_s))
-        except HandoffTransferError:
+        except TransportError:
             self._count(direction, 0, 0, 0, 1)
             raise
         self._count(direction, nbytes, len(rows.local), 1, 0)
-        return HandoffMove(nbytes, len(rows.local), time.perf_counter() - t0)
+        return TransportMove(nbytes, len(rows.local), time.perf_counter() - t0)
 
-    def _raw_move(self, direction: HandoffDirection, peer: bytes, local: np.ndarray,
+    def _raw_move(self, direction: TransportDirection, peer: bytes, local: np.ndarray,
                   remote: np.ndarray, timeout_s: float) -> float:
         target = self._peers.get(peer) or self._target(peer)
         t0 = time.perf_counter()
@@ -233,10 +231,10 @@ class HandoffEndpoint(abc.ABC):
                 self._disconnect(target)
 
     @property
-    def counters(self) -> HandoffCounters:
+    def counters(self) -> TransportCounters:
         with self._count_lock:
-            return HandoffCounters(*self._totals[HandoffDirection.WRITE],
-                                   *self._totals[HandoffDirection.READ])
+            return TransportCounters(*self._totals[TransportDirection.WRITE],
+                                     *self._totals[TransportDirection.READ])
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
@@ -247,7 +245,7 @@ class HandoffEndpoint(abc.ABC):
         self.closed = True
         self._close()
 
-    def __enter__(self) -> "HandoffEndpoint":
+    def __enter__(self) -> "TransportEndpoint":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -263,17 +261,17 @@ class HandoffEndpoint(abc.ABC):
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ClosedError(f"the {self.kind} handoff endpoint {self.unique_name} is closed; "
+            raise ClosedError(f"the {self.kind} transport endpoint {self.unique_name} is closed; "
                               "open a new one")
 
-    def _count(self, direction: HandoffDirection, nbytes: int, descriptors: int, calls: int,
+    def _count(self, direction: TransportDirection, nbytes: int, descriptors: int, calls: int,
                failures: int) -> None:
         with self._count_lock:
             totals = self._totals[direction]
             for i, v in enumerate((nbytes, descriptors, calls, failures)):
                 totals[i] += v
 
-    def _local_rows(self, direction: HandoffDirection, local: np.ndarray,
+    def _local_rows(self, direction: TransportDirection, local: np.ndarray,
                     remote: np.ndarray) -> Rows:
         local, remote = as_rows(local, "local"), as_rows(remote, "remote")
         if local.shape != remote.shape:
@@ -288,7 +286,7 @@ class HandoffEndpoint(abc.ABC):
         idx = self._regions.locate(local)
         outside = self._regions.first_outside(local, idx)
         if outside:
-            pool = "source" if direction is HandoffDirection.WRITE else "destination"
+            pool = "source" if direction is TransportDirection.WRITE else "destination"
             raise CacheUsageError(f"local {outside} of this endpoint: register the {pool} pool "
                                   f"before the {direction.verb}")
         empty = np.zeros(0, np.int64)
@@ -298,7 +296,7 @@ class HandoffEndpoint(abc.ABC):
         idx = target.table.locate(remote)
         outside = target.table.first_outside(remote, idx)
         if outside:
-            raise HandoffTransferError(
+            raise TransportError(
                 f"remote {outside} of peer {target.address.name}: the peer's page addresses "
                 "do not match the memory it registered (stale address or wrong pool)")
         return idx
@@ -315,14 +313,14 @@ class HandoffEndpoint(abc.ABC):
 
     def _add_target(self, key: bytes) -> Target:
         try:
-            address = handoff_address.decode(key)
+            address = transport_address.decode(key)
         except ValueError as exc:
-            raise HandoffTransferError(f"cannot reach this peer: {exc}; pass the bytes the "
-                                       "peer endpoint's address() returned") from exc
+            raise TransportError(f"cannot reach this peer: {exc}; pass the bytes the "
+                                 "peer endpoint's address() returned") from exc
         if address.kind != self.kind:
-            raise HandoffTransferError(f"the peer {address.name} is a {address.kind} endpoint; "
-                                       f"a {self.kind} endpoint cannot reach it (both ranks "
-                                       "must use the same handoff transport)")
+            raise TransportError(f"the peer {address.name} is a {address.kind} endpoint; "
+                                 f"a {self.kind} endpoint cannot reach it (both ranks "
+                                 "must use the same transport)")
         target = Target(address, address.table(), None)
         target = target._replace(conn=self._connect(target))
         self._peers[key] = target
@@ -347,13 +345,13 @@ class HandoffEndpoint(abc.ABC):
         """Drop the library's connection to `target` (nothing by default)."""
 
     @abc.abstractmethod
-    def _transfer(self, direction: HandoffDirection, target: Target, rows: Rows,
+    def _transfer(self, direction: TransportDirection, target: Target, rows: Rows,
                   timeout_s: float) -> None:
         """Move every row of `rows` in `direction` as one library transfer; raise
-        HandoffTransferError (HandoffTimeout after `timeout_s`) unless it finished."""
+        TransportError (TransportTimeout after `timeout_s`) unless it finished."""
 
     @abc.abstractmethod
-    def _raw_transfer(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+    def _raw_transfer(self, direction: TransportDirection, target: Target, local: np.ndarray,
                       remote: np.ndarray, timeout_s: float) -> None:
         """The same library calls as `_transfer`, rows unchecked (the benchmark baseline)."""
 

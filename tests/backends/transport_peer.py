@@ -1,7 +1,7 @@
 """The decode side of the handoff tests: an endpoint with a registered pool, in this process
 (InProcessPeer) or in a child process (ProcessPeer, which runs this file as a script).
 
-    python handoff_peer.py KIND NBYTES
+    python transport_peer.py KIND NBYTES
     -> "PEER READY <pid> <address as hex>"   (pool registered, filled with `pattern(NBYTES)`)
     <- "dump PATH OFFSET NBYTES" -> "PEER OK": those bytes of the pool written to PATH
     <- "close"        -> "PEER OK": the endpoint closed, the process (and pool) stay
@@ -22,8 +22,8 @@ import threading
 import numpy as np
 import torch
 
-from kvtier.backends import handoff_address
-from kvtier.backends.handoff_registry import open_endpoint
+from kvtier.backends import transport_address
+from kvtier.backends.transport_registry import open_endpoint
 
 
 def pattern(nbytes: int) -> np.ndarray:
@@ -62,7 +62,7 @@ class ProcessPeer:
         threading.Thread(target=self._pump, daemon=True).start()
         _, pid, hexaddr = self.reply("READY").split()
         self.pid, self.address = int(pid), bytes.fromhex(hexaddr)
-        self.base = handoff_address.decode(self.address).regions[0].addr
+        self.base = transport_address.decode(self.address).regions[0].addr
         self.read_bytes = read_bytes
 
     def _pump(self) -> None:

@@ -1,4 +1,4 @@
-"""The NIXL handoff transport: a NIXL agent with the UCX backend, one per endpoint.
+"""The NIXL transport: a NIXL agent with the UCX backend, one per endpoint.
 
 A write is one NIXL request for all its rows: `get_xfer_descs` of the local and the remote
 rows (Nx3 numpy arrays, built without a Python loop), `initialize_xfer("WRITE", ...)` towards
@@ -49,9 +49,9 @@ import weakref
 
 import numpy as np
 
-from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint, HandoffTimeout,
-                                          HandoffTransferError, HandoffUnavailable, Rows, Target)
-from kvtier.backends.handoff_regions import Region, RegionTable, parse_device
+from kvtier.backends.transport_base import (TransportDirection, TransportEndpoint, TransportTimeout,
+                                            TransportError, TransportUnavailable, Rows, Target)
+from kvtier.backends.transport_regions import Region, RegionTable, parse_device
 from kvtier.backends.nixl_agent import nixl_api, release_or_keep, wait_xfer
 from kvtier.policies import Transport
 
@@ -66,7 +66,7 @@ _MAX_SLEEP_S = 0.0002
 _KEEP: list = []  # agents whose transfers never finished: kept (and registered) until exit
 _MEM = {"cpu": "DRAM", "cuda": "VRAM"}
 _UNAVAILABLE_HINT = ("`pip install nixl` (the UCX plugin ships in the wheel), or use the "
-                     "mooncake handoff transport (`pip install mooncake-transfer-engine-non-cuda`)")
+                     "mooncake transport (`pip install mooncake-transfer-engine-non-cuda`)")
 
 
 def _ucx_env() -> None:
@@ -80,7 +80,7 @@ def _ucx_env() -> None:
         added["UCX_MODULES"] = UCX_NO_IB
     if added:
         os.environ.update(added)
-        log.info("NIXL handoff: UCX settings not given, using %s", added)
+        log.info("NIXL transport: UCX settings not given, using %s", added)
 
 
 def _why(exc: Exception) -> str:
@@ -120,7 +120,7 @@ def _descs(rows: np.ndarray, idx: np.ndarray, table: RegionTable) -> tuple[str, 
     return _MEM[kind], out
 
 
-class NixlEndpoint(HandoffEndpoint):
+class NixlEndpoint(TransportEndpoint):
     kind = Transport.NIXL
 
     def __init__(self, name: str) -> None:
@@ -129,8 +129,8 @@ class NixlEndpoint(HandoffEndpoint):
         try:
             api = nixl_api()
         except ImportError as exc:
-            raise HandoffUnavailable(f"nixl cannot be imported ({exc}); "
-                                     f"{_UNAVAILABLE_HINT}") from exc
+            raise TransportUnavailable(f"nixl cannot be imported ({exc}); "
+                                       f"{_UNAVAILABLE_HINT}") from exc
         try:
             # Two threads call the agent (transfers, progress); self._lock serializes them, and
             # STRICT has NIXL lock too (SYNC_NONE promises nothing across threads).
@@ -140,13 +140,13 @@ class NixlEndpoint(HandoffEndpoint):
             self._agent = api.nixl_agent(self.unique_name, config)
             plugins = self._agent.get_plugin_list()
             if BACKEND not in plugins:
-                raise HandoffUnavailable(f"NIXL has no {BACKEND} plugin (found {plugins}); "
-                                         f"{_UNAVAILABLE_HINT}")
+                raise TransportUnavailable(f"NIXL has no {BACKEND} plugin (found {plugins}); "
+                                           f"{_UNAVAILABLE_HINT}")
             self._agent.create_backend(BACKEND, {})
-        except HandoffUnavailable:
+        except TransportUnavailable:
             raise
         except Exception as exc:
-            raise HandoffUnavailable(
+            raise TransportUnavailable(
                 f"cannot create a NIXL agent with the {BACKEND} backend ({exc}); check "
                 f"UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')} and "
                 f"UCX_TLS={os.environ.get('UCX_TLS')} name usable devices, or "
@@ -165,8 +165,8 @@ class NixlEndpoint(HandoffEndpoint):
                 reg = self._agent.register_memory([(region.addr, region.nbytes, index, "")],
                                                   _MEM[kind], backends=[BACKEND])
         except Exception as exc:
-            raise HandoffUnavailable(f"NIXL cannot register {region.nbytes} bytes of "
-                                     f"{region.device} memory ({exc})") from exc
+            raise TransportUnavailable(f"NIXL cannot register {region.nbytes} bytes of "
+                                       f"{region.device} memory ({exc})") from exc
         self._regs[region] = reg
 
     def _deregister(self, region: Region) -> None:
@@ -196,10 +196,10 @@ class NixlEndpoint(HandoffEndpoint):
             with self._lock:
                 return self._agent.add_remote_agent(target.address.blob)
         except Exception as exc:
-            raise HandoffTransferError(f"NIXL cannot load the metadata of peer "
-                                       f"{target.address.name} ({exc}): its process may be "
-                                       "gone, or its address is corrupt or from another NIXL "
-                                       "version") from exc
+            raise TransportError(f"NIXL cannot load the metadata of peer "
+                                 f"{target.address.name} ({exc}): its process may be "
+                                 "gone, or its address is corrupt or from another NIXL "
+                                 "version") from exc
 
     def _disconnect(self, target: Target) -> None:
         try:
@@ -208,14 +208,14 @@ class NixlEndpoint(HandoffEndpoint):
         except Exception as exc:  # noqa: BLE001 - forgetting a peer must not fail
             log.info("NIXL could not remove peer %s: %s", target.address.name, exc)
 
-    def _transfer(self, direction: HandoffDirection, target: Target, rows: Rows,
+    def _transfer(self, direction: TransportDirection, target: Target, rows: Rows,
                   timeout_s: float) -> None:
         lmem, larr = _descs(rows.local, rows.local_region, self._regions)
         rmem, rarr = _descs(rows.remote, rows.remote_region, target.table)
         what = f"{len(larr)} rows {direction.toward} {target.address.name}"
         self._post(direction, target, (larr, lmem), (rarr, rmem), what, timeout_s, _BUSY_POLL_S)
 
-    def _raw_transfer(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+    def _raw_transfer(self, direction: TransportDirection, target: Target, local: np.ndarray,
                       remote: np.ndarray, timeout_s: float) -> None:
         """The same NIXL calls as _transfer, rows on each side's first region's device."""
         lkind, lid = parse_device(self._regions.regions[0].device)
@@ -225,7 +225,7 @@ class NixlEndpoint(HandoffEndpoint):
         self._post(direction, target, (larr, _MEM[lkind]), (rarr, _MEM[rkind]),
                    f"{len(larr)} rows (raw)", timeout_s, 0.0)
 
-    def _post(self, direction: HandoffDirection, target: Target, local: tuple, remote: tuple,
+    def _post(self, direction: TransportDirection, target: Target, local: tuple, remote: tuple,
               what: str, timeout_s: float, busy_s: float) -> None:
         """One NIXL request: (Nx3 array, memory type) of each side, `direction`'s op (local
         descriptors first either way), posted and polled by _finish. `busy_s` 0: poll without
@@ -241,14 +241,14 @@ class NixlEndpoint(HandoffEndpoint):
                                            a.get_xfer_descs(*remote), target.conn,
                                            backends=[BACKEND])
             except Exception as exc:
-                raise HandoffTransferError(f"NIXL refused a {direction.verb} of {what} ({exc}): "
-                                           f"{_why(exc)}") from exc
+                raise TransportError(f"NIXL refused a {direction.verb} of {what} ({exc}): "
+                                     f"{_why(exc)}") from exc
             self._finish(handle, deadline, f"{direction.verb} of {what}", timeout_s, busy_s)
 
     def _finish(self, handle, deadline: float, what: str, timeout_s: float,
                 busy_s: float = _BUSY_POLL_S) -> None:
         """Post the transfer, poll it until done or `deadline`, release its handle whatever
-        happened (a raising `transfer` or poll too); HandoffTransferError unless DONE.
+        happened (a raising `transfer` or poll too); TransportError unless DONE.
         `busy_s` 0: poll without sleeping (the bare library loop of the raw calls)."""
         a, error = self._agent, None
         try:
@@ -257,15 +257,15 @@ class NixlEndpoint(HandoffEndpoint):
             state, error = "ERR", exc
         release_or_keep(a, handle, self._stuck)  # cancels a transfer still running
         if state == "PROC":
-            raise HandoffTimeout(f"a NIXL {what} did not finish in {timeout_s:.2f} s: "
-                                 "the peer may be hung or not progressing (is its endpoint open "
-                                 "and its process alive?)")
+            raise TransportTimeout(f"a NIXL {what} did not finish in {timeout_s:.2f} s: "
+                                   "the peer may be hung or not progressing (is its endpoint open "
+                                   "and its process alive?)")
         if state != "DONE":
             why = state if error is None else f"{type(error).__name__}: {error}; {_why(error)}"
-            raise HandoffTransferError(f"NIXL failed a {what} ({why}): check that the "
-                                       "peer's process and endpoint are alive and that UCX can "
-                                       "reach it (UCX_NET_DEVICES, UCX_TLS on both sides)"
-                                       ) from error
+            raise TransportError(f"NIXL failed a {what} ({why}): check that the "
+                                 "peer's process and endpoint are alive and that UCX can "
+                                 "reach it (UCX_NET_DEVICES, UCX_TLS on both sides)"
+                                 ) from error
 
     # ---- lifetime ----------------------------------------------------------------------
     def _close(self) -> None:
@@ -274,7 +274,7 @@ class NixlEndpoint(HandoffEndpoint):
             self._progress.join(timeout=2.0)
         with self._lock:
             if self._stuck:
-                log.error("%d NIXL handoff transfers of %s never finished; keeping its agent and "
+                log.error("%d NIXL transport transfers of %s never finished; keeping its agent and "
                           "registrations until exit", len(self._stuck), self.unique_name)
                 _KEEP.append((self._agent, self._regs, self._stuck))
             else:

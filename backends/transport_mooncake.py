@@ -1,4 +1,4 @@
-"""The Mooncake handoff transport: Mooncake's transfer engine, peer to peer, no master.
+"""The Mooncake transport: Mooncake's transfer engine, peer to peer, no master.
 
 Each endpoint is a `mooncake.engine.TransferEngine` initialized with metadata "P2PHANDSHAKE"
 (no metadata server: a peer's session id "host:port" is enough to reach it), protocol "tcp"
@@ -24,7 +24,7 @@ Mooncake facts this relies on (mooncake-transfer-engine-non-cuda 0.3.13, measure
   (default 30 s, at least 5) plus 1 ns per byte, busy-polling a core: so a write() or read()
   whose `timeout_s` is shorter than that runs the call in a helper thread and gives up after
   `timeout_s`; the thread (and the engine, and the local memory it reads or writes) stays
-  until Mooncake's timeout ends the call: after a read's HandoffTimeout its destination rows
+  until Mooncake's timeout ends the call: after a read's TransportTimeout its destination rows
   may still change until then. A call that may wait as long as Mooncake does runs directly:
   a prefill rank's hand-off right after its forward moved ~0.8 GB/s through the helper
   thread against ~1.15 GB/s called directly (bare calls ~1.2 GB/s, same run).
@@ -48,9 +48,9 @@ import threading
 
 import numpy as np
 
-from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint, HandoffTimeout,
-                                          HandoffTransferError, HandoffUnavailable, Rows, Target)
-from kvtier.backends.handoff_regions import Region
+from kvtier.backends.transport_base import (TransportDirection, TransportEndpoint, TransportTimeout,
+                                            TransportError, TransportUnavailable, Rows, Target)
+from kvtier.backends.transport_regions import Region
 from kvtier.policies import Transport
 
 log = logging.getLogger(__name__)
@@ -59,11 +59,11 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 LOOPBACK = "127.0.0.1"
 METADATA = "P2PHANDSHAKE"
 _KEEP: list = []  # engines with a transfer still running at close: kept until exit
-_CALLS = {HandoffDirection.WRITE: "batch_transfer_sync_write",  # the engine's method names
-          HandoffDirection.READ: "batch_transfer_sync_read"}
+_CALLS = {TransportDirection.WRITE: "batch_transfer_sync_write",  # the engine's method names
+          TransportDirection.READ: "batch_transfer_sync_read"}
 _UNAVAILABLE_HINT = ("`pip install mooncake-transfer-engine-non-cuda` (or mooncake-transfer-"
                      "engine where CUDA is present; on Debian also apt-get install libibverbs1), "
-                     "or use the nixl handoff transport (`pip install nixl`)")
+                     "or use the nixl transport (`pip install nixl`)")
 
 
 def native_timeout_s(nbytes: int) -> float:
@@ -75,7 +75,7 @@ def native_timeout_s(nbytes: int) -> float:
     return max(5.0, base) + nbytes * 1e-9
 
 
-class MooncakeEndpoint(HandoffEndpoint):
+class MooncakeEndpoint(TransportEndpoint):
     kind = Transport.MOONCAKE
 
     def __init__(self, name: str, local_hostname: str = LOOPBACK, protocol: str = "tcp",
@@ -84,12 +84,12 @@ class MooncakeEndpoint(HandoffEndpoint):
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
-            raise HandoffUnavailable(f"mooncake.engine cannot be imported ({exc}); "
-                                     f"{_UNAVAILABLE_HINT}") from exc
+            raise TransportUnavailable(f"mooncake.engine cannot be imported ({exc}); "
+                                       f"{_UNAVAILABLE_HINT}") from exc
         engine = TransferEngine()
         rc = engine.initialize(local_hostname, METADATA, protocol, device_name)
         if rc != 0:
-            raise HandoffUnavailable(
+            raise TransportUnavailable(
                 f"Mooncake's transfer engine did not start on {local_hostname!r} over {protocol} "
                 f"(code {rc}): local_hostname must be an address of this machine and the "
                 "protocol one it supports (tcp everywhere, rdma with RDMA NICs)")
@@ -102,16 +102,16 @@ class MooncakeEndpoint(HandoffEndpoint):
         self._stuck: list[concurrent.futures.Future] = []
 
     def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(1, f"mooncake-handoff-{self.unique_name}")
+        return concurrent.futures.ThreadPoolExecutor(1, f"mooncake-transport-{self.unique_name}")
 
     # ---- memory and address -----------------------------------------------------------
     def _register(self, region: Region) -> None:
         location = "*" if region.device == "cpu" else region.device  # "*": Mooncake finds it
         rc = self._engine.register_memory(region.addr, region.nbytes, location)
         if rc != 0:
-            raise HandoffUnavailable(f"Mooncake cannot register {region.nbytes} bytes of "
-                                     f"{region.device} memory (code {rc}); GPU memory needs the "
-                                     "CUDA build (mooncake-transfer-engine)")
+            raise TransportUnavailable(f"Mooncake cannot register {region.nbytes} bytes of "
+                                       f"{region.device} memory (code {rc}); GPU memory needs the "
+                                       "CUDA build (mooncake-transfer-engine)")
 
     def _deregister(self, region: Region) -> None:
         with self._pool_lock:
@@ -131,12 +131,12 @@ class MooncakeEndpoint(HandoffEndpoint):
         session = target.address.blob.decode("ascii", "replace")
         host, _, port = session.rpartition(":")
         if not host or not port.isdigit():
-            raise HandoffTransferError(f"peer {target.address.name} gave Mooncake session "
-                                       f"{session!r}, not host:port; its address is corrupt")
+            raise TransportError(f"peer {target.address.name} gave Mooncake session "
+                                 f"{session!r}, not host:port; its address is corrupt")
         return session  # Mooncake opens (and caches) the peer's segment on first use
 
     # ---- writes and reads --------------------------------------------------------------
-    def _transfer(self, direction: HandoffDirection, target: Target, rows: Rows,
+    def _transfer(self, direction: TransportDirection, target: Target, rows: Rows,
                   timeout_s: float) -> None:
         args = (target.conn, rows.local[:, 0].tolist(), rows.remote[:, 0].tolist(),
                 rows.local[:, 1].tolist())
@@ -153,18 +153,18 @@ class MooncakeEndpoint(HandoffEndpoint):
             except concurrent.futures.TimeoutError:
                 self._abandon(future)
                 landing = ("; its destination rows here may still change until then"
-                           if direction is HandoffDirection.READ else "")
-                raise HandoffTimeout(
+                           if direction is TransportDirection.READ else "")
+                raise TransportTimeout(
                     f"a Mooncake {what} did not finish in {timeout_s:.2f} s: the peer may be "
                     "hung or overloaded (Mooncake keeps trying for up to "
                     f"{native_timeout_s(nbytes):.0f} s, MC_TRANSFER_TIMEOUT{landing})") from None
         if rc != 0:
-            raise HandoffTransferError(
+            raise TransportError(
                 f"Mooncake failed a {what} (code {rc}): the peer closed, died or hung, or a "
                 "remote row is outside the memory it registered; Mooncake's log on stderr "
                 "says which")
 
-    def _call(self, direction: HandoffDirection):
+    def _call(self, direction: TransportDirection):
         """The engine's sync call for `direction` (ClosedError once closed)."""
         self._check_open()
         return getattr(self._engine, _CALLS[direction])
@@ -176,12 +176,12 @@ class MooncakeEndpoint(HandoffEndpoint):
             self._pool.shutdown(wait=False)
             self._pool = self._new_pool()
 
-    def _raw_transfer(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+    def _raw_transfer(self, direction: TransportDirection, target: Target, local: np.ndarray,
                       remote: np.ndarray, timeout_s: float) -> None:
         rc = self._call(direction)(target.conn, local[:, 0].tolist(), remote[:, 0].tolist(),
                                    local[:, 1].tolist())
         if rc != 0:
-            raise HandoffTransferError(f"Mooncake failed a raw {direction.verb} (code {rc})")
+            raise TransportError(f"Mooncake failed a raw {direction.verb} (code {rc})")
 
     # ---- lifetime ----------------------------------------------------------------------
     def _close(self) -> None:
@@ -189,7 +189,7 @@ class MooncakeEndpoint(HandoffEndpoint):
             self._pool.shutdown(wait=False)
             running = [f for f in self._stuck if not f.done()]
         if running:
-            log.error("%d Mooncake handoff transfers of %s are still running; keeping its engine "
+            log.error("%d Mooncake transport transfers of %s are still running; keeping its engine "
                       "and registrations until they end", len(running), self.unique_name)
             _KEEP.append(self._engine)
         else:

@@ -1,4 +1,4 @@
-"""The simulated handoff transport: memmove between endpoints of one process (unit tests only).
+"""The simulated transport: memmove between endpoints of one process (unit tests only).
 
 Endpoints live in a process-global registry (unique name -> registered regions). A write or
 a read checks, under the registry lock, that the peer is still open and that every remote row
@@ -15,9 +15,9 @@ import threading
 
 import numpy as np
 
-from kvtier.backends.handoff_base import (HandoffDirection, HandoffEndpoint,
-                                          HandoffTransferError, Rows, Target)
-from kvtier.backends.handoff_regions import Region, RegionTable
+from kvtier.backends.transport_base import (TransportDirection, TransportEndpoint,
+                                            TransportError, Rows, Target)
+from kvtier.backends.transport_regions import Region, RegionTable
 from kvtier.errors import ConfigError
 from kvtier.policies import Transport
 
@@ -25,7 +25,7 @@ _ENDPOINTS: dict[str, RegionTable] = {}
 _LOCK = threading.Lock()
 
 
-class SimulatedEndpoint(HandoffEndpoint):
+class SimulatedEndpoint(TransportEndpoint):
     kind = Transport.SIMULATED
 
     def __init__(self, name: str) -> None:
@@ -35,8 +35,8 @@ class SimulatedEndpoint(HandoffEndpoint):
 
     def _register(self, region: Region) -> None:
         if region.device != "cpu":
-            raise ConfigError(f"the simulated handoff moves host memory only, not {region.device}; "
-                              "use the nixl transport for GPU memory")
+            raise ConfigError(f"the simulated transport moves host memory only, not "
+                              f"{region.device}; use the nixl transport for GPU memory")
         self._publish()
 
     def _deregister(self, region: Region) -> None:
@@ -51,29 +51,29 @@ class SimulatedEndpoint(HandoffEndpoint):
 
     def _connect(self, target: Target) -> object:
         if target.address.pid != os.getpid():
-            raise HandoffTransferError(f"the simulated peer {target.address.name} lives in "
-                                       f"process {target.address.pid}: simulated endpoints "
-                                       "reach only their own process; use nixl or mooncake")
+            raise TransportError(f"the simulated peer {target.address.name} lives in "
+                                 f"process {target.address.pid}: simulated endpoints "
+                                 "reach only their own process; use nixl or mooncake")
         return target.address.name
 
-    def _transfer(self, direction: HandoffDirection, target: Target, rows: Rows,
+    def _transfer(self, direction: TransportDirection, target: Target, rows: Rows,
                   timeout_s: float) -> None:
         self._copy(direction, target, rows.local, rows.remote)
 
-    def _raw_transfer(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+    def _raw_transfer(self, direction: TransportDirection, target: Target, local: np.ndarray,
                       remote: np.ndarray, timeout_s: float) -> None:
         self._copy(direction, target, local, remote)
 
-    def _copy(self, direction: HandoffDirection, target: Target, local: np.ndarray,
+    def _copy(self, direction: TransportDirection, target: Target, local: np.ndarray,
               remote: np.ndarray) -> None:
         with _LOCK:  # the peer cannot close (and free its memory) during the copy
             live = _ENDPOINTS.get(target.conn)
             if live is None:
-                raise HandoffTransferError(f"the simulated peer {target.conn} is closed: ask the "
-                                           "peer for a fresh address")
+                raise TransportError(f"the simulated peer {target.conn} is closed: ask the "
+                                     "peer for a fresh address")
             outside = live.first_outside(remote, live.locate(remote))
             if outside:
-                raise HandoffTransferError(f"remote {outside} of peer {target.conn} now")
+                raise TransportError(f"remote {outside} of peer {target.conn} now")
             src, dst = direction.source_and_destination(local, remote)
             for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), local[:, 1].tolist()):
                 ctypes.memmove(d, s, n)

@@ -1,6 +1,6 @@
 """The memory an endpoint registered, and the check that a write's rows lie inside it.
 
-A handoff write names its bytes as rows `(addr, nbytes)` of a uint64 array of shape (n, 2).
+A transport write names its bytes as rows `(addr, nbytes)` of a uint64 array of shape (n, 2).
 `RegionTable.locate` finds, for every row at once (numpy, no per-row Python), the registered
 region that holds it whole, or -1: a row that crosses into a neighbouring region or past the
 end is not inside any, because no library can move it as one descriptor.

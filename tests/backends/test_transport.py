@@ -1,15 +1,16 @@
-"""The prefill -> decode KV handoff transports, one conformance suite for all three.
+"""The transports between processes' registered memory (the prefill -> decode hand-off and
+peer-to-peer L2 reads), one conformance suite for all three.
 
 The side under test (prefill, say) lives in this process; the peer is in a process of its
-own for the real libraries (tests/backends/handoff_peer.py, NIXL over UCX tcp+cma, Mooncake
+own for the real libraries (tests/backends/transport_peer.py, NIXL over UCX tcp+cma, Mooncake
 over TCP) and in this process for the simulated transport. Both sides hold a KV pool shaped
 (2, L, pages, page_size, H, D) in bf16, so a page is 2 * L separate regions, followed by a
 64 MiB bulk area for the large transfer. Most tests run once per direction (`op`): a write
 pushes this side's pages into the peer's, a read pulls the peer's pages into this side's.
 
 Measured throughput (write() against raw_write(), read() against raw_read(), 64 MiB in 2,048
-scattered rows) is in the docstrings of backends/handoff_nixl.py and
-backends/handoff_mooncake.py; the large-transfer test here prints both and asserts only a
+scattered rows) is in the docstrings of backends/transport_nixl.py and
+backends/transport_mooncake.py; the large-transfer test here prints both and asserts only a
 lenient ratio, the machine being shared.
 """
 from __future__ import annotations
@@ -23,17 +24,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.backends import handoff_address
-from kvtier.backends.handoff_base import (HandoffTimeout, HandoffTransferError,
-                                          HandoffUnavailable)
-from kvtier.backends.handoff_registry import open_endpoint
+from kvtier.backends import transport_address
+from kvtier.backends.transport_base import (TransportTimeout, TransportError,
+                                            TransportUnavailable)
+from kvtier.backends.transport_registry import open_endpoint
 from kvtier.errors import CacheUsageError, ClosedError, ConfigError
 from kvtier.netcheck import listening
 from kvtier.policies import Transport
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
-from handoff_peer import InProcessPeer, ProcessPeer  # noqa: E402
+from transport_peer import InProcessPeer, ProcessPeer  # noqa: E402
 
 L, PAGES, PAGE_SIZE, H, D = 4, 48, 16, 2, 64
 SHAPE = (2, L, PAGES, PAGE_SIZE, H, D)
@@ -59,7 +60,7 @@ def page_rows(base: int, pages: list[int]) -> np.ndarray:
 
 
 def counted(counters, op: str) -> tuple[int, int, int, int]:
-    """(bytes, descriptors, calls, failures) of `op` in an endpoint's HandoffCounters."""
+    """(bytes, descriptors, calls, failures) of `op` in an endpoint's TransportCounters."""
     return tuple(getattr(counters, field) for field in COUNTED[op])
 
 
@@ -216,16 +217,16 @@ def test_rows_outside_the_peers_memory_fail_fast_and_the_endpoint_still_works(pa
     failures = counted(ep.counters, op)[3]
     for remote in (past_end, nowhere):
         t0 = time.monotonic()
-        with pytest.raises(HandoffTransferError, match="outside"):
+        with pytest.raises(TransportError, match="outside"):
             call(peer.address, local[:1], remote, timeout_s=5)
         assert time.monotonic() - t0 < 2
     # an address that claims more memory than the peer registered: the library itself refuses
-    real = handoff_address.decode(peer.address)
+    real = transport_address.decode(peer.address)
     inflated = real._replace(regions=((real.regions[0]._replace(nbytes=2 * POOL_BYTES)),))
     beyond = np.array([[peer.base + POOL_BYTES + REGION, REGION]], np.uint64)
     t0 = time.monotonic()
-    with pytest.raises(HandoffTransferError):
-        call(handoff_address.encode(inflated), local[:1], beyond, timeout_s=5)
+    with pytest.raises(TransportError):
+        call(transport_address.encode(inflated), local[:1], beyond, timeout_s=5)
     assert time.monotonic() - t0 < 5
     assert counted(ep.counters, op)[3] == failures + 3
     assert all(np.array_equal(now, before[k]) for k, now in pools(side, peer).items())
@@ -236,11 +237,11 @@ def test_rows_outside_the_peers_memory_fail_fast_and_the_endpoint_still_works(pa
 def test_addresses_that_are_not_a_peer_of_this_kind_are_refused(pair):
     side, peer = pair
     other = next(k for k in Transport if k != side.endpoint.kind)
-    foreign = handoff_address.decode(peer.address)._replace(kind=other)
+    foreign = transport_address.decode(peer.address)._replace(kind=other)
     local, remote = page_rows(side.kv.data_ptr(), [5]), page_rows(peer.base, [12])
-    for bad, why in [(b"", "not a handoff"), (b"\x93garbage", "not a handoff"),
-                     (handoff_address.encode(foreign), "same handoff transport")]:
-        with pytest.raises(HandoffTransferError, match=why):
+    for bad, why in [(b"", "not a transport"), (b"\x93garbage", "not a transport"),
+                     (transport_address.encode(foreign), "same transport")]:
+        with pytest.raises(TransportError, match=why):
             side.endpoint.write(bad, local, remote, timeout_s=5)
     side.endpoint.write(peer.address, local, remote, timeout_s=30)
 
@@ -249,14 +250,14 @@ def test_addresses_that_are_not_a_peer_of_this_kind_are_refused(pair):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("kind", REAL)
 def test_a_hung_then_closed_peer_raises_within_the_timeout(kind, op):
-    """A stopped peer: the first write (read) times out (HandoffTimeout) and the endpoint still
+    """A stopped peer: the first write (read) times out (TransportTimeout) and the endpoint still
     works once the peer runs again; after the peer closes its endpoint, calls fail at once."""
     pytest.importorskip("nixl._api" if kind == "nixl" else "mooncake.engine")
     side, peer = Side(kind), ProcessPeer(kind, KV_BYTES, KV_BYTES)
     try:
         peer.stop()  # every thread of it stopped
         t0 = time.monotonic()
-        with pytest.raises(HandoffTimeout):
+        with pytest.raises(TransportTimeout):
             move(side, peer, op, [0], [0], timeout_s=1.0)
         assert time.monotonic() - t0 < 2.5
         os.kill(peer.pid, signal.SIGCONT)
@@ -266,7 +267,7 @@ def test_a_hung_then_closed_peer_raises_within_the_timeout(kind, op):
         assert_landed(op, before, pools(side, peer), [1], [1])
         peer.close_endpoint()
         t0 = time.monotonic()
-        with pytest.raises(HandoffTransferError):
+        with pytest.raises(TransportError):
             move(side, peer, op, [0], [0], timeout_s=5)
         assert time.monotonic() - t0 < 5.5
         assert counted(side.endpoint.counters, op)[3] == 2
@@ -286,7 +287,7 @@ def test_a_peer_that_died_fails_the_call_at_once(kind, op):
         peer.proc.wait(timeout=30)
         for _ in range(2):
             t0 = time.monotonic()
-            with pytest.raises(HandoffTransferError):
+            with pytest.raises(TransportError):
                 move(side, peer, op, [2], [3], timeout_s=5)
             assert time.monotonic() - t0 < 5.5
     finally:
@@ -322,7 +323,7 @@ class _FailingAgent:
 @pytest.mark.parametrize("where", ["transfer", "poll"])
 def test_a_nixl_error_in_a_transfer_fails_the_call_and_releases_its_handle(where, op):
     """Whatever NIXL raises once a transfer exists, the write (read) fails as a
-    HandoffTransferError (never NIXL's own exception), its handle is released, and the
+    TransportError (never NIXL's own exception), its handle is released, and the
     endpoint goes on."""
     pytest.importorskip("nixl._api")
     side, peer = Side("nixl"), ProcessPeer("nixl", KV_BYTES, KV_BYTES)
@@ -331,7 +332,7 @@ def test_a_nixl_error_in_a_transfer_fails_the_call_and_releases_its_handle(where
         move(side, peer, op, [0], [0])  # connected
         real = ep._agent
         ep._agent = failing = _FailingAgent(real, where)
-        with pytest.raises(HandoffTransferError, match="injected"):
+        with pytest.raises(TransportError, match="injected"):
             move(side, peer, op, [1], [1], timeout_s=5)
         ep._agent = real
         assert len(failing.released) == 1 and ep._stuck == []
@@ -349,7 +350,7 @@ def test_a_closed_simulated_peer_is_refused(op):
     side, peer = Side("simulated"), InProcessPeer("simulated", KV_BYTES, KV_BYTES)
     peer.close_endpoint()
     for raw in (False, True):
-        with pytest.raises(HandoffTransferError, match="closed"):
+        with pytest.raises(TransportError, match="closed"):
             move(side, peer, op, [0], [0], timeout_s=5, raw=raw)
     side.endpoint.close()
 
@@ -359,7 +360,7 @@ def test_a_closed_simulated_peer_is_refused(op):
 def test_two_endpoints_in_one_process_listen_where_documented_and_close_cleanly(kind):
     """NIXL: one listener per endpoint, on 127.0.0.1. Mooncake 0.3.13: two per endpoint whose
     address no option chooses, 0.0.0.0 (P2P handshake) and `::` (TCP data), peers told to dial
-    127.0.0.1 (if this fails, update backends/handoff_mooncake.py). Simulated: none.
+    127.0.0.1 (if this fails, update backends/transport_mooncake.py). Simulated: none.
     close() releases them all and is idempotent; a closed endpoint refuses calls."""
     if kind != "simulated":
         pytest.importorskip("nixl._api" if kind == "nixl" else "mooncake.engine")
@@ -371,7 +372,7 @@ def test_two_endpoints_in_one_process_listen_where_documented_and_close_cleanly(
     assert hosts == {"simulated": [], "nixl": ["127.0.0.1", "127.0.0.1"],
                      "mooncake": ["0.0.0.0", "0.0.0.0", "::", "::"]}[kind], opened
     if kind == "mooncake":
-        assert handoff_address.decode(peer.address).blob.startswith(b"127.0.0.1:")
+        assert transport_address.decode(peer.address).blob.startswith(b"127.0.0.1:")
     with side.endpoint as ep:
         ep.write(peer.address, page_rows(side.kv.data_ptr(), [6]), page_rows(peer.base, [7]),
                  timeout_s=30)
@@ -395,7 +396,7 @@ def test_registration_is_idempotent_and_overlaps_are_refused(kind):
     with open_endpoint(kind, "reg-test") as ep:
         ep.register(pool.data_ptr(), pool.nbytes)
         ep.register(pool.data_ptr(), pool.nbytes)  # the same pool again: nothing happens
-        regions = handoff_address.decode(ep.address()).regions
+        regions = transport_address.decode(ep.address()).regions
         assert [(r.addr, r.nbytes, r.device) for r in regions] == \
             [(pool.data_ptr(), pool.nbytes, "cpu")]
         with pytest.raises(CacheUsageError, match="overlap"):
@@ -423,11 +424,11 @@ def test_deregistered_memory_is_moved_no_more_and_may_be_registered_anew(kind):
         mine.zero_()
         ep.deregister(pool.data_ptr(), pool.nbytes)
         ep.deregister(pool.data_ptr(), pool.nbytes)  # not registered (any more): nothing
-        assert handoff_address.decode(ep.address()).regions == ()
+        assert transport_address.decode(ep.address()).regions == ()
         if kind == "nixl":  # in one process UCX reads over shared memory, unchecked
             assert ep._regs == {}  # NIXL's registration handle went
         else:
-            with pytest.raises(HandoffTransferError):
+            with pytest.raises(TransportError):
                 peer.read(old, local, rows, 5)
             assert not mine.any()
         with pytest.raises(CacheUsageError):
@@ -443,7 +444,7 @@ def test_open_endpoint_checks_the_kind_and_the_simulated_one_refuses_gpu_memory(
     with open_endpoint(Transport.SIMULATED, "x") as ep:
         with pytest.raises(ConfigError, match="host memory only"):
             ep.register(pool.data_ptr(), pool.nbytes, device="cuda:0")
-        assert handoff_address.decode(ep.address()).regions == ()
+        assert transport_address.decode(ep.address()).regions == ()
 
 
 @pytest.mark.parametrize("kind, module, package, other", [
@@ -452,6 +453,6 @@ def test_open_endpoint_checks_the_kind_and_the_simulated_one_refuses_gpu_memory(
 def test_a_missing_library_names_its_package_and_the_other_transport(monkeypatch, kind, module,
                                                                      package, other):
     monkeypatch.setitem(sys.modules, module, None)  # `import` of it now raises ImportError
-    with pytest.raises(HandoffUnavailable) as info:
+    with pytest.raises(TransportUnavailable) as info:
         open_endpoint(kind, "missing")
-    assert package in str(info.value) and f"{other} handoff transport" in str(info.value)
+    assert package in str(info.value) and f"use the {other} transport" in str(info.value)

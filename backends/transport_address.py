@@ -1,4 +1,4 @@
-"""What `HandoffEndpoint.address()` returns: a small msgpack envelope, opaque to callers.
+"""What `TransportEndpoint.address()` returns: a small msgpack envelope, opaque to callers.
 
     {"v": 1, "kind": "nixl", "name": "<endpoint name>", "pid": 1234,
      "regions": [[addr, nbytes, "cpu"], ...], "blob": <the library's own bytes>}
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import msgpack
 
-from kvtier.backends.handoff_regions import Region, RegionTable
+from kvtier.backends.transport_regions import Region, RegionTable
 from kvtier.policies import Transport
 
 VERSION = 1
@@ -48,14 +48,14 @@ def decode(data: bytes) -> PeerAddress:
         doc = msgpack.unpackb(bytes(data), raw=False)
         version = doc["v"]
     except Exception as exc:  # noqa: BLE001 - any malformed input is one answer
-        raise ValueError(f"{len(data)} bytes that are not a handoff endpoint address "
+        raise ValueError(f"{len(data)} bytes that are not a transport endpoint address "
                          f"({type(exc).__name__}: {exc})") from exc
     if version != VERSION:
-        raise ValueError(f"a handoff address of version {version!r}; this kvtier reads {VERSION}")
+        raise ValueError(f"a transport address of version {version!r}; this kvtier reads {VERSION}")
     try:
         regions = tuple(Region(int(a), int(n), str(d)) for a, n, d in doc["regions"])
         return PeerAddress(Transport(doc["kind"]), str(doc["name"]), int(doc["pid"]),
                            regions, bytes(doc["blob"]))
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"{len(data)} bytes that are not a handoff endpoint address "
+        raise ValueError(f"{len(data)} bytes that are not a transport endpoint address "
                          f"({type(exc).__name__}: {exc})") from exc
