@@ -25,8 +25,9 @@ from kvtier.actors.l3.namespace_actor import RAY_NAMESPACE, NamespaceClient, Nam
 from kvtier.actors.serve_graph import APP_NAME
 from kvtier.actors.step_wire import encode_sampling
 from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.request import CachedTokens
 from kvtier.errors import KvtierError
-from kvtier.frontend.records import AnswerItem, AnswerItemKind, CachedCounts
+from kvtier.frontend.records import AnswerItem, AnswerItemKind
 from kvtier.frontend.settings import ServeSettings
 from kvtier.messages import unpack_record
 
@@ -40,7 +41,7 @@ class Probe(NamedTuple):
     failed), and why it failed ("" when answered)."""
 
     tokens: tuple[int, ...]
-    cached: CachedCounts | None
+    cached: CachedTokens | None
     error: str = ""
 
 

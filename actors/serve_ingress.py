@@ -40,15 +40,15 @@ from kvtier.frontend.openai_requests import (ApiError, ApiLimits, ChatRequest, C
                                              check_prompt_tokens, parse_chat, parse_completion)
 from kvtier.frontend.pd_metrics import PDMetrics
 from kvtier.frontend.pins import PinVerb
-from kvtier.frontend.records import (NO_CACHED, AnswerFinal, AnswerItemKind, PromptLengths,
-                                     ReplicaConfig, ReplicaFlush, ReplicaStorage, Route,
-                                     RouterStatus)
+from kvtier.frontend.records import (NO_CACHED, AnswerFinal, AnswerItemKind, ReplicaConfig,
+                                     ReplicaFlush, ReplicaStorage, Route, RouterStatus)
 from kvtier.frontend.redispatch import InstanceUnavailable
 from kvtier.frontend.request_failures import (AnswerFailed, answer_failed, generation_failed,
                                               timed_out, unavailable, unreadable)
 from kvtier.frontend.settings import EngineKind, ServeSettings
 from kvtier.frontend.tenants import ApiKeys, request_salt
 from kvtier.frontend.text_stream import TextStream
+from kvtier.tiers.cache_types import RequestLengths
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +427,7 @@ class Ingress:
         gen = gens[0]
         final = gen.final
         cached = NO_CACHED if final is None else final.cached
-        lengths = PromptLengths(0, 0, 0, 0, prompt_tokens) if final is None else final.lengths
+        lengths = RequestLengths(0, 0, 0, 0, prompt_tokens) if final is None else final.lengths
         kvtier = out.kvtier_field(cached, lengths, None if final is None else final.pd)
         kvtier["instance"] = None if final is None else final.instance  # which served it
         kvtier["route"] = gen.route.to_field()

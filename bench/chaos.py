@@ -64,8 +64,7 @@ from kvtier.bench.chaos_vllm import (RECOVER_WITHIN_S, VllmFaults, engine_audit,
 from kvtier.cli.shared_flags import add_dtype_flag, add_l3_flag, add_model_flag, add_tp_flag
 from kvtier.dtypes import DType
 from kvtier.errors import ConfigError
-from kvtier.policies import StorageBackendKind
-from kvtier.policies import Transport
+from kvtier.policies import StorageBackendKind, Transport
 from kvtier.frontend.settings import L3_NONE, EngineKind, ModelChoice, ServeSettings
 
 log = logging.getLogger(__name__)

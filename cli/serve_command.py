@@ -11,11 +11,10 @@ from kvtier.cli.flags import add_hicache_flags, config_from_args, l3_from_flags
 from kvtier.cli.shared_flags import (add_dtype_flag, add_l3_flag, add_l3_root_flag,
                                      add_model_flag, add_pd_transport_flag,
                                      add_schedule_policy_flag, add_tp_flag)
-from kvtier.policies import StorageBackendKind
+from kvtier.policies import StorageBackendKind, Transport
 from kvtier.frontend.admin_key_file import save_admin_key
 from kvtier.frontend.l3_bound import describe_l3_bound
 from kvtier.frontend.placement import PlacementMode, RankGpus
-from kvtier.policies import Transport
 from kvtier.frontend.settings import HICACHE_OWNED, L3_NONE, EngineKind, ServeSettings
 from kvtier.frontend.tenants import load_api_keys
 

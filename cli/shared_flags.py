@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvtier.dtypes import DType
-from kvtier.policies import SchedulePolicy, StorageBackendKind
-from kvtier.policies import Transport
+from kvtier.policies import SchedulePolicy, StorageBackendKind, Transport
 from kvtier.frontend.settings import L3_NONE, ModelChoice
 
 

@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier.backends.base import BackendStats
+from kvtier.engine.request import CachedTokens
 from kvtier.engine.retraction import RetractionCounters
 from kvtier.errors import KvtierError
-from kvtier.frontend.records import CachedCounts
 from kvtier.messages import DirectoryStats
 from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.controller import TransferStats
@@ -334,7 +334,7 @@ class ServeMetrics:
 
     # ---- per request ---------------------------------------------------------------------
     def observe_request(self, instance: str, ttft_s: float, tpot_s: float | None,
-                        cached: CachedCounts, finish_reason: str,
+                        cached: CachedTokens, finish_reason: str,
                         prompt_tokens: int = 0, generation_tokens: int = 0,
                         e2e_s: float | None = None, queue_s: float | None = None) -> None:
         """One finished request: its latencies, its tokens (cached ones by tier), its finish
@@ -348,7 +348,7 @@ class ServeMetrics:
             self._histograms["queue_seconds"].labels(instance).observe(max(0.0, queue_s))
         self._counters["prompt_tokens"].labels(instance).inc(max(0, prompt_tokens))
         self._counters["generation_tokens"].labels(instance).inc(max(0, generation_tokens))
-        for tier, tokens in cached.to_dict().items():
+        for tier, tokens in cached._asdict().items():
             self._counters["cached_tokens"].labels(instance, tier).inc(max(0, tokens))
         self._counters["requests"].labels(instance, finish_reason).inc()
 

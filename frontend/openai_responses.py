@@ -11,7 +11,9 @@ from collections.abc import Mapping
 
 from kvtier.engine.handoff import HandoffStages
 from kvtier.frontend.openai_requests import Role
-from kvtier.frontend.records import CachedCounts, PDReport, PromptLengths
+from kvtier.engine.request import CachedTokens
+from kvtier.frontend.records import PDReport
+from kvtier.tiers.cache_types import RequestLengths
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -43,11 +45,11 @@ def new_request_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: CachedCounts,
-          lengths: PromptLengths | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached: CachedTokens,
+          lengths: RequestLengths | None = None) -> dict:
     """OpenAI usage; cached_tokens counts prompt tokens reused from any tier. `lengths`, when
     given, is only checked against `cached` (both come from the same admission)."""
-    total = cached.device + cached.host + cached.storage + cached.peer
+    total = cached.total
     if lengths is not None:
         assert total == lengths.prefix_len + lengths.host_loaded_length, (cached, lengths)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -55,12 +57,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: CachedCounts,
             "prompt_tokens_details": {"cached_tokens": total}}
 
 
-def kvtier_field(cached: CachedCounts, lengths: PromptLengths,
+def kvtier_field(cached: CachedTokens, lengths: RequestLengths,
                  pd: PDReport | None = None) -> dict:
     """The extra top-level `kvtier` field: where the cached prompt came from, the five
     lengths (docs/architecture.md invariant 4), and `pd` (`pd_report`) in a prefill/decode
     graph. OpenAI clients ignore unknown fields."""
-    out: dict = {"cached_tokens": cached.to_dict(), "lengths": lengths.to_dict()}
+    out: dict = {"cached_tokens": cached._asdict(), "lengths": lengths._asdict()}
     if pd is not None:
         out["pd"] = pd.to_dict()
     return out

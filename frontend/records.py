@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvtier.config import HiCacheConfigRecord
-from kvtier.engine.request import FinishReason
+from kvtier.engine.request import CachedTokens, FinishReason
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.keys import KeyNamespace
 from kvtier.messages import MessageError, Record
 from kvtier.policies import StorageBackendKind
+from kvtier.tiers.cache_types import RequestLengths
 from kvtier.frontend.liveness import InstanceState
 from kvtier.frontend.router_index import Choice, ChoiceReason
 
@@ -64,28 +65,7 @@ class Route(Record):
                 "expected_pages": None if self.hits is None else self.hits.to_dict()}
 
 
-@dataclass(frozen=True)
-class CachedCounts(Record):
-    """Prompt tokens a request reused, by tier (`engine.request.CachedTokens`)."""
-
-    device: int
-    host: int
-    storage: int
-    peer: int = 0  # another instance's L2 (peer-to-peer L2)
-
-
-NO_CACHED = CachedCounts(0, 0, 0)
-
-
-@dataclass(frozen=True)
-class PromptLengths(Record):
-    """The five lengths of a request's prompt (`engine.request.RequestLengths`)."""
-
-    prefix_len: int
-    host_hit_length: int
-    host_loaded_length: int
-    storage_hit_length: int
-    extend_len: int
+NO_CACHED = CachedTokens(0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -107,8 +87,8 @@ class AnswerFinal(Record):
     the instance-side TTFT and queue time, the instance; in a prefill/decode graph, `pd`."""
 
     finish_reason: FinishReason
-    cached: CachedCounts
-    lengths: PromptLengths
+    cached: CachedTokens
+    lengths: RequestLengths
     ttft_s: float | None
     queue_s: float | None
     instance: str
@@ -117,7 +97,7 @@ class AnswerFinal(Record):
     @classmethod
     def of(cls, out: Any, name: str, pd: PDReport | None = None) -> "AnswerFinal":
         """From an instance's (or a prefill/decode driver's) output of a finished request."""
-        return cls(out.finish_reason, CachedCounts(*out.cached), PromptLengths(*out.lengths),
+        return cls(out.finish_reason, CachedTokens(*out.cached), RequestLengths(*out.lengths),
                    out.ttft_s, out.queue_s, name, pd)
 
 

@@ -16,11 +16,10 @@ from kvtier.backends.file_object import HEADER_BYTES
 from kvtier.bench import chaos, chaos_l3, chaos_monitor
 from kvtier.bench.chaos_clients import AnswerKind, Tally
 from kvtier.bench.chaos_vllm import EngineAudits, ProbeRecord, record_probes
+from kvtier.engine.request import CachedTokens
 from kvtier.errors import ConfigError
-from kvtier.policies import Transport
-from kvtier.frontend.records import CachedCounts
 from kvtier.frontend.settings import EngineKind
-from kvtier.policies import StorageBackendKind
+from kvtier.policies import StorageBackendKind, Transport
 
 F = chaos.Fault
 FILE, VLLM, NIXL = StorageBackendKind.FILE, EngineKind.VLLM, Transport.NIXL
@@ -135,7 +134,7 @@ def test_without_a_bound_being_out_of_service_is_a_loss_at_once(monkeypatch):
 # ---- probes, audit, result ---------------------------------------------------------------------
 def test_probes_are_counted_and_their_answers_judged():
     tally = Tally()
-    ok = Probe((5, 6, 7), CachedCounts(0, 0, 64, 0))
+    ok = Probe((5, 6, 7), CachedTokens(0, 0, 64, 0))
     records = [ProbeRecord(1.0, 2.0, "instance-0", (1, 2, 3), ok),
                ProbeRecord(3.0, 4.0, "instance-1", (1, 2, 3, 4), Probe((), None, "gone"))]
     record_probes(tally, records, lambda t: bytes([t]))

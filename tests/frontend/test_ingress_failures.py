@@ -25,12 +25,13 @@ from kvtier.errors import ConfigError
 from kvtier.frontend.metrics import ServeMetrics
 from kvtier.frontend.openai_requests import ApiLimits
 from kvtier.frontend.records import (NO_CACHED, AnswerFinal, AnswerItem, AnswerItemKind,
-                                     ExpectedPages, PromptLengths, Route)
+                                     ExpectedPages, Route)
 from kvtier.frontend.redispatch import InstanceUnavailable
 from kvtier.frontend.router_index import ChoiceReason
 from kvtier.frontend.settings import ServeSettings
 from kvtier.frontend.tenants import ApiKeys
 from kvtier.frontend.text_stream import TextStream
+from kvtier.tiers.cache_types import RequestLengths
 
 MODEL = "m"
 SECRET = "/srv/secret/engine.py"  # what a remote traceback shows: never to the client
@@ -39,7 +40,7 @@ TRACEBACK = (f'Traceback (most recent call last):\n  File "{SECRET}", line 7, in
              f"either inf, nan or element < 0")
 FAILED = "sampling this answer failed: its probabilities are not finite"
 HANG_GUARD_S = 10  # a request that never ends fails the test, not the run
-FINAL = AnswerFinal(FinishReason.LENGTH, NO_CACHED, PromptLengths(0, 0, 0, 0, 3), None, None,
+FINAL = AnswerFinal(FinishReason.LENGTH, NO_CACHED, RequestLengths(0, 0, 0, 0, 3), None, None,
                     "instance-0")
 
 

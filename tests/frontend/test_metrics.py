@@ -8,12 +8,13 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.backends.base import BackendStats
+from kvtier.engine.request import CachedTokens
 from kvtier.engine.retraction import RetractionCounters
 from kvtier.frontend.metrics import (CACHE_COUNTERS, CACHE_SOURCES, COUNTERS, GAUGES, HISTOGRAMS,
                                      NAMESPACE_COUNTERS, NAMESPACE_GAUGES, STORAGE_SOURCES,
                                      TIER_GAUGES, MetricsError, RankFaults, ServeMetrics, _src,
                                      check_sources, counter_deltas, field_names)
-from kvtier.frontend.records import NO_CACHED, CachedCounts
+from kvtier.frontend.records import NO_CACHED
 from kvtier.tiers.cache_types import CacheCounters
 from kvtier.tiers.controller import TransferStats
 from kvtier.tiers.storage_types import StorageCounters
@@ -43,7 +44,7 @@ def cache_snapshot(**kw) -> dict:
 
 def test_every_family_is_rendered_with_the_prefix_and_an_instance_label():
     m = ServeMetrics()
-    m.observe_request("a", 0.2, 0.01, CachedCounts(64, 32, 0), "stop",
+    m.observe_request("a", 0.2, 0.01, CachedTokens(64, 32, 0), "stop",
                       prompt_tokens=100, generation_tokens=5, e2e_s=0.3, queue_s=0.05)
     m.update_gauges("a", {"device_used_tokens": 64, "device_total_tokens": 640,
                           "running_requests": 1, "waiting_requests": 2, "unknown": 3})
@@ -91,7 +92,7 @@ def test_the_namespace_figures_are_the_directorys():
 
 def test_tokens_latency_and_gauges():
     m = ServeMetrics()
-    m.observe_request("a", 0.1, 0.02, CachedCounts(64, 0, 0), "stop", prompt_tokens=100,
+    m.observe_request("a", 0.1, 0.02, CachedTokens(64, 0, 0), "stop", prompt_tokens=100,
                       generation_tokens=7, e2e_s=0.5)
     m.observe_request("a", 0.1, None, NO_CACHED, "length", prompt_tokens=20,
                       generation_tokens=1)
@@ -114,8 +115,8 @@ def test_private_registry_leaves_the_global_one_alone():
 
 def test_request_observations():
     m = ServeMetrics()
-    m.observe_request("a", 0.1, 0.02, CachedCounts(64, 32, 0), "stop")
-    m.observe_request("a", 0.3, None, CachedCounts(0, 0, 128), "length")
+    m.observe_request("a", 0.1, 0.02, CachedTokens(64, 32, 0), "stop")
+    m.observe_request("a", 0.3, None, CachedTokens(0, 0, 128), "length")
     assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="device") == 64
     assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="host") == 32
     assert value(m, "cached_tokens", "_total", kvtier_instance="a", tier="storage") == 128
@@ -260,7 +261,7 @@ def test_the_grafana_dashboard_queries_only_exported_series():
     assert all("kvtier_instance" in e for e in dashboard_queries())
     # What it names is what a deployment renders (the private registry, fed once).
     m = ServeMetrics()
-    m.observe_request("a", 0.2, 0.01, CachedCounts(1, 0, 0), "stop", 10, 2, 0.3)
+    m.observe_request("a", 0.2, 0.01, CachedTokens(1, 0, 0), "stop", 10, 2, 0.3)
     rendered = {s.name for f in families(m).values() for s in f.samples}
     assert {"kvtier_prompt_tokens_total", "kvtier_ttft_seconds_bucket"} <= rendered
 

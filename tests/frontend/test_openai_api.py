@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.engine.request import CachedTokens
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
 from kvtier.frontend import openai_responses as api
@@ -14,13 +15,14 @@ from kvtier.frontend.openai_requests import (
     ApiError, ApiLimits, ChatRequest, CompletionRequest, ErrorType, Role, check_prompt_tokens,
     parse_chat, parse_completion)
 from kvtier.frontend.openai_responses import SSE_DONE
-from kvtier.frontend.records import CachedCounts, PromptLengths
+
 from kvtier.frontend.stop_strings import StopMatcher
+from kvtier.tiers.cache_types import RequestLengths
 
 LIMITS = ApiLimits(model_names=("smol", "tiny"), max_prompt_tokens=100, max_new_tokens=64,
                    max_body_bytes=4096)
-CACHED = CachedCounts(device=3, host=2, storage=1)
-LENGTHS = PromptLengths(prefix_len=3, host_hit_length=4, host_loaded_length=3,
+CACHED = CachedTokens(device=3, host=2, storage=1)
+LENGTHS = RequestLengths(prefix_len=3, host_hit_length=4, host_loaded_length=3,
                         storage_hit_length=1, extend_len=5)
 
 

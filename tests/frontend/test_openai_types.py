@@ -6,15 +6,17 @@ import json
 
 import pytest
 
+from kvtier.engine.request import CachedTokens
 from kvtier.frontend import openai_responses as out
-from kvtier.frontend.records import CachedCounts, PromptLengths
+from kvtier.tiers.cache_types import RequestLengths
+
 
 openai_types = pytest.importorskip("openai.types")
 from openai.types import Completion, Model  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
-CACHED = CachedCounts(device=3, host=2, storage=1)
-LENGTHS = PromptLengths(prefix_len=3, host_hit_length=4, host_loaded_length=3,
+CACHED = CachedTokens(device=3, host=2, storage=1)
+LENGTHS = RequestLengths(prefix_len=3, host_hit_length=4, host_loaded_length=3,
                         storage_hit_length=1, extend_len=5)
 USAGE = out.usage(12, 4, CACHED, LENGTHS)
 KVTIER = out.kvtier_field(CACHED, LENGTHS)

@@ -7,13 +7,15 @@ import json
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.handoff import HandoffStages
+from kvtier.engine.request import CachedTokens
 from kvtier.frontend import openai_responses as out
 from kvtier.frontend.metrics import ServeMetrics
 from kvtier.frontend.pd_metrics import MODES, STAGES, PDMetrics
-from kvtier.frontend.records import CachedCounts, PDReport, PromptLengths
+from kvtier.frontend.records import PDReport
+from kvtier.tiers.cache_types import RequestLengths
 
-CACHED = CachedCounts(device=0, host=0, storage=32)
-LENGTHS = PromptLengths(prefix_len=0, host_hit_length=32, host_loaded_length=32,
+CACHED = CachedTokens(device=0, host=0, storage=32)
+LENGTHS = RequestLengths(prefix_len=0, host_hit_length=32, host_loaded_length=32,
                         storage_hit_length=32, extend_len=16)
 
 
@@ -36,7 +38,7 @@ def test_the_field_says_how_the_request_went():
                   "stages": {"bootstrap_s": 0.0004, "prefill_s": 0.05, "transfer_s": 0.002,
                              "kv_ready_s": 0.01, "decode_queue_s": 0.02}}
     field = out.kvtier_field(CACHED, LENGTHS, pd)
-    assert field["pd"] == pd.to_dict() and field["lengths"] == LENGTHS.to_dict()
+    assert field["pd"] == pd.to_dict() and field["lengths"] == LENGTHS._asdict()
     assert "pd" not in out.kvtier_field(CACHED, LENGTHS)  # instances that do both: as before
     mixed = out.pd_report("mixed", "nixl", "prefill-0", None, HandoffStages(bootstrap_s=0.001,
                                                                             prefill_s=0.2),

@@ -15,10 +15,11 @@ from kvtier.errors import ConfigError
 from kvtier.frontend.liveness import InstanceState, Liveness, candidates
 from kvtier.frontend.metrics import ServeMetrics
 from kvtier.frontend.records import (NO_CACHED, AnswerFinal, AnswerItem, AnswerItemKind,
-                                     InstanceStates, NamedState, PromptLengths, Route)
+                                     InstanceStates, NamedState, Route)
 from kvtier.frontend.redispatch import InstanceUnavailable, SentTokens
 from kvtier.frontend.settings import ServeSettings
 from kvtier.cli.serve_command import add_arguments, settings_from
+from kvtier.tiers.cache_types import RequestLengths
 
 LIVE, STALLED = InstanceState.LIVE, InstanceState.STALLED
 
@@ -113,7 +114,7 @@ def test_stall_metrics_render():
 
 # ---- RoutedAnswer with fake handles ---------------------------------------------------------
 ANSWER = [10, 11, 12, 13, 14, 15]
-FINAL = AnswerFinal(FinishReason.LENGTH, NO_CACHED, PromptLengths(0, 0, 0, 0, 3), None, None,
+FINAL = AnswerFinal(FinishReason.LENGTH, NO_CACHED, RequestLengths(0, 0, 0, 0, 3), None, None,
                     "?")
 
 

@@ -16,9 +16,8 @@ from vllm_required import require_vllm
 
 import kvtier.cli.main as cli
 from kvtier.bench.chaos import TARGETS, Fault, fault_kinds
-from kvtier.policies import Transport
 from kvtier.frontend.settings import EngineKind
-from kvtier.policies import StorageBackendKind
+from kvtier.policies import StorageBackendKind, Transport
 
 require_vllm()
 pytestmark = pytest.mark.timeout(900)
