@@ -88,7 +88,10 @@ class InstanceStep(NamedTuple):
     handoffs: dict[int, list[HandoffSent]] = {}  # prefill side: id -> each rank's transfer
 
 
-class RequestState(enum.Enum):
+class InstanceRequestState(enum.Enum):
+    """Where a request an instance holds stands (not the engine's scheduling state,
+    `engine.request.RequestState`)."""
+
     PENDING = "pending"  # queued or running on the ranks, not returned yet
     HANDED = "handed"    # prefill side: returned; its ranks hold its pages for the decode side
 
@@ -107,7 +110,7 @@ class InstanceRequest:
     incoming: tuple[IncomingKV, ...] | None = None  # decode side: each rank's
     answer: list[int] = field(default_factory=list)  # tokens returned so far (progress)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when it asked
-    state: RequestState = RequestState.PENDING
+    state: InstanceRequestState = InstanceRequestState.PENDING
     held_until: float = 0.0  # HANDED: monotonic; the ranks have given the pages back by then
 
     def resume(self) -> Resume | None:
@@ -312,7 +315,7 @@ class Instance:
                 return InstanceStep([], {}, None)
         self._failures_in_a_row = 0
         pending = {req_id for req_id, req in self._requests.items()
-                   if req.state is RequestState.PENDING}
+                   if req.state is InstanceRequestState.PENDING}
         progress = {}
         for req_id, got in first.progress.items():
             new = self._requests[req_id].take(got) if req_id in pending else None
@@ -330,7 +333,7 @@ class Instance:
         if req.targets is not None:
             self._forget_expired()
             if out.finish_reason is not FinishReason.ABORTED:
-                req.state, req.held_until = (RequestState.HANDED,
+                req.state, req.held_until = (InstanceRequestState.HANDED,
                                              time.monotonic() + self.handed_hold_s)
                 self._requests[req_id] = req
         return out
@@ -355,7 +358,7 @@ class Instance:
         self.rank_group.kill_all()
         for req_id in list(self._requests):
             req = self._requests[req_id]
-            if req.state is RequestState.HANDED:
+            if req.state is InstanceRequestState.HANDED:
                 del self._requests[req_id]  # their pages died with the ranks
         self.restarts += 1
         try:
@@ -379,7 +382,7 @@ class Instance:
 
     def abort(self, request_id: int) -> Output | None:
         req = self._requests.get(request_id)
-        if req is None or req.state is not RequestState.PENDING:
+        if req is None or req.state is not InstanceRequestState.PENDING:
             return None
         try:
             out = self.rank_group.abort(request_id)
@@ -416,7 +419,7 @@ class Instance:
 
     @property
     def num_pending(self) -> int:
-        return sum(req.state is RequestState.PENDING for req in self._requests.values())
+        return sum(req.state is InstanceRequestState.PENDING for req in self._requests.values())
 
     @property
     def num_submitted(self) -> int:
@@ -497,7 +500,7 @@ class Instance:
         pages to their caches. False when they hold none for it (released already, their
         hold ended, or a rank failed: the pages died with the ranks)."""
         req = self._requests.get(request_id)
-        if req is None or req.state is not RequestState.HANDED:
+        if req is None or req.state is not InstanceRequestState.HANDED:
             return False
         del self._requests[request_id]
         return self._recovering(lambda: all(self.rank_group.release_handoff(request_id)),
@@ -507,14 +510,14 @@ class Instance:
     def handed_requests(self) -> int:
         """Finished prefills whose pages the ranks hold until `release_handoff`."""
         self._forget_expired()
-        return sum(req.state is RequestState.HANDED for req in self._requests.values())
+        return sum(req.state is InstanceRequestState.HANDED for req in self._requests.values())
 
     def _forget_expired(self) -> None:
         """The ranks released these at their hold's end already; a release that never came
         must not keep them here."""
         now = time.monotonic()
         for req_id in [i for i, req in self._requests.items()
-                       if req.state is RequestState.HANDED and req.held_until <= now]:
+                       if req.state is InstanceRequestState.HANDED and req.held_until <= now]:
             del self._requests[req_id]
 
     def raw_handoff_writes(self, targets: Sequence[HandoffTarget],

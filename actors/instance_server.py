@@ -33,6 +33,7 @@ from kvtier.engine.request import Output, Resume
 from kvtier.engine.sampling import SamplingParams
 from kvtier.actors.l3.l2_reporter import L2Reporter
 from kvtier.frontend.cache_events import CacheEvent, CacheEventBatch
+from kvtier.frontend.records import ReplicaPoll
 from kvtier.frontend.router_index import PrefixIndex
 from kvtier.policies import CacheEventKind, CacheTier
 
@@ -120,17 +121,6 @@ class _Call(NamedTuple):
     future: concurrent.futures.Future
 
 
-class ServerPoll(NamedTuple):
-    load: int  # requests queued or running
-    epoch: int  # rank-set restarts so far: a router forgets an instance whose epoch changed
-    events: list[bytes]  # CacheEventBatch msgpack records since the last poll, oldest first
-    broken: str | None  # why the instance stopped serving, or None
-    steps: int  # steps completed so far: the router's deadline watches it grow while load > 0
-    recovering: bool = False  # replacing its ranks (kvtier.frontend.liveness: RECOVERING)
-    holdings: bytes | None = None  # asked for (`full`): everything it holds, one
-    # CacheEventBatch at the last seq, in place of `events` (None: no events yet)
-
-
 class InstanceServer:
     """`instance` driven by a thread; `submit`, `cancel`, `call`, `poll`, `close`."""
 
@@ -190,18 +180,18 @@ class InstanceServer:
             self._commands.put(cmd)
         self._wake.set()
 
-    def poll(self, full: bool = False) -> ServerPoll:
+    def poll(self, full: bool = False) -> ReplicaPoll:
         """Load, epoch, steps and the cache events since the last poll; `full`: what the
         instance holds instead of those events (a router rebuilding its index)."""
         with self._lock:
-            events = list(self._events)
+            events = tuple(self._events)
             self._events.clear()
             holdings = None
             if full:
                 snapshot = self._holdings.holdings(self.name)
-                events, holdings = [], None if snapshot is None else snapshot.to_msgpack()
-            return ServerPoll(self._load, self.instance.restarts, events, self.broken,
-                              self._steps, self.instance.recovering, holdings)
+                events, holdings = (), None if snapshot is None else snapshot.to_msgpack()
+            return ReplicaPoll(self._load, self.instance.restarts, events, self.broken,
+                               self._steps, self.instance.recovering, holdings)
 
     def report_l2(self, reporter: L2Reporter | None) -> None:
         """From now on tell `reporter` the L2 pages its events say the instance holds, and

@@ -27,8 +27,8 @@ from kvtier.frontend.l3_bound import GiB, L3Bound, auto_l3_gb
 from kvtier.frontend.metrics import RankFaults
 from kvtier.frontend.placement import head_resources
 from kvtier.frontend.records import (AnswerFinal, AnswerItem, AnswerItemKind, InstanceSnapshot,
-                                     L3Attachment, ReplicaDescription, ReplicaPoll,
-                                     ReplicaSnapshot, ReplicaStorage)
+                                     L3Attachment, ReplicaDescription, ReplicaSnapshot,
+                                     ReplicaStorage)
 from kvtier.frontend.settings import ServeSettings
 from kvtier.storage_options import parse_storage_options
 from kvtier.tiers.l2_holders import new_incarnation
@@ -177,7 +177,7 @@ class ServedReplica:
     async def poll(self, full: bool = False) -> bytes:
         """A `ReplicaPoll` record (msgpack); `full`: with what the instance holds in place of
         the events since the last poll (a router rebuilding its index)."""
-        return ReplicaPoll.of(self.server.poll(full)).to_msgpack()
+        return self.server.poll(full).to_msgpack()
 
     async def describe(self) -> bytes:
         """The first instance's cache (every instance is built from the same settings): a

@@ -143,20 +143,18 @@ class AnswerItem(Record):
 
 @dataclass(frozen=True)
 class ReplicaPoll(Record):
-    """What the router's poll of a replica gets (`actors/instance_server.py` ServerPoll)."""
+    """What a poll of an instance's server gets (`actors/instance_server.py`), and so the
+    router's poll of a replica."""
 
     load: int  # requests queued or running
     epoch: int  # rank-set restarts so far: a router forgets an instance whose epoch changed
-    events: tuple[bytes, ...]  # CacheEventBatch msgpack records since the last poll
+    events: tuple[bytes, ...]  # CacheEventBatch msgpack records since the last poll, oldest
+    # first
     broken: str | None  # why the instance stopped serving, or None
-    steps: int  # steps completed so far
+    steps: int  # steps completed so far: the router's deadline watches it grow while load > 0
     recovering: bool = False  # replacing its ranks (kvtier.frontend.liveness: RECOVERING)
-    holdings: bytes | None = None  # a full poll's: what it holds (a CacheEventBatch)
-
-    @classmethod
-    def of(cls, poll: Any) -> "ReplicaPoll":
-        return cls(poll.load, poll.epoch, tuple(poll.events), poll.broken, poll.steps,
-                   poll.recovering, poll.holdings)
+    holdings: bytes | None = None  # asked for (`full`): everything it holds, one
+    # CacheEventBatch at the last seq, in place of `events` (None: no events yet)
 
 
 @dataclass(frozen=True)
