@@ -358,8 +358,9 @@ def serve_and_load(p: ChaosParams, settings: ServeSettings, limits: Limits,
                             vllm, traffic.tally, _token_bytes(settings))
         tally = asyncio.run(traffic.run([injector.run(start, deadline)]))
         duration_s = time.monotonic() - start
-        if p.vllm:  # a killed engine's new replica may still be starting
-            wait_until(lambda: monitor.all_up, p.recover_within_s, every_s=1.0)
+        if vllm is not None:  # a killed engine's new replica may still be starting
+            wait_until(lambda: monitor.all_up and vllm.engines_back(), p.recover_within_s,
+                       every_s=1.0)
         went_idle = wait_until(lambda: idle(base, settings.admin_key), p.settle_s)
         audit, audit_error = _audit(
             (lambda: engine_audit(engines)) if engines is not None else chaos.audit,

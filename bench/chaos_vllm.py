@@ -126,6 +126,7 @@ class VllmFaults:
         self.kv_heads, self.vocab = kv_heads(config), int(config["vocab_size"])
         self._probes: list[ProbeRecord] = []
         self._lock = threading.Lock()
+        self._killed: set[int] = set()  # the processes of the engines kill_engine killed
 
     def take_probes(self) -> list[ProbeRecord]:
         with self._lock:
@@ -141,7 +142,18 @@ class VllmFaults:
         pid = self.rng.choice((*procs.cores, *procs.workers))
         role = "EngineCore" if pid in procs.cores else "worker"
         armed = _signal([pid], signal.SIGKILL)
+        if armed:  # the engine goes down whole: back once none of these processes is left
+            self._killed.update((*procs.cores, *procs.workers))
         return armed, f"{target.name} {role} pid {pid}"
+
+    def engines_back(self) -> bool:
+        """Every instance runs an engine, none of it a process of an engine a fault killed
+        (a new engine). The audit waits for this: an engine killed just before the traffic
+        ended may not have been seen down by the monitor yet, and its instance cannot be
+        audited until it is replaced."""
+        up = self._up()
+        return len(up) == len(self.engines.targets) and not any(
+            self._killed & {*procs.cores, *procs.workers} for _, procs in up)
 
     def stop_holder(self) -> tuple[bool, str]:
         pair = self._pair()

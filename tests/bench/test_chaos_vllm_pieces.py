@@ -162,6 +162,43 @@ def test_the_engine_audit_and_the_result():
     json.dumps(out)
 
 
+def test_the_audit_waits_for_a_new_engine_in_place_of_a_killed_one(monkeypatch):
+    """An engine killed just before the traffic ended: its instance is back once it runs an
+    engine none of whose processes was the killed engine's (a worker killed leaves the
+    EngineCore running a while: that is not back)."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvtier.bench import chaos_vllm
+    from kvtier.vllm_engine.processes import EngineProcesses
+
+    targets = [SimpleNamespace(name="instance-0"), SimpleNamespace(name="instance-1")]
+    now = {"instance-0": EngineProcesses((10,), (11,)), "instance-1": EngineProcesses((20,), (21,))}
+
+    def processes(target, timeout_s=None):
+        got = now[target.name]
+        if got is None:
+            raise RuntimeError("the replica is being replaced")
+        return got
+    faults = object.__new__(chaos_vllm.VllmFaults)
+    faults.engines = SimpleNamespace(targets=targets, processes=processes)
+    faults.rng, faults._killed, faults._lock = random.Random(3), set(), threading.Lock()
+    signalled = []
+    monkeypatch.setattr(chaos_vllm, "_signal", lambda pids, sig: signalled.extend(pids) or True)
+    assert faults.engines_back()  # nothing killed
+    armed, where = faults.kill_engine()
+    assert armed and signalled
+    victim = "instance-0" if signalled[0] in (10, 11) else "instance-1"
+    old = now[victim]
+    assert victim in where and not faults.engines_back()  # its processes still listed
+    now[victim] = EngineProcesses(old.cores, ())  # the killed worker gone, its core not yet
+    assert not faults.engines_back()
+    now[victim] = None  # Serve replaces the replica
+    assert not faults.engines_back()
+    now[victim] = EngineProcesses((30,), (31,))  # a new engine
+    assert faults.engines_back()
+
+
 # ---- the file L3's faults ------------------------------------------------------------------------
 def objects(root, count: int) -> list[str]:
     folder = root / "ns" / "kv"
