@@ -31,7 +31,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence, TypeVar
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, TypeVar
 
 import ray
 from ray.util.placement_group import (placement_group, placement_group_table,
@@ -106,6 +106,7 @@ class InstanceRequest:
     tokens: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str = ""
+    label: str = ""  # its id as its client knows it (the OpenAI id), for the logs
     targets: tuple[HandoffTarget, ...] | None = None  # prefill side: every decode rank's
     incoming: tuple[IncomingKV, ...] | None = None  # decode side: each rank's
     answer: list[int] = field(default_factory=list)  # tokens returned so far (progress)
@@ -247,14 +248,15 @@ class Instance:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
                     cache_salt: str = "", resume: Resume | None = None,
-                    request_id: int | None = None) -> int:
+                    request_id: int | None = None, label: str = "") -> int:
         """Queue a request on every rank; its id (the instance's, stable across restarts).
         `cache_salt`: its tenant (it hits only prefixes cached with the same salt).
         `resume`: the start of its answer the caller has already (it ran elsewhere): it goes
         on after those tokens, which its progress never reports again.
-        `request_id`: the id to give it (a server's own request id), instead of the next."""
+        `request_id`: the id to give it (a server's own request id), instead of the next.
+        `label`: its id as its client knows it (the logs name it by that)."""
         req = InstanceRequest(tuple(int(t) for t in tokens), sampling,
-                              check_cache_salt(cache_salt))
+                              check_cache_salt(cache_salt), label=label)
         if resume is not None:
             req.answer, req.logprobs = list(resume.tokens), list(resume.logprobs or ())
         return self._add(req, request_id)
@@ -352,8 +354,8 @@ class Instance:
             raise InstanceError(f"{cause}; the ranks failed {self._failures_in_a_row} times "
                                 f"in a row, giving up (max_restarts={self.max_restarts})"
                                 ) from cause
-        log.warning("%s; replacing all %d ranks and recomputing %d pending requests",
-                    cause, self.size, self.num_pending)
+        log.warning("%s; replacing all %d ranks and recomputing %d pending requests%s",
+                    cause, self.size, self.num_pending, _labels(self._requests.values()))
         self.divergences += isinstance(cause, RankDivergence)
         self.rank_group.kill_all()
         for req_id in list(self._requests):
@@ -467,7 +469,7 @@ class Instance:
                      sent: Sequence[HandoffSent], targets: Sequence[HandoffTarget],
                      first_token: int, cache_salt: str = "",
                      first_logprob: TokenLogprob | None = None,
-                     request_id: int | None = None) -> int:
+                     request_id: int | None = None, label: str = "") -> int:
         """Queue the decode request whose prompt KV the prefill ranks wrote into `targets`
         (this instance's ranks' reservations; `sent`: each prefill rank's transfer, with its
         sums); it decodes from `first_token` (with `first_logprob`, when it asked for them)
@@ -481,18 +483,20 @@ class Instance:
                                     t.staging.pages if t.staging is not None else ())
                          for t in targets)
         return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
-                                         check_cache_salt(cache_salt), None, incoming),
+                                         check_cache_salt(cache_salt), label=label,
+                                         incoming=incoming),
                          request_id)
 
     # ---- prefill side ------------------------------------------------------------------------
     def add_prefill(self, tokens: Sequence[int], sampling: SamplingParams,
                     targets: Sequence[HandoffTarget], cache_salt: str = "",
-                    request_id: int | None = None) -> int:
+                    request_id: int | None = None, label: str = "") -> int:
         """Queue a prefill whose prompt KV goes to the decode ranks' `targets` once computed
         (each rank writes its KV heads to the ranks holding them; `step_report().handoffs`
         then has each rank's HandoffSent); its pages stay held until `release_handoff`."""
         return self._add(InstanceRequest(tuple(int(t) for t in tokens), sampling,
-                                         check_cache_salt(cache_salt), tuple(targets)),
+                                         check_cache_salt(cache_salt), label=label,
+                                         targets=tuple(targets)),
                          request_id)
 
     def release_handoff(self, request_id: int) -> bool:
@@ -634,6 +638,15 @@ class Instance:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _labels(requests: Iterable[InstanceRequest], most: int = 8) -> str:
+    """The client ids of `requests` for a log line ("" when none has one)."""
+    labels = [r.label for r in requests if r.label]
+    if not labels:
+        return ""
+    more = f" and {len(labels) - most} more" if len(labels) > most else ""
+    return f" ({', '.join(labels[:most])}{more})"
 
 
 def _collect_handoffs(per_rank: Sequence[StepReport], pending: set[int]

@@ -90,8 +90,9 @@ class DrivenInstance(Protocol):
 
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
                     cache_salt: str = "", resume: Resume | None = None,
-                    request_id: int | None = None) -> int:
-        """Queue a request under `request_id`; that id."""
+                    request_id: int | None = None, label: str = "") -> int:
+        """Queue a request under `request_id`; that id. `label`: its id as its client knows
+        it (the OpenAI id), for the logs (and an engine that names requests: vLLM's)."""
 
     def abort(self, request_id: int) -> object:
         """Stop a request; its sink hears nothing more of it."""
@@ -110,6 +111,7 @@ class _Add(NamedTuple):
     cache_salt: str
     sink: Sink
     resume: Resume | None
+    label: str
 
 
 class _Cancel(NamedTuple):
@@ -146,16 +148,17 @@ class InstanceServer:
 
     # ---- callers (any thread) ---------------------------------------------------------------
     def submit(self, tokens: list[int], sampling: SamplingParams, sink: Sink,
-               cache_salt: str = "", resume: Resume | None = None) -> int:
+               cache_salt: str = "", resume: Resume | None = None, label: str = "") -> int:
         """Queue a request (`cache_salt`: its tenant's; `resume`: the start of its answer
-        the caller already has); its id (for `cancel`)."""
+        the caller already has; `label`: its id as its client knows it); its id here (for
+        `cancel`)."""
         request_id = next(self._ids)
         with self._lock:  # after _fail_all nothing is queued that nobody would answer
             if self.broken:
                 raise InstanceError(f"instance {self.name} stopped serving: {self.broken}")
             self._load += 1
             self._commands.put(_Add(request_id, tuple(tokens), sampling, cache_salt, sink,
-                                    resume))
+                                    resume, label))
         self._wake.set()
         return request_id
 
@@ -252,7 +255,7 @@ class InstanceServer:
 
     def _add(self, cmd: _Add) -> None:
         self.instance.add_request(cmd.tokens, cmd.sampling, cmd.cache_salt, cmd.resume,
-                                  cmd.request_id)
+                                  cmd.request_id, label=cmd.label)
         self._sinks[cmd.request_id] = cmd.sink
 
     def _cancel(self, request_id: int) -> None:

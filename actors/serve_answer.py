@@ -60,13 +60,15 @@ class RouterStates:
 class RoutedAnswer:
     """`items()`: the answer's items (`AnswerItem` records, decoded from the replica's
     stream), each with only the tokens not passed on before; `cancel()` frees the instance
-    serving it."""
+    serving it. `request_id`: the answer's id as its client knows it (the OpenAI id), which
+    every instance it runs on is given, a re-dispatch too, and the logs say."""
 
     def __init__(self, router: Any, instances: dict[str, Any], states: RouterStates,
                  tokens: list[int], sampling: SamplingParams, instance: str, check_s: float,
                  on_move: Callable[[str], None] = lambda _: None, cache_salt: str = "",
-                 give_up_s: float | None = None) -> None:
+                 give_up_s: float | None = None, request_id: str = "") -> None:
         self._router, self._instances, self._states = router, instances, states
+        self.request_id = request_id
         self._tokens, self._sampling, self._check_s = tokens, sampling, check_s
         self._salt = cache_salt
         self._on_move = on_move  # called with the name of the instance the answer left
@@ -104,8 +106,8 @@ class RoutedAnswer:
                                  failed=True)
                 continue
             except Exception as exc:  # noqa: BLE001 - the instance stopped or its replica died
-                log.warning("instance %s failed with a request in flight: %s", self.instance,
-                            exc)
+                log.warning("request %s: instance %s failed with it in flight: %s",
+                            self.request_id, self.instance, exc)
                 await self._move(f"instance {self.instance} stopped serving", failed=True)
                 continue
             item = AnswerItem.from_msgpack(raw)  # a bad record is a bug: raised, not moved
@@ -128,7 +130,8 @@ class RoutedAnswer:
         handle = self._instances[instance]
         return handle.options(stream=True).generate.remote(
             self._tokens, encode_sampling(self._sampling), self._salt,
-            encode_resume(self.sent.resume(self._sampling.logprobs is not None)))
+            encode_resume(self.sent.resume(self._sampling.logprobs is not None)),
+            self.request_id)
 
     async def _move(self, why: str, failed: bool, patient: bool = False) -> None:
         """Send the request to another live instance, which goes on after what was passed
@@ -142,8 +145,8 @@ class RoutedAnswer:
                                            cache_salt=self._salt),
                 ROUTER_CALL_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - as if no other instance were live
-            log.warning("re-dispatching from %s: the router did not answer: %s",
-                        self.instance, exc)
+            log.warning("request %s: re-dispatching from %s: the router did not answer: %s",
+                        self.request_id, self.instance, exc)
         if choice is None or choice.instance is None:
             now = time.monotonic()
             if patient:
@@ -155,8 +158,8 @@ class RoutedAnswer:
                 raise InstanceUnavailable(f"{why} and no other instance is live")
             return  # wait where it is: the deadline is checked again
         left, self.instance = self.instance, choice.instance
-        log.warning("%s with a request in flight (%d tokens sent): re-dispatched to %s", why,
-                    len(self.sent.ids), self.instance)
+        log.warning("request %s: %s with it in flight (%d tokens sent): re-dispatched to %s",
+                    self.request_id, why, len(self.sent.ids), self.instance)
         self.cancel()
         self._alone_since = None
         self._stream = self._open(self.instance)

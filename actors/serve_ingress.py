@@ -272,7 +272,7 @@ class Ingress:
         try:
             async with timer:
                 for i in range(req.n):
-                    gens.append(await self._start(req, tokens, seed, salt, i))
+                    gens.append(await self._start(req, tokens, seed, salt, i, rid))
         except Exception as exc:  # noqa: BLE001 - the router failed, or the time is up
             for gen in gens:
                 gen.answer.cancel()
@@ -304,13 +304,15 @@ class Ingress:
         return JSONResponse(out.with_choices(first, more) if more else first)
 
     async def _start(self, req: CompletionRequest | ChatRequest, tokens: list[int], seed: int,
-                     salt: str, index: int) -> _Generation:
-        """Route answer `index` of the request, as a request of its own, and start it."""
+                     salt: str, index: int, rid: str) -> _Generation:
+        """Route answer `index` of request `rid`, as a request of its own, and start it:
+        the instances know it as `rid` (one answer) or `rid/index`."""
         sampling = req.sampling(self.tokenizer.stop_token_ids, seed, index)
         route = Route.from_msgpack(await self.router.choose.remote(tokens, cache_salt=salt))
         answer = RoutedAnswer(self.router, self.instances, self.states, tokens, sampling,
                               route.instance, self.check_s, self.metrics.observe_redispatch,
-                              cache_salt=salt)
+                              cache_salt=salt,
+                              request_id=rid if req.n == 1 else f"{rid}/{index}")
         return _Generation(answer, route, TextStream(self.tokenizer, req.stop), index)
 
     async def _drain(self, gen: _Generation, start: float) -> None:

@@ -134,7 +134,8 @@ class ServedReplica:
 
     # ---- requests ---------------------------------------------------------------------------
     async def generate(self, tokens: list[int], sampling: bytes, cache_salt: str = "",
-                       resume: bytes | None = None) -> AsyncIterator[bytes]:
+                       resume: bytes | None = None, request_id: str = ""
+                       ) -> AsyncIterator[bytes]:
         """Stream `AnswerItem` records (msgpack): new token ids (and their log-probabilities
         when it asked), the last one FINAL with `_final`: the finish reason, cached tokens by
         tier, the five lengths, the instance-side TTFT; or, when this request alone failed,
@@ -142,14 +143,16 @@ class ServedReplica:
         tenant (it hits only prefixes cached with the same salt). `sampling`: a SamplingParams
         record (step_wire `encode_sampling`). `resume` (a Resume record or None): the
         start of its answer the caller already has (it ran on another instance): the answer
-        goes on after it and those tokens are not sent again. A caller that goes away
+        goes on after it and those tokens are not sent again. `request_id`: its id as the
+        client knows it (the instance's logs and engine carry it). A caller that goes away
         (disconnect, stop string) cancels it. The instance stopping raises InstanceError."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         got = decode_resume(resume)
         key = self.server.submit(
             tokens, decode_sampling(sampling),
-            lambda event: loop.call_soon_threadsafe(events.put_nowait, event), cache_salt, got)
+            lambda event: loop.call_soon_threadsafe(events.put_nowait, event), cache_salt, got,
+            label=request_id)
         have, finished = (0 if got is None else len(got.tokens)), False
         try:
             while True:

@@ -165,6 +165,18 @@ class EngineFacts(NamedTuple):
     batched_tokens: int  # most tokens one step computes (vLLM's max_num_batched_tokens)
 
 
+def vllm_request_id(request_id: int, label: str) -> str:
+    """A request's id in vLLM: its client's id (`label`, the OpenAI id: vLLM's logs and
+    the connector's then name it so) and the server's, which makes it unique (one request
+    may be sent again to the same instance)."""
+    return f"{label}@{request_id}" if label else str(request_id)
+
+
+def server_request_id(vllm_id: str) -> int:
+    """The server's id in a vLLM request id (`vllm_request_id`)."""
+    return int(vllm_id.rpartition("@")[2])
+
+
 @dataclass
 class _Running:
     prompt: tuple[int, ...]
@@ -172,6 +184,7 @@ class _Running:
     resumed: tuple[int, ...]  # answer tokens the caller had before this run
     resumed_logprobs: tuple[TokenLogprob, ...] | None
     arrived: float  # monotonic
+    vllm_id: str  # its request id in vLLM (vllm_request_id)
     answer: list[int] = field(default_factory=list)  # this run's tokens
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token: float | None = None
@@ -251,11 +264,11 @@ class VllmInstance:
 
     def add_request(self, tokens: Sequence[int], sampling: SamplingParams,
                     cache_salt: str = "", resume: Resume | None = None,
-                    request_id: int | None = None) -> int:
+                    request_id: int | None = None, label: str = "") -> int:
         if request_id is None:
             raise ValueError("a vLLM instance takes its requests under the server's ids")
         pending = self._gate.admit(Pending(request_id, tuple(tokens), sampling, cache_salt,
-                                           resume, time.monotonic()))
+                                           resume, time.monotonic(), label))
         if pending is not None:
             self._add(pending)
         return request_id
@@ -265,13 +278,13 @@ class VllmInstance:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        request_id, tokens, sampling, cache_salt, resume, arrived = pending
+        request_id, tokens, sampling, cache_salt, resume, arrived, label = pending
         resumed = () if resume is None else tuple(resume.tokens)
         prompt = TokensPrompt(prompt_token_ids=[*tokens, *resumed])
         if cache_salt:
             prompt["cache_salt"] = cache_salt
         try:
-            self._engine.add_request(str(request_id), prompt,
+            self._engine.add_request(vllm_request_id(request_id, label), prompt,
                                      vllm_sampling(sampling, len(resumed), self._vocab_size))
         except (VLLMClientError, ValueError, TypeError, ConfigError) as exc:
             self._refused[request_id] = Output(
@@ -281,14 +294,15 @@ class VllmInstance:
             return
         self._running[request_id] = _Running(
             tuple(tokens), sampling, resumed, None if resume is None else resume.logprobs,
-            arrived)
+            arrived, vllm_request_id(request_id, label))
 
     def abort(self, request_id: int) -> object:
         self._refused.pop(request_id, None)
         if self._gate.drop(request_id):
             return None
-        if self._running.pop(request_id, None) is not None:
-            self._engine.abort_request([str(request_id)])
+        running = self._running.pop(request_id, None)
+        if running is not None:
+            self._engine.abort_request([running.vllm_id])
         return None
 
     def step_report(self) -> InstanceStep:
@@ -301,7 +315,7 @@ class VllmInstance:
         now = time.monotonic()
         progress: dict[int, Progress] = {}
         for out in outputs:
-            request_id = int(out.request_id)
+            request_id = server_request_id(out.request_id)
             req = self._running.get(request_id)
             if req is None:
                 continue  # aborted meanwhile

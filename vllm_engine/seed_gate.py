@@ -36,6 +36,7 @@ class Pending(NamedTuple):
     cache_salt: str
     resume: Resume | None
     arrived: float = 0.0  # monotonic: when the instance took it
+    label: str = ""  # its id as its client knows it (vllm_request_id)
 
     @property
     def prompt_len(self) -> int:

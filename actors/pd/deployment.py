@@ -58,8 +58,9 @@ class PDInstances:
         return None
 
     def add_request(self, tokens: Any, sampling: SamplingParams, cache_salt: str = "",
-                    resume: Resume | None = None, request_id: int | None = None) -> int:
-        return self.driver.add(tokens, sampling, cache_salt, resume, request_id)
+                    resume: Resume | None = None, request_id: int | None = None,
+                    label: str = "") -> int:
+        return self.driver.add(tokens, sampling, cache_salt, resume, request_id, label)
 
     def abort(self, request_id: int) -> None:
         self.driver.abort(request_id)

@@ -93,6 +93,7 @@ class _Flight:
     tokens: tuple[int, ...]
     sampling: SamplingParams
     salt: str
+    label: str = ""  # its id as its client knows it: each instance it runs on is given it
     arrival_s: float = field(default_factory=time.perf_counter)
     mode: PDMode = PDMode.HANDOFF
     handoff_id: str = ""
@@ -109,6 +110,11 @@ class _Flight:
     transfer_bytes: int = 0
     transfer_pages: int = 0
     sent: int = 0  # answer tokens passed on (step_report's progress)
+
+    @property
+    def name(self) -> str:
+        """How the logs name it: its client's id, else its own."""
+        return self.label or str(self.id)
 
 
 class PDDriver:
@@ -139,8 +145,9 @@ class PDDriver:
     # ---- requests --------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], sampling: SamplingParams = SamplingParams(),
             cache_salt: str = "", resume: Resume | None = None,
-            request_id: int | None = None) -> int:
-        """Queue a request; its id (`request_id`: a server's own, instead of the next).
+            request_id: int | None = None, label: str = "") -> int:
+        """Queue a request; its id (`request_id`: a server's own, instead of the next;
+        `label`: its id as its client knows it, given to the instances it runs on).
         `resume`: the start of its answer the caller already has (it ran elsewhere): it is
         served mixed on a prefill instance, going on after it."""
         if request_id is None:
@@ -148,13 +155,13 @@ class PDDriver:
         elif request_id in self._flights:
             raise ConfigError(f"request id {request_id} is in flight; give each request its "
                               f"own")
-        f = _Flight(request_id, tuple(int(t) for t in tokens), sampling, cache_salt)
+        f = _Flight(request_id, tuple(int(t) for t in tokens), sampling, cache_salt, label)
         self._flights[f.id] = f
         f.prefill = self._pick_prefill(f)
         if resume is not None and resume.tokens:
             f.mode, f.sent = PDMode.MIXED, len(resume.tokens)
             f.pid = self.prefill[f.prefill].add_request(f.tokens, sampling, cache_salt, resume,
-                                                        request_id=f.id)
+                                                        request_id=f.id, label=label)
             self._by_pid[(f.prefill, f.pid)] = f
             return f.id
         if sampling.max_new_tokens > 1:  # else its prefill ends it: no KV to move
@@ -163,15 +170,16 @@ class PDDriver:
             f.decode, f.targets = self._bootstrap(f)
             f.stages["bootstrap_s"] = time.perf_counter() - start
             if f.targets is None:
-                log.info("request %d: no decode instance has room; serving it mixed", f.id)
+                log.info("request %s: no decode instance has room; serving it mixed", f.name)
         inst = self.prefill[f.prefill]
         if f.targets is None:
             f.mode = PDMode.MIXED
-            f.pid = inst.add_request(f.tokens, sampling, cache_salt, request_id=f.id)
+            f.pid = inst.add_request(f.tokens, sampling, cache_salt, request_id=f.id,
+                                     label=label)
         else:
             first_only = dataclasses.replace(sampling, max_new_tokens=1)
             f.pid = inst.add_prefill(f.tokens, first_only, f.targets, cache_salt,
-                                     request_id=f.id)
+                                     request_id=f.id, label=label)
         self._by_pid[(f.prefill, f.pid)] = f
         return f.id
 
@@ -296,17 +304,19 @@ class PDDriver:
         f.added_to_decode_s = time.perf_counter()
         if len(sent) == prefill.size and all(s.ok for s in sent):
             f.did = decode.add_received(f.tokens, f.sampling, sent, f.targets, out.tokens[0],
-                                        f.salt, first[0] if first else None, request_id=f.id)
+                                        f.salt, first[0] if first else None, request_id=f.id,
+                                        label=f.label)
         else:
             why = "; ".join(s.error for s in sent if not s.ok) or "no transfer reported"
-            log.warning("request %d: the hand-off failed (%s); the decode instance "
-                        "recomputes it", f.id, why)
+            log.warning("request %s: the hand-off failed (%s); the decode instance "
+                        "recomputes it", f.name, why)
             f.mode = PDMode.RECOMPUTED
             decode.cancel_handoff(f.handoff_id, self.linger_s)
             prefill.release_handoff(out.request_id)
             # it goes on after the first token, which its client may have already
             f.did = decode.add_request(f.tokens, f.sampling, f.salt,
-                                       Resume(out.tokens[:1], first), request_id=f.id)
+                                       Resume(out.tokens[:1], first), request_id=f.id,
+                                       label=f.label)
         self._by_did[(f.decode, f.did)] = f
 
     def _on_decode_step(self, index: int, step: InstanceStep) -> None:

@@ -27,6 +27,7 @@ class InstantInstance:
 
     def __init__(self) -> None:
         self._running: deque[int] = deque()
+        self.labels: list[str] = []
 
     def watch_cache(self, name: str) -> None:
         pass
@@ -35,8 +36,9 @@ class InstantInstance:
         return None
 
     def add_request(self, tokens, sampling, cache_salt="", resume=None,
-                    request_id=None) -> int:
+                    request_id=None, label="") -> int:
         self._running.append(request_id)
+        self.labels.append(label)
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -87,6 +89,20 @@ def test_commands_from_many_threads_never_stop_the_instance():
         server.close()
 
 
+def test_the_instance_is_given_the_id_the_client_knows():
+    instance = InstantInstance()
+    server = InstanceServer(instance, "labels")
+    done = threading.Semaphore(0)
+    try:
+        server.submit([1, 2], SamplingParams(max_new_tokens=1), lambda _: done.release(),
+                      label="chatcmpl-7")
+        server.submit([1, 2], SamplingParams(max_new_tokens=1), lambda _: done.release())
+        assert done.acquire(timeout=10) and done.acquire(timeout=10)
+        assert instance.labels == ["chatcmpl-7", ""]
+    finally:
+        server.close()
+
+
 def protocol_gaps(cls: type) -> list[str]:
     """How `cls` falls short of `DrivenInstance`: a property it lacks (as a property, a
     declared attribute or a class constant), a method it lacks or whose parameters differ."""
@@ -117,8 +133,11 @@ def protocol_gaps(cls: type) -> list[str]:
 def test_what_the_server_drives_conforms_to_its_protocol():
     """An Instance, a prefill/decode driver's PDInstances and this file's stand-in all take
     the server's request ids and report a step the same way."""
+    from kvtier.vllm_engine.instance import VllmInstance
+
     assert protocol_gaps(Instance) == []
     assert protocol_gaps(PDInstances) == []
+    assert protocol_gaps(VllmInstance) == []
     assert protocol_gaps(InstantInstance) == []
 
     class Lacking(InstantInstance):

@@ -385,7 +385,7 @@ class ScriptedInstance:
         self.calls.append(("reserve", handoff_id))
         return [HandoffTarget(handoff_id, b"", 0, 64, tuple(range(pages_for(num_tokens, PAGE))))]
 
-    def add_prefill(self, tokens, sampling, targets, cache_salt="", request_id=None):
+    def add_prefill(self, tokens, sampling, targets, cache_salt="", request_id=None, label=""):
         return request_id
 
     def step_report(self) -> InstanceStep:

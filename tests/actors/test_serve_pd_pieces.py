@@ -32,7 +32,7 @@ class FakeDriver:
         self._next = 0
 
     def add(self, tokens, sampling: SamplingParams, cache_salt: str = "", resume=None,
-            request_id: int | None = None) -> int:
+            request_id: int | None = None, label: str = "") -> int:
         self._next += 1
         rid = self._next if request_id is None else request_id
         self.running[rid] = (sampling.max_new_tokens, [])

@@ -118,7 +118,7 @@ def ingress(answers: list[Answer], timeout_s: float = 300.0):
     ing.api_keys, ing._seeds = ApiKeys(), random.Random(0)
     ing.metrics, ing.snapshots, ing.pd_metrics = ServeMetrics(), Snapshots(), None
 
-    async def start(req, tokens, seed, salt, index):
+    async def start(req, tokens, seed, salt, index, rid):
         route = Route("instance-0", ChoiceReason.TIE, ExpectedPages(0, 0, 0))
         return _Generation(answers[index], route, TextStream(ing.tokenizer, req.stop), index)
 

@@ -163,6 +163,7 @@ class FakeInstance:
         self.error = error
         self.delay_s = 0.001
         self.resumes: list = []
+        self.request_ids: list[str] = []
 
     def options(self, stream: bool):
         return self
@@ -171,8 +172,10 @@ class FakeInstance:
     def generate(self):
         return self
 
-    def remote(self, tokens, sampling, cache_salt="", resume=None) -> FakeStream:
+    def remote(self, tokens, sampling, cache_salt="", resume=None,
+               request_id="") -> FakeStream:
         self.salts.append(cache_salt)
+        self.request_ids.append(request_id)
         resume = decode_resume(resume)  # the wire form the replica takes
         decode_sampling(sampling)
         self.resumes.append(None if resume is None else [list(resume.tokens), resume.logprobs])
@@ -217,7 +220,8 @@ def run_answer(instances: dict, router: FakeRouter) -> tuple[list[int], RoutedAn
     async def go() -> tuple[list[int], RoutedAnswer]:
         answer = RoutedAnswer(router, instances, RouterStates(router, max_age_s=0.0),
                               [1, 2, 3], SamplingParams(), "a", check_s=0.01,
-                              on_move=moved.append, cache_salt="salt-1")
+                              on_move=moved.append, cache_salt="salt-1",
+                              request_id="chatcmpl-1")
         got = []
         async for item in answer.items():
             got.extend(item.tokens)
@@ -236,6 +240,7 @@ def test_a_stalled_answer_moves_and_goes_on_after_what_the_client_has():
     assert a.resumes == [None] and b.resumes == [[ANSWER[:3], None]]  # b goes on after 3
     assert a.streams[0].cancelled and not b.streams[0].cancelled  # a's late answer: dropped
     assert a.salts == b.salts == ["salt-1"]  # the request keeps its tenant where it moves
+    assert a.request_ids == b.request_ids == ["chatcmpl-1"]  # and its id
 
 
 def test_a_failed_stream_moves_at_once():

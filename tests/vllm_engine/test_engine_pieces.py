@@ -78,6 +78,15 @@ def test_sampling_settings_as_vllms():
     assert vllm_sampling(SamplingParams(stop_token_ids=()), 0).ignore_eos
 
 
+def test_a_request_id_in_vllm_names_the_client_id_and_keeps_the_server_id():
+    from kvtier.vllm_engine.instance import server_request_id, vllm_request_id
+
+    assert vllm_request_id(7, "") == "7" and server_request_id("7") == 7
+    named = vllm_request_id(12, "chatcmpl-0f3a/1")
+    assert named.startswith("chatcmpl-0f3a/1") and server_request_id(named) == 12
+    assert server_request_id(vllm_request_id(3, "odd@label")) == 3  # '@' in the label too
+
+
 def pending(request_id: int, prompt: int, seed: int | None = None, temperature: float = 1.0):
     from kvtier.vllm_engine.seed_gate import Pending
 
