@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 import uuid
 from typing import Any, NamedTuple, Sequence
@@ -46,6 +45,7 @@ from kvtier.engine.weight_source_record import WeightSourceRecord, open_source, 
 from kvtier.engine.weight_sources import WeightSource
 from kvtier.errors import ConfigError
 from kvtier.frontend.records import RunningConfig
+from kvtier.keys import model_part
 from kvtier.kv_spec import HeadRange
 from kvtier.messages import NamespaceInfo, pack_record, unpack_record
 from kvtier.policies import SchedulePolicy, Transport
@@ -226,7 +226,7 @@ class Rank:
         spec = model.kv_spec(s.config.page_size)
         if s.l3 is None:
             cache = HierarchicalCache(s.config, spec, s.device_pages, device=model.device,
-                                      model=_key_model(_identity(s.source, cfg)),
+                                      model=model_part(_identity(s.source, cfg)),
                                       tenant_salt=s.tenant_salt,
                                       tp_rank=self.rank, tp_size=self.size,
                                       deterministic=s.deterministic)
@@ -545,7 +545,7 @@ def _own_device(gpu: bool) -> torch.device:
 def namespace_model(source: WeightSource) -> str:
     """The model part of the cache namespace ranks built from `source` key their pages with:
     an L3 namespace registered for such ranks names the same."""
-    return _key_model(_identity(source, source.config()))
+    return model_part(_identity(source, source.config()))
 
 
 def _identity(source: WeightSource, cfg) -> str:
@@ -555,10 +555,6 @@ def _identity(source: WeightSource, cfg) -> str:
     return identity() if identity is not None else cfg.name
 
 
-def _key_model(name: str) -> str:
-    """A model name usable in an L3 key namespace (a checkpoint's display name may hold
-    spaces: 'Smollm2 135M ...')."""
-    return re.sub(r"[^A-Za-z0-9._/-]+", "-", name).strip("-./") or "model"
 
 
 def create_rank_actor(rank: int, size: int, init_method: str, settings: PackedRankSettings,

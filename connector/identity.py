@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.engine.hf_dir import HFModelDir
-from kvtier.keys import KeyNamespace
+from kvtier.keys import KeyNamespace, model_part
 
 FORMAT = "vllm-block-v1"  # one object per page, KV head and part (K, V), layers inside
 
@@ -73,11 +72,11 @@ def config_digest(model_config: Any, cache_config: Any) -> str:
 
 def model_identity(model: str) -> str:
     """A local checkpoint directory: its name and the first 16 hex digits of its weights'
-    digest; a hub name: itself (its weights are whatever that name resolves to)."""
+    digest, as kvtier's engine names the same directory (`HFModelDir.identity`); a hub name:
+    itself (its weights are whatever that name resolves to)."""
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", path.resolve().name).strip("-.") or "model"
-        return f"{name}-{HFModelDir(str(path)).digest()[:16]}"
+        return model_part(HFModelDir(str(path)).identity())
     return model
 
 

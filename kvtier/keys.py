@@ -147,6 +147,14 @@ def _check_part(label: str, value: str, allow_empty: bool = False) -> str:
     return value
 
 
+def model_part(name: str) -> str:
+    """`name` (a checkpoint's display name, which may hold spaces: 'Smollm2 135M ...', or a
+    model directory's identity) as the model part of a namespace: each run of characters a
+    part may not hold becomes '-', the ends lose '-', '.' and '/' ("model" if nothing is
+    left). Every caller that names a model in a namespace goes through here."""
+    return re.sub(r"[^A-Za-z0-9._/-]+", "-", name).strip("-./") or "model"
+
+
 @dataclass(frozen=True)
 class KeyNamespace:
     """Who may share pages: same model, same tenant salt, same byte layout."""

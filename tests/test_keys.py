@@ -77,3 +77,13 @@ def test_the_fingerprint_keys_deterministic_pages_apart_by_tp_size_and_device():
     assert len(det) == 4 and not det & batched
     with pytest.raises(ConfigError, match="tp_size"):
         PageCompute(True, 0)
+
+
+def test_a_model_name_becomes_a_valid_model_part():
+    from kvtier.keys import model_part
+
+    assert model_part("Smollm2 135M Instruct") == "Smollm2-135M-Instruct"
+    assert model_part("org/name") == "org/name" and model_part("/.-x y-./") == "x-y"
+    assert model_part("  ") == "model" and model_part("***") == "model"
+    for name in ("Smollm2 135M Instruct", "a b/c d", "x\ny"):
+        KeyNamespace(model_part(name))  # accepted

@@ -29,6 +29,20 @@ def test_a_vllm_block_never_shares_a_key_with_kvtiers_engine(tmp_path):
     assert set(vllm.page_hashes(TOKENS, 32)).isdisjoint(engine.page_hashes(TOKENS, 32))
 
 
+def test_the_connector_and_the_ranks_name_a_checkpoint_alike(tmp_path):
+    """One function makes a model name a namespace's model part, for the ranks and for the
+    connector: a directory name with spaces and a trailing '.' is named the same by both
+    (the connector kept the '.' off, the ranks kept it)."""
+    from kvtier.actors.rank_actor import namespace_model
+
+    model = str(make_checkpoint(tmp_path / "tiny model."))
+    digest = HFModelDir(model).digest()[:16]
+    assert model_identity(model) == namespace_model(HFModelDir(model)) == \
+        f"tiny-model.-{digest}"
+    KeyNamespace(model_identity(model))  # a valid model part
+    assert model_identity("org/hub-model") == "org/hub-model"  # a hub name: itself
+
+
 def test_every_part_of_the_block_identity_changes_the_key():
     keys = {BLOCK.fingerprint()}
     for name, other in (("engine", "vllm 0.33.0"), ("attention_backend", "FLASH_ATTN"),
