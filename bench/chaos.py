@@ -19,8 +19,8 @@ bench/chaos_bodies.py; streams it hangs up on midway; `n` 16 with `top_logprobs`
 token limit). The faults (actors/chaos_faults.py), one every `--fault-every` seconds, each
 kind in turn: a rank killed (`--pd`: a prefill or a decode rank), the namespace actor killed,
 the namespace actor killed with its state lost, and with `--l3 mooncake` the Mooncake master
-killed (its supervisor restarts it); a kind the time left no room for comes right after the
-traffic (within FAULT_GRACE_S). When the time is up no request starts; those in flight
+killed (its supervisor restarts it); a kind the time left no room for, or never armed, comes
+again right after the traffic (within FAULT_GRACE_S). When the time is up no request starts; those in flight
 end (each bounded by `--request-timeout`); once the instances are idle every rank is audited
 (retried for `--settle` seconds while anything is still held); the cluster stops; then each
 greedy answer, streamed tokens included, is judged against cold runs in this process
@@ -256,11 +256,19 @@ class Injector:
                 break
             await self._inject(kind, start)
         # every kind comes once: those the time left no room for (faults whose probes took
-        # long on a loaded machine) right after the traffic, within FAULT_GRACE_S
-        for kind in [k for k in self.kinds if k not in {r.kind for r in self.records}]:
-            if time.monotonic() >= deadline + FAULT_GRACE_S:
+        # long on a loaded machine), or whose every try found what it needs missing (an
+        # instance too slow to name its engine), again after the traffic, within
+        # FAULT_GRACE_S
+        while time.monotonic() < deadline + FAULT_GRACE_S:
+            missing = [k for k in self.kinds if k not in {r.kind for r in self.records
+                                                          if r.armed}]
+            if not missing:
                 break
-            await self._inject(kind, start)
+            for kind in missing:
+                if time.monotonic() >= deadline + FAULT_GRACE_S:
+                    break
+                await self._inject(kind, start)
+            await asyncio.sleep(min(self.every_s, 5.0))
 
     async def _inject(self, kind: Fault, start: float) -> None:
         at_s = time.monotonic() - start

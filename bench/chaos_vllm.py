@@ -54,7 +54,8 @@ PROBE_PAGES = 6  # pages of a probe's document
 PROBE_TOKENS = 8  # answer tokens of a probe
 PROBE_TIMEOUT_S = 120.0
 LISTED_TIMEOUT_S = 8.0  # for the directory to list a probe's pages (stored, or held in L2)
-UP_TIMEOUT_S = 5.0  # for a replica to name its engine's processes
+UP_TIMEOUT_S = 30.0  # for a replica to name its engine's processes (on a loaded machine a
+# replica busy with its clients took over 5 s: its instance looked down, its faults unarmed)
 STOP_S = 6.0
 FULL_S = 8.0
 LATE_DELAYS_S = (1.0, 4.0)  # under, then over, a short prompt's prefetch patience (~2 s)
@@ -247,10 +248,12 @@ class VllmFaults:
             try:
                 procs = self.engines.processes(target, UP_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a replica being replaced is not up
-                log.info("chaos: %s names no engine processes now: %s", target.name, exc)
+                log.warning("chaos: %s names no engine processes now: %s", target.name, exc)
                 continue
             if procs.cores and procs.workers:
                 out.append((target, procs))
+            else:
+                log.warning("chaos: %s runs no whole engine now: %s", target.name, procs)
         return out
 
     def _pair(self) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:

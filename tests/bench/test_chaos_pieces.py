@@ -79,6 +79,30 @@ def test_kinds_the_time_left_no_room_for_come_right_after_the_traffic():
     assert sorted((r.kind for r in injector.records), key=str) == sorted(kinds, key=str)
 
 
+def test_a_kind_never_armed_is_tried_again_after_the_traffic_until_it_is():
+    """A kind whose tries all found what it needs missing (an instance too slow to name its
+    engine) is tried again after the traffic until armed, within FAULT_GRACE_S; the kinds
+    armed already are not."""
+    kinds = chaos.fault_kinds(MOONCAKE, False)
+    injector = chaos.Injector.__new__(chaos.Injector)
+    injector.kinds, injector.rng, injector.records = kinds, random.Random(3), []
+    injector.vllm = injector.tally = None
+    stubborn, tries = kinds[0], []
+
+    def apply(kind):
+        tries.append(kind)
+        return kind is not stubborn or tries.count(kind) >= 3, "here"
+
+    injector._apply = apply
+    injector.every_s = 0.05
+    start = time.monotonic()
+    asyncio.run(injector.run(start, start + 0.01))  # no room for any during the traffic
+    armed = [r.kind for r in injector.records if r.armed]
+    assert sorted(armed, key=str) == sorted(kinds, key=str)  # each armed once
+    assert tries.count(stubborn) == 3
+    assert all(tries.count(kind) == 1 for kind in kinds if kind is not stubborn)
+
+
 def test_the_default_gap_spreads_one_fault_of_each_kind_over_the_run():
     three = len(chaos.fault_kinds(FILE, False))
     assert chaos.fault_gap_s(chaos.ChaosParams(minutes=2), three) == 30.0

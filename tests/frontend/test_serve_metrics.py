@@ -290,7 +290,18 @@ def test_the_fault_families_move_under_real_faults(app) -> None:
     ranks = [pid for pid in pids if b"Rank" in cmdline(pid)]
     assert len(ranks) == SETTINGS.tp_size, ranks
     os.kill(ranks[0], signal.SIGKILL)
-    until_moved("rank_restarts", lambda: complete(ids(2 * PAGE)))
+
+    def ask_while_it_recovers() -> None:
+        # Until Ray reports the rank dead the instance takes no step: past the stall
+        # timeout (2 s) the router holds it stalled, and with no other instance the client
+        # is told to retry (a 503, no_instance_available), as docs/serving.md says
+        r = CLIENT.post("/v1/completions", {"model": MODEL, "prompt": ids(2 * PAGE),
+                                            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 or (
+            r.status_code == 503 and r.json()["error"]["code"] == "no_instance_available"
+        ), r.text
+    until_moved("rank_restarts", ask_while_it_recovers)
+    complete(ids(2 * PAGE))  # and once its ranks are back, it answers
 
 
 def cmdline(pid: int) -> bytes:
