@@ -62,11 +62,21 @@ def model_dir(s: ServeSettings) -> str:
     return s.model_path
 
 
+def hf_config(directory: str) -> dict:
+    """The config.json of the model directory vLLM loads (`model_dir`)."""
+    return json.loads((Path(directory) / "config.json").read_text())
+
+
+def kv_heads(config: dict) -> int:
+    """The model's KV heads, from its config.json (`hf_config`)."""
+    return int(config.get("num_key_value_heads", config["num_attention_heads"]))
+
+
 def block_bytes(directory: str, block_size: int, dtype_bytes: int = 2) -> tuple[int, int]:
     """(bytes of one KV block over every layer, the model's context length), from its
     config.json (16-bit KV: what vLLM keeps on this machine's CPUs and on GPUs)."""
-    config = json.loads((Path(directory) / "config.json").read_text())
-    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    config = hf_config(directory)
+    heads = kv_heads(config)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_block = config["num_hidden_layers"] * heads * head_dim * 2 * block_size * dtype_bytes
     return per_block, int(config.get("max_position_embeddings", 4096))

@@ -117,6 +117,7 @@ class VllmFaults:
         """`engines`: actors.chaos_engines.EngineChaos; `volume`: the L3Volume (None: no file
         L3; with one, the fault file of `settings`' L3 options delays reads); `start`: when the
         traffic started."""
+        from kvtier.actors.serve_vllm import kv_heads
         from kvtier.bench.chaos_l3 import LateReads
 
         self.s, self.engines, self.volume = settings, engines, volume
@@ -362,6 +363,8 @@ def vllm_chaos_settings(p: Any, tmp: str, admin_key: str) -> ServeSettings:
                          l3_options={"fault_file": fault_file(tmp)} if p.l3 is not None else {},
                          l3_actor="kvtier-chaos-l3", hicache={"prefetch_policy": "timeout"},
                          stall_timeout_s=STALL_TIMEOUT_S, admin_key=admin_key)
+    from kvtier.actors.serve_vllm import kv_heads
+
     heads = kv_heads(model_config(settings))
     if heads % settings.tp_size:
         raise ConfigError(f"--tp {settings.tp_size} does not divide the model's {heads} KV "
@@ -371,13 +374,9 @@ def vllm_chaos_settings(p: Any, tmp: str, admin_key: str) -> ServeSettings:
 
 def model_config(settings: ServeSettings) -> dict:
     """The config.json of the model vLLM loads."""
-    from kvtier.actors.serve_vllm import model_dir
+    from kvtier.actors.serve_vllm import hf_config, model_dir
 
-    return json.loads((Path(model_dir(settings)) / "config.json").read_text())
-
-
-def kv_heads(config: dict) -> int:
-    return int(config.get("num_key_value_heads", config["num_attention_heads"]))
+    return hf_config(model_dir(settings))
 
 
 def fault_file(tmp: str) -> str:

@@ -283,8 +283,9 @@ class VllmInstance:
         prompt = TokensPrompt(prompt_token_ids=[*tokens, *resumed])
         if cache_salt:
             prompt["cache_salt"] = cache_salt
+        vllm_id = vllm_request_id(request_id, label)
         try:
-            self._engine.add_request(vllm_request_id(request_id, label), prompt,
+            self._engine.add_request(vllm_id, prompt,
                                      vllm_sampling(sampling, len(resumed), self._vocab_size))
         except (VLLMClientError, ValueError, TypeError, ConfigError) as exc:
             self._refused[request_id] = Output(
@@ -294,7 +295,7 @@ class VllmInstance:
             return
         self._running[request_id] = _Running(
             tuple(tokens), sampling, resumed, None if resume is None else resume.logprobs,
-            arrived, vllm_request_id(request_id, label))
+            arrived, vllm_id)
 
     def abort(self, request_id: int) -> object:
         self._refused.pop(request_id, None)
